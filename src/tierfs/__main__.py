@@ -1,0 +1,3 @@
+from tierfs.cli import main
+
+raise SystemExit(main())

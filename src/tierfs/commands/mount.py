@@ -1,0 +1,133 @@
+"""``tierfs mount``: start a daemon for a mountpoint and return once the mount answers.
+
+Also serves fuse3's mount helper form, ``tierfs JOB MOUNTPOINT -o key=value,...``, which
+``mount -t fuse.tierfs`` and ``/etc/fstab`` lines run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from tierfs import daemon, mounts
+from tierfs.config import Config
+from tierfs.errors import UserError
+
+# Options of the contract that this command takes (flag name -> Config field).
+OPTIONS = {
+    "ramdisk": "directory on tmpfs that holds the RAM tier (default /dev/shm/tierfs)",
+    "job": "job id; all state is scoped by it (default 'default')",
+    "rank": "this node's rank in the job (default 0)",
+    "nodes": "number of nodes (ranks) in the job (default 1)",
+    "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
+    "log-level": "debug, info, warning or error (default info)",
+    "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
+}
+# Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
+_IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users",
+                          "nofail", "_netdev", "dev", "nodev", "suid", "nosuid", "exec",
+                          "noexec", "async", "atime", "noatime", "relatime"}
+
+
+def _env(name: str) -> str | None:
+    return os.environ.get("TIERFS_" + name.upper().replace("-", "_"))
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("mount", help="mount a tierfs volume", description=__doc__.splitlines()[0])
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    for name, text in OPTIONS.items():
+        p.add_argument(f"--{name}", default=_env(name), help=f"{text}; env TIERFS_{name.upper().replace('-', '_')}")
+    p.add_argument("--foreground", action="store_true",
+                   default=(_env("foreground") or "").lower() in ("1", "true", "yes"),
+                   help="run the daemon in this process instead of returning once mounted")
+    p.add_argument("--read-only", action="store_true",
+                   default=(_env("read_only") or "").lower() in ("1", "true", "yes"),
+                   help="mount read-only")
+    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in OPTIONS}
+    return Config.build(mountpoint=args.mountpoint, foreground=args.foreground,
+                        read_only=args.read_only, **values)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)
+    if cfg.foreground or args.ready_fd is not None:
+        return daemon.run(cfg, args.ready_fd)
+    return spawn(cfg, _child_argv(args))
+
+
+def run_helper(argv: list[str]) -> int:
+    """``tierfs JOB MOUNTPOINT [-o opts]``: the form mount.fuse3 runs."""
+    positional, options = [], []
+    it = iter(argv)
+    for a in it:
+        if a == "-o":
+            options.extend(next(it, "").split(","))
+        elif a.startswith("-o"):
+            options.extend(a[2:].split(","))
+        elif a.startswith("-"):
+            raise UserError(f"unknown mount flag {a!r}: pass tierfs options as -o key=value")
+        else:
+            positional.append(a)
+    if len(positional) != 2:
+        raise UserError("usage: tierfs JOB MOUNTPOINT [-o rank=N,ramdisk=DIR,...]")
+    values: dict[str, str] = {"job": positional[0]}
+    read_only = False
+    for opt in filter(None, options):
+        key, _, value = opt.partition("=")
+        key = key.replace("_", "-")
+        if key in OPTIONS:
+            values[key.replace("-", "_")] = value
+        elif key == "ro":
+            read_only = True
+        elif key in _IGNORED_MOUNT_OPTIONS or key.startswith("x-"):
+            continue
+        else:
+            raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(OPTIONS))}, ro")
+    for name in OPTIONS:  # environment fills what -o leaves out, as for the flags
+        values.setdefault(name.replace("-", "_"), _env(name))
+    cfg = Config.build(mountpoint=positional[1], read_only=read_only, **values)
+    argv = [positional[1]] + [f"--{k.replace('_', '-')}={v}" for k, v in values.items() if v is not None]
+    return spawn(cfg, argv + ["--read-only"] * read_only)
+
+
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    argv = [args.mountpoint]
+    for name in OPTIONS:
+        value = getattr(args, name.replace("-", "_"))
+        if value is not None:
+            argv.append(f"--{name}={value}")
+    return argv + ["--read-only"] * args.read_only
+
+
+def spawn(cfg: Config, argv: list[str]) -> int:
+    """Run the daemon as a detached child; wait until it reports the mount ready or failed."""
+    mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
+    reg = mounts.Registration(cfg.mountpoint)
+    log_path = cfg.log_file or reg.log_path
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    read_fd, write_fd = os.pipe()
+    with open(log_path, "ab") as log:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "tierfs", "mount", *argv, f"--ready-fd={write_fd}"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            pass_fds=(write_fd,), start_new_session=True,
+        )
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        message = ready.read().decode().strip()
+    if message == "ok":
+        return 0
+    if child.poll() is None:
+        child.terminate()
+    child.wait()
+    if message.startswith("error: "):
+        raise UserError(message[len("error: "):])
+    raise UserError(f"the tierfs daemon exited before mounting {cfg.mountpoint}: see {log_path}")

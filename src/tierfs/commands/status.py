@@ -1,0 +1,49 @@
+"""``tierfs status``: what a mounted volume holds and where."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tierfs import control, mounts
+from tierfs.config import format_size
+from tierfs.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("status", help="show a volume's tiers and state", description=__doc__)
+    p.add_argument("mountpoint", metavar="MOUNTPOINT")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON")
+    p.set_defaults(func=run)
+
+
+def fetch(mountpoint: Path) -> dict:
+    entry = mounts.find_mount(mountpoint)
+    if entry is None or entry.fstype != mounts.FSTYPE:
+        raise UserError(f"{mountpoint} is not a tierfs mount: mount it with tierfs mount {mountpoint}")
+    if mounts.is_dead(mountpoint):
+        raise UserError(f"the daemon of {mountpoint} is gone: run tierfs mount again to recover it")
+    return control.request(mounts.Registration(mountpoint).socket_path, {"op": "status"})
+
+
+def run(args: argparse.Namespace) -> int:
+    status = fetch(Path(args.mountpoint).absolute())
+    if args.json:
+        print(json.dumps(status, indent=2))
+    else:
+        print(render(status))
+    return 0
+
+
+def render(s: dict) -> str:
+    ram = s["tiers"]["ram"]
+    cap = format_size(ram["capacity"]) + ("" if ram["capacity_bounded"] else " (ramdisk size)")
+    lines = [
+        f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  pid {s['pid']}  up {s['uptime_s']:.0f}s",
+        f"  ram   {ram['path']}{'' if ram['tmpfs'] else '  (NOT tmpfs)'}",
+        f"        used {format_size(ram['used'])} of {cap}",
+        f"  io    written {format_size(s['fuse']['bytes_written'])}, read {format_size(s['fuse']['bytes_read'])}, "
+        f"{s['fuse']['opens']} opens, {s['fuse']['inodes']} inodes cached",
+    ]
+    return "\n".join(lines)

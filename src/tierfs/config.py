@@ -1,0 +1,126 @@
+"""One validated configuration object for the daemon and the commands.
+
+Every option comes from a command-line flag, a ``-o key=value`` mount option, or the
+environment variable ``TIERFS_<NAME>``; all three end up here and are checked once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierfs.errors import UserError
+
+DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
+DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
+_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
+_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Parse ``4G``, ``512MiB``, ``1.5T`` or plain bytes; suffixes are binary, as tmpfs' ``size=``."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise UserError(f"invalid {what} {text!r}: use bytes or a number with K/M/G/T, e.g. 64G")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Parse ``90``, ``30s``, ``5m``, ``1h30m`` into seconds (a bare number is seconds)."""
+    s = str(text).strip()
+    try:
+        return float(s)
+    except ValueError:
+        pass
+    parts = _DURATION_RE.findall(s)
+    if not parts or "".join(n + u for n, u in parts).lower() != s.lower():
+        raise UserError(f"invalid {what} {text!r}: use seconds or e.g. 30s, 5m, 1h30m")
+    return sum(float(n) * _SECONDS[u.lower()] for n, u in parts)
+
+
+def format_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def runtime_dir() -> Path:
+    """Where mounted daemons register themselves (control socket, pid): one per host."""
+    return Path(os.environ.get("TIERFS_RUNTIME_DIR", DEFAULT_RUNTIME_DIR))
+
+
+@dataclass(frozen=True)
+class Config:
+    """Everything one mount needs; built by :meth:`build`, which validates it."""
+
+    mountpoint: Path
+    ramdisk: Path = DEFAULT_RAMDISK
+    job: str = "default"
+    rank: int = 0
+    nodes: int = 1
+    capacity: int | None = None  # bytes; None = whatever the ramdisk's filesystem holds
+    foreground: bool = False
+    log_level: str = "info"
+    log_file: Path | None = None
+    read_only: bool = False
+
+    @classmethod
+    def build(cls, **values) -> "Config":
+        """Coerce and validate raw values (strings from flags, env or ``-o``)."""
+        v = {k: val for k, val in values.items() if val is not None}
+        if "mountpoint" not in v:
+            raise UserError("missing MOUNTPOINT: tierfs mount MOUNTPOINT [options]")
+        v["mountpoint"] = Path(os.path.abspath(v["mountpoint"]))
+        if "ramdisk" in v:
+            v["ramdisk"] = Path(os.path.abspath(v["ramdisk"]))
+        if "log_file" in v:
+            v["log_file"] = Path(os.path.abspath(v["log_file"]))
+        for key in ("rank", "nodes"):
+            if key in v:
+                v[key] = _parse_int(v[key], key)
+        if "capacity" in v:
+            v["capacity"] = parse_size(v["capacity"], "capacity")
+        if "log_level" in v:
+            v["log_level"] = str(v["log_level"]).lower()
+        cfg = cls(**v)
+        cfg._validate()
+        return cfg
+
+    def _validate(self) -> None:
+        if not _JOB_RE.match(self.job):
+            raise UserError(
+                f"invalid job id {self.job!r}: use 1-128 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        if self.nodes < 1:
+            raise UserError(f"invalid --nodes {self.nodes}: a job has at least 1 node")
+        if not 0 <= self.rank < self.nodes:
+            raise UserError(
+                f"invalid rank {self.rank}: it must be in 0..{self.nodes - 1} for a job of "
+                f"{self.nodes} node(s); set --nodes or pick another --rank"
+            )
+        if self.capacity is not None and self.capacity < 1 << 20:
+            raise UserError(f"capacity {self.capacity} bytes is too small: use at least 1M")
+        if self.log_level not in LOG_LEVELS:
+            raise UserError(f"invalid log level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def rank_dir(self) -> Path:
+        """This (job, rank)'s own directory on the RAM tier."""
+        return self.ramdisk / self.job / f"rank-{self.rank}"
+
+
+def _parse_int(value, name: str) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserError(f"invalid {name} {value!r}: expected a whole number") from None

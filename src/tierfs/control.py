@@ -1,0 +1,79 @@
+"""The daemon's control socket: one JSON request per connection, one JSON reply.
+
+It lives in the runtime directory, not in the mount, so nothing the volume shows to a
+training job is ever a control file it could list, copy or delete by accident.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import trio
+
+from tierfs.errors import UserError
+
+log = logging.getLogger(__name__)
+MAX_REQUEST = 1 << 20
+Handler = Callable[[dict], Awaitable[dict]]
+
+
+async def serve(path: Path, handler: Handler, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Serve requests on a unix socket at ``path`` (root only) until cancelled."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await sock.bind(os.fspath(path))
+    os.chmod(path, 0o600)
+    sock.listen(16)
+    listener = trio.SocketListener(sock)
+    task_status.started()
+    try:
+        await trio.serve_listeners(functools.partial(_one, handler), [listener])
+    finally:
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            pass
+
+
+async def _one(handler: Handler, stream: trio.SocketStream) -> None:
+    async with stream:
+        buf = b""
+        while not buf.endswith(b"\n") and len(buf) < MAX_REQUEST:
+            chunk = await stream.receive_some(65536)
+            if not chunk:
+                break
+            buf += chunk
+        try:
+            reply = await handler(json.loads(buf))
+        except Exception as e:  # a bad request must not take the daemon down
+            log.exception("control request failed")
+            reply = {"error": str(e)}
+        await stream.send_all(json.dumps(reply).encode() + b"\n")
+
+
+def request(path: Path, message: dict, timeout: float = 10.0) -> dict:
+    """Send one request from a command-line process (plain blocking socket)."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(timeout)
+            s.connect(os.fspath(path))
+            s.sendall(json.dumps(message).encode() + b"\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+    except OSError as e:
+        raise UserError(f"cannot reach the tierfs daemon at {path} ({e.strerror or e}): is it running?") from None
+    reply = json.loads(data)
+    if "error" in reply:
+        raise UserError(f"daemon error: {reply['error']}")
+    return reply

@@ -1,0 +1,199 @@
+"""The mount daemon: one process per mountpoint, serving one (job, rank).
+
+Start-up order matters: everything that can fail with a user error (ramdisk, lock,
+capacity, mountpoint) is checked before the kernel mount exists, so a failed start never
+leaves a mount behind; readiness is reported only once the mount answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import sys
+import time
+
+import pyfuse3
+import trio
+
+from tierfs import control, mounts
+from tierfs.config import Config, format_size
+from tierfs.errors import UserError
+from tierfs.fs import Operations
+from tierfs.ramtier import RankDir, SpaceAccount
+
+log = logging.getLogger("tierfs")
+
+READ_AHEAD_KB = 1024  # the kernel's default of 128 KiB halves sequential read speed
+FUSE_TASKS = (1, 4)  # min/max concurrent request tasks; handlers never await, more is no faster
+
+
+def fuse_options(cfg: Config) -> set[str]:
+    opts = {f"fsname={cfg.job}", "subtype=tierfs", "allow_other", "default_permissions"}
+    return opts | {"ro"} if cfg.read_only else opts
+
+
+class Daemon:
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank = RankDir(cfg.rank_dir)
+        self.registration = mounts.Registration(cfg.mountpoint)
+        self.space = SpaceAccount(cfg.capacity, self.rank.tree)
+        self.ops: Operations | None = None
+        self.started = time.time()
+        self._signalled = False
+
+    def start(self) -> None:
+        """Validate, claim the rank and mount; raises UserError with nothing left mounted."""
+        cfg = self.cfg
+        _raise_fd_limit()
+        os.umask(0)  # modes arrive from the kernel with the caller's umask applied
+        self.rank.prepare()
+        self.rank.claim(cfg.mountpoint)
+        if not self.rank.is_tmpfs():
+            log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
+        self.space.scan(self.rank.tree)
+        if cfg.capacity is not None and self.space.used > cfg.capacity:
+            raise UserError(
+                f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
+                f"already stored in {self.rank.tree}: raise --capacity or remove files"
+            )
+        mounts.prepare_mountpoint(cfg.mountpoint)
+        self.ops = Operations(self.rank.tree, self.space)
+        try:
+            pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
+        except RuntimeError as e:
+            raise UserError(f"could not mount {cfg.mountpoint}: {e} (is /dev/fuse available? see the log)") from None
+        _set_read_ahead(cfg.mountpoint)
+        self.registration.write(
+            {
+                "pid": os.getpid(),
+                "mountpoint": str(cfg.mountpoint),
+                "job": cfg.job,
+                "rank": cfg.rank,
+                "rank_dir": str(self.rank.path),
+                "log": str(self.registration.log_path),
+            }
+        )
+        log.info(
+            "mounted %s: job %s rank %d on %s (%s used)",
+            cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
+        )
+
+    async def serve(self) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._watch_signals)
+            await nursery.start(control.serve, self.registration.socket_path, self._control)
+            await pyfuse3.main(*FUSE_TASKS)
+            nursery.cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal %d: unmounting", signum)
+                self._signalled = True
+                pyfuse3.terminate()
+
+    async def _control(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "status":
+            return self.status()
+        raise ValueError(f"unknown request {op!r}")
+
+    def status(self) -> dict:
+        cfg, ops = self.cfg, self.ops
+        return {
+            "mountpoint": str(cfg.mountpoint),
+            "pid": os.getpid(),
+            "job": cfg.job,
+            "rank": cfg.rank,
+            "nodes": cfg.nodes,
+            "uptime_s": round(time.time() - self.started, 1),
+            "tiers": {
+                "ram": {
+                    "path": str(self.rank.tree),
+                    "tmpfs": self.rank.is_tmpfs(),
+                    "capacity": self.space.capacity,
+                    "capacity_bounded": self.space.bounded,
+                    "used": self.space.used,
+                }
+            },
+            "fuse": {"inodes": len(ops.inodes), **ops.counters},
+        }
+
+    def stop(self) -> None:
+        # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
+        pyfuse3.close(unmount=self._signalled)
+        self.registration.remove()
+        if self.ops is not None:
+            self.ops.close()
+        self.rank.release()
+        log.info("stopped")
+
+
+def run(cfg: Config, ready_fd: int | None = None) -> int:
+    """Run a daemon in this process until unmounted; report readiness on ``ready_fd``."""
+    _setup_logging(cfg)
+    daemon = Daemon(cfg)
+    try:
+        daemon.start()
+    except UserError as e:
+        daemon.rank.release()
+        _report(ready_fd, f"error: {e}")
+        if ready_fd is None:
+            raise
+        log.error("%s", e)
+        return 1
+    except Exception as e:
+        log.exception("start-up failed")
+        daemon.rank.release()
+        _report(ready_fd, f"error: daemon failed to start: {e} (log: {daemon.registration.log_path})")
+        if ready_fd is None:
+            raise UserError(f"daemon failed to start: {e}") from None
+        return 1
+    _report(ready_fd, "ok")
+    try:
+        trio.run(daemon.serve)
+    finally:
+        daemon.stop()
+    return 0
+
+
+def _report(fd: int | None, message: str) -> None:
+    if fd is not None:
+        try:
+            os.write(fd, message.encode() + b"\n")
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _setup_logging(cfg: Config) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _raise_fd_limit() -> None:
+    """One O_PATH descriptor per inode the kernel caches: allow as many as the host does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _set_read_ahead(mountpoint) -> None:
+    # Never stat() the mountpoint here: the request would wait for this very daemon.
+    entry = mounts.find_mount(mountpoint)
+    try:
+        if entry is None:
+            raise OSError("not in the mount table")
+        minor = entry.minor
+        with open(f"/sys/class/bdi/0:{minor}/read_ahead_kb", "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as e:  # not fatal: only slower reads
+        log.warning("could not raise read-ahead of %s: %s", mountpoint, e)

@@ -1,0 +1,105 @@
+"""Inodes the kernel knows about, each pinned by an ``O_PATH`` descriptor.
+
+Holding a descriptor per inode (as libfuse's passthrough_hp and virtiofsd do) instead of a
+path makes every operation immune to renames of any ancestor: the kernel resolves names
+relative to the descriptor, so a directory renamed while files inside it are open or
+cached never leaves the table pointing at a stale path.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+import pyfuse3
+
+O_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass(slots=True)
+class Inode:
+    fd: int  # O_PATH descriptor of the backing file
+    kind: int  # stat.S_IFMT of the backing file
+    nlookup: int = 0  # lookups the kernel holds; forgotten at zero
+    opens: int = 0  # open file handles
+    orphaned: bool = False  # last link removed while open: free space at last release
+    cache_valid: bool = False  # kernel page cache still matches the backing file
+
+    @property
+    def proc_path(self) -> str:
+        """A path that reopens this very inode, whatever its name is now."""
+        return f"/proc/self/fd/{self.fd}"
+
+
+class InodeTable:
+    """Maps FUSE inode numbers to backing inodes.
+
+    The FUSE inode number is the backing inode number, except that the tree's root is
+    ``pyfuse3.ROOT_INODE``. Hard links therefore share one FUSE inode, as they must.
+    """
+
+    def __init__(self, root: str | os.PathLike):
+        fd = os.open(root, O_PATH_FLAGS | os.O_DIRECTORY)
+        self._root_ino = os.fstat(fd).st_ino
+        self._nodes: dict[int, Inode] = {
+            pyfuse3.ROOT_INODE: Inode(fd, stat.S_IFDIR, nlookup=1)
+        }
+
+    def fuse_ino(self, st: os.stat_result) -> int:
+        if st.st_ino == self._root_ino:
+            return pyfuse3.ROOT_INODE
+        if st.st_ino == pyfuse3.ROOT_INODE:  # cannot happen on tmpfs (ino 1 is its root)
+            raise OSError(errno.EIO, "backing inode number collides with the FUSE root")
+        return st.st_ino
+
+    def __getitem__(self, ino: int) -> Inode:
+        try:
+            return self._nodes[ino]
+        except KeyError:
+            raise OSError(errno.ESTALE, "unknown inode") from None
+
+    def get(self, ino: int) -> Inode | None:
+        return self._nodes.get(ino)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def lookup(self, dirfd: int, name: bytes) -> tuple[int, os.stat_result]:
+        """Resolve ``name`` in the directory ``dirfd`` and count one kernel lookup of it."""
+        fd = os.open(name, O_PATH_FLAGS, dir_fd=dirfd)
+        return self.adopt(fd)
+
+    def adopt(self, fd: int) -> tuple[int, os.stat_result]:
+        """Count one lookup of the inode ``fd`` (an O_PATH descriptor, consumed) refers to."""
+        try:
+            st = os.fstat(fd)
+            ino = self.fuse_ino(st)
+        except OSError:
+            os.close(fd)
+            raise
+        node = self._nodes.get(ino)
+        if node is None:
+            node = self._nodes[ino] = Inode(fd, stat.S_IFMT(st.st_mode))
+        else:
+            os.close(fd)
+        node.nlookup += 1
+        return ino, st
+
+    def forget(self, ino: int, n: int) -> Inode | None:
+        """Drop ``n`` lookups; returns the node if the kernel no longer knows it."""
+        node = self._nodes.get(ino)
+        if node is None or ino == pyfuse3.ROOT_INODE:
+            return None
+        node.nlookup -= n
+        if node.nlookup > 0 or node.opens > 0:
+            return None
+        del self._nodes[ino]
+        os.close(node.fd)
+        return node
+
+    def close_all(self) -> None:
+        for node in self._nodes.values():
+            os.close(node.fd)
+        self._nodes.clear()

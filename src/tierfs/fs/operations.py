@@ -1,0 +1,393 @@
+"""pyfuse3 Operations: a thin passthrough onto the RAM tier's tree.
+
+Every handler is a handful of ``*at()`` system calls relative to the ``O_PATH`` descriptors
+in :class:`~tierfs.fs.inodes.InodeTable`; POSIX semantics (errno values, rename rules,
+sticky directories, link counts, timestamps) are tmpfs' own. Permission checks are the
+kernel's (``default_permissions``), made against the attributes returned here, which are
+the backing file's. The daemon runs as root, so files are created as root and then given
+the caller's ownership, with the group a setgid directory imposes, as tmpfs would.
+
+Handlers never await: each runs to completion on the trio thread, so the table and the
+space account need no locks, and an operation sees no other half-done.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import logging
+import os
+import stat
+from typing import Callable
+
+import pyfuse3
+
+from tierfs import linux
+from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
+from tierfs.ramtier.space import PAGE, SpaceAccount
+
+log = logging.getLogger(__name__)
+
+# Every change goes through this daemon, so the kernel may cache names and attributes;
+# writes, renames and unlinks invalidate what they touch in the kernel itself.
+ATTR_TIMEOUT = 1.0
+# Flags that the kernel has already acted on, or that the backing open must not see.
+_STRIP_OPEN_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW | os.O_DIRECT
+
+
+def _errors_to_fuse(handler: Callable) -> Callable:
+    """Turn OSError into the errno the kernel should see; a bug becomes EIO, not a dead mount."""
+
+    @functools.wraps(handler)
+    async def wrapper(*args, **kwargs):
+        try:
+            return await handler(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except OSError as e:
+            raise pyfuse3.FUSEError(e.errno or errno.EIO) from None
+        except Exception:
+            log.exception("internal error in %s", handler.__name__)
+            raise pyfuse3.FUSEError(errno.EIO) from None
+
+    return wrapper
+
+
+class Operations(pyfuse3.Operations):
+    supports_dot_lookup = False  # no NFS export: '.'/'..' never reach lookup()
+    enable_writeback_cache = False
+
+    def __init__(self, tree: str | os.PathLike, space: SpaceAccount):
+        super().__init__()
+        self.inodes = InodeTable(tree)
+        self.space = space
+        self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
+        self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
+        self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0}
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = ATTR_TIMEOUT
+        a.attr_timeout = ATTR_TIMEOUT
+        a.st_mode = st.st_mode
+        a.st_nlink = st.st_nlink
+        a.st_uid = st.st_uid
+        a.st_gid = st.st_gid
+        a.st_rdev = st.st_rdev
+        a.st_size = st.st_size
+        a.st_blksize = st.st_blksize
+        a.st_blocks = st.st_blocks
+        a.st_atime_ns = st.st_atime_ns
+        a.st_mtime_ns = st.st_mtime_ns
+        a.st_ctime_ns = st.st_ctime_ns
+        return a
+
+    def _give_to_caller(self, fd: int, parent: Inode, ctx: pyfuse3.RequestContext, mode: int) -> None:
+        """Make a file just created (as root) belong to the caller, as tmpfs would have."""
+        setgid_parent = os.fstat(parent.fd).st_mode & stat.S_ISGID
+        gid = -1 if setgid_parent else ctx.gid  # setgid dirs impose their group
+        if ctx.uid != 0 or gid not in (-1, 0):
+            linux.chown_fd(fd, ctx.uid, gid)
+            # chown() clears set-id bits; the kernel already decided the caller may keep them.
+            if mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(mode):
+                os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(mode))
+
+    def _new_entry(self, parent: Inode, name: bytes, ctx, mode: int) -> pyfuse3.EntryAttributes:
+        """Adopt a name just created in ``parent`` and hand it to the caller."""
+        fd = os.open(name, O_PATH_FLAGS, dir_fd=parent.fd)
+        try:
+            self._give_to_caller(fd, parent, ctx, mode)
+        except OSError:
+            os.close(fd)
+            raise
+        return self._attrs(*self.inodes.adopt(fd))
+
+    def _link_removed(self, st: os.stat_result) -> None:
+        """A name of ``st`` is gone: if it was the last, its space is free (at last close)."""
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            return
+        node = self.inodes.get(self.inodes.fuse_ino(st))
+        if node is not None and node.opens:
+            node.orphaned = True
+        else:
+            self.space.drop(st.st_ino)
+
+    def _lstat_at(self, dirfd: int, name: bytes) -> os.stat_result | None:
+        try:
+            return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+
+    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int) -> pyfuse3.FileInfo:
+        """Register an open backing descriptor and choose how the kernel caches it.
+
+        Write-only opens use direct I/O: no copy into the page cache, and 1 MiB requests.
+        Read-only opens keep the page cache between opens unless the file changed since.
+        Read-write opens use the page cache (so shared mmap works), dropping stale pages.
+        """
+        node.opens += 1
+        self._files[fd] = ino
+        self.counters["opens"] += 1
+        fi = pyfuse3.FileInfo(fh=fd)
+        accmode = flags & os.O_ACCMODE
+        if flags & os.O_TRUNC:
+            node.cache_valid = False
+            self.space.update(os.fstat(fd))
+        if accmode == os.O_WRONLY or flags & os.O_DIRECT:
+            fi.direct_io = True
+            node.cache_valid = False
+        elif accmode == os.O_RDONLY:
+            fi.keep_cache = node.cache_valid
+            node.cache_valid = True
+        else:
+            node.cache_valid = False
+        return fi
+
+    # -- names -----------------------------------------------------------------------
+
+    @_errors_to_fuse
+    async def lookup(self, parent_inode, name, ctx=None):
+        ino, st = self.inodes.lookup(self.inodes[parent_inode].fd, name)
+        return self._attrs(ino, st)
+
+    async def forget(self, inode_list):
+        for ino, n in inode_list:
+            self.inodes.forget(ino, n)
+
+    @_errors_to_fuse
+    async def getattr(self, inode, ctx=None):
+        return self._attrs(inode, os.fstat(self.inodes[inode].fd))
+
+    @_errors_to_fuse
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self.inodes[inode]
+        if fields.update_mode and node.kind != stat.S_IFLNK:
+            os.chmod(node.proc_path, stat.S_IMODE(attr.st_mode))
+        if fields.update_uid or fields.update_gid:
+            uid = attr.st_uid if fields.update_uid else -1
+            gid = attr.st_gid if fields.update_gid else -1
+            linux.chown_fd(node.fd, uid, gid)
+        if fields.update_size:
+            if fh is not None:
+                os.ftruncate(fh, attr.st_size)
+            else:
+                os.truncate(node.proc_path, attr.st_size)
+            node.cache_valid = False
+            self.space.update(os.fstat(node.fd))
+        if fields.update_atime or fields.update_mtime:
+            linux.utimens_fd(
+                node.fd,
+                attr.st_atime_ns if fields.update_atime else None,
+                attr.st_mtime_ns if fields.update_mtime else None,
+            )
+        return self._attrs(inode, os.fstat(node.fd))
+
+    @_errors_to_fuse
+    async def readlink(self, inode, ctx):
+        return os.readlink(b"", dir_fd=self.inodes[inode].fd)
+
+    @_errors_to_fuse
+    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+        parent = self.inodes[parent_inode]
+        os.mknod(name, mode, rdev, dir_fd=parent.fd)
+        return self._new_entry(parent, name, ctx, mode)
+
+    @_errors_to_fuse
+    async def mkdir(self, parent_inode, name, mode, ctx):
+        parent = self.inodes[parent_inode]
+        os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+        return self._new_entry(parent, name, ctx, mode | stat.S_IFDIR)
+
+    @_errors_to_fuse
+    async def symlink(self, parent_inode, name, target, ctx):
+        parent = self.inodes[parent_inode]
+        os.symlink(target, name, dir_fd=parent.fd)
+        return self._new_entry(parent, name, ctx, stat.S_IFLNK)
+
+    @_errors_to_fuse
+    async def link(self, inode, new_parent_inode, new_name, ctx):
+        node, parent = self.inodes[inode], self.inodes[new_parent_inode]
+        os.link(node.proc_path, new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
+        ino, st = self.inodes.lookup(parent.fd, new_name)
+        return self._attrs(ino, st)
+
+    @_errors_to_fuse
+    async def unlink(self, parent_inode, name, ctx):
+        parent = self.inodes[parent_inode]
+        st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
+        os.unlink(name, dir_fd=parent.fd)
+        self._link_removed(st)
+
+    @_errors_to_fuse
+    async def rmdir(self, parent_inode, name, ctx):
+        os.rmdir(name, dir_fd=self.inodes[parent_inode].fd)
+
+    @_errors_to_fuse
+    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        old, new = self.inodes[parent_inode_old], self.inodes[parent_inode_new]
+        replaced = None
+        if not flags & (linux.RENAME_NOREPLACE | linux.RENAME_EXCHANGE):
+            replaced = self._lstat_at(new.fd, name_new)
+        if flags:
+            linux.renameat2(old.fd, name_old, new.fd, name_new, flags)
+        else:
+            os.rename(name_old, name_new, src_dir_fd=old.fd, dst_dir_fd=new.fd)
+        if replaced is not None:
+            moved = os.stat(name_new, dir_fd=new.fd, follow_symlinks=False)
+            if moved.st_ino != replaced.st_ino:
+                self._link_removed(replaced)
+
+    # -- files -----------------------------------------------------------------------
+
+    @_errors_to_fuse
+    async def open(self, inode, flags, ctx):
+        node = self.inodes[inode]
+        fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
+        return self._open_backing(inode, node, fd, flags)
+
+    @_errors_to_fuse
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        parent = self.inodes[parent_inode]
+        bflags = (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC
+        try:
+            fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, stat.S_IMODE(mode), dir_fd=parent.fd)
+            created = True
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            fd = os.open(name, bflags, dir_fd=parent.fd)  # raced with another creator
+            created = False
+        try:
+            if created:
+                self._give_to_caller(fd, parent, ctx, mode)
+            ino, st = self.inodes.adopt(os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC))
+        except OSError:
+            os.close(fd)
+            raise
+        fi = self._open_backing(ino, self.inodes[ino], fd, flags)
+        return fi, self._attrs(ino, st)
+
+    @_errors_to_fuse
+    async def read(self, fh, off, size):
+        data = os.pread(fh, size, off)
+        self.counters["bytes_read"] += len(data)
+        return data
+
+    @_errors_to_fuse
+    async def write(self, fh, off, buf):
+        if self.space.bounded:
+            self.space.check_write(fh, off, len(buf))
+        n = os.pwrite(fh, buf, off)
+        self.space.update(os.fstat(fh))
+        self.inodes[self._files[fh]].cache_valid = False
+        self.counters["bytes_written"] += n
+        return n
+
+    @_errors_to_fuse
+    async def flush(self, fh):
+        pass
+
+    @_errors_to_fuse
+    async def release(self, fh):
+        ino = self._files.pop(fh)
+        os.close(fh)
+        node = self.inodes.get(ino)
+        if node is None:
+            return
+        node.opens -= 1
+        if node.orphaned and node.opens == 0:
+            self.space.drop(os.fstat(node.fd).st_ino)
+        self.inodes.forget(ino, 0)  # the kernel may have forgotten it while it was open
+
+    @_errors_to_fuse
+    async def fsync(self, fh, datasync):
+        (os.fdatasync if datasync else os.fsync)(fh)
+
+    # -- directories -----------------------------------------------------------------
+
+    @_errors_to_fuse
+    async def opendir(self, inode, ctx):
+        fd = os.open(self.inodes[inode].proc_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        self._dirs[fd] = None
+        return fd
+
+    @_errors_to_fuse
+    async def readdir(self, fh, start_id, token):
+        # Offsets index a snapshot taken when the listing starts, so entries created or
+        # removed meanwhile are never reported twice or skipped.
+        names = self._dirs[fh]
+        if names is None or start_id == 0:
+            names = self._dirs[fh] = [os.fsencode(n) for n in os.listdir(fh)]
+        for i in range(start_id, len(names)):
+            try:
+                ino, st = self.inodes.lookup(fh, names[i])
+            except FileNotFoundError:
+                continue  # removed since the snapshot
+            if not pyfuse3.readdir_reply(token, names[i], self._attrs(ino, st), i + 1):
+                self.inodes.forget(ino, 1)
+                break
+
+    @_errors_to_fuse
+    async def releasedir(self, fh):
+        del self._dirs[fh]
+        os.close(fh)
+
+    @_errors_to_fuse
+    async def fsyncdir(self, fh, datasync):
+        os.fsync(fh)
+
+    @_errors_to_fuse
+    async def statfs(self, ctx):
+        backing = os.statvfs(self.inodes[pyfuse3.ROOT_INODE].proc_path)
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = PAGE
+        if self.space.bounded:
+            s.f_blocks = self.space.capacity // PAGE
+            s.f_bfree = s.f_bavail = max(0, self.space.capacity - self.space.used) // PAGE
+        else:
+            scale = backing.f_frsize / PAGE
+            s.f_blocks = int(backing.f_blocks * scale)
+            s.f_bfree = int(backing.f_bfree * scale)
+            s.f_bavail = int(backing.f_bavail * scale)
+        s.f_files, s.f_ffree, s.f_favail = backing.f_files, backing.f_ffree, backing.f_favail
+        s.f_namemax = backing.f_namemax
+        return s
+
+    # -- extended attributes (tmpfs keeps user.*; symlinks take none) --------------------
+
+    def _xattr_path(self, inode: int, missing: int) -> str:
+        node = self.inodes[inode]
+        if node.kind == stat.S_IFLNK:
+            raise pyfuse3.FUSEError(missing)
+        return node.proc_path
+
+    @_errors_to_fuse
+    async def setxattr(self, inode, name, value, ctx):
+        os.setxattr(self._xattr_path(inode, errno.EPERM), name, value)
+
+    @_errors_to_fuse
+    async def getxattr(self, inode, name, ctx):
+        return os.getxattr(self._xattr_path(inode, pyfuse3.ENOATTR), name)
+
+    @_errors_to_fuse
+    async def listxattr(self, inode, ctx):
+        node = self.inodes[inode]
+        if node.kind == stat.S_IFLNK:
+            return []
+        return [os.fsencode(n) for n in os.listxattr(node.proc_path)]
+
+    @_errors_to_fuse
+    async def removexattr(self, inode, name, ctx):
+        os.removexattr(self._xattr_path(inode, pyfuse3.ENOATTR), name)
+
+    def close(self) -> None:
+        """Close every descriptor still held (after the kernel let go of the mount)."""
+        for fd in list(self._files) + list(self._dirs):
+            os.close(fd)
+        self._files.clear()
+        self._dirs.clear()
+        self.inodes.close_all()

@@ -1,0 +1,62 @@
+"""Linux system calls the standard library does not expose (through libc via ctypes)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+
+AT_FDCWD = -100
+AT_SYMLINK_NOFOLLOW = 0x100
+AT_EMPTY_PATH = 0x1000
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+UTIME_NOW = (1 << 30) - 1
+UTIME_OMIT = (1 << 30) - 2
+MNT_DETACH = 2
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _check(ret: int, *names) -> int:
+    if ret < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), *names[:1])
+    return ret
+
+
+def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int = 0) -> None:
+    _check(_libc.renameat2(olddirfd, old, newdirfd, new, ctypes.c_uint(flags)), old)
+
+
+def utimens_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
+    """Set times on the file an ``O_PATH`` descriptor refers to (symlinks included); None keeps a time."""
+
+    def ts(ns: int | None) -> _Timespec:
+        return _Timespec(0, UTIME_OMIT) if ns is None else _Timespec(*divmod(ns, 1_000_000_000))
+
+    times = (_Timespec * 2)(ts(atime_ns), ts(mtime_ns))
+    _check(_libc.utimensat(fd, b"", times, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
+
+
+def chown_fd(fd: int, uid: int, gid: int) -> None:
+    """``fchownat(fd, "", ...)``: works on ``O_PATH`` descriptors, symlinks included."""
+    _check(_libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
+
+
+def umount(path: str, flags: int = 0) -> None:
+    _check(_libc.umount2(os.fsencode(path), flags), path)
+
+
+TMPFS_MAGIC = 0x01021994
+
+
+def fs_magic(path: str | os.PathLike) -> int:
+    """``statfs(2).f_type`` of the filesystem holding ``path``."""
+    buf = ctypes.create_string_buffer(128)  # struct statfs; f_type is its first long
+    _check(_libc.statfs(os.fsencode(path), buf), path)
+    return int.from_bytes(buf.raw[: ctypes.sizeof(ctypes.c_long)], "little")

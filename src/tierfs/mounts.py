@@ -1,0 +1,144 @@
+"""The host's view of tierfs mounts: the kernel mount table and the daemons' registry.
+
+Each daemon registers under the runtime directory (``/run/tierfs`` by default) by a key
+derived from its mountpoint: ``<key>.json`` (pid, job, rank, ...), ``<key>.sock`` (its
+control socket) and ``<key>.log``. The kernel's mount table stays the authority on
+whether something is mounted; the registry only says who serves it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierfs import linux
+from tierfs.config import runtime_dir
+from tierfs.errors import UserError
+
+FSTYPE = "fuse.tierfs"
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    mountpoint: str
+    fstype: str
+    source: str
+    minor: int
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
+
+
+def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
+    """The topmost mount at ``mountpoint`` in /proc/self/mountinfo, if any."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if _unescape(fields[4]) == target:
+                fstype, source = right.split()[:2]
+                found = MountEntry(target, fstype, _unescape(source), int(fields[2].split(":")[1]))
+    return found
+
+
+def is_dead(mountpoint: str | os.PathLike) -> bool:
+    """A FUSE mount whose daemon died answers ENOTCONN to everything."""
+    try:
+        os.stat(mountpoint)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+class Registration:
+    """The runtime files of the daemon serving one mountpoint."""
+
+    def __init__(self, mountpoint: str | os.PathLike):
+        self.mountpoint = os.path.abspath(mountpoint)
+        key = hashlib.sha256(os.fsencode(self.mountpoint)).hexdigest()[:20]
+        base = runtime_dir()
+        self.info_path = base / f"{key}.json"
+        self.socket_path = base / f"{key}.sock"
+        self.log_path = base / f"{key}.log"
+
+    def write(self, info: dict) -> None:
+        self.info_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.info_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(info))
+        tmp.replace(self.info_path)
+
+    def read(self) -> dict | None:
+        try:
+            return json.loads(self.info_path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def remove(self) -> None:
+        for p in (self.info_path, self.socket_path):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie has finished its work and counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def prepare_mountpoint(mountpoint: Path) -> None:
+    """Check the mountpoint; clear a dead tierfs mount left by a killed daemon."""
+    if not mountpoint.exists() and not is_dead(mountpoint):
+        raise UserError(f"mountpoint {mountpoint} does not exist: create it first (mkdir -p {mountpoint})")
+    entry = find_mount(mountpoint)
+    if entry is not None and entry.fstype.startswith("fuse"):
+        if is_dead(mountpoint):
+            linux.umount(str(mountpoint), linux.MNT_DETACH)
+        else:
+            info = Registration(mountpoint).read() or {}
+            raise UserError(
+                f"mountpoint {mountpoint} is busy: {entry.fstype} is already mounted there"
+                + (f" (tierfs pid {info['pid']})" if "pid" in info else "")
+                + f"; unmount it first (tierfs unmount {mountpoint})"
+            )
+    if not mountpoint.is_dir():
+        raise UserError(f"mountpoint {mountpoint} is not a directory")
+
+
+def unmount(mountpoint: Path, timeout: float = 30.0) -> None:
+    """Unmount and wait until the daemon has finished, so its state is on the ramdisk."""
+    entry = find_mount(mountpoint)
+    if entry is None:
+        raise UserError(f"{mountpoint} is not mounted")
+    if entry.fstype != FSTYPE:
+        raise UserError(f"{mountpoint} is not a tierfs mount (it is {entry.fstype}): use umount")
+    reg = Registration(mountpoint)
+    pid = (reg.read() or {}).get("pid")
+    try:
+        linux.umount(str(mountpoint), linux.MNT_DETACH if is_dead(mountpoint) else 0)
+    except OSError as e:
+        if e.errno == errno.EBUSY:
+            raise UserError(
+                f"{mountpoint} is busy: a process still has files open there or works in it "
+                f"(see: fuser -m {mountpoint}); close them and retry"
+            ) from None
+        raise UserError(f"could not unmount {mountpoint}: {e.strerror}") from None
+    if pid:
+        deadline = time.monotonic() + timeout
+        while process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if process_alive(pid):
+            raise UserError(f"{mountpoint} is unmounted but daemon pid {pid} has not exited after {timeout:.0f}s")
+    reg.remove()

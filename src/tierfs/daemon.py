@@ -65,7 +65,6 @@ class Daemon:
             pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
         except RuntimeError as e:
             raise UserError(f"could not mount {cfg.mountpoint}: {e} (is /dev/fuse available? see the log)") from None
-        _set_read_ahead(cfg.mountpoint)
         self.registration.write(
             {
                 "pid": os.getpid(),
@@ -81,12 +80,20 @@ class Daemon:
             cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
         )
 
-    async def serve(self) -> None:
+    async def serve(self, ready_fd: int | None = None) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals)
             await nursery.start(control.serve, self.registration.socket_path, self._control)
-            await pyfuse3.main(*FUSE_TASKS)
-            nursery.cancel_scope.cancel()
+            nursery.start_soon(self._fuse_main, nursery.cancel_scope)
+            # The first request through the mount completes the kernel's INIT handshake,
+            # which resets the read-ahead; set it after, and only then call the mount ready.
+            await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
+            _set_read_ahead(self.cfg.mountpoint)
+            _report(ready_fd, "ok")
+
+    async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
+        await pyfuse3.main(*FUSE_TASKS)
+        cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -152,9 +159,8 @@ def run(cfg: Config, ready_fd: int | None = None) -> int:
         if ready_fd is None:
             raise UserError(f"daemon failed to start: {e}") from None
         return 1
-    _report(ready_fd, "ok")
     try:
-        trio.run(daemon.serve)
+        trio.run(daemon.serve, ready_fd)
     finally:
         daemon.stop()
     return 0

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Install everything tierfs needs on a Debian/Ubuntu host, idempotently:
+# fuse3 and its headers, a virtualenv in .venv with tierfs and its test tools,
+# and /usr/local/bin/tierfs (mount.fuse3 looks there for `mount -t fuse.tierfs`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "$(id -u)" != 0 ]; then
+    echo "setup: run as root (FUSE mounts with allow_other and apt need it)" >&2
+    exit 1
+fi
+
+need=()
+command -v fusermount3 >/dev/null || need+=(fuse3)
+command -v pkg-config >/dev/null || need+=(pkg-config)
+pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev)
+command -v fio >/dev/null || need+=(fio)
+command -v gcc >/dev/null || need+=(gcc)
+python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
+python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
+    || need+=(python3-dev)
+if [ ${#need[@]} -gt 0 ]; then
+    echo "setup: installing ${need[*]}"
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null
+fi
+
+[ -x .venv/bin/python ] || python3 -m venv .venv
+stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+if [ ! -e "$stamp" ]; then
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    touch "$stamp"
+fi
+ln -sfn "$PWD/.venv/bin/tierfs" /usr/local/bin/tierfs

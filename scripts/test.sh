@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set everything up, then run the test suite. Extra arguments go to pytest,
+# e.g. `scripts/test.sh -m slow` for the long benchmark-style tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/setup.sh
+exec .venv/bin/python -m pytest "$@"

@@ -1,0 +1,144 @@
+"""Shared fixtures: real tmpfs directories, real FUSE mounts driven through the CLI.
+
+Every mount a test makes is unmounted in a finalizer, whatever the test did, and a daemon
+that does not go away is killed by its PID; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tierfs import mounts
+
+TIERFS = [sys.executable, "-m", "tierfs"]
+SHM = Path("/dev/shm")
+
+
+def tierfs(*args: str, check: bool = True, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run the ``tierfs`` command as a user would, capturing its output."""
+    proc = subprocess.run(
+        [*TIERFS, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"tierfs {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
+    return proc
+
+
+@pytest.fixture(autouse=True, scope="session")
+def runtime_dir():
+    """Keep the tests' daemon registry away from the host's /run/tierfs."""
+    path = SHM / f"tierfs-test-run-{uuid.uuid4().hex[:8]}"
+    path.mkdir()
+    old = os.environ.get("TIERFS_RUNTIME_DIR")
+    os.environ["TIERFS_RUNTIME_DIR"] = str(path)
+    yield path
+    if old is None:
+        del os.environ["TIERFS_RUNTIME_DIR"]
+    else:
+        os.environ["TIERFS_RUNTIME_DIR"] = old
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture
+def shm_dir():
+    """A fresh directory on tmpfs, removed afterwards."""
+    made = []
+
+    def make(prefix: str = "tierfs-test") -> Path:
+        p = SHM / f"{prefix}-{uuid.uuid4().hex[:10]}"
+        p.mkdir()
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        shutil.rmtree(p, ignore_errors=True)
+
+
+@pytest.fixture
+def ref_dir(shm_dir) -> Path:
+    """A plain tmpfs directory with the mode of a tmpfs root, to compare behaviour against."""
+    p = shm_dir("tierfs-ref")
+    os.chmod(p, 0o1777)
+    return p
+
+
+@dataclass
+class Volume:
+    mountpoint: Path
+    ramdisk: Path
+    job: str
+    rank: int
+
+    @property
+    def tree(self) -> Path:
+        return self.ramdisk / self.job / f"rank-{self.rank}" / "tree"
+
+    def status(self) -> dict:
+        return json.loads(tierfs("status", self.mountpoint, "--json").stdout)
+
+    @property
+    def pid(self) -> int:
+        return mounts.Registration(self.mountpoint).read()["pid"]
+
+    def is_mounted(self) -> bool:
+        return mounts.find_mount(self.mountpoint) is not None
+
+
+def cleanup_mount(mountpoint: Path) -> None:
+    """Unmount whatever is left at ``mountpoint`` and stop its daemon."""
+    info = mounts.Registration(mountpoint).read() or {}
+    for _ in range(50):
+        if mounts.find_mount(mountpoint) is None:
+            break
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+        time.sleep(0.1)
+    pid = info.get("pid")
+    if pid and mounts.process_alive(pid):
+        deadline = time.monotonic() + 10
+        while mounts.process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if mounts.process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    mounts.Registration(mountpoint).remove()
+
+
+@pytest.fixture
+def volumes(tmp_path, shm_dir):
+    """Factory: ``volumes(job=..., rank=..., **options)`` mounts a volume through the CLI."""
+    made: list[Path] = []
+    ramdisk = shm_dir("tierfs-ram")
+
+    def mount(job: str = "job", rank: int = 0, mountpoint: Path | None = None,
+              ramdisk_dir: Path | None = None, **options) -> Volume:
+        mp = mountpoint or tmp_path / f"mnt-{len(made)}"
+        mp.mkdir(exist_ok=True)
+        rd = ramdisk_dir or ramdisk
+        args = ["mount", mp, "--ramdisk", rd, "--job", job, "--rank", str(rank)]
+        for key, value in options.items():
+            args += [f"--{key.replace('_', '-')}", str(value)]
+        made.append(mp)
+        tierfs(*args)
+        return Volume(mp, rd, job, rank)
+
+    mount.ramdisk = ramdisk
+    yield mount
+    for mp in made:
+        cleanup_mount(mp)
+
+
+@pytest.fixture
+def volume(volumes) -> Volume:
+    """One mounted volume with a 1 GiB capacity."""
+    return volumes(capacity="1G")

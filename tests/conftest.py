@@ -115,14 +115,18 @@ def cleanup_mount(mountpoint: Path) -> None:
 
 
 @pytest.fixture
-def volumes(tmp_path, shm_dir):
-    """Factory: ``volumes(job=..., rank=..., **options)`` mounts a volume through the CLI."""
+def volumes(shm_dir):
+    """Factory: ``volumes(job=..., rank=..., **options)`` mounts a volume through the CLI.
+
+    Mountpoints live where every user can reach them (tests also run as non-root users).
+    """
     made: list[Path] = []
     ramdisk = shm_dir("tierfs-ram")
+    mnt_base = shm_dir("tierfs-mnt")
 
     def mount(job: str = "job", rank: int = 0, mountpoint: Path | None = None,
               ramdisk_dir: Path | None = None, **options) -> Volume:
-        mp = mountpoint or tmp_path / f"mnt-{len(made)}"
+        mp = mountpoint or mnt_base / f"mnt-{len(made)}"
         mp.mkdir(exist_ok=True)
         rd = ramdisk_dir or ramdisk
         args = ["mount", mp, "--ramdisk", rd, "--job", job, "--rank", str(rank)]

@@ -53,6 +53,11 @@ def _errors_to_fuse(handler: Callable) -> Callable:
     return wrapper
 
 
+def _has_privs(mode: int) -> bool:
+    """Set-uid, or set-gid with group execute (set-gid alone means mandatory locking)."""
+    return bool(mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP))
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False  # no NFS export: '.'/'..' never reach lookup()
     enable_writeback_cache = False
@@ -63,6 +68,7 @@ class Operations(pyfuse3.Operations):
         self.space = space
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
+        self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
         self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0}
 
     # -- helpers ---------------------------------------------------------------------
@@ -122,7 +128,7 @@ class Operations(pyfuse3.Operations):
         except FileNotFoundError:
             return None
 
-    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int) -> pyfuse3.FileInfo:
+    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx) -> pyfuse3.FileInfo:
         """Register an open backing descriptor and choose how the kernel caches it.
 
         Write-only opens use direct I/O: no copy into the page cache, and 1 MiB requests.
@@ -137,6 +143,10 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_TRUNC:
             node.cache_valid = False
             self.space.update(os.fstat(fd))
+        if accmode != os.O_RDONLY and ctx.uid != 0 and _has_privs(os.fstat(fd).st_mode):
+            # A write by anyone but root drops set-id bits; the kernel does it only for
+            # page-cache writes, so direct writes do it here, as tmpfs would.
+            self._kill_privs.add(fd)
         if accmode == os.O_WRONLY or flags & os.O_DIRECT:
             fi.direct_io = True
             node.cache_valid = False
@@ -247,7 +257,7 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         node = self.inodes[inode]
         fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
-        return self._open_backing(inode, node, fd, flags)
+        return self._open_backing(inode, node, fd, flags, ctx)
 
     @_errors_to_fuse
     async def create(self, parent_inode, name, mode, flags, ctx):
@@ -268,7 +278,7 @@ class Operations(pyfuse3.Operations):
         except OSError:
             os.close(fd)
             raise
-        fi = self._open_backing(ino, self.inodes[ino], fd, flags)
+        fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx)
         return fi, self._attrs(ino, st)
 
     @_errors_to_fuse
@@ -282,10 +292,19 @@ class Operations(pyfuse3.Operations):
         if self.space.bounded:
             self.space.check_write(fh, off, len(buf))
         n = os.pwrite(fh, buf, off)
+        if self._kill_privs:
+            self._drop_privs(fh)
         self.space.update(os.fstat(fh))
         self.inodes[self._files[fh]].cache_valid = False
         self.counters["bytes_written"] += n
         return n
+
+    def _drop_privs(self, fh: int) -> None:
+        if fh in self._kill_privs:
+            self._kill_privs.discard(fh)
+            mode = os.fstat(fh).st_mode
+            if _has_privs(mode):
+                os.fchmod(fh, stat.S_IMODE(mode) & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0))
 
     @_errors_to_fuse
     async def flush(self, fh):
@@ -294,6 +313,7 @@ class Operations(pyfuse3.Operations):
     @_errors_to_fuse
     async def release(self, fh):
         ino = self._files.pop(fh)
+        self._kill_privs.discard(fh)
         os.close(fh)
         node = self.inodes.get(ino)
         if node is None:

@@ -126,12 +126,15 @@ def volumes(shm_dir):
 
     def mount(job: str = "job", rank: int = 0, mountpoint: Path | None = None,
               ramdisk_dir: Path | None = None, **options) -> Volume:
-        mp = mountpoint or mnt_base / f"mnt-{len(made)}"
-        mp.mkdir(exist_ok=True)
+        mp = mountpoint
+        if mp is None:
+            mp = mnt_base / f"mnt-{len(made)}"
+            mp.mkdir()
         rd = ramdisk_dir or ramdisk
         args = ["mount", mp, "--ramdisk", rd, "--job", job, "--rank", str(rank)]
         for key, value in options.items():
-            args += [f"--{key.replace('_', '-')}", str(value)]
+            flag = f"--{key.replace('_', '-')}"
+            args += [flag] if value is True else [flag, str(value)]
         made.append(mp)
         tierfs(*args)
         return Volume(mp, rd, job, rank)

@@ -42,5 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as e:
         print(f"tierfs: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # an environment problem we did not foresee: still one line
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"tierfs: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130

@@ -50,9 +50,12 @@ def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
 
 
 def is_dead(mountpoint: str | os.PathLike) -> bool:
-    """A FUSE mount whose daemon died answers ENOTCONN to everything."""
+    """A FUSE mount whose daemon died answers ENOTCONN to every request that reaches it.
+
+    statfs() always reaches the daemon; stat() may be answered from the kernel's cache.
+    """
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)
     except OSError as e:
         return e.errno == errno.ENOTCONN
     return False
@@ -100,12 +103,11 @@ def process_alive(pid: int) -> bool:
 
 def prepare_mountpoint(mountpoint: Path) -> None:
     """Check the mountpoint; clear a dead tierfs mount left by a killed daemon."""
-    if not mountpoint.exists() and not is_dead(mountpoint):
-        raise UserError(f"mountpoint {mountpoint} does not exist: create it first (mkdir -p {mountpoint})")
     entry = find_mount(mountpoint)
     if entry is not None and entry.fstype.startswith("fuse"):
         if is_dead(mountpoint):
             linux.umount(str(mountpoint), linux.MNT_DETACH)
+            entry = None
         else:
             info = Registration(mountpoint).read() or {}
             raise UserError(
@@ -113,6 +115,8 @@ def prepare_mountpoint(mountpoint: Path) -> None:
                 + (f" (tierfs pid {info['pid']})" if "pid" in info else "")
                 + f"; unmount it first (tierfs unmount {mountpoint})"
             )
+    if not os.path.lexists(mountpoint):
+        raise UserError(f"mountpoint {mountpoint} does not exist: create it first (mkdir -p {mountpoint})")
     if not mountpoint.is_dir():
         raise UserError(f"mountpoint {mountpoint} is not a directory")
 

@@ -1,0 +1,603 @@
+#!/usr/bin/env python3
+"""Sequential I/O benchmark: a tierfs mount against a plain tmpfs directory.
+
+Writes and then reads large files with 1 MiB and 4 MiB blocks, with 1 and 4 writers
+(the total size stays the same), on (a) a plain directory under /dev/shm and (b) a tierfs
+mount whose RAM tier is also under /dev/shm. It uses fio when installed (psync, buffered
+I/O), else a built-in Python writer/reader (``--engine builtin``).
+
+The method follows docs "Facts of this machine": this VM's memory balloon hands pages back
+to the host and makes naive A/B runs lie by up to 4x, so
+
+- before EACH measurement a warm-up file (2 GiB) is written on the tmpfs and deleted
+  right before the measurement starts;
+- each test file is deleted right after its measurement (after the read of it);
+- the side that goes first alternates from round to round;
+- every number reported is the median of >= 5 rounds (``--rounds``), and the ratio
+  tierfs/tmpfs is computed from the medians of this run, never across runs.
+
+The daemon's CPU time (utime+stime of /proc/PID/stat) is read before and after each
+tierfs measurement and reported as CPU-seconds per GiB moved (median).
+
+Run it when the machine is quiet::
+
+    .venv/bin/python scripts/bench_io.py                 # full run, ~2 GiB per measurement
+    .venv/bin/python scripts/bench_io.py --quick         # smoke test: 256M, 2 rounds
+    .venv/bin/python scripts/bench_io.py --json out.json --plot out.png
+
+Stdlib only; tierfs and fio run as subprocesses. Everything it creates lives under
+/dev/shm/bench-io-* and /tmp/bench-io-* and is removed (and the mount unmounted) on exit,
+also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+GiB = 1 << 30
+MiB = 1 << 20
+SIDES = ("tmpfs", "tierfs")
+OPS = ("write", "read")
+_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(Exception):
+    """A failure to report as one line and a non-zero exit."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def parse_size(text: str) -> int:
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or e.g. 256M, 2G")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be > 0")
+    return n
+
+
+def parse_size_list(text: str) -> list[int]:
+    return [parse_size(t) for t in text.split(",") if t.strip()]
+
+
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: use e.g. 1,4") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: numbers must be > 0")
+    return values
+
+
+def fmt_size(n: int) -> str:
+    for unit, mult in (("G", GiB), ("M", MiB), ("K", 1024)):
+        if n % mult == 0:
+            return f"{n // mult}{unit}"
+    return str(n)
+
+
+def find_tierfs() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "tierfs")
+    if os.access(here, os.X_OK):
+        return here
+    found = shutil.which("tierfs")
+    if not found:
+        raise BenchError(f"the tierfs command is neither next to {sys.executable} nor on PATH")
+    return found
+
+
+def is_mounted(path: str) -> bool:
+    path = os.path.realpath(path)
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) > 4 and fields[4].replace("\\040", " ") == path:
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        raise BenchError(f"the tierfs daemon (pid {pid}) is gone") from None
+    fields = stat[stat.rindex(")") + 2:].split()  # fields from 3 (state) on
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
+
+
+def write_warmup(path: str, size: int, buf: memoryview) -> None:
+    """Write ``size`` bytes to ``path`` (on tmpfs): touches fresh pages, as the method needs."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        left = size
+        while left > 0:
+            left -= os.write(fd, buf[:min(left, len(buf))])
+    finally:
+        os.close(fd)
+
+
+def remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+# ----------------------------------------------------------------------------- engines
+
+class FioEngine:
+    name = "fio"
+
+    def __init__(self, fio: str):
+        self.fio = fio
+        out = subprocess.run([fio, "--version"], capture_output=True, text=True)
+        self.version = out.stdout.strip() or "fio"
+
+    def files(self, directory: str, tag: str, jobs: int) -> list[str]:
+        return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
+
+    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int) -> dict:
+        cmd = [
+            self.fio, f"--name={tag}", f"--directory={directory}",
+            f"--filename_format={tag}.$jobnum",
+            "--ioengine=psync", f"--rw={op}", f"--bs={bs}", f"--size={per_job}",
+            f"--numjobs={jobs}", "--group_reporting", "--output-format=json",
+            "--direct=0",
+            "--invalidate=0",    # drop nothing: reads see what the write left, on both sides
+            "--fallocate=none",  # writes allocate their pages on both sides alike
+        ]
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise BenchError(f"cannot run fio: {e}") from None
+        if out.returncode != 0:
+            why = last_line(out.stderr) or last_line(out.stdout) or f"exit status {out.returncode}"
+            raise BenchError(f"fio {op} bs={fmt_size(bs)} jobs={jobs} in {directory} failed: {why}")
+        text = out.stdout
+        try:
+            data = json.loads(text[text.index("{"):])
+            res = data["jobs"][0][op]
+            nbytes, runtime_ms = int(res["io_bytes"]), float(res["runtime"])
+        except (ValueError, KeyError, IndexError) as e:
+            raise BenchError(f"cannot parse fio's JSON output ({e}): {last_line(text)}") from None
+        if nbytes != per_job * jobs:
+            raise BenchError(f"fio {op} moved {nbytes} bytes, expected {per_job * jobs}")
+        if runtime_ms <= 0:
+            raise BenchError(f"fio {op} reported a runtime of {runtime_ms} ms: use a larger --size")
+        seconds = runtime_ms / 1000.0
+        return {"bytes": nbytes, "seconds": seconds, "fio_bw_bytes": res.get("bw_bytes")}
+
+
+class BuiltinEngine:
+    """os.write / os.readv loops over one preallocated buffer; one thread per file."""
+
+    name = "builtin"
+    version = f"python {platform.python_version()}"
+
+    def __init__(self):
+        self._buffers: dict[int, bytearray] = {}
+
+    def _buf(self, bs: int) -> memoryview:
+        if bs not in self._buffers:
+            self._buffers[bs] = bytearray(os.urandom(min(bs, MiB)) * -(-bs // MiB))[:bs]
+        return memoryview(self._buffers[bs])
+
+    def files(self, directory: str, tag: str, jobs: int) -> list[str]:
+        return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
+
+    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int) -> dict:
+        buf = self._buf(bs)
+        paths = self.files(directory, tag, jobs)
+        stop = threading.Event()
+        start = threading.Barrier(jobs + 1)
+        errors: list[str] = []
+        moved = [0] * jobs
+
+        def worker(i: int) -> None:
+            try:
+                if op == "write":
+                    fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                else:
+                    fd = os.open(paths[i], os.O_RDONLY)
+            except OSError as e:
+                errors.append(f"open {paths[i]}: {e}")
+                start.abort()
+                return
+            try:
+                start.wait()
+                left = per_job
+                rbuf = [buf]
+                while left > 0 and not stop.is_set():
+                    if op == "write":
+                        n = os.write(fd, buf[:min(left, bs)])
+                    else:
+                        n = os.readv(fd, rbuf if left >= bs else [buf[:left]])
+                        if n == 0:
+                            raise OSError(f"unexpected end of file after {per_job - left} bytes")
+                    left -= n
+                    moved[i] += n
+            except threading.BrokenBarrierError:
+                pass
+            except OSError as e:
+                errors.append(f"{op} {paths[i]}: {e}")
+            finally:
+                os.close(fd)
+
+        threads = [threading.Thread(target=worker, args=(i,), daemon=True) for i in range(jobs)]
+        for t in threads:
+            t.start()
+        try:
+            try:
+                start.wait()
+            except threading.BrokenBarrierError:
+                pass
+            t0 = time.perf_counter()
+            for t in threads:
+                t.join()
+            seconds = time.perf_counter() - t0
+        except BaseException:
+            stop.set()
+            for t in threads:
+                t.join(timeout=10)
+            raise
+        if errors:
+            raise BenchError(f"builtin {op} bs={fmt_size(bs)} jobs={jobs} failed: {errors[0]}")
+        nbytes = sum(moved)
+        if nbytes != per_job * jobs:
+            raise BenchError(f"builtin {op} moved {nbytes} bytes, expected {per_job * jobs}")
+        return {"bytes": nbytes, "seconds": seconds}
+
+
+# ----------------------------------------------------------------------------- tierfs mount
+
+class TierfsMount:
+    def __init__(self, tierfs: str, mountpoint: str, ramdisk: str, runtime: str, capacity: str | None):
+        self.tierfs, self.mountpoint, self.ramdisk = tierfs, mountpoint, ramdisk
+        self.env = dict(os.environ, TIERFS_RUNTIME_DIR=runtime)
+        self.capacity = capacity
+        self.pid: int | None = None
+        self.log_hint = runtime
+
+    def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([self.tierfs, *args], env=self.env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=timeout)
+
+    def mount(self) -> None:
+        args = ["mount", self.mountpoint, "--ramdisk", self.ramdisk]
+        if self.capacity:
+            args += ["--capacity", self.capacity]
+        try:
+            out = self._run(*args)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"tierfs mount {self.mountpoint} did not return within 120 s "
+                             f"(logs in {self.log_hint})") from None
+        if out.returncode != 0:
+            why = last_line(out.stderr) or last_line(out.stdout) or f"exit status {out.returncode}"
+            raise BenchError(f"mount failed: {why}")
+        if not is_mounted(self.mountpoint):
+            raise BenchError(f"mount failed: tierfs mount returned but {self.mountpoint} is not mounted")
+        out = self._run("status", self.mountpoint, "--json", timeout=60)
+        try:
+            self.status = json.loads(out.stdout)
+            self.pid = int(self.status["pid"])
+        except (ValueError, KeyError, TypeError):
+            why = last_line(out.stderr) or last_line(out.stdout) or "no output"
+            raise BenchError(f"tierfs status {self.mountpoint} --json gave no daemon pid: {why}") from None
+        proc_cpu_seconds(self.pid)  # the pid must be ours to read
+
+    def unmount(self) -> None:
+        """Unmount; if tierfs cannot, detach lazily. Never raises."""
+        if not is_mounted(self.mountpoint):
+            return
+        try:
+            out = self._run("unmount", self.mountpoint)
+            if out.returncode == 0 and not is_mounted(self.mountpoint):
+                return
+            why = last_line(out.stderr) or f"exit status {out.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+        print(f"bench_io: warning: tierfs unmount {self.mountpoint} failed ({why}); detaching it",
+              file=sys.stderr)
+        for cmd in (["fusermount3", "-uz", self.mountpoint], ["umount", "-l", self.mountpoint]):
+            try:
+                subprocess.run(cmd, capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if not is_mounted(self.mountpoint):
+                break
+        if self.pid is not None:  # the daemon we started; do not leave it running
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if os.path.exists(f"/proc/{self.pid}"):
+                try:
+                    os.kill(self.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        if is_mounted(self.mountpoint):
+            print(f"bench_io: warning: {self.mountpoint} is still mounted", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+def measure(engine, side: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
+            warm_path: str, warm_size: int, warm_buf: memoryview, daemon_pid: int | None) -> dict:
+    if op == "read":  # make sure the read hits exactly the files just written
+        for p in engine.files(directory, tag, jobs):
+            try:
+                size = os.stat(p).st_size
+            except OSError as e:
+                raise BenchError(f"the file to read is missing: {e}") from None
+            if size != per_job:
+                raise BenchError(f"{p} holds {size} bytes after the write, expected {per_job}")
+    write_warmup(warm_path, warm_size, warm_buf)
+    os.unlink(warm_path)  # right before the measurement
+    cpu0 = proc_cpu_seconds(daemon_pid) if side == "tierfs" else None
+    res = engine.run(op, directory, tag, bs, per_job, jobs)
+    if side == "tierfs":
+        cpu = proc_cpu_seconds(daemon_pid) - cpu0
+        res["daemon_cpu_s"] = cpu
+        res["daemon_cpu_s_per_gib"] = cpu / (res["bytes"] / GiB)
+    res["gib_s"] = res["bytes"] / GiB / res["seconds"]
+    return res
+
+
+def run_benchmark(args, engine, dirs: dict, mount: TierfsMount, progress) -> list[dict]:
+    warm_buf = memoryview(bytearray(os.urandom(MiB) * 4))
+    warm_path = os.path.join(dirs["warm"], "warmup")
+    raw: list[dict] = []
+    configs = [(bs, jobs) for bs in args.bs for jobs in args.jobs]
+    total = args.rounds * len(configs) * len(SIDES) * len(OPS)
+    done = 0
+    for rnd in range(args.rounds):
+        order = SIDES if rnd % 2 == 0 else SIDES[::-1]
+        for bs, jobs in configs:
+            per_job = (args.size // jobs) // bs * bs
+            if per_job <= 0:
+                raise BenchError(f"--size {fmt_size(args.size)} is too small for bs={fmt_size(bs)} jobs={jobs}")
+            for pos, side in enumerate(order):
+                directory = dirs[side]
+                tag = f"bench-r{rnd}-bs{fmt_size(bs)}-j{jobs}"
+                try:
+                    for op in OPS:
+                        res = measure(engine, side, op, directory, tag, bs, per_job, jobs,
+                                      warm_path, args.warmup, warm_buf,
+                                      mount.pid if side == "tierfs" else None)
+                        res.update(round=rnd, side=side, op=op, bs=bs, jobs=jobs, position=pos)
+                        raw.append(res)
+                        done += 1
+                        cpu = (f", daemon {res['daemon_cpu_s_per_gib']:.2f} CPU-s/GiB"
+                               if "daemon_cpu_s_per_gib" in res else "")
+                        progress(f"[{done}/{total}] round {rnd + 1} {side:6} {op:5} bs={fmt_size(bs)} "
+                                 f"jobs={jobs}: {res['gib_s']:.3f} GiB/s{cpu}")
+                finally:  # right after its measurement (the read), or on any failure
+                    for p in engine.files(directory, tag, jobs):
+                        remove(p)
+                    remove(warm_path)
+    return raw
+
+
+def summarize(args, raw: list[dict]) -> list[dict]:
+    rows = []
+    for op in OPS:
+        for bs in args.bs:
+            for jobs in args.jobs:
+                sel = [r for r in raw if r["op"] == op and r["bs"] == bs and r["jobs"] == jobs]
+                med = {}
+                for side in SIDES:
+                    vals = [r["gib_s"] for r in sel if r["side"] == side]
+                    med[side] = statistics.median(vals) if vals else None
+                cpu = [r["daemon_cpu_s_per_gib"] for r in sel if "daemon_cpu_s_per_gib" in r]
+                ratio = (med["tierfs"] / med["tmpfs"]) if med["tmpfs"] and med["tierfs"] is not None else None
+                rows.append({
+                    "op": op, "bs": bs, "jobs": jobs,
+                    "tmpfs_gib_s": med["tmpfs"], "tierfs_gib_s": med["tierfs"], "ratio": ratio,
+                    "daemon_cpu_s_per_gib": statistics.median(cpu) if cpu else None,
+                    "rounds": len(sel) // len(SIDES),
+                })
+    return rows
+
+
+def render_table(rows: list[dict]) -> str:
+    head = ("op", "bs", "jobs", "tmpfs GiB/s", "tierfs GiB/s", "ratio", "daemon CPU s/GiB")
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+    body = [(r["op"], fmt_size(r["bs"]), str(r["jobs"]), f(r["tmpfs_gib_s"], ".3f"),
+             f(r["tierfs_gib_s"], ".3f"), f(r["ratio"], ".2f"), f(r["daemon_cpu_s_per_gib"], ".2f"))
+            for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    def line(cells):
+        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+
+
+def plot(path: str, rows: list[dict], title: str) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return "matplotlib is not importable"
+    groups = [(bs, jobs) for bs in sorted({r["bs"] for r in rows}) for jobs in sorted({r["jobs"] for r in rows})]
+    width = 0.8 / len(OPS)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
+    for k, op in enumerate(OPS):
+        ys = []
+        for bs, jobs in groups:
+            r = next((r for r in rows if r["op"] == op and r["bs"] == bs and r["jobs"] == jobs), None)
+            ys.append(r["ratio"] if r and r["ratio"] is not None else 0.0)
+        xs = [i + (k - (len(OPS) - 1) / 2) * width for i in range(len(groups))]
+        bars = ax.bar(xs, ys, width, label=op)
+        for b, y in zip(bars, ys):
+            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(groups)))
+    ax.set_xticklabels([f"bs {fmt_size(bs)}\n{jobs} job{'s' if jobs > 1 else ''}" for bs, jobs in groups])
+    ax.set_ylabel("tierfs / tmpfs (median throughput)")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+# ----------------------------------------------------------------------------- main
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Sequential write/read throughput of a tierfs mount against plain tmpfs "
+                    "(medians of alternating rounds, balloon-safe warm-up).")
+    p.add_argument("--size", type=parse_size, help="total bytes per measurement, split over the jobs (default 2G)")
+    p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 5, >= 5 for real numbers)")
+    p.add_argument("--bs", type=parse_size_list, default=[MiB, 4 * MiB], help="block sizes (default 1M,4M)")
+    p.add_argument("--jobs", type=parse_int_list, default=[1, 4], help="writers/readers in parallel (default 1,4)")
+    p.add_argument("--warmup", type=parse_size, default=2 * GiB,
+                   help="warm-up file written and deleted on tmpfs before each measurement (default 2G)")
+    p.add_argument("--engine", choices=("auto", "fio", "builtin"), default="auto",
+                   help="fio, the built-in Python loop, or auto (fio if installed; default)")
+    p.add_argument("--capacity", help="passed to tierfs mount --capacity")
+    p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
+    p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
+    p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the ratios (needs matplotlib)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.size is None:
+        args.size = 256 * MiB if args.quick else 2 * GiB
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
+    if args.rounds < 1:
+        print("bench_io: error: --rounds must be >= 1", file=sys.stderr)
+        return 2
+
+    # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally blocks run.
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    created: list[str] = []
+    mount: TierfsMount | None = None
+    try:
+        if args.engine in ("auto", "fio") and shutil.which("fio"):
+            engine = FioEngine(shutil.which("fio"))
+        elif args.engine == "fio":
+            raise BenchError("--engine fio: fio is not installed (use --engine builtin)")
+        else:
+            engine = BuiltinEngine()
+        tierfs = find_tierfs()
+
+        st = os.statvfs("/dev/shm")
+        need = args.size + args.warmup + 256 * MiB
+        if st.f_bavail * st.f_frsize < need:
+            raise BenchError(f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, "
+                             f"the run needs {need / GiB:.1f} GiB")
+
+        tmp_root = tempfile.mkdtemp(prefix="bench-io-", dir="/tmp")
+        created.append(tmp_root)
+        shm_tmpfs = tempfile.mkdtemp(prefix="bench-io-tmpfs-", dir="/dev/shm")
+        created.append(shm_tmpfs)
+        shm_ram = tempfile.mkdtemp(prefix="bench-io-ram-", dir="/dev/shm")
+        created.append(shm_ram)
+        shm_warm = tempfile.mkdtemp(prefix="bench-io-warm-", dir="/dev/shm")
+        created.append(shm_warm)
+        mountpoint = os.path.join(tmp_root, "mnt")
+        runtime = os.path.join(tmp_root, "run")
+        os.mkdir(mountpoint)
+        os.mkdir(runtime)
+
+        cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        header = {"date": now, "kernel": platform.release(), "cores": os.cpu_count(), "command": cmdline}
+        print(f"# bench_io {now}  kernel {header['kernel']}  cores {header['cores']}  command: {cmdline}")
+        settings = {
+            "engine": engine.name, "engine_version": engine.version, "size": args.size,
+            "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "warmup": args.warmup,
+            "tmpfs_dir": shm_tmpfs, "tierfs_mountpoint": mountpoint, "tierfs_ramdisk": shm_ram,
+            "tierfs": tierfs, "capacity": args.capacity,
+        }
+        print(f"# engine {engine.version}, {fmt_size(args.size)} per measurement, {args.rounds} rounds, "
+              f"warm-up {fmt_size(args.warmup)} before each measurement; medians; ratio = tierfs/tmpfs",
+              flush=True)
+
+        mount = TierfsMount(tierfs, mountpoint, shm_ram, runtime, args.capacity)
+        mount.mount()
+        settings["tierfs_daemon_pid"] = mount.pid
+        progress(f"mounted tierfs at {mountpoint} (daemon pid {mount.pid}, ramdisk {shm_ram})")
+
+        dirs = {"tmpfs": shm_tmpfs, "tierfs": mountpoint, "warm": shm_warm}
+        started = time.monotonic()
+        raw = run_benchmark(args, engine, dirs, mount, progress)
+        settings["elapsed_s"] = round(time.monotonic() - started, 1)
+        rows = summarize(args, raw)
+
+        print(render_table(rows))
+        if args.rounds < 5:
+            print(f"# note: only {args.rounds} rounds; use >= 5 for numbers to keep")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"header": header, "settings": settings, "raw": raw, "medians": rows}, f, indent=2)
+                f.write("\n")
+            print(f"# wrote {args.json}")
+        if args.plot:
+            title = f"tierfs/tmpfs, {engine.name}, {fmt_size(args.size)}, {args.rounds} rounds, {now}"
+            why = plot(args.plot, rows, title)
+            print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
+        return 0
+    except BenchError as e:
+        print(f"bench_io: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_io: interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        # Ignore further Ctrl-C while cleaning up: a half-done cleanup leaves a mount behind.
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            if mount is not None:
+                mount.unmount()
+            for d in reversed(created):
+                if any(is_mounted(os.path.join(d, sub)) for sub in ("mnt",)):
+                    print(f"bench_io: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
+                    continue
+                shutil.rmtree(d, ignore_errors=True)
+        finally:
+            signal.signal(signal.SIGINT, old)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Config parsing and validation: every bad value is a UserError with a usable message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tierfs.config import Config, format_size, parse_duration, parse_size
+from tierfs.errors import UserError
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("4096", 4096), ("1K", 1024), ("64G", 64 << 30), ("512MiB", 512 << 20), ("1.5T", 3 << 39),
+    ("2gb", 2 << 30), (" 8 M ", 8 << 20),
+])
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "lots", "1X", "-5G", "G"])
+def test_parse_size_rejects(text):
+    with pytest.raises(UserError, match="invalid size"):
+        parse_size(text)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("90", 90), ("30s", 30), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("2d", 172800),
+])
+def test_parse_duration(text, expected):
+    assert parse_duration(text) == expected
+
+
+@pytest.mark.parametrize("text", ["soon", "5 minutes", "1h30", "m5"])
+def test_parse_duration_rejects(text):
+    with pytest.raises(UserError, match="invalid duration"):
+        parse_duration(text)
+
+
+def test_format_size():
+    assert format_size(0) == "0 B"
+    assert format_size(1536) == "1.5 KiB"
+    assert format_size(3 << 30) == "3.0 GiB"
+
+
+def test_build_coerces_strings_and_derives_rank_dir():
+    cfg = Config.build(mountpoint="mnt", ramdisk="/dev/shm/x", job="j", rank="2", nodes="4", capacity="1G")
+    assert cfg.mountpoint == Path.cwd() / "mnt"
+    assert (cfg.rank, cfg.nodes, cfg.capacity) == (2, 4, 1 << 30)
+    assert cfg.rank_dir == Path("/dev/shm/x/j/rank-2")
+
+
+def test_build_defaults():
+    cfg = Config.build(mountpoint="/m", ramdisk=None, job=None)
+    assert (cfg.ramdisk, cfg.job, cfg.rank, cfg.nodes, cfg.capacity) == (Path("/dev/shm/tierfs"), "default", 0, 1, None)
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"rank": "4", "nodes": "4"}, "invalid rank 4: it must be in 0..3"),
+    ({"rank": "-1"}, "invalid rank -1"),
+    ({"nodes": "0"}, "invalid --nodes 0"),
+    ({"job": "a/b"}, "invalid job id"),
+    ({"job": ".hidden"}, "invalid job id"),
+    ({"job": "x" * 129}, "invalid job id"),
+    ({"capacity": "100K"}, "too small"),
+    ({"log_level": "chatty"}, "invalid log level"),
+    ({}, None),
+])
+def test_build_rejects(values, message):
+    if message is None:
+        with pytest.raises(UserError, match="missing MOUNTPOINT"):
+            Config.build(**values)
+        return
+    with pytest.raises(UserError, match=message):
+        Config.build(mountpoint="/m", **values)

@@ -9,8 +9,10 @@ I/O), else a built-in Python writer/reader (``--engine builtin``).
 The method follows docs "Facts of this machine": this VM's memory balloon hands pages back
 to the host and makes naive A/B runs lie by up to 4x, so
 
-- before EACH measurement a warm-up file (2 GiB) is written on the tmpfs and deleted
-  right before the measurement starts;
+- each file is moved in timed segments (512 MiB by default); before EACH segment a warm-up
+  file (1 GiB) is written on the tmpfs and deleted right before the segment starts. The
+  balloon hands freed pages back to the host ~2 s after they are freed, so a whole 2 GiB
+  measurement after one warm-up would put the slower side on cold pages;
 - each test file is deleted right after its measurement (after the read of it);
 - the side that goes first alternates from round to round;
 - every number reported is the median of >= 5 rounds (``--rounds``), and the ratio
@@ -181,11 +183,12 @@ class FioEngine:
     def files(self, directory: str, tag: str, jobs: int) -> list[str]:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
-    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int) -> dict:
+    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
+            offset: int = 0) -> dict:
         cmd = [
             self.fio, f"--name={tag}", f"--directory={directory}",
             f"--filename_format={tag}.$jobnum",
-            "--ioengine=psync", f"--rw={op}", f"--bs={bs}", f"--size={per_job}",
+            "--ioengine=psync", f"--rw={op}", f"--bs={bs}", f"--size={per_job}", f"--offset={offset}",
             f"--numjobs={jobs}", "--group_reporting", "--output-format=json",
             "--direct=0", *self.align_args,
             "--invalidate=0",    # drop nothing: reads see what the write left, on both sides
@@ -245,7 +248,8 @@ class BuiltinEngine:
     def files(self, directory: str, tag: str, jobs: int) -> list[str]:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
-    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int) -> dict:
+    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
+            offset: int = 0) -> dict:
         buf = self._buf(bs)
         paths = self.files(directory, tag, jobs)
         stop = threading.Event()
@@ -256,9 +260,10 @@ class BuiltinEngine:
         def worker(i: int) -> None:
             try:
                 if op == "write":
-                    fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                    fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | (0 if offset else os.O_TRUNC), 0o644)
                 else:
                     fd = os.open(paths[i], os.O_RDONLY)
+                os.lseek(fd, offset, os.SEEK_SET)
             except OSError as e:
                 errors.append(f"open {paths[i]}: {e}")
                 start.abort()
@@ -399,7 +404,8 @@ class TierfsMount:
 # ----------------------------------------------------------------------------- benchmark
 
 def measure(engine, side: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
-            warm_path: str, warm_size: int, warm_buf: memoryview, daemon_pid: int | None) -> dict:
+            warm_path: str, warm_size: int, warm_buf: memoryview, daemon_pid: int | None,
+            segment: int) -> dict:
     if op == "read":  # make sure the read hits exactly the files just written
         for p in engine.files(directory, tag, jobs):
             try:
@@ -408,14 +414,25 @@ def measure(engine, side: str, op: str, directory: str, tag: str, bs: int, per_j
                 raise BenchError(f"the file to read is missing: {e}") from None
             if size != per_job:
                 raise BenchError(f"{p} holds {size} bytes after the write, expected {per_job}")
-    write_warmup(warm_path, warm_size, warm_buf)
-    os.unlink(warm_path)  # right before the measurement
-    cpu0 = proc_cpu_seconds(daemon_pid) if side == "tierfs" else None
-    res = engine.run(op, directory, tag, bs, per_job, jobs)
+    # The file is moved in timed segments, each right after its own warm-up: the balloon
+    # hands freed pages back to the host about 2 s after they are freed, so a side that
+    # takes longer than that to move one warmed-up segment would touch cold pages.
+    res = {"bytes": 0, "seconds": 0.0, "segments": 0, "daemon_cpu_s": 0.0}
+    seg = min(per_job, max(bs, segment // jobs // bs * bs))
+    for offset in range(0, per_job, seg):
+        write_warmup(warm_path, warm_size, warm_buf)
+        os.unlink(warm_path)  # right before the measurement
+        cpu0 = proc_cpu_seconds(daemon_pid) if side == "tierfs" else None
+        part = engine.run(op, directory, tag, bs, min(seg, per_job - offset), jobs, offset)
+        if side == "tierfs":
+            res["daemon_cpu_s"] += proc_cpu_seconds(daemon_pid) - cpu0
+        res["bytes"] += part["bytes"]
+        res["seconds"] += part["seconds"]
+        res["segments"] += 1
     if side == "tierfs":
-        cpu = proc_cpu_seconds(daemon_pid) - cpu0
-        res["daemon_cpu_s"] = cpu
-        res["daemon_cpu_s_per_gib"] = cpu / (res["bytes"] / GiB)
+        res["daemon_cpu_s_per_gib"] = res["daemon_cpu_s"] / (res["bytes"] / GiB)
+    else:
+        del res["daemon_cpu_s"]
     res["gib_s"] = res["bytes"] / GiB / res["seconds"]
     return res
 
@@ -440,7 +457,7 @@ def run_benchmark(args, engine, dirs: dict, mount: TierfsMount, progress) -> lis
                     for op in OPS:
                         res = measure(engine, side, op, directory, tag, bs, per_job, jobs,
                                       warm_path, args.warmup, warm_buf,
-                                      mount.pid if side == "tierfs" else None)
+                                      mount.pid if side == "tierfs" else None, args.segment)
                         res.update(round=rnd, side=side, op=op, bs=bs, jobs=jobs, position=pos)
                         raw.append(res)
                         done += 1
@@ -530,8 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 5, >= 5 for real numbers)")
     p.add_argument("--bs", type=parse_size_list, default=[MiB, 4 * MiB], help="block sizes (default 1M,4M)")
     p.add_argument("--jobs", type=parse_int_list, default=[1, 4], help="writers/readers in parallel (default 1,4)")
-    p.add_argument("--warmup", type=parse_size, default=2 * GiB,
-                   help="warm-up file written and deleted on tmpfs before each measurement (default 2G)")
+    p.add_argument("--warmup", type=parse_size, default=1 * GiB,
+                   help="warm-up file written and deleted on tmpfs before each timed segment (default 1G)")
+    p.add_argument("--segment", type=parse_size, default=512 * MiB,
+                   help="bytes moved per timed segment, each after its own warm-up (default 512M; "
+                        "the balloon returns freed pages to the host ~2 s after they are freed)")
     p.add_argument("--engine", choices=("auto", "fio", "builtin"), default="auto",
                    help="fio, the built-in Python loop, or auto (fio if installed; default)")
     p.add_argument("--malloc-buffers", action="store_true",
@@ -600,12 +620,14 @@ def main(argv: list[str] | None = None) -> int:
         settings = {
             "engine": engine.name, "engine_version": engine.version, "size": args.size,
             "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "warmup": args.warmup,
+            "segment": args.segment,
             "buffers": "malloc (16-byte aligned)" if args.malloc_buffers else "page-aligned",
             "tmpfs_dir": shm_tmpfs, "tierfs_mountpoint": mountpoint, "tierfs_ramdisk": shm_ram,
             "tierfs": tierfs, "capacity": args.capacity,
         }
         print(f"# engine {engine.version}, {settings['buffers']} buffers, {fmt_size(args.size)} per measurement, {args.rounds} rounds, "
-              f"warm-up {fmt_size(args.warmup)} before each measurement; medians; ratio = tierfs/tmpfs",
+              f"timed in {fmt_size(args.segment)} segments, each after a {fmt_size(args.warmup)} warm-up; "
+              "medians; ratio = tierfs/tmpfs",
               flush=True)
 
         mount = TierfsMount(tierfs, mountpoint, shm_ram, runtime, args.capacity)

@@ -17,7 +17,7 @@ import time
 import pyfuse3
 import trio
 
-from tierfs import control, mounts
+from tierfs import control, linux, mounts
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fs import Operations
@@ -48,6 +48,7 @@ class Daemon:
         """Validate, claim the rank and mount; raises UserError with nothing left mounted."""
         cfg = self.cfg
         _raise_fd_limit()
+        linux.keep_heap_memory()
         os.umask(0)  # modes arrive from the kernel with the caller's umask applied
         self.rank.prepare()
         self.rank.claim(cfg.mountpoint)

@@ -280,3 +280,18 @@ def test_error_unmount_busy(volumes):
         holder.kill()
         holder.wait()
     tierfs("unmount", vol.mountpoint)
+
+
+def test_sigterm_unmounts_and_keeps_files(volumes):
+    """SIGTERM stops every task of the daemon, unmounts, and leaves the RAM tier as it was."""
+    vol = volumes(job="term")
+    (vol.mountpoint / "f").write_bytes(b"kept")
+    pid = vol.pid
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while mounts.process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not mounts.process_alive(pid)
+    assert not vol.is_mounted()
+    assert mounts.Registration(vol.mountpoint).read() is None
+    assert (vol.tree / "f").read_bytes() == b"kept"

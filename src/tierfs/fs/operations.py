@@ -69,6 +69,7 @@ class Operations(pyfuse3.Operations):
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
         self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
+        self._read_buf = memoryview(bytearray(1 << 20))
         self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0}
 
     # -- helpers ---------------------------------------------------------------------
@@ -283,9 +284,13 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def read(self, fh, off, size):
-        data = os.pread(fh, size, off)
-        self.counters["bytes_read"] += len(data)
-        return data
+        # One buffer serves every read: pyfuse3 copies the reply to the kernel as soon as
+        # this handler returns, before any other handler can run, so it is never shared.
+        if size > len(self._read_buf):
+            self._read_buf = memoryview(bytearray(size))
+        n = os.preadv(fh, [self._read_buf[:size]], off)
+        self.counters["bytes_read"] += n
+        return self._read_buf[:n]
 
     @_errors_to_fuse
     async def write(self, fh, off, buf):

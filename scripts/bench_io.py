@@ -557,14 +557,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--malloc-buffers", action="store_true",
                    help="use 16-byte-aligned I/O buffers (fio's default) instead of page-aligned ones")
     p.add_argument("--capacity", help="passed to tierfs mount --capacity")
+    p.add_argument("--replot", metavar="JSON", help="re-render the table and --plot of a saved --json run")
     p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the ratios (needs matplotlib)")
     return p
 
 
+def replot(json_path: str, plot_path: str | None) -> int:
+    """Print the table (and draw the plot) of a saved ``--json`` run without measuring."""
+    with open(json_path) as f:
+        saved = json.load(f)
+    rows = saved["medians"]
+    print(f"# bench_io {saved['header']['date']}  command: {saved['header']['command']}")
+    print(render_table(rows))
+    if plot_path:
+        st = saved["settings"]
+        title = (f"tierfs/tmpfs, {st['engine']}, {fmt_size(st['size'])}, {st['rounds']} rounds, "
+                 f"{saved['header']['date'][:10]}")
+        why = plot(plot_path, rows, title)
+        print(f"# plot skipped: {why}" if why else f"# wrote {plot_path}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.replot:
+        return replot(args.replot, args.plot)
     if args.size is None:
         args.size = 256 * MiB if args.quick else 2 * GiB
     if args.rounds is None:

@@ -93,12 +93,24 @@ class Registration:
 
 
 def process_alive(pid: int) -> bool:
-    """True while ``pid`` runs (a zombie has finished its work and counts as gone)."""
+    """True while any thread of ``pid`` runs.
+
+    The thread-group leader turns zombie as soon as it exits, while its other threads
+    may still be tearing down and holding /dev/fuse open; only when every thread is a
+    zombie (or gone) has the kernel released the process's files.
+    """
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rpartition(")")[2].split()[0] != "Z"
+        tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] != "Z":
+                    return True
+        except OSError:
+            continue
+    return False
 
 
 def prepare_mountpoint(mountpoint: Path) -> None:

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierfs.commit import CommitRules, parse_rules
 from tierfs.errors import UserError
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
@@ -72,6 +73,12 @@ class Config:
     log_level: str = "info"
     log_file: Path | None = None
     read_only: bool = False
+    commit_rule: str = "default"
+    gcs: str | None = None  # gs://BUCKET/PREFIX
+    backup_interval: float = 0.0  # seconds between backups of the newest step; 0 = every commit
+    keep: int = 3  # committed steps kept in GCS per rank
+    chunk_size: int = 4 << 20
+    gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
 
     @classmethod
     def build(cls, **values) -> "Config":
@@ -87,8 +94,14 @@ class Config:
         for key in ("rank", "nodes"):
             if key in v:
                 v[key] = _parse_int(v[key], key)
-        if "capacity" in v:
-            v["capacity"] = parse_size(v["capacity"], "capacity")
+        for key in ("capacity", "chunk_size"):
+            if key in v:
+                v[key] = parse_size(v[key], key.replace("_", "-"))
+        for key in ("backup_interval", "gc_grace"):
+            if key in v:
+                v[key] = parse_duration(v[key], key.replace("_", "-"))
+        if "keep" in v:
+            v["keep"] = _parse_int(v["keep"], "keep")
         if "log_level" in v:
             v["log_level"] = str(v["log_level"]).lower()
         cfg = cls(**v)
@@ -110,8 +123,23 @@ class Config:
             )
         if self.capacity is not None and self.capacity < 1 << 20:
             raise UserError(f"capacity {self.capacity} bytes is too small: use at least 1M")
+        if self.keep < 1:
+            raise UserError(f"invalid --keep {self.keep}: keep at least 1 step in GCS")
+        if not (64 << 10) <= self.chunk_size <= (64 << 20) or self.chunk_size % 4096:
+            raise UserError(
+                f"invalid --chunk-size {self.chunk_size}: use a multiple of 4K between 64K and 64M"
+            )
+        parse_rules(self.commit_rule)  # a bad rule is a start-up error, not a later surprise
+        if self.gcs is not None:
+            from tierfs.gcs import parse_gcs_url  # google-cloud-storage is slow to import
+
+            parse_gcs_url(self.gcs)
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"invalid log level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+
+    @property
+    def rules(self) -> CommitRules:
+        return CommitRules(parse_rules(self.commit_rule))
 
     @property
     def rank_dir(self) -> Path:

@@ -13,6 +13,7 @@ import resource
 import signal
 import sys
 import time
+from dataclasses import asdict
 
 import pyfuse3
 import trio
@@ -22,6 +23,9 @@ from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fs import Operations
 from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier.snapshots import Snapshots
+from tierfs.replicator import Replicator
+from tierfs.steps import Steps
 
 log = logging.getLogger("tierfs")
 
@@ -41,6 +45,11 @@ class Daemon:
         self.registration = mounts.Registration(cfg.mountpoint)
         self.space = SpaceAccount(cfg.capacity, self.rank.tree)
         self.ops: Operations | None = None
+        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked)
+        self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
+        self.gcs = None
+        self.replicator: Replicator | None = None
+        self.restored: dict | None = None
         self.started = time.time()
         self._signalled = False
 
@@ -54,14 +63,18 @@ class Daemon:
         self.rank.claim(cfg.mountpoint)
         if not self.rank.is_tmpfs():
             log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
-        self.space.scan(self.rank.tree)
+        self.steps.load()
+        if cfg.gcs:
+            self._open_gcs()
+        self.space.scan(self.rank.tree, self.snapshots.root)  # snapshots pin RAM too
         if cfg.capacity is not None and self.space.used > cfg.capacity:
             raise UserError(
                 f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
                 f"already stored in {self.rank.tree}: raise --capacity or remove files"
             )
         mounts.prepare_mountpoint(cfg.mountpoint)
-        self.ops = Operations(self.rank.tree, self.space)
+        self.ops = Operations(self.rank.tree, self.space, self.snapshots, self.steps)
+        self.replicator = Replicator(cfg, self.steps, self.gcs)
         try:
             pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
         except RuntimeError as e:
@@ -81,9 +94,38 @@ class Daemon:
             cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
         )
 
+    def _open_gcs(self) -> None:
+        """Reach the bucket; on an empty RAM tier, restore the newest step it holds."""
+        from tierfs.gcs import GcsStore, GcsUnavailable  # slow import: only when used
+        from tierfs.restore import restore_from_gcs, tree_is_empty
+
+        cfg = self.cfg
+        self.gcs = GcsStore(cfg.gcs, cfg.job)
+        empty = tree_is_empty(self.rank.tree) and not self.steps.states
+        try:
+            self.gcs.check()
+        except GcsUnavailable as e:
+            if empty:
+                raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
+                                "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
+            log.warning("GCS is unreachable (%s): backups wait until it is back", e)
+            return
+        if empty:
+            self.restored = restore_from_gcs(cfg, self.gcs, self.rank, self.steps)
+
+    def _unlinked(self, st: os.stat_result) -> None:
+        if self.ops is not None:
+            self.ops.link_removed(st)
+        elif st.st_nlink <= 1:
+            self.space.drop(st.st_ino)
+
+    def _writing_inodes(self) -> set[int]:
+        return self.ops.writing_inodes() if self.ops is not None else set()
+
     async def serve(self, ready_fd: int | None = None) -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self.replicator.run)
             await nursery.start(control.serve, self.registration.socket_path, self._control)
             nursery.start_soon(self._fuse_main, nursery.cancel_scope)
             # The first request through the mount completes the kernel's INIT handshake,
@@ -107,7 +149,17 @@ class Daemon:
         op = request.get("op")
         if op == "status":
             return self.status()
+        if op == "commit":
+            return self._commit(request["path"], request.get("step"))
         raise ValueError(f"unknown request {op!r}")
+
+    def _commit(self, path: str, step: int | None) -> dict:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError(f"{path!r} is not a path inside the volume")
+        state = self.steps.commit(path.strip("/"), step)
+        if state is None:
+            raise ValueError(f"{path} does not exist in the volume")
+        return {"step": state.step, "roots": state.roots, "version": state.version}
 
     def status(self) -> dict:
         cfg, ops = self.cfg, self.ops
@@ -128,6 +180,13 @@ class Daemon:
                 }
             },
             "fuse": {"inodes": len(ops.inodes), **ops.counters},
+            "commit_rules": [str(r) for r in self.steps.rules.rules],
+            "steps": [
+                {**asdict(s), "backed_up": s.backed_up}
+                for s in sorted(self.steps.states.values(), key=lambda s: s.step)
+            ],
+            "restored": self.restored,
+            "gcs": self.replicator.status() if self.gcs is not None else None,
         }
 
     def stop(self) -> None:

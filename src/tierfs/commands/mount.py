@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 
-from tierfs import daemon, mounts
+from tierfs import mounts
 from tierfs.config import Config
 from tierfs.errors import UserError
 
@@ -22,6 +22,12 @@ OPTIONS = {
     "rank": "this node's rank in the job (default 0)",
     "nodes": "number of nodes (ranks) in the job (default 1)",
     "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
+    "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
+    "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it onto an empty RAM tier",
+    "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
+    "keep": "committed steps kept in GCS per rank (default 3)",
+    "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
+    "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
 }
@@ -59,6 +65,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.foreground or args.ready_fd is not None:
+        from tierfs import daemon  # the daemon's imports (GCS client) are slow for the CLI
+
         return daemon.run(cfg, args.ready_fd)
     return spawn(cfg, _child_argv(args))
 

@@ -46,4 +46,24 @@ def render(s: dict) -> str:
         f"  io    written {format_size(s['fuse']['bytes_written'])}, read {format_size(s['fuse']['bytes_read'])}, "
         f"{s['fuse']['opens']} opens, {s['fuse']['inodes']} inodes cached",
     ]
+    if s.get("restored"):
+        r = s["restored"]
+        lines.append(f"  restored step {r['step']} from {r['from']}: {format_size(r['bytes'])}, "
+                     f"{r['files']} files in {r['seconds']:.1f}s")
+    gcs = s.get("gcs")
+    if gcs:
+        state = gcs["state"] + (f" ({gcs['error']})" if gcs.get("error") else "")
+        lines.append(f"  gcs   {gcs['url']}  {state}, backup lag {gcs['backup_lag_s']:.1f}s")
+        if gcs.get("progress"):
+            p = gcs["progress"]
+            lines.append(f"        uploading step {gcs['uploading']}: {p['chunks_done']}/{p['chunks_total']} chunks")
+    for st in s.get("steps", []):
+        b = st["backup"]
+        where = f"from {st['source']}" if st["source"] != "local" else "committed"
+        if st["backed_up"] and not b.get("restored"):
+            where += (f", backed up in {b['seconds']:.1f}s: {format_size(b['uploaded_bytes'])} uploaded, "
+                      f"{format_size(b['dedup_bytes'])} deduplicated")
+        elif gcs and not st["backed_up"]:
+            where += ", not backed up yet"
+        lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {where}")
     return "\n".join(lines)

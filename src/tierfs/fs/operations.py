@@ -9,6 +9,11 @@ the caller's ownership, with the group a setgid directory imposes, as tmpfs woul
 
 Handlers never await: each runs to completion on the trio thread, so the table and the
 space account need no locks, and an operation sees no other half-done.
+
+Two hooks tie the mount to the checkpoint machinery: ``events`` hears of the acts that may
+commit a checkpoint (a file closed after writing, a rename), and ``snapshots`` keeps
+committed steps frozen: their extra hard links are hidden from ``st_nlink``, and a
+committed file is detached from its snapshot before anything changes it.
 """
 
 from __future__ import annotations
@@ -18,12 +23,13 @@ import functools
 import logging
 import os
 import stat
-from typing import Callable
+from typing import Callable, Protocol
 
 import pyfuse3
 
 from tierfs import linux
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
+from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import PAGE, SpaceAccount
 
 log = logging.getLogger(__name__)
@@ -53,6 +59,14 @@ def _errors_to_fuse(handler: Callable) -> Callable:
     return wrapper
 
 
+class Events(Protocol):
+    """What the checkpoint machinery hears from the mount (paths relative to its root)."""
+
+    def file_done(self, path: str) -> None: ...  # closed after writing, or renamed into place
+
+    def dir_renamed(self, path: str) -> None: ...
+
+
 def _has_privs(mode: int) -> bool:
     """Set-uid, or set-gid with group execute (set-gid alone means mandatory locking)."""
     return bool(mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP))
@@ -62,11 +76,16 @@ class Operations(pyfuse3.Operations):
     supports_dot_lookup = False  # no NFS export: '.'/'..' never reach lookup()
     enable_writeback_cache = False
 
-    def __init__(self, tree: str | os.PathLike, space: SpaceAccount):
+    def __init__(self, tree: str | os.PathLike, space: SpaceAccount,
+                 snapshots: Snapshots | None = None, events: Events | None = None):
         super().__init__()
         self.inodes = InodeTable(tree)
         self.space = space
+        self.snapshots = snapshots
+        self.events = events
+        self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
+        self._writable: set[int] = set()  # fhs open for writing
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
         self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
         self._read_buf = memoryview(bytearray(1 << 20))
@@ -81,7 +100,7 @@ class Operations(pyfuse3.Operations):
         a.entry_timeout = ATTR_TIMEOUT
         a.attr_timeout = ATTR_TIMEOUT
         a.st_mode = st.st_mode
-        a.st_nlink = st.st_nlink
+        a.st_nlink = st.st_nlink - (self.snapshots.pins(st.st_ino) if self.snapshots else 0)
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
@@ -113,8 +132,8 @@ class Operations(pyfuse3.Operations):
             raise
         return self._attrs(*self.inodes.adopt(fd))
 
-    def _link_removed(self, st: os.stat_result) -> None:
-        """A name of ``st`` is gone: if it was the last, its space is free (at last close)."""
+    def link_removed(self, st: os.stat_result) -> None:
+        """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its space is free (at last close)."""
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             return
         node = self.inodes.get(self.inodes.fuse_ino(st))
@@ -122,6 +141,31 @@ class Operations(pyfuse3.Operations):
             node.orphaned = True
         else:
             self.space.drop(st.st_ino)
+
+    def _relpath(self, fd: int, name: bytes = b"") -> str | None:
+        """The tree-relative path of ``fd`` (joined with ``name``), as the commit rules see it."""
+        path = os.readlink(f"/proc/self/fd/{fd}".encode())
+        if name:
+            path = path + b"/" + name
+        if not path.startswith(self._tree_prefix) or path.endswith(b" (deleted)"):
+            return None  # the root itself, or unlinked meanwhile
+        return os.fsdecode(path[len(self._tree_prefix):])
+
+    def _detach(self, node: Inode) -> None:
+        """Before a committed file changes, give its snapshots a copy of their own."""
+        if self.snapshots is None or node.kind != stat.S_IFREG:
+            return
+        st = os.fstat(node.fd)
+        if not self.snapshots.pins(st.st_ino):
+            return
+        self.space.check_growth(st.st_blocks * 512)
+        copy = self.snapshots.detach(st.st_ino, node.proc_path)
+        if copy is not None:
+            self.space.update(copy)
+
+    def writing_inodes(self) -> set[int]:
+        """Backing inode numbers of the files open for writing now."""
+        return {os.fstat(fh).st_ino for fh in self._writable}
 
     def _lstat_at(self, dirfd: int, name: bytes) -> os.stat_result | None:
         try:
@@ -141,6 +185,8 @@ class Operations(pyfuse3.Operations):
         self.counters["opens"] += 1
         fi = pyfuse3.FileInfo(fh=fd)
         accmode = flags & os.O_ACCMODE
+        if accmode != os.O_RDONLY:
+            self._writable.add(fd)
         if flags & os.O_TRUNC:
             node.cache_valid = False
             self.space.update(os.fstat(fd))
@@ -176,6 +222,7 @@ class Operations(pyfuse3.Operations):
     @_errors_to_fuse
     async def setattr(self, inode, attr, fields, fh, ctx):
         node = self.inodes[inode]
+        self._detach(node)
         if fields.update_mode and node.kind != stat.S_IFLNK:
             os.chmod(node.proc_path, stat.S_IMODE(attr.st_mode))
         if fields.update_uid or fields.update_gid:
@@ -231,7 +278,7 @@ class Operations(pyfuse3.Operations):
         parent = self.inodes[parent_inode]
         st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         os.unlink(name, dir_fd=parent.fd)
-        self._link_removed(st)
+        self.link_removed(st)
 
     @_errors_to_fuse
     async def rmdir(self, parent_inode, name, ctx):
@@ -247,16 +294,24 @@ class Operations(pyfuse3.Operations):
             linux.renameat2(old.fd, name_old, new.fd, name_new, flags)
         else:
             os.rename(name_old, name_new, src_dir_fd=old.fd, dst_dir_fd=new.fd)
-        if replaced is not None:
-            moved = os.stat(name_new, dir_fd=new.fd, follow_symlinks=False)
-            if moved.st_ino != replaced.st_ino:
-                self._link_removed(replaced)
+        moved = os.stat(name_new, dir_fd=new.fd, follow_symlinks=False)
+        if replaced is not None and moved.st_ino != replaced.st_ino:
+            self.link_removed(replaced)
+        if self.events is not None and not flags & linux.RENAME_EXCHANGE:
+            path = self._relpath(new.fd, name_new)
+            if path is not None:
+                if stat.S_ISDIR(moved.st_mode):
+                    self.events.dir_renamed(path)
+                elif stat.S_ISREG(moved.st_mode):
+                    self.events.file_done(path)
 
     # -- files -----------------------------------------------------------------------
 
     @_errors_to_fuse
     async def open(self, inode, flags, ctx):
         node = self.inodes[inode]
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            self._detach(node)
         fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
         return self._open_backing(inode, node, fd, flags, ctx)
 
@@ -319,7 +374,14 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh):
         ino = self._files.pop(fh)
         self._kill_privs.discard(fh)
+        path = None
+        if fh in self._writable:
+            self._writable.discard(fh)
+            if self.events is not None and os.fstat(fh).st_nlink > 0:
+                path = self._relpath(fh)
         os.close(fh)
+        if path is not None:
+            self.events.file_done(path)
         node = self.inodes.get(ino)
         if node is None:
             return

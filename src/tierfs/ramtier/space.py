@@ -35,14 +35,15 @@ class SpaceAccount:
     def bounded(self) -> bool:
         return self._capacity is not None
 
-    def scan(self, root: os.PathLike | str) -> None:
+    def scan(self, *roots: os.PathLike | str) -> None:
         """Count what is already stored (after a restart the tree is still there)."""
         self._allocated.clear()
-        for dirpath, dirnames, filenames in os.walk(root):
-            for name in filenames:
-                st = os.lstat(os.path.join(dirpath, name))
-                if stat.S_ISREG(st.st_mode):
-                    self._allocated[st.st_ino] = st.st_blocks * 512
+        for root in roots:
+            for dirpath, dirnames, filenames in os.walk(root):
+                for name in filenames:
+                    st = os.lstat(os.path.join(dirpath, name))
+                    if stat.S_ISREG(st.st_mode):
+                        self._allocated[st.st_ino] = st.st_blocks * 512
         self.used = sum(self._allocated.values())
 
     def check_growth(self, nbytes: int) -> None:

@@ -1,0 +1,217 @@
+"""Committed steps, frozen by hard links so the job can go on changing its files.
+
+    <rank dir>/steps/<step>/tree/...      the step's committed paths, relative to the volume root
+    <rank dir>/steps/<step>/state.json    roots, commit time, backup progress (owned by the replicator)
+    <rank dir>/steps/<step>/manifest.json the manifest built from tree/
+
+A snapshot costs one hard link per file on tmpfs: no byte is copied when a checkpoint
+commits. The job may then delete or rename committed files freely (the links keep the
+bytes). Only changing a committed file's data or attributes needs a copy, and the copy is
+given to the *snapshot* (``detach``), so the job's inode, its FUSE inode number and its page
+cache stay what they were; readers of a snapshot recheck the path's inode after reading to
+notice a detach that raced with them.
+
+Files still open for writing when their step commits are copied instead of linked, since
+a write through an earlier descriptor could otherwise land in the snapshot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import stat
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+class Snapshots:
+    def __init__(self, rank_path: Path, tree: Path, on_unlinked: Callable[[os.stat_result], None]):
+        self.root = rank_path / "steps"
+        self.tree = tree
+        self._on_unlinked = on_unlinked  # a link of this inode is gone (space accounting)
+        self._pins: dict[int, list[str]] = {}  # backing st_ino -> snapshot paths linking it
+        self._serial = 0
+        self.detaches = 0  # readers of a snapshot compare it before and after reading
+
+    # -- state -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Rebuild the pin table after a restart; remove what a crash left half-built."""
+        self.root.mkdir(exist_ok=True)
+        self._pins.clear()
+        for entry in os.scandir(self.root):
+            if entry.name.startswith("."):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            elif entry.name.isdigit():
+                self._walk_pins(self.step_tree(int(entry.name)), self._pin)
+
+    def steps(self) -> list[int]:
+        return sorted(int(e.name) for e in os.scandir(self.root) if e.name.isdigit())
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / str(step)
+
+    def step_tree(self, step: int) -> Path:
+        return self.root / str(step) / "tree"
+
+    def pins(self, ino: int) -> int:
+        """How many snapshot links ``ino`` has (subtracted from the link count users see)."""
+        paths = self._pins.get(ino)
+        return len(paths) if paths else 0
+
+    # -- freezing ------------------------------------------------------------------------
+
+    def freeze(self, step: int, root: str, writing: set[int]) -> bool:
+        """Add ``root`` (a path under the tree) to ``step``'s snapshot, replacing an older copy.
+
+        Returns False if ``root`` no longer exists. ``writing`` holds the inodes open for
+        writing, which are copied rather than linked.
+        """
+        src = self.tree / root
+        try:
+            os.lstat(src)
+        except FileNotFoundError:
+            return False
+        snap = self.step_tree(step)
+        snap.mkdir(parents=True, exist_ok=True)
+        self._serial += 1
+        staging = self.root / f".staging-{os.getpid()}-{self._serial}"
+        try:
+            self._copy_tree(src, staging, writing)
+            dst = snap / root
+            self._make_parents(root, snap)
+            if os.path.lexists(dst):
+                self._remove(dst)
+            os.rename(staging, dst)
+        except BaseException:
+            self._remove(staging)
+            raise
+        self._walk_pins(dst, self._pin)
+        return True
+
+    def _copy_tree(self, src: Path, dst: Path, writing: set[int]) -> None:
+        st = os.lstat(src)
+        if stat.S_ISDIR(st.st_mode):
+            os.mkdir(dst)
+            with os.scandir(src) as it:
+                for entry in it:
+                    self._copy_tree(Path(entry.path), dst / entry.name, writing)
+            _copy_attrs(st, dst)
+        elif stat.S_ISREG(st.st_mode) and st.st_ino in writing:
+            self._copy_file(src, dst)
+        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            os.link(src, dst, follow_symlinks=False)
+        # fifos, sockets and devices are not checkpoint data
+
+    def _make_parents(self, root: str, snap: Path) -> None:
+        """Create the root's ancestors in the snapshot with the live tree's attributes."""
+        parts = root.split("/")[:-1]
+        for i in range(1, len(parts) + 1):
+            rel = "/".join(parts[:i])
+            if not (snap / rel).is_dir():
+                os.mkdir(snap / rel)
+                _copy_attrs(os.lstat(self.tree / rel), snap / rel)
+
+    def _copy_file(self, src: Path | str, dst: Path) -> os.stat_result:
+        with open(src, "rb") as fin, open(dst, "xb") as fout:
+            n = os.fstat(fin.fileno()).st_size
+            while n > 0:
+                copied = os.copy_file_range(fin.fileno(), fout.fileno(), min(n, 1 << 30))
+                if copied == 0:
+                    break
+                n -= copied
+            st = os.fstat(fin.fileno())
+        _copy_attrs(st, dst)
+        return os.lstat(dst)
+
+    # -- copy on write -------------------------------------------------------------------
+
+    def detach(self, ino: int, live_path: str) -> os.stat_result | None:
+        """Give the snapshots of ``ino`` their own copy before the job changes it.
+
+        ``live_path`` opens the inode (a /proc/self/fd path). Returns the copy's stat for
+        space accounting, or None if ``ino`` is not in any snapshot.
+        """
+        paths = self._pins.pop(ino, None)
+        if not paths:
+            return None
+        self._serial += 1
+        tmp = self.root / f".cow-{os.getpid()}-{self._serial}"
+        try:
+            copy = self._copy_file(live_path, tmp)
+            for p in paths:
+                os.link(tmp, p + ".cow")
+                os.rename(p + ".cow", p)
+        except BaseException:
+            self._pins[ino] = paths
+            for p in paths:
+                _unlink_quietly(p + ".cow")
+            raise
+        finally:
+            _unlink_quietly(tmp)
+        self._pins[copy.st_ino] = paths
+        self.detaches += 1
+        return os.lstat(paths[0])
+
+    # -- dropping -----------------------------------------------------------------------
+
+    def drop(self, step: int) -> None:
+        """Forget a step: its links go, and inodes that only it held are freed."""
+        d = self.step_dir(step)
+        if d.exists():
+            self._remove(d)
+
+    def _remove(self, path: Path) -> None:
+        if not os.path.lexists(path):
+            return
+        gone: list[os.stat_result] = []
+
+        def unpin(ino: int, p: str, st: os.stat_result) -> None:
+            paths = self._pins.get(ino)
+            if paths and p in paths:
+                paths.remove(p)
+                if not paths:
+                    del self._pins[ino]
+            gone.append(st)
+
+        self._walk_pins(path, unpin)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
+        for st in gone:
+            self._on_unlinked(st)
+
+    def _pin(self, ino: int, path: str, st: os.stat_result) -> None:
+        self._pins.setdefault(ino, []).append(path)
+
+    @staticmethod
+    def _walk_pins(top: Path, visit: Callable[[int, str, os.stat_result], None]) -> None:
+        """Call ``visit`` for every regular file under ``top`` (or ``top`` itself)."""
+        paths: Iterable[str]
+        if os.path.isdir(top) and not os.path.islink(top):
+            paths = (os.path.join(d, f) for d, _, files in os.walk(top) for f in files)
+        elif os.path.lexists(top):
+            paths = (str(top),)
+        else:
+            return
+        for p in paths:
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                visit(st.st_ino, p, st)
+
+
+def _copy_attrs(st: os.stat_result, dst: Path) -> None:
+    os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _unlink_quietly(path: Path | str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,110 @@
+"""This rank's committed steps: what was committed, when, and how far each got.
+
+The state of a step lives beside its snapshot (``steps/<step>/state.json``) and is
+rewritten atomically, so a daemon restart resumes backups where they stopped. Commits
+come from the mount's events (through the commit rules) or from ``tierfs commit``; both
+run on the trio thread, so a commit is complete before the operation that caused it
+returns to the job.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from tierfs.commit import CommitRules, step_of
+from tierfs.ramtier.snapshots import Snapshots
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepState:
+    step: int
+    roots: list[str]
+    committed_at: float
+    version: int = 1  # bumped by every commit into the step; a backup covers one version
+    source: str = "local"  # where the data came from: local writes, or the tier it was restored from
+    backup: dict = field(default_factory=dict)  # version, at, uploaded_bytes, dedup_bytes, ...
+
+    @property
+    def backed_up(self) -> bool:
+        return self.backup.get("version") == self.version
+
+    def add_root(self, root: str) -> None:
+        if any(root == r or root.startswith(r + "/") for r in self.roots):
+            return  # already inside a committed root of this step
+        self.roots = sorted([r for r in self.roots if not r.startswith(root + "/")] + [root])
+
+
+class Steps:
+    def __init__(self, snapshots: Snapshots, rules: CommitRules, writing: Callable[[], set[int]]):
+        self.snapshots = snapshots
+        self.rules = rules
+        self._writing = writing  # inodes open for writing, copied rather than linked
+        self.states: dict[int, StepState] = {}
+        self.on_commit: Callable[[StepState], None] = lambda state: None
+
+    def load(self) -> None:
+        self.snapshots.load()
+        for step in self.snapshots.steps():
+            path = self.snapshots.step_dir(step) / "state.json"
+            try:
+                self.states[step] = StepState(**json.loads(path.read_text()))
+            except (OSError, ValueError, TypeError) as e:
+                # Frozen but never recorded: the commit did not finish before a crash.
+                log.warning("dropping step %d, its state is unreadable (%s)", step, e)
+                self.snapshots.drop(step)
+
+    def save(self, state: StepState) -> None:
+        path = self.snapshots.step_dir(state.step) / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(state), sort_keys=True))
+        os.rename(tmp, path)
+
+    # -- commits -----------------------------------------------------------------------
+
+    def file_done(self, path: str) -> None:
+        root = self.rules.file_done(path)
+        if root is not None:
+            self.commit(root)
+
+    def dir_renamed(self, path: str) -> None:
+        root = self.rules.dir_renamed(path)
+        if root is not None:
+            self.commit(root)
+
+    def commit(self, root: str, step: int | None = None) -> StepState | None:
+        """Freeze ``root`` (relative to the volume root) as part of ``step`` (default: from its name)."""
+        if step is None:
+            step = step_of(root)
+        if step is None:
+            step = max(self.states, default=0) + 1
+        if not self.snapshots.freeze(step, root, self._writing()):
+            log.warning("commit of %s: it is gone", root)
+            return None
+        state = self.states.get(step)
+        if state is None:
+            state = self.states[step] = StepState(step, [root], time.time())
+        else:
+            state.add_root(root)
+            state.version += 1
+            state.committed_at = time.time()
+        self.save(state)
+        log.info("committed step %d: %s (version %d)", step, root, state.version)
+        self.on_commit(state)
+        return state
+
+    # -- queries and retention ---------------------------------------------------------
+
+    def newest(self) -> StepState | None:
+        return self.states[max(self.states)] if self.states else None
+
+    def drop(self, step: int) -> None:
+        self.states.pop(step, None)
+        self.snapshots.drop(step)
+        log.info("dropped local snapshot of step %d", step)

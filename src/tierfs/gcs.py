@@ -1,0 +1,573 @@
+"""The GCS tier: one job's chunks and manifests under gs://BUCKET/PREFIX.
+
+Layout (with an empty PREFIX, names start at ``<job>/``)::
+
+    <prefix>/<job>/chunks/<h[0:2]>/<h>                      a chunk frame, named by its hash
+    <prefix>/<job>/manifests/rank-<R>/step-<S:012d>.json     a manifest; its presence commits step S
+    <prefix>/<job>/manifests/rank-<R>/step-<S:012d>.pending  an upload in progress: JSON list of
+                                                             the chunk hashes it will reference
+
+Chunks are shared by every rank and step of the job and never change once written, so
+they are created with ``ifGenerationMatch=0``: of two ranks uploading the same bytes one
+wins and the other learns it can stop. The frame format is opaque here. Only
+:meth:`GcsStore.collect_garbage` deletes chunks, and it proves each one unused first.
+
+Everything is synchronous, for worker threads; one store (and its HTTP connection pool)
+serves all of them. Transient failures are retried here for about a second, then raised
+as :class:`GcsUnavailable`: the caller owns the long backoff. The library's own retries
+are turned off because they would hide an outage for two minutes per request.
+"""
+
+from __future__ import annotations
+
+import functools
+import http.client
+import json
+import os
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple, TypeVar
+
+import requests
+import urllib3
+from google.api_core import exceptions as api
+from google.auth import exceptions as auth
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from google.cloud.storage.exceptions import DataCorruption
+
+from tierfs.errors import UserError
+
+T = TypeVar("T")
+
+RETRY_DELAYS = (0.2, 1.0)  # sleeps between the three attempts of one request
+CONNECT_TIMEOUT = 10.0  # a connect that takes longer is an outage, however big the object
+POOL_SIZE = 32  # pooled connections: room for 16 worker threads plus the collector's
+GC_THREADS = 16
+PENDING_MAX_AGE = 24 * 3600.0  # an upload marker older than this belongs to a dead upload
+LIST_PAGE = 1000
+USED_KEY = "tierfs-used"  # chunk metadata: unix time of the last touch
+CONTENT_TYPE = "application/octet-stream"
+
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]*[a-z0-9]")
+_MANIFEST_RE = re.compile(r"rank-(\d+)/step-(\d+)\.(json|pending)")
+
+_TRANSIENT: tuple[type[BaseException], ...] = (
+    api.TooManyRequests,
+    api.InternalServerError,
+    api.BadGateway,
+    api.ServiceUnavailable,
+    api.GatewayTimeout,
+    requests.exceptions.ConnectionError,
+    requests.exceptions.Timeout,
+    requests.exceptions.ChunkedEncodingError,
+    urllib3.exceptions.ProtocolError,
+    urllib3.exceptions.TimeoutError,
+    http.client.HTTPException,  # e.g. a body cut short
+    ConnectionError,
+    TimeoutError,
+    auth.TransportError,  # the token endpoint is unreachable
+    DataCorruption,  # checksum mismatch in transit: the stored object is fine
+)
+_DENIED = (api.Unauthorized, api.Forbidden, auth.RefreshError)
+
+
+class GcsError(Exception):
+    """A GCS request failed; the message names the operation and the gs:// URL."""
+
+
+class GcsUnavailable(GcsError):
+    """GCS could not be reached or answered 429/5xx, even after quick retries: try later."""
+
+
+class MissingObject(GcsError):
+    """The object does not exist (HTTP 404)."""
+
+
+class CorruptObject(GcsError):
+    """An object this module must understand is unreadable.
+
+    The collector stops on one rather than guess which chunks it protects.
+    """
+
+
+class MissingBucket(GcsError, UserError):
+    """The bucket does not exist: only the user can fix that."""
+
+
+class GcsAccessDenied(GcsError, UserError):
+    """The credentials may not do this (HTTP 401/403): no retry helps, access must be granted."""
+
+
+class ChunkInfo(NamedTuple):
+    """One chunk as a listing saw it: enough to decide, and to delete only that version."""
+
+    hash: str
+    size: int
+    updated: float  # unix time the chunk was last written or touched
+    metageneration: int
+
+
+def parse_gcs_url(url: str) -> tuple[str, str]:
+    """``gs://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; the prefix may be empty."""
+    if not url.startswith("gs://"):
+        raise UserError(f"invalid GCS URL {url!r}: use gs://BUCKET or gs://BUCKET/PREFIX")
+    bucket, _, prefix = url[len("gs://"):].partition("/")
+    parts = bucket.split(".")
+    if not (
+        3 <= len(bucket) <= 222
+        and _BUCKET_RE.fullmatch(bucket)
+        and all(0 < len(p) <= 63 for p in parts)
+    ):
+        raise UserError(
+            f"invalid GCS bucket name {bucket!r} in {url!r}: use 3-63 lowercase letters, "
+            "digits, '-', '_' or '.', starting and ending with a letter or digit"
+        )
+    prefix = prefix.rstrip("/")
+    if prefix and ("" in prefix.split("/") or any(ord(c) < 0x20 for c in prefix)):
+        raise UserError(
+            f"invalid GCS prefix {prefix!r} in {url!r}: no empty path segments or control characters"
+        )
+    return bucket, prefix
+
+
+class GcsStore:
+    """One job's objects in one bucket; safe to share between threads."""
+
+    def __init__(
+        self, url: str, job: str, client: storage.Client | None = None, timeout: float = 30
+    ):
+        self.bucket, self.prefix = parse_gcs_url(url)
+        if not job or "/" in job:
+            raise ValueError(f"invalid job id {job!r}")
+        self.job = job
+        self._base = f"{self.prefix}/{job}/" if self.prefix else f"{job}/"
+        self._client = client
+        self._client_lock = threading.Lock()
+        self._timeout = (min(timeout, CONNECT_TIMEOUT), timeout)
+
+    @property
+    def client(self) -> storage.Client:
+        """Created on first use, so that merely configuring GCS needs no credentials yet."""
+        if self._client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = _make_client()
+        return self._client
+
+    def url_of(self, name: str) -> str:
+        return f"gs://{self.bucket}/{name}"
+
+    def chunk_url(self, h: str) -> str:
+        return self.url_of(self._chunk_name(h))
+
+    def check(self) -> None:
+        """Fail now, with a clear message, if the bucket is missing or out of reach.
+
+        This lists objects rather than reading the bucket: object roles, which are all
+        tierfs needs, do not include reading the bucket's own metadata.
+        """
+        next(self._list(self._base, "items(name)", page_size=1), None)
+
+    # -- chunks ---------------------------------------------------------------------------
+
+    def put_chunk(self, h: str, frame: bytes) -> bool:
+        """Create the chunk; False if it already existed (its content is then the same).
+
+        A retry after a lost response also reports False: the first attempt created it.
+        """
+        try:
+            self._upload(self._chunk_name(h), frame, if_generation_match=0)
+        except api.PreconditionFailed:
+            return False
+        return True
+
+    def touch_chunk(self, h: str) -> bool:
+        """Mark an existing chunk as in use now; False if it does not exist.
+
+        The metadata patch moves the chunk's ``updated`` time and bumps its
+        metageneration, which is what keeps :meth:`collect_garbage` away from it.
+        """
+        name = self._chunk_name(h)
+
+        def patch() -> None:
+            blob = self._blob(name)
+            blob.metadata = {USED_KEY: f"{time.time():.6f}"}
+            blob.patch(retry=None, timeout=self._timeout)
+
+        try:
+            self._call("touch", name, patch)
+        except api.NotFound:
+            return False
+        return True
+
+    def get_chunk_frame(self, h: str) -> bytes:
+        return self._download(self._chunk_name(h))
+
+    def list_chunks(self) -> Iterator[ChunkInfo]:
+        """Every chunk of the job; other objects are skipped, so the collector leaves them be."""
+        prefix = f"{self._base}chunks/"
+        fields = "items(name,size,updated,metageneration,metadata)"
+        for blob in self._list(prefix, fields):
+            shard, _, h = blob.name[len(prefix):].partition("/")
+            if _HASH_RE.fullmatch(h) and shard == h[:2]:
+                yield ChunkInfo(h, blob.size, _last_used(blob), blob.metageneration)
+
+    def delete_chunk(self, h: str, if_metageneration_match: int) -> bool:
+        """Delete the chunk if it is unchanged since it was listed; False if changed or gone."""
+        name = self._chunk_name(h)
+        try:
+            self._call(
+                "delete",
+                name,
+                lambda: self._blob(name).delete(
+                    if_metageneration_match=if_metageneration_match,
+                    retry=None,
+                    timeout=self._timeout,
+                ),
+            )
+        except (api.NotFound, api.PreconditionFailed):
+            return False
+        return True
+
+    # -- manifests and upload markers -----------------------------------------------------
+
+    def put_manifest(self, rank: int, step: int, data: bytes) -> None:
+        self._upload(self._manifest_name(rank, step, "json"), data)
+
+    def get_manifest(self, rank: int, step: int) -> bytes:
+        return self._download(self._manifest_name(rank, step, "json"))
+
+    def delete_manifest(self, rank: int, step: int) -> None:
+        self._delete(self._manifest_name(rank, step, "json"))
+
+    def list_steps(self, rank: int) -> list[int]:
+        """Committed steps of one rank, oldest first."""
+        return self._list_manifests(f"{self._base}manifests/rank-{rank}/").get(rank, [])
+
+    def list_manifests(self) -> dict[int, list[int]]:
+        """Committed steps of every rank that has any, oldest first."""
+        return self._list_manifests(f"{self._base}manifests/")
+
+    def put_pending(self, rank: int, step: int, hashes: Iterable[str]) -> None:
+        """Announce an upload and every chunk it will reference, before touching any of them.
+
+        Putting the marker again refreshes it: an upload that may outlive
+        ``PENDING_MAX_AGE`` must do so.
+        """
+        data = json.dumps(sorted(set(hashes))).encode()
+        self._upload(self._manifest_name(rank, step, "pending"), data)
+
+    def delete_pending(self, rank: int, step: int) -> None:
+        self._delete(self._manifest_name(rank, step, "pending"))
+
+    def list_pending(self, max_age: float) -> dict[tuple[int, int], set[str]]:
+        """Chunks of uploads in progress, by (rank, step).
+
+        A marker not refreshed for ``max_age`` seconds is taken for a crashed upload and
+        deleted; its chunks are then protected only by their own recency.
+        """
+        now = time.time()
+        found: dict[tuple[int, int], set[str]] = {}
+        for rank, step, kind, blob in self._manifest_objects(f"{self._base}manifests/"):
+            if kind != "pending":
+                continue
+            if now - blob.updated.timestamp() >= max_age:
+                self._delete(blob.name)
+                continue
+            try:
+                data = self._download(blob.name)
+            except MissingObject:
+                continue  # the upload finished meanwhile and its manifest is in place
+            found[(rank, step)] = _parse_pending(data, self.url_of(blob.name))
+        return found
+
+    # -- garbage collection ---------------------------------------------------------------
+
+    def collect_garbage(
+        self, keep_newest: int, grace: float, pending_max_age: float = PENDING_MAX_AGE
+    ) -> dict[str, int]:
+        """Apply retention to every rank of the job, then delete the chunks nothing needs.
+
+        Each rank keeps its newest ``keep_newest`` manifests. A chunk is deleted only if
+        no remaining manifest and no live pending marker names it, and it has not been
+        written or touched since ``t0 - grace``, ``t0`` being taken before any listing.
+
+        Why a concurrent upload never loses a chunk. An upload (1) puts its pending
+        marker, (2) touches or puts every chunk, (3) puts its manifest, (4) deletes the
+        marker. Markers are listed before manifests, so for any upload either
+
+        - its marker was listed, and the marker names its chunks; or
+        - its marker was already gone, so its manifest was in place before manifests
+          were listed and names its chunks; or
+        - its marker was not listed because it came later, hence every touch and put
+          of (2) came after ``t0``. A touch before the chunk listing makes the chunk recent; a
+          touch after it bumps the metageneration, which the conditional delete requires
+          unchanged; a touch after the delete finds no chunk, and the upload puts it.
+
+        ``grace`` must exceed the clock skew between this host and GCS, since
+        ``updated`` is GCS's time and ``t0`` ours. An upload must finish, or put its
+        marker again, within ``pending_max_age``.
+
+        Each candidate is read again right before its conditional delete. On GCS the
+        precondition alone is enough; the read costs one request per deleted chunk and
+        keeps the guarantee on servers that ignore delete preconditions (fake-gcs-server).
+
+        Returns counts: manifests and chunks deleted, bytes freed, chunks kept, and
+        chunks named by a kept manifest that GCS does not have (which means damage).
+        """
+        if keep_newest < 1:
+            raise ValueError(f"keep_newest must be at least 1, not {keep_newest}")
+        t0 = time.time()
+        cutoff = t0 - grace
+        pending = self.list_pending(pending_max_age)
+        kept: list[tuple[int, int]] = []
+        dropped: list[tuple[int, int]] = []
+        for rank, steps in self.list_manifests().items():
+            dropped += [(rank, step) for step in steps[:-keep_newest]]
+            kept += [(rank, step) for step in steps[-keep_newest:]]
+
+        with ThreadPoolExecutor(GC_THREADS, thread_name_prefix="tierfs-gc") as pool:
+            list(pool.map(lambda rs: self.delete_manifest(*rs), dropped))
+            needed: set[str] = set().union(*pool.map(self._manifest_chunks, kept))
+            referenced = needed.union(*pending.values())
+            present: set[str] = set()
+            candidates: list[ChunkInfo] = []
+            for info in self.list_chunks():
+                present.add(info.hash)
+                if info.hash not in referenced and info.updated < cutoff:
+                    candidates.append(info)
+            collected = pool.map(functools.partial(self._collect, cutoff=cutoff), candidates)
+            deleted = [info for info, gone in zip(candidates, collected) if gone]
+
+        return {
+            "manifests_deleted": len(dropped),
+            "chunks_deleted": len(deleted),
+            "bytes_deleted": sum(info.size for info in deleted),
+            "chunks_kept": len(present) - len(deleted),
+            "chunks_missing": len(needed - present),
+        }
+
+    def _manifest_chunks(self, rank_step: tuple[int, int]) -> set[str]:
+        rank, step = rank_step
+        try:
+            data = self.get_manifest(rank, step)
+        except MissingObject:
+            return set()  # deleted by another collector since it was listed: nothing to keep
+        return _parse_manifest_chunks(data, self.url_of(self._manifest_name(rank, step, "json")))
+
+    def _collect(self, info: ChunkInfo, cutoff: float) -> bool:
+        """Delete one unreferenced chunk unless it has been used since it was listed."""
+        name = self._chunk_name(info.hash)
+        blob = self._call(
+            "read", name, lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout)
+        )
+        if blob is None or blob.metageneration != info.metageneration or _last_used(blob) >= cutoff:
+            return False
+        return self.delete_chunk(info.hash, info.metageneration)
+
+    # -- names ----------------------------------------------------------------------------
+
+    def _chunk_name(self, h: str) -> str:
+        if not _HASH_RE.fullmatch(h):
+            raise ValueError(f"not a chunk hash: {h!r}")
+        return f"{self._base}chunks/{h[:2]}/{h}"
+
+    def _manifest_name(self, rank: int, step: int, kind: str) -> str:
+        if rank < 0 or step < 0:
+            raise ValueError(f"invalid rank {rank} or step {step}")
+        return f"{self._base}manifests/rank-{rank}/step-{step:012d}.{kind}"
+
+    def _manifest_objects(self, prefix: str) -> Iterator[tuple[int, int, str, storage.Blob]]:
+        start = len(f"{self._base}manifests/")
+        for blob in self._list(prefix, "items(name,updated)"):
+            m = _MANIFEST_RE.fullmatch(blob.name, start)
+            if m:
+                yield int(m[1]), int(m[2]), m[3], blob
+
+    def _list_manifests(self, prefix: str) -> dict[int, list[int]]:
+        steps: dict[int, list[int]] = {}
+        for rank, step, kind, _ in self._manifest_objects(prefix):
+            if kind == "json":
+                steps.setdefault(rank, []).append(step)
+        return {rank: sorted(s) for rank, s in sorted(steps.items())}
+
+    # -- requests -------------------------------------------------------------------------
+
+    def _bucket(self) -> storage.Bucket:
+        return self.client.bucket(self.bucket)
+
+    def _blob(self, name: str) -> storage.Blob:
+        # A Blob caches the object's properties: one per request, never shared by threads.
+        return self._bucket().blob(name)
+
+    def _upload(self, name: str, data: bytes, **preconditions: int) -> None:
+        """One request up to 8 MiB; larger objects take a one-chunk resumable session."""
+
+        def send() -> None:
+            self._blob(name).upload_from_string(
+                data, content_type=CONTENT_TYPE, retry=None, timeout=self._timeout, **preconditions
+            )
+
+        try:
+            self._call("upload", name, send)
+        except api.NotFound:
+            raise self._missing_bucket() from None
+
+    def _download(self, name: str) -> bytes:
+        try:
+            return self._call(
+                "download",
+                name,
+                lambda: self._blob(name).download_as_bytes(retry=None, timeout=self._timeout),
+            )
+        except api.NotFound:
+            raise MissingObject(f"{self.url_of(name)} does not exist") from None
+
+    def _delete(self, name: str) -> None:
+        """Delete if present: a retry after a lost response finds nothing, and that is fine."""
+        try:
+            self._call(
+                "delete", name, lambda: self._blob(name).delete(retry=None, timeout=self._timeout)
+            )
+        except api.NotFound:
+            pass
+
+    def _list(
+        self, prefix: str, fields: str, page_size: int | None = None
+    ) -> Iterator[storage.Blob]:
+        """Objects under ``prefix``, a page at a time: a failed page is retried, not the listing."""
+        token: str | None = None
+        while True:
+            page = functools.partial(self._page, prefix, token, fields, page_size)
+            try:
+                blobs, token = self._call("list", prefix, page)
+            except api.NotFound:
+                raise self._missing_bucket() from None
+            yield from blobs
+            if not token:
+                return
+
+    def _page(
+        self, prefix: str, token: str | None, fields: str, size: int | None = None
+    ) -> tuple[list[storage.Blob], str | None]:
+        iterator = self.client.list_blobs(
+            self.bucket,
+            prefix=prefix,
+            page_token=token,
+            page_size=size or LIST_PAGE,
+            fields=f"{fields},nextPageToken",
+            retry=None,
+            timeout=self._timeout,
+        )
+        page = next(iterator.pages, None)
+        return (list(page) if page is not None else []), iterator.next_page_token
+
+    def _call(self, what: str, name: str, request: Callable[[], T]) -> T:
+        """Make one request, retrying transient failures a few times, quickly."""
+        for delay in RETRY_DELAYS:
+            try:
+                return self._once(what, name, request)
+            except GcsUnavailable:
+                time.sleep(delay)
+        return self._once(what, name, request)
+
+    def _once(self, what: str, name: str, request: Callable[[], T]) -> T:
+        """Map failures to this module's errors; 404 and 412 pass: their meaning is the caller's."""
+        try:
+            return request()
+        except (api.NotFound, api.PreconditionFailed):
+            raise
+        except _TRANSIENT as e:
+            raise GcsUnavailable(f"cannot {what} {self.url_of(name)}: {_reason(e)}") from e
+        except _DENIED as e:
+            raise GcsAccessDenied(
+                f"cannot {what} {self.url_of(name)}: access denied ({_reason(e)}); "
+                f"let tierfs's credentials read and write objects in gs://{self.bucket}"
+            ) from None
+        except api.GoogleAPICallError as e:
+            raise GcsError(f"cannot {what} {self.url_of(name)}: {_reason(e)}") from e
+
+    def _missing_bucket(self) -> MissingBucket:
+        return MissingBucket(
+            f"GCS bucket gs://{self.bucket} does not exist: create it or fix --gcs"
+        )
+
+
+def _make_client() -> storage.Client:
+    """Anonymous against an emulator (STORAGE_EMULATOR_HOST), default credentials otherwise."""
+    if os.environ.get("STORAGE_EMULATOR_HOST"):
+        client = storage.Client(credentials=AnonymousCredentials(), project="tierfs")
+    else:
+        try:
+            client = storage.Client()
+        except auth.DefaultCredentialsError:
+            raise UserError(
+                "no Google Cloud credentials for --gcs: attach a service account, set "
+                "GOOGLE_APPLICATION_CREDENTIALS, or run 'gcloud auth application-default login'"
+            ) from None
+    # The library shares one requests session between threads, which it documents as safe.
+    # Past the default 10 pooled connections per host, requests opens throwaway ones: a new
+    # TLS handshake per request, and a warning each time, with 16 threads at work.
+    session = client._http
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=POOL_SIZE)
+    for scheme in ("https://", "http://"):
+        if type(session.get_adapter(scheme)) is requests.adapters.HTTPAdapter:  # not mTLS
+            session.mount(scheme, adapter)
+    return client
+
+
+def _last_used(blob: storage.Blob) -> float:
+    """When the chunk was last written or touched.
+
+    GCS moves ``updated`` on every metadata patch, so the touch stamp adds nothing there;
+    fake-gcs-server does not, and the stamp stands in. A stamp from a fast clock keeps a
+    chunk longer, never shorter.
+    """
+    updated = blob.updated.timestamp()
+    try:
+        return max(updated, float((blob.metadata or {}).get(USED_KEY, 0)))
+    except ValueError:
+        return updated
+
+
+def _parse_pending(data: bytes, url: str) -> set[str]:
+    try:
+        hashes = json.loads(data)
+    except ValueError:
+        hashes = None
+    if not isinstance(hashes, list) or not all(_is_hash(h) for h in hashes):
+        raise CorruptObject(f"{url} is not a JSON list of chunk hashes")
+    return set(hashes)
+
+
+def _parse_manifest_chunks(data: bytes, url: str) -> set[str]:
+    """The chunks a manifest names; only ``entries[].chunks`` matters to the collector."""
+    try:
+        entries = json.loads(data)["entries"]
+        hashes = {h for entry in entries for h in entry.get("chunks", ())}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise CorruptObject(f"{url} is not a manifest: its chunks cannot be told") from None
+    if not all(_is_hash(h) for h in hashes):
+        raise CorruptObject(f"{url} names something that is not a chunk hash")
+    return hashes
+
+
+def _is_hash(h: object) -> bool:
+    return isinstance(h, str) and _HASH_RE.fullmatch(h) is not None
+
+
+def _reason(e: BaseException) -> str:
+    """The gist of a failure for a one-line message: ``HTTP 503: ...``, ``Connection refused``."""
+    if isinstance(e, api.GoogleAPICallError) and e.code:
+        message = re.sub(r"^[A-Z]+ \S+: ", "", e.message)  # the request line: URL and all
+        return f"HTTP {e.code} {message}"[:300]
+    text = str(e)
+    errno = re.search(r"\[Errno -?\d+\] ([^'\"()\]]+)", text)
+    if errno:
+        return errno[1].strip()
+    return f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__

@@ -12,6 +12,10 @@ rules below recognise those acts from the operations the mount sees:
 ``file:GLOB``    a file matching GLOB is closed after writing, or renamed into place
                  (``*.pt``, ``*.ckpt``, ``*.safetensors``): the file is the checkpoint.
 
+Anything else commits explicitly: ``tierfs commit PATH`` (root, on the node), or, from
+inside a pod running as any user, closing a file named ``.tierfs-commit`` in the
+directory to commit.
+
 Paths with a component that looks temporary (``tmp``, ``temp``, ``partial``,
 ``incomplete``, ``in-progress``) never commit, so a marker written inside Orbax's
 ``.orbax-checkpoint-tmp`` directory waits for the final rename.
@@ -37,6 +41,7 @@ DEFAULT_RULES = (
     "marker:.metadata",
     "marker:_CHECKPOINT_METADATA",
     "marker:trainer_state.json",
+    "marker:.tierfs-commit",
     "file:*.ckpt",
     "file:*.pt",
     "file:*.safetensors",

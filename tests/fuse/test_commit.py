@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,18 @@ def test_steps_survive_a_daemon_restart(volumes):
     with open(vol2.mountpoint / "ckpt" / "4" / "a", "r+b") as f:  # copy on write after restart too
         f.write(b"b")
     assert (step_tree(vol2, 4) / "ckpt" / "4" / "a").read_bytes() == b"a"
+
+
+def test_a_non_root_job_commits_with_a_marker_file(volume):
+    """Pods running as uid 1000 cannot reach the control socket; a marker file is their commit."""
+    script = (
+        "import os, sys; d = os.path.join(sys.argv[1], 'export', 'run-21'); os.makedirs(d);"
+        "open(os.path.join(d, 'weights'), 'wb').write(b'w' * 4096);"
+        "open(os.path.join(d, '.tierfs-commit'), 'w').close()"
+    )
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    subprocess.run([python, "-c", script, str(volume.mountpoint)], check=True, user=1000, group=1000)
+    state = steps_of(volume)[21]
+    assert state["roots"] == ["export/run-21"]
+    frozen = step_tree(volume, 21) / "export" / "run-21" / "weights"
+    assert frozen.read_bytes() == b"w" * 4096 and frozen.stat().st_uid == 1000

@@ -265,3 +265,26 @@ def test_missing_bucket_is_a_one_line_error(volumes, gcs_emulator, shm_dir):
     assert proc.returncode != 0
     (line,) = proc.stderr.strip().splitlines()
     assert "no-such-bucket-here" in line and "does not exist" in line
+
+
+@pytest.mark.slow
+def test_one_gib_checkpoint_survives_losing_the_ram_tier(volumes, gcs_url):
+    vol = volumes(job="gib", capacity="3G", gcs=gcs_url)
+    tmp = vol.mountpoint / "ckpt" / "1000.orbax-checkpoint-tmp"
+    for i in range(16):  # 16 layers x 64 MiB, written without holding 1 GiB in this process
+        (tmp / f"layer-{i:02d}").mkdir(parents=True)
+        with open(tmp / f"layer-{i:02d}" / "shard", "wb") as f:
+            for _ in range(16):
+                f.write(os.urandom(4 * MiB))
+    os.rename(tmp, vol.mountpoint / "ckpt" / "1000")
+    expected = digest(vol.mountpoint / "ckpt")
+    backup = wait_backed_up(vol, 1000, timeout=600)["backup"]
+    assert backup["bytes"] == 1 << 30
+    print(f"1 GiB backed up in {backup['seconds']:.1f}s, {backup['lag_s']:.1f}s after the commit")
+    tierfs("unmount", vol.mountpoint)
+    wipe(vol)
+    again = volumes(job="gib", capacity="3G", gcs=gcs_url, mountpoint=vol.mountpoint)
+    assert digest(again.mountpoint / "ckpt") == expected
+    restored = again.status()["restored"]
+    assert (restored["step"], restored["from"], restored["bytes"]) == (1000, gcs_url, 1 << 30)
+    print(f"1 GiB restored in {restored['seconds']:.1f}s")

@@ -69,14 +69,19 @@ class Steps:
     # -- commits -----------------------------------------------------------------------
 
     def file_done(self, path: str) -> None:
-        root = self.rules.file_done(path)
-        if root is not None:
-            self.commit(root)
+        self._commit_quietly(self.rules.file_done(path))
 
     def dir_renamed(self, path: str) -> None:
-        root = self.rules.dir_renamed(path)
-        if root is not None:
+        self._commit_quietly(self.rules.dir_renamed(path))
+
+    def _commit_quietly(self, root: str | None) -> None:
+        """A commit the job did not ask for must not fail the close or rename that caused it."""
+        if root is None:
+            return
+        try:
             self.commit(root)
+        except Exception:
+            log.exception("could not commit %s; it stays uncommitted", root)
 
     def commit(self, root: str, step: int | None = None) -> StepState | None:
         """Freeze ``root`` (relative to the volume root) as part of ``step`` (default: from its name)."""

@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""GCS tier benchmark: tierfs backup and restore against plain google-cloud-storage.
+
+Runs fake-gcs-server (memory backend: no disk speed enters) on 127.0.0.1. Per round:
+
+1. Backup. Baseline: ``transfer_manager.upload_many_from_filenames`` (8 threads, a pool of
+   32 connections as in ``tierfs.gcs``) of the checkpoint files into a fresh bucket. tierfs:
+   a fresh volume with ``--gcs``; the files are copied into ``ckpt/1.orbax-checkpoint-tmp``
+   (untimed), renamed to ``ckpt/1`` (t0: the commit) and the status is polled every 50 ms
+   until step 1 is backed up. Throughput = bytes / ``backup.seconds`` (the daemon's timing)
+   and bytes / (observed - t0).
+2. Dedup. Step 2 = the same files with random 4 MiB-aligned 4 MiB regions (10% of all
+   chunks) rewritten, committed the same way: uploaded_bytes / bytes should be ~0.10.
+3. Restore. Unmount, wipe the rank directory, time ``tierfs mount`` (it restores step 2
+   before returning), check every file's sha256. Baseline: ``download_many_to_path``
+   (8 threads) of the baseline's objects into tmpfs.
+
+This VM's memory balloon makes naive A/B runs lie (docs/benchmarks.md), so the files (random
+bytes: incompressible, fair to both sides) are generated per round into tmpfs, deleted right
+after their measurements, the side that goes first alternates per round, and the table
+shows medians of ``--rounds`` with ratio = tierfs / baseline from this run's medians. Each
+round's buckets are emptied and deleted; the emulator's RSS is reported.
+
+The status comes from the daemon's control socket in this process: the reply ``tierfs
+status --json`` prints, without starting a Python process every 50 ms on 2 cores (that
+would take CPU from the daemon under test). Usage (``--quick``: 256M, 2 rounds)::
+
+    .venv/bin/python scripts/bench_gcs.py [--quick] [--json out.json] [--plot out.png]
+
+Everything it creates (/dev/shm/bench-gcs-*, /tmp/bench-gcs-*, its mount, the emulator) is
+removed on exit, also on errors and Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import random
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import requests
+from google.auth.credentials import AnonymousCredentials
+from google.cloud import storage
+from google.cloud.storage import transfer_manager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.gcs_emulator import GcsEmulator  # noqa: E402
+from tierfs.commands.status import fetch as fetch_status  # noqa: E402
+from tierfs.config import parse_size  # noqa: E402
+
+MiB, GiB = 1 << 20, 1 << 30
+CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
+WORKERS, POOL = 8, 32
+JOB = "bench"
+
+
+class BenchError(Exception):
+    """A failure to report as one line and a non-zero exit."""
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def is_mounted(path: Path) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(len(p := ln.split()) > 4 and p[4] == str(path) for ln in f)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verify(directory: Path, expected: dict[str, str], what: str) -> None:
+    bad = sorted(n for n in expected if sha256(directory / n) != expected[n])
+    extra = sorted(set(os.listdir(directory)) - set(expected))
+    if bad or extra:
+        raise BenchError(f"{what}: wrong content in {bad[:3]}, unexpected files {extra[:3]}")
+
+
+def make_files(src: Path, names: list[str], per_file: int) -> dict[str, str]:
+    """Random (incompressible) files; returns their sha256."""
+    for n in names:
+        with open(src / n, "wb") as f:
+            for off in range(0, per_file, CHUNK):
+                f.write(os.urandom(min(CHUNK, per_file - off)))
+    return {n: sha256(src / n) for n in names}
+
+
+def mutate(src: Path, names: list[str], per_file: int, fraction: float, rng: random.Random) -> int:
+    """Rewrite ``fraction`` of all 4 MiB chunks, chosen at random; returns the bytes changed."""
+    slots = [(n, off) for n in names for off in range(0, per_file, CHUNK)]
+    picked = rng.sample(slots, max(1, round(fraction * len(slots))))
+    for n, off in picked:
+        with open(src / n, "r+b") as f:
+            f.seek(off)
+            f.write(os.urandom(min(CHUNK, per_file - off)))
+    return sum(min(CHUNK, per_file - off) for _, off in picked)
+
+
+def gcs_client() -> storage.Client:
+    client = storage.Client(credentials=AnonymousCredentials(), project="test")
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=POOL)  # 8 threads, no throwaway connections
+    for scheme in ("http://", "https://"):
+        client._http.mount(scheme, adapter)
+    return client
+
+
+def drop_bucket(client: storage.Client, name: str) -> None:
+    with ThreadPoolExecutor(WORKERS) as pool:
+        list(pool.map(lambda blob: blob.delete(), client.list_blobs(name)))
+    client.bucket(name).delete()
+
+
+class Volume:
+    """One tierfs mount driven through the CLI; Ctrl-C never cuts a mount in half."""
+
+    def __init__(self, tierfs: str, mountpoint: Path, ramdisk: Path, capacity: str):
+        self.tierfs, self.mountpoint, self.ramdisk, self.capacity = tierfs, mountpoint, ramdisk, capacity
+
+    def _run(self, *args: str, timeout: float = 900) -> float:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([self.tierfs, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        interrupted, deadline = False, time.monotonic() + timeout
+        while True:
+            try:
+                _, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except KeyboardInterrupt:
+                interrupted = True  # let it finish, then stop
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                raise BenchError(f"tierfs {args[0]} did not return within {timeout:.0f} s") from None
+        if interrupted:
+            raise KeyboardInterrupt
+        if proc.returncode != 0:
+            raise BenchError(f"tierfs {args[0]} failed: {(err or '').strip()[-300:]}")
+        return time.perf_counter() - t0
+
+    def mount(self, gcs_url: str) -> float:
+        return self._run("mount", str(self.mountpoint), "--ramdisk", str(self.ramdisk), "--job", JOB,
+                         "--rank", "0", "--capacity", self.capacity, "--gcs", gcs_url)
+
+    def unmount_and_wipe(self) -> None:
+        if is_mounted(self.mountpoint):
+            self._run("unmount", str(self.mountpoint), timeout=120)
+        shutil.rmtree(self.ramdisk / JOB / "rank-0", ignore_errors=True)
+
+    def commit(self, step: int, src: Path, names: list[str]) -> dict:
+        """Copy into <step>.orbax-checkpoint-tmp, rename (t0), wait until backed up."""
+        tmp = self.mountpoint / "ckpt" / f"{step}.orbax-checkpoint-tmp"
+        tmp.mkdir(parents=True)
+        c0 = time.perf_counter()
+        for n in names:
+            shutil.copyfile(src / n, tmp / n)
+        copy_s = time.perf_counter() - c0
+        t0 = time.perf_counter()
+        os.rename(tmp, self.mountpoint / "ckpt" / str(step))
+        while time.perf_counter() - t0 < 1800:
+            st = next((s for s in fetch_status(self.mountpoint)["steps"] if s["step"] == step), None)
+            if st and st["backed_up"]:
+                return {**st["backup"], "observed_s": time.perf_counter() - t0, "copy_s": copy_s}
+            time.sleep(0.05)
+        raise BenchError(f"step {step} was not backed up within 30 minutes")
+
+
+def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Volume) -> dict:
+    order = ("baseline", "tierfs") if rnd % 2 == 0 else ("tierfs", "baseline")
+    tag = uuid.uuid4().hex[:8]
+    base_bucket, tier_bucket = f"bench-{tag}-base", f"bench-{tag}-tier"
+    names = [f"shard-{i:03d}" for i in range(args.files)]
+    per_file = args.size // args.files
+    src = Path(tempfile.mkdtemp(prefix="bench-gcs-src-", dir="/dev/shm"))
+    dl = Path(tempfile.mkdtemp(prefix="bench-gcs-dl-", dir="/dev/shm"))
+    r: dict = {"round": rnd, "order": list(order), "bytes": per_file * args.files}
+    mib, buckets = r["bytes"] / MiB, []
+    try:
+        hashes1 = make_files(src, names, per_file)
+        for b in (base_bucket, tier_bucket):
+            emu.make_bucket(b)
+            buckets.append(b)
+        for side in order:  # 1. backup
+            if side == "baseline":
+                t0 = time.perf_counter()
+                transfer_manager.upload_many_from_filenames(
+                    client.bucket(base_bucket), names, source_directory=str(src), max_workers=WORKERS,
+                    worker_type=transfer_manager.THREAD, raise_exception=True)
+                r["base_upload_s"] = time.perf_counter() - t0
+                progress(f"round {rnd + 1} baseline upload: {mib / r['base_upload_s']:.0f} MiB/s")
+            else:
+                r["tier_empty_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
+                b1 = r["tier_step1"] = vol.commit(1, src, names)
+                progress(f"round {rnd + 1} tierfs backup: {mib / b1['seconds']:.0f} MiB/s "
+                         f"(commit to backed up {b1['observed_s']:.2f} s, lag_s {b1['lag_s']})")
+        # 2. dedup: step 2 = step 1 with a tenth of its chunks rewritten
+        r["changed_bytes"] = mutate(src, names, per_file, args.change, random.Random(rnd))
+        hashes2 = {n: sha256(src / n) for n in names}
+        b2 = r["tier_step2"] = vol.commit(2, src, names)
+        progress(f"round {rnd + 1} step 2: uploaded {b2['uploaded_bytes'] / b2['bytes']:.3f} of its bytes, "
+                 f"dedup {b2['dedup_bytes'] / MiB:.0f} MiB, backup {b2['seconds']:.2f} s")
+        shutil.rmtree(src)  # from here on both sides read from GCS
+        vol.unmount_and_wipe()
+        for side in order:  # 3. restore
+            if side == "baseline":
+                t0 = time.perf_counter()
+                transfer_manager.download_many_to_path(
+                    client.bucket(base_bucket), names, destination_directory=str(dl), max_workers=WORKERS,
+                    worker_type=transfer_manager.THREAD, raise_exception=True)
+                r["base_download_s"] = time.perf_counter() - t0
+                verify(dl, hashes1, "baseline download")
+                shutil.rmtree(dl)
+                progress(f"round {rnd + 1} baseline download: {mib / r['base_download_s']:.0f} MiB/s")
+            else:
+                r["tier_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
+                got = r["tier_restored"] = fetch_status(vol.mountpoint).get("restored") or {}
+                if got.get("step") != 2 or got.get("bytes") != r["bytes"]:
+                    raise BenchError(f"the mount restored {got}, expected step 2 of {r['bytes']} bytes")
+                verify(vol.mountpoint / "ckpt" / "2", hashes2, "tierfs restore of step 2")
+                vol.unmount_and_wipe()
+                progress(f"round {rnd + 1} tierfs restore: {mib / r['tier_mount_s']:.0f} MiB/s "
+                         f"(mount {r['tier_mount_s']:.2f} s, of it restore {got['seconds']:.2f} s)")
+    finally:
+        vol.unmount_and_wipe()
+        shutil.rmtree(src, ignore_errors=True)
+        shutil.rmtree(dl, ignore_errors=True)
+        for b in buckets:
+            try:
+                drop_bucket(client, b)
+            except Exception as e:  # the emulator goes away at exit anyway
+                progress(f"bench_gcs: warning: cannot delete bucket {b}: {e}")
+    with open(f"/proc/{emu._process.pid}/status") as f:  # the emulator keeps every object in RAM
+        kv = dict(ln.split(":", 1) for ln in f)
+    r["emulator_mib"] = {k: int(kv[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
+    progress(f"round {rnd + 1} done; emulator RSS {r['emulator_mib']['VmRSS']} MiB "
+             f"(peak so far {r['emulator_mib']['VmHWM']} MiB)")
+    return r
+
+
+METRICS = [  # row name, baseline seconds, tierfs seconds
+    ("backup MiB/s (daemon backup.seconds)", "base_upload_s", lambda r: r["tier_step1"]["seconds"]),
+    ("backup MiB/s (commit to backed up)", "base_upload_s", lambda r: r["tier_step1"]["observed_s"]),
+    ("restore MiB/s (tierfs mount, wall)", "base_download_s", lambda r: r["tier_mount_s"]),
+    ("restore MiB/s (daemon restored.seconds)", "base_download_s", lambda r: r["tier_restored"]["seconds"]),
+]
+
+
+def summarize(raw: list[dict]) -> dict:
+    med = statistics.median
+    rows = []
+    for name, base_key, tier in METRICS:
+        b, t = med(r["bytes"] / MiB / r[base_key] for r in raw), med(r["bytes"] / MiB / tier(r) for r in raw)
+        rows.append({"metric": name, "baseline": b, "tierfs": t, "ratio": t / b})
+    s1, s2 = [r["tier_step1"] for r in raw], [r["tier_step2"] for r in raw]
+    return {
+        "rows": rows,
+        "commit_to_backed_up_s": med(b["observed_s"] for b in s1), "lag_s": med(b["lag_s"] for b in s1),
+        "copy_in_s": med(b["copy_s"] for b in s1), "empty_mount_s": med(r["tier_empty_mount_s"] for r in raw),
+        "step2_changed_fraction": med(r["changed_bytes"] / r["bytes"] for r in raw),
+        "step2_uploaded_fraction": med(b["uploaded_bytes"] / b["bytes"] for b in s2),
+        "step2_dedup_mib": med(b["dedup_bytes"] / MiB for b in s2), "step2_backup_s": med(b["seconds"] for b in s2),
+        "emulator_rss_mib_max": max(r["emulator_mib"]["VmRSS"] for r in raw),
+        "emulator_peak_mib": max(r["emulator_mib"]["VmHWM"] for r in raw),
+    }
+
+
+def render(s: dict) -> str:
+    w = max(len(r["metric"]) for r in s["rows"])
+    out = [f"{'metric':<{w}}  {'baseline':>9}  {'tierfs':>9}  {'ratio':>6}", "-" * (w + 32)]
+    out += [f"{r['metric']:<{w}}  {r['baseline']:9.1f}  {r['tierfs']:9.1f}  {r['ratio']:6.2f}" for r in s["rows"]]
+    out += [f"# commit to backed up {s['commit_to_backed_up_s']:.2f} s (lag_s {s['lag_s']:.2f}); copy into the "
+            f"mount (untimed) {s['copy_in_s']:.2f} s; mount of an empty volume {s['empty_mount_s']:.2f} s",
+            f"# dedup: step 2 changed {s['step2_changed_fraction']:.3f} of the bytes and uploaded "
+            f"{s['step2_uploaded_fraction']:.3f} (dedup {s['step2_dedup_mib']:.0f} MiB, backup {s['step2_backup_s']:.2f} s)",
+            f"# emulator RSS after each round's cleanup <= {s['emulator_rss_mib_max']} MiB, "
+            f"peak {s['emulator_peak_mib']} MiB"]
+    return "\n".join(out)
+
+
+def plot(path: str, s: dict, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [s["rows"][0], s["rows"][2]]  # backup (daemon's timing), restore (mount, wall)
+    top = max(max(r["baseline"], r["tierfs"]) for r in rows)
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for k, (side, label) in enumerate((("baseline", "google-cloud-storage, 8 threads"), ("tierfs", "tierfs"))):
+        bars = ax.bar([i + (k - 0.5) * 0.38 for i in range(2)], [r[side] for r in rows], 0.38, label=label)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    for i, r in enumerate(rows):
+        ax.annotate(f"ratio {r['ratio']:.2f}", (i, max(r["baseline"], r["tierfs"]) + top * 0.08), ha="center")
+    ax.set_xticks([0, 1], ["backup\n(daemon backup.seconds)", "restore\n(tierfs mount, wall)"])
+    ax.set_ylim(0, top * 1.35)
+    ax.set_ylabel("MiB/s (median)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="tierfs GCS backup/restore against plain google-cloud-storage "
+                                            "(fake-gcs-server, medians of alternating rounds)")
+    p.add_argument("--size", type=parse_size, help="checkpoint bytes per round (default 1G)")
+    p.add_argument("--files", type=int, default=16, help="files the checkpoint is split into (default 16)")
+    p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 3)")
+    p.add_argument("--change", type=float, default=0.10, help="fraction of chunks step 2 rewrites (default 0.10)")
+    p.add_argument("--capacity", help="tierfs mount --capacity (default 4G, or 3x --size if larger)")
+    p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
+    p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
+    p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the throughputs (needs matplotlib)")
+    args = p.parse_args()
+    args.size = args.size or (256 * MiB if args.quick else GiB)
+    args.rounds = args.rounds or (2 if args.quick else 3)
+    args.capacity = args.capacity or f"{max(4 * GiB, 3 * args.size) // MiB}M"
+    if args.files < 1 or args.rounds < 1 or args.size < args.files or not 0 < args.change <= 1:
+        p.error("--files and --rounds must be >= 1, --size >= --files bytes, 0 < --change <= 1")
+
+    def _interrupt(signum, frame):
+        raise KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gcs-", dir="/tmp"))
+    ram = Path(tempfile.mkdtemp(prefix="bench-gcs-ram-", dir="/dev/shm"))
+    emu = GcsEmulator(tmp / "emulator", backend="memory")
+    vol = Volume(shutil.which("tierfs", path=os.path.dirname(sys.executable)) or "tierfs",
+                 tmp / "mnt", ram, args.capacity)
+    try:
+        vol.mountpoint.mkdir()
+        emu.start()
+        os.environ.update(emu.environ(), TIERFS_RUNTIME_DIR=str(tmp / "run"))  # for the daemons too
+        client = gcs_client()
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        cmd = shlex.join([sys.executable, *sys.argv])
+        print(f"# bench_gcs {now}  cores {os.cpu_count()}  command: {cmd}")
+        print(f"# {args.size / MiB:.0f} MiB in {args.files} files, {args.rounds} rounds, fake-gcs-server "
+              f"(memory backend) on {emu.url}; medians; ratio = tierfs / baseline", flush=True)
+        raw = [run_round(rnd, args, client, emu, vol) for rnd in range(args.rounds)]
+        summary = summarize(raw)
+        print(render(summary))
+        if args.json:
+            settings = {"size": args.size, "files": args.files, "rounds": args.rounds, "change": args.change,
+                        "capacity": args.capacity, "workers": WORKERS, "pool": POOL, "chunk": CHUNK,
+                        "date": now, "command": cmd, "cores": os.cpu_count()}
+            with open(args.json, "w") as f:
+                json.dump({"settings": settings, "raw": raw, "medians": summary}, f, indent=2)
+                f.write("\n")
+            print(f"# wrote {args.json}")
+        if args.plot:
+            plot(args.plot, summary, f"tierfs GCS tier vs google-cloud-storage (fake-gcs-server), "
+                                     f"{args.size / MiB:.0f} MiB, {args.rounds} rounds, {now[:10]}")
+            print(f"# wrote {args.plot}")
+        return 0
+    except (BenchError, OSError) as e:
+        print(f"bench_gcs: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_gcs: interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:  # no Ctrl-C while cleaning up: a half-done cleanup leaves a mount behind
+        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+        try:
+            try:
+                vol.unmount_and_wipe()
+            except BenchError as e:
+                subprocess.run(["umount", "-l", str(vol.mountpoint)], capture_output=True)
+                print(f"bench_gcs: warning: {e}; detached {vol.mountpoint}", file=sys.stderr)
+            emu.stop()
+            shutil.rmtree(ram, ignore_errors=True)
+            if is_mounted(vol.mountpoint):
+                print(f"bench_gcs: warning: {vol.mountpoint} is still mounted; left {tmp}", file=sys.stderr)
+            else:
+                shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            for s, handler in old.items():
+                signal.signal(s, handler)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,7 +19,8 @@ This VM's memory balloon makes naive A/B runs lie (docs/benchmarks.md), so the f
 bytes: incompressible, fair to both sides) are generated per round into tmpfs, deleted right
 after their measurements, the side that goes first alternates per round, and the table
 shows medians of ``--rounds`` with ratio = tierfs / baseline from this run's medians. Each
-round's buckets are emptied and deleted; the emulator's RSS is reported.
+round's buckets are emptied and deleted; the emulator's RSS is reported, and so is the CPU
+time of the emulator and of the client side (this process, or the tierfs daemon) per transfer.
 
 The status comes from the daemon's control socket in this process: the reply ``tierfs
 status --json`` prints, without starting a Python process every 50 ms on 2 cores (that
@@ -65,6 +66,7 @@ MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
 WORKERS, POOL = 8, 32
 JOB = "bench"
+CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(Exception):
@@ -78,6 +80,15 @@ def progress(msg: str) -> None:
 def is_mounted(path: Path) -> bool:
     with open("/proc/self/mountinfo") as f:
         return any(len(p := ln.split()) > 4 and p[4] == str(path) for ln in f)
+
+
+def cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system, all threads) of a process; of this one without a pid."""
+    if pid is None:
+        return time.process_time()
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def sha256(path: Path) -> str:
@@ -164,20 +175,24 @@ class Volume:
             self._run("unmount", str(self.mountpoint), timeout=120)
         shutil.rmtree(self.ramdisk / JOB / "rank-0", ignore_errors=True)
 
-    def commit(self, step: int, src: Path, names: list[str]) -> dict:
+    def commit(self, step: int, src: Path, names: list[str], emu_pid: int) -> dict:
         """Copy into <step>.orbax-checkpoint-tmp, rename (t0), wait until backed up."""
         tmp = self.mountpoint / "ckpt" / f"{step}.orbax-checkpoint-tmp"
         tmp.mkdir(parents=True)
         c0 = time.perf_counter()
-        for n in names:
-            shutil.copyfile(src / n, tmp / n)
+        for n in names:  # 1 MiB writes, as a checkpoint writer does (sendfile into FUSE is ~2.5x slower)
+            with open(src / n, "rb") as fin, open(tmp / n, "wb") as fout:
+                shutil.copyfileobj(fin, fout, MiB)
         copy_s = time.perf_counter() - c0
+        daemon = fetch_status(self.mountpoint)["pid"]
+        cpu0 = cpu_s(emu_pid), cpu_s(daemon)
         t0 = time.perf_counter()
         os.rename(tmp, self.mountpoint / "ckpt" / str(step))
         while time.perf_counter() - t0 < 1800:
             st = next((s for s in fetch_status(self.mountpoint)["steps"] if s["step"] == step), None)
             if st and st["backed_up"]:
-                return {**st["backup"], "observed_s": time.perf_counter() - t0, "copy_s": copy_s}
+                return {**st["backup"], "observed_s": time.perf_counter() - t0, "copy_s": copy_s,
+                        "cpu_s": [cpu_s(emu_pid) - cpu0[0], cpu_s(daemon) - cpu0[1]]}
             time.sleep(0.05)
         raise BenchError(f"step {step} was not backed up within 30 minutes")
 
@@ -191,7 +206,7 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
     src = Path(tempfile.mkdtemp(prefix="bench-gcs-src-", dir="/dev/shm"))
     dl = Path(tempfile.mkdtemp(prefix="bench-gcs-dl-", dir="/dev/shm"))
     r: dict = {"round": rnd, "order": list(order), "bytes": per_file * args.files}
-    mib, buckets = r["bytes"] / MiB, []
+    mib, buckets, emu_pid = r["bytes"] / MiB, [], emu._process.pid
     try:
         hashes1 = make_files(src, names, per_file)
         for b in (base_bucket, tier_bucket):
@@ -199,38 +214,43 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
             buckets.append(b)
         for side in order:  # 1. backup
             if side == "baseline":
-                t0 = time.perf_counter()
+                cpu0, t0 = (cpu_s(emu_pid), cpu_s()), time.perf_counter()
                 transfer_manager.upload_many_from_filenames(
                     client.bucket(base_bucket), names, source_directory=str(src), max_workers=WORKERS,
                     worker_type=transfer_manager.THREAD, raise_exception=True)
                 r["base_upload_s"] = time.perf_counter() - t0
+                r["base_upload_cpu_s"] = [cpu_s(emu_pid) - cpu0[0], cpu_s() - cpu0[1]]
                 progress(f"round {rnd + 1} baseline upload: {mib / r['base_upload_s']:.0f} MiB/s")
             else:
                 r["tier_empty_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
-                b1 = r["tier_step1"] = vol.commit(1, src, names)
+                b1 = r["tier_step1"] = vol.commit(1, src, names, emu_pid)
                 progress(f"round {rnd + 1} tierfs backup: {mib / b1['seconds']:.0f} MiB/s "
                          f"(commit to backed up {b1['observed_s']:.2f} s, lag_s {b1['lag_s']})")
         # 2. dedup: step 2 = step 1 with a tenth of its chunks rewritten
         r["changed_bytes"] = mutate(src, names, per_file, args.change, random.Random(rnd))
         hashes2 = {n: sha256(src / n) for n in names}
-        b2 = r["tier_step2"] = vol.commit(2, src, names)
+        b2 = r["tier_step2"] = vol.commit(2, src, names, emu_pid)
         progress(f"round {rnd + 1} step 2: uploaded {b2['uploaded_bytes'] / b2['bytes']:.3f} of its bytes, "
                  f"dedup {b2['dedup_bytes'] / MiB:.0f} MiB, backup {b2['seconds']:.2f} s")
         shutil.rmtree(src)  # from here on both sides read from GCS
         vol.unmount_and_wipe()
         for side in order:  # 3. restore
             if side == "baseline":
-                t0 = time.perf_counter()
+                cpu0, t0 = (cpu_s(emu_pid), cpu_s()), time.perf_counter()
                 transfer_manager.download_many_to_path(
                     client.bucket(base_bucket), names, destination_directory=str(dl), max_workers=WORKERS,
                     worker_type=transfer_manager.THREAD, raise_exception=True)
                 r["base_download_s"] = time.perf_counter() - t0
+                r["base_download_cpu_s"] = [cpu_s(emu_pid) - cpu0[0], cpu_s() - cpu0[1]]
                 verify(dl, hashes1, "baseline download")
                 shutil.rmtree(dl)
                 progress(f"round {rnd + 1} baseline download: {mib / r['base_download_s']:.0f} MiB/s")
             else:
+                cpu0 = cpu_s(emu_pid)
                 r["tier_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
-                got = r["tier_restored"] = fetch_status(vol.mountpoint).get("restored") or {}
+                status = fetch_status(vol.mountpoint)
+                r["tier_restore_cpu_s"] = [cpu_s(emu_pid) - cpu0, cpu_s(status["pid"])]  # daemon: all of its life
+                got = r["tier_restored"] = status.get("restored") or {}
                 if got.get("step") != 2 or got.get("bytes") != r["bytes"]:
                     raise BenchError(f"the mount restored {got}, expected step 2 of {r['bytes']} bytes")
                 verify(vol.mountpoint / "ckpt" / "2", hashes2, "tierfs restore of step 2")
@@ -246,7 +266,7 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
                 drop_bucket(client, b)
             except Exception as e:  # the emulator goes away at exit anyway
                 progress(f"bench_gcs: warning: cannot delete bucket {b}: {e}")
-    with open(f"/proc/{emu._process.pid}/status") as f:  # the emulator keeps every object in RAM
+    with open(f"/proc/{emu_pid}/status") as f:  # the emulator keeps every object in RAM
         kv = dict(ln.split(":", 1) for ln in f)
     r["emulator_mib"] = {k: int(kv[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
     progress(f"round {rnd + 1} done; emulator RSS {r['emulator_mib']['VmRSS']} MiB "
@@ -276,6 +296,10 @@ def summarize(raw: list[dict]) -> dict:
         "step2_changed_fraction": med(r["changed_bytes"] / r["bytes"] for r in raw),
         "step2_uploaded_fraction": med(b["uploaded_bytes"] / b["bytes"] for b in s2),
         "step2_dedup_mib": med(b["dedup_bytes"] / MiB for b in s2), "step2_backup_s": med(b["seconds"] for b in s2),
+        "cpu_s": {k: [med(get(r)[i] for r in raw) for i in (0, 1)] for k, get in (
+            ("baseline upload", lambda r: r["base_upload_cpu_s"]), ("tierfs backup", lambda r: r["tier_step1"]["cpu_s"]),
+            ("baseline download", lambda r: r["base_download_cpu_s"]),
+            ("tierfs restore", lambda r: r["tier_restore_cpu_s"]))},
         "emulator_rss_mib_max": max(r["emulator_mib"]["VmRSS"] for r in raw),
         "emulator_peak_mib": max(r["emulator_mib"]["VmHWM"] for r in raw),
     }
@@ -289,6 +313,8 @@ def render(s: dict) -> str:
             f"mount (untimed) {s['copy_in_s']:.2f} s; mount of an empty volume {s['empty_mount_s']:.2f} s",
             f"# dedup: step 2 changed {s['step2_changed_fraction']:.3f} of the bytes and uploaded "
             f"{s['step2_uploaded_fraction']:.3f} (dedup {s['step2_dedup_mib']:.0f} MiB, backup {s['step2_backup_s']:.2f} s)",
+            "# CPU seconds, emulator + client (this process, or the tierfs daemon): " + "; ".join(
+                f"{k} {e:.1f} + {c:.1f}" for k, (e, c) in s["cpu_s"].items()),
             f"# emulator RSS after each round's cleanup <= {s['emulator_rss_mib_max']} MiB, "
             f"peak {s['emulator_peak_mib']} MiB"]
     return "\n".join(out)
@@ -372,6 +398,10 @@ def main() -> int:
         return 0
     except (BenchError, OSError) as e:
         print(f"bench_gcs: error: {e}", file=sys.stderr)
+        for log in sorted((tmp / "run").glob("*.log")) + [emu.log_path]:  # they go with tmp below
+            if log.exists():
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                print(f"--- last lines of {log.name}:", *tail, sep="\n", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("bench_gcs: interrupted; cleaning up", file=sys.stderr)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.commit import CommitRules, parse_rules
@@ -79,6 +79,12 @@ class Config:
     keep: int = 3  # committed steps kept in GCS per rank
     chunk_size: int = 4 << 20
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
+    listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
+    peers: tuple[tuple[str, int], ...] = ()
+    replicas: int = 1  # peers that hold a copy of each committed step
+    secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
+    topology: tuple[tuple[str, str], ...] = ()  # e.g. (("slice", "a"), ("rack", "r3"))
+    data_parallel: int = 1  # data-parallel replicas in the job: ranks nodes/D apart hold the same data
 
     @classmethod
     def build(cls, **values) -> "Config":
@@ -100,8 +106,26 @@ class Config:
         for key in ("backup_interval", "gc_grace"):
             if key in v:
                 v[key] = parse_duration(v[key], key.replace("_", "-"))
-        if "keep" in v:
-            v["keep"] = _parse_int(v["keep"], "keep")
+        for key in ("keep", "replicas", "data_parallel"):
+            if key in v:
+                v[key] = _parse_int(v[key], key.replace("_", "-"))
+        if "listen" in v:
+            v["listen"] = parse_address(v["listen"], "--listen")
+        if "peers" in v:
+            peers = v["peers"]
+            if isinstance(peers, str):
+                peers = [parse_address(p, "--peers") for p in peers.split(",") if p.strip()]
+            v["peers"] = tuple(p for p in peers if p != v.get("listen"))  # a node is not its own peer
+        if "topology" in v and isinstance(v["topology"], str):
+            v["topology"] = _parse_labels(v["topology"])
+        secret_file = v.pop("secret_file", None)
+        if secret_file is not None:
+            try:
+                v["secret"] = Path(secret_file).read_bytes().strip()
+            except OSError as e:
+                raise UserError(f"cannot read --secret-file {secret_file}: {e.strerror}") from None
+        if isinstance(v.get("secret"), str):
+            v["secret"] = v["secret"].encode()
         if "log_level" in v:
             v["log_level"] = str(v["log_level"]).lower()
         cfg = cls(**v)
@@ -130,6 +154,18 @@ class Config:
                 f"invalid --chunk-size {self.chunk_size}: use a multiple of 4K between 64K and 64M"
             )
         parse_rules(self.commit_rule)  # a bad rule is a start-up error, not a later surprise
+        if (self.peers or self.listen) and not self.secret:
+            raise UserError("the peer service needs the job's secret: set TIERFS_SECRET or --secret-file")
+        if self.secret is not None and len(self.secret) < 16:
+            raise UserError("the job secret is too short: use at least 16 characters")
+        if self.peers and not 1 <= self.replicas <= len(self.peers):
+            raise UserError(
+                f"invalid --replicas {self.replicas}: between 1 and the {len(self.peers)} peer(s) given"
+            )
+        if self.data_parallel < 1 or self.nodes % self.data_parallel:
+            raise UserError(
+                f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}"
+            )
         if self.gcs is not None:
             from tierfs.gcs import parse_gcs_url  # google-cloud-storage is slow to import
 
@@ -145,6 +181,25 @@ class Config:
     def rank_dir(self) -> Path:
         """This (job, rank)'s own directory on the RAM tier."""
         return self.ramdisk / self.job / f"rank-{self.rank}"
+
+
+def parse_address(text: str, what: str) -> tuple[str, int]:
+    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) into a (host, port) pair."""
+    host, sep, port = str(text).strip().rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"invalid {what} address {text!r}: use HOST:PORT, e.g. 10.0.0.2:7420")
+    return host, int(port)
+
+
+def _parse_labels(text: str) -> tuple[tuple[str, str], ...]:
+    labels = []
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"invalid --topology label {item!r}: use key=value,... e.g. slice=a,rack=r3")
+        labels.append((key, value))
+    return tuple(labels)
 
 
 def _parse_int(value, name: str) -> int:

@@ -11,6 +11,7 @@ import logging
 import os
 import resource
 import signal
+import socket
 import sys
 import time
 from dataclasses import asdict
@@ -24,7 +25,11 @@ from tierfs.errors import UserError
 from tierfs.fs import Operations
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
+from tierfs.peers import server as peer_server
+from tierfs.peers.network import PeerNetwork
+from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
+from tierfs.restore import Restorer, tree_is_empty
 from tierfs.steps import Steps
 
 log = logging.getLogger("tierfs")
@@ -48,8 +53,11 @@ class Daemon:
         self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked)
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
         self.gcs = None
+        self.peers: PeerNetwork | None = PeerNetwork(cfg) if cfg.peers else None
+        self.replica_store: ReplicaStore | None = None
         self.replicator: Replicator | None = None
         self.restored: dict | None = None
+        self._warnings: list[str] = []
         self.started = time.time()
         self._signalled = False
 
@@ -64,17 +72,28 @@ class Daemon:
         if not self.rank.is_tmpfs():
             log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
         self.steps.load()
+        if cfg.listen:
+            self.replica_store = ReplicaStore(
+                self.rank.path / "replicas", job=cfg.job, space=self.space, local=self,
+            )
         if cfg.gcs:
             self._open_gcs()
-        self.space.scan(self.rank.tree, self.snapshots.root)  # snapshots pin RAM too
+        if tree_is_empty(self.rank.tree) and not self.steps.states and (self.gcs or self.peers):
+            self.restored = trio.run(Restorer(cfg, self.rank, self.steps, self.gcs, self.peers).restore)
+        roots = [self.rank.tree, self.snapshots.root]  # snapshots and replicas use RAM too
+        self.space.scan(*roots)
+        if self.replica_store is not None:
+            self.replica_store.load()
         if cfg.capacity is not None and self.space.used > cfg.capacity:
             raise UserError(
                 f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
                 f"already stored in {self.rank.tree}: raise --capacity or remove files"
             )
+        if cfg.listen:
+            _check_listen(cfg.listen)
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self.steps)
-        self.replicator = Replicator(cfg, self.steps, self.gcs)
+        self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers)
         try:
             pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
         except RuntimeError as e:
@@ -95,23 +114,31 @@ class Daemon:
         )
 
     def _open_gcs(self) -> None:
-        """Reach the bucket; on an empty RAM tier, restore the newest step it holds."""
+        """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
         from tierfs.gcs import GcsStore, GcsUnavailable  # slow import: only when used
-        from tierfs.restore import restore_from_gcs, tree_is_empty
 
         cfg = self.cfg
         self.gcs = GcsStore(cfg.gcs, cfg.job)
-        empty = tree_is_empty(self.rank.tree) and not self.steps.states
         try:
             self.gcs.check()
         except GcsUnavailable as e:
-            if empty:
+            if tree_is_empty(self.rank.tree) and not self.steps.states and not self.peers:
                 raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
                                 "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
-            log.warning("GCS is unreachable (%s): backups wait until it is back", e)
-            return
-        if empty:
-            self.restored = restore_from_gcs(cfg, self.gcs, self.rank, self.steps)
+            self._warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
+
+    def _warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self._warnings.append(message)
+
+    def find(self, h: str) -> tuple[str, int, int] | None:
+        """This node's own committed copy of chunk ``h``, for the replica store (twins)."""
+        return self.replicator.find_local(h) if self.replicator is not None else None
+
+    def _peer_info(self) -> dict:
+        return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
+                "data_parallel": self.cfg.data_parallel,
+                "free": max(0, self.space.capacity - self.space.used)}
 
     def _unlinked(self, st: os.stat_result) -> None:
         if self.ops is not None:
@@ -126,13 +153,25 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self.replicator.run)
+            if self.cfg.listen:
+                await nursery.start(self._serve_peers)
             await nursery.start(control.serve, self.registration.socket_path, self._control)
             nursery.start_soon(self._fuse_main, nursery.cancel_scope)
             # The first request through the mount completes the kernel's INIT handshake,
             # which resets the read-ahead; set it after, and only then call the mount ready.
             await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
             _set_read_ahead(self.cfg.mountpoint)
-            _report(ready_fd, "ok")
+            if self.peers is not None:
+                reachable = {p.address for p in await self.peers.discover()}
+                for address in self.cfg.peers:
+                    if address not in reachable:
+                        self._warn(f"peer {address[0]}:{address[1]} does not answer yet; "
+                                   "replication uses the others and retries it")
+            _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
+
+    async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
+                                store=self.replica_store, info=self._peer_info, task_status=task_status)
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
         await pyfuse3.main(*FUSE_TASKS)
@@ -186,7 +225,9 @@ class Daemon:
                 for s in sorted(self.steps.states.values(), key=lambda s: s.step)
             ],
             "restored": self.restored,
-            "gcs": self.replicator.status() if self.gcs is not None else None,
+            **{tier: None for tier in ("gcs", "peers")},
+            **self.replicator.status(),
+            "replicas_held": self.replica_store.stats() if self.replica_store is not None else None,
         }
 
     def stop(self) -> None:
@@ -250,6 +291,16 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
     except (ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _check_listen(address: tuple[str, int]) -> None:
+    """Fail before mounting if the peer service could not listen (the server binds it later)."""
+    try:
+        with socket.create_server(address, reuse_port=False) as _:
+            pass
+    except OSError as e:
+        raise UserError(f"cannot listen on {address[0]}:{address[1]} for peers "
+                        f"({e.strerror or e}): pick a free --listen address") from None
 
 
 def _set_read_ahead(mountpoint) -> None:

@@ -1,18 +1,23 @@
-"""The policy loop: commit -> back up to GCS -> retain.
+"""The policy loop: commit -> replicate to peers and back up to GCS -> retain.
 
-One trio task owns it, started in the daemon's nursery; its blocking work (hashing,
-compression, HTTP) runs in worker threads, so the FUSE loop never waits for it and a slow
-or absent GCS only delays backups. The loop always backs up the newest committed step;
-steps superseded before their turn are skipped, never queued without bound.
+One trio task owns it, started in the daemon's nursery; it runs one *lane* per remote tier
+(peers, GCS), each a task that always works on the newest committed step its tier lacks.
+Steps superseded before their turn are skipped, never queued without bound, and a slow or
+absent tier only delays its own lane. Blocking work (hashing, compression, HTTP) runs in
+worker threads; peer transfers are trio sockets with zero-copy sends, so the FUSE loop
+never waits for either.
 
-A backup of one step, in the order that keeps GCS consistent for readers and for the
-garbage collector (see :meth:`tierfs.gcs.GcsStore.collect_garbage`):
+Both lanes share the step's manifest, built once per committed version from the frozen
+snapshot. A GCS backup then goes, in the order that keeps the bucket consistent for
+readers and for the garbage collector (see :meth:`tierfs.gcs.GcsStore.collect_garbage`):
 
-1. build the manifest from the step's frozen snapshot (hashes of every chunk);
-2. announce the upload with a pending marker listing its chunks;
-3. for every distinct chunk: touch it if GCS has it (no bytes sent), else read it from the
+1. announce the upload with a pending marker listing its chunks;
+2. for every distinct chunk: touch it if GCS has it (no bytes sent), else read it from the
    snapshot, check its hash, compress it if that pays, and create it if absent;
-4. write the manifest (the commit point on GCS), then drop the pending marker.
+3. write the manifest (the commit point on GCS), then drop the pending marker.
+
+A replication asks each chosen peer which chunks it holds, sends the others straight from
+the snapshot files, then the manifest (the commit point on that peer).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -28,6 +34,8 @@ from tierfs import chunks
 from tierfs.config import Config
 from tierfs.gcs import GcsStore, GcsUnavailable
 from tierfs.manifest import Manifest, ManifestError, build
+from tierfs.peers.network import PeerNetwork
+from tierfs.peers.wire import PeerError
 from tierfs.steps import StepState, Steps
 
 log = logging.getLogger(__name__)
@@ -37,114 +45,106 @@ BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
 class SnapshotChanged(Exception):
-    """A snapshot file was detached while it was being read: build the manifest again."""
+    """A snapshot file was detached while it was being read: read it again."""
+
+
+class Lane:
+    """One remote tier's progress: which step it works on, and how it is doing."""
+
+    def __init__(self, name: str, work: Callable[[StepState], Awaitable[None]],
+                 done: Callable[[StepState], bool], interval: float = 0.0):
+        self.name, self.work, self.done, self.interval = name, work, done, interval
+        self.wake = trio.Event()
+        self.busy: int | None = None
+        self.last_at: float | None = None
+        self.status: dict = {"state": "idle", "error": None, "since": time.time()}
+
+    def set(self, state: str, error: str | None = None) -> None:
+        if self.status["state"] != state:
+            self.status["since"] = time.time()
+        self.status.update(state=state, error=error)
 
 
 class Replicator:
-    def __init__(self, cfg: Config, steps: Steps, gcs: GcsStore | None):
+    def __init__(self, cfg: Config, steps: Steps, gcs: GcsStore | None, peers: PeerNetwork | None):
         self.cfg = cfg
         self.steps = steps
         self.gcs = gcs
-        self._wake = trio.Event()
+        self.peers = peers
         self._limiter = trio.CapacityLimiter(UPLOAD_THREADS)
         self._hashed: dict = {}  # (ino, size, mtime_ns) -> chunk hashes: unchanged files are not rehashed
-        self.uploading: int | None = None
-        self.progress = {"chunks_done": 0, "chunks_total": 0}
-        self.gcs_status: dict = {"state": "idle" if gcs else "off", "error": None, "since": None}
-        self.last_backup_at: float | None = None
+        self._manifests: dict[int, tuple[int, Manifest]] = {}  # step -> (version, manifest)
+        self._local: dict[str, tuple[str, int, int]] = {}  # chunk -> where this node holds it
+        self._build_lock = trio.Lock()
+        self.progress: dict = {}
+        self.lanes: dict[str, Lane] = {}
+        if peers is not None:
+            self.lanes["peers"] = Lane("peers", self._replicate, self._replicated)
+        if gcs is not None:
+            self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, cfg.backup_interval)
         steps.on_commit = self._committed
 
     def _committed(self, state: StepState) -> None:
         self._retain_local()
-        self._wake.set()
+        for lane in self.lanes.values():
+            lane.wake.set()
 
-    # -- the loop ------------------------------------------------------------------------
+    # -- the lanes -----------------------------------------------------------------------
 
     async def run(self) -> None:
         self._retain_local()
-        if self.gcs is None:
-            return
+        async with trio.open_nursery() as nursery:
+            for lane in self.lanes.values():
+                nursery.start_soon(self._run_lane, lane)
+
+    async def _run_lane(self, lane: Lane) -> None:
         failures = 0
         while True:
-            state = self._due()
-            if state is None:
-                await self._wake.wait()
-                self._wake = trio.Event()
+            newest = self.steps.newest()
+            if newest is None or lane.done(newest):
+                await lane.wake.wait()
+                lane.wake = trio.Event()
                 continue
-            if self.cfg.backup_interval and self.last_backup_at is not None:
-                await trio.sleep(self._interval_left())
-                state = self._due()
-                if state is None:
-                    continue
+            wait = lane.last_at + lane.interval - time.time() if lane.interval and lane.last_at else 0.0
+            if wait > 0:
+                await trio.sleep(wait)
+                continue  # the newest step may have changed meanwhile
+            lane.busy = newest.step
+            lane.set("working")
             try:
-                await self._backup(state)
+                await lane.work(newest)
+                lane.last_at = time.time()
+                lane.set("ok")
                 failures = 0
-            except Exception as e:  # a backup problem must never take the mount down
+            except Exception as group:  # a tier's trouble must never take the mount down
+                e = _first_leaf(group)
                 delay = BACKOFF[min(failures, len(BACKOFF) - 1)]
                 failures += 1
-                if isinstance(e, GcsUnavailable):
-                    self._set_gcs("unavailable", str(e))
-                    log.warning("backup of step %d delayed, retrying in %.0fs: %s", state.step, delay, e)
-                elif not isinstance(e, SnapshotChanged):
-                    self._set_gcs("failing", f"{type(e).__name__}: {e}")
-                    log.exception("backup of step %d failed, retrying in %.0fs", state.step, delay)
-                await trio.sleep(delay)
+                if isinstance(e, SnapshotChanged):
+                    log.info("step %d changed while read for %s; again", newest.step, lane.name)
+                else:
+                    transient = isinstance(e, (GcsUnavailable, PeerError))
+                    lane.set("unavailable" if transient else "failing", f"{type(e).__name__}: {e}")
+                    log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, newest.step, delay, e,
+                                exc_info=not transient)
+                    await trio.sleep(delay)
             finally:
-                self.uploading = None
-            self._retain_local()
+                lane.busy = None
+                self._retain_local()
 
-    def _due(self) -> StepState | None:
-        newest = self.steps.newest()
-        return newest if newest is not None and not newest.backed_up else None
+    # -- manifests -----------------------------------------------------------------------
 
-    def _interval_left(self) -> float:
-        return max(0.0, self.last_backup_at + self.cfg.backup_interval - time.time())
-
-    def _set_gcs(self, state: str, error: str | None = None) -> None:
-        if self.gcs_status["state"] != state:
-            self.gcs_status["since"] = time.time()
-        self.gcs_status.update(state=state, error=error)
-
-    # -- one backup ----------------------------------------------------------------------
-
-    async def _backup(self, state: StepState) -> None:
-        cfg, gcs = self.cfg, self.gcs
-        version, started = state.version, time.time()
-        self.uploading = state.step
-        self._set_gcs("uploading")
-        manifest = await self._build_manifest(state)
-        data = manifest.to_json()
-        await self._io(gcs.put_pending, cfg.rank, state.step, manifest.chunk_set())
-        uploaded_raw, stored = await self._upload_chunks(manifest, self.steps.snapshots.step_tree(state.step))
-        await self._io(gcs.put_manifest, cfg.rank, state.step, data)
-        await self._io(gcs.delete_pending, cfg.rank, state.step)
-        took = time.time() - started
-        if state.version == version:
-            state.backup = {
-                "version": version,
-                "at": time.time(),
-                "seconds": round(took, 3),
-                "lag_s": round(time.time() - state.committed_at, 3),
-                "bytes": manifest.total_bytes,
-                "uploaded_bytes": uploaded_raw,
-                "stored_bytes": stored,
-                "dedup_bytes": manifest.total_bytes - uploaded_raw,
-                "chunks": len(manifest.chunk_set()),
-            }
-            if state.step in self.steps.states:
-                self.steps.save(state)
-        self.last_backup_at = time.time()
-        self._set_gcs("ok")
-        log.info(
-            "backed up step %d: %d bytes, %d uploaded, %d deduplicated, in %.2fs",
-            state.step, manifest.total_bytes, uploaded_raw, manifest.total_bytes - uploaded_raw, took,
-        )
-        if cfg.rank == 0:  # one collector per job is enough; it covers every rank's manifests
-            result = await self._io(gcs.collect_garbage, cfg.keep, cfg.gc_grace)
-            log.info("GCS retention: %s", result)
-
-    async def _io(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+    async def manifest_for(self, state: StepState) -> Manifest:
+        """The manifest of the step's current version, built once and shared by the lanes."""
+        async with self._build_lock:
+            cached = self._manifests.get(state.step)
+            if cached is not None and cached[0] == state.version:
+                return cached[1]
+            version = state.version
+            manifest = await self._build_manifest(state)
+            self._manifests[state.step] = (version, manifest)
+            self._index_local()
+            return manifest
 
     async def _build_manifest(self, state: StepState) -> Manifest:
         """Hash the snapshot; if a file was detached meanwhile, some hash may be of new bytes."""
@@ -168,26 +168,96 @@ class Replicator:
                 return manifest
         raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
 
-    async def _upload_chunks(self, manifest: Manifest, snap: Path) -> tuple[int, int]:
-        """Send every distinct chunk GCS lacks; returns (raw bytes uploaded, bytes stored)."""
+    def chunk_locations(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
+        """Where each distinct chunk of a step lives in its snapshot: (path, offset, length)."""
+        snap = self.steps.snapshots.step_tree(manifest.step)
         where: dict[str, tuple[Path, int, int]] = {}
         for e in manifest.entries:
             for i, h in enumerate(e.chunks):
-                length = min(manifest.chunk_size, e.size - i * manifest.chunk_size)
-                where.setdefault(h, (snap / e.path, i, length))
-        self.progress = {"chunks_done": 0, "chunks_total": len(where)}
+                offset = i * manifest.chunk_size
+                where.setdefault(h, (snap / e.path, offset, min(manifest.chunk_size, e.size - offset)))
+        return where
+
+    def find_local(self, h: str) -> tuple[str, int, int] | None:
+        """This node's own committed copy of chunk ``h`` (lets twins replicate with no transfer)."""
+        return self._local.get(h)
+
+    def _index_local(self) -> None:
+        self._local = {
+            h: (str(path), offset, length)
+            for _, manifest in self._manifests.values()
+            for h, (path, offset, length) in self.chunk_locations(manifest).items()
+        }
+
+    async def _io(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    # -- peers ---------------------------------------------------------------------------
+
+    def _replicated(self, state: StepState) -> bool:
+        r = state.replicas
+        return r.get("version") == state.version and len(r.get("peers", ())) >= self.cfg.replicas
+
+    async def _replicate(self, state: StepState) -> None:
+        version, started = state.version, time.time()
+        manifest = await self.manifest_for(state)
+        result = await self.peers.replicate(manifest, self.chunk_locations(manifest))
+        if state.version == version:
+            state.replicas = {**result, "version": version, "at": time.time(),
+                              "seconds": round(time.time() - started, 3),
+                              "lag_s": round(time.time() - state.committed_at, 3)}
+            self._save(state)
+        log.info("replicated step %d to %s: %d bytes sent, %d already there",
+                 state.step, ", ".join(result["peers"]), result["sent_bytes"], result["skipped_bytes"])
+
+    # -- GCS -----------------------------------------------------------------------------
+
+    async def _backup(self, state: StepState) -> None:
+        cfg, gcs = self.cfg, self.gcs
+        version, started = state.version, time.time()
+        manifest = await self.manifest_for(state)
+        await self._io(gcs.put_pending, cfg.rank, state.step, manifest.chunk_set())
+        uploaded_raw, stored = await self._upload_chunks(manifest)
+        await self._io(gcs.put_manifest, cfg.rank, state.step, manifest.to_json())
+        await self._io(gcs.delete_pending, cfg.rank, state.step)
+        took = time.time() - started
+        if state.version == version:
+            state.backup = {
+                "version": version,
+                "at": time.time(),
+                "seconds": round(took, 3),
+                "lag_s": round(time.time() - state.committed_at, 3),
+                "bytes": manifest.total_bytes,
+                "uploaded_bytes": uploaded_raw,
+                "stored_bytes": stored,
+                "dedup_bytes": manifest.total_bytes - uploaded_raw,
+                "chunks": len(manifest.chunk_set()),
+            }
+            self._save(state)
+        log.info(
+            "backed up step %d: %d bytes, %d uploaded, %d deduplicated, in %.2fs",
+            state.step, manifest.total_bytes, uploaded_raw, manifest.total_bytes - uploaded_raw, took,
+        )
+        if cfg.rank == 0:  # one collector per job is enough; it covers every rank's manifests
+            result = await self._io(gcs.collect_garbage, cfg.keep, cfg.gc_grace)
+            log.info("GCS retention: %s", result)
+
+    async def _upload_chunks(self, manifest: Manifest) -> tuple[int, int]:
+        """Send every distinct chunk GCS lacks; returns (raw bytes uploaded, bytes stored)."""
+        where = self.chunk_locations(manifest)
+        progress = self.progress["gcs"] = {"step": manifest.step, "chunks_done": 0, "chunks_total": len(where)}
         totals = [0, 0]
         send, receive = trio.open_memory_channel(math.inf)
-        for item in where.items():
-            send.send_nowait(item)
+        for h, (path, offset, _length) in where.items():
+            send.send_nowait((h, path, offset // manifest.chunk_size))
         send.close()
 
         async def worker() -> None:
-            async for h, (path, index, _length) in receive:
+            async for h, path, index in receive:
                 raw, stored = await self._io(self._put_chunk, h, path, index)
                 totals[0] += raw
                 totals[1] += stored
-                self.progress["chunks_done"] += 1
+                progress["chunks_done"] += 1
 
         async with trio.open_nursery() as nursery:
             for _ in range(UPLOAD_THREADS):
@@ -211,27 +281,41 @@ class Replicator:
 
     # -- local retention -------------------------------------------------------------------
 
+    def _save(self, state: StepState) -> None:
+        if self.steps.states.get(state.step) is state:
+            self.steps.save(state)
+
     def _retain_local(self) -> None:
-        """Keep the newest committed step and the one being uploaded; older snapshots go."""
+        """Keep the newest committed step and those a lane is sending; older snapshots go."""
         newest = self.steps.newest()
         if newest is None:
             return
+        busy = {lane.busy for lane in self.lanes.values()}
         for step in list(self.steps.states):
-            if step not in (newest.step, self.uploading):
+            if step != newest.step and step not in busy:
                 self.steps.drop(step)
+                if self._manifests.pop(step, None) is not None:
+                    self._index_local()
 
     # -- status ---------------------------------------------------------------------------
 
     def status(self) -> dict:
         now = time.time()
-        pending = [s for s in self.steps.states.values() if not s.backed_up]
-        lag = now - min(s.committed_at for s in pending) if pending and self.gcs else 0.0
-        return {
-            "url": self.cfg.gcs,
-            **self.gcs_status,
-            "uploading": self.uploading,
-            "progress": self.progress if self.uploading is not None else None,
-            "backup_interval_s": self.cfg.backup_interval,
-            "backup_lag_s": round(lag, 3),
-            "last_backup_at": self.last_backup_at,
-        }
+        out = {}
+        for name, lane in self.lanes.items():
+            pending = [s for s in self.steps.states.values() if not lane.done(s)]
+            lag = now - min(s.committed_at for s in pending) if pending else 0.0
+            out[name] = {**lane.status, "working_on": lane.busy, "lag_s": round(lag, 3),
+                         "last_at": lane.last_at, "progress": self.progress.get(name) if lane.busy else None}
+        if "gcs" in out:
+            out["gcs"].update(url=self.cfg.gcs, backup_interval_s=self.cfg.backup_interval)
+        if "peers" in out and self.peers is not None:
+            out["peers"].update(replicas=self.cfg.replicas, known=self.peers.status())
+        return out
+
+
+def _first_leaf(e: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups from a nursery of workers."""
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e

@@ -30,6 +30,7 @@ class StepState:
     version: int = 1  # bumped by every commit into the step; a backup covers one version
     source: str = "local"  # where the data came from: local writes, or the tier it was restored from
     backup: dict = field(default_factory=dict)  # version, at, uploaded_bytes, dedup_bytes, ...
+    replicas: dict = field(default_factory=dict)  # version, peers, at, sent_bytes, skipped_bytes
 
     @property
     def backed_up(self) -> bool:

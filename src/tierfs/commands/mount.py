@@ -28,6 +28,12 @@ OPTIONS = {
     "keep": "committed steps kept in GCS per rank (default 3)",
     "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
     "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
+    "listen": "HOST:PORT where this node's peer service accepts other nodes",
+    "peers": "HOST:PORT,... of the other nodes' peer services",
+    "replicas": "peers that keep a copy of each committed step (default 1)",
+    "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
+    "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
+    "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
 }
@@ -59,7 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in OPTIONS}
     return Config.build(mountpoint=args.mountpoint, foreground=args.foreground,
-                        read_only=args.read_only, **values)
+                        read_only=args.read_only, secret=_env("secret"), **values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,7 +107,7 @@ def run_helper(argv: list[str]) -> int:
             raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(OPTIONS))}, ro")
     for name in OPTIONS:  # environment fills what -o leaves out, as for the flags
         values.setdefault(name.replace("-", "_"), _env(name))
-    cfg = Config.build(mountpoint=positional[1], read_only=read_only, **values)
+    cfg = Config.build(mountpoint=positional[1], read_only=read_only, secret=_env("secret"), **values)
     argv = [positional[1]] + [f"--{k.replace('_', '-')}={v}" for k, v in values.items() if v is not None]
     return spawn(cfg, argv + ["--read-only"] * read_only)
 
@@ -130,8 +136,10 @@ def spawn(cfg: Config, argv: list[str]) -> int:
         )
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:
-        message = ready.read().decode().strip()
+        message, *warnings = ready.read().decode().strip().splitlines() or [""]
     if message == "ok":
+        for warning in warnings:
+            print(f"tierfs: {warning}", file=sys.stderr)
         return 0
     if child.poll() is None:
         child.terminate()

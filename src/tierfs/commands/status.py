@@ -50,20 +50,36 @@ def render(s: dict) -> str:
         r = s["restored"]
         lines.append(f"  restored step {r['step']} from {r['from']}: {format_size(r['bytes'])}, "
                      f"{r['files']} files in {r['seconds']:.1f}s")
-    gcs = s.get("gcs")
-    if gcs:
-        state = gcs["state"] + (f" ({gcs['error']})" if gcs.get("error") else "")
-        lines.append(f"  gcs   {gcs['url']}  {state}, backup lag {gcs['backup_lag_s']:.1f}s")
-        if gcs.get("progress"):
-            p = gcs["progress"]
-            lines.append(f"        uploading step {gcs['uploading']}: {p['chunks_done']}/{p['chunks_total']} chunks")
+    for tier, where in (("peers", None), ("gcs", "url")):
+        lane = s.get(tier)
+        if not lane:
+            continue
+        state = lane["state"] + (f" ({lane['error']})" if lane.get("error") else "")
+        label = lane.get(where) or f"{lane['replicas']} replica(s)"
+        lines.append(f"  {tier:<5} {label}  {state}, lag {lane['lag_s']:.1f}s")
+        if lane.get("progress"):
+            p = lane["progress"]
+            lines.append(f"        step {p['step']}: {p['chunks_done']}/{p['chunks_total']} chunks")
+        for peer in lane.get("known", ()):
+            rank = "" if peer["rank"] is None else f" rank {peer['rank']}"
+            lines.append(f"        {peer['address']}{rank}: {peer['state']}")
     for st in s.get("steps", []):
-        b = st["backup"]
-        where = f"from {st['source']}" if st["source"] != "local" else "committed"
+        b, r = st["backup"], st["replicas"]
+        where = [f"from {st['source']}" if st["source"] != "local" else "committed"]
+        if r.get("peers"):
+            where.append(f"on {', '.join(r['peers'])} ({format_size(r['sent_bytes'])} sent)")
+        elif s.get("peers"):
+            where.append("not replicated yet")
         if st["backed_up"] and not b.get("restored"):
-            where += (f", backed up in {b['seconds']:.1f}s: {format_size(b['uploaded_bytes'])} uploaded, "
-                      f"{format_size(b['dedup_bytes'])} deduplicated")
-        elif gcs and not st["backed_up"]:
-            where += ", not backed up yet"
-        lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {where}")
+            where.append(f"in GCS after {b['seconds']:.1f}s: {format_size(b['uploaded_bytes'])} uploaded, "
+                         f"{format_size(b['dedup_bytes'])} deduplicated")
+        elif st["backed_up"]:
+            where.append("in GCS")
+        elif s.get("gcs"):
+            where.append("not in GCS yet")
+        lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {'; '.join(where)}")
+    held = s.get("replicas_held")
+    if held:
+        lines.append(f"  holds {held.get('manifests', 0)} replica step(s) of other ranks, "
+                     f"{format_size(held.get('bytes', 0))}")
     return "\n".join(lines)

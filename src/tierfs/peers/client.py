@@ -1,0 +1,236 @@
+"""A connection to one peer's service: put replicas there, fetch them back.
+
+Every call runs under one deadline (``timeout``): a peer that is slow, down, or gone
+mid-transfer raises :class:`PeerUnavailable` in bounded time, never hangs the caller. A
+refusal (:class:`PeerError`, e.g. :class:`NoSpace`) leaves the connection usable. Anything
+that leaves it out of step (a timeout, a cancellation, a broken message) closes it, and
+every later call raises :class:`PeerUnavailable`: reconnect to go on.
+
+One request at a time per client; open several clients for parallel transfers.
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from typing import Any, Iterator, Sequence
+
+import trio
+import xxhash
+
+from tierfs.peers import wire
+from tierfs.peers.wire import HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerUnavailable, ProtocolError
+
+
+class PeerClient:
+    def __init__(self, stream: trio.SocketStream, address: tuple[str, int], timeout: float):
+        """Use :meth:`connect`: a client is born authenticated."""
+        self.address = address
+        self.timeout = timeout
+        self.bytes_sent = 0  # everything written to the socket, headers included
+        self.bytes_received = 0  # body bytes received
+        self._stream = stream
+        self._broken: str | None = None
+
+    @classmethod
+    async def connect(cls, address: tuple[str, int], *, job: str, secret: bytes, timeout: float = 10.0,
+                      local_host: str | None = None) -> PeerClient:
+        """Connect to ``address`` and authenticate, both within ``timeout`` seconds.
+
+        ``local_host`` binds the source address (several nodes on one machine use distinct
+        loopback addresses, as distinct machines would).
+        """
+        if not secret:
+            raise ValueError("connecting to a peer needs the job's secret")
+        name = _name(address)
+        try:
+            with trio.fail_after(timeout):
+                stream = await trio.open_tcp_stream(*address, local_address=local_host)
+                try:
+                    await wire.client_handshake(stream, job=job, secret=secret)
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+        except trio.TooSlowError:
+            raise PeerUnavailable(f"peer {name} did not connect and authenticate within {timeout:g}s") from None
+        except OSError as e:
+            raise PeerUnavailable(f"cannot connect to peer {name}: {e.strerror or e}") from None
+        except PeerError as e:
+            raise type(e)(f"peer {name}: {e}") from None
+        return cls(stream, address, timeout)
+
+    async def aclose(self) -> None:
+        self._broken = self._broken or "closed"
+        await trio.aclose_forcefully(self._stream)
+
+    async def __aenter__(self) -> PeerClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"PeerClient({_name(self.address)})"
+
+    # -- requests ------------------------------------------------------------------------
+
+    async def info(self) -> dict[str, Any]:
+        """What the peer says about itself (rank, topology, free bytes...), ``ok`` removed."""
+        with self._request("info"):
+            reply = await self._call({"op": "info"})
+        self._check(reply)
+        reply.pop("ok")
+        return reply
+
+    async def have(self, hashes: Sequence[str]) -> list[bool]:
+        """For each hash: does the peer hold that chunk (or can it make it locally)?"""
+        out: list[bool] = []
+        for start in range(0, len(hashes), HAVE_BATCH):
+            batch = list(hashes[start : start + HAVE_BATCH])
+            with self._request("have"):
+                reply = await self._call({"op": "have", "hashes": batch})
+                answer = reply.get("have")
+                if "error" not in reply and (not isinstance(answer, list) or len(answer) != len(batch)):
+                    raise ProtocolError("have: the answer does not match the question")
+            self._check(reply)
+            out.extend(bool(x) for x in answer)
+        return out
+
+    async def put_chunk(self, h: str, path: str | os.PathLike, offset: int, length: int) -> None:
+        """Send chunk ``h``: ``length`` bytes of ``path`` from ``offset``, straight from the page cache.
+
+        The peer hashes what it receives and refuses a mismatch (:class:`PeerError`) or a
+        chunk it has no room for (:class:`NoSpace`).
+        """
+        if not 0 <= length <= MAX_CHUNK:
+            raise ValueError(f"chunk of {length} bytes: at most {MAX_CHUNK}")
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            with self._request("put_chunk"):
+                await self._send({"op": "put_chunk", "hash": h, "len": length})
+                self.bytes_sent += await wire.send_file(self._stream, fd, offset, length)
+                reply = await wire.recv_msg(self._stream)
+        finally:
+            os.close(fd)
+        self._check(reply)
+
+    async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
+        """Commit the replica; the peer refuses it while any chunk it names is missing."""
+        if len(data) > MAX_MANIFEST:
+            raise ValueError(f"manifest of {len(data)} bytes: at most {MAX_MANIFEST}")
+        with self._request("put_manifest"):
+            reply = await self._call({"op": "put_manifest", "rank": rank, "step": step}, data)
+        self._check(reply)
+
+    async def list(self) -> list[tuple[int, int]]:
+        """The (rank, step) of every manifest the peer holds."""
+        with self._request("list"):
+            reply = await self._call({"op": "list"})
+        self._check(reply)
+        try:
+            return [(int(r), int(s)) for r, s in reply["manifests"]]
+        except (KeyError, TypeError, ValueError):
+            self._broken = "malformed list"
+            raise ProtocolError(f"peer {_name(self.address)}: malformed list answer") from None
+
+    async def get_manifest(self, rank: int, step: int) -> bytes:
+        with self._request("get_manifest"):
+            reply = await self._call({"op": "get_manifest", "rank": rank, "step": step})
+            data = await self._body(reply, MAX_MANIFEST)
+        self._check(reply)
+        return data
+
+    async def get_chunk(self, h: str, offset: int = 0, length: int | None = None) -> bytes:
+        """Bytes ``offset`` to ``offset + length`` of chunk ``h`` (to its end without ``length``).
+
+        The peer verified the whole chunk before sending; the bytes in transit are the
+        caller's to check (a whole chunk: ``chunk_hash(data) == h``).
+        """
+        request: dict[str, Any] = {"op": "get_chunk", "hash": h, "offset": offset}
+        if length is not None:
+            request["length"] = length
+        with self._request("get_chunk"):
+            reply = await self._call(request)
+            if length is not None and "error" not in reply and wire.body_length(reply) != length:
+                raise ProtocolError(f"asked for {length} bytes, the answer has {wire.body_length(reply)}")
+            data = await self._body(reply, MAX_CHUNK)
+        self._check(reply)
+        return data
+
+    async def get_chunk_into(self, h: str, fd: int, file_offset: int) -> int:
+        """Receive the whole chunk ``h`` into ``fd`` at ``file_offset``; returns its length.
+
+        Written in pieces of at most 1 MiB as they arrive, hashed on the way; a chunk that
+        does not match ``h`` raises :class:`PeerError` (its bytes are already in the file:
+        the caller overwrites them from another source or discards the file).
+        """
+        hasher = xxhash.xxh3_128()
+        with self._request("get_chunk"):
+            reply = await self._call({"op": "get_chunk", "hash": h, "offset": 0})
+            n = wire.body_length(reply)
+            if "error" in reply and "len" in reply:
+                raise ProtocolError("an error answer with a body")
+            if n > MAX_CHUNK:
+                raise ProtocolError(f"chunk of {n} bytes exceeds the {MAX_CHUNK}-byte limit")
+            await wire.recv_exact_into_file(self._stream, n, fd, hasher, file_offset)
+            self.bytes_received += n
+        self._check(reply)
+        if hasher.hexdigest() != h:
+            raise PeerError(f"peer {_name(self.address)} sent bytes that do not hash to chunk {h}")
+        return n
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    @contextmanager
+    def _request(self, op: str) -> Iterator[None]:
+        """One exchange under the deadline; anything but a clean finish closes the connection."""
+        if self._broken is not None:
+            raise PeerUnavailable(f"peer {_name(self.address)}: connection unusable ({self._broken})")
+        finished = False
+        try:
+            with trio.fail_after(self.timeout):
+                yield
+            finished = True
+        except trio.TooSlowError:
+            self._broken = "timed out"
+            raise PeerUnavailable(f"peer {_name(self.address)}: {op} got no answer within "
+                                  f"{self.timeout:g}s") from None
+        except PeerUnavailable as e:
+            raise PeerUnavailable(f"peer {_name(self.address)}: {op}: {e}") from None
+        except ProtocolError as e:
+            raise ProtocolError(f"peer {_name(self.address)}: {op}: {e}") from None
+        finally:
+            if not finished:
+                self._broken = self._broken or f"{op} did not finish"
+                self._stream.socket.close()  # synchronous: also right under cancellation
+
+    async def _send(self, header: dict[str, Any], body: bytes = b"") -> None:
+        self.bytes_sent += await wire.send_msg(self._stream, header, body)
+
+    async def _call(self, header: dict[str, Any], body: bytes = b"") -> dict[str, Any]:
+        await self._send(header, body)
+        return await wire.recv_msg(self._stream)
+
+    async def _body(self, reply: dict[str, Any], max_n: int) -> bytes:
+        if "error" in reply:
+            if "len" in reply:
+                raise ProtocolError("an error answer with a body")
+            return b""
+        data = await wire.recv_body(self._stream, wire.body_length(reply), max_n)
+        self.bytes_received += len(data)
+        return data
+
+    def _check(self, reply: dict[str, Any]) -> None:
+        """Raise the peer's refusal; the connection is still in step."""
+        error = reply.get("error")
+        if error is None and reply.get("ok") is True:
+            return
+        if error is None:
+            self._broken = "malformed answer"
+            raise ProtocolError(f"peer {_name(self.address)}: answer is neither ok nor an error")
+        message = f"peer {_name(self.address)}: {error}"
+        raise NoSpace(message) if error == "no space" else PeerError(message)
+
+
+def _name(address: tuple[str, int]) -> str:
+    return f"{address[0]}:{address[1]}"

@@ -1,0 +1,127 @@
+"""This node's view of its peers: who answers, where a step's replicas go, who holds what.
+
+Every operation talks to peers concurrently and with timeouts, so one slow or dead peer
+costs at most a timeout, never a hang; a peer that fails is replaced by the next best
+reachable one in the same call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import trio
+
+from tierfs.config import Config
+from tierfs.manifest import Manifest
+from tierfs.peers.client import PeerClient
+from tierfs.peers.placement import PeerInfo, choose
+from tierfs.peers.wire import PeerError
+
+log = logging.getLogger(__name__)
+
+INFO_TIMEOUT = 5.0
+
+
+class PeerNetwork:
+    def __init__(self, cfg: Config, timeout: float = 30.0):
+        self.cfg = cfg
+        self.timeout = timeout
+        self._seen: dict[tuple[str, int], dict] = {  # address -> last known state, for status
+            a: {"address": f"{a[0]}:{a[1]}", "state": "unknown", "rank": None, "error": None, "at": None}
+            for a in cfg.peers
+        }
+
+    def connect(self, address: tuple[str, int], timeout: float | None = None):
+        """An authenticated connection (an async context manager) to one peer."""
+        return PeerClient.connect(
+            address, job=self.cfg.job, secret=self.cfg.secret, timeout=timeout or self.timeout,
+            local_host=self.cfg.listen[0] if self.cfg.listen else None,
+        )
+
+    def _mark(self, address: tuple[str, int], state: str, error: str | None = None, rank: int | None = None) -> None:
+        seen = self._seen[address]
+        seen.update(state=state, error=error, at=time.time())
+        if rank is not None:
+            seen["rank"] = rank
+
+    async def _each(self, fn) -> dict[tuple[str, int], object]:
+        """Run ``fn(address)`` for every peer at once; failures are recorded and left out."""
+        results: dict[tuple[str, int], object] = {}
+
+        async def one(address: tuple[str, int]) -> None:
+            try:
+                results[address] = await fn(address)
+            except (PeerError, OSError, trio.TooSlowError) as e:
+                self._mark(address, "down", f"{type(e).__name__}: {e}")
+
+        async with trio.open_nursery() as nursery:
+            for address in self.cfg.peers:
+                nursery.start_soon(one, address)
+        return results
+
+    async def discover(self) -> list[PeerInfo]:
+        """The peers that answer now, with their rank and topology."""
+        async def info(address):
+            async with await self.connect(address, INFO_TIMEOUT) as client:
+                answer = await client.info()
+            self._mark(address, "up", rank=answer["rank"])
+            return PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
+
+        found = await self._each(info)
+        return [found[a] for a in self.cfg.peers if a in found]
+
+    async def holdings(self) -> dict[tuple[str, int], list[tuple[int, int]]]:
+        """Which (rank, step) manifests each reachable peer holds."""
+        async def listing(address):
+            async with await self.connect(address, INFO_TIMEOUT) as client:
+                held = await client.list()
+            self._mark(address, "up")
+            return held
+
+        return await self._each(listing)
+
+    async def replicate(self, manifest: Manifest, where: dict[str, tuple[Path, int, int]]) -> dict:
+        """Put the step on ``replicas`` peers; replaces a peer that fails by the next candidate."""
+        cfg = self.cfg
+        candidates = choose(cfg.rank, cfg.topology, await self.discover(), len(cfg.peers),
+                            cfg.nodes, cfg.data_parallel)
+        data = manifest.to_json()
+        done: list[str] = []
+        totals = {"sent_bytes": 0, "skipped_bytes": 0}
+        for peer in candidates:
+            if len(done) == cfg.replicas:
+                break
+            try:
+                sent, skipped = await self._push(peer, manifest, data, where)
+            except (PeerError, OSError, trio.TooSlowError) as e:
+                self._mark(peer.address, "down", f"{type(e).__name__}: {e}")
+                log.warning("replication of step %d to %s failed: %s", manifest.step, peer.name, e)
+                continue
+            done.append(peer.name)
+            totals["sent_bytes"] += sent
+            totals["skipped_bytes"] += skipped
+        if len(done) < cfg.replicas:
+            raise PeerError(f"step {manifest.step} reached {len(done)} of {cfg.replicas} peer(s)")
+        return {"peers": done, **totals}
+
+    async def _push(self, peer: PeerInfo, manifest: Manifest, data: bytes,
+                    where: dict[str, tuple[Path, int, int]]) -> tuple[int, int]:
+        hashes = list(where)
+        async with await self.connect(peer.address) as client:
+            have = await client.have(hashes) if hashes else []
+            sent = skipped = 0
+            for h, held in zip(hashes, have):
+                path, offset, length = where[h]
+                if held:
+                    skipped += length
+                    continue
+                await client.put_chunk(h, path, offset, length)
+                sent += length
+            await client.put_manifest(manifest.rank, manifest.step, data)
+        self._mark(peer.address, "up", rank=peer.rank)
+        return sent, skipped
+
+    def status(self) -> list[dict]:
+        return list(self._seen.values())

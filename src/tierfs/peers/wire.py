@@ -1,0 +1,332 @@
+"""The peer wire: length-prefixed JSON headers, raw bodies, and the mutual handshake.
+
+A message is a 4-byte big-endian length, that many bytes of a UTF-8 JSON object (the
+header), then, only when the header has a ``"len"`` key, exactly that many body bytes.
+Headers are small and parsed whole; bodies can be large and are never parsed here: the
+receiver decides where they go (a file, a hash, a bounded buffer) and reads them in
+pieces of at most :data:`PIECE` bytes, so a transfer never holds more than one piece in
+memory, whatever its size.
+
+Every function here raises :class:`PeerUnavailable` when the connection breaks or ends
+mid-message and :class:`ProtocolError` when the other side breaks the protocol. None of them
+sets a deadline: the request is the unit a timeout makes sense for, so callers wrap whole
+requests in ``trio.fail_after``. Every loop has a checkpoint, so cancellation is prompt.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import hmac
+import json
+import os
+import re
+import secrets
+import struct
+from typing import Any
+
+import trio
+
+VERSION = 1
+MAX_HEADER = 1 << 20  # an authenticated peer's header
+HELLO_MAX_HEADER = 4096  # before authentication: a stranger gets no big allocation
+PIECE = 1 << 20  # the most body bytes held in memory at once
+MAX_CHUNK = 64 << 20  # a chunk body
+MAX_MANIFEST = 64 << 20  # a manifest body
+MAX_HAVE = 100_000  # hashes per "have" request (the header limit binds first, near 29 000)
+HAVE_BATCH = 25_000  # hashes a client asks about per request: 875 kB, inside MAX_HEADER
+
+_LENGTH = struct.Struct(">I")
+_NONCE_RE = re.compile(r"[0-9a-f]{32}")
+_PROOF_RE = re.compile(r"[0-9a-f]{64}")
+
+
+class PeerError(Exception):
+    """The peer refused a request, or broke the protocol."""
+
+
+class PeerUnavailable(PeerError):
+    """The peer cannot be reached or went away: refused, reset, timed out, or closed mid-message."""
+
+
+class ProtocolError(PeerError):
+    """The other side broke the protocol: the connection is out of step and must be closed."""
+
+
+class AuthFailed(PeerError):
+    """The handshake failed: wrong secret or wrong job (deliberately indistinguishable)."""
+
+
+class NoSpace(PeerError):
+    """The peer's RAM tier has no room for what was offered."""
+
+    def __init__(self, message: str = "no space"):
+        super().__init__(message)
+
+
+# -- framing ------------------------------------------------------------------------------
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    """A header as it goes on the wire, length prefix included."""
+    data = json.dumps(header, separators=(",", ":")).encode()
+    if len(data) > MAX_HEADER:
+        raise ValueError(f"header of {len(data)} bytes exceeds the {MAX_HEADER}-byte limit")
+    return _LENGTH.pack(len(data)) + data
+
+
+async def send_msg(stream: trio.abc.SendStream, header: dict[str, Any], body: bytes = b"") -> int:
+    """Send one message; a non-empty ``body`` sets ``"len"``. Returns the bytes sent."""
+    if body:
+        header = {**header, "len": len(body)}
+    frame = encode_header(header)
+    try:
+        if len(body) <= PIECE:  # one write, one segment train
+            await stream.send_all(frame + body)
+        else:  # a big manifest is not copied again just to prepend a few bytes
+            await stream.send_all(frame)
+            await stream.send_all(body)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+        raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
+    return len(frame) + len(body)
+
+
+async def recv_msg(stream: trio.abc.ReceiveStream, limit: int = MAX_HEADER) -> dict[str, Any]:
+    """Receive one header (not its body), refusing one longer than ``limit`` bytes unread.
+
+    A clean end of stream before the first byte is still :class:`PeerUnavailable`: to a
+    caller waiting for an answer, a peer that hung up is a peer that is gone.
+    """
+    prefix = await _recv_exactly(stream, _LENGTH.size, at_boundary=True)
+    (n,) = _LENGTH.unpack(prefix)
+    if n > limit:
+        raise ProtocolError(f"header of {n} bytes exceeds the {limit}-byte limit")
+    raw = await _recv_exactly(stream, n, at_boundary=False)
+    try:
+        header = json.loads(raw)
+    except ValueError:  # UnicodeDecodeError is a ValueError too
+        raise ProtocolError("header is not valid UTF-8 JSON") from None
+    if not isinstance(header, dict):
+        raise ProtocolError("header is not a JSON object")
+    if "len" in header and not is_count(header["len"]):
+        raise ProtocolError(f"header has an invalid body length {header['len']!r}")
+    return header
+
+
+def body_length(header: dict[str, Any]) -> int:
+    """The number of body bytes that follow ``header`` (0 when there is no body)."""
+    return header.get("len", 0)
+
+
+def is_count(value: object) -> bool:
+    """A non-negative JSON integer (``true`` is not 1 here)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+async def recv_body(stream: trio.abc.ReceiveStream, n: int, max_n: int) -> bytes:
+    """A body as bytes (a manifest, a chunk range), refusing more than ``max_n`` unread.
+
+    Received straight into one buffer of exactly ``n`` bytes: asking the socket for "up to
+    what is left" would allocate that much on every call.
+    """
+    if n > max_n:
+        raise ProtocolError(f"body of {n} bytes exceeds the {max_n}-byte limit")
+    buf = bytearray(n)
+    view, done = memoryview(buf), 0
+    while done < n:
+        done += await _recv_into(stream, view[done : done + PIECE])
+    if n == 0:
+        await trio.lowlevel.checkpoint()
+    return bytes(buf)
+
+
+async def recv_exact_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None,
+                               hasher: Any | None = None, offset: int = 0) -> None:
+    """Receive an ``n``-byte body into ``fd`` at ``offset``, feeding ``hasher`` on the way.
+
+    One reusable buffer of at most :data:`PIECE` bytes; each piece is hashed and written
+    before the next is received. ``fd=None`` discards the bytes (after hashing them), which
+    is how a refused body is drained to keep the connection in step.
+    """
+    if n == 0:
+        await trio.lowlevel.checkpoint()
+        return
+    view = memoryview(bytearray(min(n, PIECE)))
+    done = 0
+    while done < n:
+        got = await _recv_into(stream, view[: min(len(view), n - done)])
+        piece = view[:got]
+        if hasher is not None:
+            hasher.update(piece)
+        if fd is not None:
+            _pwrite_all(fd, piece, offset + done)
+        done += got
+
+
+async def drain(stream: trio.abc.ReceiveStream, n: int) -> None:
+    """Read and discard an ``n``-byte body that was refused."""
+    await recv_exact_into_file(stream, n, None)
+
+
+async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: int) -> int:
+    """Send ``count`` bytes of ``fd`` from ``offset`` as a body, zero-copy where possible.
+
+    ``os.sendfile`` moves tmpfs pages straight into the socket; on the non-blocking socket
+    it sends what fits and the loop waits for room. Streams without a socket (tests' memory
+    streams) and kernels that refuse sendfile fall back to ``pread`` + ``send_all`` in
+    :data:`PIECE`-sized pieces. A file shorter than ``offset + count`` raises ``EOFError``:
+    a local fault, after which the connection is out of step and must be dropped.
+    """
+    sent = 0
+    sock = getattr(stream, "socket", None)
+    if sock is not None:
+        out = sock.fileno()
+        while sent < count:
+            try:
+                n = os.sendfile(out, fd, offset + sent, count - sent)
+            except BlockingIOError:
+                await trio.lowlevel.wait_writable(sock)
+                continue
+            except OSError as e:
+                if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and sent == 0:
+                    break  # not a file sendfile can read: copy it instead
+                raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
+            if n == 0:
+                raise EOFError(f"file ended {count - sent} bytes short of the promised body")
+            sent += n
+            await trio.lowlevel.checkpoint()  # a fast reader never blocks us: stay cancellable
+        else:
+            return sent
+    while sent < count:
+        piece = os.pread(fd, min(PIECE, count - sent), offset + sent)
+        if not piece:
+            raise EOFError(f"file ended {count - sent} bytes short of the promised body")
+        try:
+            await stream.send_all(piece)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
+        sent += len(piece)
+    return sent
+
+
+async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int, *, at_boundary: bool) -> bytes:
+    parts, got = [], 0
+    while got < n:
+        try:
+            data = await stream.receive_some(n - got)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            raise PeerUnavailable(f"connection lost: {_reason(e)}") from None
+        if not data:
+            if at_boundary and got == 0:
+                raise PeerUnavailable("connection closed by the peer")
+            raise PeerUnavailable(f"connection closed {n - got} bytes into a message")
+        parts.append(data)
+        got += len(data)
+    return b"".join(parts)
+
+
+async def _recv_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
+    """Fill some of ``view``; a socket stream receives straight into it (no allocation)."""
+    try:
+        if isinstance(stream, trio.SocketStream):
+            got = await stream.socket.recv_into(view)
+        else:
+            data = await stream.receive_some(len(view))
+            got = len(data)
+            view[:got] = data
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+        raise PeerUnavailable(f"connection lost mid-body: {_reason(e)}") from None
+    if not got:
+        raise PeerUnavailable("connection closed mid-body")
+    return got
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        n = os.pwrite(fd, data, offset)
+        data, offset = data[n:], offset + n
+
+
+def _reason(e: BaseException) -> str:
+    cause = e.__cause__ if isinstance(e, trio.BrokenResourceError) and e.__cause__ else e
+    return getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
+
+
+# -- authentication -----------------------------------------------------------------------
+
+
+def new_nonce() -> str:
+    """128 random bits as 32 hex digits: never repeats, so no proof is ever valid twice."""
+    return secrets.token_hex(16)
+
+
+def proof(secret: bytes, role: str, job: str, client_nonce: str, server_nonce: str) -> str:
+    """HMAC-SHA256(secret, role|job|client_nonce|server_nonce) in hex.
+
+    The role (``server`` or ``client``) keeps one side's proof from ever serving as the
+    other's, so a proof cannot be reflected back at its sender. Nonces have a fixed length,
+    so the message is unambiguous even if a job name contained ``|``.
+    """
+    message = b"|".join((role.encode(), job.encode(), client_nonce.encode(), server_nonce.encode()))
+    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+
+
+async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) -> None:
+    """Prove to the server that we hold the job's secret, after it proves the same to us.
+
+    Raises :class:`AuthFailed` if the server cannot prove it (wrong secret or wrong job:
+    which of the two is not knowable, by design) or refuses our proof.
+    """
+    client_nonce = new_nonce()
+    await send_msg(stream, {"op": "hello", "version": VERSION, "job": job, "nonce": client_nonce})
+    challenge = await recv_msg(stream, HELLO_MAX_HEADER)
+    if "error" in challenge:
+        raise AuthFailed(f"peer refused the handshake: {challenge['error']}")
+    server_nonce, server_proof = challenge.get("nonce"), challenge.get("proof")
+    if (challenge.get("op") != "challenge" or not _valid(_NONCE_RE, server_nonce)
+            or not _valid(_PROOF_RE, server_proof)):
+        raise ProtocolError("peer answered the hello with something other than a challenge")
+    expected = proof(secret, "server", job, client_nonce, server_nonce)
+    if not hmac.compare_digest(expected, server_proof):
+        raise AuthFailed(f"peer could not prove it holds the secret of job {job!r}")
+    await send_msg(stream, {"op": "auth", "proof": proof(secret, "client", job, client_nonce, server_nonce)})
+    answer = await recv_msg(stream, HELLO_MAX_HEADER)
+    if answer.get("ok") is not True:
+        raise AuthFailed(f"peer refused our proof: {answer.get('error', 'no reason given')}")
+
+
+async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> str | None:
+    """Server side of the handshake: ``None`` when the peer is in, else why it is not.
+
+    The refusal has already been sent when this returns a reason; the caller closes the
+    connection. Only the two small handshake headers are ever read: a body an
+    unauthenticated peer sends along is never read, let alone stored. A wrong secret and a
+    wrong job get the same answer, so a stranger learns nothing about either.
+    """
+    hello = await recv_msg(stream, HELLO_MAX_HEADER)
+    if hello.get("op") != "hello":
+        await send_msg(stream, {"error": "authentication required"})
+        return f"{hello.get('op')!r} before authenticating"
+    if hello.get("version") != VERSION:
+        await send_msg(stream, {"error": f"unsupported protocol version {hello.get('version')!r}: "
+                                         f"this peer speaks {VERSION}"})
+        return f"protocol version {hello.get('version')!r}"
+    client_nonce = hello.get("nonce")
+    if not isinstance(hello.get("job"), str) or not _valid(_NONCE_RE, client_nonce):
+        await send_msg(stream, {"error": "malformed hello"})
+        return "malformed hello"
+    server_nonce = new_nonce()
+    await send_msg(stream, {"op": "challenge", "nonce": server_nonce,
+                            "proof": proof(secret, "server", job, client_nonce, server_nonce)})
+    auth = await recv_msg(stream, HELLO_MAX_HEADER)
+    expected = proof(secret, "client", job, client_nonce, server_nonce)
+    if auth.get("op") != "auth" or not _valid(_PROOF_RE, auth.get("proof")) \
+            or not hmac.compare_digest(expected, auth["proof"]):
+        await send_msg(stream, {"error": "authentication failed"})
+        return f"authentication failed (peer claims job {hello['job']!r})"
+    await send_msg(stream, {"ok": True})
+    return None
+
+
+def _valid(pattern: re.Pattern[str], value: object) -> bool:
+    return isinstance(value, str) and pattern.fullmatch(value) is not None

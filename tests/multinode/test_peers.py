@@ -1,0 +1,138 @@
+"""Replication between real daemons on loopback, and restore from peers after node loss."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+MiB = 1 << 20
+
+
+def wait_for(predicate, timeout: float = 60, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+    return value
+
+
+def commit_step(mnt: Path, step: int, files: dict[str, bytes]) -> dict[str, str]:
+    tmp = mnt / "ckpt" / f"{step}.orbax-checkpoint-tmp"
+    for name, data in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    os.rename(tmp, mnt / "ckpt" / str(step))
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+def sums(mnt: Path, step: int, names) -> dict[str, str]:
+    return {n: hashlib.sha256((mnt / "ckpt" / str(step) / n).read_bytes()).hexdigest() for n in names}
+
+
+def replicated(c, i: int, step: int) -> dict | None:
+    for s in c.status(i)["steps"]:
+        if s["step"] == step and s["replicas"].get("version") == s["version"]:
+            return s["replicas"]
+    return None
+
+
+def test_node_loss_restores_from_a_peer_without_gcs(cluster):
+    c = cluster(3, replicas=1, capacity="512M")
+    c.start_all()
+    files = {f"shard-{i}": os.urandom(3 * MiB + i) for i in range(5)}
+    files["sub/meta"] = b"{}"
+    expected = commit_step(c.nodes[0].mountpoint, 9, files)
+    rep = wait_for(lambda: replicated(c, 0, 9), what="replication of step 9")
+    assert len(rep["peers"]) == 1 and rep["sent_bytes"] >= 15 * MiB
+    holder = next(i for i, n in enumerate(c.nodes) if n.address == rep["peers"][0])
+    assert c.status(holder)["replicas_held"]["manifests"] == 1
+
+    c.kill(0)
+    c.wipe(0)
+    c.start(0)
+    assert sums(c.nodes[0].mountpoint, 9, files) == expected
+    restored = c.status(0)["restored"]
+    assert restored["tier"] == "peer" and restored["from"] == f"peer {rep['peers'][0]}"
+    assert restored["step"] == 9 and restored["bytes"] == sum(map(len, files.values()))
+    assert c.status(0)["gcs"] is None
+
+
+def test_two_replicas_and_a_corrupt_one_is_never_used(cluster):
+    c = cluster(3, replicas=2, capacity="512M", chunk_size="1M")
+    c.start_all()
+    files = {"w": os.urandom(6 * MiB)}
+    expected = commit_step(c.nodes[0].mountpoint, 3, files)
+    rep = wait_for(lambda: replicated(c, 0, 3), what="replication to two peers")
+    assert sorted(rep["peers"]) == sorted([c.nodes[1].address, c.nodes[2].address])
+    # Damage every chunk file node 1 holds.
+    store = c.nodes[1].ramdisk / c.job / "rank-1" / "replicas" / "chunks"
+    damaged = 0
+    for path in store.rglob("*"):
+        if path.is_file() and not path.name.startswith("."):
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+            damaged += 1
+    assert damaged == 6
+    c.kill(0)
+    c.wipe(0)
+    c.start(0)
+    assert sums(c.nodes[0].mountpoint, 3, files) == expected
+    sources = c.status(0)["restored"]["bytes_from"]
+    assert sources == {f"peer {c.nodes[2].address}": 6 * MiB}, sources
+
+
+def test_a_peer_that_is_down_is_replaced(cluster):
+    c = cluster(3, replicas=1, capacity="256M")
+    c.start_all()
+    c.kill(1)  # the first choice of rank 0 in ring order
+    commit_step(c.nodes[0].mountpoint, 4, {"a": os.urandom(MiB)})
+    rep = wait_for(lambda: replicated(c, 0, 4), what="replication around the dead peer")
+    assert rep["peers"] == [c.nodes[2].address]
+    known = {p["address"]: p["state"] for p in c.status(0)["peers"]["known"]}
+    assert known[c.nodes[1].address] == "down"
+
+
+def test_replication_waits_for_a_peer_and_never_blocks_the_writer(cluster):
+    c = cluster(2, replicas=1, capacity="256M")
+    c.start(0)  # node 1 is not up yet
+    started = time.monotonic()
+    commit_step(c.nodes[0].mountpoint, 1, {"a": os.urandom(4 * MiB)})
+    (c.nodes[0].mountpoint / "more").write_bytes(os.urandom(4 * MiB))
+    assert time.monotonic() - started < 5
+    wait_for(lambda: c.status(0)["peers"]["state"] == "unavailable", 30, "the missing peer to show")
+    c.start(1)
+    rep = wait_for(lambda: replicated(c, 0, 1), 60, "replication once the peer is up")
+    assert rep["peers"] == [c.nodes[1].address]
+
+
+def test_data_parallel_twins_replicate_by_hash_comparison(cluster):
+    c = cluster(2, replicas=1, capacity="256M", data_parallel=2)
+    c.start_all()
+    files = {f"s{i}": os.urandom(2 * MiB) for i in range(4)}
+    commit_step(c.nodes[1].mountpoint, 5, files)
+    wait_for(lambda: replicated(c, 1, 5), what="rank 1's replication")
+    expected = commit_step(c.nodes[0].mountpoint, 5, files)
+    rep = wait_for(lambda: replicated(c, 0, 5), what="rank 0's replication")
+    assert rep["sent_bytes"] == 0 and rep["skipped_bytes"] == 8 * MiB
+    c.kill(0)
+    c.wipe(0)
+    c.start(0)
+    assert sums(c.nodes[0].mountpoint, 5, files) == expected
+
+
+def test_a_wrong_secret_gets_nothing(cluster):
+    c = cluster(2, replicas=1, capacity="256M")
+    c.start(1)
+    real = c.secret
+    c.secret = "not-the-job-secret-at-all"
+    proc = c.start(0)
+    assert "does not answer" in proc.stderr  # the peer refuses the handshake
+    commit_step(c.nodes[0].mountpoint, 2, {"a": os.urandom(MiB)})
+    wait_for(lambda: c.status(0)["peers"]["state"] == "unavailable", 30, "the refusal to show")
+    c.secret = real
+    assert c.status(1)["replicas_held"]["manifests"] == 0
+    assert not any((c.nodes[1].ramdisk / c.job / "rank-1" / "replicas" / "chunks").rglob("*[0-9a-f]"))

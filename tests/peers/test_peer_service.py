@@ -1,0 +1,515 @@
+"""The peer service end to end: real servers and clients on loopback addresses, real stores.
+
+Servers bind 127.0.0.2 and 127.0.0.3 on ephemeral ports; raw sockets check what a peer
+that skips or fails the handshake can make the server do (nothing) and read (nothing).
+Timeouts are shortened so that the stall tests take about a second.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import trio
+
+from tierfs.chunks import chunk_hash
+from tierfs.manifest import Manifest, build
+from tierfs.peers import wire
+from tierfs.peers.client import PeerClient
+from tierfs.peers.server import Timeouts, serve
+from tierfs.peers.store import ReplicaStore
+from tierfs.peers.wire import AuthFailed, NoSpace, PeerError, PeerUnavailable
+from tierfs.ramtier.space import SpaceAccount
+
+JOB = "llama"
+SECRET = b"a-secret-of-the-job-0123"
+CS = 64 << 10  # chunk size: small trees, several chunks per file
+FAST = Timeouts(handshake=0.5, idle=0.5, request=2.0)
+Where = dict[str, tuple[str, int, int]]
+
+
+@dataclass
+class Node:
+    host: str
+    port: int
+    store: ReplicaStore
+    space: SpaceAccount
+    root: Path
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.host, self.port
+
+    def connect(self, **kw) -> PeerClient:
+        return PeerClient.connect(self.address, **{"job": JOB, "secret": SECRET, "timeout": 2.0, **kw})
+
+    def files(self) -> list[Path]:
+        """Every file under the store's chunks directory, temp files included."""
+        return sorted(p for p in (self.root / "chunks").rglob("*") if p.is_file())
+
+
+async def start_node(nursery: trio.Nursery, host: str, root: Path, *, capacity: int | None = None,
+                     local=None, grace: float = 0.0, timeouts: Timeouts = FAST) -> Node:
+    root.mkdir(parents=True)
+    space = SpaceAccount(capacity, root)
+    store = ReplicaStore(root, space, local, job=JOB, grace=grace)
+    store.load()
+    port = await nursery.start(functools.partial(
+        serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts,
+        info=lambda: {"rank": 1, "topology": [["zone", "a"]], "free": 123}))
+    return Node(host, port, store, space, root)
+
+
+def randbytes(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def make_step(base: Path, rank: int, step: int, files: dict[str, bytes]) -> tuple[Manifest, Where]:
+    """A committed tree ``ckpt/`` holding ``files``, its manifest, and where each chunk lies."""
+    tree = base / f"snap-{rank}-{step}-{random.random()}"
+    (tree / "ckpt").mkdir(parents=True)
+    for name, data in files.items():
+        (tree / "ckpt" / name).write_bytes(data)
+    manifest = build(tree, ["ckpt"], job=JOB, rank=rank, step=step, chunk_size=CS)
+    where: Where = {}
+    for e in manifest.entries:
+        for i, h in enumerate(e.chunks):
+            where.setdefault(h, (str(tree / e.path), i * CS, min(CS, e.size - i * CS)))
+    return manifest, where
+
+
+async def push(client: PeerClient, manifest: Manifest, where: Where) -> None:
+    hashes = list(where)
+    for h, held in zip(hashes, await client.have(hashes)):
+        if not held:
+            await client.put_chunk(h, *where[h])
+    await client.put_manifest(manifest.rank, manifest.step, manifest.to_json())
+
+
+def read_range(location: tuple[str, int, int]) -> bytes:
+    path, offset, length = location
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
+
+
+async def read_until_closed(stream: trio.SocketStream, timeout: float = 3.0) -> bytes:
+    """Everything the server sends until it closes (a reset counts as closed)."""
+    parts = []
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                data = await stream.receive_some(1 << 16)
+            except trio.BrokenResourceError:
+                break
+            if not data:
+                break
+            parts.append(data)
+    return b"".join(parts)
+
+
+def frame(header: dict, body: bytes = b"") -> bytes:
+    return wire.encode_header({**header, "len": len(body)} if body else header) + body
+
+
+# -- authentication -------------------------------------------------------------------------
+
+
+async def test_authenticated_client_gets_info_and_lists(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    async with await node.connect(local_host="127.0.0.4") as client:
+        assert await client.info() == {"rank": 1, "topology": [["zone", "a"]], "free": 123}
+        assert await client.list() == []
+        assert await client.have([chunk_hash(b"x")]) == [False]
+
+
+async def test_wrong_secret_is_refused_and_nothing_is_stored(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    with pytest.raises(AuthFailed):
+        await PeerClient.connect(node.address, job=JOB, secret=b"not-the-secret-at-all", timeout=2)
+    # A raw peer that answers the challenge with a proof made from a wrong secret, and sends
+    # a chunk right behind it without waiting: refused, and not one byte of it stored.
+    body = randbytes(CS, 1)
+    async with await trio.open_tcp_stream(*node.address) as s:
+        nonce = wire.new_nonce()
+        await s.send_all(frame({"op": "hello", "version": 1, "job": JOB, "nonce": nonce}))
+        challenge = await wire.recv_msg(s)
+        bad = wire.proof(b"not-the-secret-at-all", "client", JOB, nonce, challenge["nonce"])
+        await s.send_all(frame({"op": "auth", "proof": bad})
+                         + frame({"op": "put_chunk", "hash": chunk_hash(body)}, body))
+        answer = await read_until_closed(s)
+    assert b'"error":"authentication failed"' in answer and body[:64] not in answer
+    assert node.files() == [] and node.store.stats()["chunks"] == 0
+
+
+async def test_job_mismatch_is_refused_by_both_sides(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    with pytest.raises(AuthFailed):
+        await PeerClient.connect(node.address, job="other-job", secret=SECRET, timeout=2)
+    # With the right secret but another job, the server refuses the client's proof too.
+    async with await trio.open_tcp_stream(*node.address) as s:
+        nonce = wire.new_nonce()
+        await s.send_all(frame({"op": "hello", "version": 1, "job": "other-job", "nonce": nonce}))
+        challenge = await wire.recv_msg(s)
+        proof = wire.proof(SECRET, "client", "other-job", nonce, challenge["nonce"])
+        await s.send_all(frame({"op": "auth", "proof": proof}) + frame({"op": "list"}))
+        answer = await read_until_closed(s)
+    assert b"authentication failed" in answer and b"manifests" not in answer
+
+
+async def test_skipping_the_handshake_gets_nothing_in_and_nothing_out(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    manifest, where = make_step(tmp_path, 2, 10, {"a": randbytes(2 * CS, 2)})
+    async with await node.connect() as client:
+        await push(client, manifest, where)
+    stored = node.files()
+    secret_chunk = next(iter(where))
+    payload = read_range(where[secret_chunk])
+
+    body = randbytes(CS, 3)
+    requests = [
+        frame({"op": "put_chunk", "hash": chunk_hash(body)}, body),
+        frame({"op": "get_chunk", "hash": secret_chunk, "offset": 0}),
+        frame({"op": "get_manifest", "rank": 2, "step": 10}),
+        frame({"op": "list"}),
+        frame({"op": "hello", "version": 1, "job": JOB, "nonce": wire.new_nonce()})  # then skips auth:
+        + frame({"op": "list"}),
+    ]
+    for request in requests:
+        async with await trio.open_tcp_stream(*node.address, local_address="127.0.0.5") as s:
+            await s.send_all(request)
+            answer = await read_until_closed(s)
+        assert b'"error":"authentication' in answer
+        assert len(answer) < 300 and payload[:64] not in answer
+        assert b"manifests" not in answer and b'"job"' not in answer
+    assert node.files() == stored
+    with pytest.raises(ValueError):
+        await PeerClient.connect(node.address, job=JOB, secret=b"")
+    with pytest.raises(ValueError):
+        await serve(("127.0.0.2", 0), job=JOB, secret=b"", store=node.store, info=dict)
+
+
+async def test_refusals_keep_the_connection_and_violations_close_it(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+
+    async def authenticated() -> trio.SocketStream:
+        s = await trio.open_tcp_stream(*node.address)
+        await wire.client_handshake(s, job=JOB, secret=SECRET)
+        return s
+
+    async with await authenticated() as s:
+        await s.send_all(frame({"op": "rename-the-moon"}))
+        assert "unknown op" in (await wire.recv_msg(s))["error"]
+        await s.send_all(frame({"op": "list"}))
+        assert await wire.recv_msg(s) == {"ok": True, "manifests": []}
+    violations = [
+        frame({"op": "list"}, b"a body where none belongs"),
+        frame({"op": "put_chunk", "hash": "not-a-hash"}, b"x"),
+        frame({"op": "put_chunk", "hash": chunk_hash(b"x"), "len": (64 << 20) + 1}),
+        frame({"op": "get_chunk", "hash": chunk_hash(b"x"), "offset": -1}),
+        frame({"op": "have", "hashes": "all of them"}),
+        struct.pack(">I", (1 << 20) + 1),
+    ]
+    for request in violations:
+        async with await authenticated() as s:
+            await s.send_all(request)
+            answer = await read_until_closed(s)  # answered, then closed
+        assert answer.startswith(struct.pack(">I", len(answer) - 4)) and b'"error"' in answer
+    assert node.files() == []
+
+
+# -- chunks ---------------------------------------------------------------------------------
+
+
+async def test_chunk_round_trip_with_ranges(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    data = randbytes(CS + 1000, 4)
+    source = tmp_path / "source"
+    source.write_bytes(b"x" * 77 + data)
+    h, other = chunk_hash(data), chunk_hash(b"absent")
+    async with await node.connect() as client:
+        await client.put_chunk(h, source, 77, len(data))
+        await client.put_chunk(h, source, 77, len(data))  # again: a harmless duplicate
+        assert await client.have([h, other]) == [True, False]
+        assert await client.get_chunk(h) == data
+        assert await client.get_chunk(h, 0, len(data)) == data
+        assert await client.get_chunk(h, 100, 1000) == data[100:1100]
+        assert await client.get_chunk(h, len(data) - 10) == data[-10:]
+        with pytest.raises(PeerError, match="outside the chunk"):
+            await client.get_chunk(h, len(data) - 10, 11)
+        with pytest.raises(PeerError, match="not found"):
+            await client.get_chunk(other)
+        target = tmp_path / "target"
+        fd = os.open(target, os.O_RDWR | os.O_CREAT)
+        try:
+            assert await client.get_chunk_into(h, fd, 5) == len(data)
+        finally:
+            os.close(fd)
+        assert target.read_bytes() == bytes(5) + data
+        assert await client.info()  # refusals left the connection in step
+    assert [p.name for p in node.files()] == [h]
+    assert (node.root / "chunks" / h[:2] / h).read_bytes() == data
+    assert node.space.used >= len(data)
+
+
+async def test_wrong_hash_is_refused_and_nothing_stored(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    source = tmp_path / "source"
+    source.write_bytes(randbytes(CS, 5))
+    async with await node.connect() as client:
+        with pytest.raises(PeerError, match="hash mismatch"):
+            await client.put_chunk(chunk_hash(b"something else"), source, 0, CS)
+        assert await client.have([chunk_hash(b"something else")]) == [False]
+    assert node.files() == [] and node.space.used == 0
+
+
+async def test_corrupt_chunk_is_not_served_and_is_removed(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    source = tmp_path / "source"
+    source.write_bytes(data := randbytes(CS, 6))
+    h = chunk_hash(data)
+    async with await node.connect() as client:
+        await client.put_chunk(h, source, 0, CS)
+        path = node.root / "chunks" / h[:2] / h
+        with open(path, "r+b") as f:  # one bit of RAM rots
+            f.seek(1234)
+            byte = f.read(1)
+            f.seek(1234)
+            f.write(bytes([byte[0] ^ 1]))
+        with pytest.raises(PeerError, match="corrupt"):
+            await client.get_chunk(h, 0, 10)
+        assert not path.exists()
+        assert await client.have([h]) == [False]
+    assert node.space.used == 0 and node.store.stats()["chunks"] == 0
+
+
+async def test_no_space_is_refused_before_the_chunk_is_stored(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", capacity=CS + CS // 2)
+    source = tmp_path / "source"
+    source.write_bytes(randbytes(2 * CS, 7))
+    first, second = (chunk_hash(source.read_bytes()[i * CS : (i + 1) * CS]) for i in range(2))
+    async with await node.connect() as client:
+        await client.put_chunk(first, source, 0, CS)
+        with pytest.raises(NoSpace):
+            await client.put_chunk(second, source, CS, CS)
+        assert await client.have([first, second]) == [True, False]  # still in step
+    assert [p.name for p in node.files()] == [first]
+    assert node.space.used <= node.space.capacity
+
+
+# -- manifests ------------------------------------------------------------------------------
+
+
+async def test_manifest_is_refused_until_its_chunks_are_held(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    manifest, where = make_step(tmp_path, 2, 10, {"a": randbytes(2 * CS + 5, 8), "b": b"tiny"})
+    data = manifest.to_json()
+    async with await node.connect() as client:
+        with pytest.raises(PeerError, match="4 of the manifest's 4 chunks are missing"):
+            await client.put_manifest(2, 10, data)
+        with pytest.raises(PeerError, match="not rank 3"):
+            await client.put_manifest(3, 10, data)
+        with pytest.raises(PeerError, match="unusable manifest"):
+            await client.put_manifest(2, 10, b'{"format": 1}')
+        for h in list(where)[:2]:
+            await client.put_chunk(h, *where[h])
+        with pytest.raises(PeerError, match="2 of the manifest's 4"):
+            await client.put_manifest(2, 10, data)
+        assert await client.list() == []
+        await push(client, manifest, where)
+        assert await client.list() == [(2, 10)]
+        assert await client.get_manifest(2, 10) == data
+        with pytest.raises(PeerError, match="not found"):
+            await client.get_manifest(2, 11)
+    assert (node.root / "manifests" / "rank-2" / "step-000000000010.json").read_bytes() == data
+
+
+async def test_other_jobs_manifests_are_refused(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    manifest, where = make_step(tmp_path, 2, 10, {"a": b"data"})
+    manifest.job = "other-job"
+    async with await node.connect() as client:
+        h, location = next(iter(where.items()))
+        await client.put_chunk(h, *location)
+        with pytest.raises(PeerError, match="for job 'other-job'"):
+            await client.put_manifest(2, 10, manifest.to_json())
+
+
+class OwnSteps:
+    """This node's own committed chunks (a data-parallel twin's), as the daemon provides them."""
+
+    def __init__(self, where: Where):
+        self.where = where
+
+    def find(self, h: str) -> tuple[str, int, int] | None:
+        return self.where.get(h)
+
+
+async def test_data_parallel_twin_replica_costs_no_chunk_bytes(nursery, tmp_path):
+    files = {"model.safetensors": randbytes(3 * CS + 11, 9), "optim.pt": randbytes(2 * CS, 10)}
+    _, own = make_step(tmp_path, 4, 50, files)  # rank 4's own step: same bytes as rank 0's
+    node = await start_node(nursery, "127.0.0.3", tmp_path / "n", local=OwnSteps(own))
+    manifest, where = make_step(tmp_path, 0, 50, files)
+    async with await node.connect() as client:
+        assert await client.have(list(where)) == [True] * len(where)
+        await push(client, manifest, where)
+        assert await client.list() == [(0, 50)]
+        sent = client.bytes_sent
+    chunk_bytes = sum(length for _, _, length in where.values())
+    manifest_bytes = len(manifest.to_json())
+    assert chunk_bytes > 5 * CS
+    assert sent < manifest_bytes + 4096  # the manifest and a few headers, no chunk
+    for h, location in where.items():
+        assert (node.root / "chunks" / h[:2] / h).read_bytes() == read_range(location)
+    assert node.store.stats() == {"chunks": len(where), "bytes": chunk_bytes, "manifests": 1}
+    assert node.space.used >= chunk_bytes
+
+
+async def test_newer_step_drops_older_and_collects_unreferenced_chunks(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", grace=0)
+    a, b, c = randbytes(CS, 11), randbytes(CS, 12), randbytes(CS, 13)
+    m1, w1 = make_step(tmp_path, 1, 100, {"a": a, "b": b})
+    m2, w2 = make_step(tmp_path, 1, 200, {"a": a, "b": c})
+    other, w3 = make_step(tmp_path, 5, 100, {"x": b})  # another rank still needs b
+    async with await node.connect() as client:
+        await push(client, m1, w1)
+        await push(client, other, w3)
+        await push(client, m2, w2)
+        assert await client.list() == [(1, 200), (5, 100)]
+        assert await client.have([chunk_hash(x) for x in (a, b, c)]) == [True, True, True]
+        m3, w4 = make_step(tmp_path, 5, 300, {"x": c})
+        await push(client, m3, w4)
+        assert await client.list() == [(1, 200), (5, 300)]
+        assert await client.have([chunk_hash(x) for x in (a, b, c)]) == [True, False, True]
+    assert {p.name for p in node.files()} == {chunk_hash(a), chunk_hash(c)}
+    assert not (node.root / "manifests" / "rank-1" / "step-000000000100.json").exists()
+    assert node.space.used == sum(os.stat(p).st_blocks * 512 for p in node.root.rglob("*") if p.is_file())
+
+
+async def test_unreferenced_chunks_survive_the_grace_period(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", grace=600)
+    m1, w1 = make_step(tmp_path, 1, 100, {"a": randbytes(CS, 14)})
+    m2, w2 = make_step(tmp_path, 1, 200, {"a": randbytes(CS, 15)})
+    async with await node.connect() as client:
+        await push(client, m1, w1)
+        await push(client, m2, w2)
+        assert await client.list() == [(1, 200)]
+        assert await client.have(list(w1) + list(w2)) == [True, True]  # a pusher may rely on it
+    assert node.store.collect_garbage() == 0
+    assert node.store.collect_garbage(now=time.time() + 601) == 1
+    assert {p.name for p in node.files()} == set(w2)
+
+
+def test_load_after_restart_cleans_up_and_accounts(tmp_path):
+    root = tmp_path / "replicas"
+    manifest, where = make_step(tmp_path, 2, 10, {"a": randbytes(CS + 3, 16)})
+    for h, location in where.items():
+        (root / "chunks" / h[:2]).mkdir(parents=True, exist_ok=True)
+        (root / "chunks" / h[:2] / h).write_bytes(read_range(location))
+    (root / "manifests" / "rank-2").mkdir(parents=True)
+    (root / "manifests" / "rank-2" / "step-000000000010.json").write_bytes(manifest.to_json())
+    (root / "manifests" / "rank-2" / "step-000000000009.json").write_bytes(b"garbage")
+    (root / "chunks" / ".tmp-half-written").write_bytes(b"x" * 100)
+    space = SpaceAccount(None, root)
+    store = ReplicaStore(root, space, job=JOB, grace=0)
+    store.load()
+    assert store.manifests() == [(2, 10)]
+    assert all(store.has(h) for h in where) and store.stats()["chunks"] == 2
+    assert not (root / "chunks" / ".tmp-half-written").exists()
+    assert not (root / "manifests" / "rank-2" / "step-000000000009.json").exists()
+    assert space.used == sum(os.stat(p).st_blocks * 512 for p in root.rglob("*") if p.is_file())
+    assert store.chunk_file(next(iter(where)))[0].startswith(str(root / "chunks"))
+
+
+# -- failures -------------------------------------------------------------------------------
+
+
+async def test_stalled_clients_do_not_block_others_and_are_dropped(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", timeouts=Timeouts(handshake=1, idle=1))
+    manifest, where = make_step(tmp_path, 2, 10, {"a": randbytes(3 * CS, 17)})
+    # One stalls before authenticating, one after: each sends half a header and waits.
+    started = trio.current_time()
+    before = await trio.open_tcp_stream(*node.address)
+    await before.send_all(b"\x00\x00")
+    after = await trio.open_tcp_stream(*node.address)
+    await wire.client_handshake(after, job=JOB, secret=SECRET)
+    await after.send_all(struct.pack(">I", 50) + b'{"op":')
+    async with await node.connect() as client:  # meanwhile, a normal client is served
+        await push(client, manifest, where)
+        assert await client.list() == [(2, 10)]
+    async with before, after:
+        for stalled in (before, after):  # served while both were still connected
+            with trio.move_on_after(0.01) as waiting:
+                await stalled.receive_some(100)
+            assert waiting.cancelled_caught
+        assert await read_until_closed(before, 3) == b""  # dropped by the handshake deadline
+        assert await read_until_closed(after, 3) == b""  # dropped by the idle deadline
+    assert 1 <= trio.current_time() - started < 3
+
+
+async def test_unreachable_peers_fail_fast(tmp_path):
+    # Nobody listening: refused at once.
+    probe = trio.socket.socket()
+    await probe.bind(("127.0.0.3", 0))
+    address = probe.getsockname()
+    probe.close()
+    with trio.fail_after(2):
+        with pytest.raises(PeerUnavailable, match="cannot connect"):
+            await PeerClient.connect(address, job=JOB, secret=SECRET, timeout=1)
+    # Listening but never answering (a wedged process): the deadline ends the wait.
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.3", 0))
+    sock.listen(4)
+    with sock, trio.fail_after(2):
+        with pytest.raises(PeerUnavailable, match="within 0.3s"):
+            await PeerClient.connect(sock.getsockname(), job=JOB, secret=SECRET, timeout=0.3)
+
+
+@pytest.mark.parametrize("vanish", [False, True])
+async def test_a_server_that_stalls_or_dies_mid_transfer_gives_peer_unavailable(nursery, tmp_path, vanish):
+    """An authentic peer that starts sending a chunk, then stops or goes away."""
+    data = randbytes(4 << 20, 18)
+
+    async def half_server(stream: trio.SocketStream) -> None:
+        async with stream:
+            assert await wire.authenticate(stream, job=JOB, secret=SECRET) is None
+            await wire.recv_msg(stream)
+            await wire.send_msg(stream, {"ok": True, "len": len(data)})
+            await stream.send_all(data[: 1 << 20])
+            if not vanish:
+                await trio.sleep_forever()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, half_server, 0, host="127.0.0.3"))
+    address = ("127.0.0.3", listeners[0].socket.getsockname()[1])
+    for receive in ("bytes", "into"):
+        async with await PeerClient.connect(address, job=JOB, secret=SECRET, timeout=0.5) as client:
+            started = trio.current_time()
+            with pytest.raises(PeerUnavailable):
+                if receive == "bytes":
+                    await client.get_chunk(chunk_hash(data))
+                else:
+                    fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT)
+                    try:
+                        await client.get_chunk_into(chunk_hash(data), fd, 0)
+                    finally:
+                        os.close(fd)
+            assert trio.current_time() - started < 2.0  # the 0.5 s deadline, plus a loaded CI box
+            with pytest.raises(PeerUnavailable, match="unusable"):
+                await client.info()
+
+
+async def test_a_real_server_shut_down_mid_session(tmp_path):
+    async with trio.open_nursery() as servers:
+        node = await start_node(servers, "127.0.0.2", tmp_path / "n")
+        client = await node.connect()
+        assert await client.list() == []
+        servers.cancel_scope.cancel()
+    with trio.fail_after(3), pytest.raises(PeerUnavailable):
+        await client.list()
+    await client.aclose()

@@ -1,10 +1,14 @@
-"""The demo: a volume on a RAM tier backed up to a local GCS emulator, a lost node, a restore.
+"""The demo: a 3-node local cluster with peer replication and GCS backup, a lost node, a restore.
 
-1. start a GCS emulator on 127.0.0.1 and mount a volume that backs up to it;
-2. write checkpoint step 100 as Orbax does and commit it by rename; watch it reach GCS;
-3. write step 200 with one shard in eight changed: only that shard's chunks are uploaded;
-4. lose the node: kill -9 the daemon and wipe its RAM tier;
-5. mount again on the empty RAM tier: step 200 comes back from GCS, byte for byte.
+1. start a GCS emulator and three tierfs nodes on 127.0.0.2-4, each replicating its
+   committed steps to one peer and backing them up to the emulator;
+2. every node writes its rank's checkpoint step 100 as Orbax does and commits it by rename;
+   watch each reach a peer and GCS;
+3. every node writes step 200 with one shard in eight changed: only that shard's chunks
+   travel;
+4. lose node 1: kill -9 its daemon and wipe its RAM tier;
+5. bring it back with the same rank on an empty RAM tier: step 200 comes back from the
+   peer that holds its replica, byte for byte.
 
 Everything lives under one /dev/shm directory and is removed at the end.
 """
@@ -12,11 +16,8 @@ Everything lives under one /dev/shm directory and is removed at the end.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,93 +25,96 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from tests.cluster import LocalCluster  # noqa: E402
 from tests.gcs_emulator import GcsEmulator  # noqa: E402
 
-TIERFS = [str(REPO / ".venv" / "bin" / "tierfs")]
 MiB = 1 << 20
+NODES, SHARDS, SHARD = 3, 8, 16 * MiB
 
 
 def say(text: str) -> None:
     print(f"\n\033[1m== {text}\033[0m", flush=True)
 
 
-def tierfs(*args) -> str:
-    proc = subprocess.run([*TIERFS, *map(str, args)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"demo: tierfs {args[0]} failed: {proc.stderr.strip()}")
-    return proc.stdout
-
-
-def status(mnt: Path) -> dict:
-    return json.loads(tierfs("status", mnt, "--json"))
-
-
-def wait_backed_up(mnt: Path, step: int) -> dict:
-    while True:
-        for s in status(mnt)["steps"]:
-            if s["step"] == step and s["backed_up"]:
-                return s["backup"]
-        time.sleep(0.1)
-
-
-def write_step(mnt: Path, step: int, shards: list[bytes]) -> None:
+def write_step(mnt: Path, step: int, shards: list[bytes]) -> dict[str, str]:
     tmp = mnt / f"{step}.orbax-checkpoint-tmp"
     tmp.mkdir()
     for i, data in enumerate(shards):
         (tmp / f"shard-{i}").write_bytes(data)
-    (tmp / "_CHECKPOINT_METADATA").write_text(json.dumps({"step": step}))
+    (tmp / "_CHECKPOINT_METADATA").write_text(f'{{"step": {step}}}')
     os.rename(tmp, mnt / str(step))  # the commit
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (mnt / str(step)).iterdir()}
+
+
+def wait_safe(cluster: LocalCluster, i: int, step: int) -> dict:
+    """Until step ``step`` of node ``i`` is on a peer and in GCS; returns its state."""
+    while True:
+        for s in cluster.status(i)["steps"]:
+            if s["step"] == step and s["backed_up"] and s["replicas"].get("version") == s["version"]:
+                return s
+        time.sleep(0.1)
 
 
 def main() -> int:
     base = Path(tempfile.mkdtemp(prefix="tierfs-demo.", dir="/dev/shm"))
     os.environ["TIERFS_RUNTIME_DIR"] = str(base / "run")
-    mnt, ramdisk = base / "mnt", base / "ram"
-    mnt.mkdir()
     emulator = GcsEmulator(base / "gcs", backend="memory")
+    cluster = None
     try:
-        say("start a GCS emulator on 127.0.0.1 and mount with --gcs")
+        say("start a GCS emulator on 127.0.0.1 and 3 nodes on 127.0.0.2-4")
         emulator.start()
         os.environ.update(emulator.environ())
         emulator.make_bucket("demo-bucket")
-        gcs = "gs://demo-bucket/checkpoints"
-        options = ["--ramdisk", ramdisk, "--job", "demo", "--capacity", "2G", "--gcs", gcs]
-        tierfs("mount", mnt, *options)
-        print(f"{mnt} mounted; STORAGE_EMULATOR_HOST={os.environ['STORAGE_EMULATOR_HOST']}")
+        cluster = LocalCluster(base / "cluster", NODES, job="demo", replicas=1, capacity="2G",
+                               gcs="gs://demo-bucket/checkpoints")
+        cluster.start_all()
+        for node in cluster.nodes:
+            print(f"node {node.index}: rank {node.index} at {node.mountpoint}, peers on {node.address}")
 
-        say("write step 100 (8 shards x 32 MiB) as Orbax does, commit it by rename")
-        shards = [os.urandom(32 * MiB) for _ in range(8)]
-        write_step(mnt, 100, shards)
-        b = wait_backed_up(mnt, 100)
-        print(f"step 100 backed up in {b['seconds']:.2f}s, {b['lag_s']:.2f}s after its commit: "
-              f"{b['uploaded_bytes'] / MiB:.0f} MiB uploaded")
+        say(f"every node writes step 100 ({SHARDS} shards x {SHARD // MiB} MiB) and commits it by rename")
+        shards = {n.index: [os.urandom(SHARD) for _ in range(SHARDS)] for n in cluster.nodes}
+        for n in cluster.nodes:
+            write_step(n.mountpoint, 100, shards[n.index])
+        for n in cluster.nodes:
+            s = wait_safe(cluster, n.index, 100)
+            print(f"node {n.index}: step 100 on peer {', '.join(s['replicas']['peers'])} after "
+                  f"{s['replicas']['lag_s']:.2f}s, in GCS after {s['backup']['lag_s']:.2f}s")
 
-        say("write step 200 with one shard in eight changed")
-        shards[5] = os.urandom(32 * MiB)
-        write_step(mnt, 200, shards)
-        b = wait_backed_up(mnt, 200)
-        print(f"step 200: {b['uploaded_bytes'] / MiB:.0f} MiB uploaded, {b['dedup_bytes'] / MiB:.0f} MiB "
-              f"already in GCS ({b['uploaded_bytes'] / b['bytes']:.1%} of the step sent)")
-        sums = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (mnt / "200").iterdir()}
-        print(tierfs("status", mnt), end="")
+        say("every node writes step 200 with one shard in eight changed")
+        sums = {}
+        for n in cluster.nodes:
+            shards[n.index][3] = os.urandom(SHARD)
+            sums[n.index] = write_step(n.mountpoint, 200, shards[n.index])
+        for n in cluster.nodes:
+            s = wait_safe(cluster, n.index, 200)
+            r, b = s["replicas"], s["backup"]
+            print(f"node {n.index}: {r['sent_bytes'] // MiB} MiB sent to the peer "
+                  f"({r['skipped_bytes'] // MiB} MiB it had), {b['uploaded_bytes'] // MiB} MiB uploaded "
+                  f"({b['dedup_bytes'] // MiB} MiB already in GCS)")
+        print(cluster.tierfs("status", cluster.nodes[1].mountpoint).stdout, end="")
 
-        say("lose the node: kill -9 the daemon and wipe its RAM tier")
-        pid = status(mnt)["pid"]
-        os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(ramdisk / "demo")
-        print(f"killed pid {pid}; {ramdisk / 'demo'} removed")
+        say("lose node 1: kill -9 its daemon and wipe its RAM tier")
+        cluster.kill(1)
+        cluster.wipe(1)
+        print(f"{cluster.nodes[1].ramdisk / 'demo'} removed")
 
-        say("mount again on the empty RAM tier: the newest step comes back from GCS")
-        tierfs("mount", mnt, *options)
-        restored = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (mnt / "200").iterdir()}
-        if restored != sums:
+        say("bring node 1 back with rank 1 on an empty RAM tier")
+        started = time.monotonic()
+        cluster.start(1)
+        took = time.monotonic() - started
+        mnt = cluster.nodes[1].mountpoint / "200"
+        restored = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in mnt.iterdir()}
+        if restored != sums[1]:
             raise SystemExit("demo: restored files differ from the committed ones")
-        print(f"all {len(sums)} files of step 200 verified (sha256)")
-        print(tierfs("status", mnt), end="")
+        info = cluster.status(1)["restored"]
+        print(f"step {info['step']} restored from {info['from']} in {took:.1f}s; all {len(restored)} files "
+              "verified (sha256)")
+        print(cluster.tierfs("status", cluster.nodes[1].mountpoint).stdout, end="")
         say("done")
         return 0
     finally:
-        subprocess.run([*TIERFS, "unmount", str(mnt)], capture_output=True)
+        if cluster is not None:
+            cluster.close()
         emulator.stop()
         shutil.rmtree(base, ignore_errors=True)
 

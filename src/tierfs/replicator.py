@@ -41,6 +41,7 @@ from tierfs.steps import StepState, Steps
 log = logging.getLogger(__name__)
 
 UPLOAD_THREADS = 8
+RECHECK_PEERS = 10.0  # seconds between checks that the peers still hold the newest replica
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
@@ -52,8 +53,10 @@ class Lane:
     """One remote tier's progress: which step it works on, and how it is doing."""
 
     def __init__(self, name: str, work: Callable[[StepState], Awaitable[None]],
-                 done: Callable[[StepState], bool], interval: float = 0.0):
+                 done: Callable[[StepState], bool], interval: float = 0.0,
+                 recheck: Callable[[StepState], Awaitable[None]] | None = None):
         self.name, self.work, self.done, self.interval = name, work, done, interval
+        self.recheck = recheck  # when idle: is the newest step still where we put it?
         self.wake = trio.Event()
         self.busy: int | None = None
         self.last_at: float | None = None
@@ -79,7 +82,7 @@ class Replicator:
         self.progress: dict = {}
         self.lanes: dict[str, Lane] = {}
         if peers is not None:
-            self.lanes["peers"] = Lane("peers", self._replicate, self._replicated)
+            self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, recheck=self._recheck_replicas)
         if gcs is not None:
             self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, cfg.backup_interval)
         steps.on_commit = self._committed
@@ -102,8 +105,15 @@ class Replicator:
         while True:
             newest = self.steps.newest()
             if newest is None or lane.done(newest):
-                await lane.wake.wait()
-                lane.wake = trio.Event()
+                with trio.move_on_after(RECHECK_PEERS if lane.recheck else math.inf):
+                    await lane.wake.wait()
+                    lane.wake = trio.Event()
+                    continue
+                if newest is not None:
+                    try:
+                        await lane.recheck(newest)
+                    except Exception as e:
+                        log.warning("%s: could not recheck step %d: %s", lane.name, newest.step, e)
                 continue
             wait = lane.last_at + lane.interval - time.time() if lane.interval and lane.last_at else 0.0
             if wait > 0:
@@ -209,6 +219,17 @@ class Replicator:
             self._save(state)
         log.info("replicated step %d to %s: %d bytes sent, %d already there",
                  state.step, ", ".join(result["peers"]), result["sent_bytes"], result["skipped_bytes"])
+
+    async def _recheck_replicas(self, state: StepState) -> None:
+        """A peer that lost its RAM (or was replaced) no longer holds our replica: replace it."""
+        holdings = await self.peers.holdings()
+        names = {f"{a[0]}:{a[1]}": set(held) for a, held in holdings.items()}
+        kept = [p for p in state.replicas.get("peers", []) if (self.cfg.rank, state.step) in names.get(p, ())]
+        if kept != state.replicas.get("peers"):
+            lost = sorted(set(state.replicas["peers"]) - set(kept))
+            log.warning("step %d is no longer on %s: replicating it again", state.step, ", ".join(lost))
+            state.replicas = {**state.replicas, "peers": kept}
+            self._save(state)
 
     # -- GCS -----------------------------------------------------------------------------
 

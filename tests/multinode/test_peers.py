@@ -7,6 +7,8 @@ import os
 import time
 from pathlib import Path
 
+import pytest
+
 MiB = 1 << 20
 
 
@@ -136,3 +138,47 @@ def test_a_wrong_secret_gets_nothing(cluster):
     c.secret = real
     assert c.status(1)["replicas_held"]["manifests"] == 0
     assert not any((c.nodes[1].ramdisk / c.job / "rank-1" / "replicas" / "chunks").rglob("*[0-9a-f]"))
+
+
+def test_a_replica_lost_with_its_peer_is_made_again(cluster):
+    c = cluster(3, replicas=1, capacity="256M")
+    c.start_all()
+    commit_step(c.nodes[0].mountpoint, 6, {"a": os.urandom(2 * MiB)})
+    first = wait_for(lambda: replicated(c, 0, 6), what="replication")["peers"][0]
+    holder = next(i for i, n in enumerate(c.nodes) if n.address == first)
+    c.kill(holder)
+    c.wipe(holder)
+    c.start(holder)
+
+    def held_again():
+        return any(c.status(i)["replicas_held"]["manifests"] for i in (1, 2))
+
+    wait_for(held_again, 40, "rank 0's step to be replicated again")
+
+
+@pytest.mark.slow
+def test_one_gib_checkpoint_comes_back_from_a_peer_without_gcs(cluster):
+    c = cluster(3, replicas=1, capacity="3G")
+    c.start_all()
+    mnt = c.nodes[0].mountpoint
+    tmp = mnt / "ckpt" / "77.orbax-checkpoint-tmp"
+    expected = {}
+    for i in range(16):
+        h = hashlib.sha256()
+        (tmp / f"layer-{i:02d}").mkdir(parents=True)
+        with open(tmp / f"layer-{i:02d}" / "shard", "wb") as f:
+            for _ in range(16):
+                block = os.urandom(4 * MiB)
+                h.update(block)
+                f.write(block)
+        expected[f"layer-{i:02d}/shard"] = h.hexdigest()
+    os.rename(tmp, mnt / "ckpt" / "77")
+    rep = wait_for(lambda: replicated(c, 0, 77), 300, "replication of 1 GiB")
+    print(f"1 GiB replicated to {rep['peers'][0]} in {rep['seconds']:.1f}s")
+    c.kill(0)
+    c.wipe(0)
+    c.start(0)
+    assert sums(mnt, 77, expected) == expected
+    restored = c.status(0)["restored"]
+    assert restored["tier"] == "peer" and restored["bytes"] == 1 << 30 and c.status(0)["gcs"] is None
+    print(f"1 GiB restored from {restored['from']} in {restored['seconds']:.1f}s")

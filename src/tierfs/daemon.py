@@ -73,6 +73,7 @@ class Daemon:
             log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
         self.steps.load()
         if cfg.listen:
+            _check_listen(cfg.listen)
             self.replica_store = ReplicaStore(
                 self.rank.path / "replicas", job=cfg.job, space=self.space, local=self,
             )
@@ -80,20 +81,17 @@ class Daemon:
             self._open_gcs()
         if tree_is_empty(self.rank.tree) and not self.steps.states and (self.gcs or self.peers):
             self.restored = trio.run(Restorer(cfg, self.rank, self.steps, self.gcs, self.peers).restore)
-        roots = [self.rank.tree, self.snapshots.root]  # snapshots and replicas use RAM too
-        self.space.scan(*roots)
+        self.space.scan(self.rank.tree, self.snapshots.root)  # snapshots pin RAM too
         if self.replica_store is not None:
-            self.replica_store.load()
+            self.replica_store.load()  # accounts the replicas it holds
         if cfg.capacity is not None and self.space.used > cfg.capacity:
             raise UserError(
                 f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
                 f"already stored in {self.rank.tree}: raise --capacity or remove files"
             )
-        if cfg.listen:
-            _check_listen(cfg.listen)
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self.steps)
-        self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers)
+        self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers, lambda: self.ops.last_write)
         try:
             pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
         except RuntimeError as e:

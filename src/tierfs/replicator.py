@@ -41,6 +41,10 @@ from tierfs.steps import StepState, Steps
 log = logging.getLogger(__name__)
 
 UPLOAD_THREADS = 8
+# While the job writes, background transfers wait for a pause in its writes, up to this
+# long per chunk: a checkpoint being written gets the CPU, replication still progresses.
+WRITER_QUIET = 0.05
+MAX_DEFER = 1.0
 RECHECK_PEERS = 10.0  # seconds between checks that the peers still hold the newest replica
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
@@ -69,8 +73,10 @@ class Lane:
 
 
 class Replicator:
-    def __init__(self, cfg: Config, steps: Steps, gcs: GcsStore | None, peers: PeerNetwork | None):
+    def __init__(self, cfg: Config, steps: Steps, gcs: GcsStore | None, peers: PeerNetwork | None,
+                 last_write: Callable[[], float] = lambda: 0.0):
         self.cfg = cfg
+        self._last_write = last_write
         self.steps = steps
         self.gcs = gcs
         self.peers = peers
@@ -199,6 +205,15 @@ class Replicator:
             for h, (path, offset, length) in self.chunk_locations(manifest).items()
         }
 
+    async def yield_to_writers(self) -> None:
+        """Wait (at most MAX_DEFER) until the job has not written for WRITER_QUIET seconds."""
+        deadline = trio.current_time() + MAX_DEFER
+        while trio.current_time() < deadline:
+            quiet_for = time.monotonic() - self._last_write()
+            if quiet_for >= WRITER_QUIET:
+                return
+            await trio.sleep(WRITER_QUIET - quiet_for)
+
     async def _io(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
@@ -211,7 +226,7 @@ class Replicator:
     async def _replicate(self, state: StepState) -> None:
         version, started = state.version, time.time()
         manifest = await self.manifest_for(state)
-        result = await self.peers.replicate(manifest, self.chunk_locations(manifest))
+        result = await self.peers.replicate(manifest, self.chunk_locations(manifest), self.yield_to_writers)
         if state.version == version:
             state.replicas = {**result, "version": version, "at": time.time(),
                               "seconds": round(time.time() - started, 3),
@@ -275,6 +290,7 @@ class Replicator:
 
         async def worker() -> None:
             async for h, path, index in receive:
+                await self.yield_to_writers()
                 raw, stored = await self._io(self._put_chunk, h, path, index)
                 totals[0] += raw
                 totals[1] += stored

@@ -63,7 +63,13 @@ class Restorer:
                         held.setdefault(step, []).append(address)
         gcs_steps: list[int] = []
         if self.gcs is not None:
-            gcs_steps = await self._gcs(self.gcs.list_steps, self.cfg.rank)
+            try:
+                gcs_steps = await self._gcs(self.gcs.list_steps, self.cfg.rank)
+            except UserError as e:
+                if not held:
+                    raise
+                log.warning("restoring from peers only: %s", e)
+                self.gcs = None
         newest = max([*held, *gcs_steps], default=None)
         if newest is None:
             return None

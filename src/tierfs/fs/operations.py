@@ -23,6 +23,7 @@ import functools
 import logging
 import os
 import stat
+import time
 from typing import Callable, Protocol
 
 import pyfuse3
@@ -90,6 +91,7 @@ class Operations(pyfuse3.Operations):
         self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
         self._read_buf = memoryview(bytearray(1 << 20))
         self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0}
+        self.last_write = 0.0  # time.monotonic() of the latest write: background work yields to writers
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -357,6 +359,7 @@ class Operations(pyfuse3.Operations):
         self.space.update(os.fstat(fh))
         self.inodes[self._files[fh]].cache_valid = False
         self.counters["bytes_written"] += n
+        self.last_write = time.monotonic()
         return n
 
     def _drop_privs(self, fh: int) -> None:

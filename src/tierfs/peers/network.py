@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import trio
@@ -22,6 +23,10 @@ from tierfs.peers.wire import PeerError
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 5.0
+
+
+async def _no_pause() -> None:
+    pass
 
 
 class PeerNetwork:
@@ -82,8 +87,12 @@ class PeerNetwork:
 
         return await self._each(listing)
 
-    async def replicate(self, manifest: Manifest, where: dict[str, tuple[Path, int, int]]) -> dict:
-        """Put the step on ``replicas`` peers; replaces a peer that fails by the next candidate."""
+    async def replicate(self, manifest: Manifest, where: dict[str, tuple[Path, int, int]],
+                        pace: Callable[[], Awaitable[None]] = _no_pause) -> dict:
+        """Put the step on ``replicas`` peers; replaces a peer that fails by the next candidate.
+
+        ``pace`` is awaited before each chunk is sent (the daemon lets the job's writes go first).
+        """
         cfg = self.cfg
         candidates = choose(cfg.rank, cfg.topology, await self.discover(), len(cfg.peers),
                             cfg.nodes, cfg.data_parallel)
@@ -94,7 +103,7 @@ class PeerNetwork:
             if len(done) == cfg.replicas:
                 break
             try:
-                sent, skipped = await self._push(peer, manifest, data, where)
+                sent, skipped = await self._push(peer, manifest, data, where, pace)
             except (PeerError, OSError, trio.TooSlowError) as e:
                 self._mark(peer.address, "down", f"{type(e).__name__}: {e}")
                 log.warning("replication of step %d to %s failed: %s", manifest.step, peer.name, e)
@@ -107,7 +116,7 @@ class PeerNetwork:
         return {"peers": done, **totals}
 
     async def _push(self, peer: PeerInfo, manifest: Manifest, data: bytes,
-                    where: dict[str, tuple[Path, int, int]]) -> tuple[int, int]:
+                    where: dict[str, tuple[Path, int, int]], pace) -> tuple[int, int]:
         hashes = list(where)
         async with await self.connect(peer.address) as client:
             have = await client.have(hashes) if hashes else []
@@ -117,6 +126,7 @@ class PeerNetwork:
                 if held:
                     skipped += length
                     continue
+                await pace()
                 await client.put_chunk(h, path, offset, length)
                 sent += length
             await client.put_manifest(manifest.rank, manifest.step, data)

@@ -16,8 +16,8 @@ is ``--size`` bytes of fresh random data in ``--files`` files. Per round:
    and bytes / the mount's wall time, against the plain copy from the peer to node 0.
 3. Writes: 1 MiB sequential writes of a fresh ``--size`` file into node 0's mount (fio with
    page-aligned buffers if installed, else a built-in writer), (a) alone and (b) started
-   right after committing a new step, replicated meanwhile (the overlap is recorded).
-   The target is (b) / (a) >= 0.80.
+   right after committing a new step; recorded: whether its replication ran over the write
+   and how much of the step the peer held by the write's end. Target: (b) / (a) >= 0.80.
 
 Method as in docs/benchmarks.md (the balloon returns freed pages to the host ~2 s after they
 are freed): each timed part follows a tmpfs warm-up (``--warmup``, default 2x the size, the
@@ -237,6 +237,7 @@ class Bench:
         self.warm()
         cpu0, t0 = self.cpu(), time.time()
         self.commit(step)
+        renamed = time.time() - t0  # the job's rename(2): the commit happens inside it
         rep = self.wait(f"replication of step {step}", self.replicated(step))
         seen, cpu1, to = time.time(), self.cpu(), self.node_of(rep["peers"][0])
         if rep["sent_bytes"] != self.args.size:
@@ -244,7 +245,7 @@ class Bench:
         # The manifest is written when the step is hashed, before a byte goes out: splits hashing and transfer.
         built = os.stat(self.c.nodes[0].ramdisk / self.c.job / "rank-0" / "steps" / str(step) / "manifest.json")
         return {"bytes": self.args.size, "seconds": rep["seconds"], "seen_s": seen - t0, "window_s": seen - t0,
-                "hashed_s": built.st_mtime - t0, "transfer_s": rep["at"] - built.st_mtime,
+                "rename_s": renamed, "hashed_s": built.st_mtime - t0, "transfer_s": rep["at"] - built.st_mtime,
                 "peer": rep["peers"][0], "cpu": {"sender": cpu1[0] - cpu0[0], "receiver": cpu1[to] - cpu0[to]}}
 
     def restore(self, sums: dict[str, str], holder: int) -> dict:
@@ -269,20 +270,22 @@ class Bench:
         self.wait("replication to be idle", self.idle)
         if step is not None:
             make_files(self.mnt / "ckpt" / f"{step}.orbax-checkpoint-tmp", self.args.size, self.args.files)
-        path = str(self.mnt / f"write-{tag}")
+        path, peer = str(self.mnt / f"write-{tag}"), self.c.nodes[holder].mountpoint
+        held = lambda: self.fetch(peer)["replicas_held"]["bytes"]  # what the peer holds: the real overlap
         try:
             self.warm()
-            cpu0 = self.cpu()
+            cpu0, held0 = self.cpu(), held()
             if step is not None:
                 self.commit(step)
             res = write_file(path, self.args.size, self.buf)
-            cpu1 = self.cpu()
+            cpu1, held1 = self.cpu(), held()
             res["cpu"].update(fuse=cpu1[0] - cpu0[0], peer=cpu1[holder] - cpu0[holder])
             if step is not None:
                 rep = self.wait(f"replication of step {step}", self.replicated(step))
                 over = min(rep["at"], res["end"]) - max(rep["at"] - rep["seconds"], res["start"])
                 res.update(repl_at=rep["at"], repl_seconds=rep["seconds"], overlapped=rep["at"] > res["start"],
-                           overlap=max(0.0, over) / res["seconds"])
+                           overlap=max(0.0, over) / res["seconds"],
+                           sent_during=max(0, held1 - held0) / rep["sent_bytes"])
         finally:
             if os.path.exists(path):
                 os.unlink(path)  # right after the measurement
@@ -351,7 +354,10 @@ def summarize(raw: list[dict]) -> dict:
     w = [r["write_replicating"] for r in raw]
     return {"rows": rows, "cpu": cpu, "overlap": statistics.median(x["overlap"] for x in w),
             "all_overlapped": all(x["overlapped"] for x in w),
+            "sent_during": statistics.median(x["sent_during"] for x in w),
+            "repl_seconds": statistics.median(x["repl_seconds"] for x in w),
             "hashed_s": statistics.median(r["replicate"]["hashed_s"] for r in raw),
+            "rename_s": statistics.median(r["replicate"]["rename_s"] for r in raw),
             "transfer_mib_s": mib_s("replicate", "transfer_s")}
 
 
@@ -364,10 +370,11 @@ def render(summary: dict) -> str:
              for cells in [head, ["-" * w for w in widths], *body]]
     lines += ["# baselines: plain sendfile -> recv_into+write copy (node 0 -> peer; peer -> node 0 for the "
               "restore); the same writes with nothing replicating",
-              f"# the replication overlapped a median {summary['overlap']:.0%} of the write, "
-              f"{'in every round' if summary['all_overlapped'] else 'NOT in every round'}",
-              f"# replication: the step was hashed {summary['hashed_s']:.2f} s after the commit (median), "
-              f"then sent at {summary['transfer_mib_s']:.0f} MiB/s",
+              f"# the replication ran over a median {summary['overlap']:.0%} of the write "
+              f"({'in every round' if summary['all_overlapped'] else 'NOT in every round'}) and sent "
+              f"{summary['sent_during']:.0%} of the step by the write's end; it took {summary['repl_seconds']:.1f} s",
+              f"# replication (medians): the commit's rename took {summary['rename_s']:.2f} s, the step was hashed "
+              f"{summary['hashed_s']:.2f} s after the commit, then sent at {summary['transfer_mib_s']:.0f} MiB/s",
               "# CPU-s per GiB (busy: CPU-s per wall second, 1.0 = one core), medians:"]
     lines += [f"#   {name}: " + ", ".join(f"{who} {v['s_per_gib']:.2f} ({v['busy']:.2f})"
                                           for who, v in summary["cpu"][m].items()) for m, name in CPU_NAMES.items()]
@@ -441,7 +448,8 @@ def main() -> int:
             print(f"round {rnd + 1}/{args.rounds}: replicate {mib('replicate')} (seen {mib('replicate', 'seen_s')})"
                   f" vs plain {mib('plain_forward')} MiB/s; restore {mib('restore')} (wall {mib('restore', 'wall_s')})"
                   f" vs plain {mib('plain_reverse')}; write {mib('write_replicating')} replicating vs "
-                  f"{mib('write_alone')} alone (overlap {r['write_replicating']['overlap']:.0%})",
+                  f"{mib('write_alone')} alone ({r['write_replicating']['sent_during']:.0%} of the step sent "
+                  "meanwhile)",
                   file=sys.stderr, flush=True)
         summary = summarize(raw)
         print(render(summary))

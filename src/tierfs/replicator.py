@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -86,6 +87,8 @@ class Replicator:
         self._local: dict[str, tuple[str, int, int]] = {}  # chunk -> where this node holds it
         self._build_lock = trio.Lock()
         self.progress: dict = {}
+        self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
+        self._trash_wake = trio.Event()
         self.lanes: dict[str, Lane] = {}
         if peers is not None:
             self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, recheck=self._recheck_replicas)
@@ -103,8 +106,16 @@ class Replicator:
     async def run(self) -> None:
         self._retain_local()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._empty_trash)
             for lane in self.lanes.values():
                 nursery.start_soon(self._run_lane, lane)
+
+    async def _empty_trash(self) -> None:
+        while True:
+            await self._trash_wake.wait()
+            self._trash_wake = trio.Event()
+            while self._trash:
+                await trio.to_thread.run_sync(shutil.rmtree, self._trash.pop(), True)
 
     async def _run_lane(self, lane: Lane) -> None:
         failures = 0
@@ -330,7 +341,10 @@ class Replicator:
         busy = {lane.busy for lane in self.lanes.values()}
         for step in list(self.steps.states):
             if step != newest.step and step not in busy:
-                self.steps.drop(step)
+                trash = self.steps.drop(step)
+                if trash is not None:
+                    self._trash.append(trash)
+                    self._trash_wake.set()
                 if self._manifests.pop(step, None) is not None:
                     self._index_local()
 

@@ -117,6 +117,9 @@ class Restorer:
             self.steps.snapshots.freeze(plan.step, root, set())
         state = StepState(plan.step, sorted(manifest.roots), time.time(),
                           source="peer" if plan.peers else "gcs")
+        if plan.peers:  # the peers it came from hold it: nothing to send them again
+            state.replicas = {"version": state.version, "peers": [_name(a) for a in plan.peers],
+                              "at": time.time(), "sent_bytes": 0, "skipped_bytes": 0, "restored": True}
         if plan.in_gcs:
             state.backup = {"version": state.version, "at": time.time(), "bytes": manifest.total_bytes,
                             "uploaded_bytes": 0, "dedup_bytes": manifest.total_bytes, "restored": True}
@@ -138,15 +141,20 @@ class Restorer:
             return _parse(await self._gcs(self.gcs.get_manifest, self.cfg.rank, plan.step), self.cfg.gcs)
         raise UserError(f"no peer could send step {plan.step} of rank {self.cfg.rank}: {'; '.join(errors)}")
 
-    async def _fetch(self, h: str, length: int, index: int, plan: Plan, alive: list) -> bytes:
-        """Chunk ``h`` from the peers (starting at a different one per chunk), then GCS."""
+    async def _fetch(self, h: str, length: int, index: int, plan: Plan, alive: list, clients: dict) -> bytes:
+        """Chunk ``h`` from the peers (starting at a different one per chunk), then GCS.
+
+        ``clients`` holds the calling worker's open connections, one per peer, so a chunk
+        costs one request, not a handshake.
+        """
         errors, tried = [], set()
         while candidates := [a for a in alive if a not in tried]:
             address = candidates[index % len(candidates)]
             tried.add(address)
             try:
-                async with await self.peers.connect(address) as client:
-                    data = await client.get_chunk(h, 0, length)
+                if address not in clients:
+                    clients[address] = await self.peers.connect(address)
+                data = await clients[address].get_chunk(h, 0, length)
                 if chunks.chunk_hash(data) != h:
                     raise PeerError("sent bytes that do not match the chunk's hash")
                 self._count(f"peer {_name(address)}", len(data))
@@ -154,6 +162,8 @@ class Restorer:
             except (PeerError, OSError, trio.TooSlowError) as e:
                 errors.append(f"peer {_name(address)}: {e}")
                 log.warning("chunk %s from peer %s failed (%s); trying the next source", h, _name(address), e)
+                if address in clients:
+                    await clients.pop(address).aclose()
                 if address in alive:  # down or untrustworthy: not asked again in this restore
                     alive.remove(address)
         if self.gcs is None:
@@ -215,10 +225,15 @@ class Restorer:
             send.close()
 
             async def worker() -> None:
-                async for index, h in receive:
-                    data = await self._fetch(h, lengths[h], index, plan, alive)
-                    for fd, offset in wanted[h]:
-                        os.pwrite(fd, data, offset)
+                clients: dict = {}
+                try:
+                    async for index, h in receive:
+                        data = await self._fetch(h, lengths[h], index, plan, alive, clients)
+                        for fd, offset in wanted[h]:
+                            os.pwrite(fd, data, offset)
+                finally:
+                    for client in clients.values():
+                        await client.aclose()
 
             try:
                 async with trio.open_nursery() as nursery:

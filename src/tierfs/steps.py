@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from tierfs.commit import CommitRules, step_of
 from tierfs.ramtier.snapshots import Snapshots
@@ -59,7 +61,7 @@ class Steps:
             except (OSError, ValueError, TypeError) as e:
                 # Frozen but never recorded: the commit did not finish before a crash.
                 log.warning("dropping step %d, its state is unreadable (%s)", step, e)
-                self.snapshots.drop(step)
+                shutil.rmtree(self.snapshots.drop(step), ignore_errors=True)
 
     def save(self, state: StepState) -> None:
         path = self.snapshots.step_dir(state.step) / "state.json"
@@ -110,7 +112,8 @@ class Steps:
     def newest(self) -> StepState | None:
         return self.states[max(self.states)] if self.states else None
 
-    def drop(self, step: int) -> None:
+    def drop(self, step: int) -> Path | None:
+        """Forget a step; returns what is left to delete (see :meth:`Snapshots.drop`)."""
         self.states.pop(step, None)
-        self.snapshots.drop(step)
         log.info("dropped local snapshot of step %d", step)
+        return self.snapshots.drop(step)

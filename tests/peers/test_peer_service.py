@@ -383,6 +383,7 @@ async def test_newer_step_drops_older_and_collects_unreferenced_chunks(nursery, 
         await push(client, m2, w2)
         assert await client.list() == [(1, 200), (5, 100)]
         assert await client.have([chunk_hash(x) for x in (a, b, c)]) == [True, True, True]
+    async with await node.connect() as client:  # the first sender is gone: nothing pins b now
         m3, w4 = make_step(tmp_path, 5, 300, {"x": c})
         await push(client, m3, w4)
         assert await client.list() == [(1, 200), (5, 300)]
@@ -390,6 +391,23 @@ async def test_newer_step_drops_older_and_collects_unreferenced_chunks(nursery, 
     assert {p.name for p in node.files()} == {chunk_hash(a), chunk_hash(c)}
     assert not (node.root / "manifests" / "rank-1" / "step-000000000100.json").exists()
     assert node.space.used == sum(os.stat(p).st_blocks * 512 for p in node.root.rglob("*") if p.is_file())
+
+
+async def test_chunks_a_connected_sender_relies_on_outlive_a_zero_grace(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", grace=0)
+    m1, w1 = make_step(tmp_path, 1, 100, {"a": randbytes(CS, 21)})
+    m2, w2 = make_step(tmp_path, 1, 200, {"a": randbytes(CS, 22)})
+    async with await node.connect() as pusher:
+        (h,) = w2
+        path, offset, length = w2[h]
+        await pusher.put_chunk(h, path, offset, length)  # its manifest is still to come
+        async with await node.connect() as other:
+            await push(other, m1, w1)  # a manifest lands: the collector runs
+        assert await pusher.have([h]) == [True]
+        await pusher.put_manifest(1, 200, m2.to_json())
+        assert await pusher.list() == [(1, 200)]
+    assert node.store.collect_garbage() == 0
+    assert {p.name for p in node.files()} == set(w2)
 
 
 async def test_unreferenced_chunks_survive_the_grace_period(nursery, tmp_path):

@@ -82,6 +82,8 @@ async def _connection(ctx: _Context, stream: trio.SocketStream) -> None:
         except Exception:  # a bug or a local I/O error must not stop the service
             # Not answered: it may have struck halfway through an answer's body.
             log.exception("peer %s: request failed: connection closed", peer)
+        finally:
+            ctx.store.end_session(stream)  # its chunks are now kept only if a manifest names them
 
 
 async def _session(ctx: _Context, stream: trio.SocketStream, peer: str) -> None:
@@ -146,7 +148,11 @@ async def _have(ctx: _Context, stream: trio.SocketStream, request: dict) -> None
     hashes = request.get("hashes")
     if not isinstance(hashes, list) or len(hashes) > MAX_HAVE or not all(isinstance(h, str) for h in hashes):
         raise ProtocolError(f"have needs a list of at most {MAX_HAVE} hashes")
-    await wire.send_msg(stream, {"ok": True, "have": [ctx.store.has(h) for h in hashes]})
+    have = [ctx.store.has(h) for h in hashes]
+    for h, held in zip(hashes, have):
+        if held:
+            ctx.store.hold_for(stream, h)
+    await wire.send_msg(stream, {"ok": True, "have": have})
 
 
 async def _put_chunk(ctx: _Context, stream: trio.SocketStream, request: dict) -> None:
@@ -161,6 +167,7 @@ async def _put_chunk(ctx: _Context, stream: trio.SocketStream, request: dict) ->
     with writer:
         await wire.recv_exact_into_file(stream, n, writer.fd, writer.hasher)
         writer.commit()
+    ctx.store.hold_for(stream, h)
     await wire.send_msg(stream, {"ok": True})
 
 

@@ -42,7 +42,10 @@ from tierfs.ramtier.space import PAGE, SpaceAccount
 
 log = logging.getLogger(__name__)
 
-GRACE = 600.0  # seconds an unreferenced chunk is kept: its manifest is still on its way
+# Chunks a connected sender was told about or sent are kept until it disconnects (its
+# manifest is on its way); after that, an unreferenced chunk is kept this long, for a
+# sender that lost its connection mid-push and comes back.
+GRACE = 60.0
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
 _RANK_RE = re.compile(r"rank-(\d+)")
@@ -181,6 +184,7 @@ class ReplicaStore:
         self._chunks: dict[str, _Held] = {}
         self._manifests: dict[tuple[int, int], frozenset[str]] = {}  # (rank, step) -> its chunks
         self._reserved = 0  # bytes promised to chunks being received
+        self._sessions: dict[object, set[str]] = {}  # connection -> chunks it relies on
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -332,10 +336,17 @@ class ReplicaStore:
             raise Corrupt()
         return source
 
+    def hold_for(self, session: object, h: str) -> None:
+        """Keep chunk ``h`` while ``session`` (a connected sender) may still name it."""
+        self._sessions.setdefault(session, set()).add(h)
+
+    def end_session(self, session: object) -> None:
+        self._sessions.pop(session, None)
+
     def collect_garbage(self, now: float | None = None) -> int:
-        """Delete chunks no held manifest names and nobody sent or asked about recently."""
+        """Delete chunks no held manifest names, no connected sender relies on, none sent lately."""
         now = time.time() if now is None else now
-        referenced = set().union(*self._manifests.values())
+        referenced = set().union(*self._manifests.values(), *self._sessions.values())
         stale = [h for h, held in self._chunks.items()
                  if h not in referenced and now - held.used >= self.grace]
         for h in stale:

@@ -158,13 +158,23 @@ class Snapshots:
 
     # -- dropping -----------------------------------------------------------------------
 
-    def drop(self, step: int) -> None:
-        """Forget a step: its links go, and inodes that only it held are freed."""
-        d = self.step_dir(step)
-        if d.exists():
-            self._remove(d)
+    def drop(self, step: int) -> Path | None:
+        """Forget a step at once; returns a directory for the caller to delete at leisure.
 
-    def _remove(self, path: Path) -> None:
+        Freeing a big step's pages takes a while (a quarter second per GiB here), so the
+        step is only renamed aside and accounted as free here, on the trio thread; the
+        deletion itself belongs in a worker thread. ``load`` removes leftovers after a crash.
+        """
+        d = self.step_dir(step)
+        if not d.exists():
+            return None
+        self._serial += 1
+        trash = self.root / f".trash-{os.getpid()}-{self._serial}"
+        self._remove(d, trash)
+        return trash
+
+    def _remove(self, path: Path, trash: Path | None = None) -> None:
+        """Unpin and account everything under ``path``; delete it, or move it to ``trash``."""
         if not os.path.lexists(path):
             return
         gone: list[os.stat_result] = []
@@ -178,7 +188,9 @@ class Snapshots:
             gone.append(st)
 
         self._walk_pins(path, unpin)
-        if os.path.isdir(path) and not os.path.islink(path):
+        if trash is not None:
+            os.rename(path, trash)
+        elif os.path.isdir(path) and not os.path.islink(path):
             shutil.rmtree(path)
         else:
             os.unlink(path)

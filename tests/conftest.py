@@ -1,4 +1,5 @@
-"""Shared fixtures: real tmpfs directories, real FUSE mounts driven through the CLI.
+"""Shared fixtures: real tmpfs directories, real FUSE mounts driven through the CLI, a real
+GCS emulator on loopback.
 
 Every mount a test makes is unmounted in a finalizer, whatever the test did, and a daemon
 that does not go away is killed by its PID; nothing else is touched.
@@ -14,11 +15,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from tests.gcs_emulator import GcsEmulator
 from tierfs import mounts
 
 TIERFS = [sys.executable, "-m", "tierfs"]
@@ -149,3 +152,25 @@ def volumes(shm_dir):
 def volume(volumes) -> Volume:
     """One mounted volume with a 1 GiB capacity."""
     return volumes(capacity="1G")
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GcsEmulator]:
+    """One emulator for the session, with STORAGE_EMULATOR_HOST pointing at it meanwhile."""
+    emulator = GcsEmulator(tmp_path_factory.mktemp("gcs-emulator"))
+    try:
+        emulator.start()
+        with pytest.MonkeyPatch.context() as mp:
+            for name, value in emulator.environ().items():
+                mp.setenv(name, value)
+            yield emulator
+    finally:
+        emulator.stop()
+
+
+@pytest.fixture
+def gcs_bucket(gcs_emulator: GcsEmulator) -> str:
+    """A new, empty bucket: tests never see each other's objects."""
+    name = f"tierfs-test-{uuid.uuid4().hex[:12]}"
+    gcs_emulator.make_bucket(name)
+    return name

@@ -182,3 +182,24 @@ def test_one_gib_checkpoint_comes_back_from_a_peer_without_gcs(cluster):
     restored = c.status(0)["restored"]
     assert restored["tier"] == "peer" and restored["bytes"] == 1 << 30 and c.status(0)["gcs"] is None
     print(f"1 GiB restored from {restored['from']} in {restored['seconds']:.1f}s")
+
+
+def test_chunks_no_peer_can_give_come_from_gcs(cluster, gcs_bucket):
+    c = cluster(2, replicas=1, capacity="256M", chunk_size="1M", gcs=f"gs://{gcs_bucket}/m")
+    c.start_all()
+    files = {"w": os.urandom(4 * MiB)}
+    expected = commit_step(c.nodes[0].mountpoint, 8, files)
+    wait_for(lambda: replicated(c, 0, 8), what="replication")
+    wait_for(lambda: next(s for s in c.status(0)["steps"] if s["step"] == 8)["backed_up"], what="backup")
+    chunk_files = sorted(p for p in (c.nodes[1].ramdisk / c.job / "rank-1" / "replicas" / "chunks").rglob("*")
+                         if p.is_file())
+    assert len(chunk_files) == 4
+    damaged = chunk_files[0]
+    damaged.write_bytes(bytes(MiB))  # the peer's copy of one chunk rots
+    c.kill(0)
+    c.wipe(0)
+    c.start(0)
+    assert sums(c.nodes[0].mountpoint, 8, files) == expected
+    restored = c.status(0)["restored"]
+    assert restored["tier"] == "peer"
+    assert restored["bytes_from"] == {f"peer {c.nodes[1].address}": 3 * MiB, "gcs": MiB}, restored

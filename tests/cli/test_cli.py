@@ -157,7 +157,7 @@ def test_mount_helper_form_and_umount(shm_dir):
 def test_only_mountpoint_works_with_defaults(shm_dir):
     mp = shm_dir("tierfs-mnt")
     default_rank = Path("/dev/shm/tierfs/default/rank-0")
-    existed = default_rank.exists()
+    made = [p for p in (default_rank, default_rank.parent, default_rank.parent.parent) if not p.exists()]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TIERFS_") or k == "TIERFS_RUNTIME_DIR"}
     try:
         tierfs("mount", mp, env=env)
@@ -168,8 +168,8 @@ def test_only_mountpoint_works_with_defaults(shm_dir):
         tierfs("unmount", mp)
     finally:
         cleanup_mount(mp)
-        if not existed:
-            shutil.rmtree(default_rank, ignore_errors=True)
+        for path in made:  # only what this test created, deepest first
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def test_options_from_environment(shm_dir):

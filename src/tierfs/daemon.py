@@ -50,7 +50,7 @@ class Daemon:
         self.registration = mounts.Registration(cfg.mountpoint)
         self.space = SpaceAccount(cfg.capacity, self.rank.tree)
         self.ops: Operations | None = None
-        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked)
+        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked, self.space.update)
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
         self.gcs = None
         self.peers: PeerNetwork | None = PeerNetwork(cfg) if cfg.peers else None

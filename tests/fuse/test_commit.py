@@ -137,3 +137,18 @@ def test_a_non_root_job_commits_with_a_marker_file(volume):
     assert state["roots"] == ["export/run-21"]
     frozen = step_tree(volume, 21) / "export" / "run-21" / "weights"
     assert frozen.read_bytes() == b"w" * 4096 and frozen.stat().st_uid == 1000
+
+
+def test_a_file_still_open_for_writing_is_copied_and_counted(volume):
+    tmp = volume.mountpoint / "ckpt" / "3.orbax-checkpoint-tmp"
+    tmp.mkdir(parents=True)
+    with open(tmp / "late", "wb") as f:
+        f.write(b"a" * (4 << 20))
+        f.flush()
+        os.rename(tmp, volume.mountpoint / "ckpt" / "3")  # committed while still open
+        used = volume.status()["tiers"]["ram"]["used"]
+        f.write(b"b" * 10)  # lands in the live file only
+    frozen = step_tree(volume, 3) / "ckpt" / "3" / "late"
+    assert frozen.read_bytes() == b"a" * (4 << 20)
+    assert (volume.mountpoint / "ckpt" / "3" / "late").stat().st_size == (4 << 20) + 10
+    assert used >= 2 * (4 << 20), "the snapshot's private copy uses RAM too"

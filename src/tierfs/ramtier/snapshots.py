@@ -28,10 +28,12 @@ log = logging.getLogger(__name__)
 
 
 class Snapshots:
-    def __init__(self, rank_path: Path, tree: Path, on_unlinked: Callable[[os.stat_result], None]):
+    def __init__(self, rank_path: Path, tree: Path, on_unlinked: Callable[[os.stat_result], None],
+                 on_copied: Callable[[os.stat_result], None] = lambda st: None):
         self.root = rank_path / "steps"
         self.tree = tree
         self._on_unlinked = on_unlinked  # a link of this inode is gone (space accounting)
+        self._on_copied = on_copied  # a new inode holds a copy (space accounting)
         self._pins: dict[int, list[str]] = {}  # backing st_ino -> snapshot paths linking it
         self._serial = 0
         self.detaches = 0  # readers of a snapshot compare it before and after reading
@@ -101,7 +103,7 @@ class Snapshots:
                     self._copy_tree(Path(entry.path), dst / entry.name, writing)
             _copy_attrs(st, dst)
         elif stat.S_ISREG(st.st_mode) and st.st_ino in writing:
-            self._copy_file(src, dst)
+            self._on_copied(self._copy_file(src, dst))
         elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
             os.link(src, dst, follow_symlinks=False)
         # fifos, sockets and devices are not checkpoint data

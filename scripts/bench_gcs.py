@@ -42,7 +42,6 @@ import os
 import random
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -60,13 +59,12 @@ from google.cloud.storage import transfer_manager
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gcs_emulator import GcsEmulator  # noqa: E402
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
-from tierfs.config import parse_size  # noqa: E402
+from benchlib import cpu_seconds, interrupt_on_signals, is_mounted, no_interruptions, parse_size  # noqa: E402 (scripts/ is on sys.path)
 
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
 WORKERS, POOL = 8, 32
 JOB = "bench"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(Exception):
@@ -75,20 +73,6 @@ class BenchError(Exception):
 
 def progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def is_mounted(path: Path) -> bool:
-    with open("/proc/self/mountinfo") as f:
-        return any(len(p := ln.split()) > 4 and p[4] == str(path) for ln in f)
-
-
-def cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system, all threads) of a process; of this one without a pid."""
-    if pid is None:
-        return time.process_time()
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def sha256(path: Path) -> str:
@@ -185,14 +169,14 @@ class Volume:
                 shutil.copyfileobj(fin, fout, MiB)
         copy_s = time.perf_counter() - c0
         daemon = fetch_status(self.mountpoint)["pid"]
-        cpu0 = cpu_s(emu_pid), cpu_s(daemon)
+        cpu0 = cpu_seconds(emu_pid), cpu_seconds(daemon)
         t0 = time.perf_counter()
         os.rename(tmp, self.mountpoint / "ckpt" / str(step))
         while time.perf_counter() - t0 < 1800:
             st = next((s for s in fetch_status(self.mountpoint)["steps"] if s["step"] == step), None)
             if st and st["backed_up"]:
                 return {**st["backup"], "observed_s": time.perf_counter() - t0, "copy_s": copy_s,
-                        "cpu_s": [cpu_s(emu_pid) - cpu0[0], cpu_s(daemon) - cpu0[1]]}
+                        "cpu_s": [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds(daemon) - cpu0[1]]}
             time.sleep(0.05)
         raise BenchError(f"step {step} was not backed up within 30 minutes")
 
@@ -214,12 +198,12 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
             buckets.append(b)
         for side in order:  # 1. backup
             if side == "baseline":
-                cpu0, t0 = (cpu_s(emu_pid), cpu_s()), time.perf_counter()
+                cpu0, t0 = (cpu_seconds(emu_pid), cpu_seconds()), time.perf_counter()
                 transfer_manager.upload_many_from_filenames(
                     client.bucket(base_bucket), names, source_directory=str(src), max_workers=WORKERS,
                     worker_type=transfer_manager.THREAD, raise_exception=True)
                 r["base_upload_s"] = time.perf_counter() - t0
-                r["base_upload_cpu_s"] = [cpu_s(emu_pid) - cpu0[0], cpu_s() - cpu0[1]]
+                r["base_upload_cpu_s"] = [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds() - cpu0[1]]
                 progress(f"round {rnd + 1} baseline upload: {mib / r['base_upload_s']:.0f} MiB/s")
             else:
                 r["tier_empty_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
@@ -236,20 +220,20 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
         vol.unmount_and_wipe()
         for side in order:  # 3. restore
             if side == "baseline":
-                cpu0, t0 = (cpu_s(emu_pid), cpu_s()), time.perf_counter()
+                cpu0, t0 = (cpu_seconds(emu_pid), cpu_seconds()), time.perf_counter()
                 transfer_manager.download_many_to_path(
                     client.bucket(base_bucket), names, destination_directory=str(dl), max_workers=WORKERS,
                     worker_type=transfer_manager.THREAD, raise_exception=True)
                 r["base_download_s"] = time.perf_counter() - t0
-                r["base_download_cpu_s"] = [cpu_s(emu_pid) - cpu0[0], cpu_s() - cpu0[1]]
+                r["base_download_cpu_s"] = [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds() - cpu0[1]]
                 verify(dl, hashes1, "baseline download")
                 shutil.rmtree(dl)
                 progress(f"round {rnd + 1} baseline download: {mib / r['base_download_s']:.0f} MiB/s")
             else:
-                cpu0 = cpu_s(emu_pid)
+                cpu0 = cpu_seconds(emu_pid)
                 r["tier_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
                 status = fetch_status(vol.mountpoint)
-                r["tier_restore_cpu_s"] = [cpu_s(emu_pid) - cpu0, cpu_s(status["pid"])]  # daemon: all of its life
+                r["tier_restore_cpu_s"] = [cpu_seconds(emu_pid) - cpu0, cpu_seconds(status["pid"])]  # daemon: all of its life
                 got = r["tier_restored"] = status.get("restored") or {}
                 if got.get("step") != 2 or got.get("bytes") != r["bytes"]:
                     raise BenchError(f"the mount restored {got}, expected step 2 of {r['bytes']} bytes")
@@ -360,10 +344,7 @@ def main() -> int:
     if args.files < 1 or args.rounds < 1 or args.size < args.files or not 0 < args.change <= 1:
         p.error("--files and --rounds must be >= 1, --size >= --files bytes, 0 < --change <= 1")
 
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    interrupt_on_signals()
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-gcs-", dir="/tmp"))
     ram = Path(tempfile.mkdtemp(prefix="bench-gcs-ram-", dir="/dev/shm"))
@@ -407,8 +388,7 @@ def main() -> int:
         print("bench_gcs: interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:  # no Ctrl-C while cleaning up: a half-done cleanup leaves a mount behind
-        old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
+        with no_interruptions():
             try:
                 vol.unmount_and_wipe()
             except BenchError as e:
@@ -420,9 +400,6 @@ def main() -> int:
                 print(f"bench_gcs: warning: {vol.mountpoint} is still mounted; left {tmp}", file=sys.stderr)
             else:
                 shutil.rmtree(tmp, ignore_errors=True)
-        finally:
-            for s, handler in old.items():
-                signal.signal(s, handler)
 
 
 if __name__ == "__main__":

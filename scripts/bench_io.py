@@ -46,7 +46,6 @@ import json
 import mmap
 import os
 import platform
-import re
 import shlex
 import shutil
 import signal
@@ -56,14 +55,12 @@ import sys
 import tempfile
 import threading
 import time
+from benchlib import cpu_seconds, interrupt_on_signals, is_mounted, no_interruptions, parse_size  # noqa: E402 (scripts/ is on sys.path)
 
 GiB = 1 << 30
 MiB = 1 << 20
 SIDES = ("tmpfs", "tierfs")
 OPS = ("write", "read")
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
 class BenchError(Exception):
@@ -71,16 +68,6 @@ class BenchError(Exception):
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def parse_size(text: str) -> int:
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or e.g. 256M, 2G")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: must be > 0")
-    return n
-
 
 def parse_size_list(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t.strip()]
@@ -113,33 +100,16 @@ def find_tierfs() -> str:
     return found
 
 
-def is_mounted(path: str) -> bool:
-    path = os.path.realpath(path)
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                fields = line.split()
-                if len(fields) > 4 and fields[4].replace("\\040", " ") == path:
-                    return True
-    except OSError:
-        pass
-    return False
-
-
 def last_line(text: str) -> str:
     lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
     return lines[-1] if lines else ""
 
 
 def proc_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), in seconds."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        return cpu_seconds(pid)
     except OSError:
         raise BenchError(f"the tierfs daemon (pid {pid}) is gone") from None
-    fields = stat[stat.rindex(")") + 2:].split()  # fields from 3 (state) on
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
 
 
 def aligned_buffer(size: int, offset: int = 0) -> memoryview:
@@ -594,10 +564,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally blocks run; SIGINT too
     # when started in the background (where the shell has it ignored).
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    interrupt_on_signals()
 
     def progress(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -680,9 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_io: interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
-        # Ignore further Ctrl-C while cleaning up: a half-done cleanup leaves a mount behind.
-        old = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-        try:
+        with no_interruptions():
             if mount is not None:
                 mount.unmount()
             for d in reversed(created):
@@ -690,9 +655,6 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"bench_io: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
                     continue
                 shutil.rmtree(d, ignore_errors=True)
-        finally:
-            for sig, handler in old.items():
-                signal.signal(sig, handler)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,10 @@ or stopped on exit, also on errors and Ctrl-C.
 
 from __future__ import annotations
 
-import argparse, datetime, hashlib, json, mmap, os, re, shlex, shutil, signal, socket, statistics
+import argparse, datetime, hashlib, json, mmap, os, shlex, shutil, signal, socket, statistics
 import struct, subprocess, sys, tempfile, time, uuid
 from pathlib import Path
+from benchlib import cpu_seconds, interrupt_on_signals, parse_size  # noqa: E402 (scripts/ is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster
 MiB, GiB = 1 << 20, 1 << 30
@@ -45,13 +46,6 @@ NODE0, PEER = "127.0.0.2", "127.0.0.3"
 
 class BenchError(Exception):
     """A failure to report as one line and a non-zero exit."""
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)i?b?\s*", text, re.IGNORECASE)
-    if not m:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r}: use e.g. 256M, 1G")
-    return int(float(m.group(1)) * {"": 1, "k": 1 << 10, "m": MiB, "g": GiB}[m.group(2).lower()])
 
 
 def aligned(n: int) -> memoryview:
@@ -66,15 +60,6 @@ def write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def cpu_of(pid: int | None = None) -> float:
-    """utime + stime of a process (all threads), this one by default."""
-    if pid is None:
-        return sum(os.times()[:2])
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 # ----------------------------------------------------------------------------- plain copy
 
 def plain_receiver(host: str, out_dir: str) -> None:
@@ -82,7 +67,7 @@ def plain_receiver(host: str, out_dir: str) -> None:
     with socket.create_server((host, 0)) as srv:
         print(srv.getsockname()[1], flush=True)
         conn, _ = srv.accept()
-        cpu0 = cpu_of()
+        cpu0 = cpu_seconds()
         with conn:
             (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
             for i, left in enumerate(struct.unpack(f">{n}Q", conn.recv(8 * n, socket.MSG_WAITALL))):
@@ -96,7 +81,7 @@ def plain_receiver(host: str, out_dir: str) -> None:
                 os.close(fd)
             done = time.monotonic()
             conn.sendall(b"k")
-    print(done, cpu_of() - cpu0, flush=True)
+    print(done, cpu_seconds() - cpu0, flush=True)
 
 
 def plain_sender(host: str, dest: str, port: int, paths: list[str]) -> None:
@@ -104,7 +89,7 @@ def plain_sender(host: str, dest: str, port: int, paths: list[str]) -> None:
     sizes = [os.fstat(fd).st_size for fd in fds]
     print("ready", flush=True)
     sys.stdin.readline()
-    cpu0, t0 = cpu_of(), time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
+    cpu0, t0 = cpu_seconds(), time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
     with socket.create_connection((dest, port), source_address=(host, 0)) as s:
         s.sendall(struct.pack(f">I{len(sizes)}Q", len(sizes), *sizes))
         for fd, size in zip(fds, sizes):
@@ -112,7 +97,7 @@ def plain_sender(host: str, dest: str, port: int, paths: list[str]) -> None:
             while off < size:
                 off += os.sendfile(s.fileno(), fd, off, size - off)
         s.recv(1)  # the receiver has closed its last file
-    print(t0, cpu_of() - cpu0, flush=True)
+    print(t0, cpu_seconds() - cpu0, flush=True)
 
 
 def plain_copy(src: str, dest: str, paths: list[str], out_dir: str, warm) -> dict:
@@ -177,11 +162,11 @@ def write_file(path: str, size: int, buf: memoryview) -> dict:
         nbytes, seconds = job["write"]["io_bytes"], job["write"]["runtime"] / 1000
         writer_cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
     else:
-        fd, cpu0, t0 = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), cpu_of(), time.perf_counter()
+        fd, cpu0, t0 = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), cpu_seconds(), time.perf_counter()
         for pos in range(0, size, MiB):
             write_all(fd, buf[:min(MiB, size - pos)])
         os.close(fd)
-        nbytes, seconds, writer_cpu = size, time.perf_counter() - t0, cpu_of() - cpu0
+        nbytes, seconds, writer_cpu = size, time.perf_counter() - t0, cpu_seconds() - cpu0
     end = time.time()
     if nbytes != size or seconds <= 0:
         raise BenchError(f"the write moved {nbytes} bytes in {seconds}s, expected {size}")
@@ -225,7 +210,7 @@ class Bench:
             os.unlink(path)  # right before the measurement
 
     def cpu(self) -> list[float]:
-        return [cpu_of(n.pid) if n.pid else 0.0 for n in self.c.nodes]
+        return [cpu_seconds(n.pid) if n.pid else 0.0 for n in self.c.nodes]
 
     def node_of(self, address: str) -> int:
         return next(i for i, n in enumerate(self.c.nodes) if n.address == address)
@@ -250,11 +235,11 @@ class Bench:
 
     def restore(self, sums: dict[str, str], holder: int) -> dict:
         self.warm()
-        peer_cpu, t0 = cpu_of(self.c.nodes[holder].pid), time.monotonic()
+        peer_cpu, t0 = cpu_seconds(self.c.nodes[holder].pid), time.monotonic()
         self.c.tierfs(*self.c.mount_args(0))  # what LocalCluster.start(0) runs, minus its status call
-        wall, peer_cpu = time.monotonic() - t0, cpu_of(self.c.nodes[holder].pid) - peer_cpu
+        wall, peer_cpu = time.monotonic() - t0, cpu_seconds(self.c.nodes[holder].pid) - peer_cpu
         st = self.fetch(self.mnt)  # then at once the new daemon's CPU, before the checks read through it
-        self.c.nodes[0].pid, r, own_cpu = st["pid"], st["restored"] or {}, cpu_of(st["pid"])
+        self.c.nodes[0].pid, r, own_cpu = st["pid"], st["restored"] or {}, cpu_seconds(st["pid"])
         if r.get("tier") != "peer" or r.get("bytes") != self.args.size:
             raise BenchError(f"node 0 was not restored from a peer: {r}")
         for name, want in sums.items():
@@ -421,10 +406,7 @@ def main() -> int:
     if args.size <= 0 or args.files < 1 or args.rounds < 1:
         p.error("--size must be at least --files MiB, --files and --rounds at least 1")
 
-    def _interrupt(signum, frame):
-        raise KeyboardInterrupt
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
+    interrupt_on_signals()
     tmp = tempfile.mkdtemp(prefix="bench-peers-", dir="/tmp")
     os.environ["TIERFS_RUNTIME_DIR"] = os.path.join(tmp, "run")  # a private daemon registry
     args.shm, cluster = tempfile.mkdtemp(prefix="bench-peers-data-", dir="/dev/shm"), None

@@ -28,16 +28,19 @@ import shutil
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs import chunks
 from tierfs.config import Config
-from tierfs.gcs import GcsStore, GcsUnavailable
 from tierfs.manifest import Manifest, ManifestError, build
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.wire import PeerError
 from tierfs.steps import StepState, Steps
+
+if TYPE_CHECKING:
+    from tierfs.gcs import GcsStore  # google-cloud-storage is slow to import: only with --gcs
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +61,10 @@ class Lane:
     """One remote tier's progress: which step it works on, and how it is doing."""
 
     def __init__(self, name: str, work: Callable[[StepState], Awaitable[None]],
-                 done: Callable[[StepState], bool], interval: float = 0.0,
-                 recheck: Callable[[StepState], Awaitable[None]] | None = None):
+                 done: Callable[[StepState], bool], transient: tuple[type[Exception], ...],
+                 interval: float = 0.0, recheck: Callable[[StepState], Awaitable[None]] | None = None):
         self.name, self.work, self.done, self.interval = name, work, done, interval
+        self.transient = transient  # the tier is away: retry quietly (anything else is logged)
         self.recheck = recheck  # when idle: is the newest step still where we put it?
         self.wake = trio.Event()
         self.busy: int | None = None
@@ -91,9 +95,13 @@ class Replicator:
         self._trash_wake = trio.Event()
         self.lanes: dict[str, Lane] = {}
         if peers is not None:
-            self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, recheck=self._recheck_replicas)
+            self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, (PeerError,),
+                                       recheck=self._recheck_replicas)
         if gcs is not None:
-            self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, cfg.backup_interval)
+            from tierfs.gcs import GcsUnavailable
+
+            self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, (GcsUnavailable,),
+                                     cfg.backup_interval)
         steps.on_commit = self._committed
 
     def _committed(self, state: StepState) -> None:
@@ -150,7 +158,7 @@ class Replicator:
                 if isinstance(e, SnapshotChanged):
                     log.info("step %d changed while read for %s; again", newest.step, lane.name)
                 else:
-                    transient = isinstance(e, (GcsUnavailable, PeerError))
+                    transient = isinstance(e, lane.transient)
                     lane.set("unavailable" if transient else "failing", f"{type(e).__name__}: {e}")
                     log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, newest.step, delay, e,
                                 exc_info=not transient)

@@ -81,8 +81,9 @@ class Snapshots:
         snap.mkdir(parents=True, exist_ok=True)
         self._serial += 1
         staging = self.root / f".staging-{os.getpid()}-{self._serial}"
+        frozen: list[tuple[int, str]] = []  # (inode, path under the root) of each file
         try:
-            self._copy_tree(src, staging, writing)
+            self._copy_tree(src, staging, "", writing, frozen)
             dst = snap / root
             self._make_parents(root, snap)
             if os.path.lexists(dst):
@@ -91,20 +92,28 @@ class Snapshots:
         except BaseException:
             self._remove(staging)
             raise
-        self._walk_pins(dst, self._pin)
+        for ino, rel in frozen:
+            self._pins.setdefault(ino, []).append(os.path.join(dst, rel) if rel else str(dst))
         return True
 
-    def _copy_tree(self, src: Path, dst: Path, writing: set[int]) -> None:
+    def _copy_tree(self, src: Path, dst: Path, rel: str, writing: set[int],
+                   frozen: list[tuple[int, str]]) -> None:
         st = os.lstat(src)
         if stat.S_ISDIR(st.st_mode):
             os.mkdir(dst)
             with os.scandir(src) as it:
                 for entry in it:
-                    self._copy_tree(Path(entry.path), dst / entry.name, writing)
+                    child = f"{rel}/{entry.name}" if rel else entry.name
+                    self._copy_tree(Path(entry.path), dst / entry.name, child, writing, frozen)
             _copy_attrs(st, dst)
         elif stat.S_ISREG(st.st_mode) and st.st_ino in writing:
-            self._on_copied(self._copy_file(src, dst))
-        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            copy = self._copy_file(src, dst)
+            self._on_copied(copy)
+            frozen.append((copy.st_ino, rel))
+        elif stat.S_ISREG(st.st_mode):
+            os.link(src, dst)
+            frozen.append((st.st_ino, rel))
+        elif stat.S_ISLNK(st.st_mode):
             os.link(src, dst, follow_symlinks=False)
         # fifos, sockets and devices are not checkpoint data
 

@@ -11,9 +11,11 @@ is ``--size`` bytes of fresh random data in ``--files`` files. Per round:
    this script as two processes, a sender on 127.0.0.2 that ``os.sendfile``s the same files
    from tmpfs to a receiver on 127.0.0.3 that ``recv_into``s a page-aligned 1 MiB buffer and
    writes fresh tmpfs files, timed from connect to the last file closed.
-2. Restore: node 0 is killed (-9) and wiped, and ``tierfs mount`` (it returns once the step
-   is back from the peer) is timed; each file's sha256 is checked: bytes / ``restored.seconds``
-   and bytes / the mount's wall time, against the plain copy from the peer to node 0.
+2. Restore: node 0 is killed (-9) and wiped, ``tierfs mount`` is started and the status polled
+   every 20 ms until ``restored.state`` is "done"; each file's sha256 is checked: bytes /
+   ``restored.seconds`` and bytes / (mount start to done), against the plain copy from the peer
+   to node 0. (``tierfs mount`` now returns once the namespace is in place and the bytes follow,
+   so the wall time runs to "done" instead of to the mount's return: the same span as before.)
 3. Writes: 1 MiB sequential writes of a fresh ``--size`` file into node 0's mount (fio with
    page-aligned buffers if installed, else a built-in writer), (a) alone and (b) started
    right after committing a new step; recorded: whether its replication ran over the write
@@ -34,120 +36,18 @@ or stopped on exit, also on errors and Ctrl-C.
 
 from __future__ import annotations
 
-import argparse, datetime, hashlib, json, mmap, os, shlex, shutil, signal, socket, statistics
-import struct, subprocess, sys, tempfile, time, uuid
+import argparse, datetime, hashlib, json, os, shlex, shutil, signal, statistics, subprocess, sys, tempfile, time
+import uuid
 from pathlib import Path
-from benchlib import cpu_seconds, interrupt_on_signals, parse_size  # noqa: E402 (scripts/ is on sys.path)
+from benchlib import (BenchError, aligned, cpu_seconds, interrupt_on_signals, make_files,  # noqa: E402
+                      parse_size, plain_copy, warm_tmpfs, write_all)  # (scripts/ is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster
 MiB, GiB = 1 << 20, 1 << 30
 NODE0, PEER = "127.0.0.2", "127.0.0.3"
 
 
-class BenchError(Exception):
-    """A failure to report as one line and a non-zero exit."""
-
-
-def aligned(n: int) -> memoryview:
-    """Page-aligned random bytes (copies from a buffer 16 bytes into a page are ~4x slower here)."""
-    m = mmap.mmap(-1, n)
-    m[:] = os.urandom(n)
-    return memoryview(m)
-
-
-def write_all(fd: int, data: memoryview) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
-# ----------------------------------------------------------------------------- plain copy
-
-def plain_receiver(host: str, out_dir: str) -> None:
-    buf = aligned(MiB)
-    with socket.create_server((host, 0)) as srv:
-        print(srv.getsockname()[1], flush=True)
-        conn, _ = srv.accept()
-        cpu0 = cpu_seconds()
-        with conn:
-            (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
-            for i, left in enumerate(struct.unpack(f">{n}Q", conn.recv(8 * n, socket.MSG_WAITALL))):
-                fd = os.open(os.path.join(out_dir, f"f{i:03d}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                while left:
-                    got = conn.recv_into(buf, min(left, MiB))
-                    if not got:
-                        raise EOFError("the sender closed early")
-                    write_all(fd, buf[:got])
-                    left -= got
-                os.close(fd)
-            done = time.monotonic()
-            conn.sendall(b"k")
-    print(done, cpu_seconds() - cpu0, flush=True)
-
-
-def plain_sender(host: str, dest: str, port: int, paths: list[str]) -> None:
-    fds = [os.open(p, os.O_RDONLY) for p in paths]
-    sizes = [os.fstat(fd).st_size for fd in fds]
-    print("ready", flush=True)
-    sys.stdin.readline()
-    cpu0, t0 = cpu_seconds(), time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
-    with socket.create_connection((dest, port), source_address=(host, 0)) as s:
-        s.sendall(struct.pack(f">I{len(sizes)}Q", len(sizes), *sizes))
-        for fd, size in zip(fds, sizes):
-            off = 0
-            while off < size:
-                off += os.sendfile(s.fileno(), fd, off, size - off)
-        s.recv(1)  # the receiver has closed its last file
-    print(t0, cpu_seconds() - cpu0, flush=True)
-
-
-def plain_copy(src: str, dest: str, paths: list[str], out_dir: str, warm) -> dict:
-    """One plain copy by two fresh processes; the warm-up runs right before the go."""
-    os.mkdir(out_dir)
-    me, procs = [sys.executable, os.path.abspath(__file__)], []
-    try:
-        procs.append(subprocess.Popen([*me, "--_recv", dest, out_dir], stdout=subprocess.PIPE, text=True))
-        port = procs[0].stdout.readline().strip()
-        procs.append(subprocess.Popen([*me, "--_send", src, dest, port, *paths], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True))
-        recv, send = procs
-        if send.stdout.readline().strip() != "ready":
-            raise ValueError
-        warm()
-        send.stdin.write("go\n")
-        send.stdin.flush()
-        t0, send_cpu = map(float, send.stdout.readline().split())
-        t1, recv_cpu = map(float, recv.stdout.readline().split())
-        if send.wait(60) or recv.wait(60):
-            raise ValueError
-        got, want = sum(e.stat().st_size for e in os.scandir(out_dir)), sum(map(os.path.getsize, paths))
-        if got != want:
-            raise BenchError(f"the plain copy received {got} bytes, expected {want}")
-        return {"bytes": want, "seconds": t1 - t0, "cpu": {"sender": send_cpu, "receiver": recv_cpu}}
-    except ValueError:
-        raise BenchError("the plain copy failed (see its traceback above)") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        shutil.rmtree(out_dir, ignore_errors=True)  # right after the measurement
-
-
-# ----------------------------------------------------------------------------- files and writes
-
-def make_files(directory: Path, size: int, nfiles: int) -> dict[str, str]:
-    """Files of fresh random bytes (nothing for a peer to deduplicate): name -> sha256."""
-    sums = {}
-    for i in range(nfiles):
-        name, h = f"layer-{i:02d}/shard", hashlib.sha256()
-        (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        with open(directory / name, "wb") as f:
-            for pos in range(0, size // nfiles, 4 * MiB):
-                f.write(block := os.urandom(min(4 * MiB, size // nfiles - pos)))
-                h.update(block)
-        sums[name] = h.hexdigest()
-    return sums
-
+# ----------------------------------------------------------------------------- writes
 
 def write_file(path: str, size: int, buf: memoryview) -> dict:
     """Sequential 1 MiB writes of a fresh file; start/end in time.time(), to compare with the daemon's."""
@@ -201,13 +101,7 @@ class Bench:
                                                          for s in st["steps"])
 
     def warm(self) -> None:
-        fd = os.open(path := os.path.join(self.args.shm, "warmup"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            for _ in range(0, self.args.warmup, MiB):
-                write_all(fd, self.buf)
-        finally:
-            os.close(fd)
-            os.unlink(path)  # right before the measurement
+        warm_tmpfs(self.args.shm, self.args.warmup, self.buf)
 
     def cpu(self) -> list[float]:
         return [cpu_seconds(n.pid) if n.pid else 0.0 for n in self.c.nodes]
@@ -237,9 +131,19 @@ class Bench:
         self.warm()
         peer_cpu, t0 = cpu_seconds(self.c.nodes[holder].pid), time.monotonic()
         self.c.tierfs(*self.c.mount_args(0))  # what LocalCluster.start(0) runs, minus its status call
+        mounted = time.monotonic() - t0  # the namespace is in place; the bytes follow
+        st = self.fetch(self.mnt)
+        self.c.nodes[0].pid = st["pid"]
+        if not st["restored"]:
+            raise BenchError(f"node 0 restored nothing (cluster view: {st['cluster']})")
+        deadline = t0 + 600
+        while st["restored"]["state"] != "done":  # then at once the daemons' CPU, before the checks read
+            if time.monotonic() > deadline:
+                raise BenchError(f"node 0's restore did not finish within 600 s: {st['restored']}")
+            time.sleep(0.02)
+            st = self.fetch(self.mnt)
         wall, peer_cpu = time.monotonic() - t0, cpu_seconds(self.c.nodes[holder].pid) - peer_cpu
-        st = self.fetch(self.mnt)  # then at once the new daemon's CPU, before the checks read through it
-        self.c.nodes[0].pid, r, own_cpu = st["pid"], st["restored"] or {}, cpu_seconds(st["pid"])
+        r, own_cpu = st["restored"], cpu_seconds(st["pid"])
         if r.get("tier") != "peer" or r.get("bytes") != self.args.size:
             raise BenchError(f"node 0 was not restored from a peer: {r}")
         for name, want in sums.items():
@@ -248,7 +152,7 @@ class Bench:
             if got != want:
                 raise BenchError(f"restored ckpt/{r['step']}/{name} differs from the original (sha256)")
         return {"bytes": self.args.size, "seconds": r["seconds"], "wall_s": wall, "window_s": wall,
-                "from": r["from"], "cpu": {"sender": peer_cpu, "receiver": own_cpu}}
+                "mount_s": mounted, "from": r["from"], "cpu": {"sender": peer_cpu, "receiver": own_cpu}}
 
     def write(self, tag: str, step: int | None, holder: int) -> dict:
         """A fresh file written alone, or right after committing ``step`` (replicated meanwhile)."""
@@ -319,7 +223,7 @@ ROWS = [  # metric, baseline (measurement, time), tierfs (measurement, time)
     ("replication (daemon time)", ("plain_forward", "seconds"), ("replicate", "seconds")),
     ("replication (commit to seen)", ("plain_forward", "seconds"), ("replicate", "seen_s")),
     ("restore (daemon time)", ("plain_reverse", "seconds"), ("restore", "seconds")),
-    ("restore (mount wall time)", ("plain_reverse", "seconds"), ("restore", "wall_s")),
+    ("restore (mount start to done)", ("plain_reverse", "seconds"), ("restore", "wall_s")),
     ("write while replicating", ("write_alone", "seconds"), ("write_replicating", "seconds")),
 ]
 CPU_NAMES = {"plain_forward": "plain copy", "replicate": "replication", "plain_reverse": "plain copy back",
@@ -460,9 +364,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--_recv"]:  # the plain copy's two processes
-        plain_receiver(sys.argv[2], sys.argv[3])
-    elif sys.argv[1:2] == ["--_send"]:
-        plain_sender(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
-    else:
-        sys.exit(main())
+    sys.exit(main())

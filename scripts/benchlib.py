@@ -1,19 +1,37 @@
-"""What the benchmark scripts share: sizes on the command line, CPU time, mounts, cleanup."""
+"""What the benchmark scripts share: sizes on the command line, CPU time, mounts, cleanup,
+random test files, the tmpfs warm-up, the plain socket copy and a google-cloud-storage client.
+
+The plain copy runs as two processes of this file (``--_recv`` / ``--_send``), so it needs
+nothing from the script that asks for it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
+import mmap
 import os
 import re
+import shutil
 import signal
+import socket
+import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+MiB = 1 << 20
+
+
+class BenchError(Exception):
+    """A failure to report as one line and a non-zero exit."""
 
 
 def parse_size(text: str) -> int:
@@ -57,3 +75,155 @@ def interrupt_on_signals() -> None:
 
     for sig in _STOP_SIGNALS:
         signal.signal(sig, interrupt)
+
+
+# ----------------------------------------------------------------------------- buffers, files, warm-up
+
+def aligned(n: int) -> memoryview:
+    """Page-aligned random bytes (copies from a buffer 16 bytes into a page are ~4x slower here)."""
+    m = mmap.mmap(-1, n)
+    m[:] = os.urandom(n)
+    return memoryview(m)
+
+
+def write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def make_files(directory: Path, size: int, nfiles: int) -> dict[str, str]:
+    """Files of fresh random bytes (nothing for a peer to deduplicate): name -> sha256."""
+    sums = {}
+    for i in range(nfiles):
+        name, h = f"layer-{i:02d}/shard", hashlib.sha256()
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(directory / name, "wb") as f:
+            for pos in range(0, size // nfiles, 4 * MiB):
+                f.write(block := os.urandom(min(4 * MiB, size // nfiles - pos)))
+                h.update(block)
+        sums[name] = h.hexdigest()
+    return sums
+
+
+def warm_tmpfs(directory: str | os.PathLike, nbytes: int, buf: memoryview) -> None:
+    """Write ``nbytes`` into a tmpfs file and delete it: freshly returned pages are touched
+    now, not by the measurement that follows right after (docs/benchmarks.md)."""
+    fd = os.open(path := os.path.join(directory, "warmup"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        for pos in range(0, nbytes, len(buf)):
+            write_all(fd, buf[:min(len(buf), nbytes - pos)])
+    finally:
+        os.close(fd)
+        os.unlink(path)  # right before the measurement
+
+
+# ----------------------------------------------------------------------------- plain socket copy
+
+def plain_receiver(host: str, out_dir: str) -> None:
+    buf = aligned(MiB)
+    with socket.create_server((host, 0)) as srv:
+        print(srv.getsockname()[1], flush=True)
+        conn, _ = srv.accept()
+        cpu0 = cpu_seconds()
+        with conn:
+            (n,) = struct.unpack(">I", conn.recv(4, socket.MSG_WAITALL))
+            for i, left in enumerate(struct.unpack(f">{n}Q", conn.recv(8 * n, socket.MSG_WAITALL))):
+                fd = os.open(os.path.join(out_dir, f"f{i:03d}"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                while left:
+                    got = conn.recv_into(buf, min(left, MiB))
+                    if not got:
+                        raise EOFError("the sender closed early")
+                    write_all(fd, buf[:got])
+                    left -= got
+                os.close(fd)
+            done = time.monotonic()
+            conn.sendall(b"k")
+    print(done, cpu_seconds() - cpu0, flush=True)
+
+
+def plain_sender(host: str, dest: str, port: int, paths: list[str]) -> None:
+    fds = [os.open(p, os.O_RDONLY) for p in paths]
+    sizes = [os.fstat(fd).st_size for fd in fds]
+    print("ready", flush=True)
+    sys.stdin.readline()
+    cpu0, t0 = cpu_seconds(), time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
+    with socket.create_connection((dest, port), source_address=(host, 0)) as s:
+        s.sendall(struct.pack(f">I{len(sizes)}Q", len(sizes), *sizes))
+        for fd, size in zip(fds, sizes):
+            off = 0
+            while off < size:
+                off += os.sendfile(s.fileno(), fd, off, size - off)
+        s.recv(1)  # the receiver has closed its last file
+    print(t0, cpu_seconds() - cpu0, flush=True)
+
+
+def plain_copy(src: str, dest: str, paths: list[str], out_dir: str, warm) -> dict:
+    """One plain copy of ``paths`` by two fresh processes: a sender on ``src`` that
+    ``os.sendfile``s them over TCP to a receiver on ``dest`` that ``recv_into``s a page-aligned
+    1 MiB buffer and writes fresh files into ``out_dir`` (removed after); timed from connect
+    to the last file closed. ``warm()`` runs right before the go."""
+    os.mkdir(out_dir)
+    me, procs = [sys.executable, os.path.abspath(__file__)], []
+    try:
+        procs.append(subprocess.Popen([*me, "--_recv", dest, out_dir], stdout=subprocess.PIPE, text=True))
+        port = procs[0].stdout.readline().strip()
+        procs.append(subprocess.Popen([*me, "--_send", src, dest, port, *paths], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, text=True))
+        recv, send = procs
+        if send.stdout.readline().strip() != "ready":
+            raise ValueError
+        warm()
+        send.stdin.write("go\n")
+        send.stdin.flush()
+        t0, send_cpu = map(float, send.stdout.readline().split())
+        t1, recv_cpu = map(float, recv.stdout.readline().split())
+        if send.wait(60) or recv.wait(60):
+            raise ValueError
+        got, want = sum(e.stat().st_size for e in os.scandir(out_dir)), sum(map(os.path.getsize, paths))
+        if got != want:
+            raise BenchError(f"the plain copy received {got} bytes, expected {want}")
+        return {"bytes": want, "seconds": t1 - t0, "cpu": {"sender": send_cpu, "receiver": recv_cpu}}
+    except ValueError:
+        raise BenchError("the plain copy failed (see its traceback above)") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        shutil.rmtree(out_dir, ignore_errors=True)  # right after the measurement
+
+
+# ----------------------------------------------------------------------------- google-cloud-storage
+
+GCS_WORKERS, GCS_POOL = 8, 32  # threads of a transfer, and its connection pool (as in tierfs.gcs)
+
+
+def gcs_client():
+    """An anonymous client (the emulator's STORAGE_EMULATOR_HOST must be in os.environ)."""
+    import requests  # noqa: PLC0415 (slow imports, only for the GCS benchmarks)
+    from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415
+    from google.cloud import storage  # noqa: PLC0415
+
+    client = storage.Client(credentials=AnonymousCredentials(), project="test")
+    adapter = requests.adapters.HTTPAdapter(pool_maxsize=GCS_POOL)  # 8 threads, no throwaway connections
+    for scheme in ("http://", "https://"):
+        client._http.mount(scheme, adapter)
+    return client
+
+
+def drop_bucket(client, name: str) -> None:
+    """Delete every object of a bucket, then the bucket."""
+    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+
+    with ThreadPoolExecutor(GCS_WORKERS) as pool:
+        list(pool.map(lambda blob: blob.delete(), client.list_blobs(name)))
+    client.bucket(name).delete()
+
+
+if __name__ == "__main__":  # the plain copy's two processes
+    if sys.argv[1:2] == ["--_recv"]:
+        plain_receiver(sys.argv[2], sys.argv[3])
+    elif sys.argv[1:2] == ["--_send"]:
+        plain_sender(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5:])
+    else:
+        sys.exit("benchlib.py is a library; it runs only as the plain copy's --_recv/--_send process")

@@ -83,9 +83,29 @@ class LocalCluster:
             self.nodes[i].pid = self.status(i)["pid"]
         return proc
 
-    def start_all(self) -> None:
+    def start_all(self, **extra) -> None:
+        """Start every stopped node at once, as a restarted job does, and wait until all are mounted.
+
+        Starting them together matters: each start waits for its peers' answers before it
+        chooses the step to restore.
+        """
+        todo = [i for i, n in enumerate(self.nodes) if n.pid is None]
+        procs = {i: subprocess.Popen([*TIERFS, *map(str, self.mount_args(i, **extra))], env=self.env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for i in todo}
+        failures = []
+        for i, proc in procs.items():
+            _, err = proc.communicate(timeout=120)
+            if proc.returncode != 0:
+                failures.append(f"node {i}: {err.strip()}")
+            else:
+                self.nodes[i].pid = self.status(i)["pid"]
+        if failures:
+            raise AssertionError("; ".join(failures))
+
+    def kill_all(self) -> None:
         for i in range(len(self.nodes)):
-            self.start(i)
+            self.kill(i)
 
     def status(self, i: int) -> dict:
         return json.loads(self.tierfs("status", self.nodes[i].mountpoint, "--json").stdout)

@@ -77,6 +77,10 @@ class Config:
     gcs: str | None = None  # gs://BUCKET/PREFIX
     backup_interval: float = 0.0  # seconds between backups of the newest step; 0 = every commit
     keep: int = 3  # committed steps kept in GCS per rank
+    keep_local: int = 1  # newest committed steps kept in RAM (plus any a tier still needs)
+    prefetch: int = 8  # background fetches of a restore at once; 0 = on demand only
+    restore_wait: float = 15.0  # how long a start waits for silent peers before choosing a step
+    survey_interval: float = 30.0  # seconds between views of the cluster (retention follows them)
     chunk_size: int = 4 << 20
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
     listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
@@ -103,10 +107,10 @@ class Config:
         for key in ("capacity", "chunk_size"):
             if key in v:
                 v[key] = parse_size(v[key], key.replace("_", "-"))
-        for key in ("backup_interval", "gc_grace"):
+        for key in ("backup_interval", "gc_grace", "restore_wait", "survey_interval"):
             if key in v:
                 v[key] = parse_duration(v[key], key.replace("_", "-"))
-        for key in ("keep", "replicas", "data_parallel"):
+        for key in ("keep", "keep_local", "prefetch", "replicas", "data_parallel"):
             if key in v:
                 v[key] = _parse_int(v[key], key.replace("_", "-"))
         if "listen" in v:
@@ -149,6 +153,12 @@ class Config:
             raise UserError(f"capacity {self.capacity} bytes is too small: use at least 1M")
         if self.keep < 1:
             raise UserError(f"invalid --keep {self.keep}: keep at least 1 step in GCS")
+        if self.keep_local < 1:
+            raise UserError(f"invalid --keep-local {self.keep_local}: keep at least 1 step in RAM")
+        if self.survey_interval < 1:
+            raise UserError(f"invalid --survey-interval {self.survey_interval:g}s: use at least 1s")
+        if not 0 <= self.prefetch <= 256:
+            raise UserError(f"invalid --prefetch {self.prefetch}: use 0 (on demand only) to 256")
         if not (64 << 10) <= self.chunk_size <= (64 << 20) or self.chunk_size % 4096:
             raise UserError(
                 f"invalid --chunk-size {self.chunk_size}: use a multiple of 4K between 64K and 64M"

@@ -1,16 +1,20 @@
 """The mount daemon: one process per mountpoint, serving one (job, rank).
 
 Start-up order matters: everything that can fail with a user error (ramdisk, lock,
-capacity, mountpoint) is checked before the kernel mount exists, so a failed start never
-leaves a mount behind; readiness is reported only once the mount answers.
+capacity, mountpoint, the step to restore) is settled before the kernel mount exists, so a
+failed start never leaves a mount behind; readiness is reported only once the mount
+answers. The peer service starts before the restore is planned, so nodes that start
+together can see each other's holdings while they choose the step.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import resource
 import signal
+import shutil
 import socket
 import sys
 import time
@@ -20,6 +24,7 @@ import pyfuse3
 import trio
 
 from tierfs import control, linux, mounts
+from tierfs.cluster import ClusterView, LocalHoldings
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fs import Operations
@@ -29,13 +34,16 @@ from tierfs.peers import server as peer_server
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
-from tierfs.restore import Restorer, tree_is_empty
+from tierfs.fetch import ChunkSources
+from tierfs.restore import Restore, fetch_manifest, link_copy, restoring_steps, set_aside
 from tierfs.steps import Steps
 
 log = logging.getLogger("tierfs")
 
 READ_AHEAD_KB = 1024  # the kernel's default of 128 KiB halves sequential read speed
-FUSE_TASKS = (1, 4)  # min/max concurrent request tasks; handlers never await, more is no faster
+# min/max concurrent request tasks; only reads of files being restored await, so a few
+# spare tasks keep the mount answering while reads wait for chunks.
+FUSE_TASKS = (1, 32)
 
 
 def fuse_options(cfg: Config) -> set[str]:
@@ -56,13 +64,17 @@ class Daemon:
         self.peers: PeerNetwork | None = PeerNetwork(cfg) if cfg.peers else None
         self.replica_store: ReplicaStore | None = None
         self.replicator: Replicator | None = None
-        self.restored: dict | None = None
+        self.view = ClusterView(cfg.nodes, self.peers, None, self._local_holdings)
+        self.restore: Restore | None = None
+        self.restore_step: int | None = None  # the step chosen at start, announced to peers
+        self.mounted = False
+        self.ready = False
         self._warnings: list[str] = []
         self.started = time.time()
         self._signalled = False
 
     def start(self) -> None:
-        """Validate, claim the rank and mount; raises UserError with nothing left mounted."""
+        """Validate and claim the rank; raises UserError, with nothing mounted yet."""
         cfg = self.cfg
         _raise_fd_limit()
         linux.keep_heap_memory()
@@ -76,12 +88,12 @@ class Daemon:
             _check_listen(cfg.listen)
             self.replica_store = ReplicaStore(
                 self.rank.path / "replicas", job=cfg.job, space=self.space, local=self,
+                keep_from=self.view.retention_floor,
             )
         if cfg.gcs:
             self._open_gcs()
-        if tree_is_empty(self.rank.tree) and not self.steps.states and (self.gcs or self.peers):
-            self.restored = trio.run(Restorer(cfg, self.rank, self.steps, self.gcs, self.peers).restore)
-        self.space.scan(self.rank.tree, self.snapshots.root)  # snapshots pin RAM too
+        # Snapshots and what a restore set aside pin RAM too.
+        self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
         if self.replica_store is not None:
             self.replica_store.load()  # accounts the replicas it holds
         if cfg.capacity is not None and self.space.used > cfg.capacity:
@@ -91,11 +103,16 @@ class Daemon:
             )
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self.steps)
-        self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers, lambda: self.ops.last_write)
+        self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers, lambda: self.ops.last_write,
+                                     self.view.retention_floor if self.gcs or self.peers else None)
+
+    def _mount(self) -> None:
+        cfg = self.cfg
         try:
             pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
         except RuntimeError as e:
             raise UserError(f"could not mount {cfg.mountpoint}: {e} (is /dev/fuse available? see the log)") from None
+        self.mounted = True
         self.registration.write(
             {
                 "pid": os.getpid(),
@@ -116,11 +133,11 @@ class Daemon:
         from tierfs.gcs import GcsStore, GcsUnavailable  # slow import: only when used
 
         cfg = self.cfg
-        self.gcs = GcsStore(cfg.gcs, cfg.job)
+        self.gcs = self.view.gcs = GcsStore(cfg.gcs, cfg.job)
         try:
             self.gcs.check()
         except GcsUnavailable as e:
-            if tree_is_empty(self.rank.tree) and not self.steps.states and not self.peers:
+            if not self.steps.states and not self.peers:
                 raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
                                 "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
             self._warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
@@ -136,7 +153,93 @@ class Daemon:
     def _peer_info(self) -> dict:
         return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
                 "data_parallel": self.cfg.data_parallel,
-                "free": max(0, self.space.capacity - self.space.used)}
+                "free": max(0, self.space.capacity - self.space.used),
+                "steps": sorted(self.steps.states), "restore_step": self._announced_step()}
+
+    # -- the cluster and restore -------------------------------------------------------------
+
+    def _local_holdings(self) -> LocalHoldings:
+        replicas = self.replica_store.manifests() if self.replica_store is not None else []
+        return LocalHoldings(self.cfg.rank, sorted(self.steps.states), replicas, self._announced_step())
+
+    def _announced_step(self) -> int | None:
+        """The step chosen at start, until the job commits a newer one (then it has moved on)."""
+        chosen = self.restore_step
+        if chosen is None or any(s.step > chosen and s.committed_at > self.started
+                                 for s in self.steps.states.values()):
+            return None
+        return chosen
+
+    async def _plan_restore(self) -> None:
+        """Choose the step the whole job restores, and present this rank's files of it."""
+        cfg = self.cfg
+        survey = await self.view.survey(wait=cfg.restore_wait if self.peers else 0.0)
+        step = self.restore_step = survey.choose(cfg.rank)
+        for unfinished in restoring_steps(self.steps):
+            if unfinished != step:
+                self._abandon_restore(unfinished)
+        if step is None:
+            log.info("no tier holds a step complete for every rank of %s: starting from what is here", cfg.job)
+            return
+        for newer in sorted(s for s in self.steps.states if s > step):
+            for root in self.steps.states[newer].roots:  # other ranks cannot restore it: hide it
+                set_aside(self.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
+        if step in self.steps.states:
+            for root in self.steps.states[step].roots:
+                if not os.path.lexists(self.rank.tree / root):
+                    link_copy(self.snapshots.step_tree(step) / root, self.rank.tree / root)
+            log.info("step %d, the newest complete for every rank, is here already", step)
+            return
+        tiers = [t for t in survey.tiers(cfg.rank, step) if t != "local"]
+        if not tiers:
+            log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
+            return
+        manifest, origin = await fetch_manifest(cfg, step, tiers, self.peers, self.gcs)
+        needed = manifest.total_bytes - self._already_restored(step)
+        if cfg.capacity is not None and self.space.used + needed > cfg.capacity:
+            raise UserError(
+                f"step {step} of rank {cfg.rank} needs {format_size(needed)} more, but only "
+                f"{format_size(max(0, cfg.capacity - self.space.used))} of --capacity {format_size(cfg.capacity)} "
+                "is free: raise the capacity"
+            )
+        holders = sorted(origin.peers, key=lambda name: -survey.closeness(name, cfg.topology))
+        sources = ChunkSources(self.peers, [_address(name) for name in holders],
+                               self.gcs if origin.in_gcs else None, self.replicator.find_local)
+        self.restore = Restore(cfg, self.rank, self.steps, self.space, manifest, sources, origin)
+        self.restore.prepare()
+        self.ops.restoring = self.restore
+
+    def _already_restored(self, step: int) -> int:
+        """Bytes of ``step`` a previous, interrupted restore already wrote."""
+        tree = self.snapshots.step_tree(step)
+        return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
+                   for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
+
+    def _abandon_restore(self, step: int) -> None:
+        """An interrupted restore of a step no longer chosen: take its placeholders away."""
+        try:
+            roots = json.loads((self.snapshots.step_dir(step) / "manifest.json").read_bytes())["roots"]
+        except (OSError, ValueError, KeyError):
+            roots = []
+        for root in roots:
+            set_aside(self.rank, root, f"the restore of step {step} was abandoned")
+        trash = self.snapshots.drop(step)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.warning("abandoned the unfinished restore of step %d", step)
+
+    async def _watch_cluster(self) -> None:
+        """Keep the view of the newest complete step fresh: retention on every tier depends on it."""
+        while True:
+            await trio.sleep(self.cfg.survey_interval)
+            try:
+                await self.view.survey()
+            except Exception as e:  # a survey is advisory; the next one may work
+                log.warning("cluster survey failed: %s", e)
+                continue
+            self.replicator.retain_local()
+            if self.replica_store is not None:
+                self.replica_store.retain()
 
     def _unlinked(self, st: os.stat_result) -> None:
         if self.ops is not None:
@@ -148,24 +251,46 @@ class Daemon:
         return self.ops.writing_inodes() if self.ops is not None else set()
 
     async def serve(self, ready_fd: int | None = None) -> None:
+        failure: Exception | None = None
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_signals)
-            nursery.start_soon(self.replicator.run)
             if self.cfg.listen:
                 await nursery.start(self._serve_peers)
-            await nursery.start(control.serve, self.registration.socket_path, self._control)
-            nursery.start_soon(self._fuse_main, nursery.cancel_scope)
-            # The first request through the mount completes the kernel's INIT handshake,
-            # which resets the read-ahead; set it after, and only then call the mount ready.
-            await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
-            _set_read_ahead(self.cfg.mountpoint)
-            if self.peers is not None:
-                reachable = {p.address for p in await self.peers.discover()}
-                for address in self.cfg.peers:
-                    if address not in reachable:
-                        self._warn(f"peer {address[0]}:{address[1]} does not answer yet; "
-                                   "replication uses the others and retries it")
-            _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
+            try:
+                if self.gcs or self.peers:
+                    await self._plan_restore()
+                self._mount()
+            except Exception as e:  # raised below, outside the nursery: one error, not a group
+                failure = e
+                nursery.cancel_scope.cancel()
+            else:
+                await self._run_mounted(nursery, ready_fd)
+        if failure is not None:
+            raise failure
+
+    async def _run_mounted(self, nursery: trio.Nursery, ready_fd: int | None) -> None:
+        nursery.start_soon(self._watch_signals)
+        nursery.start_soon(self.replicator.run)
+        if self.gcs or self.peers:
+            nursery.start_soon(self._watch_cluster)
+        if self.restore is not None:
+            await nursery.start(self.restore.run)
+        await nursery.start(control.serve, self.registration.socket_path, self._control)
+        nursery.start_soon(self._fuse_main, nursery.cancel_scope)
+        # The first request through the mount completes the kernel's INIT handshake,
+        # which resets the read-ahead; set it after, and only then call the mount ready.
+        await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
+        _set_read_ahead(self.cfg.mountpoint)
+        if self.view.last is not None:
+            for name in self.view.last.missing:
+                self._warn(f"peer {name} does not answer yet; replication uses the others and retries it")
+        elif self.peers is not None:
+            reachable = {p.address for p in await self.peers.discover()}
+            for address in self.cfg.peers:
+                if address not in reachable:
+                    self._warn(f"peer {address[0]}:{address[1]} does not answer yet; "
+                               "replication uses the others and retries it")
+        self.ready = True
+        _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
@@ -222,16 +347,19 @@ class Daemon:
                 {**asdict(s), "backed_up": s.backed_up}
                 for s in sorted(self.steps.states.values(), key=lambda s: s.step)
             ],
-            "restored": self.restored,
+            "restored": self.restore.status() if self.restore is not None else None,
+            "cluster": {**self.view.last.summary(), "restore_step": self.restore_step,
+                        "retention_floor": self.view.retention_floor()} if self.view.last else None,
             **{tier: None for tier in ("gcs", "peers")},
             **self.replicator.status(),
             "replicas_held": self.replica_store.stats() if self.replica_store is not None else None,
         }
 
     def stop(self) -> None:
-        # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
-        pyfuse3.close(unmount=self._signalled)
-        self.registration.remove()
+        if self.mounted:
+            # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
+            pyfuse3.close(unmount=self._signalled)
+            self.registration.remove()  # only ours once mounted: a busy mountpoint is someone else's
         if self.ops is not None:
             self.ops.close()
         self.rank.release()
@@ -244,22 +372,23 @@ def run(cfg: Config, ready_fd: int | None = None) -> int:
     daemon = Daemon(cfg)
     try:
         daemon.start()
+        trio.run(daemon.serve, ready_fd)
     except UserError as e:
-        daemon.rank.release()
+        if daemon.ready:
+            raise
         _report(ready_fd, f"error: {e}")
         if ready_fd is None:
             raise
         log.error("%s", e)
         return 1
     except Exception as e:
+        if daemon.ready:
+            raise
         log.exception("start-up failed")
-        daemon.rank.release()
         _report(ready_fd, f"error: daemon failed to start: {e} (log: {daemon.registration.log_path})")
         if ready_fd is None:
             raise UserError(f"daemon failed to start: {e}") from None
         return 1
-    try:
-        trio.run(daemon.serve, ready_fd)
     finally:
         daemon.stop()
     return 0
@@ -289,6 +418,11 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
     except (ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _address(name: str) -> tuple[str, int]:
+    host, _, port = name.rpartition(":")
+    return host, int(port)
 
 
 def _check_listen(address: tuple[str, int]) -> None:

@@ -289,11 +289,13 @@ class GcsStore:
     # -- garbage collection ---------------------------------------------------------------
 
     def collect_garbage(
-        self, keep_newest: int, grace: float, pending_max_age: float = PENDING_MAX_AGE
+        self, keep_newest: int, grace: float, nodes: int = 1, pending_max_age: float = PENDING_MAX_AGE
     ) -> dict[str, int]:
         """Apply retention to every rank of the job, then delete the chunks nothing needs.
 
-        Each rank keeps its newest ``keep_newest`` manifests. A chunk is deleted only if
+        Each rank keeps its newest ``keep_newest`` manifests, and every manifest at or after
+        the newest step that GCS holds for every one of the job's ``nodes`` ranks: retention
+        never removes the newest step the whole job can restore from GCS. A chunk is deleted only if
         no remaining manifest and no live pending marker names it, and it has not been
         written or touched since ``t0 - grace``, ``t0`` being taken before any listing.
 
@@ -327,8 +329,12 @@ class GcsStore:
         pending = self.list_pending(pending_max_age)
         kept: list[tuple[int, int]] = []
         dropped: list[tuple[int, int]] = []
-        for rank, steps in self.list_manifests().items():
-            dropped += [(rank, step) for step in steps[:-keep_newest]]
+        listing = self.list_manifests()
+        complete = set.intersection(*(set(listing.get(r, ())) for r in range(nodes)))
+        protect = max(complete, default=None)
+        for rank, steps in listing.items():
+            for step in steps[:-keep_newest]:
+                (kept if protect is not None and step >= protect else dropped).append((rank, step))
             kept += [(rank, step) for step in steps[-keep_newest:]]
 
         with ThreadPoolExecutor(GC_THREADS, thread_name_prefix="tierfs-gc") as pool:

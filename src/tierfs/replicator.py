@@ -79,8 +79,11 @@ class Lane:
 
 class Replicator:
     def __init__(self, cfg: Config, steps: Steps, gcs: GcsStore | None, peers: PeerNetwork | None,
-                 last_write: Callable[[], float] = lambda: 0.0):
+                 last_write: Callable[[], float] = lambda: 0.0,
+                 retention_floor: Callable[[], int | None] | None = None):
         self.cfg = cfg
+        # The newest step complete on every rank; alone, that is simply our newest.
+        self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
         self._last_write = last_write
         self.steps = steps
         self.gcs = gcs
@@ -105,14 +108,14 @@ class Replicator:
         steps.on_commit = self._committed
 
     def _committed(self, state: StepState) -> None:
-        self._retain_local()
+        self.retain_local()
         for lane in self.lanes.values():
             lane.wake.set()
 
     # -- the lanes -----------------------------------------------------------------------
 
     async def run(self) -> None:
-        self._retain_local()
+        self.retain_local()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._empty_trash)
             for lane in self.lanes.values():
@@ -165,7 +168,7 @@ class Replicator:
                     await trio.sleep(delay)
             finally:
                 lane.busy = None
-                self._retain_local()
+                self.retain_local()
 
     # -- manifests -----------------------------------------------------------------------
 
@@ -294,7 +297,7 @@ class Replicator:
             state.step, manifest.total_bytes, uploaded_raw, manifest.total_bytes - uploaded_raw, took,
         )
         if cfg.rank == 0:  # one collector per job is enough; it covers every rank's manifests
-            result = await self._io(gcs.collect_garbage, cfg.keep, cfg.gc_grace)
+            result = await self._io(gcs.collect_garbage, cfg.keep, cfg.gc_grace, cfg.nodes)
             log.info("GCS retention: %s", result)
 
     async def _upload_chunks(self, manifest: Manifest) -> tuple[int, int]:
@@ -341,14 +344,18 @@ class Replicator:
         if self.steps.states.get(state.step) is state:
             self.steps.save(state)
 
-    def _retain_local(self) -> None:
-        """Keep the newest committed step and those a lane is sending; older snapshots go."""
-        newest = self.steps.newest()
-        if newest is None:
-            return
-        busy = {lane.busy for lane in self.lanes.values()}
+    def retain_local(self) -> None:
+        """Drop local snapshots that no tier needs any more.
+
+        Kept: the ``--keep-local`` newest committed steps, the steps a lane is sending, and
+        every step from the newest one complete on every rank on (``retention_floor``;
+        everything while that is unknown): that step may exist nowhere else.
+        """
+        floor = self.retention_floor()
+        keep = set(sorted(self.steps.states)[-self.cfg.keep_local:])
+        keep |= {lane.busy for lane in self.lanes.values()}
         for step in list(self.steps.states):
-            if step != newest.step and step not in busy:
+            if step not in keep and floor is not None and step < floor:
                 trash = self.steps.drop(step)
                 if trash is not None:
                     self._trash.append(trash)

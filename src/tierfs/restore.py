@@ -1,255 +1,420 @@
-"""Restore onto an empty RAM tier: the newest step of this rank that a peer or GCS holds.
+"""Restore: the chosen step's files appear at once; their bytes follow, on demand and in the background.
 
-Peers are asked which steps of this rank they hold and GCS lists its manifests; the newest
-step wins, and a peer copy is preferred to GCS for the same step. Chunks are fetched by
-several tasks at once, spread over every peer that holds the step; each chunk is verified
-against its name, and one that fails from a peer (down, wrong bytes) is fetched from the
-next peer, then from GCS.
+The step is rebuilt as a snapshot (``steps/<step>/tree``) of placeholder files that have
+their final names, sizes, modes and owners but no data yet (holes cost no RAM), and those
+are hard-linked into the volume. From then on:
 
-The step is rebuilt in a staging tree beside the real one and swapped in only when every
-chunk has been fetched and verified, so a failed or interrupted restore never shows a
-partial checkpoint: the next start finds an empty tree and tries again.
+- a read of a placeholder waits only for the chunks it covers (``wait_range``); a chunk
+  two readers want is fetched once;
+- background workers fetch the rest in manifest order, each starting at a different tier
+  so peers and GCS work in parallel (``--prefetch`` of them, 0 for on-demand only);
+- anything that would change a placeholder waits for the whole file first, so the
+  snapshot the job's change detaches from is complete, never a half-filled file.
+
+Every chunk is verified against its name before it is written. A chunk's name is appended
+to ``restored-chunks`` once all its places are written, so a daemon killed mid-restore
+resumes from that journal without refetching what it verified, and its placeholders are
+still placeholders, served the same way. Only when every chunk is in does the step get its
+``state.json``: until then it is neither replicated, backed up, nor reported to peers as
+held.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import shutil
 import stat
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import trio
 
-from tierfs import chunks
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
-from tierfs.manifest import Manifest, ManifestError
+from tierfs.fetch import ChunkSources, gcs_call
+from tierfs.manifest import Entry, Manifest, ManifestError
 from tierfs.peers.wire import PeerError
-from tierfs.ramtier import RankDir
+from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.steps import StepState, Steps
 
 log = logging.getLogger(__name__)
 
-FETCH_TASKS = 8
-GCS_ATTEMPTS = 4  # per request, on top of the GCS module's own quick retries
-
-
-def tree_is_empty(tree) -> bool:
-    with os.scandir(tree) as it:
-        return next(it, None) is None
+STATE_FILE = "restore.json"  # present while the step is being restored
+JOURNAL = "restored-chunks"  # names of the chunks written and verified, one per line
+RETRY = 5.0  # seconds before chunks that no tier could give are tried again
 
 
 @dataclass
-class Plan:
-    step: int
-    peers: list[tuple[str, int]] = field(default_factory=list)  # peers holding the step
+class _File:
+    entry: Entry
+    path: Path  # the placeholder, in the step's snapshot
+    missing: set[int]  # chunk indexes not written yet
+    fd: int | None = None
+
+
+@dataclass
+class Origin:
+    """Where the step's manifest was found, for the step's record."""
+
+    peers: list[str] = field(default_factory=list)
     in_gcs: bool = False
 
 
-class Restorer:
-    def __init__(self, cfg: Config, rank: RankDir, steps: Steps, gcs=None, peers=None):
-        self.cfg, self.rank, self.steps, self.gcs, self.peers = cfg, rank, steps, gcs, peers
-        self.bytes_from: dict[str, int] = {}
+class Restore:
+    """One step of this rank, arriving into the RAM tier while the volume is in use."""
 
-    async def plan(self) -> Plan | None:
-        """The newest step of this rank on any reachable tier, and who holds it."""
-        held: dict[int, list[tuple[str, int]]] = {}
-        if self.peers is not None:
-            for address, manifests in (await self.peers.holdings()).items():
-                for rank, step in manifests:
-                    if rank == self.cfg.rank:
-                        held.setdefault(step, []).append(address)
-        gcs_steps: list[int] = []
-        if self.gcs is not None:
-            try:
-                gcs_steps = await self._gcs(self.gcs.list_steps, self.cfg.rank)
-            except UserError as e:
-                if not held:
-                    raise
-                log.warning("restoring from peers only: %s", e)
-                self.gcs = None
-        newest = max([*held, *gcs_steps], default=None)
-        if newest is None:
-            return None
-        return Plan(newest, held.get(newest, []), newest in gcs_steps)
+    def __init__(self, cfg: Config, rank: RankDir, steps: Steps, space: SpaceAccount,
+                 manifest: Manifest, sources: ChunkSources, origin: Origin):
+        self.cfg, self.rank, self.steps, self.space = cfg, rank, steps, space
+        self.manifest, self.sources, self.origin = manifest, sources, origin
+        self.step = manifest.step
+        self.dir = steps.snapshots.step_dir(self.step)
+        self.snap = steps.snapshots.step_tree(self.step)
+        self._files: dict[int, _File] = {}  # FUSE inode -> file still missing chunks
+        self._users: dict[str, list[tuple[_File, int]]] = {}  # chunk -> (file, index) it fills
+        self._done: set[str] = set()
+        self._inflight: dict[str, trio.Event] = {}
+        self._failed: dict[str, str] = {}  # chunk -> why no tier gave it (cleared on retry)
+        self.last_error: str | None = None
+        self._progress = trio.Event()
+        self._journal = None
+        self._nursery: trio.Nursery | None = None
+        self.total = len(manifest.chunk_set())
+        self.started = time.time()
+        self.first_byte_s: float | None = None
+        self.finished_at: float | None = None
+        self.demand_fetches = 0
 
-    async def restore(self) -> dict | None:
-        cfg = self.cfg
-        plan = await self.plan()
-        if plan is None:
-            log.info("no tier holds a step of %s rank %d: starting empty", cfg.job, cfg.rank)
-            return None
-        started = time.time()
-        manifest = await self._manifest(plan)
-        if cfg.capacity is not None and manifest.total_bytes > cfg.capacity:
-            raise UserError(
-                f"step {plan.step} of rank {cfg.rank} holds {format_size(manifest.total_bytes)}, "
-                f"more than --capacity {format_size(cfg.capacity)}: raise the capacity"
-            )
-        staging = self.rank.path / ".restoring"
-        shutil.rmtree(staging, ignore_errors=True)
-        os.mkdir(staging)
-        os.chmod(staging, 0o1777)
-        try:
-            await self._materialize(manifest, staging, plan)
-            os.rmdir(self.rank.tree)  # empty, checked by the caller
-            os.rename(staging, self.rank.tree)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        self._record(manifest, plan)
-        took = time.time() - started
-        sources = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(self.bytes_from.items()))
-        log.info("restored step %d: %s in %.2fs from %s", plan.step, format_size(manifest.total_bytes), took, sources)
-        peer_bytes = {k: v for k, v in self.bytes_from.items() if k.startswith("peer ")}
-        origin = max(peer_bytes, key=peer_bytes.get) if peer_bytes else cfg.gcs
-        return {"step": plan.step, "tier": "peer" if peer_bytes else "gcs", "from": origin,
-                "bytes": manifest.total_bytes,
-                "bytes_from": dict(self.bytes_from),
-                "files": sum(e.kind == "file" for e in manifest.entries), "seconds": round(took, 3),
-                "at": time.time()}
+    # -- preparing the namespace ---------------------------------------------------------
 
-    def _record(self, manifest: Manifest, plan: Plan) -> None:
-        """The restored step is committed; it is already where it came from."""
-        for root in manifest.roots:
-            self.steps.snapshots.freeze(plan.step, root, set())
-        state = StepState(plan.step, sorted(manifest.roots), time.time(),
-                          source="peer" if plan.peers else "gcs")
-        if plan.peers:  # the peers it came from hold it: nothing to send them again
-            state.replicas = {"version": state.version, "peers": [_name(a) for a in plan.peers],
-                              "at": time.time(), "sent_bytes": 0, "skipped_bytes": 0, "restored": True}
-        if plan.in_gcs:
-            state.backup = {"version": state.version, "at": time.time(), "bytes": manifest.total_bytes,
-                            "uploaded_bytes": 0, "dedup_bytes": manifest.total_bytes, "restored": True}
-        self.steps.states[plan.step] = state
-        self.steps.save(state)
-        (self.steps.snapshots.step_dir(plan.step) / "manifest.json").write_bytes(manifest.to_json())
+    def prepare(self) -> None:
+        """Create the placeholders (or find them again after a crash) and link them into the volume."""
+        state = self._read_state()
+        if state is None or state.get("step") != self.step:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir.mkdir(parents=True)
+            (self.dir / "manifest.json").write_bytes(self.manifest.to_json())
+            state = {"step": self.step, "prepared": False, "linked": False,
+                     "peers": self.origin.peers, "in_gcs": self.origin.in_gcs}
+            self._write_state(state)
+        if not state["prepared"]:
+            shutil.rmtree(self.snap, ignore_errors=True)
+            _journal_path(self.dir).unlink(missing_ok=True)
+            self._create_placeholders()
+            state["prepared"] = True
+            self._write_state(state)
+        self.steps.snapshots.pin_step(self.step)
+        self.steps.restoring.add(self.step)
+        if not state["linked"]:
+            for root in self.manifest.roots:
+                self._link_into_tree(root)
+            state["linked"] = True
+            self._write_state(state)
+        self._load_journal()
 
-    # -- sources -------------------------------------------------------------------------
+    def _create_placeholders(self) -> None:
+        self.snap.mkdir(parents=True)
+        for e in self.manifest.entries:
+            path = self.snap / e.path
+            if e.kind == "dir":
+                path.mkdir()
+            elif e.kind == "symlink":
+                os.symlink(e.target, path)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(fd, e.size)
+                finally:
+                    os.close(fd)
+        for e in reversed(self.manifest.entries):  # children first: directory mtimes stick
+            _apply_attrs(self.snap / e.path, e)
 
-    async def _manifest(self, plan: Plan) -> Manifest:
-        errors = []
-        for address in plan.peers:
-            try:
-                async with await self.peers.connect(address) as client:
-                    return _parse(await client.get_manifest(self.cfg.rank, plan.step), f"peer {_name(address)}")
-            except (PeerError, OSError, trio.TooSlowError, UserError) as e:
-                errors.append(f"peer {_name(address)}: {e}")
-        if plan.in_gcs:
-            return _parse(await self._gcs(self.gcs.get_manifest, self.cfg.rank, plan.step), self.cfg.gcs)
-        raise UserError(f"no peer could send step {plan.step} of rank {self.cfg.rank}: {'; '.join(errors)}")
+    def _link_into_tree(self, root: str) -> None:
+        """Put the step's ``root`` into the volume; whatever was in its way is set aside."""
+        parts = root.split("/")
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            if not os.path.isdir(self.rank.tree / parent) or os.path.islink(self.rank.tree / parent):
+                set_aside(self.rank, parent, f"it is in the way of restored step {self.step}")
+                link_copy(self.snap / parent, self.rank.tree / parent, recurse=False)
+        set_aside(self.rank, root, f"it is in the way of restored step {self.step}")
+        link_copy(self.snap / root, self.rank.tree / root)
 
-    async def _fetch(self, h: str, length: int, index: int, plan: Plan, alive: list, clients: dict) -> bytes:
-        """Chunk ``h`` from the peers (starting at a different one per chunk), then GCS.
+    def _load_journal(self) -> None:
+        path = _journal_path(self.dir)
+        if path.exists():
+            self._done = {line for line in path.read_text().split() if line}
+        self._journal = open(path, "a", buffering=1)
+        cs = self.manifest.chunk_size
+        for e in self.manifest.entries:
+            if e.kind != "file":
+                continue
+            missing = {i for i, h in enumerate(e.chunks) if h not in self._done}
+            if not missing:
+                continue
+            f = _File(e, self.snap / e.path, missing)
+            f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
+            st = os.fstat(f.fd)
+            self._files[st.st_ino] = f
+            self.space.update(st)
+            for i in missing:
+                self._users.setdefault(e.chunks[i], []).append((f, i))
+        log.info("restoring step %d: %d of %d chunks to fetch (%s), %d already here",
+                 self.step, len(self._users), self.total,
+                 format_size(sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)),
+                 len(self._done))
 
-        ``clients`` holds the calling worker's open connections, one per peer, so a chunk
-        costs one request, not a handshake.
+    # -- serving the mount ---------------------------------------------------------------
+
+    def pending(self, ino: int) -> bool:
+        return ino in self._files
+
+    async def wait_range(self, ino: int, offset: int, size: int) -> None:
+        f = self._files.get(ino)
+        if f is None:
+            return
+        cs = self.manifest.chunk_size
+        last = min(len(f.entry.chunks), -(-(offset + size) // cs))
+        wanted = [f.entry.chunks[i] for i in range(offset // cs, last) if i in f.missing]
+        await self._wait_chunks(wanted)
+
+    async def wait_file(self, ino: int) -> None:
+        f = self._files.get(ino)
+        if f is not None:
+            await self._wait_chunks([f.entry.chunks[i] for i in sorted(f.missing)])
+
+    async def _wait_chunks(self, hashes: list[str]) -> None:
+        for h in hashes:
+            if h in self._done:
+                continue
+            event = self._inflight.get(h)
+            if event is None:
+                self.demand_fetches += 1
+                event = self._start(h, prefer=0)
+            await event.wait()
+            if h not in self._done:
+                log.error("read of restoring step %d failed: %s", self.step, self._failed.get(h))
+                raise OSError(errno.EIO, f"chunk {h} unavailable")
+
+    def _start(self, h: str, prefer: int) -> trio.Event:
+        event = self._inflight[h] = trio.Event()
+        self._nursery.start_soon(self._fetch, h, prefer, event)
+        return event
+
+    # -- fetching ------------------------------------------------------------------------
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Prefetch until every chunk is in, then record the step as committed here.
+
+        Also hosts the fetches that reads start, so it must run as long as the mount does.
         """
-        errors, tried = [], set()
-        while candidates := [a for a in alive if a not in tried]:
-            address = candidates[index % len(candidates)]
-            tried.add(address)
-            try:
-                if address not in clients:
-                    clients[address] = await self.peers.connect(address)
-                data = await clients[address].get_chunk(h, 0, length)
-                if chunks.chunk_hash(data) != h:
-                    raise PeerError("sent bytes that do not match the chunk's hash")
-                self._count(f"peer {_name(address)}", len(data))
-                return data
-            except (PeerError, OSError, trio.TooSlowError) as e:
-                errors.append(f"peer {_name(address)}: {e}")
-                log.warning("chunk %s from peer %s failed (%s); trying the next source", h, _name(address), e)
-                if address in clients:
-                    await clients.pop(address).aclose()
-                if address in alive:  # down or untrustworthy: not asked again in this restore
-                    alive.remove(address)
-        if self.gcs is None:
-            raise UserError(f"chunk {h} of step {plan.step} is on no reachable peer and there is no --gcs: "
-                            f"{'; '.join(errors)}")
-        url = self.gcs.chunk_url(h)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                while self._users.keys() - self._done:
+                    if self.cfg.prefetch:
+                        await self._prefetch_pass()
+                    if not self._users.keys() - self._done:
+                        break
+                    with trio.move_on_after(RETRY if self._failed else float("inf")):
+                        await self._progress.wait()
+                    self._progress = trio.Event()
+                    self._failed.clear()
+                self._finish()
+        finally:
+            self._close_files()
+
+    async def _prefetch_pass(self) -> None:
+        order = iter(h for e in self.manifest.entries for h in e.chunks)
+        remote = max(1, len(self.sources.names))
+
+        async def worker(n: int) -> None:
+            for h in order:
+                if h in self._done or h in self._failed:
+                    continue
+                event = self._inflight.get(h) or self._start(h, prefer=n % remote)
+                await event.wait()
+
+        async with trio.open_nursery() as nursery:
+            for n in range(self.cfg.prefetch):
+                nursery.start_soon(worker, n)
+
+    async def _fetch(self, h: str, prefer: int, event: trio.Event) -> None:
+        f0, index0 = self._users[h][0]
+        cs = self.manifest.chunk_size
+        try:
+            data = await self.sources.fetch(h, min(cs, f0.entry.size - index0 * cs), prefer)
+            self._write(h, data)
+        except UserError as e:
+            self._failed[h] = self.last_error = str(e)
+            log.warning("restore of step %d: %s", self.step, e)
+        finally:
+            del self._inflight[h]
+            event.set()
+            self._progress.set()
+
+    def _write(self, h: str, data: bytes) -> None:
+        """Put a verified chunk everywhere the step has it; runs on the trio thread, never awaits."""
+        cs = self.manifest.chunk_size
+        for f, i in self._users[h]:
+            if i not in f.missing:
+                continue
+            os.pwrite(f.fd, data, i * cs)
+            os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
+            self.space.update(os.fstat(f.fd))
+            f.missing.discard(i)
+            if not f.missing:
+                st = os.fstat(f.fd)
+                os.close(f.fd)
+                f.fd = None
+                self._files.pop(st.st_ino, None)
+        self._done.add(h)
+        self._journal.write(h + "\n")
+        if self.first_byte_s is None:
+            self.first_byte_s = round(time.time() - self.started, 3)
+
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            if f.fd is not None:
+                os.close(f.fd)
+                f.fd = None
+        if self._journal is not None:
+            self._journal.close()
+
+    def _finish(self) -> None:
+        """Every chunk is in: the step is committed here, and already where it came from."""
+        self._close_files()
+        o, now = self.origin, time.time()
+        state = StepState(self.step, sorted(self.manifest.roots), now, source="peer" if o.peers else "gcs")
+        if o.peers:
+            state.replicas = {"version": state.version, "peers": o.peers, "at": now,
+                              "sent_bytes": 0, "skipped_bytes": 0, "restored": True}
+        if o.in_gcs:
+            state.backup = {"version": state.version, "at": now, "bytes": self.manifest.total_bytes,
+                            "uploaded_bytes": 0, "dedup_bytes": self.manifest.total_bytes, "restored": True}
+        self.steps.states[self.step] = state
+        self.steps.save(state)
+        (self.dir / STATE_FILE).unlink()
+        _journal_path(self.dir).unlink(missing_ok=True)
+        self.steps.restoring.discard(self.step)
+        self.finished_at = now
+        took = now - self.started
+        sources = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(self.sources.bytes_from.items()))
+        log.info("restored step %d: %s in %.2fs from %s", self.step,
+                 format_size(self.manifest.total_bytes), took, sources or "this node")
+        self.steps.on_commit(state)
+
+    def status(self) -> dict:
+        cs = self.manifest.chunk_size
+        missing = sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)
+        peer_bytes = {k: v for k, v in self.sources.bytes_from.items() if k.startswith("peer ")}
+        return {
+            "step": self.step,
+            "state": "done" if self.finished_at else ("prefetching" if self.cfg.prefetch else "on demand"),
+            "tier": "peer" if peer_bytes else ("gcs" if "gcs" in self.sources.bytes_from else "local"),
+            "from": max(peer_bytes, key=peer_bytes.get) if peer_bytes else (
+                self.cfg.gcs if "gcs" in self.sources.bytes_from else None),
+            "bytes": self.manifest.total_bytes,
+            "bytes_missing": missing,
+            "bytes_from": dict(self.sources.bytes_from),
+            "chunks_total": self.total,
+            "chunks_done": len(self._done & self.manifest.chunk_set()),
+            "chunks_failing": len(self._failed),
+            "error": self.last_error,
+            "files": sum(e.kind == "file" for e in self.manifest.entries),
+            "files_pending": len(self._files),
+            "demand_fetches": self.demand_fetches,
+            "first_byte_s": self.first_byte_s,
+            "seconds": round((self.finished_at or time.time()) - self.started, 3),
+            "at": self.started,
+        }
+
+    # -- state file ------------------------------------------------------------------------
+
+    def _read_state(self) -> dict | None:
+        try:
+            return json.loads((self.dir / STATE_FILE).read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _write_state(self, state: dict) -> None:
+        tmp = self.dir / (STATE_FILE + ".tmp")
+        tmp.write_text(json.dumps(state))
+        os.rename(tmp, self.dir / STATE_FILE)
+
+
+def _journal_path(step_dir: Path) -> Path:
+    return step_dir / JOURNAL
+
+
+def restoring_steps(steps: Steps) -> list[int]:
+    """Steps a previous run began to restore and did not finish."""
+    return [s for s in steps.snapshots.steps() if (steps.snapshots.step_dir(s) / STATE_FILE).exists()]
+
+
+def set_aside(rank: RankDir, rel: str, why: str) -> None:
+    """Move ``rel`` out of the volume into ``<rank dir>/aside/``, where nothing is lost."""
+    path = rank.tree / rel
+    if os.path.lexists(path):
+        aside = rank.path / "aside" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}" / rel
+        aside.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(path, aside)
+        log.warning("moved %s out of the volume to %s: %s", rel, aside, why)
+
+
+def _apply_attrs(path: Path, e: Entry) -> None:
+    os.chown(path, e.uid, e.gid, follow_symlinks=False)
+    if e.kind != "symlink":
+        os.chmod(path, stat.S_IMODE(e.mode))
+    os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+
+
+def link_copy(src: Path, dst: Path, recurse: bool = True) -> None:
+    """Recreate ``src`` at ``dst``: directories as new ones with the same attributes, the rest as links."""
+    st = os.lstat(src)
+    if not stat.S_ISDIR(st.st_mode):
+        os.link(src, dst, follow_symlinks=False)
+        return
+    os.mkdir(dst)
+    if recurse:
+        with os.scandir(src) as it:
+            for entry in it:
+                link_copy(Path(entry.path), dst / entry.name)
+    os.chown(dst, st.st_uid, st.st_gid)
+    os.chmod(dst, stat.S_IMODE(st.st_mode))
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+# -- planning ----------------------------------------------------------------------------
+
+
+async def fetch_manifest(cfg: Config, step: int, tiers: list[str], peers, gcs) -> tuple[Manifest, Origin]:
+    """This rank's manifest of ``step`` from the first tier that gives a valid one."""
+    origin = Origin([t.removeprefix("peer ") for t in tiers if t.startswith("peer ")], "gcs" in tiers)
+    errors = []
+    for name in origin.peers:
+        host, _, port = name.rpartition(":")
+        try:
+            async with await peers.connect((host, int(port))) as client:
+                return _parse(await client.get_manifest(cfg.rank, step), f"peer {name}"), origin
+        except (PeerError, OSError, trio.TooSlowError, UserError) as e:
+            errors.append(f"peer {name}: {e}")
+    if origin.in_gcs:
         from tierfs.gcs import MissingObject  # noqa: PLC0415 (only with --gcs)
 
         try:
-            frame = await self._gcs(self.gcs.get_chunk_frame, h)
-        except MissingObject:
-            raise UserError(f"chunk {url} is missing from GCS: the step cannot be restored from it") from None
-        try:
-            data = await trio.to_thread.run_sync(chunks.decode, frame, h)
-        except chunks.CorruptChunk as e:
-            raise UserError(f"chunk {url} is corrupt ({e}): the step cannot be restored from GCS") from None
-        self._count("gcs", len(data))
-        return data
-
-    def _count(self, source: str, n: int) -> None:
-        self.bytes_from[source] = self.bytes_from.get(source, 0) + n
-
-    async def _gcs(self, fn, *args):
-        from tierfs.gcs import GcsUnavailable  # noqa: PLC0415 (only with --gcs)
-
-        for attempt in range(GCS_ATTEMPTS):
-            try:
-                return await trio.to_thread.run_sync(fn, *args)
-            except GcsUnavailable as e:
-                if attempt == GCS_ATTEMPTS - 1:
-                    raise UserError(f"GCS is unreachable while restoring: {e}") from None
-                await trio.sleep(2**attempt)
-
-    # -- writing ---------------------------------------------------------------------------
-
-    async def _materialize(self, manifest: Manifest, root, plan: Plan) -> None:
-        """Create every entry under ``root`` and fill files with verified chunks."""
-        fds: dict[str, int] = {}
-        wanted: dict[str, list[tuple[int, int]]] = {}  # chunk -> (fd, offset) it fills
-        lengths: dict[str, int] = {}
-        try:
-            for e in manifest.entries:
-                path = root / e.path
-                if e.kind == "dir":
-                    path.mkdir(exist_ok=True)
-                elif e.kind == "symlink":
-                    os.symlink(e.target, path)
-                else:
-                    fd = fds[e.path] = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-                    os.ftruncate(fd, e.size)
-                    for i, h in enumerate(e.chunks):
-                        offset = i * manifest.chunk_size
-                        wanted.setdefault(h, []).append((fd, offset))
-                        lengths[h] = min(manifest.chunk_size, e.size - offset)
-            alive = list(plan.peers)
-            send, receive = trio.open_memory_channel(len(wanted) or 1)
-            for item in enumerate(wanted):
-                send.send_nowait(item)
-            send.close()
-
-            async def worker() -> None:
-                clients: dict = {}
-                try:
-                    async for index, h in receive:
-                        data = await self._fetch(h, lengths[h], index, plan, alive, clients)
-                        for fd, offset in wanted[h]:
-                            os.pwrite(fd, data, offset)
-                finally:
-                    for client in clients.values():
-                        await client.aclose()
-
-            try:
-                async with trio.open_nursery() as nursery:
-                    for _ in range(FETCH_TASKS):
-                        nursery.start_soon(worker)
-            except* UserError as group:  # one clear line, not a group of them
-                raise group.exceptions[0] from None
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        for e in reversed(manifest.entries):  # children before parents: directory mtimes stick
-            path = root / e.path
-            os.chown(path, e.uid, e.gid, follow_symlinks=False)
-            if e.kind != "symlink":
-                os.chmod(path, stat.S_IMODE(e.mode))
-            os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+            return _parse(await gcs_call(gcs.get_manifest, cfg.rank, step), cfg.gcs), origin
+        except MissingObject as e:
+            errors.append(f"gcs: {e}")
+        except UserError as e:
+            errors.append(str(e))
+    raise UserError(f"no tier could send the manifest of step {step} of rank {cfg.rank}: "
+                    f"{'; '.join(errors) or 'none holds it'}")
 
 
 def _parse(data: bytes, where: str) -> Manifest:
@@ -259,5 +424,3 @@ def _parse(data: bytes, where: str) -> Manifest:
         raise UserError(f"the manifest from {where} is unusable: {e}") from None
 
 
-def _name(address: tuple[str, int]) -> str:
-    return f"{address[0]}:{address[1]}"

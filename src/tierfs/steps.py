@@ -50,11 +50,14 @@ class Steps:
         self.rules = rules
         self._writing = writing  # inodes open for writing, copied rather than linked
         self.states: dict[int, StepState] = {}
+        self.restoring: set[int] = set()  # steps whose bytes are still arriving (see tierfs.restore)
         self.on_commit: Callable[[StepState], None] = lambda state: None
 
     def load(self) -> None:
         self.snapshots.load()
         for step in self.snapshots.steps():
+            if (self.snapshots.step_dir(step) / "restore.json").exists():
+                continue  # a restore that did not finish: the restore resumes or drops it
             path = self.snapshots.step_dir(step) / "state.json"
             try:
                 self.states[step] = StepState(**json.loads(path.read_text()))
@@ -92,6 +95,9 @@ class Steps:
             step = step_of(root)
         if step is None:
             step = max(self.states, default=0) + 1
+        if step in self.restoring:
+            log.warning("commit of %s into step %d ignored: that step is still being restored", root, step)
+            return None
         if not self.snapshots.freeze(step, root, self._writing()):
             log.warning("commit of %s: it is gone", root)
             return None

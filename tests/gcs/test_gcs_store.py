@@ -218,6 +218,15 @@ def populate(store: GcsStore) -> None:
         store.put_chunk(h(n), bytes(n))
 
 
+def test_gc_keeps_the_newest_step_every_rank_has(store):
+    populate(store)
+    store.delete_manifest(1, 3)  # rank 1 never got past step 2
+    result = store.collect_garbage(keep_newest=1, grace=0, nodes=2)
+    # Keeping only the newest would leave rank 0 at 3 and rank 1 at 2: no common step.
+    assert store.list_manifests() == {0: [2, 3], 1: [2]}
+    assert result["manifests_deleted"] == 2 and result["chunks_missing"] == 0
+
+
 def test_gc_keeps_newest_steps_and_every_chunk_still_named(store):
     populate(store)
     result = store.collect_garbage(keep_newest=2, grace=0)

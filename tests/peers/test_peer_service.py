@@ -55,10 +55,11 @@ class Node:
 
 
 async def start_node(nursery: trio.Nursery, host: str, root: Path, *, capacity: int | None = None,
-                     local=None, grace: float = 0.0, timeouts: Timeouts = FAST) -> Node:
+                     local=None, grace: float = 0.0, timeouts: Timeouts = FAST,
+                     keep_from=lambda: 10**9) -> Node:
     root.mkdir(parents=True)
     space = SpaceAccount(capacity, root)
-    store = ReplicaStore(root, space, local, job=JOB, grace=grace)
+    store = ReplicaStore(root, space, local, job=JOB, grace=grace, keep_from=keep_from)
     store.load()
     port = await nursery.start(functools.partial(
         serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts,
@@ -391,6 +392,24 @@ async def test_newer_step_drops_older_and_collects_unreferenced_chunks(nursery, 
     assert {p.name for p in node.files()} == {chunk_hash(a), chunk_hash(c)}
     assert not (node.root / "manifests" / "rank-1" / "step-000000000100.json").exists()
     assert node.space.used == sum(os.stat(p).st_blocks * 512 for p in node.root.rglob("*") if p.is_file())
+
+
+async def test_a_superseded_replica_stays_while_the_job_may_restore_it(nursery, tmp_path):
+    floor = [None]  # the newest step complete on every rank: unknown at first
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", grace=0, keep_from=lambda: floor[0])
+    m1, w1 = make_step(tmp_path, 1, 100, {"a": randbytes(CS, 31)})
+    m2, w2 = make_step(tmp_path, 1, 200, {"a": randbytes(CS, 32)})
+    async with await node.connect() as client:
+        await push(client, m1, w1)
+        await push(client, m2, w2)
+        assert await client.list() == [(1, 100), (1, 200)]  # unknown: nothing is superseded for sure
+        floor[0] = 100  # another rank has not got step 200: 100 may be the only complete step
+        node.store.retain()
+        assert await client.list() == [(1, 100), (1, 200)]
+        floor[0] = 200
+        node.store.retain()
+        assert await client.list() == [(1, 200)]
+    assert not (node.root / "manifests" / "rank-1" / "step-000000000100.json").exists()
 
 
 async def test_chunks_a_connected_sender_relies_on_outlive_a_zero_grace(nursery, tmp_path):

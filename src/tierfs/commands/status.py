@@ -46,10 +46,16 @@ def render(s: dict) -> str:
         f"  io    written {format_size(s['fuse']['bytes_written'])}, read {format_size(s['fuse']['bytes_read'])}, "
         f"{s['fuse']['opens']} opens, {s['fuse']['inodes']} inodes cached",
     ]
+    if s.get("cluster"):
+        v = s["cluster"]
+        gone = f", unreachable: {', '.join(v['unreachable_peers'])}" if v["unreachable_peers"] else ""
+        lines.append(f"  job   newest step complete on every rank: {v['newest_complete']}; "
+                     f"started from step {v['restore_step']}{gone}")
     if s.get("restored"):
         r = s["restored"]
-        lines.append(f"  restored step {r['step']} from {r['from']}: {format_size(r['bytes'])}, "
-                     f"{r['files']} files in {r['seconds']:.1f}s")
+        lines.append(f"  restore step {r['step']} ({r['state']}) from {r['from'] or 'this node'}: "
+                     f"{format_size(r['bytes'] - r['bytes_missing'])} of {format_size(r['bytes'])} here, "
+                     f"{r['files']} files, {r['seconds']:.1f}s")
     for tier, where in (("peers", None), ("gcs", "url")):
         lane = s.get(tier)
         if not lane:

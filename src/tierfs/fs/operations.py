@@ -7,8 +7,11 @@ kernel's (``default_permissions``), made against the attributes returned here, w
 the backing file's. The daemon runs as root, so files are created as root and then given
 the caller's ownership, with the group a setgid directory imposes, as tmpfs would.
 
-Handlers never await: each runs to completion on the trio thread, so the table and the
-space account need no locks, and an operation sees no other half-done.
+Handlers never await, with one exception: a file of a step still being restored
+(``restoring``) makes a read wait for the chunks it covers, and anything that would change
+the file wait for the whole file. Every other handler runs to completion on the trio
+thread, so the table and the space account need no locks, and an operation sees no other
+half-done.
 
 Two hooks tie the mount to the checkpoint machinery: ``events`` hears of the acts that may
 commit a checkpoint (a file closed after writing, a rename), and ``snapshots`` keeps
@@ -68,6 +71,16 @@ class Events(Protocol):
     def dir_renamed(self, path: str) -> None: ...
 
 
+class Restoring(Protocol):
+    """Files whose bytes are still arriving from another tier (by FUSE inode number)."""
+
+    def pending(self, ino: int) -> bool: ...
+
+    async def wait_range(self, ino: int, offset: int, size: int) -> None: ...  # OSError(EIO) if unobtainable
+
+    async def wait_file(self, ino: int) -> None: ...
+
+
 def _has_privs(mode: int) -> bool:
     """Set-uid, or set-gid with group execute (set-gid alone means mandatory locking)."""
     return bool(mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP))
@@ -84,6 +97,7 @@ class Operations(pyfuse3.Operations):
         self.space = space
         self.snapshots = snapshots
         self.events = events
+        self.restoring: Restoring | None = None
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
         self._writable: set[int] = set()  # fhs open for writing
@@ -165,6 +179,11 @@ class Operations(pyfuse3.Operations):
         if copy is not None:
             self.space.update(copy)
 
+    async def _settle(self, ino: int) -> None:
+        """Before a file of a step being restored changes, let its restore finish."""
+        if self.restoring is not None and self.restoring.pending(ino):
+            await self.restoring.wait_file(ino)
+
     def writing_inodes(self) -> set[int]:
         """Backing inode numbers of the files open for writing now."""
         return {os.fstat(fh).st_ino for fh in self._writable}
@@ -223,6 +242,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def setattr(self, inode, attr, fields, fh, ctx):
+        await self._settle(inode)
         node = self.inodes[inode]
         self._detach(node)
         if fields.update_mode and node.kind != stat.S_IFLNK:
@@ -311,9 +331,10 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def open(self, inode, flags, ctx):
-        node = self.inodes[inode]
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            self._detach(node)
+            await self._settle(inode)
+            self._detach(self.inodes[inode])
+        node = self.inodes[inode]
         fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
         return self._open_backing(inode, node, fd, flags, ctx)
 
@@ -341,6 +362,8 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def read(self, fh, off, size):
+        if self.restoring is not None and self.restoring.pending(ino := self._files[fh]):
+            await self.restoring.wait_range(ino, off, size)
         # One buffer serves every read: pyfuse3 copies the reply to the kernel as soon as
         # this handler returns, before any other handler can run, so it is never shared.
         if size > len(self._read_buf):

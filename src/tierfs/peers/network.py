@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import trio
@@ -23,6 +24,18 @@ from tierfs.peers.wire import PeerError
 log = logging.getLogger(__name__)
 
 INFO_TIMEOUT = 5.0
+FAN_OUT = 64  # peers asked at once: a survey of thousands of nodes stays within its sockets
+
+
+@dataclass(frozen=True)
+class PeerReport:
+    """What one peer holds, as the cluster view needs it."""
+
+    rank: int
+    steps: tuple[int, ...]  # its own committed steps
+    manifests: tuple[tuple[int, int], ...]  # (rank, step) replicas it keeps for others
+    restore_step: int | None  # the step it restored at start and has not moved past
+    topology: tuple[tuple[str, str], ...] = ()
 
 
 async def _no_pause() -> None:
@@ -33,6 +46,7 @@ class PeerNetwork:
     def __init__(self, cfg: Config, timeout: float = 30.0):
         self.cfg = cfg
         self.timeout = timeout
+        self._fan_out = trio.CapacityLimiter(FAN_OUT)
         self._seen: dict[tuple[str, int], dict] = {  # address -> last known state, for status
             a: {"address": f"{a[0]}:{a[1]}", "state": "unknown", "rank": None, "error": None, "at": None}
             for a in cfg.peers
@@ -51,18 +65,19 @@ class PeerNetwork:
         if rank is not None:
             seen["rank"] = rank
 
-    async def _each(self, fn) -> dict[tuple[str, int], object]:
-        """Run ``fn(address)`` for every peer at once; failures are recorded and left out."""
+    async def _each(self, fn, addresses=None) -> dict[tuple[str, int], object]:
+        """Run ``fn(address)`` for every peer (at most FAN_OUT at once); failures are recorded and left out."""
         results: dict[tuple[str, int], object] = {}
 
         async def one(address: tuple[str, int]) -> None:
             try:
-                results[address] = await fn(address)
+                async with self._fan_out:
+                    results[address] = await fn(address)
             except (PeerError, OSError, trio.TooSlowError) as e:
                 self._mark(address, "down", f"{type(e).__name__}: {e}")
 
         async with trio.open_nursery() as nursery:
-            for address in self.cfg.peers:
+            for address in self.cfg.peers if addresses is None else addresses:
                 nursery.start_soon(one, address)
         return results
 
@@ -86,6 +101,23 @@ class PeerNetwork:
             return held
 
         return await self._each(listing)
+
+    async def reports(self, addresses=None) -> dict[tuple[str, int], PeerReport]:
+        """What each reachable peer (of ``addresses``, default all) holds: one connection each."""
+        async def report(address):
+            async with await self.connect(address, INFO_TIMEOUT) as client:
+                info = await client.info()
+                held = await client.list()
+            self._mark(address, "up", rank=info["rank"])
+            try:
+                restore_step = info.get("restore_step")
+                return PeerReport(int(info["rank"]), tuple(int(s) for s in info.get("steps", ())), tuple(held),
+                                  None if restore_step is None else int(restore_step),
+                                  tuple(tuple(t) for t in info.get("topology", ())))
+            except (KeyError, TypeError, ValueError):
+                raise PeerError(f"peer {address[0]}:{address[1]} sent a malformed info answer") from None
+
+        return await self._each(report, addresses)
 
     async def replicate(self, manifest: Manifest, where: dict[str, tuple[Path, int, int]],
                         pace: Callable[[], Awaitable[None]] = _no_pause) -> dict:

@@ -31,7 +31,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
 
 import trio
 import xxhash
@@ -169,12 +169,15 @@ class ReplicaStore:
 
     ``space`` is the RAM tier's account (replicas share its capacity with the job's own
     files); ``None`` means unbounded. ``grace`` is how long a chunk nobody references is
-    kept after it was last received or asked about.
+    kept after it was last received or asked about. ``keep_from()`` is the newest step the
+    whole job can restore (None while unknown): replicas of that step or newer are never
+    dropped, even when a newer replica of the same rank arrives.
     """
 
     def __init__(self, root: Path, space: SpaceAccount | None, local: LocalChunks | None = None,
-                 *, job: str, grace: float = GRACE):
+                 *, job: str, grace: float = GRACE, keep_from: Callable[[], int | None] = lambda: None):
         self.root = Path(root)
+        self.keep_from = keep_from
         self.job = job
         self.space = space
         self.local = local
@@ -209,8 +212,6 @@ class ReplicaStore:
             if m and rank_dir.is_dir(follow_symlinks=False):
                 for f in _scan(Path(rank_dir.path)):
                     self._load_manifest(int(m.group(1)), f)
-        for rank in {r for r, _ in self._manifests}:
-            self._drop_older(rank, max(s for r, s in self._manifests if r == rank))
         removed = self.collect_garbage()
         log.info("replica store %s: %d manifests, %d chunks (%d bytes) held; %d unreferenced chunks removed",
                  self.root, len(self._manifests), len(self._chunks), self.stats()["bytes"], removed)
@@ -396,8 +397,7 @@ class ReplicaStore:
             raise MissingChunks(missing, len(needed))
         self._write_manifest(rank, step, data)
         self._manifests[(rank, step)] = frozenset(needed)
-        self._drop_older(rank, step)
-        self.collect_garbage()
+        self.retain()
         log.info("replica of job %s rank %d step %d stored (%d chunks, %d copied locally)",
                  self.job, rank, step, len(needed), len(copies))
 
@@ -485,11 +485,22 @@ class ReplicaStore:
             self.space.drop(old.st_ino)
         self._account(st)
 
-    def _drop_older(self, rank: int, step: int) -> None:
-        for r, s in [k for k in self._manifests if k[0] == rank and k[1] < step]:
-            del self._manifests[(r, s)]
-            self._remove_file(self._manifest_path(r, s))
-            log.debug("replica of rank %d step %d dropped: step %d arrived", r, s, step)
+    def retain(self) -> None:
+        """Drop replicas superseded by a newer replica of their rank that the job no longer needs.
+
+        A superseded replica stays while it is at or after the newest step the whole job
+        can restore (or while that is unknown): it may be the only copy of that step.
+        """
+        floor = self.keep_from()
+        newest: dict[int, int] = {}
+        for r, s in self._manifests:
+            newest[r] = max(newest.get(r, s), s)
+        for r, s in [k for k in self._manifests if k[1] < newest[k[0]]]:
+            if floor is not None and s < floor:
+                del self._manifests[(r, s)]
+                self._remove_file(self._manifest_path(r, s))
+                log.debug("replica of rank %d step %d dropped: superseded by step %d", r, s, newest[r])
+        self.collect_garbage()
 
     def _remove_chunk(self, h: str) -> None:
         held = self._chunks.pop(h)

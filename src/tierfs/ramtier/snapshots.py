@@ -64,6 +64,14 @@ class Snapshots:
         paths = self._pins.get(ino)
         return len(paths) if paths else 0
 
+    def pin_step(self, step: int) -> None:
+        """Pin every file of a step built outside :meth:`freeze` (a restore's placeholders)."""
+        def pin_once(ino: int, path: str, st: os.stat_result) -> None:
+            if path not in self._pins.get(ino, ()):
+                self._pin(ino, path, st)
+
+        self._walk_pins(self.step_tree(step), pin_once)
+
     # -- freezing ------------------------------------------------------------------------
 
     def freeze(self, step: int, root: str, writing: set[int]) -> bool:

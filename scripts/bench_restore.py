@@ -77,6 +77,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -85,7 +86,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (GCS_WORKERS, BenchError, aligned, cpu_seconds, drop_bucket,  # noqa: E402
+from benchlib import (GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_interruptions, drop_bucket,  # noqa: E402
                       gcs_client, interrupt_on_signals, is_mounted, make_files, no_interruptions,
                       parse_size, plain_copy, warm_tmpfs, write_all)  # (scripts/ is on sys.path)
 
@@ -106,6 +107,22 @@ def progress(msg: str) -> None:
 def sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def stray_processes(marker: str) -> list[int]:
+    """Processes of ours still running with ``marker`` (a directory this run created under a
+    random name) in their command line: daemons whose start was interrupted before their
+    cluster learnt their pid, and the ``tierfs mount`` commands waiting for them."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
 
 
 def one_line(e: BaseException) -> str:
@@ -152,7 +169,7 @@ class Bench:
         return c
 
     def close(self, c) -> None:
-        with no_interruptions():
+        with deferred_interruptions():
             c.close()
             self.clusters.remove(c)
 
@@ -464,11 +481,11 @@ def render(s: dict, args) -> str:
         f"{peer['ratio_daemon']:.2f}), GCS {gcs['restored_s']:.2f} s (ratio {gcs['ratio_daemon']:.2f}); the restore "
         f"started {peer['start_to_restore_s']:.2f} s (peer) and {gcs['start_to_restore_s']:.2f} s (GCS, survey "
         "included) after `tierfs mount` was started (CLI and daemon start-up, survey, manifest)",
-        "# bytes restored from: " + "; ".join(
-            f"{names[r['tier']].split()[0]} " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items())
-            for r in s["rows"]),
+        "# bytes came from (medians): " + "; ".join(
+            f"{r['tier']} restore: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items())
+            for r in s["rows"]) + " (prefetch workers start alternately at each remote tier)",
         "# CPU-s per GiB (medians): " + "; ".join(
-            f"{names[r['tier']].split()[0]} tierfs " + ", ".join(f"{w} {v:.2f}" for w, v in
+            f"{r['tier']} restore: tierfs " + ", ".join(f"{w} {v:.2f}" for w, v in
                                                                   r["cpu_s_per_gib"]["tierfs"].items())
             + " | baseline " + ", ".join(f"{w} {v:.2f}" for w, v in r["cpu_s_per_gib"]["baseline"].items())
             for r in s["rows"]) + " (daemon: the restoring daemon's whole life until done, start-up included; "
@@ -499,11 +516,11 @@ def plot(path: str, s: dict, title: str) -> str | None:
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     top = max(r[key] for r in s["rows"] for key, _ in parts)
     for i, r in enumerate(s["rows"]):
-        ax.annotate(f"ratio {r['ratio']:.2f}", (i, top * 1.12), ha="center", fontsize=8)
+        ax.annotate(f"ratio {r['ratio']:.2f}", (i, top * 1.1), ha="center", fontsize=8)
     ax.set_xticks(range(len(s["rows"])), ["from a peer\n(plain socket copy)", "from GCS, less survey\n"
                                            "(google-cloud-storage)"])
-    ax.set(ylabel="seconds from `tierfs mount` (median)", ylim=(0, top * 1.25))
-    ax.legend(fontsize=7, loc="upper left")
+    ax.set(ylabel="seconds from `tierfs mount` (median)", ylim=(0, top * 1.4))
+    ax.legend(fontsize=7, loc="upper center", ncol=4)
     items = sorted(s["listing"].items())
     bars = lx.bar(range(len(items)), [x["seconds"] for _, x in items], 0.6, color="tab:gray")
     lx.bar_label(bars, fmt="%.2f", fontsize=7)
@@ -543,6 +560,7 @@ def main() -> int:
                 "--list-files between 1 and --size bytes")
 
     interrupt_on_signals()
+    from tests.cluster import _wait_gone as wait_gone
     from tests.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))
@@ -597,7 +615,19 @@ def main() -> int:
             left = []
             for c in list(bench.clusters if bench else []):
                 c.close()
-                left += [n.mountpoint for n in c.nodes if is_mounted(n.mountpoint)]
+                for pid in stray_processes(str(c.base) + "/"):  # a start cut short by Ctrl-C
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    wait_gone(pid)
+                for n in c.nodes:
+                    if is_mounted(n.mountpoint):
+                        subprocess.run(["umount", "-l", str(n.mountpoint)], capture_output=True)
+                    if is_mounted(n.mountpoint):
+                        left.append(n.mountpoint)
+                if not left:
+                    shutil.rmtree(c.base, ignore_errors=True)
             for name in list(bench.buckets if bench else []):
                 bench.drop(name)
             emu.stop()

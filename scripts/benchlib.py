@@ -68,6 +68,21 @@ def no_interruptions() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+@contextlib.contextmanager
+def deferred_interruptions() -> Iterator[None]:
+    """Hold Ctrl-C and friends until the block is done, then stop as Ctrl-C does: a cleanup in the
+    middle of a run is neither cut in half nor makes the run miss the signal."""
+    got = []
+    old = {sig: signal.signal(sig, lambda signum, frame: got.append(signum)) for sig in _STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if got:
+        raise KeyboardInterrupt
+
+
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP end a run as Ctrl-C does, so its cleanup runs."""
     def interrupt(signum, frame):
@@ -186,9 +201,10 @@ def plain_copy(src: str, dest: str, paths: list[str], out_dir: str, warm) -> dic
     except ValueError:
         raise BenchError("the plain copy failed (see its traceback above)") from None
     finally:
-        for p in procs:
+        for p in reversed(procs):  # the sender first: a receiver killed under it makes it print a traceback
             if p.poll() is None:
                 p.kill()
+        for p in procs:
             p.wait()
         shutil.rmtree(out_dir, ignore_errors=True)  # right after the measurement
 

@@ -33,13 +33,13 @@ b. Restore from a peer: node 0 is killed (-9), wiped, and started again while it
    does not run over the baseline.
 c. Restore from GCS: all three daemons are killed, node 0 is wiped and started alone with
    ``--restore-wait 1s``, so its survey gives up on the two silent peers within that second
-   (about 0.5 s in practice: the daemon polls every 0.5 s and skips a poll that would end past
-   the deadline) and it restores from GCS. That wait is taken out of the GCS figures: they are reduced by
-   the span from the survey's start (status ``cluster.at``) to the restore's start
-   (``restored.at``), both the daemon's own clocks, i.e. the survey (the wait for silent
-   peers) plus the manifest's GET; the raw figures are kept in the JSON and shown below the
-   table. Baseline: google-cloud-storage ``transfer_manager.download_many_to_path`` of the
-   plain objects with 8 threads (the daemon's default prefetch) into fresh tmpfs files.
+   (about 0.5 s in practice: the daemon polls every 0.5 s and skips a poll that would end
+   past the deadline) and it restores from GCS. That wait is taken out of the GCS figures:
+   they are reduced by the span from the survey's start (status ``cluster.at``) to the
+   restore's start (``restored.at``), both on the daemon's clock, i.e. the survey (the wait
+   for silent peers) plus the manifest's GET; the raw figures are kept in the JSON and shown
+   below the table. Baseline: google-cloud-storage ``transfer_manager.download_many_to_path``
+   of the plain objects with 8 threads (the daemon's default prefetch) into fresh tmpfs files.
 d. Listing: a separate job with one node (no peers, so no survey wait) holds one step of
    ``--list-files`` files (default 1000, in directories of 100) totalling ``--size``, backed
    up to its own bucket once before the rounds; per round the node is wiped, so every byte
@@ -56,10 +56,12 @@ test files are deleted right after their part; which side (tierfs or baseline; p
 8) goes first alternates per round; the table shows medians of ``--rounds`` and ratios of
 this run's medians, ratio = baseline seconds / tierfs seconds (higher is better, 1.0 = as
 fast as the plain copy). CPU seconds (/proc/PID/stat) per GiB restored: of the restoring
-daemon (its whole life, start-up included, until "done"), of the peers or the emulator over
-the same span, and of the baselines' processes; the daemon's CPU by the time the mount
-returned (sampled then: the registration file and /proc/PID/stat, well under 1 ms before the
-TTFB read) is reported besides, since with small steps start-up dominates.
+daemon (its whole life until "done", start-up included), over the same span of both peers
+(the holder serves the restore; the other may re-replicate the replica node 0 lost, which
+it notices within 10 s) or of the emulator, and of the baselines' processes. The daemon's
+CPU by the time the mount returned (sampled then: the registration file and /proc/PID/stat,
+well under 1 ms before the TTFB read) is reported besides: with small steps start-up
+dominates.
 
     .venv/bin/python scripts/bench_restore.py [--quick] [--json out.json] [--plot out.png]
 
@@ -241,7 +243,7 @@ class Bench:
             paths = [str(src / n) for n in names]
             for k, side in enumerate(order):
                 if side == "tierfs":
-                    out["peer"] = self.restore(c, src, sums, "peer", others=[holder])
+                    out["peer"] = self.restore(c, src, sums, "peer", others=[1, 2])
                     if k == 0:
                         out["peer"]["settle_s"] = self.settle(c)
                 else:

@@ -157,9 +157,10 @@ class ClusterView:
                 if report.restore_step is not None:
                     survey.decisions[name] = report.restore_step
             pending = [a for a in pending if a not in reports]
-            if not pending or trio.current_time() + POLL > deadline:
+            left = deadline - trio.current_time()
+            if not pending or left <= 0:
                 break
-            await trio.sleep(POLL)
+            await trio.sleep(min(POLL, left))  # the last attempt comes at the deadline
         survey.missing = [peer_name(a) for a in pending]
 
     async def _ask_gcs(self, survey: Survey) -> None:

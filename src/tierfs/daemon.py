@@ -291,6 +291,8 @@ class Daemon:
                                "replication uses the others and retries it")
         self.ready = True
         _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
+        if self.restore is not None:
+            self.restore.mounted.set()
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,

@@ -44,13 +44,11 @@ class ChunkSources:
         self._idle: dict[Address, list] = {}
         self.bytes_from: dict[str, int] = {}
 
-    @property
-    def names(self) -> list[str]:
-        """Every remote source, in the order a demand read tries them."""
-        return [f"peer {peer_name(a)}" for a in self.alive] + (["gcs"] if self.gcs is not None else [])
 
     async def fetch(self, h: str, length: int, prefer: int = 0) -> bytes:
-        """Chunk ``h`` (``length`` bytes), verified; ``prefer`` rotates which remote tier goes first.
+        """Chunk ``h`` (``length`` bytes), verified; ``prefer`` rotates which peer goes first.
+
+        GCS comes after every peer: it is slower, and reads from it are paid for.
 
         Raises UserError (one line naming the chunk) when no tier can give it.
         """
@@ -58,11 +56,11 @@ class ChunkSources:
         if data is not None:
             return data
         errors: list[str] = []
-        order: list = [*self.alive, *([_GCS] if self.gcs is not None else [])]
+        order: list = list(self.alive)
         if order:
             k = prefer % len(order)
             order = order[k:] + order[:k]
-        for source in order:
+        for source in order + ([_GCS] if self.gcs is not None else []):
             if source is _GCS:
                 try:
                     return await self._from_gcs(h)

@@ -6,8 +6,9 @@ are hard-linked into the volume. From then on:
 
 - a read of a placeholder waits only for the chunks it covers (``wait_range``); a chunk
   two readers want is fetched once;
-- background workers fetch the rest in manifest order, each starting at a different tier
-  so peers and GCS work in parallel (``--prefetch`` of them, 0 for on-demand only);
+- background workers fetch the rest in manifest order, each starting at a different peer
+  so the peers holding the step work in parallel, GCS only for what no peer can give
+  (``--prefetch`` of them, 0 for on-demand only);
 - anything that would change a placeholder waits for the whole file first, so the
   snapshot the job's change detaches from is complete, never a half-filled file.
 
@@ -83,6 +84,7 @@ class Restore:
         self._progress = trio.Event()
         self._journal = None
         self._nursery: trio.Nursery | None = None
+        self.mounted = trio.Event()  # prefetch waits for it: the mount's start-up goes first
         self.total = len(manifest.chunk_set())
         self.started = time.time()
         self.first_byte_s: float | None = None
@@ -216,6 +218,7 @@ class Restore:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 task_status.started()
+                await self.mounted.wait()
                 while self._users.keys() - self._done:
                     if self.cfg.prefetch:
                         await self._prefetch_pass()
@@ -231,13 +234,12 @@ class Restore:
 
     async def _prefetch_pass(self) -> None:
         order = iter(h for e in self.manifest.entries for h in e.chunks)
-        remote = max(1, len(self.sources.names))
 
         async def worker(n: int) -> None:
             for h in order:
                 if h in self._done or h in self._failed:
                     continue
-                event = self._inflight.get(h) or self._start(h, prefer=n % remote)
+                event = self._inflight.get(h) or self._start(h, prefer=n)
                 await event.wait()
 
         async with trio.open_nursery() as nursery:

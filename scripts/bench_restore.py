@@ -23,8 +23,8 @@ a. Setup (untimed): every rank writes ``--size`` random bytes in ``--files`` fil
    step is replicated (``replicas.version == version``) and backed up; rank 0's files are kept
    in a tmpfs staging directory and uploaded as plain objects to a second bucket.
 b. Restore from a peer: node 0 is killed (-9), wiped, and started again while its peers are
-   up; it restores from the peer holding rank 0's replica (127.0.0.3) and, since the prefetch
-   workers start alternately at each remote tier, partly from GCS (the split is reported).
+   up; it restores from the peer holding rank 0's replica (127.0.0.3); GCS serves only what
+   no peer gives (the split is reported).
    Baseline: the staged files copied from 127.0.0.3 to 127.0.0.2 over a plain TCP socket
    (``os.sendfile`` -> ``recv_into`` a page-aligned 1 MiB buffer -> fresh tmpfs files; two
    fresh processes, timed from connect to the last file closed: benchlib.plain_copy). After
@@ -32,9 +32,8 @@ b. Restore from a peer: node 0 is killed (-9), wiped, and started again while it
    its replica on node 0 has replicated it again (it notices within 10 s), so that transfer
    does not run over the baseline.
 c. Restore from GCS: all three daemons are killed, node 0 is wiped and started alone with
-   ``--restore-wait 1s``, so its survey gives up on the two silent peers within that second
-   (about 0.5 s in practice: the daemon polls every 0.5 s and skips a poll that would end
-   past the deadline) and it restores from GCS. That wait is taken out of the GCS figures:
+   ``--restore-wait 1s``, so its survey gives up on the two silent peers after that second
+   and it restores from GCS. That wait is taken out of the GCS figures:
    they are reduced by the span from the survey's start (status ``cluster.at``) to the
    restore's start (``restored.at``), both on the daemon's clock, i.e. the survey (the wait
    for silent peers) plus the manifest's GET; the raw figures are kept in the JSON and shown
@@ -485,7 +484,7 @@ def render(s: dict, args) -> str:
         "included) after `tierfs mount` was started (CLI and daemon start-up, survey, manifest)",
         "# bytes came from (medians): " + "; ".join(
             f"{r['tier']} restore: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items())
-            for r in s["rows"]) + " (prefetch workers start alternately at each remote tier)",
+            for r in s["rows"]),
         "# CPU-s per GiB (medians): " + "; ".join(
             f"{r['tier']} restore: tierfs " + ", ".join(f"{w} {v:.2f}" for w, v in
                                                                   r["cpu_s_per_gib"]["tierfs"].items())

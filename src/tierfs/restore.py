@@ -239,8 +239,8 @@ class Restore:
             for h in order:
                 if h in self._done or h in self._failed:
                     continue
-                event = self._inflight.get(h) or self._start(h, prefer=n)
-                await event.wait()
+                event = self._inflight.get(h)
+                await (event if event is not None else self._start(h, prefer=n)).wait()
 
         async with trio.open_nursery() as nursery:
             for n in range(self.cfg.prefetch):

@@ -52,9 +52,9 @@ RETRY = 5.0  # seconds before chunks that no tier could give are tried again
 @dataclass
 class _File:
     entry: Entry
-    path: Path  # the placeholder, in the step's snapshot
+    path: str  # the placeholder, in the step's snapshot
     missing: set[int]  # chunk indexes not written yet
-    fd: int | None = None
+    fd: int | None = None  # opened by the first chunk that arrives
 
 
 @dataclass
@@ -120,10 +120,11 @@ class Restore:
 
     def _create_placeholders(self) -> None:
         self.snap.mkdir(parents=True)
+        snap = str(self.snap)  # plain strings: pathlib costs more than the syscalls here
         for e in self.manifest.entries:
-            path = self.snap / e.path
+            path = os.path.join(snap, e.path)
             if e.kind == "dir":
-                path.mkdir()
+                os.mkdir(path)
             elif e.kind == "symlink":
                 os.symlink(e.target, path)
             else:
@@ -133,7 +134,7 @@ class Restore:
                 finally:
                     os.close(fd)
         for e in reversed(self.manifest.entries):  # children first: directory mtimes stick
-            _apply_attrs(self.snap / e.path, e)
+            _apply_attrs(os.path.join(snap, e.path), e)
 
     def _link_into_tree(self, root: str) -> None:
         """Put the step's ``root`` into the volume; whatever was in its way is set aside."""
@@ -151,16 +152,15 @@ class Restore:
         if path.exists():
             self._done = {line for line in path.read_text().split() if line}
         self._journal = open(path, "a", buffering=1)
-        cs = self.manifest.chunk_size
+        cs, snap = self.manifest.chunk_size, str(self.snap)
         for e in self.manifest.entries:
             if e.kind != "file":
                 continue
             missing = {i for i, h in enumerate(e.chunks) if h not in self._done}
             if not missing:
                 continue
-            f = _File(e, self.snap / e.path, missing)
-            f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
-            st = os.fstat(f.fd)
+            f = _File(e, os.path.join(snap, e.path), missing)
+            st = os.lstat(f.path)
             self._files[st.st_ino] = f
             self.space.update(st)
             for i in missing:
@@ -266,6 +266,8 @@ class Restore:
         for f, i in self._users[h]:
             if i not in f.missing:
                 continue
+            if f.fd is None:
+                f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
             os.pwrite(f.fd, data, i * cs)
             os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
             self.space.update(os.fstat(f.fd))
@@ -369,14 +371,14 @@ def set_aside(rank: RankDir, rel: str, why: str) -> None:
         log.warning("moved %s out of the volume to %s: %s", rel, aside, why)
 
 
-def _apply_attrs(path: Path, e: Entry) -> None:
+def _apply_attrs(path: str, e: Entry) -> None:
     os.chown(path, e.uid, e.gid, follow_symlinks=False)
     if e.kind != "symlink":
         os.chmod(path, stat.S_IMODE(e.mode))
     os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
 
 
-def link_copy(src: Path, dst: Path, recurse: bool = True) -> None:
+def link_copy(src: str | Path, dst: str | Path, recurse: bool = True) -> None:
     """Recreate ``src`` at ``dst``: directories as new ones with the same attributes, the rest as links."""
     st = os.lstat(src)
     if not stat.S_ISDIR(st.st_mode):
@@ -386,7 +388,7 @@ def link_copy(src: Path, dst: Path, recurse: bool = True) -> None:
     if recurse:
         with os.scandir(src) as it:
             for entry in it:
-                link_copy(Path(entry.path), dst / entry.name)
+                link_copy(entry.path, os.path.join(dst, entry.name))
     os.chown(dst, st.st_uid, st.st_gid)
     os.chmod(dst, stat.S_IMODE(st.st_mode))
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))

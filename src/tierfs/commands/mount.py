@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
+import signal
 import sys
+import traceback
+from typing import NoReturn
 
 from tierfs import mounts
 from tierfs.config import Config
@@ -62,7 +64,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-only", action="store_true",
                    default=(_env("read_only") or "").lower() in ("1", "true", "yes"),
                    help="mount read-only")
-    p.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
 
 
@@ -74,11 +75,11 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    if cfg.foreground or args.ready_fd is not None:
+    if cfg.foreground:
         from tierfs import daemon  # the daemon's imports (GCS client) are slow for the CLI
 
-        return daemon.run(cfg, args.ready_fd)
-    return spawn(cfg, _child_argv(args))
+        return daemon.run(cfg)
+    return spawn(cfg)
 
 
 def run_helper(argv: list[str]) -> int:
@@ -111,33 +112,28 @@ def run_helper(argv: list[str]) -> int:
             raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(OPTIONS))}, ro")
     for name in OPTIONS:  # environment fills what -o leaves out, as for the flags
         values.setdefault(name.replace("-", "_"), _env(name))
-    cfg = Config.build(mountpoint=positional[1], read_only=read_only, secret=_env("secret"), **values)
-    argv = [positional[1]] + [f"--{k.replace('_', '-')}={v}" for k, v in values.items() if v is not None]
-    return spawn(cfg, argv + ["--read-only"] * read_only)
+    return spawn(Config.build(mountpoint=positional[1], read_only=read_only, secret=_env("secret"), **values))
 
 
-def _child_argv(args: argparse.Namespace) -> list[str]:
-    argv = [args.mountpoint]
-    for name in OPTIONS:
-        value = getattr(args, name.replace("-", "_"))
-        if value is not None:
-            argv.append(f"--{name}={value}")
-    return argv + ["--read-only"] * args.read_only
+def spawn(cfg: Config) -> int:
+    """Run the daemon in a detached child; wait until it reports the mount ready or failed.
 
-
-def spawn(cfg: Config, argv: list[str]) -> int:
-    """Run the daemon as a detached child; wait until it reports the mount ready or failed."""
+    The child is forked, not executed anew: it inherits the interpreter and the modules
+    already imported, which is a good part of the time a restored step takes to appear.
+    """
     mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
     reg = mounts.Registration(cfg.mountpoint)
     log_path = cfg.log_file or reg.log_path
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     read_fd, write_fd = os.pipe()
-    with open(log_path, "ab") as log:
-        child = subprocess.Popen(
-            [sys.executable, "-m", "tierfs", "mount", *argv, f"--ready-fd={write_fd}"],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            pass_fds=(write_fd,), start_new_session=True,
-        )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read_fd)
+        _run_detached(cfg, log_fd, write_fd)  # never returns
+    os.close(log_fd)
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:
         message, *warnings = ready.read().decode().strip().splitlines() or [""]
@@ -145,9 +141,35 @@ def spawn(cfg: Config, argv: list[str]) -> int:
         for warning in warnings:
             print(f"tierfs: {warning}", file=sys.stderr)
         return 0
-    if child.poll() is None:
-        child.terminate()
-    child.wait()
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    os.waitpid(pid, 0)
     if message.startswith("error: "):
         raise UserError(message[len("error: "):])
     raise UserError(f"the tierfs daemon exited before mounting {cfg.mountpoint}: see {log_path}")
+
+
+def _run_detached(cfg: Config, log_fd: int, ready_fd: int) -> NoReturn:
+    """The daemon's side of the fork: its own session, output to the log, exit without unwinding the CLI."""
+    code = 1
+    try:
+        os.setsid()
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        os.close(null)
+        os.close(log_fd)
+        from tierfs import daemon  # noqa: PLC0415 (the CLI's other commands do not need it)
+
+        code = daemon.run(cfg, ready_fd)
+    except UserError as e:  # after the mount was ready: the log is the only place left to say it
+        print(f"tierfs: {e}", file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (a bug: its traceback, in the log)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

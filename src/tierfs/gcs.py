@@ -429,7 +429,10 @@ class GcsStore:
             return self._call(
                 "download",
                 name,
-                lambda: self._blob(name).download_as_bytes(retry=None, timeout=self._timeout),
+                # One read of the whole body, not 8 KiB steps: objects are a chunk at most,
+                # and the stepwise loop holds the GIL long enough to stall the FUSE thread.
+                lambda: self._blob(name).download_as_bytes(retry=None, timeout=self._timeout,
+                                                           single_shot_download=True),
             )
         except api.NotFound:
             raise MissingObject(f"{self.url_of(name)} does not exist") from None

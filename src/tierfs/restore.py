@@ -251,7 +251,7 @@ class Restore:
         cs = self.manifest.chunk_size
         try:
             data = await self.sources.fetch(h, min(cs, f0.entry.size - index0 * cs), prefer)
-            self._write(h, data)
+            await self._write(h, data)
         except UserError as e:
             self._failed[h] = self.last_error = str(e)
             log.warning("restore of step %d: %s", self.step, e)
@@ -260,20 +260,26 @@ class Restore:
             event.set()
             self._progress.set()
 
-    def _write(self, h: str, data: bytes) -> None:
-        """Put a verified chunk everywhere the step has it; runs on the trio thread, never awaits."""
+    async def _write(self, h: str, data: bytes) -> None:
+        """Put a verified chunk everywhere the step has it, then record it as here.
+
+        The copy runs in a worker thread: filling fresh tmpfs pages is the slowest part of
+        a fetch, and the FUSE requests (a listing right after mount) must not queue behind it.
+        Only one fetch per chunk is in flight, and a file's descriptor closes only once all
+        its chunks are recorded, so no two copies race for one range.
+        """
         cs = self.manifest.chunk_size
-        for f, i in self._users[h]:
-            if i not in f.missing:
-                continue
+        targets = [(f, i) for f, i in self._users[h] if i in f.missing]
+        for f, _ in targets:
             if f.fd is None:
                 f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
-            os.pwrite(f.fd, data, i * cs)
+        await trio.to_thread.run_sync(_pwrite_all, data, [(f.fd, i * cs) for f, i in targets])
+        for f, i in targets:
             os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
-            self.space.update(os.fstat(f.fd))
+            st = os.fstat(f.fd)
+            self.space.update(st)
             f.missing.discard(i)
             if not f.missing:
-                st = os.fstat(f.fd)
                 os.close(f.fd)
                 f.fd = None
                 self._files.pop(st.st_ino, None)
@@ -369,6 +375,11 @@ def set_aside(rank: RankDir, rel: str, why: str) -> None:
         aside.parent.mkdir(parents=True, exist_ok=True)
         os.rename(path, aside)
         log.warning("moved %s out of the volume to %s: %s", rel, aside, why)
+
+
+def _pwrite_all(data: bytes, places: list[tuple[int, int]]) -> None:
+    for fd, offset in places:
+        os.pwrite(fd, data, offset)
 
 
 def _apply_attrs(path: str, e: Entry) -> None:

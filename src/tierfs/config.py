@@ -89,6 +89,10 @@ class Config:
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
     topology: tuple[tuple[str, str], ...] = ()  # e.g. (("slice", "a"), ("rack", "r3"))
     data_parallel: int = 1  # data-parallel replicas in the job: ranks nodes/D apart hold the same data
+    coordinator: str | None = None  # HOST:PORT of the job's rank-0 coordinator, for jax-init-info.txt
+    # Set by the job through the multi-tier checkpointing protocol (replicator.yaml):
+    peer_ranks: tuple[int, ...] | None = None  # the ranks holding this rank's data; None: from data_parallel
+    backup_interval_steps: int = 0  # back up every N-th step at most; 0 = by time (backup_interval)
 
     @classmethod
     def build(cls, **values) -> "Config":
@@ -115,6 +119,10 @@ class Config:
                 v[key] = _parse_int(v[key], key.replace("_", "-"))
         if "listen" in v:
             v["listen"] = parse_address(v["listen"], "--listen")
+        if "coordinator" in v:
+            text = str(v["coordinator"]).strip()
+            host, port = parse_address(text if ":" in text else f"{text}:{COORDINATOR_PORT}", "--coordinator")
+            v["coordinator"] = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if "peers" in v:
             peers = v["peers"]
             if isinstance(peers, str):
@@ -191,6 +199,9 @@ class Config:
     def rank_dir(self) -> Path:
         """This (job, rank)'s own directory on the RAM tier."""
         return self.ramdisk / self.job / f"rank-{self.rank}"
+
+
+COORDINATOR_PORT = 8476  # JAX's default coordinator port, as GKE's replicator assumes
 
 
 def parse_address(text: str, what: str) -> tuple[str, int]:

@@ -18,6 +18,7 @@ import shutil
 import socket
 import sys
 import time
+import dataclasses
 from dataclasses import asdict
 
 import pyfuse3
@@ -35,6 +36,7 @@ from tierfs.peers.network import PeerNetwork
 from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
 from tierfs.fetch import ChunkSources
+from tierfs.mtc import MtcNode, ReplicatorSpec, SpecError
 from tierfs.restore import Restore, fetch_manifest, link_copy, restoring_steps, set_aside
 from tierfs.steps import Steps
 
@@ -67,6 +69,7 @@ class Daemon:
         self.view = ClusterView(cfg.nodes, self.peers, None, self._local_holdings)
         self.restore: Restore | None = None
         self.restore_step: int | None = None  # the step chosen at start, announced to peers
+        self.mtc: MtcNode | None = None
         self.mounted = False
         self.ready = False
         self._warnings: list[str] = []
@@ -102,9 +105,35 @@ class Daemon:
                 f"already stored in {self.rank.tree}: raise --capacity or remove files"
             )
         mounts.prepare_mountpoint(cfg.mountpoint)
-        self.ops = Operations(self.rank.tree, self.space, self.snapshots, self.steps)
+        self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers, lambda: self.ops.last_write,
                                      self.view.retention_floor if self.gcs or self.peers else None)
+        if not cfg.read_only:
+            self._start_mtc()
+
+    def _start_mtc(self) -> None:
+        cfg = self.cfg
+        self.mtc = MtcNode(self.rank.tree, self.rank.path / "mtc.json", cfg.mountpoint, cfg.rank,
+                           cfg.coordinator, self._apply_spec, self._restore_target)
+        spec = self.mtc.prepare()
+        if spec is not None:  # what the job said before this daemon started still holds
+            try:
+                self._apply_spec(spec)
+            except SpecError as e:
+                log.warning("the job's earlier %s no longer applies: %s", "replicator.yaml", e)
+                self.mtc.spec = None
+        self.replicator.dropped = self.mtc.forget
+
+    # -- what the mount reports (Operations' events) ---------------------------------------
+
+    def file_done(self, path: str) -> None:
+        self.steps.file_done(path)
+        if self.mtc is not None:
+            self.mtc.file_done(path)
+
+    def dir_renamed(self, path: str) -> None:
+        if self.mtc is None or not self.mtc.owns_rename(path):
+            self.steps.dir_renamed(path)
 
     def _mount(self) -> None:
         cfg = self.cfg
@@ -209,6 +238,52 @@ class Daemon:
         self.restore.prepare()
         self.ops.restoring = self.restore
 
+    def _apply_spec(self, spec: ReplicatorSpec) -> list[str]:
+        """Follow the job's replicator.yaml: its shape drives placement, dedup and backups."""
+        cfg, warnings = self.cfg, []
+        if spec.node_rank != cfg.rank:
+            raise SpecError(f"'node-rank' is {spec.node_rank} but this volume holds rank {cfg.rank}'s data "
+                            "(tierfs --rank): give the pod the volume of its rank")
+        if spec.job_name != cfg.job:
+            warnings.append(f"job-name {spec.job_name!r} differs from the volume's job {cfg.job!r}; "
+                            f"its data stays under {cfg.job!r}")
+        if spec.backup_interval_steps is not None:
+            interval = {"backup_interval": 0.0, "backup_interval_steps": spec.backup_interval_steps}
+        else:
+            interval = {"backup_interval": spec.backup_interval_s, "backup_interval_steps": 0}
+        try:
+            new = dataclasses.replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism,
+                                      peer_ranks=spec.peer_ranks, **interval)
+            new._validate()
+        except UserError as e:
+            raise SpecError(str(e)) from None
+        if cfg.gcs is None:
+            warnings.append("this volume has no --gcs: nothing is backed up, whatever the interval")
+        self.cfg = new
+        self.view.nodes = new.nodes
+        if self.peers is not None:
+            self.peers.cfg = new
+        self.replicator.reconfigure(new)
+        return warnings
+
+    async def _restore_target(self) -> tuple[int, str] | None:
+        """The step the job should take, and its root in the volume."""
+        step = self._announced_step()
+        if step is None and self.steps.states:
+            # The job moved on since this daemon started: the newest step every rank can restore.
+            survey = await self.view.survey(wait=self.cfg.restore_wait if self.peers else 0.0)
+            step = survey.choose(self.cfg.rank)
+        if step is None:
+            return None
+        if self.restore is not None and self.restore.step == step:
+            roots = self.restore.manifest.roots
+        elif step in self.steps.states:
+            roots = self.steps.states[step].roots
+        else:
+            raise SpecError(f"step {step}, the newest every rank can restore, is not on this node; "
+                            "restart the volume (tierfs mount) to restore it")
+        return step, (str(step) if str(step) in roots else sorted(roots)[0])
+
     def _already_restored(self, step: int) -> int:
         """Bytes of ``step`` a previous, interrupted restore already wrote."""
         tree = self.snapshots.step_tree(step)
@@ -270,6 +345,8 @@ class Daemon:
     async def _run_mounted(self, nursery: trio.Nursery, ready_fd: int | None) -> None:
         nursery.start_soon(self._watch_signals)
         nursery.start_soon(self.replicator.run)
+        if self.mtc is not None:
+            nursery.start_soon(self.mtc.run)
         if self.gcs or self.peers:
             nursery.start_soon(self._watch_cluster)
         if self.restore is not None:
@@ -350,6 +427,7 @@ class Daemon:
                 for s in sorted(self.steps.states.values(), key=lambda s: s.step)
             ],
             "restored": self.restore.status() if self.restore is not None else None,
+            "mtc": self.mtc.status() if self.mtc is not None else None,
             "cluster": {**self.view.last.summary(), "restore_step": self.restore_step,
                         "retention_floor": self.view.retention_floor()} if self.view.last else None,
             **{tier: None for tier in ("gcs", "peers")},

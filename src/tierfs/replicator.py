@@ -66,6 +66,8 @@ class Lane:
         self.name, self.work, self.done, self.interval = name, work, done, interval
         self.transient = transient  # the tier is away: retry quietly (anything else is logged)
         self.recheck = recheck  # when idle: is the newest step still where we put it?
+        self.every_steps = 0  # work on a step only this many steps after the last one (0: any)
+        self.last_step: int | None = None
         self.wake = trio.Event()
         self.busy: int | None = None
         self.last_at: float | None = None
@@ -97,6 +99,7 @@ class Replicator:
         self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
         self._trash_wake = trio.Event()
         self.lanes: dict[str, Lane] = {}
+        self.dropped: Callable[[list[str]], None] = lambda roots: None  # a step left the RAM tier
         if peers is not None:
             self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, (PeerError,),
                                        recheck=self._recheck_replicas)
@@ -105,7 +108,16 @@ class Replicator:
 
             self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, (GcsUnavailable,),
                                      cfg.backup_interval)
+        self.reconfigure(cfg)
         steps.on_commit = self._committed
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed job shape (the multi-tier checkpointing protocol's replicator.yaml)."""
+        self.cfg = cfg
+        gcs = self.lanes.get("gcs")
+        if gcs is not None:
+            gcs.interval, gcs.every_steps = cfg.backup_interval, cfg.backup_interval_steps
+            gcs.wake.set()
 
     def _committed(self, state: StepState) -> None:
         self.retain_local()
@@ -132,7 +144,9 @@ class Replicator:
         failures = 0
         while True:
             newest = self.steps.newest()
-            if newest is None or lane.done(newest):
+            early = (newest is not None and lane.every_steps and lane.last_step is not None
+                     and newest.step < lane.last_step + lane.every_steps)
+            if newest is None or lane.done(newest) or early:
                 with trio.move_on_after(RECHECK_PEERS if lane.recheck else math.inf):
                     await lane.wake.wait()
                     lane.wake = trio.Event()
@@ -151,7 +165,7 @@ class Replicator:
             lane.set("working")
             try:
                 await lane.work(newest)
-                lane.last_at = time.time()
+                lane.last_at, lane.last_step = time.time(), newest.step
                 lane.set("ok")
                 failures = 0
             except Exception as group:  # a tier's trouble must never take the mount down
@@ -356,7 +370,9 @@ class Replicator:
         keep |= {lane.busy for lane in self.lanes.values()}
         for step in list(self.steps.states):
             if step not in keep and floor is not None and step < floor:
+                roots = list(self.steps.states[step].roots)
                 trash = self.steps.drop(step)
+                self.dropped(roots)
                 if trash is not None:
                     self._trash.append(trash)
                     self._trash_wake.set()

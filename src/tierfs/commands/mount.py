@@ -40,6 +40,7 @@ OPTIONS = {
     "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
     "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
     "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
+    "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
 }

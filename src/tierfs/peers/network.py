@@ -127,7 +127,8 @@ class PeerNetwork:
         """
         cfg = self.cfg
         candidates = choose(cfg.rank, cfg.topology, await self.discover(), len(cfg.peers),
-                            cfg.nodes, cfg.data_parallel)
+                            cfg.nodes, cfg.data_parallel,
+                            set(cfg.peer_ranks) if cfg.peer_ranks is not None else None)
         data = manifest.to_json()
         done: list[str] = []
         totals = {"sent_bytes": 0, "skipped_bytes": 0}

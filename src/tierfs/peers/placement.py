@@ -40,10 +40,15 @@ def closeness(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) ->
 
 
 def choose(rank: int, topology: tuple[tuple[str, str], ...], candidates: list[PeerInfo], k: int,
-           nodes: int, data_parallel: int = 1) -> list[PeerInfo]:
-    """Pick up to ``k`` of the reachable ``candidates`` for ``rank``'s replicas, best first."""
+           nodes: int, data_parallel: int = 1, same_data: set[int] | None = None) -> list[PeerInfo]:
+    """Pick up to ``k`` of the reachable ``candidates`` for ``rank``'s replicas, best first.
+
+    ``same_data``: the twins when the job names them (replicator.yaml's peer-ranks);
+    otherwise they follow from ``data_parallel``.
+    """
     ring = sorted((p for p in candidates if p.rank != rank), key=lambda p: ((p.rank - rank) % max(nodes, 1), p.name))
-    same_data = twins(rank, nodes, data_parallel)
+    if same_data is None:
+        same_data = twins(rank, nodes, data_parallel)
     chosen = [p for p in ring if p.rank in same_data][:k]
     rest = [p for p in ring if p not in chosen]
     if len(chosen) < k and rest and not chosen and topology:

@@ -28,7 +28,7 @@ fi
 [ -x .venv/bin/python ] || python3 -m venv .venv
 stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
 if [ ! -e "$stamp" ]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[test]'
+    .venv/bin/pip install -q --disable-pip-version-check -e '.[test,frameworks]'
     touch "$stamp"
 fi
 ln -sfn "$PWD/.venv/bin/tierfs" /usr/local/bin/tierfs

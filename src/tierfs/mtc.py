@@ -338,7 +338,9 @@ def _clear_entries(root: Path) -> None:
 
 def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".tmp.{path.name}")
-    tmp.write_text(text)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    with open(fd, "w") as f:
+        f.write(text)
     os.rename(tmp, path)
 
 

@@ -265,7 +265,11 @@ class MtcNode:
                 await trio.to_thread.run_sync(shutil.rmtree, self.mountpoint / root, True)
                 log.info("deleted superseded step %s from the volume", root)
             if (self.tree / REPLICATOR).exists():
-                await self._answer()
+                try:
+                    await self._answer()
+                except OSError as e:  # the volume refused an answer: say so, keep the mount up
+                    self.last_error = f"could not answer {REPLICATOR}: {e}"
+                    log.error("%s", self.last_error)
 
     async def _answer(self) -> None:
         mnt = self.mountpoint

@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import random
 import shlex
@@ -59,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.gcs_emulator import GcsEmulator  # noqa: E402
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
 from benchlib import (GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
-                      interrupt_on_signals, is_mounted, no_interruptions, parse_size)  # (scripts/ is on sys.path)
+                      interrupt_on_signals, is_mounted, no_interruptions, parse_size,
+                      write_json)  # (scripts/ is on sys.path)
 
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
@@ -361,10 +361,7 @@ def main() -> int:
             settings = {"size": args.size, "files": args.files, "rounds": args.rounds, "change": args.change,
                         "capacity": args.capacity, "workers": WORKERS, "pool": POOL, "chunk": CHUNK,
                         "date": now, "command": cmd, "cores": os.cpu_count()}
-            with open(args.json, "w") as f:
-                json.dump({"settings": settings, "raw": raw, "medians": summary}, f, indent=2)
-                f.write("\n")
-            print(f"# wrote {args.json}")
+            write_json(args.json, {"settings": settings, "raw": raw, "medians": summary})
         if args.plot:
             plot(args.plot, summary, f"tierfs GCS tier vs google-cloud-storage (fake-gcs-server), "
                                      f"{args.size / MiB:.0f} MiB, {args.rounds} rounds, {now[:10]}")

@@ -55,7 +55,8 @@ import sys
 import tempfile
 import threading
 import time
-from benchlib import cpu_seconds, interrupt_on_signals, is_mounted, no_interruptions, parse_size  # noqa: E402 (scripts/ is on sys.path)
+from benchlib import (cpu_seconds, interrupt_on_signals, is_mounted, no_interruptions, parse_size,  # noqa: E402
+                      write_json)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -631,10 +632,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.rounds < 5:
             print(f"# note: only {args.rounds} rounds; use >= 5 for numbers to keep")
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"header": header, "settings": settings, "raw": raw, "medians": rows}, f, indent=2)
-                f.write("\n")
-            print(f"# wrote {args.json}")
+            write_json(args.json, {"header": header, "settings": settings, "raw": raw, "medians": rows})
         if args.plot:
             title = f"tierfs/tmpfs, {engine.name}, {fmt_size(args.size)}, {args.rounds} rounds, {now}"
             why = plot(args.plot, rows, title)

@@ -40,7 +40,7 @@ import argparse, datetime, hashlib, json, os, shlex, shutil, signal, statistics,
 import uuid
 from pathlib import Path
 from benchlib import (BenchError, aligned, cpu_seconds, interrupt_on_signals, make_files,  # noqa: E402
-                      parse_size, plain_copy, warm_tmpfs, write_all)  # (scripts/ is on sys.path)
+                      parse_size, plain_copy, warm_tmpfs, write_all, write_json)  # (scripts/ is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster
 MiB, GiB = 1 << 20, 1 << 30
@@ -340,9 +340,7 @@ def main() -> int:
         summary = summarize(raw)
         print(render(summary))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"settings": settings, "raw": raw, "medians": summary}, f, indent=2)
-            print(f"# wrote {args.json}")
+            write_json(args.json, {"settings": settings, "raw": raw, "medians": summary})
         if args.plot:
             why = plot(args.plot, summary["rows"], f"tierfs peer tier / plain copy, {args.size // MiB} MiB, "
                                                    f"{args.rounds} rounds, {now[:10]}")

@@ -74,7 +74,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import hashlib
-import json
 import os
 import shlex
 import shutil
@@ -89,7 +88,7 @@ from pathlib import Path
 
 from benchlib import (GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_interruptions, drop_bucket,  # noqa: E402
                       gcs_client, interrupt_on_signals, is_mounted, make_files, no_interruptions,
-                      parse_size, plain_copy, warm_tmpfs, write_all)  # (scripts/ is on sys.path)
+                      parse_size, plain_copy, warm_tmpfs, write_all, write_json)  # (scripts/ is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster, tests.gcs_emulator
 MiB, GiB = 1 << 20, 1 << 30
@@ -593,10 +592,7 @@ def main() -> int:
         summary = summarize(raw, listing)
         print(render(summary, args))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"settings": settings, "raw": raw, "listing": listing, "medians": summary}, f, indent=2)
-                f.write("\n")
-            print(f"# wrote {args.json}")
+            write_json(args.json, {"settings": settings, "raw": raw, "listing": listing, "medians": summary})
         if args.plot:
             why = plot(args.plot, summary, f"tierfs restore of {args.size // MiB} MiB per rank, {args.rounds} rounds, "
                                            f"{now[:10]}")

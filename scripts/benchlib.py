@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import mmap
 import os
 import re
@@ -32,6 +33,14 @@ MiB = 1 << 20
 
 class BenchError(Exception):
     """A failure to report as one line and a non-zero exit."""
+
+
+def write_json(path: str, results: dict) -> None:
+    """Write a run's settings, raw rounds and medians, for the docs and for later comparison."""
+    with open(path, "w") as f:
+        json.dump(results, f, indent=2)
+        f.write("\n")
+    print(f"# wrote {path}")
 
 
 def parse_size(text: str) -> int:

@@ -18,8 +18,7 @@ import shutil
 import socket
 import sys
 import time
-import dataclasses
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pyfuse3
 import trio
@@ -35,8 +34,8 @@ from tierfs.peers import server as peer_server
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
-from tierfs.fetch import ChunkSources
-from tierfs.mtc import MtcNode, ReplicatorSpec, SpecError
+from tierfs.fetch import ChunkSources, peer_address
+from tierfs.mtc import REPLICATOR, MtcNode, ReplicatorSpec, SpecError
 from tierfs.restore import Restore, fetch_manifest, link_copy, restoring_steps, set_aside
 from tierfs.steps import Steps
 
@@ -120,7 +119,7 @@ class Daemon:
             try:
                 self._apply_spec(spec)
             except SpecError as e:
-                log.warning("the job's earlier %s no longer applies: %s", "replicator.yaml", e)
+                log.warning("the job's earlier %s no longer applies: %s", REPLICATOR, e)
                 self.mtc.spec = None
         self.replicator.dropped = self.mtc.forget
 
@@ -232,7 +231,7 @@ class Daemon:
                 "is free: raise the capacity"
             )
         holders = sorted(origin.peers, key=lambda name: -survey.closeness(name, cfg.topology))
-        sources = ChunkSources(self.peers, [_address(name) for name in holders],
+        sources = ChunkSources(self.peers, [peer_address(name) for name in holders],
                                self.gcs if origin.in_gcs else None, self.replicator.find_local)
         self.restore = Restore(cfg, self.rank, self.steps, self.space, manifest, sources, origin)
         self.restore.prepare()
@@ -252,7 +251,7 @@ class Daemon:
         else:
             interval = {"backup_interval": spec.backup_interval_s, "backup_interval_steps": 0}
         try:
-            new = dataclasses.replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism,
+            new = replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism,
                                       peer_ranks=spec.peer_ranks, **interval)
             new._validate()
         except UserError as e:
@@ -498,11 +497,6 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
     except (ValueError, OSError):
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _address(name: str) -> tuple[str, int]:
-    host, _, port = name.rpartition(":")
-    return host, int(port)
 
 
 def _check_listen(address: tuple[str, int]) -> None:

@@ -16,6 +16,7 @@ from contextlib import asynccontextmanager
 import trio
 
 from tierfs import chunks
+from tierfs.config import parse_address
 from tierfs.errors import UserError
 from tierfs.peers.wire import PeerError
 
@@ -28,6 +29,11 @@ _GCS = "gcs"
 
 def peer_name(address: Address) -> str:
     return f"{address[0]}:{address[1]}"
+
+
+def peer_address(name: str) -> Address:
+    """The inverse of :func:`peer_name`."""
+    return parse_address(name, "peer")
 
 
 class ChunkSources:

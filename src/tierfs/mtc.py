@@ -24,6 +24,7 @@ as soon as the job closes or renames it into place, and applies what it says.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -211,13 +212,10 @@ class MtcNode:
     def prepare(self) -> ReplicatorSpec | None:
         """Clear a previous pod's protocol files; returns the spec a previous run accepted."""
         for name in (ERRORS, FAILED, PRERESTORE, JAX_INIT_INFO, f".tmp.{JAX_INIT_INFO}"):
-            _remove(self.tree / name)
+            (self.tree / name).unlink(missing_ok=True)
         _clear_entries(self.tree)
         if self.coordinator is not None:
-            tmp = self.tree / f".tmp.{JAX_INIT_INFO}"
-            tmp.write_text(jax_init_info(self.rank, self.coordinator))
-            os.chmod(tmp, 0o555)
-            os.rename(tmp, self.tree / JAX_INIT_INFO)
+            _write_atomically(self.tree / JAX_INIT_INFO, jax_init_info(self.rank, self.coordinator), 0o555)
         try:
             data = json.loads(self.state_path.read_text())
             self.spec = ReplicatorSpec(**{**data, "peer_ranks": tuple(data["peer_ranks"])})
@@ -302,7 +300,7 @@ class MtcNode:
             log.info("%s accepted: job %s, rank %d of %d, restore %s", REPLICATOR, spec.job_name,
                      spec.node_rank, spec.nodes, f"step {target[0]}" if target else "nothing")
         # The acknowledgement comes last: the job reads the answers as soon as it sees it.
-        await trio.to_thread.run_sync(_remove, mnt / REPLICATOR)
+        await trio.to_thread.run_sync(functools.partial((mnt / REPLICATOR).unlink, missing_ok=True))
 
     async def _put(self, name: str, text: str) -> None:
         await trio.to_thread.run_sync(_write_atomically, self.mountpoint / name, text)
@@ -337,19 +335,12 @@ def _clear_entries(root: Path) -> None:
         if entry.is_dir(follow_symlinks=False) and not os.path.lexists(root / str(step)):
             os.rename(entry.path, root / str(step))
         elif not entry.is_dir(follow_symlinks=False):
-            _remove(Path(entry.path))
+            Path(entry.path).unlink(missing_ok=True)
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
     tmp = path.with_name(f".tmp.{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     with open(fd, "w") as f:
         f.write(text)
     os.rename(tmp, path)
-
-
-def _remove(path: Path) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

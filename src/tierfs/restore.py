@@ -36,7 +36,7 @@ import trio
 
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
-from tierfs.fetch import ChunkSources, gcs_call
+from tierfs.fetch import ChunkSources, gcs_call, peer_address
 from tierfs.manifest import Entry, Manifest, ManifestError
 from tierfs.peers.wire import PeerError
 from tierfs.ramtier import RankDir, SpaceAccount
@@ -413,9 +413,8 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[str], peers, gcs) -
     origin = Origin([t.removeprefix("peer ") for t in tiers if t.startswith("peer ")], "gcs" in tiers)
     errors = []
     for name in origin.peers:
-        host, _, port = name.rpartition(":")
         try:
-            async with await peers.connect((host, int(port))) as client:
+            async with await peers.connect(peer_address(name)) as client:
                 return _parse(await client.get_manifest(cfg.rank, step), f"peer {name}"), origin
         except (PeerError, OSError, trio.TooSlowError, UserError) as e:
             errors.append(f"peer {name}: {e}")

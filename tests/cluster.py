@@ -110,6 +110,22 @@ class LocalCluster:
     def status(self, i: int) -> dict:
         return json.loads(self.tierfs("status", self.nodes[i].mountpoint, "--json").stdout)
 
+    def wait_safe(self, i: int, step: int, timeout: float = 60) -> dict:
+        """Wait until node i's current version of ``step`` is on a peer and backed up; its state.
+
+        Each commit into a step bumps its version, so both tiers must hold the current one,
+        not an earlier commit of the same step.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            states = {s["step"]: s for s in self.status(i)["steps"]}
+            s = states.get(step)
+            replicas = (s or {}).get("replicas") or {}
+            if s and s["backed_up"] and replicas.get("version") == s["version"] and replicas.get("peers"):
+                return s
+            assert time.monotonic() < deadline, f"step {step} not replicated and backed up: {states}"
+            time.sleep(0.2)
+
     def kill(self, i: int) -> None:
         """kill -9 the node's daemon and wait until it is gone (its mount goes dead)."""
         pid = self.nodes[i].pid

@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from tests.cluster import free_port
@@ -32,17 +31,6 @@ def run_job(mnt: Path, action: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def wait_safe(c, step: int, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = {s["step"]: s for s in c.status(0)["steps"]}
-        s = states.get(step)
-        if s and s["backed_up"] and (s.get("replicas") or {}).get("peers"):
-            return
-        assert time.monotonic() < deadline, f"step {step} not replicated and backed up: {states}"
-        time.sleep(0.2)
-
-
 def test_orbax_restores_after_node_loss_from_a_peer_then_from_gcs(cluster, gcs_bucket):
     c = cluster(2, job="orbax-run", replicas=1, keep_local=2, restore_wait="2s",
                 gcs=f"gs://{gcs_bucket}/mtc", coordinator=f"127.0.0.1:{free_port('127.0.0.1')}")
@@ -50,7 +38,7 @@ def test_orbax_restores_after_node_loss_from_a_peer_then_from_gcs(cluster, gcs_b
     mnt = c.nodes[0].mountpoint
     saved = run_job(mnt, "save", "3")
     assert saved["steps"] == [] and saved["latest"] is None
-    wait_safe(c, 3)
+    c.wait_safe(0, 3)
     assert c.status(0)["mtc"]["spec"]["nodes"] == 1
 
     c.kill(0)

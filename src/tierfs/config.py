@@ -25,6 +25,15 @@ _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
+def check_job_id(job: str) -> None:
+    """Job ids name directories on the host: no separators, nothing that starts with a dot."""
+    if not _JOB_RE.match(job):
+        raise UserError(
+            f"invalid job id {job!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+
+
 def parse_size(text: str, what: str = "size") -> int:
     """Parse ``4G``, ``512MiB``, ``1.5T`` or plain bytes; suffixes are binary, as tmpfs' ``size=``."""
     m = _SIZE_RE.match(str(text))
@@ -145,11 +154,7 @@ class Config:
         return cfg
 
     def _validate(self) -> None:
-        if not _JOB_RE.match(self.job):
-            raise UserError(
-                f"invalid job id {self.job!r}: use 1-128 letters, digits, '.', '_' or '-', "
-                "starting with a letter or digit"
-            )
+        check_job_id(self.job)
         if self.nodes < 1:
             raise UserError(f"invalid --nodes {self.nodes}: a job has at least 1 node")
         if not 0 <= self.rank < self.nodes:

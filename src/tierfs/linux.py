@@ -52,6 +52,22 @@ def umount(path: str, flags: int = 0) -> None:
     _check(_libc.umount2(os.fsencode(path), flags), path)
 
 
+MS_RDONLY = 1
+MS_REMOUNT = 32
+MS_BIND = 4096
+
+
+def bind_mount(source: str, target: str, read_only: bool = False) -> None:
+    """Bind ``source`` onto ``target``; read-only takes a second call, as mount(8) does."""
+    _check(_libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None), target)
+    if read_only:
+        try:
+            _check(_libc.mount(None, os.fsencode(target), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None), target)
+        except OSError:
+            umount(target, MNT_DETACH)
+            raise
+
+
 TMPFS_MAGIC = 0x01021994
 
 

@@ -1,0 +1,68 @@
+"""``tierfs csi``: the Kubernetes CSI node plugin (ephemeral inline volumes).
+
+``tierfs csi --gc JOB`` instead stops the job's daemon on this node and deletes its RAM
+data, once no pod of the job uses it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tierfs.config import DEFAULT_RAMDISK, parse_duration
+
+DEFAULT_STATE_DIR = "/var/lib/kubelet/plugins/csi.tierfs.dev"
+
+
+def _env(name: str, default: str | None = None) -> str | None:
+    return os.environ.get("TIERFS_CSI_" + name.upper().replace("-", "_"), default)
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("csi", help="run the Kubernetes CSI node plugin", description=__doc__.splitlines()[0])
+    p.add_argument("--endpoint", default=_env("endpoint"), help="unix:///PATH of the socket kubelet calls")
+    p.add_argument("--node-id", default=_env("node-id"), help="this node's name, as kubelet knows it")
+    p.add_argument("--node-ip", default=_env("node-ip"), help="address peers reach this node's daemons at")
+    p.add_argument("--state-dir", default=_env("state-dir", DEFAULT_STATE_DIR),
+                   help=f"the plugin's records and the daemons' mounts (default {DEFAULT_STATE_DIR})")
+    p.add_argument("--ramdisk", default=_env("ramdisk", str(DEFAULT_RAMDISK)),
+                   help=f"the host tmpfs directory holding every job's RAM tier (default {DEFAULT_RAMDISK})")
+    p.add_argument("--config", default=_env("config"), help="YAML file of cluster-wide volume attribute defaults")
+    p.add_argument("--kube-api", default=_env("kube-api"), help="Kubernetes API URL (default: in-cluster)")
+    p.add_argument("--gc-after", default=_env("gc-after", "24h"),
+                   help="delete a job's data once no pod used it on this node this long; 0 never (default 24h)")
+    p.add_argument("--gc", metavar="JOB", help="delete JOB's daemon and RAM data on this node now, then exit")
+    p.add_argument("--log-level", default=_env("log-level", "info"), choices=("debug", "info", "warning", "error"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from tierfs.csi import server  # grpc and the generated messages: only this command needs them
+    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes
+    from tierfs.errors import UserError
+
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = PluginConfig(
+        node_id=args.node_id or os.uname().nodename,
+        node_ip=args.node_ip,
+        state_dir=Path(os.path.abspath(args.state_dir)),
+        ramdisk=Path(os.path.abspath(args.ramdisk)),
+        defaults=server.load_defaults(Path(args.config) if args.config else None),
+        kube_api=args.kube_api,
+        gc_after=parse_duration(args.gc_after, "--gc-after"),
+    )
+    if args.gc:
+        try:
+            Volumes(cfg).remove_job(args.gc)
+        except VolumeError as e:
+            raise UserError(str(e)) from None
+        print(f"tierfs: job {args.gc} removed from node {cfg.node_id}")
+        return 0
+    if not args.endpoint or not args.node_id:
+        raise UserError("csi needs --endpoint unix:///PATH and --node-id NAME")
+    server.serve(cfg, args.endpoint)
+    return 0

@@ -1,0 +1,7 @@
+"""The CSI node plugin: tierfs volumes as Kubernetes ephemeral inline volumes.
+
+``identity`` and ``node`` are the two gRPC services kubelet calls; ``volumes`` does the
+work (daemons, bind mounts, records) and knows nothing of gRPC; ``server`` runs them.
+"""
+
+DRIVER_NAME = "csi.tierfs.dev"

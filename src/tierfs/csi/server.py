@@ -1,0 +1,80 @@
+"""Run the plugin: the gRPC services on a unix socket, re-adoption at start, idle collection.
+
+The main thread owns everything: it starts the server (whose worker threads it stops on
+the way out), adopts what a previous run left, then sleeps between garbage collections
+until SIGTERM or SIGINT. Daemons are separate processes and keep running when it exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import stat
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import yaml
+
+from tierfs.csi import identity, node
+from tierfs.csi.volumes import ATTRIBUTES, PluginConfig, Volumes
+from tierfs.errors import UserError
+
+log = logging.getLogger("tierfs.csi")
+GC_CHECK_INTERVAL = 60.0
+
+
+def socket_path(endpoint: str) -> Path:
+    """``unix:///csi/csi.sock`` (or ``unix:/csi/csi.sock``) -> ``/csi/csi.sock``."""
+    if not endpoint.startswith("unix:") or not endpoint[5:].lstrip("/"):
+        raise UserError(f"invalid --endpoint {endpoint!r}: use unix:///PATH/csi.sock")
+    return Path("/" + endpoint[5:].lstrip("/"))
+
+
+def load_defaults(path: Path | None) -> dict[str, str]:
+    """The cluster-wide volume attributes (a ConfigMap's config.yaml): option name -> value."""
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read --config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path} must be a mapping of tierfs mount options to values")
+    unknown = sorted(set(map(str, data)) - set(ATTRIBUTES))
+    if unknown:
+        raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}")
+    return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in data.items() if v is not None}
+
+
+def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None) -> None:
+    path = socket_path(endpoint)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
+        path.unlink()  # left by a previous run; the registrar reconnects
+    volumes = Volumes(cfg)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="csi"))
+    server.add_generic_rpc_handlers((identity.handler(), node.handler(volumes, cfg.node_id)))
+    try:
+        server.add_insecure_port(f"unix://{path}")
+    except RuntimeError as e:
+        raise UserError(f"cannot listen on {path}: {e}") from None
+    stop = stop or threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+    volumes.adopt()  # before serving: a call must not race a volume being brought back
+    server.start()
+    try:
+        log.info("serving CSI for node %s on %s", cfg.node_id, path)
+        while not stop.wait(min(GC_CHECK_INTERVAL, cfg.gc_after or GC_CHECK_INTERVAL)):
+            for job in volumes.collect_idle():
+                log.info("job %s was unused for %.0fs: its data on this node is gone", job, cfg.gc_after)
+    finally:
+        server.stop(grace=5).wait()
+        if path.exists():
+            os.unlink(path)

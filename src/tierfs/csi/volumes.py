@@ -1,0 +1,425 @@
+"""The node's tierfs volumes: one daemon per job, bind-mounted into every pod that asks.
+
+A job's daemon outlives its pods. The next pod of the job (a restart after a failure, the
+next attempt of a JobSet) finds the RAM tier already mounted, its steps already listed,
+and replication and backup still running in between. Everything the plugin knows lives
+under its state directory, so a restarted plugin picks up where it was:
+
+    jobs/<job>.json      the job on this node: rank (sticky), namespace, daemon options, idle since
+    jobs/<job>.secret    the job's peer secret (0600), to restart its daemon without a pod
+    volumes/<id>.json    one published volume: target path, read-only, job, request fingerprint
+    mnt/<job>/           the daemon's FUSE mount, the source of every bind mount
+    logs/<job>.log       the daemon's log
+
+The RAM data of a job is removed only by :meth:`Volumes.collect_idle` (no pod of the job
+on this node for ``gc_after``) or :meth:`Volumes.remove_job` (``tierfs csi --gc JOB``).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from tierfs import linux, mounts
+from tierfs.commands.mount import OPTIONS
+from tierfs.config import Config, check_job_id, parse_address
+from tierfs.csi import kube
+from tierfs.errors import UserError
+
+log = logging.getLogger("tierfs.csi")
+
+POD_INFO = "csi.storage.k8s.io/"  # keys kubelet adds with podInfoOnMount
+EPHEMERAL = POD_INFO + "ephemeral"
+POD_NAME, POD_NAMESPACE = POD_INFO + "pod.name", POD_INFO + "pod.namespace"
+# Options a pod author must not choose: they name paths on the host.
+HOST_OPTIONS = {"ramdisk", "log-file", "secret-file"}
+ATTRIBUTES = sorted(set(OPTIONS) - HOST_OPTIONS)
+PEER_PORT = 7420  # the peer service's port when a volume names peers but no listen address
+
+
+class VolumeError(Exception):
+    """An answer to the caller: ``code`` is the gRPC status name the CSI spec prescribes."""
+
+    code = "INTERNAL"
+
+
+class InvalidArgument(VolumeError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(VolumeError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(VolumeError):
+    code = "ALREADY_EXISTS"
+
+
+class FailedPrecondition(VolumeError):
+    code = "FAILED_PRECONDITION"
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    node_id: str
+    state_dir: Path
+    ramdisk: Path
+    node_ip: str | None = None
+    defaults: dict[str, str] = field(default_factory=dict)  # cluster-wide volume attributes
+    kube_api: str | None = None  # None: the in-cluster API server, if any
+    gc_after: float = 86400.0  # seconds a job may sit unused on the node before its data goes; 0: never
+    tierfs: tuple[str, ...] = (sys.executable, "-m", "tierfs")  # how to run the CLI
+
+
+@dataclass(frozen=True)
+class PublishRequest:
+    volume_id: str
+    target: str
+    read_only: bool
+    context: dict[str, str]
+    secrets: dict[str, str]
+
+    def fingerprint(self) -> str:
+        """Identifies the call: a repeat with the same fingerprint is the same publish."""
+        secret = hashlib.sha256(self.secrets.get("secret", "").encode()).hexdigest()
+        text = json.dumps([self.target, self.read_only, sorted(self.context.items()), secret])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    tmp.replace(path)
+
+
+def _alive(path: Path | str) -> bool:
+    entry = mounts.find_mount(path)
+    return entry is not None and entry.fstype == mounts.FSTYPE and not mounts.is_dead(path)
+
+
+def _unmount_target(target: str) -> None:
+    """Remove our mount from a pod's target path, even a dead or busy one."""
+    while (entry := mounts.find_mount(target)) is not None and entry.fstype == mounts.FSTYPE:
+        try:
+            linux.umount(target, linux.MNT_DETACH if mounts.is_dead(target) else 0)
+        except OSError as e:
+            if e.errno != errno.EBUSY:
+                raise
+            linux.umount(target, linux.MNT_DETACH)
+
+
+class Volumes:
+    """Publish, unpublish, adopt and collect; callers may be concurrent threads or processes."""
+
+    def __init__(self, cfg: PluginConfig, kube_client: kube.KubeClient | None = None):
+        self.cfg = cfg
+        self.kube = kube_client or kube.KubeClient(cfg.kube_api)
+        self._thread_lock = threading.Lock()
+        for sub in ("jobs", "volumes", "mnt", "logs"):
+            (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """One operation at a time on this node: threads of this plugin and ``tierfs csi --gc``."""
+        with self._thread_lock, open(self.cfg.state_dir / "lock", "w") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            yield
+
+    # -- paths and records -------------------------------------------------------------
+
+    def _job_path(self, job: str) -> Path:
+        return self.cfg.state_dir / "jobs" / f"{job}.json"
+
+    def _volume_path(self, volume_id: str) -> Path:
+        name = hashlib.sha256(volume_id.encode()).hexdigest()[:32]  # ids are opaque to us
+        return self.cfg.state_dir / "volumes" / f"{name}.json"
+
+    def staging(self, job: str) -> Path:
+        return self.cfg.state_dir / "mnt" / job
+
+    def volumes(self) -> list[dict]:
+        return [json.loads(p.read_text()) for p in sorted((self.cfg.state_dir / "volumes").glob("*.json"))]
+
+    def _volumes_of(self, job: str) -> list[dict]:
+        return [v for v in self.volumes() if v["job"] == job]
+
+    # -- publish -----------------------------------------------------------------------
+
+    def publish(self, req: PublishRequest) -> None:
+        with self._locked():
+            fingerprint = req.fingerprint()
+            record = _read_json(self._volume_path(req.volume_id))
+            if record is not None and record["fingerprint"] != fingerprint:
+                raise AlreadyExists(
+                    f"volume {req.volume_id} is already published at {record['target']} with other "
+                    "arguments; unpublish it first"
+                )
+            if record is not None and _alive(req.target):
+                return  # the same call again: done already
+            options = self._options(req)
+            job = options["job"]
+            namespace = req.context.get(POD_NAMESPACE, "")
+            rank = self._rank(job, options, req)
+            staging = self._ensure_daemon(job, rank, namespace, options, req.secrets.get("secret"))
+            os.makedirs(req.target, exist_ok=True)
+            _unmount_target(req.target)  # a dead mount left by a crash, same volume
+            linux.bind_mount(str(staging), req.target, read_only=req.read_only)
+            _write_json(self._volume_path(req.volume_id), {
+                "volume_id": req.volume_id, "target": req.target, "read_only": req.read_only,
+                "job": job, "rank": rank, "fingerprint": fingerprint, "published": time.time(),
+            })
+            self._touch_job(job, idle=False)
+            log.info("published %s: job %s rank %d at %s%s", req.volume_id, job, rank, req.target,
+                     " (read-only)" if req.read_only else "")
+
+    def _options(self, req: PublishRequest) -> dict[str, str]:
+        """The daemon's options: cluster defaults, then the volume's attributes."""
+        if req.context.get(EPHEMERAL, "true") != "true":
+            raise InvalidArgument("tierfs volumes are ephemeral inline volumes: use a csi volume in the pod spec")
+        options = dict(self.cfg.defaults)
+        for key, value in req.context.items():
+            if key.startswith(POD_INFO):
+                continue
+            if key not in ATTRIBUTES:
+                raise InvalidArgument(
+                    f"unknown volume attribute {key!r}" + (" (a host path; set by the plugin)" if key in HOST_OPTIONS else "")
+                    + f": use {', '.join(ATTRIBUTES)}"
+                )
+            options[key] = value
+        if not options.get("job"):
+            raise InvalidArgument("volume attribute 'job' is missing: name the training job the volume belongs to")
+        try:
+            check_job_id(options["job"])
+        except UserError as e:
+            raise InvalidArgument(f"volume attribute job: {e}") from None
+        listen = options.get("listen", "")
+        if listen.startswith(":") or (not listen and options.get("peers")):
+            if not self.cfg.node_ip:
+                raise InvalidArgument("the volume needs a peer listen address but the plugin has no --node-ip")
+            options["listen"] = f"{self.cfg.node_ip}:{listen[1:] or PEER_PORT}"
+        if options.get("peers") and not req.secrets.get("secret"):
+            raise InvalidArgument(
+                "volume attribute 'peers' needs the job's peer secret: reference a Secret with key "
+                "'secret' in the volume's nodePublishSecretRef"
+            )
+        return options
+
+    def _rank(self, job: str, options: dict[str, str], req: PublishRequest) -> int:
+        """Explicit attribute, else the rank this node already holds for the job, else the pod's index.
+
+        A node keeps its rank for a job (its RAM holds that rank's steps), whatever index
+        the next pod scheduled here has; jax-init-info.txt tells the job which it got.
+        """
+        if "rank" in options:
+            try:
+                return int(options["rank"])
+            except ValueError:
+                raise InvalidArgument(f"volume attribute rank={options['rank']!r} is not a number") from None
+        held = _read_json(self._job_path(job))
+        if held is not None:
+            return held["rank"]
+        name, namespace = req.context.get(POD_NAME), req.context.get(POD_NAMESPACE)
+        try:
+            if not name or not namespace:
+                raise kube.RankUnknown("kubelet passed no pod name (is podInfoOnMount true on the CSIDriver?)")
+            nodes = int(options.get("nodes", "1"))
+            return kube.parse_pod(self.kube.pod(namespace, name)).rank(nodes)
+        except (kube.RankUnknown, ValueError) as e:
+            raise InvalidArgument(
+                f"cannot work out the rank of job {job} on node {self.cfg.node_id}: {e}; run the pod in an "
+                "Indexed Job or a JobSet, or set volume attribute 'rank'"
+            ) from None
+
+    def _ensure_daemon(self, job: str, rank: int, namespace: str, options: dict[str, str],
+                       secret: str | None) -> Path:
+        """Reuse the job's running daemon when it runs with these options; start it otherwise."""
+        staging = self.staging(job)
+        held = _read_json(self._job_path(job))
+        wanted = {**options, "rank": str(rank)}
+        if held is not None and held.get("namespace") != namespace:
+            raise FailedPrecondition(
+                f"job {job} on node {self.cfg.node_id} belongs to namespace {held['namespace']!r}; "
+                "pick another job name"
+            )
+        secret_path = self._job_path(job).with_suffix(".secret")
+        same_secret = secret_path.exists() and secret_path.read_text() == (secret or "")
+        if _alive(staging):
+            if held is not None and held["options"] == wanted and same_secret:
+                return staging
+            others = self._volumes_of(job)
+            if others:
+                changed = sorted(k for k in set(wanted) | set(held["options"] if held else {})
+                                 if (held or {}).get("options", {}).get(k) != wanted.get(k))
+                raise FailedPrecondition(
+                    f"job {job} is mounted on node {self.cfg.node_id} by {len(others)} other pod(s) with other "
+                    f"settings ({', '.join(changed) or 'secret'}); give every pod of the job the same attributes"
+                )
+            mounts.unmount(staging)
+        self._check_options(job, staging, wanted, secret)
+        _write_json(secret_path, {}, 0o600)  # create with its mode before the secret goes in
+        secret_path.write_text(secret or "")
+        self._start_daemon(job, staging, wanted)
+        _write_json(self._job_path(job), {"job": job, "rank": rank, "namespace": namespace,
+                                          "options": wanted, "idle_since": None})
+        return staging
+
+    def _check_options(self, job: str, staging: Path, options: dict[str, str], secret: str | None) -> None:
+        """Refuse bad attributes with the daemon's own message, before any process starts."""
+        try:
+            Config.build(mountpoint=staging, ramdisk=self.cfg.ramdisk, secret=secret,
+                         **{k.replace("-", "_"): v for k, v in options.items()})
+            for address in filter(None, options.get("peers", "").split(",")):
+                parse_address(address, "peers")
+        except UserError as e:
+            raise InvalidArgument(f"job {job}: {e}") from None
+
+    def _start_daemon(self, job: str, staging: Path, options: dict[str, str]) -> None:
+        staging.mkdir(parents=True, exist_ok=True)
+        if mounts.find_mount(staging) is not None:  # dead: its daemon was killed
+            linux.umount(str(staging), linux.MNT_DETACH)
+        args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
+                "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log")]
+        for key, value in sorted(options.items()):
+            args += [f"--{key}", value]
+        env = {k: v for k, v in os.environ.items()
+               if not (k.startswith("TIERFS_") and k[7:].lower().replace("_", "-") in (*OPTIONS, "secret"))}
+        secret = self._job_path(job).with_suffix(".secret").read_text()
+        if secret:
+            env["TIERFS_SECRET"] = secret
+        proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            message = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+            raise VolumeError(f"could not start tierfs for job {job}: {message.removeprefix('tierfs: ')}")
+        log.info("started tierfs for job %s rank %s at %s", job, options["rank"], staging)
+
+    def _touch_job(self, job: str, idle: bool) -> None:
+        held = _read_json(self._job_path(job))
+        if held is not None:
+            held["idle_since"] = time.time() if idle else None
+            _write_json(self._job_path(job), held)
+
+    # -- unpublish and stats -----------------------------------------------------------
+
+    def unpublish(self, volume_id: str, target: str) -> None:
+        """Unmount the pod's view; the daemon and its RAM data stay for the job's next pod."""
+        with self._locked():
+            record = _read_json(self._volume_path(volume_id))
+            _unmount_target(target)
+            try:
+                os.rmdir(target)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno != errno.ENOTEMPTY or record is not None:
+                    raise VolumeError(f"cannot remove target {target}: {e.strerror}") from None
+            if record is not None:
+                self._volume_path(volume_id).unlink()
+                if not self._volumes_of(record["job"]):
+                    self._touch_job(record["job"], idle=True)
+                log.info("unpublished %s from %s", volume_id, target)
+
+    def stats(self, volume_id: str, path: str) -> tuple[os.statvfs_result | None, str | None]:
+        """The volume's usage, or None and what is wrong with it."""
+        record = _read_json(self._volume_path(volume_id))
+        if record is None:
+            raise NotFound(f"volume {volume_id} is not published on node {self.cfg.node_id}")
+        if os.path.abspath(path) != record["target"]:
+            raise NotFound(f"volume {volume_id} is published at {record['target']}, not at {path}")
+        try:
+            return os.statvfs(path), None
+        except OSError as e:
+            return None, f"the tierfs daemon of job {record['job']} does not answer ({e.strerror})"
+
+    # -- restart and garbage collection ------------------------------------------------
+
+    def adopt(self) -> None:
+        """After a plugin restart: restart dead daemons of published volumes, mount their targets again."""
+        with self._locked():
+            for record in self.volumes():
+                job, target = record["job"], record["target"]
+                if _alive(target):
+                    continue
+                if not os.path.isdir(target):  # its pod went while the plugin was away
+                    self._volume_path(record["volume_id"]).unlink()
+                    continue
+                held = _read_json(self._job_path(job))
+                if held is None:
+                    log.error("volume %s: no record of job %s; unpublish and publish it again", record["volume_id"], job)
+                    continue
+                staging = self.staging(job)
+                try:
+                    if not _alive(staging):
+                        self._start_daemon(job, staging, held["options"])
+                    _unmount_target(target)
+                    linux.bind_mount(str(staging), target, read_only=record["read_only"])
+                    log.info("adopted %s: job %s at %s mounted again", record["volume_id"], job, target)
+                except (OSError, VolumeError) as e:
+                    log.error("volume %s at %s: %s", record["volume_id"], target, e)
+            for path in sorted((self.cfg.state_dir / "jobs").glob("*.json")):
+                held = json.loads(path.read_text())
+                if not self._volumes_of(held["job"]) and held.get("idle_since") is None:
+                    self._touch_job(held["job"], idle=True)
+
+    def collect_idle(self, now: float | None = None) -> list[str]:
+        """Remove the jobs no pod has used on this node for ``gc_after``: daemon, RAM data, records."""
+        if not self.cfg.gc_after:
+            return []
+        now = time.time() if now is None else now
+        removed = []
+        for path in sorted((self.cfg.state_dir / "jobs").glob("*.json")):
+            held = json.loads(path.read_text())
+            since = held.get("idle_since")
+            if since is not None and now - since >= self.cfg.gc_after:
+                try:
+                    self.remove_job(held["job"])
+                    removed.append(held["job"])
+                except VolumeError as e:
+                    log.warning("not collecting job %s: %s", held["job"], e)
+        return removed
+
+    def remove_job(self, job: str) -> None:
+        with self._locked():
+            if self._volumes_of(job):
+                raise FailedPrecondition(
+                    f"job {job} still has {len(self._volumes_of(job))} published volume(s) on node "
+                    f"{self.cfg.node_id}: delete its pods first"
+                )
+            held = _read_json(self._job_path(job))
+            staging = self.staging(job)
+            if mounts.find_mount(staging) is not None:
+                try:
+                    mounts.unmount(staging)
+                except UserError as e:
+                    raise VolumeError(str(e)) from None
+            if held is None and not (self.cfg.ramdisk / job).exists():
+                raise NotFound(f"job {job} has no data on node {self.cfg.node_id}")
+            shutil.rmtree(self.cfg.ramdisk / job, ignore_errors=True)
+            for path in (self._job_path(job), self._job_path(job).with_suffix(".secret"),
+                         self.cfg.state_dir / "logs" / f"{job}.log"):
+                path.unlink(missing_ok=True)
+            if staging.is_dir():
+                staging.rmdir()
+            log.info("removed job %s: daemon stopped, RAM data deleted", job)

@@ -278,6 +278,8 @@ class MtcNode:
         except (OSError, UnicodeDecodeError) as e:
             text = None
             problem = f"cannot read {REPLICATOR}: {e}"
+        for stale in (FAILED, ERRORS, PRERESTORE):  # a previous pod's answers, never read
+            await trio.to_thread.run_sync(functools.partial((mnt / stale).unlink, missing_ok=True))
         if text is not None:
             try:
                 spec, warnings = parse_spec(text)

@@ -156,6 +156,19 @@ def test_a_malformed_spec_fails_the_job_with_its_reason(volumes, text, message):
     assert mtc_status(vol)["error"] is None
 
 
+def test_a_new_pod_does_not_read_the_answers_meant_for_a_pod_that_died(volumes):
+    vol = volumes(job="run")
+    mnt = vol.mountpoint
+    (mnt / "replicator.yaml").write_text(YAML.format(job="run", rank=5, nodes=2))  # bad, and nobody reads
+    deadline = time.monotonic() + 15
+    while (mnt / "replicator.yaml").exists():
+        assert time.monotonic() < deadline, "replicator.yaml was never acknowledged"
+        time.sleep(0.05)
+    assert (mnt / "replicator.failed").exists()
+    # The volume outlives that pod (the CSI plugin reuses the daemon); the next pod's good spec is taken.
+    assert handshake(mnt, YAML.format(job="run", rank=0, nodes=1)) == (0, NO_GCS)
+
+
 def test_warnings_go_to_replicator_errors(volumes):
     vol = volumes(job="run")
     step, errors = handshake(vol.mountpoint, YAML.format(job="other", rank=0, nodes=1) + "\ncolour: blue")

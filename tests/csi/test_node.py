@@ -231,8 +231,14 @@ def test_cluster_defaults_come_from_the_config_file(plugin_factory, tmp_path):
     config.write_text("capacity: 32M\nkeep-local: 2\n")
     plugin = plugin_factory("--config", str(config))
     target = plugin.target()
-    plugin.publish(target, {"job": "llama", "rank": "0"})
+    vol = plugin.publish(target, {"job": "llama", "rank": "0"})
     assert os.statvfs(target).f_blocks * os.statvfs(target).f_frsize == 32 << 20
+    # An edited ConfigMap applies to the job's next pod, without restarting the plugin.
+    plugin.unpublish(vol, target)
+    config.write_text("capacity: 48M\n")
+    target = plugin.target()
+    plugin.publish(target, {"job": "llama", "rank": "0"})
+    assert os.statvfs(target).f_blocks * os.statvfs(target).f_frsize == 48 << 20
     config.write_text("colour: blue\n")
     proc = tierfs("csi", "--endpoint", "unix:///tmp/x.sock", "--node-id", "n", "--config", str(config), check=False)
     assert proc.returncode == 1 and "unknown option(s) colour" in proc.stderr

@@ -41,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tierfs.csi import server  # grpc and the generated messages: only this command needs them
-    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes
+    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_defaults
     from tierfs.errors import UserError
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -51,10 +51,11 @@ def run(args: argparse.Namespace) -> int:
         node_ip=args.node_ip,
         state_dir=Path(os.path.abspath(args.state_dir)),
         ramdisk=Path(os.path.abspath(args.ramdisk)),
-        defaults=server.load_defaults(Path(args.config) if args.config else None),
+        config_file=Path(os.path.abspath(args.config)) if args.config else None,
         kube_api=args.kube_api,
         gc_after=parse_duration(args.gc_after, "--gc-after"),
     )
+    load_defaults(cfg.config_file)  # a broken file is a start-up error, not the first pod's
     if args.gc:
         try:
             Volumes(cfg).remove_job(args.gc)

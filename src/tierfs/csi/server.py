@@ -16,10 +16,8 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
-import yaml
-
 from tierfs.csi import identity, node
-from tierfs.csi.volumes import ATTRIBUTES, PluginConfig, Volumes
+from tierfs.csi.volumes import PluginConfig, Volumes
 from tierfs.errors import UserError
 
 log = logging.getLogger("tierfs.csi")
@@ -31,24 +29,6 @@ def socket_path(endpoint: str) -> Path:
     if not endpoint.startswith("unix:") or not endpoint[5:].lstrip("/"):
         raise UserError(f"invalid --endpoint {endpoint!r}: use unix:///PATH/csi.sock")
     return Path("/" + endpoint[5:].lstrip("/"))
-
-
-def load_defaults(path: Path | None) -> dict[str, str]:
-    """The cluster-wide volume attributes (a ConfigMap's config.yaml): option name -> value."""
-    if path is None:
-        return {}
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except OSError as e:
-        raise UserError(f"cannot read --config {path}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise UserError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"--config {path} must be a mapping of tierfs mount options to values")
-    unknown = sorted(set(map(str, data)) - set(ATTRIBUTES))
-    if unknown:
-        raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}")
-    return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in data.items() if v is not None}
 
 
 def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None) -> None:

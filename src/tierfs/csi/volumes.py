@@ -29,9 +29,11 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
+
+import yaml
 
 from tierfs import linux, mounts
 from tierfs.commands.mount import OPTIONS
@@ -78,7 +80,7 @@ class PluginConfig:
     state_dir: Path
     ramdisk: Path
     node_ip: str | None = None
-    defaults: dict[str, str] = field(default_factory=dict)  # cluster-wide volume attributes
+    config_file: Path | None = None  # cluster-wide volume attribute defaults (YAML)
     kube_api: str | None = None  # None: the in-cluster API server, if any
     gc_after: float = 86400.0  # seconds a job may sit unused on the node before its data goes; 0: never
     tierfs: tuple[str, ...] = (sys.executable, "-m", "tierfs")  # how to run the CLI
@@ -97,6 +99,27 @@ class PublishRequest:
         secret = hashlib.sha256(self.secrets.get("secret", "").encode()).hexdigest()
         text = json.dumps([self.target, self.read_only, sorted(self.context.items()), secret])
         return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_defaults(path: Path | None) -> dict[str, str]:
+    """The cluster-wide volume attributes (a ConfigMap's config.yaml): option name -> value.
+
+    Read at every publish, so an edited ConfigMap applies to the next pod without a restart.
+    """
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise UserError(f"cannot read --config {path}: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise UserError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"--config {path} must be a mapping of tierfs mount options to values")
+    unknown = sorted(set(map(str, data)) - set(ATTRIBUTES))
+    if unknown:
+        raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}")
+    return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in data.items() if v is not None}
 
 
 def _read_json(path: Path) -> dict | None:
@@ -199,7 +222,10 @@ class Volumes:
         """The daemon's options: cluster defaults, then the volume's attributes."""
         if req.context.get(EPHEMERAL, "true") != "true":
             raise InvalidArgument("tierfs volumes are ephemeral inline volumes: use a csi volume in the pod spec")
-        options = dict(self.cfg.defaults)
+        try:
+            options = load_defaults(self.cfg.config_file)
+        except UserError as e:
+            raise FailedPrecondition(f"the plugin's cluster settings are broken: {e}") from None
         for key, value in req.context.items():
             if key.startswith(POD_INFO):
                 continue

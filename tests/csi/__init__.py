@@ -1,0 +1,1 @@
+"""The CSI node plugin and its Kubernetes manifests."""

@@ -20,8 +20,9 @@ Paths with a component that looks temporary (``tmp``, ``temp``, ``partial``,
 ``incomplete``, ``in-progress``) never commit, so a marker written inside Orbax's
 ``.orbax-checkpoint-tmp`` directory waits for the final rename.
 
-A checkpoint belongs to a step: the last number in its path (``ckpt/500`` -> 500,
-``checkpoint-500/`` -> 500, ``epoch=1-step=200.ckpt`` -> 200). Checkpoints without a
+A checkpoint belongs to a step: a labelled number in its path, else its last number
+(``ckpt/500`` -> 500, ``checkpoint-500/model-00001-of-00002.safetensors`` -> 500,
+``epoch=1-step=200.ckpt`` -> 200; see :func:`step_of`). Checkpoints without a
 number get the step after the newest one. Several checkpoints of one step (an HF
 directory's ``model.safetensors`` and then its ``trainer_state.json``) form one step.
 """
@@ -48,6 +49,8 @@ DEFAULT_RULES = (
 )
 _TEMPORARY = re.compile(r"tmp|temp|partial|incomplete|in[-_]?progress", re.IGNORECASE)
 _NUMBER = re.compile(r"\d+")
+_STEP_LABEL = re.compile(r"(?:^|[^a-z])(?:global_step|step|checkpoint|ckpt|iter|iteration)[-_=]?(\d+)", re.IGNORECASE)
+_NOT_A_STEP = re.compile(r"\d+-of-\d+|(?:rank|shard|part|node)[-_]?\d+|__\d+(?:_\d+)*", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -79,9 +82,21 @@ def parse_rules(text: str) -> tuple[Rule, ...]:
 
 
 def step_of(root: str) -> int | None:
-    """The step a checkpoint path names: its last number, searching from the last component."""
-    for part in reversed(root.split("/")):
-        numbers = _NUMBER.findall(part)
+    """The step a checkpoint path names.
+
+    A labelled number wins (``step_120``, ``step=100-consumed_samples=800.0``,
+    ``checkpoint-500``, ``iter_0000300``), nearest the end first; otherwise the last number,
+    searching from the last component. Shard and rank numbers (``model-00001-of-00002``,
+    ``rank-3``, ``shard_2``) are never steps: a wrong step that is newer than the real one
+    is what a restore would pick.
+    """
+    parts = root.split("/")
+    for part in reversed(parts):
+        labelled = _STEP_LABEL.findall(part)
+        if labelled:
+            return int(labelled[-1])
+    for part in reversed(parts):
+        numbers = _NUMBER.findall(_NOT_A_STEP.sub("", part))
         if numbers:
             return int(numbers[-1])
     return None

@@ -11,8 +11,13 @@ DEFAULT = CommitRules(parse_rules("default"))
 @pytest.mark.parametrize("path, step", [
     ("ckpt/500", 500), ("checkpoint-500", 500), ("run7/step_120/model.pt", 120),
     ("epoch=1-step=200.ckpt", 200), ("model.pt", None), ("a/b", None), ("12/model.pt", 12),
+    # A labelled number wins; shard and rank numbers are never steps.
+    ("out/checkpoint-500/model-00001-of-00002.safetensors", 500), ("ckpt/step-7/rank-3.pt", 7),
+    ("ckpt/7/rank-3.pt", 7), ("ckpt/7/__0_0.distcp", 7),
+    ("nemo/step=100-consumed_samples=800.0", 100), ("megatron/iter_0000300/mp_rank_00", 300),
+    ("global_step40/zero_pp_rank_0_mp_rank_00_optim_states.pt", 40),
 ])
-def test_step_is_the_last_number_in_the_path(path, step):
+def test_step_is_the_labelled_or_last_number_in_the_path(path, step):
     assert step_of(path) == step
 
 

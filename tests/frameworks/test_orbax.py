@@ -1,7 +1,7 @@
 """Unmodified orbax-checkpoint on tierfs: multi-tier checkpointing through the file protocol.
 
-One JAX process (JAX's CPU backend runs one process per node here; the second node holds
-the replicas), so ``replicator.yaml`` says ``nodes: 1``. The job initialises through
+One JAX process on node 0 (the second node holds the replicas; a two-process run is not
+made to work here yet), so ``replicator.yaml`` says ``nodes: 1``. The job initialises through
 ``jax-init-info.txt`` and ``replicator.yaml``, saves with ``ReplicatorCheckpointManager``,
 loses its node and RAM, and restores the same values: from the peer, then with the peer
 gone, from GCS.

@@ -129,13 +129,19 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _write_json(path: Path, data: dict, mode: int = 0o644) -> None:
+def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
+    """Atomically, and with its mode from the start (the secret is never readable by others)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    tmp.unlink(missing_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
     with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
+        f.write(text)
     tmp.replace(path)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    _write_private(path, json.dumps(data), 0o644)
 
 
 def _alive(path: Path | str) -> bool:
@@ -305,8 +311,7 @@ class Volumes:
                 )
             mounts.unmount(staging)
         self._check_options(job, staging, wanted, secret)
-        _write_json(secret_path, {}, 0o600)  # create with its mode before the secret goes in
-        secret_path.write_text(secret or "")
+        _write_private(secret_path, secret or "")
         self._start_daemon(job, staging, wanted)
         _write_json(self._job_path(job), {"job": job, "rank": rank, "namespace": namespace,
                                           "options": wanted, "idle_since": None})

@@ -328,9 +328,9 @@ class Volumes:
             raise InvalidArgument(f"job {job}: {e}") from None
 
     def _start_daemon(self, job: str, staging: Path, options: dict[str, str]) -> None:
-        staging.mkdir(parents=True, exist_ok=True)
         if mounts.find_mount(staging) is not None:  # dead: its daemon was killed
             linux.umount(str(staging), linux.MNT_DETACH)
+        staging.mkdir(parents=True, exist_ok=True)
         args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
                 "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log")]
         for key, value in sorted(options.items()):
@@ -393,7 +393,9 @@ class Volumes:
                 job, target = record["job"], record["target"]
                 if _alive(target):
                     continue
-                if not os.path.isdir(target):  # its pod went while the plugin was away
+                # A dead mount answers stat() with ENOTCONN: only a target with no mount and no
+                # directory is one whose pod went while the plugin was away.
+                if mounts.find_mount(target) is None and not os.path.isdir(target):
                     self._volume_path(record["volume_id"]).unlink()
                     continue
                 held = _read_json(self._job_path(job))

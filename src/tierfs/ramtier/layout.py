@@ -15,10 +15,18 @@ import fcntl
 import json
 import os
 import stat
+import time
 from pathlib import Path
 
-from tierfs import linux
+from tierfs import linux, mounts
 from tierfs.errors import UserError
+
+DYING_HOLDER_WAIT = 15.0  # seconds a killed daemon may take to let go of its rank
+
+
+def _serving(mountpoint: str | None) -> bool:
+    """Whether a daemon's mount still answers (a dead FUSE mount answers ENOTCONN)."""
+    return mountpoint is not None and mounts.find_mount(mountpoint) is not None and not mounts.is_dead(mountpoint)
 
 class RankDir:
     """The on-ramdisk home of one (job, rank); :meth:`claim` makes this process its server."""
@@ -50,13 +58,22 @@ class RankDir:
         """Take the exclusive lock: two daemons must never serve the same rank's tree."""
         lock = self.path / "daemon.lock"
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
-                raise
+        deadline = time.monotonic() + DYING_HOLDER_WAIT
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EACCES):
+                    os.close(fd)
+                    raise
             holder = self.holder() or {}
+            # A killed daemon keeps the lock until its last thread has exited; its mount is
+            # already dead or gone, so wait for it rather than refuse the mount that replaces it.
+            if not _serving(holder.get("mountpoint")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+                continue
+            os.close(fd)
             raise UserError(
                 f"{self.path} is already served by tierfs pid {holder.get('pid', '?')} "
                 f"mounted at {holder.get('mountpoint', '?')}: unmount it first"

@@ -59,7 +59,7 @@ from tests.gcs_emulator import GcsEmulator  # noqa: E402
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
 from benchlib import (GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
                       interrupt_on_signals, is_mounted, no_interruptions, parse_size,
-                      write_json)  # (scripts/ is on sys.path)
+                      write_json, pyplot, NO_MATPLOTLIB, save_figure)  # (scripts/ is on sys.path)
 
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
@@ -297,10 +297,10 @@ def render(s: dict) -> str:
     return "\n".join(out)
 
 
-def plot(path: str, s: dict, title: str) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def plot(path: str, s: dict, title: str) -> str | None:
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     rows = [s["rows"][0], s["rows"][2]]  # backup (daemon's timing), restore (mount start to done)
     top = max(max(r["baseline"], r["tierfs"]) for r in rows)
     fig, ax = plt.subplots(figsize=(6.5, 4))
@@ -314,9 +314,7 @@ def plot(path: str, s: dict, title: str) -> None:
     ax.set_ylabel("MiB/s (median)")
     ax.set_title(title, fontsize=9)
     ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def main() -> int:
@@ -363,9 +361,9 @@ def main() -> int:
                         "date": now, "command": cmd, "cores": os.cpu_count()}
             write_json(args.json, {"settings": settings, "raw": raw, "medians": summary})
         if args.plot:
-            plot(args.plot, summary, f"tierfs GCS tier vs google-cloud-storage (fake-gcs-server), "
-                                     f"{args.size / MiB:.0f} MiB, {args.rounds} rounds, {now[:10]}")
-            print(f"# wrote {args.plot}")
+            why = plot(args.plot, summary, f"tierfs GCS tier vs google-cloud-storage (fake-gcs-server), "
+                                           f"{args.size / MiB:.0f} MiB, {args.rounds} rounds, {now[:10]}")
+            print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except (BenchError, OSError) as e:
         print(f"bench_gcs: error: {e}", file=sys.stderr)

@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from benchlib import (cpu_seconds, interrupt_on_signals, is_mounted, no_interruptions, parse_size,  # noqa: E402
-                      write_json)  # (scripts/ is on sys.path)
+                      write_json, pyplot, NO_MATPLOTLIB, save_figure)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -478,12 +478,9 @@ def render_table(rows: list[dict]) -> str:
 
 
 def plot(path: str, rows: list[dict], title: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return "matplotlib is not importable"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     groups = [(bs, jobs) for bs in sorted({r["bs"] for r in rows}) for jobs in sorted({r["jobs"] for r in rows})]
     width = 0.8 / len(OPS)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
@@ -502,9 +499,7 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
     ax.set_ylabel("tierfs / tmpfs (median throughput)")
     ax.set_title(title, fontsize=9)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
 
 

@@ -40,7 +40,8 @@ import argparse, datetime, hashlib, json, os, shlex, shutil, signal, statistics,
 import uuid
 from pathlib import Path
 from benchlib import (BenchError, aligned, cpu_seconds, interrupt_on_signals, make_files,  # noqa: E402
-                      parse_size, plain_copy, warm_tmpfs, write_all, write_json)  # (scripts/ is on sys.path)
+                      parse_size, plain_copy, warm_tmpfs, write_all, write_json, pyplot, NO_MATPLOTLIB,
+                      save_figure)  # (scripts/ is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster
 MiB, GiB = 1 << 20, 1 << 30
@@ -271,12 +272,9 @@ def render(summary: dict) -> str:
 
 
 def plot(path: str, rows: list[dict], title: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return "matplotlib is not importable"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(9, 4.2))
     xs = range(len(rows))
     ax.bar([x - 0.2 for x in xs], [r["baseline_mib_s"] for r in rows], 0.4, label="baseline (plain copy / write alone)")
@@ -287,9 +285,7 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
     ax.set(ylabel="MiB/s (median)", ylim=(0, 1.12 * max(max(r["baseline_mib_s"], r["tierfs_mib_s"]) for r in rows)))
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
 
 

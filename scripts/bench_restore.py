@@ -88,7 +88,8 @@ from pathlib import Path
 
 from benchlib import (GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_interruptions, drop_bucket,  # noqa: E402
                       gcs_client, interrupt_on_signals, is_mounted, make_files, no_interruptions,
-                      parse_size, plain_copy, warm_tmpfs, write_all, write_json)  # (scripts/ is on sys.path)
+                      parse_size, plain_copy, warm_tmpfs, write_all, write_json, pyplot, NO_MATPLOTLIB,
+                      save_figure)  # (scripts/ is on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster, tests.gcs_emulator
 MiB, GiB = 1 << 20, 1 << 30
@@ -501,12 +502,9 @@ def render(s: dict, args) -> str:
 
 
 def plot(path: str, s: dict, title: str) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception:
-        return "matplotlib is not importable"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, (ax, lx) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [3, 1]})
     parts = (("mount_s", "mount returned"), ("ttfb_s", "first 4 KiB"), ("full_s", "full restore"),
              ("baseline_s", "baseline copy"))
@@ -530,9 +528,7 @@ def plot(path: str, s: dict, title: str) -> str | None:
            ylim=(0, max([1.1] + [x["seconds"] * 1.2 for _, x in items])))
     lx.title.set_fontsize(8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
 
 

@@ -43,6 +43,28 @@ def write_json(path: str, results: dict) -> None:
     print(f"# wrote {path}")
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception:
+        return None
+    return plt
+
+
+NO_MATPLOTLIB = "matplotlib is not importable"
+
+
+def save_figure(fig, path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def parse_size(text: str) -> int:
     """An argparse type: bytes, or a number with a binary K/M/G/T suffix (``256M``)."""
     m = _SIZE_RE.match(str(text))

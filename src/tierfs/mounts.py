@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierfs import linux
+from tierfs.atomic import write_atomically
 from tierfs.config import runtime_dir
 from tierfs.errors import UserError
 
@@ -74,9 +75,7 @@ class Registration:
 
     def write(self, info: dict) -> None:
         self.info_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.info_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(info))
-        tmp.replace(self.info_path)
+        write_atomically(self.info_path, json.dumps(info))
 
     def read(self) -> dict | None:
         try:

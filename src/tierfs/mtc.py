@@ -38,6 +38,8 @@ from pathlib import Path
 import trio
 import yaml
 
+from tierfs.atomic import temporary_name, write_atomically
+
 log = logging.getLogger(__name__)
 
 JAX_INIT_INFO = "jax-init-info.txt"
@@ -211,11 +213,11 @@ class MtcNode:
 
     def prepare(self) -> ReplicatorSpec | None:
         """Clear a previous pod's protocol files; returns the spec a previous run accepted."""
-        for name in (ERRORS, FAILED, PRERESTORE, JAX_INIT_INFO, f".tmp.{JAX_INIT_INFO}"):
+        for name in (ERRORS, FAILED, PRERESTORE, JAX_INIT_INFO, temporary_name(Path(JAX_INIT_INFO)).name):
             (self.tree / name).unlink(missing_ok=True)
         _clear_entries(self.tree)
         if self.coordinator is not None:
-            _write_atomically(self.tree / JAX_INIT_INFO, jax_init_info(self.rank, self.coordinator), 0o555)
+            write_atomically(self.tree / JAX_INIT_INFO, jax_init_info(self.rank, self.coordinator), 0o555)
         try:
             data = json.loads(self.state_path.read_text())
             self.spec = ReplicatorSpec(**{**data, "peer_ranks": tuple(data["peer_ranks"])})
@@ -294,7 +296,7 @@ class MtcNode:
             await self._put(FAILED, f"tierfs: {problem}\n")
         else:
             self.spec, self.last_error = spec, None
-            await trio.to_thread.run_sync(_write_atomically, self.state_path, json.dumps(asdict(spec)))
+            await trio.to_thread.run_sync(write_atomically, self.state_path, json.dumps(asdict(spec)))
             if warnings:
                 await self._put(ERRORS, "".join(f"tierfs: {w}\n" for w in warnings))
             await self._put(PRERESTORE, prerestore(target[0] if target else None))
@@ -305,7 +307,7 @@ class MtcNode:
         await trio.to_thread.run_sync(functools.partial((mnt / REPLICATOR).unlink, missing_ok=True))
 
     async def _put(self, name: str, text: str) -> None:
-        await trio.to_thread.run_sync(_write_atomically, self.mountpoint / name, text)
+        await trio.to_thread.run_sync(write_atomically, self.mountpoint / name, text)
 
     def _present(self, job: str, target: tuple[int, str] | None) -> None:
         """The job renames the entry onto ``<step>``, which therefore must not exist yet: a
@@ -338,11 +340,3 @@ def _clear_entries(root: Path) -> None:
             os.rename(entry.path, root / str(step))
         elif not entry.is_dir(follow_symlinks=False):
             Path(entry.path).unlink(missing_ok=True)
-
-
-def _write_atomically(path: Path, text: str, mode: int = 0o644) -> None:
-    tmp = path.with_name(f".tmp.{path.name}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
-    with open(fd, "w") as f:
-        f.write(text)
-    os.rename(tmp, path)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import trio
 
+from tierfs.atomic import write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources, gcs_call, peer_address
@@ -353,9 +354,7 @@ class Restore:
             return None
 
     def _write_state(self, state: dict) -> None:
-        tmp = self.dir / (STATE_FILE + ".tmp")
-        tmp.write_text(json.dumps(state))
-        os.rename(tmp, self.dir / STATE_FILE)
+        write_atomically(self.dir / STATE_FILE, json.dumps(state))
 
 
 def _journal_path(step_dir: Path) -> Path:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tierfs.atomic import write_atomically
 from tierfs.commit import CommitRules, step_of
 from tierfs.ramtier.snapshots import Snapshots
 
@@ -68,9 +68,7 @@ class Steps:
 
     def save(self, state: StepState) -> None:
         path = self.snapshots.step_dir(state.step) / "state.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(state), sort_keys=True))
-        os.rename(tmp, path)
+        write_atomically(path, json.dumps(asdict(state), sort_keys=True))
 
     # -- commits -----------------------------------------------------------------------
 

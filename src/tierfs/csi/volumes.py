@@ -35,6 +35,7 @@ from typing import Iterator
 
 import yaml
 
+from tierfs.atomic import write_atomically
 from tierfs import linux, mounts
 from tierfs.commands.mount import OPTIONS
 from tierfs.config import Config, check_job_id, parse_address
@@ -129,19 +130,8 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def _write_private(path: Path, text: str, mode: int = 0o600) -> None:
-    """Atomically, and with its mode from the start (the secret is never readable by others)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    tmp.replace(path)
-
-
 def _write_json(path: Path, data: dict) -> None:
-    _write_private(path, json.dumps(data), 0o644)
+    write_atomically(path, json.dumps(data))
 
 
 def _alive(path: Path | str) -> bool:
@@ -311,7 +301,7 @@ class Volumes:
                 )
             mounts.unmount(staging)
         self._check_options(job, staging, wanted, secret)
-        _write_private(secret_path, secret or "")
+        write_atomically(secret_path, secret or "", 0o600)
         self._start_daemon(job, staging, wanted)
         _write_json(self._job_path(job), {"job": job, "rank": rank, "namespace": namespace,
                                           "options": wanted, "idle_since": None})

@@ -38,7 +38,7 @@ import yaml
 from tierfs.atomic import write_atomically
 from tierfs import linux, mounts
 from tierfs.commands.mount import OPTIONS
-from tierfs.config import Config, check_job_id, parse_address
+from tierfs.config import Config, check_job_id
 from tierfs.csi import kube
 from tierfs.errors import UserError
 
@@ -172,6 +172,9 @@ class Volumes:
     def _job_path(self, job: str) -> Path:
         return self.cfg.state_dir / "jobs" / f"{job}.json"
 
+    def _secret_path(self, job: str) -> Path:
+        return self.cfg.state_dir / "jobs" / f"{job}.secret"
+
     def _volume_path(self, volume_id: str) -> Path:
         name = hashlib.sha256(volume_id.encode()).hexdigest()[:32]  # ids are opaque to us
         return self.cfg.state_dir / "volumes" / f"{name}.json"
@@ -286,15 +289,15 @@ class Volumes:
                 f"job {job} on node {self.cfg.node_id} belongs to namespace {held['namespace']!r}; "
                 "pick another job name"
             )
-        secret_path = self._job_path(job).with_suffix(".secret")
+        secret_path = self._secret_path(job)
         same_secret = secret_path.exists() and secret_path.read_text() == (secret or "")
         if _alive(staging):
             if held is not None and held["options"] == wanted and same_secret:
                 return staging
             others = self._volumes_of(job)
             if others:
-                changed = sorted(k for k in set(wanted) | set(held["options"] if held else {})
-                                 if (held or {}).get("options", {}).get(k) != wanted.get(k))
+                before = held["options"] if held else {}
+                changed = sorted(k for k in wanted.keys() | before.keys() if before.get(k) != wanted.get(k))
                 raise FailedPrecondition(
                     f"job {job} is mounted on node {self.cfg.node_id} by {len(others)} other pod(s) with other "
                     f"settings ({', '.join(changed) or 'secret'}); give every pod of the job the same attributes"
@@ -312,8 +315,6 @@ class Volumes:
         try:
             Config.build(mountpoint=staging, ramdisk=self.cfg.ramdisk, secret=secret,
                          **{k.replace("-", "_"): v for k, v in options.items()})
-            for address in filter(None, options.get("peers", "").split(",")):
-                parse_address(address, "peers")
         except UserError as e:
             raise InvalidArgument(f"job {job}: {e}") from None
 
@@ -327,7 +328,7 @@ class Volumes:
             args += [f"--{key}", value]
         env = {k: v for k, v in os.environ.items()
                if not (k.startswith("TIERFS_") and k[7:].lower().replace("_", "-") in (*OPTIONS, "secret"))}
-        secret = self._job_path(job).with_suffix(".secret").read_text()
+        secret = self._secret_path(job).read_text()
         if secret:
             env["TIERFS_SECRET"] = secret
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
@@ -424,10 +425,15 @@ class Volumes:
         return removed
 
     def remove_job(self, job: str) -> None:
+        try:
+            check_job_id(job)  # it names directories that are about to go
+        except UserError as e:
+            raise InvalidArgument(str(e)) from None
         with self._locked():
-            if self._volumes_of(job):
+            published = self._volumes_of(job)
+            if published:
                 raise FailedPrecondition(
-                    f"job {job} still has {len(self._volumes_of(job))} published volume(s) on node "
+                    f"job {job} still has {len(published)} published volume(s) on node "
                     f"{self.cfg.node_id}: delete its pods first"
                 )
             held = _read_json(self._job_path(job))
@@ -440,7 +446,7 @@ class Volumes:
             if held is None and not (self.cfg.ramdisk / job).exists():
                 raise NotFound(f"job {job} has no data on node {self.cfg.node_id}")
             shutil.rmtree(self.cfg.ramdisk / job, ignore_errors=True)
-            for path in (self._job_path(job), self._job_path(job).with_suffix(".secret"),
+            for path in (self._job_path(job), self._secret_path(job),
                          self.cfg.state_dir / "logs" / f"{job}.log"):
                 path.unlink(missing_ok=True)
             if staging.is_dir():

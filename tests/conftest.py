@@ -70,6 +70,24 @@ def shm_dir():
 
 
 @pytest.fixture
+def small_tmpfs(shm_dir):
+    """Factory: a tmpfs of its own, ``size`` bytes big, unmounted afterwards (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    made: list[Path] = []
+
+    def make(size: int) -> Path:
+        p = shm_dir("tierfs-small")
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tierfs-test", str(p)], check=True)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        subprocess.run(["umount", "-l", str(p)], check=False)
+
+
+@pytest.fixture
 def ref_dir(shm_dir) -> Path:
     """A plain tmpfs directory with the mode of a tmpfs root, to compare behaviour against."""
     p = shm_dir("tierfs-ref")

@@ -375,7 +375,8 @@ class Daemon:
                                 store=self.replica_store, info=self._peer_info, task_status=task_status)
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
-        await pyfuse3.main(*FUSE_TASKS)
+        with self.ops.writes:  # the write-behind worker lives as long as the request loop
+            await pyfuse3.main(*FUSE_TASKS)
         cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
@@ -396,6 +397,7 @@ class Daemon:
     def _commit(self, path: str, step: int | None) -> dict:
         if path.startswith("/") or ".." in path.split("/"):
             raise ValueError(f"{path!r} is not a path inside the volume")
+        self.ops.writes_done()  # what was written before the command is part of the step
         state = self.steps.commit(path.strip("/"), step)
         if state is None:
             raise ValueError(f"{path} does not exist in the volume")

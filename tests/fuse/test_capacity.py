@@ -80,3 +80,17 @@ def test_hard_links_count_once_and_truncate_frees(volumes):
     assert vol.status()["tiers"]["ram"]["used"] == MiB
     os.truncate(vol.mountpoint / "b", 100 * MiB)  # a hole: no space, as on tmpfs
     assert vol.status()["tiers"]["ram"]["used"] == MiB
+
+
+def test_a_full_ramdisk_fails_the_write_itself_without_capacity(volumes, small_tmpfs):
+    """Without --capacity the ramdisk's own size is the limit, and ENOSPC is still the
+    answer of the write that passes it: writes are answered before they are copied only
+    while they surely fit."""
+    ramdisk = small_tmpfs(24 * MiB)
+    vol = volumes(ramdisk_dir=ramdisk)
+    keep = os.urandom(4 * MiB)
+    (vol.mountpoint / "keep").write_bytes(keep)
+    written = fill(vol.mountpoint / "big", 64 * MiB)
+    assert 16 * MiB <= written < 24 * MiB
+    assert os.path.getsize(vol.mountpoint / "big") == written
+    assert (vol.mountpoint / "keep").read_bytes() == keep

@@ -368,9 +368,39 @@ def checkpoint_flow(root: Path):
     return [listing, os.listdir(root)]
 
 
+def writes_in_flight(root: Path):
+    """Large writes seen at once from other descriptors, while the writer keeps its file open."""
+    MiB = 1 << 20
+    p = root / "f"
+    data = bytes(range(256)) * (4 * MiB // 256)
+    wo = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)  # direct I/O
+    rw = os.open(p, os.O_RDWR)  # page cache
+    out = []
+    for off in range(0, 4 * MiB, MiB):
+        os.pwrite(wo, data[off:off + MiB], off)
+        out.append((st(p), os.pread(rw, 16, off + MiB - 16)))
+    ro = os.open(p, os.O_RDONLY)
+    out.append(os.pread(ro, 4 * MiB, 0) == data)
+    os.pwrite(rw, b"x" * MiB, 3 * MiB + 5)
+    out.append((fst(ro), os.pread(ro, 8, 4 * MiB - 3)))
+    ap = os.open(p, os.O_WRONLY | os.O_APPEND)
+    for _ in range(3):
+        os.write(ap, b"y" * MiB)
+        os.write(wo, b"z" * MiB)  # at wo's offset, then appended after it
+    out.append((st(p), os.pread(ro, 4, 0), os.pread(ro, 4, 5 * MiB)))
+    tr = os.open(p, os.O_WRONLY | os.O_TRUNC)  # after everything before it
+    out.append(fst(ro))
+    os.write(wo, b"w" * MiB)
+    out.append((st(p), os.pread(ro, 4, 0)))
+    for fd in (wo, rw, ro, ap, tr):
+        os.close(fd)
+    out.append(st(p))
+    return out
+
+
 SCENARIOS = [open_flags, holes_and_truncate, renames, rename_flags, removal, symlinks,
              hard_links, attributes, readdir, sync_ops, locks, mmaps, xattrs, preallocate,
-             checkpoint_flow]
+             checkpoint_flow, writes_in_flight]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)

@@ -11,7 +11,9 @@ Handlers never await, with one exception: a file of a step still being restored
 (``restoring``) makes a read wait for the chunks it covers, and anything that would change
 the file wait for the whole file. Every other handler runs to completion on the trio
 thread, so the table and the space account need no locks, and an operation sees no other
-half-done.
+half-done. Writes are answered before their bytes are copied (``writes``, see
+:mod:`tierfs.fs.writebehind`); every handler that looks at a file's data or attributes
+first waits for that file's writes, which blocks briefly rather than awaiting.
 
 Two hooks tie the mount to the checkpoint machinery: ``events`` hears of the acts that may
 commit a checkpoint (a file closed after writing, a rename), and ``snapshots`` keeps
@@ -33,6 +35,7 @@ import pyfuse3
 
 from tierfs import linux
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
+from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import PAGE, SpaceAccount
 
@@ -98,6 +101,7 @@ class Operations(pyfuse3.Operations):
         self.snapshots = snapshots
         self.events = events
         self.restoring: Restoring | None = None
+        self.writes = WriteBehind()  # applies writes only while its worker runs (``with``)
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
         self._writable: set[int] = set()  # fhs open for writing
@@ -110,6 +114,9 @@ class Operations(pyfuse3.Operations):
     # -- helpers ---------------------------------------------------------------------
 
     def _attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        if self.writes.pending(ino):
+            self.writes_done(ino)
+            st = os.fstat(self.inodes[ino].fd)
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
@@ -184,6 +191,22 @@ class Operations(pyfuse3.Operations):
         if self.restoring is not None and self.restoring.pending(ino):
             await self.restoring.wait_file(ino)
 
+    def writes_done(self, ino: int | None = None) -> None:
+        """Wait until the writes to ``ino`` (or to every file) are in the RAM tier, and account them."""
+        if self.writes.pending(ino):
+            self.writes.wait(ino)
+        self._account_writes()
+
+    def _account_writes(self) -> None:
+        for fd in self.writes.finished():
+            self.space.update(os.fstat(fd))
+
+    def _raise_write_error(self, fh: int) -> None:
+        """Report a write of ``fh`` that failed after it was answered (as a failed writeback)."""
+        error = self.writes.take_error(fh)
+        if error is not None:
+            raise error
+
     def writing_inodes(self) -> set[int]:
         """Backing inode numbers of the files open for writing now."""
         return {os.fstat(fh).st_ino for fh in self._writable}
@@ -243,6 +266,7 @@ class Operations(pyfuse3.Operations):
     @_errors_to_fuse
     async def setattr(self, inode, attr, fields, fh, ctx):
         await self._settle(inode)
+        self.writes_done(inode)
         node = self.inodes[inode]
         self._detach(node)
         if fields.update_mode and node.kind != stat.S_IFLNK:
@@ -308,6 +332,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+        self.writes_done()  # a rename may commit a step: its bytes must all be there
         old, new = self.inodes[parent_inode_old], self.inodes[parent_inode_new]
         replaced = None
         if not flags & (linux.RENAME_NOREPLACE | linux.RENAME_EXCHANGE):
@@ -333,6 +358,7 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode, flags, ctx):
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             await self._settle(inode)
+            self.writes_done(inode)
             self._detach(self.inodes[inode])
         node = self.inodes[inode]
         fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
@@ -348,6 +374,7 @@ class Operations(pyfuse3.Operations):
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
+            self.writes_done()  # O_TRUNC must come after writes still queued for it
             fd = os.open(name, bflags, dir_fd=parent.fd)  # raced with another creator
             created = False
         try:
@@ -362,8 +389,10 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def read(self, fh, off, size):
-        if self.restoring is not None and self.restoring.pending(ino := self._files[fh]):
+        ino = self._files[fh]
+        if self.restoring is not None and self.restoring.pending(ino):
             await self.restoring.wait_range(ino, off, size)
+        self.writes_done(ino)
         # One buffer serves every read: pyfuse3 copies the reply to the kernel as soon as
         # this handler returns, before any other handler can run, so it is never shared.
         if size > len(self._read_buf):
@@ -374,13 +403,20 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def write(self, fh, off, buf):
-        if self.space.bounded:
-            self.space.check_write(fh, off, len(buf))
-        n = os.pwrite(fh, buf, off)
+        ino = self._files[fh]
+        self._account_writes()
+        self._raise_write_error(fh)
         if self._kill_privs:
             self._drop_privs(fh)
-        self.space.update(os.fstat(fh))
-        self.inodes[self._files[fh]].cache_valid = False
+        if self.writes.running and self.space.fits(self.writes.queued_bytes + len(buf)):
+            self.writes.submit(ino, fh, off, buf)
+            n = len(buf)
+        else:  # near full: apply it now, after the queued ones, so that ENOSPC is this write's
+            self.writes_done(ino)
+            self.space.check_write(fh, off, len(buf))
+            n = os.pwrite(fh, buf, off)
+            self.space.update(os.fstat(fh))
+        self.inodes[ino].cache_valid = False
         self.counters["bytes_written"] += n
         self.last_write = time.monotonic()
         return n
@@ -394,10 +430,14 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def flush(self, fh):
-        pass
+        self.writes_done(self._files[fh])
+        self._raise_write_error(fh)
 
     @_errors_to_fuse
     async def release(self, fh):
+        self.writes_done(self._files[fh])
+        if (error := self.writes.take_error(fh)) is not None:  # flush reported any but this
+            log.warning("a write to %s failed after close: %s", self._relpath(fh) or "an unlinked file", error)
         ino = self._files.pop(fh)
         self._kill_privs.discard(fh)
         path = None
@@ -418,6 +458,8 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def fsync(self, fh, datasync):
+        self.writes_done(self._files[fh])
+        self._raise_write_error(fh)
         (os.fdatasync if datasync else os.fsync)(fh)
 
     # -- directories -----------------------------------------------------------------
@@ -455,6 +497,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def statfs(self, ctx):
+        self.writes_done()
         backing = os.statvfs(self.inodes[pyfuse3.ROOT_INODE].proc_path)
         s = pyfuse3.StatvfsData()
         s.f_bsize = s.f_frsize = PAGE

@@ -1,0 +1,180 @@
+"""Write-behind on real tmpfs files: order, waiting, failures, and the handlers that report them."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import threading
+import time
+
+import pyfuse3
+import pytest
+
+from tierfs.fs.operations import Operations
+from tierfs.fs.writebehind import WriteBehind
+from tierfs.ramtier import SpaceAccount
+
+MiB = 1 << 20
+
+
+def worker_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "tierfs-write-behind"]
+
+
+def test_overlapping_writes_land_in_the_order_they_came(shm_dir):
+    path = shm_dir() / "f"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    rng = random.Random(7)
+    model = bytearray()
+    try:
+        with WriteBehind() as writes:
+            for i in range(300):
+                off, n = rng.randrange(0, 2 * MiB), rng.randrange(1, 256 << 10)
+                data = bytes([i % 251]) * n
+                writes.submit(1, fd, off, data)
+                model[len(model):] = bytes(max(0, off + n - len(model)))
+                model[off:off + n] = data
+            writes.wait(1)
+            assert not writes.pending(1)
+            assert os.pread(fd, len(model) + 1, 0) == bytes(model)
+    finally:
+        os.close(fd)
+
+
+def test_waiting_for_one_file_and_for_all(shm_dir):
+    d = shm_dir()
+    fds = [os.open(d / name, os.O_WRONLY | os.O_CREAT, 0o644) for name in "ab"]
+    try:
+        with WriteBehind() as writes:
+            for _ in range(16):
+                writes.submit(1, fds[0], os.fstat(fds[0]).st_size, b"a" * MiB)
+                writes.submit(2, fds[1], 0, b"b" * MiB)
+            writes.wait(1)
+            assert os.path.getsize(d / "a") > 0 and not writes.pending(1)
+            writes.wait()
+            assert not writes.pending() and not writes.pending(2)
+            assert (d / "b").read_bytes() == b"b" * MiB
+            assert writes.finished() == set(fds)
+            assert writes.queued_bytes == 0
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_a_failed_write_is_kept_for_its_descriptor_and_reported_once(small_tmpfs):
+    d = small_tmpfs(MiB)
+    full = os.open(d / "full", os.O_WRONLY | os.O_CREAT, 0o644)
+    wrong = os.open(d / "ro", os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        with WriteBehind() as writes:
+            writes.submit(1, full, 0, b"x" * (2 * MiB))  # the tmpfs holds only 1 MiB
+            writes.submit(2, wrong, 0, b"y")
+            writes.wait()
+            assert writes.finished() == {full, wrong}
+            assert writes.take_error(full).errno == errno.ENOSPC
+            assert writes.take_error(wrong).errno == errno.EBADF
+            assert writes.take_error(full) is None and writes.take_error(wrong) is None
+    finally:
+        os.close(full)
+        os.close(wrong)
+
+
+def test_leaving_the_block_applies_everything_and_ends_the_worker(shm_dir):
+    path = shm_dir() / "f"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        with WriteBehind() as writes:
+            assert len(worker_threads()) == 1
+            for i in range(32):
+                writes.submit(1, fd, i * MiB, bytes([i]) * MiB)
+        assert not writes.running and worker_threads() == []
+        assert path.read_bytes() == b"".join(bytes([i]) * MiB for i in range(32))
+    finally:
+        os.close(fd)
+
+
+# -- the handlers around it: Operations called directly, as the FUSE loop would ------------
+
+
+@pytest.fixture
+def tree(shm_dir):
+    return shm_dir()
+
+
+@pytest.fixture
+def ops(tree, monkeypatch):
+    """Operations on a tmpfs tree whose write-behind copies each take 20 ms.
+
+    The delay makes sure the answered writes are still queued when the next handler runs,
+    so every assertion below depends on that handler waiting for them.
+    """
+    real_pwrite = os.pwrite
+
+    def slow_pwrite(fd, data, offset):
+        if threading.current_thread().name == "tierfs-write-behind":
+            time.sleep(0.02)
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow_pwrite)
+    ops = Operations(tree, SpaceAccount(None, tree))
+    with ops.writes:
+        yield ops
+    ops.close()
+
+
+async def create(ops: Operations, name: bytes, flags: int) -> tuple[int, int]:
+    """Create ``name`` in the root as the kernel would: (file handle, inode)."""
+    fi, attrs = await ops.create(pyfuse3.ROOT_INODE, name, 0o644, flags | os.O_CREAT, pyfuse3.RequestContext())
+    return fi.fh, attrs.st_ino
+
+
+async def write_all(ops: Operations, fh: int, data: bytes, block: int = MiB) -> None:
+    for off in range(0, len(data), block):
+        assert await ops.write(fh, off, data[off:off + block]) == len(data[off:off + block])
+
+
+async def test_answered_writes_are_visible_to_reads_and_attributes(ops):
+    fh, ino = await create(ops, b"f", os.O_RDWR)
+    data = os.urandom(3 * MiB + 5)
+    await write_all(ops, fh, data)
+    assert ops.writes.pending(ino)
+    assert (await ops.getattr(ino)).st_size == len(data)
+    await write_all(ops, fh, data[::-1])
+    assert bytes(await ops.read(fh, MiB, MiB)) == data[::-1][MiB:2 * MiB]
+    assert ops.space.used >= len(data)
+    await ops.release(fh)
+
+
+async def test_a_closed_file_is_complete_in_the_ram_tier(ops, tree):
+    fh, _ = await create(ops, b"f", os.O_WRONLY)
+    data = os.urandom(4 * MiB)
+    await write_all(ops, fh, data)
+    await ops.flush(fh)  # close(2): what follows may be a kill -9 of the daemon
+    assert (tree / "f").read_bytes() == data
+    await ops.release(fh)
+
+
+async def test_truncating_open_comes_after_the_queued_writes(ops):
+    fh, ino = await create(ops, b"f", os.O_WRONLY)
+    await write_all(ops, fh, b"a" * 4 * MiB)
+    fh2 = (await ops.open(ino, os.O_WRONLY | os.O_TRUNC, pyfuse3.RequestContext())).fh
+    assert (await ops.getattr(ino)).st_size == 0
+    await ops.release(fh2)
+    await ops.release(fh)
+
+
+async def test_a_write_that_failed_after_its_answer_fails_flush_and_fsync(ops):
+    # The kernel never sends a write for a read-only open; here that is how the copy is
+    # made to fail after the write was answered.
+    fh, _ = await create(ops, b"f", os.O_RDONLY)
+    assert await ops.write(fh, 0, b"x" * 4096) == 4096
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.flush(fh)
+    assert e.value.errno == errno.EBADF
+    await ops.flush(fh)  # reported once, as a failed writeback is
+    assert await ops.write(fh, 0, b"x") == 1
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        await ops.fsync(fh, False)
+    assert e.value.errno == errno.EBADF
+    await ops.release(fh)

@@ -408,7 +408,7 @@ class Operations(pyfuse3.Operations):
         self._raise_write_error(fh)
         if self._kill_privs:
             self._drop_privs(fh)
-        if self.writes.running and self.space.fits(self.writes.queued_bytes + len(buf)):
+        if self.writes.running and self.space.fits(self.writes.queued_bytes + len(buf), fh):
             self.writes.submit(ino, fh, off, buf)
             n = len(buf)
         else:  # near full: apply it now, after the queued ones, so that ENOSPC is this write's

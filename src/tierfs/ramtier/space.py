@@ -51,11 +51,11 @@ class SpaceAccount:
         if self._capacity is not None and nbytes > 0 and self.used + nbytes > self._capacity:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more surely fit, in the capacity and in the backing tmpfs."""
+    def fits(self, nbytes: int, fd: int) -> bool:
+        """Whether ``nbytes`` more surely fit, in the capacity and in the tmpfs holding ``fd``."""
         if self._capacity is not None and self.used + nbytes > self._capacity:
             return False
-        st = os.statvfs(self._backing)
+        st = os.fstatvfs(fd)  # no path walk: this runs for every write
         return st.f_blocks == 0 or st.f_bavail * st.f_frsize >= nbytes  # 0 blocks: unlimited
 
     def check_write(self, fd: int, offset: int, length: int) -> None:

@@ -17,6 +17,7 @@ from tierfs.errors import UserError
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
 DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
 LOG_LEVELS = ("debug", "info", "warning", "error")
+DATA_PATHS = ("auto", "passthrough", "daemon")
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -78,6 +79,7 @@ class Config:
     rank: int = 0
     nodes: int = 1
     capacity: int | None = None  # bytes; None = whatever the ramdisk's filesystem holds
+    data_path: str = "auto"  # passthrough (kernel FUSE passthrough), daemon (pyfuse3), or auto
     foreground: bool = False
     log_level: str = "info"
     log_file: Path | None = None
@@ -147,8 +149,9 @@ class Config:
                 raise UserError(f"cannot read --secret-file {secret_file}: {e.strerror}") from None
         if isinstance(v.get("secret"), str):
             v["secret"] = v["secret"].encode()
-        if "log_level" in v:
-            v["log_level"] = str(v["log_level"]).lower()
+        for key in ("log_level", "data_path"):
+            if key in v:
+                v[key] = str(v[key]).strip().lower()
         cfg = cls(**v)
         cfg._validate()
         return cfg
@@ -193,6 +196,8 @@ class Config:
             from tierfs.gcs import parse_gcs_url  # google-cloud-storage is slow to import
 
             parse_gcs_url(self.gcs)
+        if self.data_path not in DATA_PATHS:
+            raise UserError(f"invalid --data-path {self.data_path!r}: use auto, passthrough or daemon")
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"invalid log level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
 

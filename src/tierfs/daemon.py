@@ -20,7 +20,6 @@ import sys
 import time
 from dataclasses import asdict, replace
 
-import pyfuse3
 import trio
 
 from tierfs import control, linux, mounts
@@ -28,7 +27,9 @@ from tierfs.cluster import ClusterView, LocalHoldings
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fs import Operations
+from tierfs.fs.engine import choose_data_path, make_engine
 from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier.tmpfs import own_tmpfs
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.peers import server as peer_server
 from tierfs.peers.network import PeerNetwork
@@ -42,14 +43,6 @@ from tierfs.steps import Steps
 log = logging.getLogger("tierfs")
 
 READ_AHEAD_KB = 1024  # the kernel's default of 128 KiB halves sequential read speed
-# min/max concurrent request tasks; only reads of files being restored await, so a few
-# spare tasks keep the mount answering while reads wait for chunks.
-FUSE_TASKS = (1, 32)
-
-
-def fuse_options(cfg: Config) -> set[str]:
-    opts = {f"fsname={cfg.job}", "subtype=tierfs", "allow_other", "default_permissions"}
-    return opts | {"ro"} if cfg.read_only else opts
 
 
 class Daemon:
@@ -59,7 +52,10 @@ class Daemon:
         self.registration = mounts.Registration(cfg.mountpoint)
         self.space = SpaceAccount(cfg.capacity, self.rank.tree)
         self.ops: Operations | None = None
-        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked, self.space.update)
+        self.engine = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
+        self.data_path = "daemon"
+        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked,
+                                   lambda st: self.space.update(st))  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
         self.gcs = None
         self.peers: PeerNetwork | None = PeerNetwork(cfg) if cfg.peers else None
@@ -81,6 +77,7 @@ class Daemon:
         _raise_fd_limit()
         linux.keep_heap_memory()
         os.umask(0)  # modes arrive from the kernel with the caller's umask applied
+        self._choose_data_path()
         self.rank.prepare()
         self.rank.claim(cfg.mountpoint)
         if not self.rank.is_tmpfs():
@@ -105,10 +102,35 @@ class Daemon:
             )
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
+        self.engine = make_engine(self.ops, self.data_path)
         self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers, lambda: self.ops.last_write,
                                      self.view.retention_floor if self.gcs or self.peers else None)
         if not cfg.read_only:
             self._start_mtc()
+
+    def _choose_data_path(self) -> None:
+        """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
+        cfg = self.cfg
+        try:
+            self.data_path, why = choose_data_path(cfg.data_path)
+        except ValueError as e:
+            raise UserError(f"--data-path passthrough is impossible here: {e}; "
+                            "use --data-path auto or daemon") from None
+        if self.data_path == "passthrough" and cfg.capacity is not None:
+            if own_tmpfs(self.rank.path, cfg.capacity):
+                # The kernel enforces the capacity; the account follows that file system.
+                self.space = SpaceAccount(None, self.rank.tree)
+            elif cfg.data_path == "passthrough":
+                raise UserError(f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
+                                "cannot bind passthrough writes: use --data-path daemon, or move the data")
+            else:
+                self.data_path = "daemon"
+                why = (f"{self.rank.path} already holds data outside a tmpfs of its own, "
+                       "so --capacity is enforced by the daemon")
+        if why is None:
+            log.info("data path: passthrough (the kernel reads and writes the RAM tier directly)")
+        else:
+            log.info("data path: daemon (%s)", why)
 
     def _start_mtc(self) -> None:
         cfg = self.cfg
@@ -137,9 +159,9 @@ class Daemon:
     def _mount(self) -> None:
         cfg = self.cfg
         try:
-            pyfuse3.init(self.ops, str(cfg.mountpoint), fuse_options(cfg))
-        except RuntimeError as e:
-            raise UserError(f"could not mount {cfg.mountpoint}: {e} (is /dev/fuse available? see the log)") from None
+            self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+        except OSError as e:
+            raise UserError(f"could not mount {cfg.mountpoint}: {e.strerror or e} (see the log)") from None
         self.mounted = True
         self.registration.write(
             {
@@ -376,7 +398,7 @@ class Daemon:
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
         with self.ops.writes:  # the write-behind worker lives as long as the request loop
-            await pyfuse3.main(*FUSE_TASKS)
+            await self.engine.run()
         cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
@@ -384,7 +406,7 @@ class Daemon:
             async for signum in signals:
                 log.info("signal %d: unmounting", signum)
                 self._signalled = True
-                pyfuse3.terminate()
+                self.engine.terminate()
 
     async def _control(self, request: dict) -> dict:
         op = request.get("op")
@@ -405,6 +427,7 @@ class Daemon:
 
     def status(self) -> dict:
         cfg, ops = self.cfg, self.ops
+        ops.writes_done()  # what is written now is what is used
         return {
             "mountpoint": str(cfg.mountpoint),
             "pid": os.getpid(),
@@ -417,11 +440,12 @@ class Daemon:
                     "path": str(self.rank.tree),
                     "tmpfs": self.rank.is_tmpfs(),
                     "capacity": self.space.capacity,
-                    "capacity_bounded": self.space.bounded,
+                    "capacity_bounded": cfg.capacity is not None,
                     "used": self.space.used,
                 }
             },
-            "fuse": {"inodes": len(ops.inodes), **ops.counters},
+            "fuse": {"engine": self.engine.name, "data_path": self.engine.data_path,
+                     "inodes": len(ops.inodes), **ops.counters},
             "commit_rules": [str(r) for r in self.steps.rules.rules],
             "steps": [
                 {**asdict(s), "backed_up": s.backed_up}
@@ -439,7 +463,7 @@ class Daemon:
     def stop(self) -> None:
         if self.mounted:
             # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
-            pyfuse3.close(unmount=self._signalled)
+            self.engine.close(unmount=self._signalled)
             self.registration.remove()  # only ours once mounted: a busy mountpoint is someone else's
         if self.ops is not None:
             self.ops.close()

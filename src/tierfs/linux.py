@@ -91,3 +91,8 @@ def keep_heap_memory(threshold: int = 16 << 20, trim: int = 1 << 30) -> None:
     """
     _libc.mallopt(M_MMAP_THRESHOLD, threshold)
     _libc.mallopt(M_TRIM_THRESHOLD, trim)
+
+
+def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
+    _check(_libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags),
+                       data.encode()), target)

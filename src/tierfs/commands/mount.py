@@ -24,6 +24,8 @@ OPTIONS = {
     "rank": "this node's rank in the job (default 0)",
     "nodes": "number of nodes (ranks) in the job (default 1)",
     "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
+    "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
+                 "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
     "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
     "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
     "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",

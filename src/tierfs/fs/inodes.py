@@ -55,10 +55,10 @@ class InodeTable:
         return st.st_ino
 
     def __getitem__(self, ino: int) -> Inode:
-        try:
-            return self._nodes[ino]
-        except KeyError:
-            raise OSError(errno.ESTALE, "unknown inode") from None
+        node = self._nodes.get(ino)
+        if node is None or node.fd < 0:
+            raise OSError(errno.ESTALE, "unknown inode")
+        return node
 
     def get(self, ino: int) -> Inode | None:
         return self._nodes.get(ino)
@@ -82,10 +82,23 @@ class InodeTable:
         node = self._nodes.get(ino)
         if node is None:
             node = self._nodes[ino] = Inode(fd, stat.S_IFMT(st.st_mode))
+        elif node.fd < 0:  # tmpfs reused the number of an unpinned inode the kernel still knows
+            node.fd, node.kind, node.orphaned, node.cache_valid = fd, stat.S_IFMT(st.st_mode), False, False
         else:
             os.close(fd)
         node.nlookup += 1
         return ino, st
+
+    def unpin(self, ino: int) -> None:
+        """The inode's last link is gone and nothing has it open: close its descriptor.
+
+        The kernel may still hold lookups of it (and forget them later); any other request
+        for it gets ESTALE, as nothing can reach an unlinked, unopened inode.
+        """
+        node = self._nodes.get(ino)
+        if node is not None and node.fd >= 0 and ino != pyfuse3.ROOT_INODE:
+            os.close(node.fd)
+            node.fd = -1
 
     def forget(self, ino: int, n: int) -> Inode | None:
         """Drop ``n`` lookups; returns the node if the kernel no longer knows it."""
@@ -96,10 +109,12 @@ class InodeTable:
         if node.nlookup > 0 or node.opens > 0:
             return None
         del self._nodes[ino]
-        os.close(node.fd)
+        if node.fd >= 0:
+            os.close(node.fd)
         return node
 
     def close_all(self) -> None:
         for node in self._nodes.values():
-            os.close(node.fd)
+            if node.fd >= 0:
+                os.close(node.fd)
         self._nodes.clear()

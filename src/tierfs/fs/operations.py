@@ -15,6 +15,12 @@ half-done. Writes are answered before their bytes are copied (``writes``, see
 :mod:`tierfs.fs.writebehind`); every handler that looks at a file's data or attributes
 first waits for that file's writes, which blocks briefly rather than awaiting.
 
+Whole files may be served by kernel passthrough (``backing``, set by the engine when the
+kernel grants it): the kernel then reads and writes the RAM-tier file itself, and this class
+sees only the open, the close and metadata. A file still being restored, or one that
+another open is reading through the daemon, keeps the daemon path, with direct I/O so the
+kernel never caches an inode that may pass through later.
+
 Two hooks tie the mount to the checkpoint machinery: ``events`` hears of the acts that may
 commit a checkpoint (a file closed after writing, a rename), and ``snapshots`` keeps
 committed steps frozen: their extra hard links are hidden from ``st_nlink``, and a
@@ -35,6 +41,7 @@ import pyfuse3
 
 from tierfs import linux
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
+from tierfs.fs.session import BackingFiles, DirBuffer
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import PAGE, SpaceAccount
@@ -89,6 +96,19 @@ def _has_privs(mode: int) -> bool:
     return bool(mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP))
 
 
+def _drop_privs(path: str) -> None:
+    """Clear what a write by an unprivileged user clears (the daemon writes as root, which keeps them)."""
+    mode = os.stat(path).st_mode
+    if _has_privs(mode):
+        os.chmod(path, stat.S_IMODE(mode) & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0))
+
+
+def _readdir_reply(token, name: bytes, attrs: pyfuse3.EntryAttributes, next_id: int) -> bool:
+    if isinstance(token, DirBuffer):
+        return token.add(name, attrs, next_id)
+    return pyfuse3.readdir_reply(token, name, attrs, next_id)
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False  # no NFS export: '.'/'..' never reach lookup()
     enable_writeback_cache = False
@@ -101,6 +121,7 @@ class Operations(pyfuse3.Operations):
         self.snapshots = snapshots
         self.events = events
         self.restoring: Restoring | None = None
+        self.backing: BackingFiles | None = None  # kernel passthrough, when the engine has it
         self.writes = WriteBehind()  # applies writes only while its worker runs (``with``)
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
@@ -108,8 +129,15 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
         self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
         self._read_buf = memoryview(bytearray(1 << 20))
-        self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0}
-        self.last_write = 0.0  # time.monotonic() of the latest write: background work yields to writers
+        self._passthrough_writers: set[int] = set()  # fhs open for writing by passthrough
+        self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0, "passthrough_opens": 0}
+        self._last_write = 0.0
+
+    @property
+    def last_write(self) -> float:
+        """time.monotonic() of the latest write (now, while a passthrough writer is open):
+        background work yields to writers."""
+        return time.monotonic() if self._passthrough_writers else self._last_write
 
     # -- helpers ---------------------------------------------------------------------
 
@@ -159,11 +187,15 @@ class Operations(pyfuse3.Operations):
         """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its space is free (at last close)."""
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             return
-        node = self.inodes.get(self.inodes.fuse_ino(st))
+        ino = self.inodes.fuse_ino(st)
+        node = self.inodes.get(ino)
         if node is not None and node.opens:
             node.orphaned = True
-        else:
-            self.space.drop(st.st_ino)
+            return
+        self.space.drop(st.st_ino)
+        # Nothing can reach the inode any more but our pin, which the kernel would release
+        # only with its FORGET, some requests later: let tmpfs free it now.
+        self.inodes.unpin(ino)
 
     def _relpath(self, fd: int, name: bytes = b"") -> str | None:
         """The tree-relative path of ``fd`` (joined with ``name``), as the commit rules see it."""
@@ -200,6 +232,8 @@ class Operations(pyfuse3.Operations):
     def _account_writes(self) -> None:
         for fd in self.writes.finished():
             self.space.update(os.fstat(fd))
+        for fd in self._passthrough_writers:  # the kernel writes these without telling us
+            self.space.update(os.fstat(fd))
 
     def _raise_write_error(self, fh: int) -> None:
         """Report a write of ``fh`` that failed after it was answered (as a failed writeback)."""
@@ -217,12 +251,28 @@ class Operations(pyfuse3.Operations):
         except FileNotFoundError:
             return None
 
-    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx) -> pyfuse3.FileInfo:
-        """Register an open backing descriptor and choose how the kernel caches it.
+    def _passes_through(self, ino: int, node: Inode, fd: int, writer_drops_privs: bool) -> bool:
+        """Whether the kernel may serve this open from the backing file itself."""
+        backing = self.backing
+        if backing is None or backing.failed is not None or node.kind != stat.S_IFREG:
+            return False
+        if self.restoring is not None and self.restoring.pending(ino):
+            return False  # its reads must wait for chunks
+        if writer_drops_privs:
+            return False  # its first write must drop set-id bits, which only the daemon sees
+        if node.opens - 1 > backing.opens(ino):
+            return False  # an earlier open is served by the daemon: the kernel allows no mix
+        return backing.attach(ino, fd)
 
-        Write-only opens use direct I/O: no copy into the page cache, and 1 MiB requests.
-        Read-only opens keep the page cache between opens unless the file changed since.
-        Read-write opens use the page cache (so shared mmap works), dropping stale pages.
+    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx) -> pyfuse3.FileInfo:
+        """Register an open backing descriptor and choose how the kernel reads and writes it.
+
+        Passthrough when the engine and the file allow it. Otherwise, through the daemon:
+        write-only opens use direct I/O (no copy into the page cache, 1 MiB requests);
+        read-only opens keep the page cache between opens unless the file changed since;
+        read-write opens use the page cache (so shared mmap works), dropping stale pages.
+        Under a passthrough engine every daemon open is direct I/O, since the kernel refuses
+        passthrough for an inode it caches.
         """
         node.opens += 1
         self._files[fd] = ino
@@ -234,11 +284,17 @@ class Operations(pyfuse3.Operations):
         if flags & os.O_TRUNC:
             node.cache_valid = False
             self.space.update(os.fstat(fd))
-        if accmode != os.O_RDONLY and ctx.uid != 0 and _has_privs(os.fstat(fd).st_mode):
+        drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and _has_privs(os.fstat(fd).st_mode)
+        if self._passes_through(ino, node, fd, drops_privs):
+            self.counters["passthrough_opens"] += 1
+            if accmode != os.O_RDONLY:
+                self._passthrough_writers.add(fd)
+            return fi
+        if drops_privs:
             # A write by anyone but root drops set-id bits; the kernel does it only for
             # page-cache writes, so direct writes do it here, as tmpfs would.
             self._kill_privs.add(fd)
-        if accmode == os.O_WRONLY or flags & os.O_DIRECT:
+        if accmode == os.O_WRONLY or flags & os.O_DIRECT or self.backing is not None:
             fi.direct_io = True
             node.cache_valid = False
         elif accmode == os.O_RDONLY:
@@ -280,6 +336,8 @@ class Operations(pyfuse3.Operations):
                 os.ftruncate(fh, attr.st_size)
             else:
                 os.truncate(node.proc_path, attr.st_size)
+            if getattr(fields, "kill_suidgid", False):
+                _drop_privs(node.proc_path)
             node.cache_valid = False
             self.space.update(os.fstat(node.fd))
         if fields.update_atime or fields.update_mtime:
@@ -375,7 +433,7 @@ class Operations(pyfuse3.Operations):
             if flags & os.O_EXCL:
                 raise
             self.writes_done()  # O_TRUNC must come after writes still queued for it
-            fd = os.open(name, bflags, dir_fd=parent.fd)  # raced with another creator
+            fd = self._open_raced(parent, name, bflags)
             created = False
         try:
             if created:
@@ -386,6 +444,24 @@ class Operations(pyfuse3.Operations):
             raise
         fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx)
         return fi, self._attrs(ino, st)
+
+    @staticmethod
+    def _open_raced(parent: Inode, name: bytes, bflags: int) -> int:
+        """Open a name another creator made between the kernel's lookup and our create.
+
+        Only a regular file is opened here, never through a symlink: anything else makes
+        the kernel look the name up again (ESTALE) and resolve it as the caller would.
+        """
+        try:
+            fd = os.open(name, bflags | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent.fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise pyfuse3.FUSEError(errno.ESTALE) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return fd
 
     @_errors_to_fuse
     async def read(self, fh, off, size):
@@ -418,15 +494,13 @@ class Operations(pyfuse3.Operations):
             self.space.update(os.fstat(fh))
         self.inodes[ino].cache_valid = False
         self.counters["bytes_written"] += n
-        self.last_write = time.monotonic()
+        self._last_write = time.monotonic()
         return n
 
     def _drop_privs(self, fh: int) -> None:
         if fh in self._kill_privs:
             self._kill_privs.discard(fh)
-            mode = os.fstat(fh).st_mode
-            if _has_privs(mode):
-                os.fchmod(fh, stat.S_IMODE(mode) & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0))
+            _drop_privs(f"/proc/self/fd/{fh}")
 
     @_errors_to_fuse
     async def flush(self, fh):
@@ -440,9 +514,15 @@ class Operations(pyfuse3.Operations):
             log.warning("a write to %s failed after close: %s", self._relpath(fh) or "an unlinked file", error)
         ino = self._files.pop(fh)
         self._kill_privs.discard(fh)
+        if self.backing is not None:
+            self.backing.detach(fh)
         path = None
         if fh in self._writable:
             self._writable.discard(fh)
+            if fh in self._passthrough_writers:  # the kernel wrote it: account it now
+                self._passthrough_writers.discard(fh)
+                self._last_write = time.monotonic()
+                self.space.update(os.fstat(fh))
             if self.events is not None and os.fstat(fh).st_nlink > 0:
                 path = self._relpath(fh)
         os.close(fh)
@@ -454,6 +534,7 @@ class Operations(pyfuse3.Operations):
         node.opens -= 1
         if node.orphaned and node.opens == 0:
             self.space.drop(os.fstat(node.fd).st_ino)
+            self.inodes.unpin(ino)
         self.inodes.forget(ino, 0)  # the kernel may have forgotten it while it was open
 
     @_errors_to_fuse
@@ -482,7 +563,7 @@ class Operations(pyfuse3.Operations):
                 ino, st = self.inodes.lookup(fh, names[i])
             except FileNotFoundError:
                 continue  # removed since the snapshot
-            if not pyfuse3.readdir_reply(token, names[i], self._attrs(ino, st), i + 1):
+            if not _readdir_reply(token, names[i], self._attrs(ino, st), i + 1):
                 self.inodes.forget(ino, 1)
                 break
 

@@ -1,0 +1,102 @@
+"""Which engine serves the mount, and so which data path file bytes take.
+
+- ``passthrough``: our own FUSE session (:mod:`tierfs.fs.session`) hands every whole
+  file's RAM-tier file to the kernel, which then reads, writes and maps it directly.
+- ``daemon``: pyfuse3 (libfuse), every byte through the daemon. Used where the kernel
+  cannot pass through (Linux < 6.9, no ``CAP_SYS_ADMIN`` in the initial user namespace),
+  or when asked for.
+
+Both engines call the same :class:`~tierfs.fs.operations.Operations`, so the volume's
+semantics do not depend on the choice; only its speed does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+
+import pyfuse3
+
+from tierfs.fs.session import KernelSession
+
+log = logging.getLogger(__name__)
+
+PASSTHROUGH_KERNEL = (6, 9)  # FUSE_PASSTHROUGH first shipped in Linux 6.9
+CAP_SYS_ADMIN = 21
+# min/max concurrent request tasks of pyfuse3; only reads of files being restored await,
+# so a few spare tasks keep the mount answering while reads wait for chunks.
+PYFUSE3_TASKS = (1, 32)
+
+
+class Pyfuse3Engine:
+    """pyfuse3's request loop behind the same life cycle as :class:`KernelSession`."""
+
+    name = "pyfuse3"
+    data_path = "daemon"
+
+    def __init__(self, ops):
+        self.ops = ops
+
+    def mount(self, mountpoint: str, fsname: str, read_only: bool = False) -> None:
+        options = {f"fsname={fsname}", "subtype=tierfs", "allow_other", "default_permissions"}
+        try:
+            pyfuse3.init(self.ops, mountpoint, options | ({"ro"} if read_only else set()))
+        except RuntimeError as e:
+            raise OSError(f"{e} (is /dev/fuse available?)") from None
+
+    async def run(self) -> None:
+        await pyfuse3.main(*PYFUSE3_TASKS)
+
+    def terminate(self) -> None:
+        pyfuse3.terminate()
+
+    def close(self, unmount: bool) -> None:
+        pyfuse3.close(unmount=unmount)
+
+
+def kernel_version(release: str | None = None) -> tuple[int, int]:
+    numbers = (release or platform.release()).split("-")[0].split(".")
+    return int(numbers[0]), int(numbers[1]) if len(numbers) > 1 and numbers[1].isdigit() else 0
+
+
+def passthrough_obstacle() -> str | None:
+    """Why this process cannot serve a mount by passthrough, or None if it can.
+
+    The kernel has the last word at INIT; this answers what can be known before mounting.
+    """
+    if kernel_version() < PASSTHROUGH_KERNEL:
+        return f"Linux {platform.release()} has no FUSE passthrough (it needs {'.'.join(map(str, PASSTHROUGH_KERNEL))})"
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+        with open("/proc/self/uid_map") as f:
+            initial_ns = f.read().split() == ["0", "0", "4294967295"]
+    except (OSError, StopIteration, ValueError) as e:
+        return f"cannot read this process's capabilities ({e})"
+    if not caps & (1 << CAP_SYS_ADMIN) or not initial_ns:
+        return "passthrough needs CAP_SYS_ADMIN in the initial user namespace"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse is not available"
+    return None
+
+
+def choose_data_path(requested: str) -> tuple[str, str | None]:
+    """The data path for ``requested`` (``auto``, ``passthrough`` or ``daemon``), and why
+    it is not passthrough when it is not.
+
+    Raises ValueError when passthrough is demanded but impossible here.
+    """
+    if requested == "daemon":
+        return "daemon", "--data-path daemon was asked for"
+    obstacle = passthrough_obstacle()
+    if obstacle is None:
+        return "passthrough", None
+    if requested == "passthrough":
+        raise ValueError(obstacle)
+    return "daemon", obstacle
+
+
+def make_engine(ops, data_path: str):
+    """The engine serving ``ops`` on ``data_path``."""
+    return KernelSession(ops) if data_path == "passthrough" else Pyfuse3Engine(ops)

@@ -1,0 +1,49 @@
+"""A tmpfs of its own for a rank sized to ``--capacity``: the kernel enforces the bound.
+
+With kernel passthrough the daemon no longer sees writes, so it cannot refuse the one
+that passes the capacity; a tmpfs of exactly that size refuses it itself, with ENOSPC from
+the very write, for every writer (the job, restores, replicas from peers). Hard links of
+committed steps stay within one file system, since snapshots live beside the tree. The
+mount outlives the daemon, as the data must; a restart with another capacity resizes it.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from tierfs import linux, mounts
+from tierfs.config import format_size
+from tierfs.errors import UserError
+
+MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
+SOURCE = "tierfs-ram"
+
+
+def is_own_tmpfs(path: Path) -> bool:
+    entry = mounts.find_mount(path)
+    return entry is not None and entry.fstype == "tmpfs"
+
+
+def own_tmpfs(path: Path, size: int) -> bool:
+    """Make ``path`` a tmpfs of ``size`` bytes (mounting or resizing it).
+
+    False, with nothing changed, if ``path`` already holds data on another file system
+    (a rank first mounted without a capacity): that data cannot move under a new mount.
+    """
+    if is_own_tmpfs(path):
+        try:
+            linux.mount(SOURCE, str(path), "tmpfs", MS_REMOUNT | MS_NOSUID | MS_NODEV, f"size={size}")
+        except OSError as e:
+            if e.errno != errno.EINVAL:
+                raise
+            raise UserError(f"capacity {format_size(size)} is below what {path} already holds: "
+                            "raise --capacity or remove files") from None
+        return True
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with os.scandir(path) as entries:
+        if any(entries):
+            return False
+    linux.mount(SOURCE, str(path), "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700,uid=0,gid=0")
+    return True

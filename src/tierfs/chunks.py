@@ -14,6 +14,10 @@ planes compress well (bf16 stored in fp32 words shrinks to about a third).
 
 Compression is CPU work that never runs on the FUSE write path; callers run ``encode``
 and ``decode`` in worker threads, and both are safe to call from many threads at once.
+
+Frames come back from buckets anyone with write access can fill, so ``decode`` never
+produces more than the chunk can hold: a zstd frame must name its size in its header, and
+one naming more than the caller's bound is refused before any memory is set aside for it.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import xxhash
 import zstandard
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+MAX_CHUNK_SIZE = 64 << 20  # the largest --chunk-size: no chunk, decoded or raw, is larger
 
 RAW, ZSTD, PLANES = b"R", b"Z", b"P"
 
@@ -94,20 +99,30 @@ def encode(data: bytes | memoryview) -> bytes:
     return tag + body if len(body) < len(data) else RAW + data
 
 
-def decode(frame: bytes | memoryview, expected_hash: str | None = None) -> bytes:
-    """Unframe a chunk; with ``expected_hash``, prove it is the chunk that was asked for.
+def max_frame_size(chunk_length: int) -> int:
+    """The largest frame a chunk of ``chunk_length`` bytes is stored in (raw, plus its tag)."""
+    return chunk_length + 1
+
+
+def decode(frame: bytes | memoryview, expected_hash: str | None = None,
+           max_size: int = MAX_CHUNK_SIZE) -> bytes:
+    """Unframe a chunk of at most ``max_size`` bytes; with ``expected_hash``, prove it is the one asked for.
 
     Chunks come back from disks, peers and GCS, so every failure to decode is reported as
-    ``CorruptChunk``: the caller's answer is the same (fetch it from another tier).
+    ``CorruptChunk``: the caller's answer is the same (fetch it from another tier). A
+    caller that knows the chunk's length from its manifest passes it as ``max_size``.
     """
     if not frame:
         raise CorruptChunk("empty frame: no tag byte")
+    if len(frame) > max_frame_size(max_size):
+        raise CorruptChunk(f"frame of {len(frame)} bytes is too large: a chunk of at most {max_size} "
+                           f"bytes is stored in at most {max_frame_size(max_size)}")
     tag, body = bytes(frame[:1]), memoryview(frame)[1:]
     try:
         if tag == RAW:
             data = bytes(body)
         elif tag in (ZSTD, PLANES):
-            data = _codecs()[1].decompress(body, allow_extra_data=False)
+            data = _decompress(body, max_size, tag)
             if tag == PLANES:
                 data = _join_planes(data)
         else:
@@ -119,6 +134,24 @@ def decode(frame: bytes | memoryview, expected_hash: str | None = None) -> bytes
         if actual != expected_hash:
             raise CorruptChunk(f"chunk hash mismatch: expected {expected_hash}, got {actual}")
     return data
+
+
+def _decompress(body: memoryview, max_size: int, tag: bytes) -> bytes:
+    """Decompress one zstd frame into a buffer of the size its header names, at most ``max_size``.
+
+    zstd never writes past that buffer (a frame holding more fails), so the size check
+    before it is the whole output cap: no bomb gets more memory than a real chunk would.
+    The writer always records the size and compresses only non-empty chunks, so a frame
+    without one is refused, and so is one of zero bytes (python-zstandard returns those
+    without looking at the rest of the frame).
+    """
+    size = zstandard.frame_content_size(body)
+    if size == -1:
+        raise CorruptChunk(f"bad {tag.decode()} frame: its zstd header does not record the content size")
+    if not 0 < size <= max_size:
+        raise CorruptChunk(f"bad {tag.decode()} frame: its zstd header claims {size} bytes, "
+                           f"the chunk has at most {max_size}")
+    return _codecs()[1].decompress(body, allow_extra_data=False)
 
 
 def hash_file(path: str | os.PathLike, chunk_size: int) -> list[str]:

@@ -69,7 +69,7 @@ class ChunkSources:
         for source in order + ([_GCS] if self.gcs is not None else []):
             if source is _GCS:
                 try:
-                    return await self._from_gcs(h)
+                    return await self._from_gcs(h, length)
                 except UserError as e:
                     errors.append(str(e))
             elif source in self.alive:
@@ -129,18 +129,23 @@ class ChunkSources:
         self._count(f"peer {peer_name(address)}", len(data))
         return data
 
-    async def _from_gcs(self, h: str) -> bytes:
-        from tierfs.gcs import MissingObject  # noqa: PLC0415 (only with --gcs)
+    async def _from_gcs(self, h: str, length: int) -> bytes:
+        """Chunk ``h`` from GCS: never more than ``length`` bytes read, nor decoded."""
+        from tierfs.gcs import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
 
         url = self.gcs.chunk_url(h)
         try:
-            frame = await gcs_call(self.gcs.get_chunk_frame, h)
+            frame = await gcs_call(self.gcs.get_chunk_frame, h, length)
         except MissingObject:
             raise UserError(f"chunk {url} is missing from GCS") from None
+        except GcsError as e:
+            raise UserError(f"chunk {url} is corrupt or unreadable ({e})") from None
         try:
-            data = await trio.to_thread.run_sync(chunks.decode, frame, h)
+            data = await trio.to_thread.run_sync(chunks.decode, frame, h, length)
         except chunks.CorruptChunk as e:
             raise UserError(f"chunk {url} is corrupt ({e})") from None
+        if len(data) != length:
+            raise UserError(f"chunk {url} is corrupt ({len(data)} bytes, the manifest says {length})")
         self._count("gcs", len(data))
         return data
 

@@ -9,8 +9,14 @@ Layout (with an empty PREFIX, names start at ``<job>/``)::
 
 Chunks are shared by every rank and step of the job and never change once written, so
 they are created with ``ifGenerationMatch=0``: of two ranks uploading the same bytes one
-wins and the other learns it can stop. The frame format is opaque here. Only
-:meth:`GcsStore.collect_garbage` deletes chunks, and it proves each one unused first.
+wins and the other learns it can stop. Only :meth:`GcsStore.collect_garbage` deletes
+chunks, and it proves each one unused first.
+
+Nothing read from the bucket is trusted: anyone who can write to it can plant objects.
+Every read is bounded by the size the object can have (a chunk frame, a manifest), names
+that are not exactly the ones this module writes are ignored, and an existing chunk
+object is decoded and checked against its name before an upload relies on it; one that
+fails is replaced (``ifGenerationMatch=<its generation>``), not trusted forever.
 
 Everything is synchronous, for worker threads; one store (and its HTTP connection pool)
 serves all of them. Transient failures are retried here for about a second, then raised
@@ -23,6 +29,7 @@ from __future__ import annotations
 import functools
 import http.client
 import json
+import logging
 import os
 import re
 import threading
@@ -39,9 +46,12 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption
 
+from tierfs import chunks
+from tierfs import manifest as manifest_format
 from tierfs.errors import UserError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 RETRY_DELAYS = (0.2, 1.0)  # sleeps between the three attempts of one request
 CONNECT_TIMEOUT = 10.0  # a connect that takes longer is an outage, however big the object
@@ -51,10 +61,14 @@ PENDING_MAX_AGE = 24 * 3600.0  # an upload marker older than this belongs to a d
 LIST_PAGE = 1000
 USED_KEY = "tierfs-used"  # chunk metadata: unix time of the last touch
 CONTENT_TYPE = "application/octet-stream"
+MAX_CHUNK_FRAME = chunks.max_frame_size(chunks.MAX_CHUNK_SIZE)
+REMEMBERED = 1 << 20  # chunks remembered as checked (about 100 MB at most), and names as ignored
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
 _BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]*[a-z0-9]")
-_MANIFEST_RE = re.compile(r"rank-(\d+)/step-(\d+)\.(json|pending)")
+# Candidates only (digit counts keep int() cheap); a name counts once it is exactly the one
+# _manifest_name gives for its numbers.
+_MANIFEST_RE = re.compile(r"rank-([0-9]{1,10})/step-([0-9]{1,19})\.(json|pending)")
 
 _TRANSIENT: tuple[type[BaseException], ...] = (
     api.TooManyRequests,
@@ -149,6 +163,10 @@ class GcsStore:
         self._client = client
         self._client_lock = threading.Lock()
         self._timeout = (min(timeout, CONNECT_TIMEOUT), timeout)
+        self._lock = threading.Lock()  # guards the three below; worker threads share the store
+        self._sound: dict[str, str] = {}  # chunk -> md5 (or generation) of the object found to hold it
+        self._replace: dict[str, int] = {}  # chunk -> generation of an object that does not hold it
+        self._ignored: set[str] = set()  # names under manifests/ already logged as not ours
 
     @property
     def client(self) -> storage.Client:
@@ -165,6 +183,9 @@ class GcsStore:
     def chunk_url(self, h: str) -> str:
         return self.url_of(self._chunk_name(h))
 
+    def manifest_url(self, rank: int, step: int) -> str:
+        return self.url_of(self._manifest_name(rank, step, "json"))
+
     def check(self) -> None:
         """Fail now, with a clear message, if the bucket is missing or out of reach.
 
@@ -176,37 +197,100 @@ class GcsStore:
     # -- chunks ---------------------------------------------------------------------------
 
     def put_chunk(self, h: str, frame: bytes) -> bool:
-        """Create the chunk; False if it already existed (its content is then the same).
+        """Make the chunk's object hold ``frame``; False if it already held the chunk.
 
-        A retry after a lost response also reports False: the first attempt created it.
+        The create is conditional on nothing being there. If something is, it is checked:
+        the chunk (another rank uploaded the same bytes, or a retry after a lost response
+        finds the first attempt's) means there is nothing to do; anything else is replaced,
+        conditionally on its generation, so a concurrent fix by another rank is not undone.
         """
-        try:
-            self._upload(self._chunk_name(h), frame, if_generation_match=0)
-        except api.PreconditionFailed:
-            return False
-        return True
+        name = self._chunk_name(h)
+        for _ in range(3):
+            with self._lock:
+                generation = self._replace.pop(h, 0)
+            try:
+                blob = self._upload(name, frame, if_generation_match=generation)
+            except api.PreconditionFailed:
+                blob = self._call("read", name,
+                                  lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout))
+                if blob is not None and self._holds_chunk(h, blob):
+                    return False
+                continue  # gone meanwhile (create it), or bad (replace that generation)
+            self._remember_sound(h, blob)
+            return True
+        raise GcsError(f"cannot put {self.url_of(name)}: the object under that name keeps changing")
 
     def touch_chunk(self, h: str) -> bool:
-        """Mark an existing chunk as in use now; False if it does not exist.
+        """Mark an existing chunk as in use now; False if it does not exist or is not the chunk.
 
         The metadata patch moves the chunk's ``updated`` time and bumps its
         metageneration, which is what keeps :meth:`collect_garbage` away from it.
+
+        An object this store has not yet seen hold the chunk is downloaded and decoded
+        once: something planted or damaged under the chunk's name must not stand in for
+        the chunk in every later step. False then makes the uploader put the chunk, and
+        :meth:`put_chunk` replaces the object.
         """
         name = self._chunk_name(h)
 
-        def patch() -> None:
+        def patch() -> storage.Blob:
             blob = self._blob(name)
             blob.metadata = {USED_KEY: f"{time.time():.6f}"}
             blob.patch(retry=None, timeout=self._timeout)
+            return blob
 
         try:
-            self._call("touch", name, patch)
+            blob = self._call("touch", name, patch)
         except api.NotFound:
             return False
-        return True
+        return self._holds_chunk(h, blob)
 
-    def get_chunk_frame(self, h: str) -> bytes:
-        return self._download(self._chunk_name(h))
+    def get_chunk_frame(self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE) -> bytes:
+        """The stored frame of a chunk of at most ``max_size`` bytes.
+
+        Read with a bound: an object larger than such a chunk's frame can be raises
+        :class:`CorruptObject` after at most one byte more than the bound.
+        """
+        return self._download(self._chunk_name(h), chunks.max_frame_size(max_size))
+
+    def _holds_chunk(self, h: str, blob: storage.Blob) -> bool:
+        """Whether ``blob`` (as just listed, patched or read) is a frame of chunk ``h``.
+
+        Checked by decoding it once per content (its MD5, which GCS computes, or else its
+        generation); the answer for sound content is remembered. An object that is not the
+        chunk is logged and noted for :meth:`put_chunk` to replace.
+        """
+        key = blob.md5_hash or f"generation {blob.generation}"
+        with self._lock:
+            if self._sound.get(h) == key:
+                return True
+        problem = self._chunk_problem(h, blob)
+        if problem is None:
+            self._remember_sound(h, blob)
+            return True
+        with self._lock:
+            self._replace[h] = blob.generation or 0
+        log.warning("%s does not hold chunk %s (%s): replacing it", self.url_of(blob.name), h, problem)
+        return False
+
+    def _chunk_problem(self, h: str, blob: storage.Blob) -> str | None:
+        if blob.size is not None and blob.size > MAX_CHUNK_FRAME:
+            return f"{blob.size} bytes, larger than any chunk frame"
+        try:
+            frame = self._download(blob.name, MAX_CHUNK_FRAME, blob.generation)
+            chunks.decode(frame, h)
+        except MissingObject:
+            return "it was deleted meanwhile"
+        except (CorruptObject, chunks.CorruptChunk) as e:
+            return str(e)
+        return None
+
+    def _remember_sound(self, h: str, blob: storage.Blob) -> None:
+        with self._lock:
+            if len(self._sound) >= REMEMBERED:
+                self._sound.clear()  # checking again is only slower
+            self._sound[h] = blob.md5_hash or f"generation {blob.generation}"
+            self._replace.pop(h, None)
 
     def list_chunks(self) -> Iterator[ChunkInfo]:
         """Every chunk of the job; other objects are skipped, so the collector leaves them be."""
@@ -240,7 +324,8 @@ class GcsStore:
         self._upload(self._manifest_name(rank, step, "json"), data)
 
     def get_manifest(self, rank: int, step: int) -> bytes:
-        return self._download(self._manifest_name(rank, step, "json"))
+        """The manifest's bytes, read with the bound of the largest manifest (:class:`CorruptObject` past it)."""
+        return self._download(self._manifest_name(rank, step, "json"), manifest_format.MAX_BYTES)
 
     def delete_manifest(self, rank: int, step: int) -> None:
         self._delete(self._manifest_name(rank, step, "json"))
@@ -280,7 +365,8 @@ class GcsStore:
                 self._delete(blob.name)
                 continue
             try:
-                data = self._download(blob.name)
+                # A marker lists each chunk once, 36 bytes a name: at most about the manifest's size.
+                data = self._download(blob.name, 2 * manifest_format.MAX_BYTES)
             except MissingObject:
                 continue  # the upload finished meanwhile and its manifest is in place
             found[(rank, step)] = _parse_pending(data, self.url_of(blob.name))
@@ -389,11 +475,29 @@ class GcsStore:
         return f"{self._base}manifests/rank-{rank}/step-{step:012d}.{kind}"
 
     def _manifest_objects(self, prefix: str) -> Iterator[tuple[int, int, str, storage.Blob]]:
+        """Manifests and markers under ``prefix``, by (rank, step, kind).
+
+        Only names exactly as :meth:`_manifest_name` writes them count. Another spelling
+        of a number (``step-99999.json``) names an object nothing would read or delete,
+        and a planted one would win retention over the real steps and be chosen as the
+        step to restore, which then cannot be found: such names are ignored, and logged
+        once each.
+        """
         start = len(f"{self._base}manifests/")
         for blob in self._list(prefix, "items(name,updated)"):
             m = _MANIFEST_RE.fullmatch(blob.name, start)
-            if m:
+            if m and blob.name == self._manifest_name(int(m[1]), int(m[2]), m[3]):
                 yield int(m[1]), int(m[2]), m[3], blob
+            else:
+                self._ignore(blob.name)
+
+    def _ignore(self, name: str) -> None:
+        with self._lock:
+            if name in self._ignored or len(self._ignored) >= REMEMBERED:
+                return
+            self._ignored.add(name)
+        log.warning("ignoring %r: not a manifest or upload marker name tierfs writes "
+                    "(manifests/rank-<R>/step-<S, 12 digits>.json or .pending)", self.url_of(name))
 
     def _list_manifests(self, prefix: str) -> dict[int, list[int]]:
         steps: dict[int, list[int]] = {}
@@ -411,31 +515,51 @@ class GcsStore:
         # A Blob caches the object's properties: one per request, never shared by threads.
         return self._bucket().blob(name)
 
-    def _upload(self, name: str, data: bytes, **preconditions: int) -> None:
-        """One request up to 8 MiB; larger objects take a one-chunk resumable session."""
+    def _upload(self, name: str, data: bytes, **preconditions: int) -> storage.Blob:
+        """One request up to 8 MiB; larger objects take a one-chunk resumable session.
 
-        def send() -> None:
-            self._blob(name).upload_from_string(
+        Returns the blob with the properties GCS answered (generation, MD5).
+        """
+
+        def send() -> storage.Blob:
+            blob = self._blob(name)
+            blob.upload_from_string(
                 data, content_type=CONTENT_TYPE, retry=None, timeout=self._timeout, **preconditions
             )
+            return blob
 
         try:
-            self._call("upload", name, send)
+            return self._call("upload", name, send)
         except api.NotFound:
             raise self._missing_bucket() from None
 
-    def _download(self, name: str) -> bytes:
-        try:
-            return self._call(
-                "download",
-                name,
+    def _download(self, name: str, limit: int, generation: int | None = None) -> bytes:
+        """The object's bytes if it has at most ``limit``; else :class:`CorruptObject`.
+
+        The request asks for ``limit + 1`` stored bytes (an HTTP range), so an oversized
+        object costs no more than that to find out about.
+        """
+
+        def get() -> bytes:
+            blob = self._bucket().blob(name, generation=generation)
+            try:
                 # One read of the whole body, not 8 KiB steps: objects are a chunk at most,
                 # and the stepwise loop holds the GIL long enough to stall the FUSE thread.
-                lambda: self._blob(name).download_as_bytes(retry=None, timeout=self._timeout,
-                                                           single_shot_download=True),
-            )
+                # Raw: the stored bytes, never inflated on the way in (tierfs sets no
+                # Content-Encoding; a planted gzip one would otherwise be a bomb).
+                return blob.download_as_bytes(start=0, end=limit, raw_download=True, retry=None,
+                                              timeout=self._timeout, single_shot_download=True)
+            except api.RequestRangeNotSatisfiable:
+                return b""  # an empty object has no byte 0 to start from
+
+        try:
+            data = self._call("download", name, get)
         except api.NotFound:
             raise MissingObject(f"{self.url_of(name)} does not exist") from None
+        if len(data) > limit:
+            raise CorruptObject(f"{self.url_of(name)} is larger than {limit} bytes, "
+                                "more than any object tierfs writes there")
+        return data
 
     def _delete(self, name: str) -> None:
         """Delete if present: a retry after a lost response finds nothing, and that is fine."""
@@ -547,7 +671,7 @@ def _last_used(blob: storage.Blob) -> float:
 def _parse_pending(data: bytes, url: str) -> set[str]:
     try:
         hashes = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         hashes = None
     if not isinstance(hashes, list) or not all(_is_hash(h) for h in hashes):
         raise CorruptObject(f"{url} is not a JSON list of chunk hashes")
@@ -559,7 +683,7 @@ def _parse_manifest_chunks(data: bytes, url: str) -> set[str]:
     try:
         entries = json.loads(data)["entries"]
         hashes = {h for entry in entries for h in entry.get("chunks", ())}
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise CorruptObject(f"{url} is not a manifest: its chunks cannot be told") from None
     if not all(_is_hash(h) for h in hashes):
         raise CorruptObject(f"{url} names something that is not a chunk hash")

@@ -8,12 +8,18 @@ the whole checkpoint.
 
 Manifests come back from peers and buckets and restoring one creates files, so parsing
 trusts nothing: a manifest that could write outside the volume root, through a symlink,
-or that disagrees with itself is refused before any of it is used.
+or that disagrees with itself is refused before any of it is used. So is one larger than
+the limits below, which are far beyond any real checkpoint and keep a hostile one from
+costing the daemon its memory, and one with a number no system call accepts. Symlink
+targets are relative and never climb (no ``..``), so a restored link only ever points
+below its own directory. Restoring never sets set-uid, set-gid, or sticky on a file
+(:func:`restorable_mode`): the daemon is root, the manifest's author may not be.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import stat
@@ -22,9 +28,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs import chunks
+from tierfs.config import check_job_id
+from tierfs.errors import UserError
+
+log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 KINDS = ("file", "dir", "symlink")
+
+MAX_BYTES = 64 << 20  # a manifest's JSON (the peer protocol carries no larger one either)
+MAX_ENTRIES = 1 << 20  # paths in one manifest
+MAX_CHUNKS = 1 << 21  # chunk names in one manifest: 8 TiB of 4 MiB chunks per rank
+MAX_PATH = 4096  # bytes in a path or symlink target (Linux PATH_MAX)
+MAX_NAME = 255  # bytes in one path component (Linux NAME_MAX)
+MAX_RANK = (1 << 31) - 1
+MAX_STEP = (1 << 63) - 1
+MAX_ID = (1 << 32) - 2  # uid/gid: 2**32 - 1 is chown's "leave as it is"
+MAX_NS = (1 << 63) - 1  # mtime_ns: what utime takes
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
 
@@ -77,10 +97,14 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
         """Parse a manifest from another machine: nothing in it is used before it is checked."""
+        if len(data) > MAX_BYTES:
+            raise ManifestError(f"manifest of {len(data)} bytes is larger than {MAX_BYTES} bytes")
         try:
             obj = json.loads(data)
         except ValueError as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ManifestError("manifest is not a manifest: its JSON is nested too deeply") from None
         if not isinstance(obj, dict):
             raise ManifestError("manifest is not a JSON object")
         version = _get(obj, "format", int, "manifest")
@@ -89,18 +113,32 @@ class Manifest:
                                 f"supports ({FORMAT_VERSION}): upgrade tierfs")
         if version < 1:
             raise ManifestError(f"manifest format {version} does not exist")
+        entries = _get(obj, "entries", list, "manifest")
+        roots = _get(obj, "roots", list, "manifest")
+        if max(len(entries), len(roots)) > MAX_ENTRIES:
+            raise ManifestError(f"manifest has more than {MAX_ENTRIES} entries or roots")
         manifest = cls(
             job=_get(obj, "job", str, "manifest"),
             rank=_get(obj, "rank", int, "manifest"),
             step=_get(obj, "step", int, "manifest"),
             chunk_size=_get(obj, "chunk_size", int, "manifest"),
-            roots=_get(obj, "roots", list, "manifest"),
-            entries=[_parse_entry(e) for e in _get(obj, "entries", list, "manifest")],
+            roots=roots,
+            entries=[_parse_entry(e) for e in entries],
             created=_get(obj, "created", (int, float), "manifest"),
             format=version,
         )
         manifest._validate()
         return manifest
+
+    def check_identity(self, job: str, rank: int, step: int) -> None:
+        """Refuse a manifest that is not the one asked for.
+
+        Tiers file manifests by name, and a name is only a claim: a hostile bucket writer
+        or peer could otherwise serve rank 2's files as rank 3's, or step 5 as step 9.
+        """
+        if (self.job, self.rank, self.step) != (job, rank, step):
+            raise ManifestError(f"it is job {self.job!r} rank {self.rank} step {self.step}, "
+                                f"not job {job!r} rank {rank} step {step} as asked")
 
     def chunk_set(self) -> set[str]:
         """Every chunk the checkpoint needs: what must be on a tier before the manifest."""
@@ -115,9 +153,16 @@ class Manifest:
         return len(self.chunk_set())
 
     def _validate(self) -> None:
-        if self.rank < 0 or self.step < 0 or self.chunk_size <= 0:
+        try:
+            check_job_id(self.job)
+        except UserError:
+            raise ManifestError(f"manifest: invalid job id {self.job[:200]!r}") from None
+        if not (0 <= self.rank <= MAX_RANK and 0 <= self.step <= MAX_STEP
+                and 0 < self.chunk_size <= chunks.MAX_CHUNK_SIZE):
             raise ManifestError(f"manifest: invalid rank {self.rank}, step {self.step} "
                                 f"or chunk size {self.chunk_size}")
+        if sum(len(e.chunks) for e in self.entries) > MAX_CHUNKS:
+            raise ManifestError(f"manifest names more than {MAX_CHUNKS} chunks")
         kinds: dict[str, str] = {}
         previous = ""
         for e in self.entries:
@@ -152,7 +197,7 @@ def _parse_entry(obj: object) -> Entry:
     if not isinstance(obj, dict):
         raise ManifestError("manifest: an entry is not a JSON object")
     path = _get(obj, "path", str, "entry")
-    where = f"entry {path!r}"
+    where = f"entry {_short(path)}"
     return Entry(
         path=path,
         kind=_get(obj, "kind", str, where),
@@ -171,29 +216,79 @@ def _check_path(path: object, what: str) -> None:
     if not isinstance(path, str):
         raise ManifestError(f"{what} {path!r} is not a string")
     parts = path.split("/")
+    problem = _name_problem(path)
+    if problem is None:
+        if "" in parts or "." in parts:
+            problem = "is not normalized"
+        else:
+            return
+    raise ManifestError(f"{what} path {_short(path)} {problem}")
+
+
+def check_target(target: str) -> None:
+    """Refuse a symlink target that is absolute or climbs: a restored link stays below its directory.
+
+    Links that obey this can only lead to other paths below the volume root, however they
+    chain, so nothing that follows a restored link (the job, a later backup) is led out.
+    """
+    problem = _name_problem(target)
+    if problem is not None:
+        raise ManifestError(f"symlink target {_short(target)} {problem}")
+
+
+def _name_problem(path: str) -> str | None:
+    """What makes ``path`` unfit to name something below the volume root, if anything."""
     if not path:
-        problem = "is empty"
-    elif path.startswith("/"):
-        problem = "is absolute"
-    elif ".." in parts:
-        problem = "has a '..' component"
-    elif "" in parts or "." in parts or "\0" in path:
-        problem = "is not normalized"
-    else:
-        return
-    raise ManifestError(f"{what} path {path!r} {problem}")
+        return "is empty"
+    if "\0" in path:
+        return "contains NUL"
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError:
+        return "is not a file name (it has unpaired surrogates)"
+    if len(encoded) > MAX_PATH:
+        return f"is longer than {MAX_PATH} bytes"
+    if path.startswith("/"):
+        return "is absolute"
+    parts = encoded.split(b"/")
+    if b".." in parts:
+        return "has a '..' component"
+    if max(map(len, parts)) > MAX_NAME:
+        return f"has a component longer than {MAX_NAME} bytes"
+    return None
+
+
+def _short(text: str) -> str:
+    """A value for a one-line message: quoted, and cut if long."""
+    return repr(text) if len(text) <= 100 else f"{text[:100]!r}... ({len(text)} characters)"
+
+
+def restorable_mode(e: Entry) -> int:
+    """The permission bits a restore gives ``e``: set-uid and set-gid never, sticky on directories only.
+
+    The daemon restores as root with the manifest's owner, so honouring these bits would
+    let anyone who can write to the bucket, or speak for a peer, plant a set-uid-root file.
+    """
+    mode = stat.S_IMODE(e.mode) & ~(stat.S_ISUID | stat.S_ISGID)
+    return mode if e.kind == "dir" else mode & ~stat.S_ISVTX
 
 
 def _check_entry(e: Entry, chunk_size: int) -> None:
-    where = f"entry {e.path!r}"
+    where = f"entry {_short(e.path)}"
     if e.kind not in KINDS:
         raise ManifestError(f"{where}: unknown kind {e.kind!r}")
     if not 0 <= e.mode <= 0o7777:
         raise ManifestError(f"{where}: mode {e.mode:#o} is not permission bits")
-    if min(e.uid, e.gid, e.size) < 0:
-        raise ManifestError(f"{where}: negative uid, gid or size")
+    if not (0 <= e.uid <= MAX_ID and 0 <= e.gid <= MAX_ID):
+        raise ManifestError(f"{where}: uid {e.uid} or gid {e.gid} is not between 0 and {MAX_ID}")
+    if e.size < 0:
+        raise ManifestError(f"{where}: negative size")
+    if not -MAX_NS <= e.mtime_ns <= MAX_NS:
+        raise ManifestError(f"{where}: mtime_ns {e.mtime_ns} is out of range")
     if (e.target is not None) != (e.kind == "symlink"):
         raise ManifestError(f"{where}: a symlink needs a target and nothing else has one")
+    if e.target is not None:
+        check_target(e.target)
     if e.kind != "file" and e.size:
         raise ManifestError(f"{where}: a {e.kind} has no size")
     expected = -(-e.size // chunk_size)
@@ -210,9 +305,12 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
     """Describe the committed ``roots`` of a snapshot tree that nothing writes to any more.
 
     Symlinks are recorded, never followed; fifos, sockets and devices are skipped, since no
-    checkpoint format writes them. Hard links become separate files: their chunks are the
-    same, so they cost nothing extra. The ancestors of each root are recorded too, so a
-    restore recreates their modes and owners as well.
+    checkpoint format writes them, and so are symlinks that are absolute or climb out of
+    their directory, which no restore would recreate (:func:`check_target`). Hard links
+    become separate files: their chunks are the same, so they cost nothing extra. The
+    ancestors of each root are recorded too, so a restore recreates their modes and owners
+    as well. The result is checked as a manifest from elsewhere would be: what is backed
+    up can be restored.
 
     ``known`` caches chunk lists by ``(st_ino, st_size, st_mtime_ns)``. Passing the same
     dict for every step of one volume hashes a file that outlives several steps once, not
@@ -235,10 +333,13 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
                 ancestors[path] = _describe(top, path, st, chunk_size, known)
         _walk(top, root, found, chunk_size, known)
         if root not in found:
-            raise ManifestError(f"root {root!r} is not a file, directory or symlink")
+            raise ManifestError(f"root {root!r} is not a file, directory or symlink "
+                                "(or is a symlink no restore could recreate)")
     entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)
-    return Manifest(job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots),
-                    entries=entries, created=time.time())
+    manifest = Manifest(job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots),
+                        entries=entries, created=time.time())
+    manifest._validate()
+    return manifest
 
 
 def _walk(top: Path, root: str, found: dict[str, Entry], chunk_size: int,
@@ -263,7 +364,13 @@ def _describe(top: Path, rel: str, st: os.stat_result, chunk_size: int,
     if stat.S_ISDIR(st.st_mode):
         return Entry(kind="dir", size=0, **common)
     if stat.S_ISLNK(st.st_mode):
-        return Entry(kind="symlink", size=0, target=os.readlink(top / rel), **common)
+        target = os.readlink(top / rel)
+        try:
+            check_target(target)
+        except ManifestError as e:
+            log.warning("not backing up symlink %r: its %s, and no restore would recreate it", rel, e)
+            return None
+        return Entry(kind="symlink", size=0, target=target, **common)
     if stat.S_ISREG(st.st_mode):
         return Entry(kind="file", size=st.st_size,
                      chunks=_file_chunks(top / rel, st, chunk_size, known), **common)

@@ -38,7 +38,7 @@ from tierfs.atomic import write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources, gcs_call, peer_address
-from tierfs.manifest import Entry, Manifest, ManifestError
+from tierfs.manifest import Entry, Manifest, ManifestError, restorable_mode
 from tierfs.peers.wire import PeerError
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.steps import StepState, Steps
@@ -384,7 +384,7 @@ def _pwrite_all(data: bytes, places: list[tuple[int, int]]) -> None:
 def _apply_attrs(path: str, e: Entry) -> None:
     os.chown(path, e.uid, e.gid, follow_symlinks=False)
     if e.kind != "symlink":
-        os.chmod(path, stat.S_IMODE(e.mode))
+        os.chmod(path, restorable_mode(e))
     os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
 
 
@@ -408,32 +408,39 @@ def link_copy(src: str | Path, dst: str | Path, recurse: bool = True) -> None:
 
 
 async def fetch_manifest(cfg: Config, step: int, tiers: list[str], peers, gcs) -> tuple[Manifest, Origin]:
-    """This rank's manifest of ``step`` from the first tier that gives a valid one."""
+    """This rank's manifest of ``step`` from the first tier that gives a valid one.
+
+    A manifest that is not this job's, this rank's and this step's is refused like a
+    malformed one, and the next tier is asked.
+    """
     origin = Origin([t.removeprefix("peer ") for t in tiers if t.startswith("peer ")], "gcs" in tiers)
     errors = []
     for name in origin.peers:
         try:
             async with await peers.connect(peer_address(name)) as client:
-                return _parse(await client.get_manifest(cfg.rank, step), f"peer {name}"), origin
+                return _parse(await client.get_manifest(cfg.rank, step), f"peer {name}", cfg, step), origin
         except (PeerError, OSError, trio.TooSlowError, UserError) as e:
             errors.append(f"peer {name}: {e}")
     if origin.in_gcs:
-        from tierfs.gcs import MissingObject  # noqa: PLC0415 (only with --gcs)
+        from tierfs.gcs import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
 
         try:
-            return _parse(await gcs_call(gcs.get_manifest, cfg.rank, step), cfg.gcs), origin
+            data = await gcs_call(gcs.get_manifest, cfg.rank, step)
+            return _parse(data, gcs.manifest_url(cfg.rank, step), cfg, step), origin
         except MissingObject as e:
             errors.append(f"gcs: {e}")
-        except UserError as e:
+        except (UserError, GcsError) as e:
             errors.append(str(e))
     raise UserError(f"no tier could send the manifest of step {step} of rank {cfg.rank}: "
                     f"{'; '.join(errors) or 'none holds it'}")
 
 
-def _parse(data: bytes, where: str) -> Manifest:
+def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
     try:
-        return Manifest.from_json(data)
+        manifest = Manifest.from_json(data)
+        manifest.check_identity(cfg.job, cfg.rank, step)
     except ManifestError as e:
         raise UserError(f"the manifest from {where} is unusable: {e}") from None
+    return manifest
 
 

@@ -135,7 +135,9 @@ def snap(tmp_path) -> Path:
     (step / "optimizer" / "state").write_bytes(os.urandom(CS // 2))
     (step / "run.sh").write_bytes(b"#!/bin/sh\n")
     os.symlink("model/layers/exact", step / "latest")
-    os.symlink("/nonexistent/elsewhere", step / "dangling")
+    os.symlink("nonexistent/elsewhere", step / "dangling")
+    os.symlink("/etc/passwd", step / "absolute")  # no restore would recreate it: not recorded
+    os.symlink("../../escape", step / "climbing")  # nor this one
     os.mkfifo(step / "progress.fifo")
     os.chmod(step / "run.sh", 0o4755)
     os.chmod(step / "optimizer", 0o3775)
@@ -171,7 +173,7 @@ def test_build_describes_a_directory_checkpoint(snap):
         "checkpoints/500/optimizer",
         "checkpoints/500/optimizer/state",
         "checkpoints/500/run.sh",
-    ]  # the fifo is skipped
+    ]  # the fifo, the absolute and the climbing symlink are skipped
     for path, e in entries.items():
         st = os.lstat(snap / path)
         assert (e.mode, e.uid, e.gid) == (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
@@ -186,7 +188,7 @@ def test_build_describes_a_directory_checkpoint(snap):
     assert entries["checkpoints/500/run.sh"].mode == 0o4755
     assert entries["checkpoints/500/latest"].kind == "symlink"
     assert entries["checkpoints/500/latest"].target == "model/layers/exact"
-    assert entries["checkpoints/500/dangling"].target == "/nonexistent/elsewhere"
+    assert entries["checkpoints/500/dangling"].target == "nonexistent/elsewhere"
     assert entries["checkpoints/500/model/layers/empty"].chunks == []
     assert len(entries["checkpoints/500/model/layers/exact"].chunks) == 3
     assert len(entries["checkpoints/500/model/layers/plus-one"].chunks) == 4

@@ -38,7 +38,7 @@ from pathlib import Path
 import trio
 import yaml
 
-from tierfs.atomic import temporary_name, write_atomically
+from tierfs.atomic import read_state, temporary_name, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -219,7 +219,7 @@ class MtcNode:
         if self.coordinator is not None:
             write_atomically(self.tree / JAX_INIT_INFO, jax_init_info(self.rank, self.coordinator), 0o555)
         try:
-            data = json.loads(self.state_path.read_text())
+            data = json.loads(read_state(self.state_path, 1 << 20))  # UnsafeFile: not the daemon's own
             self.spec = ReplicatorSpec(**{**data, "peer_ranks": tuple(data["peer_ranks"])})
         except FileNotFoundError:
             return None
@@ -296,7 +296,7 @@ class MtcNode:
             await self._put(FAILED, f"tierfs: {problem}\n")
         else:
             self.spec, self.last_error = spec, None
-            await trio.to_thread.run_sync(write_atomically, self.state_path, json.dumps(asdict(spec)))
+            await trio.to_thread.run_sync(write_atomically, self.state_path, json.dumps(asdict(spec)), 0o600)
             if warnings:
                 await self._put(ERRORS, "".join(f"tierfs: {w}\n" for w in warnings))
             await self._put(PRERESTORE, prerestore(target[0] if target else None))
@@ -307,7 +307,8 @@ class MtcNode:
         await trio.to_thread.run_sync(functools.partial((mnt / REPLICATOR).unlink, missing_ok=True))
 
     async def _put(self, name: str, text: str) -> None:
-        await trio.to_thread.run_sync(write_atomically, self.mountpoint / name, text)
+        """An answer in the volume's root, readable by the job (which deletes it)."""
+        await trio.to_thread.run_sync(write_atomically, self.mountpoint / name, text, 0o644)
 
     def _present(self, job: str, target: tuple[int, str] | None) -> None:
         """The job renames the entry onto ``<step>``, which therefore must not exist yet: a

@@ -24,6 +24,9 @@ import stat
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
+from tierfs.atomic import UnsafeFile, private_dir
+from tierfs.errors import UserError
+
 log = logging.getLogger(__name__)
 
 
@@ -41,14 +44,22 @@ class Snapshots:
     # -- state -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Rebuild the pin table after a restart; remove what a crash left half-built."""
-        self.root.mkdir(exist_ok=True)
-        self._pins.clear()
-        for entry in os.scandir(self.root):
-            if entry.name.startswith("."):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            elif entry.name.isdigit():
-                self._walk_pins(self.step_tree(int(entry.name)), self._pin)
+        """Rebuild the pin table after a restart; remove what a crash left half-built.
+
+        Raises UserError if ``steps/`` or a step in it is not the daemon's own: what is
+        there decides what this start serves, replicates and deletes.
+        """
+        try:
+            private_dir(self.root)
+            self._pins.clear()
+            for entry in os.scandir(self.root):
+                if entry.name.startswith("."):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                elif entry.name.isdigit():
+                    private_dir(Path(entry.path))
+                    self._walk_pins(self.step_tree(int(entry.name)), self._pin)
+        except UnsafeFile as e:
+            raise UserError(f"unsafe ramdisk: {e}") from None
 
     def steps(self) -> list[int]:
         return sorted(int(e.name) for e in os.scandir(self.root) if e.name.isdigit())
@@ -86,7 +97,9 @@ class Snapshots:
         except FileNotFoundError:
             return False
         snap = self.step_tree(step)
-        snap.mkdir(parents=True, exist_ok=True)
+        for d in (self.step_dir(step), snap):
+            if not os.path.isdir(d):
+                os.mkdir(d, 0o700)
         self._serial += 1
         staging = self.root / f".staging-{os.getpid()}-{self._serial}"
         frozen: list[tuple[int, str]] = []  # (inode, path under the root) of each file

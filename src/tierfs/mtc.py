@@ -24,14 +24,15 @@ as soon as the job closes or renames it into place, and applies what it says.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import re
-import shutil
+import stat
 import string
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -39,6 +40,7 @@ import trio
 import yaml
 
 from tierfs.atomic import read_state, temporary_name, write_atomically
+from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)
 
@@ -215,7 +217,8 @@ class MtcNode:
         """Clear a previous pod's protocol files; returns the spec a previous run accepted."""
         for name in (ERRORS, FAILED, PRERESTORE, JAX_INIT_INFO, temporary_name(Path(JAX_INIT_INFO)).name):
             (self.tree / name).unlink(missing_ok=True)
-        _clear_entries(self.tree)
+        with _opened(self.tree) as fd:
+            _clear_entries(fd)
         if self.coordinator is not None:
             write_atomically(self.tree / JAX_INIT_INFO, jax_init_info(self.rank, self.coordinator), 0o555)
         try:
@@ -255,21 +258,29 @@ class MtcNode:
     # -- the task --------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        if (self.tree / REPLICATOR).exists():  # written while no daemon was serving
+        if os.path.lexists(self.tree / REPLICATOR):  # written while no daemon was serving
             self._wake.set()
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
             while self._doomed:
                 root = self._doomed.pop()
-                await trio.to_thread.run_sync(shutil.rmtree, self.mountpoint / root, True)
-                log.info("deleted superseded step %s from the volume", root)
-            if (self.tree / REPLICATOR).exists():
+                try:
+                    await trio.to_thread.run_sync(self._delete, root)
+                except OSError as e:  # a link in the way, or the volume refused: the step stays
+                    log.warning("could not delete superseded step %s from the volume: %s", root, e)
+            if os.path.lexists(self.tree / REPLICATOR):
                 try:
                     await self._answer()
                 except OSError as e:  # the volume refused an answer: say so, keep the mount up
                     self.last_error = f"could not answer {REPLICATOR}: {e}"
                     log.error("%s", self.last_error)
+
+    def _delete(self, root: str) -> None:
+        """Delete a dropped step's root through the mount, never through a link the job made."""
+        with _opened(self.mountpoint) as fd:
+            if beneath.remove(fd, root):
+                log.info("deleted superseded step %s from the volume", root)
 
     async def _answer(self) -> None:
         mnt = self.mountpoint
@@ -313,31 +324,49 @@ class MtcNode:
     def _present(self, job: str, target: tuple[int, str] | None) -> None:
         """The job renames the entry onto ``<step>``, which therefore must not exist yet: a
         step at the root is presented by renaming its directory to the entry; one elsewhere
-        by a symlink to it, as GKE's replicator does."""
-        _clear_entries(self.mountpoint)
-        if target is None:
-            (self.mountpoint / restore_entry_name(job, 0, self.rank)).touch()
-            return
-        step, root = target
-        entry = restore_entry_name(job, step, self.rank)
-        if root == str(step) and not (self.mountpoint / root).is_symlink():
-            os.rename(self.mountpoint / root, self.mountpoint / entry)
-            self._presented = (entry, root)
-        else:
-            os.symlink(root, self.mountpoint / entry)
+        by a symlink to it, as GKE's replicator does. Names are one component of the root."""
+        with _opened(self.mountpoint) as fd:
+            _clear_entries(fd)
+            if target is None:
+                entry = restore_entry_name(job, 0, self.rank)
+                os.close(os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd))
+                return
+            step, root = target
+            entry = restore_entry_name(job, step, self.rank)
+            if root == str(step) and stat.S_ISDIR(os.lstat(root, dir_fd=fd).st_mode):
+                os.rename(root, entry, src_dir_fd=fd, dst_dir_fd=fd)
+                self._presented = (entry, root)
+            else:
+                os.symlink(root, entry, dir_fd=fd)
 
     def status(self) -> dict:
         return {"spec": asdict(self.spec) if self.spec else None, "error": self.last_error}
 
 
-def _clear_entries(root: Path) -> None:
+def _clear_entries(dir_fd: int) -> None:
     """Take back ``.restore`` entries the job did not consume: a presented step directory
-    gets its name back, anything else goes."""
-    for entry in os.scandir(root):
+    gets its name back, anything else goes. ``dir_fd`` is the volume's root."""
+    for entry in os.scandir(dir_fd):
         step = restore_entry_step(entry.name)
         if step is None:
             continue
-        if entry.is_dir(follow_symlinks=False) and not os.path.lexists(root / str(step)):
-            os.rename(entry.path, root / str(step))
-        elif not entry.is_dir(follow_symlinks=False):
-            Path(entry.path).unlink(missing_ok=True)
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                os.lstat(str(step), dir_fd=dir_fd)
+            except FileNotFoundError:
+                os.rename(entry.name, str(step), src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        else:
+            try:
+                os.unlink(entry.name, dir_fd=dir_fd)
+            except FileNotFoundError:
+                pass
+
+
+@contextlib.contextmanager
+def _opened(directory: Path) -> Iterator[int]:
+    """A descriptor of ``directory`` (the tree or the mount: paths the daemon chose), closed after."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield fd
+    finally:
+        os.close(fd)

@@ -145,6 +145,38 @@ def test_a_directory_an_older_version_left_wide_open_is_narrowed(volumes):
     assert (vol.mountpoint / "ckpt" / "1" / "weights").read_bytes() == b"w" * 4096
 
 
+def test_retention_never_deletes_through_a_link_the_job_swapped_in(volumes, shm_dir):
+    """The job commits ckpt/1, then replaces ``ckpt`` by a link to another job's data; when a
+    newer step drops step 1, the daemon (root) must not delete what the link points to."""
+    vol = volumes(job="run")  # --keep-local 1: step 2 drops step 1
+    handshake(vol.mountpoint, YAML.format(job="run", rank=0, nodes=1))  # the node now deletes old steps
+    victim = shm_dir("tierfs-victim")
+    (victim / "ckpt" / "1").mkdir(parents=True)
+    (victim / "ckpt" / "1" / "weights").write_bytes(b"another job's checkpoint")
+    write_step(vol, "ckpt", 1)
+    as_job("import os, sys; m = sys.argv[1]; os.rename(os.path.join(m, 'ckpt'), os.path.join(m, 'moved'));"
+           "os.symlink(sys.argv[2], os.path.join(m, 'ckpt'))", vol.mountpoint, victim / "ckpt")
+    write_step(vol, "moved", 2)  # commits step 2; retention drops step 1, whose root was ckpt/1
+    assert sorted(s["step"] for s in vol.status()["steps"]) == [2]
+    # The node answers replicator.yaml only after the deletions queued before it: a barrier.
+    handshake(vol.mountpoint, YAML.format(job="run", rank=0, nodes=1))
+    assert (victim / "ckpt" / "1" / "weights").read_bytes() == b"another job's checkpoint"
+    assert (vol.mountpoint / "moved" / "2" / "weights").read_bytes() == b"w" * 4096
+    assert os.path.islink(vol.mountpoint / "ckpt")
+
+
+def test_an_explicit_commit_never_freezes_files_through_a_link(volume, shm_dir):
+    victim = shm_dir("tierfs-victim")
+    (victim / "5").mkdir()
+    (victim / "5" / "weights").write_bytes(b"another job's checkpoint")
+    as_job("import os, sys; os.symlink(sys.argv[2], os.path.join(sys.argv[1], 'export'))", volume.mountpoint, victim)
+    result = tierfs("commit", volume.mountpoint / "export" / "5", check=False)
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "symbolic link" in result.stderr and "Traceback" not in result.stderr
+    assert os.lstat(victim / "5" / "weights").st_nlink == 1, "no snapshot links another job's file"
+    assert volume.status()["steps"] == []
+
+
 def test_the_control_socket_is_never_open_to_others(tmp_path, monkeypatch):
     """The socket file bind() creates already has its final mode: there is no moment at which
     another user could connect and commit or ask."""

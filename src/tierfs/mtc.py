@@ -396,7 +396,10 @@ class MtcNode:
 
     async def _answer(self) -> None:
         mnt = self.mountpoint
+        owner = None  # the answers go to whoever wrote the question: in the sticky root only they may delete them
         try:
+            st = await trio.to_thread.run_sync(os.lstat, mnt / REPLICATOR)
+            owner = (st.st_uid, st.st_gid)
             text = await trio.to_thread.run_sync(self._read)
             problem = None
         except FileNotFoundError:
@@ -420,14 +423,14 @@ class MtcNode:
         if problem is not None:
             self.last_error = problem
             log.error("%s: %s", REPLICATOR, problem)
-            await self._put(FAILED, f"tierfs: {problem}\n")
+            await self._put(FAILED, f"tierfs: {problem}\n", owner)
         else:
             self.spec, self.last_error = spec, None
             await trio.to_thread.run_sync(write_atomically, self.state_path, json.dumps(asdict(spec)), 0o600)
             if warnings:
-                await self._put(ERRORS, "".join(f"tierfs: {w}\n" for w in warnings))
-            await self._put(PRERESTORE, prerestore(target[0] if target else None))
-            await trio.to_thread.run_sync(self._present, spec.job_name, target)
+                await self._put(ERRORS, "".join(f"tierfs: {w}\n" for w in warnings), owner)
+            await self._put(PRERESTORE, prerestore(target[0] if target else None), owner)
+            await trio.to_thread.run_sync(self._present, spec.job_name, target, owner)
             log.info("%s accepted: job %s, rank %d of %d, restore %s", REPLICATOR, spec.job_name,
                      spec.node_rank, spec.nodes, f"step {target[0]}" if target else "nothing")
         # The acknowledgement comes last: the job reads the answers as soon as it sees it.
@@ -446,11 +449,11 @@ class MtcNode:
         except UnicodeDecodeError:
             raise SpecError(f"{REPLICATOR} is not UTF-8 text") from None
 
-    async def _put(self, name: str, text: str) -> None:
-        """An answer in the volume's root, readable by the job (which deletes it)."""
-        await trio.to_thread.run_sync(write_atomically, self.mountpoint / name, text, 0o644)
+    async def _put(self, name: str, text: str, owner: tuple[int, int] | None) -> None:
+        """An answer in the volume's root, readable by the job and its to delete."""
+        await trio.to_thread.run_sync(write_atomically, self.mountpoint / name, text, 0o644, owner)
 
-    def _present(self, job: str, target: tuple[int, str] | None) -> None:
+    def _present(self, job: str, target: tuple[int, str] | None, owner: tuple[int, int] | None = None) -> None:
         """The job renames the entry onto ``<step>``, which therefore must not exist yet: a
         step at the root is presented by renaming its directory to the entry; one elsewhere
         by a symlink to it, as GKE's replicator does. Names are one component of the root."""
@@ -458,7 +461,12 @@ class MtcNode:
             _clear_entries(fd)
             if target is None:
                 entry = restore_entry_name(job, 0, self.rank)
-                os.close(os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd))
+                marker = os.open(entry, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=fd)
+                try:
+                    if owner is not None:
+                        os.fchown(marker, *owner)
+                finally:
+                    os.close(marker)
                 return
             step, root = target
             entry = restore_entry_name(job, step, self.rank)
@@ -467,6 +475,8 @@ class MtcNode:
                 self._presented = (entry, root)
             else:
                 os.symlink(root, entry, dir_fd=fd)
+                if owner is not None:
+                    os.chown(entry, *owner, dir_fd=fd, follow_symlinks=False)
 
     def status(self) -> dict:
         return {"spec": asdict(self.spec) if self.spec else None, "error": self.last_error}

@@ -1,7 +1,9 @@
 """The daemon's control socket: one JSON request per connection, one JSON reply.
 
 It lives in the runtime directory, not in the mount, so nothing the volume shows to a
-training job is ever a control file it could list, copy or delete by accident.
+training job is ever a control file it could list, copy or delete by accident. It is
+root's alone (0600) from the moment it exists: its mode is set on the socket before
+``bind`` creates it, since any user who connects in between could commit or ask.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Awaitable, Callable
 
 import trio
 
+from tierfs.atomic import private_dir
 from tierfs.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -25,14 +28,15 @@ Handler = Callable[[dict], Awaitable[dict]]
 
 async def serve(path: Path, handler: Handler, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
     """Serve requests on a unix socket at ``path`` (root only) until cancelled."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent, own=False)
     try:
         path.unlink()
     except FileNotFoundError:
         pass
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # bind() gives the new socket file the socket's own mode less the umask (0 in the daemon).
+    os.fchmod(sock.fileno(), 0o600)
     await sock.bind(os.fspath(path))
-    os.chmod(path, 0o600)
     sock.listen(16)
     listener = trio.SocketListener(sock)
     task_status.started()

@@ -76,8 +76,13 @@ class Daemon:
         cfg = self.cfg
         _raise_fd_limit()
         linux.keep_heap_memory()
-        os.umask(0)  # modes arrive from the kernel with the caller's umask applied
-        self._choose_data_path()
+        # Modes of the job's files arrive from the kernel with the caller's umask applied, so
+        # the daemon's own umask is 0 and everything it creates for itself passes an explicit,
+        # root-only mode (tierfs.atomic); RankDir and Registration check what is already there.
+        os.umask(0)
+        self.registration.prepare()
+        self.rank.prepare_home()
+        self._choose_data_path()  # may put the rank's home on a tmpfs of its own
         self.rank.prepare()
         self.rank.claim(cfg.mountpoint)
         if not self.rank.is_tmpfs():
@@ -86,7 +91,7 @@ class Daemon:
         if cfg.listen:
             _check_listen(cfg.listen)
             self.replica_store = ReplicaStore(
-                self.rank.path / "replicas", job=cfg.job, space=self.space, local=self,
+                self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self,
                 keep_from=self.view.retention_floor,
             )
         if cfg.gcs:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierfs import linux
-from tierfs.atomic import write_atomically
+from tierfs.atomic import UnsafeFile, private_dir, read_small, write_atomically
 from tierfs.config import runtime_dir
 from tierfs.errors import UserError
 
@@ -73,14 +73,23 @@ class Registration:
         self.socket_path = base / f"{key}.sock"
         self.log_path = base / f"{key}.log"
 
+    def prepare(self) -> None:
+        """Create the runtime directory (root-only), or check the one there: raises UserError if
+        others could replace the control socket or the registration in it."""
+        try:
+            private_dir(self.info_path.parent, own=False)
+        except UnsafeFile as e:
+            raise UserError(f"unsafe runtime directory (TIERFS_RUNTIME_DIR): {e}") from None
+
     def write(self, info: dict) -> None:
-        self.info_path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.info_path, json.dumps(info))
+        private_dir(self.info_path.parent, own=False)
+        write_atomically(self.info_path, json.dumps(info), 0o600)
 
     def read(self) -> dict | None:
+        """The registration, if there is one that the daemon's user wrote (it names a pid)."""
         try:
-            return json.loads(self.info_path.read_text())
-        except (OSError, ValueError):
+            return json.loads(read_small(self.info_path, 1 << 16, private=True))
+        except (OSError, ValueError, UnsafeFile):
             return None
 
     def remove(self) -> None:

@@ -1,10 +1,13 @@
 """This rank's committed steps: what was committed, when, and how far each got.
 
 The state of a step lives beside its snapshot (``steps/<step>/state.json``) and is
-rewritten atomically, so a daemon restart resumes backups where they stopped. Commits
-come from the mount's events (through the commit rules) or from ``tierfs commit``; both
-run on the trio thread, so a commit is complete before the operation that caused it
-returns to the job.
+rewritten atomically, so a daemon restart resumes backups where they stopped. It is
+root's alone (0600 in root-only directories) and checked again when a start reads it: it
+decides what that start serves, replicates and deletes.
+
+Commits come from the mount's events (through the commit rules) or from ``tierfs
+commit``; both run on the trio thread, so a commit is complete before the operation that
+caused it returns to the job.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tierfs.atomic import write_atomically
+from tierfs.atomic import UnsafeFile, read_state, write_atomically
 from tierfs.commit import CommitRules, step_of
 from tierfs.ramtier.snapshots import Snapshots
 
@@ -60,7 +63,9 @@ class Steps:
                 continue  # a restore that did not finish: the restore resumes or drops it
             path = self.snapshots.step_dir(step) / "state.json"
             try:
-                self.states[step] = StepState(**json.loads(path.read_text()))
+                self.states[step] = StepState(**json.loads(read_state(path)))
+            except UnsafeFile as e:  # not the daemon's own: refuse to act on it (UserError)
+                raise UnsafeFile(f"unsafe ramdisk: {e}") from None
             except (OSError, ValueError, TypeError) as e:
                 # Frozen but never recorded: the commit did not finish before a crash.
                 log.warning("dropping step %d, its state is unreadable (%s)", step, e)
@@ -68,7 +73,7 @@ class Steps:
 
     def save(self, state: StepState) -> None:
         path = self.snapshots.step_dir(state.step) / "state.json"
-        write_atomically(path, json.dumps(asdict(state), sort_keys=True))
+        write_atomically(path, json.dumps(asdict(state), sort_keys=True), 0o600)
 
     # -- commits -----------------------------------------------------------------------
 

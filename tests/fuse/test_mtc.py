@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -193,3 +195,29 @@ def test_without_the_protocol_old_steps_are_left_to_the_job(volume):
         write_orbax_step(volume.mountpoint, step, {"x": b"x"})
     time.sleep(1)
     assert sorted(p.name for p in (volume.mountpoint / "ckpt").iterdir()) == ["1", "2"]
+
+
+def test_a_job_running_as_another_user_consumes_the_answers(volumes):
+    """Pods often run as uid 1000: the volume's root is sticky (1777), so the job can delete
+    the node's answers only if they are its own."""
+    vol = volumes(job="run", keep_local=3)
+    write_orbax_step_at_root(vol.mountpoint, 10, {"x": b"x"})
+    script = (
+        "import os, sys, time; m = sys.argv[1]\n"
+        "def ack():\n"
+        "    while os.path.lexists(os.path.join(m, 'replicator.yaml')): time.sleep(0.05)\n"
+        "def consume():\n"
+        "    for n in os.listdir(m):\n"
+        "        if n.startswith('replicator.') or (n.endswith('.restore') and not os.path.isdir(os.path.join(m, n))):\n"
+        "            os.unlink(os.path.join(m, n))\n"
+        "open(os.path.join(m, 'replicator.yaml'), 'w').write(sys.argv[2]); ack(); consume()\n"
+        "open(os.path.join(m, 'replicator.yaml'), 'w').write(sys.argv[3]); ack(); consume()\n"
+        "print(sorted(os.listdir(m)))\n"
+    )
+    bad = YAML.format(job="run", rank=5, nodes=2)  # replicator.failed
+    good = YAML.format(job="run", rank=0, nodes=1) + "\ncolour: blue"  # errors, prerestore, a .restore entry
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    out = subprocess.run([python, "-c", script, str(vol.mountpoint), bad, good], user=1000, group=1000,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(["run-s10-n0-w0.restore"]), "every answer file is gone; the step remains"

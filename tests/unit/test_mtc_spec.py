@@ -42,11 +42,11 @@ def test_step_interval_and_pytorch_extras():
 
 
 def test_variables_are_expanded_from_the_environment():
-    text = spec_with(node_rank="$RANK", job_name="${JOB}-x", peer_ranks="$PEERS")
-    spec, _ = parse_spec(text, env={"RANK": "2", "JOB": "j", "PEERS": "[0]"})
+    text = spec_with(node_rank="$NODE_RANK", job_name="${JOBSET_NAME}-x", peer_ranks="[$JOB_INDEX]")
+    spec, _ = parse_spec(text, env={"NODE_RANK": "2", "JOBSET_NAME": "j", "JOB_INDEX": "0"})
     assert (spec.node_rank, spec.job_name, spec.peer_ranks) == (2, "j-x", (0,))
-    with pytest.raises(SpecError, match=r"'node-rank' .* refers to \$RANK, which is not set"):
-        parse_spec(text, env={"JOB": "j", "PEERS": "[0]"})
+    with pytest.raises(SpecError, match=r"'node-rank' .* refers to \$NODE_RANK, which is not set"):
+        parse_spec(text, env={"JOBSET_NAME": "j", "JOB_INDEX": "0"})
 
 
 def test_unknown_keys_and_frameworks_are_warnings():

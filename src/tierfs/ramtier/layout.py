@@ -6,6 +6,11 @@
 
 Keeping the data as an ordinary tree on tmpfs means POSIX semantics come from the kernel,
 the data outlives the daemon and the pod, and a restart only has to expose the tree again.
+
+Everything above ``tree/`` is the daemon's: ``<job>/`` and ``rank-<N>/`` are root-only
+(0700), so no user of the node reaches the snapshots, the replicas or the state files
+that steer the next start, nor another job's tree. Only ``tree/`` has the job's modes, and
+the job reaches it through the mount alone.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 from tierfs import linux, mounts
+from tierfs.atomic import UnsafeFile, check_private, private_dir, read_small
 from tierfs.errors import UserError
 
 DYING_HOLDER_WAIT = 15.0  # seconds a killed daemon may take to let go of its rank
@@ -36,28 +42,63 @@ class RankDir:
         self.tree = path / "tree"
         self._lock_fd: int | None = None
 
-    def prepare(self) -> None:
-        """Create the directories (the tree root gets tmpfs' default root mode, 1777)."""
+    def prepare_home(self) -> None:
+        """Create the daemon's root-only (0700) directories down to the rank's home, checked
+        if they exist. Raises UserError if one is not safe."""
+        ramdisk = self.path.parent.parent
         try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            if not self.tree.exists():
-                self.tree.mkdir()
-                os.chmod(self.tree, 0o1777)
-            probe = self.path / ".write-probe"
-            probe.write_bytes(b"")
-            probe.unlink()
+            private_dir(ramdisk, own=False)
+            private_dir(self.path.parent)
+            private_dir(self.path)
+        except UnsafeFile as e:
+            raise UserError(f"unsafe ramdisk: {e}") from None
         except OSError as e:
             raise UserError(
-                f"ramdisk {self.path.parent.parent} is not writable ({e.strerror}): "
+                f"ramdisk {ramdisk} is not writable ({e.strerror}): "
+                "point --ramdisk at a writable tmpfs directory, e.g. /dev/shm/tierfs"
+            ) from None
+
+    def prepare(self) -> None:
+        """Create the directories: the daemon's root-only (0700), checked if they exist; the
+        tree root with tmpfs' default root mode (1777). Raises UserError if one is not safe."""
+        self.prepare_home()
+        ramdisk = self.path.parent.parent
+        try:
+            if not os.path.lexists(self.tree):
+                os.mkdir(self.tree, 0o1777)
+                os.chmod(self.tree, 0o1777)  # explicit: mkdir's mode may lose the sticky bit
+            probe = self.path / ".write-probe"
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
+            probe.unlink()
+        except UnsafeFile as e:
+            raise UserError(f"unsafe ramdisk: {e}") from None
+        except OSError as e:
+            raise UserError(
+                f"ramdisk {ramdisk} is not writable ({e.strerror}): "
                 "point --ramdisk at a writable tmpfs directory, e.g. /dev/shm/tierfs"
             ) from None
         if not stat.S_ISDIR(self.tree.lstat().st_mode):
             raise UserError(f"{self.tree} is not a directory: remove it or use another --ramdisk")
 
+    def state_dir(self, name: str) -> Path:
+        """A root-only directory of the daemon's in the rank's home (``replicas``, ...)."""
+        try:
+            return private_dir(self.path / name)
+        except UnsafeFile as e:
+            raise UserError(f"unsafe ramdisk: {e}") from None
+
     def claim(self, mountpoint: Path) -> None:
         """Take the exclusive lock: two daemons must never serve the same rank's tree."""
         lock = self.path / "daemon.lock"
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise UserError(f"cannot open {lock} ({e.strerror}): remove it if it is not a file") from None
+        try:
+            check_private(os.fstat(fd), lock)
+        except UnsafeFile as e:
+            os.close(fd)
+            raise UserError(f"unsafe ramdisk: {e}: remove it") from None
         deadline = time.monotonic() + DYING_HOLDER_WAIT
         while True:
             try:
@@ -84,8 +125,8 @@ class RankDir:
 
     def holder(self) -> dict | None:
         try:
-            return json.loads((self.path / "daemon.lock").read_text() or "null")
-        except (OSError, ValueError):
+            return json.loads(read_small(self.path / "daemon.lock", 4096, private=True) or b"null")
+        except (OSError, ValueError, UnsafeFile):
             return None
 
     def release(self) -> None:

@@ -13,16 +13,26 @@ notice a detach that raced with them.
 
 Files still open for writing when their step commits are copied instead of linked, since
 a write through an earlier descriptor could otherwise land in the snapshot.
+
+The committed path is the job's: it is walked from the tree's descriptor without following
+symbolic links (:mod:`tierfs.ramtier.beneath`), so a link the job put in its place can
+never make the daemon freeze, and later back up, files from outside the job's tree.
+``steps/`` is root-only (0700): the job reaches its snapshots through the mount alone.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
 import stat
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
+
+from tierfs.atomic import UnsafeFile, private_dir
+from tierfs.errors import UserError
+from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)
 
@@ -41,14 +51,22 @@ class Snapshots:
     # -- state -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Rebuild the pin table after a restart; remove what a crash left half-built."""
-        self.root.mkdir(exist_ok=True)
-        self._pins.clear()
-        for entry in os.scandir(self.root):
-            if entry.name.startswith("."):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            elif entry.name.isdigit():
-                self._walk_pins(self.step_tree(int(entry.name)), self._pin)
+        """Rebuild the pin table after a restart; remove what a crash left half-built.
+
+        Raises UserError if ``steps/`` or a step in it is not the daemon's own: what is
+        there decides what this start serves, replicates and deletes.
+        """
+        try:
+            private_dir(self.root)
+            self._pins.clear()
+            for entry in os.scandir(self.root):
+                if entry.name.startswith("."):
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                elif entry.name.isdigit():
+                    private_dir(Path(entry.path))
+                    self._walk_pins(self.step_tree(int(entry.name)), self._pin)
+        except UnsafeFile as e:
+            raise UserError(f"unsafe ramdisk: {e}") from None
 
     def steps(self) -> list[int]:
         return sorted(int(e.name) for e in os.scandir(self.root) if e.name.isdigit())
@@ -77,72 +95,97 @@ class Snapshots:
     def freeze(self, step: int, root: str, writing: set[int]) -> bool:
         """Add ``root`` (a path under the tree) to ``step``'s snapshot, replacing an older copy.
 
-        Returns False if ``root`` no longer exists. ``writing`` holds the inodes open for
-        writing, which are copied rather than linked.
+        Returns False if ``root`` no longer exists; raises :class:`beneath.NotBeneath` if it
+        is not a plain path or runs through a symbolic link. ``writing`` holds the inodes
+        open for writing, which are copied rather than linked.
         """
-        src = self.tree / root
+        tree_fd = os.open(self.tree, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
-            os.lstat(src)
+            with beneath.parent_of(tree_fd, root) as (parent_fd, name):
+                if not _lexists(name, parent_fd):
+                    return False
+                snap = self.step_tree(step)
+                for d in (self.step_dir(step), snap):
+                    if not os.path.isdir(d):
+                        os.mkdir(d, 0o700)
+                self._serial += 1
+                staging = self.root / f".staging-{os.getpid()}-{self._serial}"
+                frozen: list[tuple[int, str]] = []  # (inode, path under the root) of each file
+                try:
+                    self._copy_tree(parent_fd, name, staging, "", writing, frozen)
+                    dst = snap / root
+                    self._make_parents(tree_fd, root, snap)
+                    if os.path.lexists(dst):
+                        self._remove(dst)
+                    os.rename(staging, dst)
+                except BaseException:
+                    self._remove(staging)
+                    raise
         except FileNotFoundError:
-            return False
-        snap = self.step_tree(step)
-        snap.mkdir(parents=True, exist_ok=True)
-        self._serial += 1
-        staging = self.root / f".staging-{os.getpid()}-{self._serial}"
-        frozen: list[tuple[int, str]] = []  # (inode, path under the root) of each file
-        try:
-            self._copy_tree(src, staging, "", writing, frozen)
-            dst = snap / root
-            self._make_parents(root, snap)
-            if os.path.lexists(dst):
-                self._remove(dst)
-            os.rename(staging, dst)
-        except BaseException:
-            self._remove(staging)
-            raise
+            return False  # an ancestor went away
+        finally:
+            os.close(tree_fd)
         for ino, rel in frozen:
             self._pins.setdefault(ino, []).append(os.path.join(dst, rel) if rel else str(dst))
         return True
 
-    def _copy_tree(self, src: Path, dst: Path, rel: str, writing: set[int],
+    def _copy_tree(self, dir_fd: int, name: str, dst: Path, rel: str, writing: set[int],
                    frozen: list[tuple[int, str]]) -> None:
-        st = os.lstat(src)
+        """Recreate ``name`` in ``dir_fd`` at ``dst``: directories copied, files linked."""
+        st = os.lstat(name, dir_fd=dir_fd)
         if stat.S_ISDIR(st.st_mode):
-            os.mkdir(dst)
-            with os.scandir(src) as it:
-                for entry in it:
-                    child = f"{rel}/{entry.name}" if rel else entry.name
-                    self._copy_tree(Path(entry.path), dst / entry.name, child, writing, frozen)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                st = os.fstat(fd)  # the directory held, whatever the name means meanwhile
+                os.mkdir(dst, 0o700)
+                with os.scandir(fd) as it:
+                    for entry in it:
+                        child = f"{rel}/{entry.name}" if rel else entry.name
+                        self._copy_tree(fd, entry.name, dst / entry.name, child, writing, frozen)
+            finally:
+                os.close(fd)
             _copy_attrs(st, dst)
         elif stat.S_ISREG(st.st_mode) and st.st_ino in writing:
-            copy = self._copy_file(src, dst)
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+            try:
+                copy = self._copy_file(fd, dst)
+            finally:
+                os.close(fd)
             self._on_copied(copy)
             frozen.append((copy.st_ino, rel))
-        elif stat.S_ISREG(st.st_mode):
-            os.link(src, dst)
-            frozen.append((st.st_ino, rel))
-        elif stat.S_ISLNK(st.st_mode):
-            os.link(src, dst, follow_symlinks=False)
+        elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
+            os.link(name, dst, src_dir_fd=dir_fd, follow_symlinks=False)  # the entry itself, never a target
+            linked = os.lstat(dst)
+            if stat.S_ISREG(linked.st_mode):
+                frozen.append((linked.st_ino, rel))
         # fifos, sockets and devices are not checkpoint data
 
-    def _make_parents(self, root: str, snap: Path) -> None:
+    def _make_parents(self, tree_fd: int, root: str, snap: Path) -> None:
         """Create the root's ancestors in the snapshot with the live tree's attributes."""
         parts = root.split("/")[:-1]
         for i in range(1, len(parts) + 1):
             rel = "/".join(parts[:i])
             if not (snap / rel).is_dir():
-                os.mkdir(snap / rel)
-                _copy_attrs(os.lstat(self.tree / rel), snap / rel)
+                os.mkdir(snap / rel, 0o700)
+                _copy_attrs(beneath.lstat(tree_fd, rel), snap / rel)
 
-    def _copy_file(self, src: Path | str, dst: Path) -> os.stat_result:
-        with open(src, "rb") as fin, open(dst, "xb") as fout:
-            n = os.fstat(fin.fileno()).st_size
+    def _copy_file(self, src_fd: int, dst: Path) -> os.stat_result:
+        """Copy the open regular file ``src_fd`` to a new file ``dst`` with its attributes."""
+        st = os.fstat(src_fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, f"{dst.name} is not a regular file")
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            n, offset = st.st_size, 0
             while n > 0:
-                copied = os.copy_file_range(fin.fileno(), fout.fileno(), min(n, 1 << 30))
+                copied = os.copy_file_range(src_fd, out, min(n, 1 << 30), offset, offset)
                 if copied == 0:
                     break
                 n -= copied
-            st = os.fstat(fin.fileno())
+                offset += copied
+            st = os.fstat(src_fd)
+        finally:
+            os.close(out)
         _copy_attrs(st, dst)
         return os.lstat(dst)
 
@@ -160,7 +203,11 @@ class Snapshots:
         self._serial += 1
         tmp = self.root / f".cow-{os.getpid()}-{self._serial}"
         try:
-            copy = self._copy_file(live_path, tmp)
+            fd = os.open(live_path, os.O_RDONLY | os.O_CLOEXEC)  # a /proc/self/fd link: followed on purpose
+            try:
+                copy = self._copy_file(fd, tmp)
+            finally:
+                os.close(fd)
             for p in paths:
                 os.link(tmp, p + ".cow")
                 os.rename(p + ".cow", p)
@@ -222,23 +269,30 @@ class Snapshots:
     @staticmethod
     def _walk_pins(top: Path, visit: Callable[[int, str, os.stat_result], None]) -> None:
         """Call ``visit`` for every regular file under ``top`` (or ``top`` itself)."""
-        paths: Iterable[str]
         if os.path.isdir(top) and not os.path.islink(top):
-            paths = (os.path.join(d, f) for d, _, files in os.walk(top) for f in files)
+            for d, _, files, dir_fd in os.fwalk(top):  # by descriptors: never through a link
+                for f in files:
+                    st = os.lstat(f, dir_fd=dir_fd)
+                    if stat.S_ISREG(st.st_mode):
+                        visit(st.st_ino, os.path.join(d, f), st)
         elif os.path.lexists(top):
-            paths = (str(top),)
-        else:
-            return
-        for p in paths:
-            st = os.lstat(p)
+            st = os.lstat(top)
             if stat.S_ISREG(st.st_mode):
-                visit(st.st_ino, p, st)
+                visit(st.st_ino, str(top), st)
 
 
 def _copy_attrs(st: os.stat_result, dst: Path) -> None:
     os.chown(dst, st.st_uid, st.st_gid, follow_symlinks=False)
     os.chmod(dst, stat.S_IMODE(st.st_mode))
     os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
+
+
+def _lexists(name: str, dir_fd: int) -> bool:
+    try:
+        os.lstat(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _unlink_quietly(path: Path | str) -> None:

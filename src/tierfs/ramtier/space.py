@@ -39,9 +39,9 @@ class SpaceAccount:
         """Count what is already stored (after a restart the tree is still there)."""
         self._allocated.clear()
         for root in roots:
-            for dirpath, dirnames, filenames in os.walk(root):
+            for _, _, filenames, dir_fd in os.fwalk(root):  # by descriptors: never through a link
                 for name in filenames:
-                    st = os.lstat(os.path.join(dirpath, name))
+                    st = os.lstat(name, dir_fd=dir_fd)
                     if stat.S_ISREG(st.st_mode):
                         self._allocated[st.st_ino] = st.st_blocks * 512
         self.used = sum(self._allocated.values())

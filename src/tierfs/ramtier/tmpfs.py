@@ -41,7 +41,6 @@ def own_tmpfs(path: Path, size: int) -> bool:
             raise UserError(f"capacity {format_size(size)} is below what {path} already holds: "
                             "raise --capacity or remove files") from None
         return True
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
     with os.scandir(path) as entries:
         if any(entries):
             return False

@@ -53,19 +53,38 @@ def umount(path: str, flags: int = 0) -> None:
 
 
 MS_RDONLY = 1
+MS_NOSUID = 2
+MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 
 
 def bind_mount(source: str, target: str, read_only: bool = False) -> None:
-    """Bind ``source`` onto ``target``; read-only takes a second call, as mount(8) does."""
+    """Bind ``source`` onto ``target`` as ``nosuid,nodev`` (and ``ro`` if asked), as pods get it.
+
+    The volume's files are created by pods: without ``nosuid`` a setuid binary one pod
+    writes runs with its owner's rights in another pod, without ``nodev`` a device node
+    opens the host's device. ``noexec`` is not added (a pod may run what it wrote anyway,
+    from its own writable layers) but is kept when ``source`` has it.
+
+    A bind ignores flags (``mount(2)``), so a second call sets them: ``MS_REMOUNT|MS_BIND``
+    replaces the mount's flags whole, hence every flag is given again, including those the
+    kernel locks from the source in a user namespace (``ro``, ``noexec``). If that call
+    fails the bind is undone: the target is never left with weaker flags.
+    """
+    flags = MS_NOSUID | MS_NODEV
+    source_flags = os.statvfs(source).f_flag
+    if read_only or source_flags & os.ST_RDONLY:
+        flags |= MS_RDONLY
+    if source_flags & os.ST_NOEXEC:
+        flags |= MS_NOEXEC
     _check(_libc.mount(os.fsencode(source), os.fsencode(target), None, MS_BIND, None), target)
-    if read_only:
-        try:
-            _check(_libc.mount(None, os.fsencode(target), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None), target)
-        except OSError:
-            umount(target, MNT_DETACH)
-            raise
+    try:
+        _check(_libc.mount(None, os.fsencode(target), None, MS_REMOUNT | MS_BIND | flags, None), target)
+    except OSError:
+        umount(target, MNT_DETACH)
+        raise
 
 
 TMPFS_MAGIC = 0x01021994

@@ -36,10 +36,12 @@ class PodApi:
 
     def __init__(self):
         self.pods: dict[tuple[str, str], dict] = {}
+        self.requests: list[str] = []  # every path asked for, in order
         api = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):  # noqa: N802 (http.server's naming)
+                api.requests.append(self.path)
                 parts = self.path.strip("/").split("/")
                 pod = api.pods.get((parts[3], parts[5])) if len(parts) == 6 else None
                 body = json.dumps(pod or {"kind": "Status", "code": 404}).encode()

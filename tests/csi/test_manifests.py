@@ -490,6 +490,14 @@ def test_example_attributes_are_mount_options():
     assert seen
 
 
+def test_examples_leave_the_bucket_to_the_cluster():
+    """The plugin refuses a pod's `gcs` that differs from the ConfigMap's (no --allow-pod-gcs)."""
+    for where, spec in pod_specs():
+        for v in tierfs_volumes(spec):
+            assert "gcs" not in v["csi"].get("volumeAttributes", {}), f"{where}: the bucket is the ConfigMap's"
+    assert "allow-pod-gcs" not in flags(plugin()["args"])
+
+
 def _pods(workload: dict) -> list[dict]:
     """The example's pods as the Job or JobSet controller names and labels them."""
     ns = workload["metadata"].get("namespace", "default")

@@ -31,6 +31,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ramdisk", default=_env("ramdisk", str(DEFAULT_RAMDISK)),
                    help=f"the host tmpfs directory holding every job's RAM tier (default {DEFAULT_RAMDISK})")
     p.add_argument("--config", default=_env("config"), help="YAML file of cluster-wide volume attribute defaults")
+    p.add_argument("--allow-pod-gcs", action="store_true",
+                   default=(_env("allow-pod-gcs") or "").lower() in ("1", "true", "yes"),
+                   help="let a volume's `gcs` attribute name its own bucket and prefix (default: only --config's "
+                        "`gcs`); either way a job backs up under PREFIX/<pod namespace>/")
     p.add_argument("--kube-api", default=_env("kube-api"), help="Kubernetes API URL (default: in-cluster)")
     p.add_argument("--gc-after", default=_env("gc-after", "24h"),
                    help="delete a job's data once no pod used it on this node this long; 0 never (default 24h)")
@@ -54,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         config_file=Path(os.path.abspath(args.config)) if args.config else None,
         kube_api=args.kube_api,
         gc_after=parse_duration(args.gc_after, "--gc-after"),
+        allow_pod_gcs=args.allow_pod_gcs,
     )
     load_defaults(cfg.config_file)  # a broken file is a start-up error, not the first pod's
     if args.gc:

@@ -7,16 +7,38 @@ publish time with its service account (RBAC: ``get`` on ``pods``, nothing else).
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import requests
+import urllib3
 
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 JOBSET_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
 JOBSET_GLOBAL_REPLICAS = "jobset.sigs.k8s.io/global-replicas"
+MAX_POD_BYTES = 4 << 20  # far above any pod the API server stores (etcd keeps objects under 1.5 MiB)
+_DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+_NAMESPACE_RE = re.compile(_DNS_LABEL)
+_POD_NAME_RE = re.compile(rf"{_DNS_LABEL}(\.{_DNS_LABEL})*")
+
+
+def check_namespace(namespace: str) -> str:
+    """A namespace names a GCS path segment and an API URL: only what Kubernetes allows (a DNS label)."""
+    if len(namespace) > 63 or not _NAMESPACE_RE.fullmatch(namespace):
+        raise ValueError(f"invalid pod namespace {namespace[:80]!r}: Kubernetes namespaces are DNS labels")
+    return namespace
+
+
+def check_pod_name(name: str) -> str:
+    """A pod name goes into an API URL: only what Kubernetes allows (a DNS subdomain)."""
+    if len(name) > 253 or not _POD_NAME_RE.fullmatch(name):
+        raise ValueError(f"invalid pod name {name[:80]!r}: Kubernetes pod names are DNS subdomains")
+    return name
 
 
 class RankUnknown(Exception):
@@ -42,8 +64,12 @@ class PodIndex:
 
 
 def parse_pod(pod: dict) -> PodIndex:
-    meta = pod.get("metadata") or {}
-    tags = {**(meta.get("annotations") or {}), **(meta.get("labels") or {})}
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    meta = meta if isinstance(meta, dict) else {}
+    tags = {}
+    for key in ("annotations", "labels"):
+        if isinstance(meta.get(key), dict):
+            tags.update(meta[key])
 
     def number(key: str) -> int | None:
         value = tags.get(key)
@@ -70,16 +96,31 @@ class KubeClient:
             self.verify = str(SA_DIR / "ca.crt")
 
     def pod(self, namespace: str, name: str) -> dict:
+        """The pod object; names are checked first, so a request only ever reads one pod."""
         if not self.api:
             raise RankUnknown("the plugin has no Kubernetes API to read the pod's labels from")
-        url = f"{self.api.rstrip('/')}/api/v1/namespaces/{namespace}/pods/{name}"
         try:
-            reply = requests.get(url, headers=self.headers, verify=self.verify, timeout=10)
-        except requests.RequestException as e:
-            raise RankUnknown(f"cannot read pod {namespace}/{name} from {self.api}: {e}") from None
-        if reply.status_code != 200:
-            raise RankUnknown(
-                f"reading pod {namespace}/{name} from {self.api} answered HTTP {reply.status_code}"
-                + (" (does the plugin's service account have get on pods?)" if reply.status_code == 403 else "")
-            )
-        return reply.json()
+            path = f"/api/v1/namespaces/{quote(check_namespace(namespace))}/pods/{quote(check_pod_name(name))}"
+        except ValueError as e:
+            raise RankUnknown(str(e)) from None
+        where = f"pod {namespace}/{name} from {self.api}"
+        try:
+            with requests.get(self.api.rstrip("/") + path, headers=self.headers, verify=self.verify,
+                              timeout=10, stream=True) as reply:
+                if reply.status_code != 200:
+                    raise RankUnknown(
+                        f"reading {where} answered HTTP {reply.status_code}"
+                        + (" (does the plugin's service account have get on pods?)" if reply.status_code == 403 else "")
+                    )
+                body = reply.raw.read(MAX_POD_BYTES + 1, decode_content=True)
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            raise RankUnknown(f"cannot read {where}: {e}") from None
+        if len(body) > MAX_POD_BYTES:
+            raise RankUnknown(f"reading {where} answered more than {MAX_POD_BYTES >> 20} MiB")
+        try:
+            pod = json.loads(body)
+        except ValueError:
+            raise RankUnknown(f"reading {where} answered something that is not JSON") from None
+        if not isinstance(pod, dict):
+            raise RankUnknown(f"reading {where} answered JSON that is not an object")
+        return pod

@@ -17,6 +17,15 @@ from tierfs.csi.volumes import VolumeError
 
 log = logging.getLogger("tierfs.csi")
 PACKAGE = "csi.v1"
+# gRPC carries the message in a trailer, and trailers are capped (8 KiB by default): an
+# answer that quoted a huge attribute back would reach kubelet as a transport error instead.
+MAX_DETAILS = 1024
+
+
+def one_line(text: str, limit: int = MAX_DETAILS) -> str:
+    """The message as kubelet shows it in the pod's events: one line, of a bounded length."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _message_class(descriptor):
@@ -43,11 +52,12 @@ def _answer(name: str, fn: Callable):
         try:
             return fn(request)
         except VolumeError as e:
-            log.warning("%s: %s %s", name, e.code, e)
-            context.abort(grpc.StatusCode[e.code], str(e))
+            message = one_line(str(e))
+            log.warning("%s: %s %s", name, e.code, message)
+            context.abort(grpc.StatusCode[e.code], message)
         except Exception as e:  # noqa: BLE001 (a bug: its traceback in the log, a clean code to kubelet)
             log.exception("%s failed", name)
-            context.abort(grpc.StatusCode.INTERNAL, f"{type(e).__name__}: {e}")
+            context.abort(grpc.StatusCode.INTERNAL, one_line(f"{type(e).__name__}: {e}"))
 
     return call
 

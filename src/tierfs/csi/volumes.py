@@ -6,10 +6,22 @@ and replication and backup still running in between. Everything the plugin knows
 under its state directory, so a restarted plugin picks up where it was:
 
     jobs/<job>.json      the job on this node: rank (sticky), namespace, daemon options, idle since
-    jobs/<job>.secret    the job's peer secret (0600), to restart its daemon without a pod
-    volumes/<id>.json    one published volume: target path, read-only, job, request fingerprint
+    jobs/<job>.secret    the job's peer secret, to restart its daemon without a pod
+    volumes/<id>.json    one published volume: target path, read-only, job, request digest
     mnt/<job>/           the daemon's FUSE mount, the source of every bind mount
     logs/<job>.log       the daemon's log
+    node.key             this node's random key for request digests
+
+The directories are root-only (0700) and every record and the key are 0600: they name
+jobs, namespaces and targets, and the secrets' files are among them. A request digest is
+an HMAC under the node's key, so it tells a repeated publish from another one without
+letting anyone who reads a record check guesses of the secret offline.
+
+Tenancy: a job id belongs to a namespace. On a node, the first namespace that publishes
+the job holds it until the job is collected; across nodes, the daemon backs up under
+``gs://BUCKET/PREFIX/<namespace>/`` so that the same job id in two namespaces never
+shares GCS objects. The bucket and prefix are the cluster's (the ConfigMap), not the
+pod's, unless the plugin runs with ``--allow-pod-gcs``.
 
 The RAM data of a job is removed only by :meth:`Volumes.collect_idle` (no pod of the job
 on this node for ``gc_after``) or :meth:`Volumes.remove_job` (``tierfs csi --gc JOB``).
@@ -20,9 +32,11 @@ from __future__ import annotations
 import errno
 import fcntl
 import hashlib
+import hmac
 import json
 import logging
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -51,6 +65,11 @@ POD_NAME, POD_NAMESPACE = POD_INFO + "pod.name", POD_INFO + "pod.namespace"
 HOST_OPTIONS = {"ramdisk", "log-file", "secret-file"}
 ATTRIBUTES = sorted(set(OPTIONS) - HOST_OPTIONS)
 PEER_PORT = 7420  # the peer service's port when a volume names peers but no listen address
+MAX_ATTRIBUTE = 64 << 10  # characters in one attribute value (a 1000-node `peers` list fits)
+MAX_SECRET = 4096  # characters in the job's peer secret
+MAX_CONFIG_BYTES = 1 << 20  # the cluster defaults file (a ConfigMap holds at most 1 MiB)
+PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
+KEY_BYTES = 32
 
 
 class VolumeError(Exception):
@@ -84,6 +103,7 @@ class PluginConfig:
     config_file: Path | None = None  # cluster-wide volume attribute defaults (YAML)
     kube_api: str | None = None  # None: the in-cluster API server, if any
     gc_after: float = 86400.0  # seconds a job may sit unused on the node before its data goes; 0: never
+    allow_pod_gcs: bool = False  # may a volume's `gcs` name a bucket/prefix other than the cluster's?
     tierfs: tuple[str, ...] = (sys.executable, "-m", "tierfs")  # how to run the CLI
 
 
@@ -95,11 +115,15 @@ class PublishRequest:
     context: dict[str, str]
     secrets: dict[str, str]
 
-    def fingerprint(self) -> str:
-        """Identifies the call: a repeat with the same fingerprint is the same publish."""
-        secret = hashlib.sha256(self.secrets.get("secret", "").encode()).hexdigest()
-        text = json.dumps([self.target, self.read_only, sorted(self.context.items()), secret])
-        return hashlib.sha256(text.encode()).hexdigest()
+    def digest(self, key: bytes) -> str:
+        """Identifies the call: a repeat with the same digest is the same publish.
+
+        Keyed with the node's secret key, so the stored digest confirms no guess of the
+        peer secret to someone who reads it without the key.
+        """
+        text = json.dumps([self.target, self.read_only, sorted(self.context.items()),
+                           self.secrets.get("secret", "")])
+        return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
 def load_defaults(path: Path | None) -> dict[str, str]:
@@ -110,9 +134,14 @@ def load_defaults(path: Path | None) -> dict[str, str]:
     if path is None:
         return {}
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise UserError(f"cannot read --config {path}: {e.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UserError(f"--config {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB: it holds a few options")
+    try:
+        data = yaml.safe_load(raw) or {}
     except yaml.YAMLError as e:
         raise UserError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
@@ -120,6 +149,9 @@ def load_defaults(path: Path | None) -> dict[str, str]:
     unknown = sorted(set(map(str, data)) - set(ATTRIBUTES))
     if unknown:
         raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}")
+    nested = sorted(str(k) for k, v in data.items() if isinstance(v, (dict, list)))
+    if nested:
+        raise UserError(f"--config {path}: option(s) {', '.join(nested)} must be a single value, not a list or mapping")
     return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in data.items() if v is not None}
 
 
@@ -131,7 +163,34 @@ def _read_json(path: Path) -> dict | None:
 
 
 def _write_json(path: Path, data: dict) -> None:
-    write_atomically(path, json.dumps(data))
+    write_atomically(path, json.dumps(data), PRIVATE_FILE)
+
+
+def _namespace(req: PublishRequest) -> str:
+    """The pod's namespace, which kubelet adds to the volume context (podInfoOnMount)."""
+    namespace = req.context.get(POD_NAMESPACE)
+    if namespace is None:
+        raise InvalidArgument(
+            "kubelet passed no pod namespace: set podInfoOnMount: true on the CSIDriver csi.tierfs.dev"
+        )
+    try:
+        return kube.check_namespace(namespace)
+    except ValueError as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def _check_value(key: str, value: str) -> None:
+    """Attribute values become daemon flags, file contents and log lines: bounded, printable."""
+    if len(value) > MAX_ATTRIBUTE:
+        raise InvalidArgument(f"volume attribute {key} is {len(value)} characters long: at most {MAX_ATTRIBUTE}")
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        raise InvalidArgument(f"volume attribute {key}={value[:80]!r} holds a control character")
+
+
+def _same_request(record: dict, req: PublishRequest, digest: str) -> bool:
+    if "request" in record:
+        return hmac.compare_digest(record["request"], digest)
+    return record["target"] == req.target and record["read_only"] == req.read_only  # an older plugin's record
 
 
 def _alive(path: Path | str) -> bool:
@@ -159,6 +218,34 @@ class Volumes:
         self._thread_lock = threading.Lock()
         for sub in ("jobs", "volumes", "mnt", "logs"):
             (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
+            os.chmod(cfg.state_dir / sub, PRIVATE_DIR)  # also when an older plugin made it 0755
+        with self._locked():
+            self._key = self._node_key()
+            self._make_records_private()
+
+    def _node_key(self) -> bytes:
+        """The node's random key for request digests, made once (root-only)."""
+        path = self.cfg.state_dir / "node.key"
+        try:
+            with open(path, "rb") as f:
+                key = bytes.fromhex(f.read(2 * KEY_BYTES + 1).decode("ascii", "replace"))
+        except (FileNotFoundError, ValueError):
+            key = b""
+        if len(key) != KEY_BYTES:
+            key = secrets.token_bytes(KEY_BYTES)
+            write_atomically(path, key.hex(), PRIVATE_FILE)
+        os.chmod(path, PRIVATE_FILE)
+        return key
+
+    def _make_records_private(self) -> None:
+        """Records an older plugin left: 0600, and no unkeyed digest of a secret in them."""
+        for path in [*(self.cfg.state_dir / "jobs").iterdir(), *(self.cfg.state_dir / "volumes").iterdir()]:
+            os.chmod(path, PRIVATE_FILE)
+            if path.parent.name == "volumes" and path.suffix == ".json":
+                record = _read_json(path)
+                if record is not None and "fingerprint" in record:
+                    del record["fingerprint"]  # kubelet's repeat is then recognised by target alone
+                    _write_json(path, record)
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
@@ -192,18 +279,21 @@ class Volumes:
 
     def publish(self, req: PublishRequest) -> None:
         with self._locked():
-            fingerprint = req.fingerprint()
+            digest = req.digest(self._key)
             record = _read_json(self._volume_path(req.volume_id))
-            if record is not None and record["fingerprint"] != fingerprint:
+            if record is not None and not _same_request(record, req, digest):
                 raise AlreadyExists(
                     f"volume {req.volume_id} is already published at {record['target']} with other "
                     "arguments; unpublish it first"
                 )
             if record is not None and _alive(req.target):
+                if "request" not in record:  # an older plugin's record: store the keyed digest now
+                    _write_json(self._volume_path(req.volume_id), {**record, "request": digest})
                 return  # the same call again: done already
-            options = self._options(req)
+            namespace = _namespace(req)
+            options = self._options(req, namespace)
             job = options["job"]
-            namespace = req.context.get(POD_NAMESPACE, "")
+            self._check_owner(job, namespace)
             rank = self._rank(job, options, req)
             staging = self._ensure_daemon(job, rank, namespace, options, req.secrets.get("secret"))
             os.makedirs(req.target, exist_ok=True)
@@ -211,29 +301,41 @@ class Volumes:
             linux.bind_mount(str(staging), req.target, read_only=req.read_only)
             _write_json(self._volume_path(req.volume_id), {
                 "volume_id": req.volume_id, "target": req.target, "read_only": req.read_only,
-                "job": job, "rank": rank, "fingerprint": fingerprint, "published": time.time(),
+                "job": job, "rank": rank, "request": digest, "published": time.time(),
             })
             self._touch_job(job, idle=False)
             log.info("published %s: job %s rank %d at %s%s", req.volume_id, job, rank, req.target,
                      " (read-only)" if req.read_only else "")
 
-    def _options(self, req: PublishRequest) -> dict[str, str]:
-        """The daemon's options: cluster defaults, then the volume's attributes."""
+    def _options(self, req: PublishRequest, namespace: str) -> dict[str, str]:
+        """The daemon's options: cluster defaults, then the volume's attributes, then the namespace's GCS prefix."""
         if req.context.get(EPHEMERAL, "true") != "true":
             raise InvalidArgument("tierfs volumes are ephemeral inline volumes: use a csi volume in the pod spec")
         try:
             options = load_defaults(self.cfg.config_file)
         except UserError as e:
             raise FailedPrecondition(f"the plugin's cluster settings are broken: {e}") from None
+        cluster_gcs = options.get("gcs")
         for key, value in req.context.items():
             if key.startswith(POD_INFO):
                 continue
             if key not in ATTRIBUTES:
                 raise InvalidArgument(
-                    f"unknown volume attribute {key!r}" + (" (a host path; set by the plugin)" if key in HOST_OPTIONS else "")
+                    f"unknown volume attribute {key[:64]!r}"
+                    + (" (a host path; set by the plugin)" if key in HOST_OPTIONS else "")
                     + f": use {', '.join(ATTRIBUTES)}"
                 )
+            _check_value(key, value)
             options[key] = value
+        if "gcs" in req.context and not self.cfg.allow_pod_gcs \
+                and req.context["gcs"].rstrip("/") != (cluster_gcs or "").rstrip("/"):
+            raise InvalidArgument(
+                f"volume attribute gcs={req.context['gcs'][:200]!r} is refused: on this cluster the plugin's "
+                f"ConfigMap (tierfs-config) chooses the GCS bucket and prefix ({cluster_gcs or 'none'}); remove "
+                "the attribute, or ask the cluster admin to run the plugin with --allow-pod-gcs"
+            )
+        if options.get("gcs"):
+            options["gcs"] = f"{options['gcs'].rstrip('/')}/{namespace}"  # gs://B/P/<namespace>/<job>/
         if not options.get("job"):
             raise InvalidArgument("volume attribute 'job' is missing: name the training job the volume belongs to")
         try:
@@ -250,7 +352,27 @@ class Volumes:
                 "volume attribute 'peers' needs the job's peer secret: reference a Secret with key "
                 "'secret' in the volume's nodePublishSecretRef"
             )
+        secret = req.secrets.get("secret", "")
+        if len(secret) > MAX_SECRET or "\0" in secret:
+            raise InvalidArgument(
+                f"the job's peer secret (key 'secret' of the nodePublishSecretRef) must be at most {MAX_SECRET} "
+                "characters with no NUL byte"
+            )
         return options
+
+    def _check_owner(self, job: str, namespace: str) -> None:
+        """A job id on this node belongs to one namespace, from its first pod until the job is collected."""
+        held = _read_json(self._job_path(job))
+        if held is not None and held.get("namespace") != namespace:
+            raise FailedPrecondition(
+                f"job {job} on node {self.cfg.node_id} belongs to namespace {held.get('namespace')!r}; "
+                "pick another job name"
+            )
+        if held is None and (self.cfg.ramdisk / job).exists():
+            raise FailedPrecondition(
+                f"node {self.cfg.node_id} holds RAM data of job {job} that no namespace owns; pick another job "
+                f"name, or have the admin delete it with `tierfs csi --gc {job}`"
+            )
 
     def _rank(self, job: str, options: dict[str, str], req: PublishRequest) -> int:
         """Explicit attribute, else the rank this node already holds for the job, else the pod's index.
@@ -270,6 +392,7 @@ class Volumes:
         try:
             if not name or not namespace:
                 raise kube.RankUnknown("kubelet passed no pod name (is podInfoOnMount true on the CSIDriver?)")
+            kube.check_pod_name(name)
             nodes = int(options.get("nodes", "1"))
             return kube.parse_pod(self.kube.pod(namespace, name)).rank(nodes)
         except (kube.RankUnknown, ValueError) as e:
@@ -284,11 +407,7 @@ class Volumes:
         staging = self.staging(job)
         held = _read_json(self._job_path(job))
         wanted = {**options, "rank": str(rank)}
-        if held is not None and held.get("namespace") != namespace:
-            raise FailedPrecondition(
-                f"job {job} on node {self.cfg.node_id} belongs to namespace {held['namespace']!r}; "
-                "pick another job name"
-            )
+        self._check_options(job, staging, wanted, secret)  # a bad value is the pod's error, whatever runs
         secret_path = self._secret_path(job)
         same_secret = secret_path.exists() and secret_path.read_text() == (secret or "")
         if _alive(staging):
@@ -303,11 +422,12 @@ class Volumes:
                     f"settings ({', '.join(changed) or 'secret'}); give every pod of the job the same attributes"
                 )
             mounts.unmount(staging)
-        self._check_options(job, staging, wanted, secret)
-        write_atomically(secret_path, secret or "", 0o600)
-        self._start_daemon(job, staging, wanted)
+        write_atomically(secret_path, secret or "", PRIVATE_FILE)
+        # The record (and so the namespace's claim) before the daemon writes any RAM data; idle
+        # until the publish completes, so that data of a daemon that failed to start is collected.
         _write_json(self._job_path(job), {"job": job, "rank": rank, "namespace": namespace,
-                                          "options": wanted, "idle_since": None})
+                                          "options": wanted, "idle_since": time.time()})
+        self._start_daemon(job, staging, wanted)
         return staging
 
     def _check_options(self, job: str, staging: Path, options: dict[str, str], secret: str | None) -> None:
@@ -324,8 +444,7 @@ class Volumes:
         staging.mkdir(parents=True, exist_ok=True)
         args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
                 "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log")]
-        for key, value in sorted(options.items()):
-            args += [f"--{key}", value]
+        args += [f"--{key}={value}" for key, value in sorted(options.items())]  # one word each: never a flag
         env = {k: v for k, v in os.environ.items()
                if not (k.startswith("TIERFS_") and k[7:].lower().replace("_", "-") in (*OPTIONS, "secret"))}
         secret = self._secret_path(job).read_text()

@@ -21,6 +21,12 @@ is ``--size`` bytes of fresh random data in ``--files`` files. Per round:
    right after committing a new step; recorded: whether its replication ran over the write
    and how much of the step the peer held by the write's end. Target: (b) / (a) >= 0.80.
 
+With ``--tls``, instead: encrypted peer traffic (TLS 1.3, the default) against ``--peer-tls off``.
+Two 2-node clusters run side by side, one with each setting; each round writes one step of
+fresh random bytes into both node 0s untimed, then times replication (as in 1.) on each, then
+kills and wipes each node 0 and times its restore from the peer (as in 2.). The ratios are
+TLS / in clear, from this run's medians.
+
 Method as in docs/benchmarks.md (the balloon returns freed pages to the host ~2 s after they
 are freed): each timed part follows a tmpfs warm-up (``--warmup``, default 2x the size, the
 most one part touches) written and deleted right before it; test files are deleted right
@@ -29,6 +35,7 @@ medians. The CPU time of the daemons (/proc/PID/stat), fio and the plain copy is
 each part: CPU-s per GiB, and busy = CPU-s per wall second (1.0 = one of the VM's 2 cores).
 
     .venv/bin/python scripts/bench_peers.py [--quick] [--json out.json] [--plot out.png]
+    .venv/bin/python scripts/bench_peers.py --tls [--size 512M] [--rounds 5] [--json out.json]
 
 All it creates (/dev/shm/bench-peers-*, /tmp/bench-peers-*, daemons, processes) is removed
 or stopped on exit, also on errors and Ctrl-C.
@@ -218,6 +225,99 @@ class Bench:
         return out
 
 
+# ----------------------------------------------------------------------------- TLS against in clear
+
+TLS_SIDES = ("clear", "tls")
+TLS_ROWS = [("replication (daemon time)", "replicate", "seconds"),
+            ("replication (commit to seen)", "replicate", "seen_s"),
+            ("restore (daemon time)", "restore", "seconds"),
+            ("restore (mount start to done)", "restore", "wall_s")]
+
+
+def put_step(bench: Bench, src: Path, sums: dict[str, str], step: int) -> None:
+    """The step's files into node 0's mount, untimed, ready to be committed."""
+    for name in sums:
+        dest = bench.mnt / "ckpt" / f"{step}.orbax-checkpoint-tmp" / name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        with open(src / name, "rb", buffering=0) as fin, open(dest, "wb", buffering=0) as fout:
+            while n := fin.readinto(bench.buf):
+                write_all(fout.fileno(), bench.buf[:n])
+
+
+def tls_round(args, rnd: int, benches: dict[str, Bench]) -> dict:
+    """One round: the same step replicated, then restored, with TLS and in clear, alternating who goes first."""
+    out, step = {"round": rnd}, 10 * (rnd + 1)
+    order = TLS_SIDES if rnd % 2 == 0 else TLS_SIDES[::-1]
+    src = Path(args.shm) / f"src-{step}"
+    sums = make_files(src, args.size, args.files)
+    for side in order:
+        put_step(benches[side], src, sums, step)
+    for side in order:
+        out[f"{side}_replicate"] = benches[side].replicate(step)
+    for side in order:
+        bench = benches[side]
+        holder = bench.node_of(out[f"{side}_replicate"]["peer"])
+        bench.c.kill(0)
+        bench.c.wipe(0)
+        out[f"{side}_restore"] = bench.restore(sums, holder)
+    shutil.rmtree(src)
+    for side in order:
+        shutil.rmtree(benches[side].mnt / "ckpt" / str(step))
+    return out
+
+
+def summarize_tls(raw: list[dict]) -> dict:
+    def mib_s(side, part, t):
+        return statistics.median(r[f"{side}_{part}"]["bytes"] / r[f"{side}_{part}"][t] / MiB for r in raw)
+
+    def cpu(side, part, who):
+        return statistics.median(r[f"{side}_{part}"]["cpu"][who] / r[f"{side}_{part}"]["bytes"] * GiB for r in raw)
+
+    rows = [{"metric": metric, "clear_mib_s": mib_s("clear", part, t), "tls_mib_s": mib_s("tls", part, t),
+             "ratio": mib_s("tls", part, t) / mib_s("clear", part, t)} for metric, part, t in TLS_ROWS]
+    cpus = {part: {side: {who: cpu(side, part, who) for who in ("sender", "receiver")} for side in TLS_SIDES}
+            for part in ("replicate", "restore")}
+    return {"rows": rows, "cpu_s_per_gib": cpus}
+
+
+def render_tls(summary: dict) -> str:
+    head = ("metric", "in clear MiB/s", "TLS MiB/s", "ratio")
+    body = [(r["metric"], f"{r['clear_mib_s']:.0f}", f"{r['tls_mib_s']:.0f}", f"{r['ratio']:.2f}")
+            for r in summary["rows"]]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+             for cells in [head, ["-" * w for w in widths], *body]]
+    lines.append("# CPU-s per GiB (medians), in clear -> TLS:")
+    for part, sides in summary["cpu_s_per_gib"].items():
+        lines.append(f"#   {part}: " + ", ".join(f"{who} {sides['clear'][who]:.2f} -> {sides['tls'][who]:.2f}"
+                                                 for who in ("sender", "receiver")))
+    return "\n".join(lines)
+
+
+def run_tls(args, settings: dict) -> dict:
+    """Two 2-node clusters, one in clear and one with TLS: replication and restore, ``args.rounds`` rounds."""
+    from tests.cluster import LocalCluster
+    clusters = {}
+    try:
+        for side in TLS_SIDES:
+            clusters[side] = LocalCluster(Path("/dev/shm") / f"bench-peers-{side}-{uuid.uuid4().hex[:8]}", 2, "bench",
+                                          replicas=1, capacity=f"{8 * args.size // MiB}M",
+                                          peer_tls="off" if side == "clear" else None)
+            clusters[side].start_all()
+        settings["nodes"] = {side: [n.address for n in c.nodes] for side, c in clusters.items()}
+        benches, raw = {side: Bench(args, c) for side, c in clusters.items()}, []
+        for rnd in range(args.rounds):
+            raw.append(r := tls_round(args, rnd, benches))
+            mib = lambda k, t="seconds": f"{r[k]['bytes'] / r[k][t] / MiB:.0f}"
+            print(f"round {rnd + 1}/{args.rounds}: replicate TLS {mib('tls_replicate')} vs in clear "
+                  f"{mib('clear_replicate')} MiB/s; restore TLS {mib('tls_restore')} vs in clear "
+                  f"{mib('clear_restore')}", file=sys.stderr, flush=True)
+        return {"raw": raw, "medians": summarize_tls(raw)}
+    finally:
+        for c in clusters.values():
+            c.close()
+
+
 # ----------------------------------------------------------------------------- report
 
 ROWS = [  # metric, baseline (measurement, time), tierfs (measurement, time)
@@ -297,12 +397,17 @@ def main() -> int:
     p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 3)")
     p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement (default 2x --size)")
     p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
+    p.add_argument("--tls", action="store_true",
+                   help="TLS (the default) against --peer-tls off instead (default --size 512M --rounds 5)")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="grouped bars in MiB/s (needs matplotlib)")
     args = p.parse_args()
-    args.size, args.rounds = args.size or (256 * MiB if args.quick else GiB), args.rounds or (2 if args.quick else 3)
+    args.size = args.size or (256 * MiB if args.quick else 512 * MiB if args.tls else GiB)
+    args.rounds = args.rounds or (2 if args.quick else 5 if args.tls else 3)
     args.warmup = args.warmup or 2 * args.size
     args.size -= args.size % (args.files * MiB) if args.files > 0 else 0  # whole MiB per file
+    if args.tls and args.plot:
+        p.error("--plot draws the comparison with a plain copy; with --tls, use --json")
     if args.size <= 0 or args.files < 1 or args.rounds < 1:
         p.error("--size must be at least --files MiB, --files and --rounds at least 1")
 
@@ -311,6 +416,20 @@ def main() -> int:
     os.environ["TIERFS_RUNTIME_DIR"] = os.path.join(tmp, "run")  # a private daemon registry
     args.shm, cluster = tempfile.mkdtemp(prefix="bench-peers-data-", dir="/dev/shm"), None
     try:
+        if args.tls:
+            now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+            settings = {"size": args.size, "files": args.files, "rounds": args.rounds, "warmup": args.warmup,
+                        "cores": os.cpu_count(), "kernel": os.uname().release, "date": now,
+                        "command": shlex.join([sys.executable, *sys.argv])}
+            print(f"# bench_peers --tls {now}  {settings['cores']} cores  command: {settings['command']}\n"
+                  f"# {args.size // MiB} MiB in {args.files} files per step, {args.rounds} rounds, two 2-node "
+                  "clusters (TLS 1.3 keyed from the secret; --peer-tls off); medians; ratio = TLS / in clear",
+                  flush=True)
+            result = run_tls(args, settings)
+            print(render_tls(result["medians"]))
+            if args.json:
+                write_json(args.json, {"settings": settings, **result})
+            return 0
         from tests.cluster import LocalCluster
         cluster = LocalCluster(Path("/dev/shm") / f"bench-peers-cluster-{uuid.uuid4().hex[:8]}", 3, "bench",
                                replicas=1, capacity=f"{8 * args.size // MiB}M")

@@ -98,6 +98,11 @@ class Config:
     peers: tuple[tuple[str, int], ...] = ()
     replicas: int = 1  # peers that hold a copy of each committed step
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
+    # Peer traffic: TLS 1.3 keyed from the secret, or from these mounted files (all three or none).
+    peer_tls: bool = True
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
     topology: tuple[tuple[str, str], ...] = ()  # e.g. (("slice", "a"), ("rack", "r3"))
     data_parallel: int = 1  # data-parallel replicas in the job: ranks nodes/D apart hold the same data
     coordinator: str | None = None  # HOST:PORT of the job's rank-0 coordinator, for jax-init-info.txt
@@ -152,6 +157,7 @@ class Config:
         for key in ("log_level", "data_path"):
             if key in v:
                 v[key] = str(v[key]).strip().lower()
+        _parse_peer_tls(v)
         cfg = cls(**v)
         cfg._validate()
         return cfg
@@ -184,6 +190,7 @@ class Config:
             raise UserError("the peer service needs the job's secret: set TIERFS_SECRET or --secret-file")
         if self.secret is not None and len(self.secret) < 16:
             raise UserError("the job secret is too short: use at least 16 characters")
+        _check_peer_tls(self)
         if self.peers and not 1 <= self.replicas <= len(self.peers):
             raise UserError(
                 f"invalid --replicas {self.replicas}: between 1 and the {len(self.peers)} peer(s) given"
@@ -221,6 +228,38 @@ def parse_address(text: str, what: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise UserError(f"invalid {what} address {text!r}: use HOST:PORT, e.g. 10.0.0.2:7420")
     return host, int(port)
+
+
+_ON, _OFF = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
+_TLS_FILES = ("tls_cert", "tls_key", "tls_ca")
+
+
+def _parse_peer_tls(v: dict) -> None:
+    """``--peer-tls on|off`` and the TLS files' paths, in place in the raw values."""
+    if "peer_tls" in v and not isinstance(v["peer_tls"], bool):
+        text = str(v["peer_tls"]).strip().lower()
+        if text not in _ON + _OFF:
+            raise UserError(f"invalid --peer-tls {v['peer_tls']!r}: use on (the default: encrypted) "
+                            "or off (in clear, for a network you trust)")
+        v["peer_tls"] = text in _ON
+    for key in _TLS_FILES:
+        if key in v:
+            v[key] = Path(os.path.abspath(v[key]))
+
+
+def _check_peer_tls(cfg: Config) -> None:
+    """TLS files go together and load, or are absent; checked here so a bad one fails the mount."""
+    given = [key for key in _TLS_FILES if getattr(cfg, key) is not None]
+    if not given:
+        return
+    if not cfg.peer_tls:
+        raise UserError("--tls-cert, --tls-key and --tls-ca need --peer-tls on: drop them, or --peer-tls off")
+    if len(given) < len(_TLS_FILES):
+        raise UserError("--tls-cert, --tls-key and --tls-ca go together: give all three, or none to key "
+                        "TLS from the job's secret")
+    from tierfs.peers import tls  # noqa: PLC0415 (ssl only where it is used)
+
+    tls.from_files(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
 
 
 def _parse_labels(text: str) -> tuple[tuple[str, str], ...]:

@@ -399,7 +399,8 @@ class Daemon:
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
-                                store=self.replica_store, info=self._peer_info, task_status=task_status)
+                                store=self.replica_store, info=self._peer_info, task_status=task_status,
+                                tls=peer_server.tls.for_config(self.cfg))
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
         with self.ops.writes:  # the write-behind worker lives as long as the request loop

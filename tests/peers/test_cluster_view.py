@@ -17,6 +17,7 @@ import trio
 from tierfs.cluster import ClusterView, LocalHoldings
 from tierfs.config import Config
 from tierfs.manifest import Entry, Manifest
+from tierfs.peers import tls
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.server import Timeouts, serve
 from tierfs.peers.store import ReplicaStore
@@ -46,6 +47,7 @@ class SimNode:
     async def serve(self, port: int = 0, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as self.scope:
             await serve((self.host, port), job=JOB, secret=SECRET, store=self.store, info=self.info,
+                        tls=tls.from_secret(JOB, SECRET),  # as the nodes' configs have it by default
                         timeouts=Timeouts(handshake=1, idle=2, request=2), task_status=task_status)
 
     def stop(self) -> None:

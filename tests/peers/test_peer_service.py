@@ -47,7 +47,7 @@ class Node:
         return self.host, self.port
 
     def connect(self, **kw) -> PeerClient:
-        return PeerClient.connect(self.address, **{"job": JOB, "secret": SECRET, "timeout": 2.0, **kw})
+        return PeerClient.connect(self.address, **{"job": JOB, "secret": SECRET, "tls": None, "timeout": 2.0, **kw})
 
     def files(self) -> list[Path]:
         """Every file under the store's chunks directory, temp files included."""
@@ -62,7 +62,7 @@ async def start_node(nursery: trio.Nursery, host: str, root: Path, *, capacity: 
     store = ReplicaStore(root, space, local, job=JOB, grace=grace, keep_from=keep_from)
     store.load()
     port = await nursery.start(functools.partial(
-        serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts,
+        serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts, tls=None,
         info=lambda: {"rank": 1, "topology": [["zone", "a"]], "free": 123}))
     return Node(host, port, store, space, root)
 
@@ -133,7 +133,7 @@ async def test_authenticated_client_gets_info_and_lists(nursery, tmp_path):
 async def test_wrong_secret_is_refused_and_nothing_is_stored(nursery, tmp_path):
     node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
     with pytest.raises(AuthFailed):
-        await PeerClient.connect(node.address, job=JOB, secret=b"not-the-secret-at-all", timeout=2)
+        await PeerClient.connect(node.address, job=JOB, secret=b"not-the-secret-at-all", tls=None, timeout=2)
     # A raw peer that answers the challenge with a proof made from a wrong secret, and sends
     # a chunk right behind it without waiting: refused, and not one byte of it stored.
     body = randbytes(CS, 1)
@@ -152,7 +152,7 @@ async def test_wrong_secret_is_refused_and_nothing_is_stored(nursery, tmp_path):
 async def test_job_mismatch_is_refused_by_both_sides(nursery, tmp_path):
     node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
     with pytest.raises(AuthFailed):
-        await PeerClient.connect(node.address, job="other-job", secret=SECRET, timeout=2)
+        await PeerClient.connect(node.address, job="other-job", secret=SECRET, tls=None, timeout=2)
     # With the right secret but another job, the server refuses the client's proof too.
     async with await trio.open_tcp_stream(*node.address) as s:
         nonce = wire.new_nonce()
@@ -191,9 +191,9 @@ async def test_skipping_the_handshake_gets_nothing_in_and_nothing_out(nursery, t
         assert b"manifests" not in answer and b'"job"' not in answer
     assert node.files() == stored
     with pytest.raises(ValueError):
-        await PeerClient.connect(node.address, job=JOB, secret=b"")
+        await PeerClient.connect(node.address, job=JOB, secret=b"", tls=None)
     with pytest.raises(ValueError):
-        await serve(("127.0.0.2", 0), job=JOB, secret=b"", store=node.store, info=dict)
+        await serve(("127.0.0.2", 0), job=JOB, secret=b"", store=node.store, info=dict, tls=None)
 
 
 async def test_refusals_keep_the_connection_and_violations_close_it(nursery, tmp_path):
@@ -498,14 +498,14 @@ async def test_unreachable_peers_fail_fast(tmp_path):
     probe.close()
     with trio.fail_after(2):
         with pytest.raises(PeerUnavailable, match="cannot connect"):
-            await PeerClient.connect(address, job=JOB, secret=SECRET, timeout=1)
+            await PeerClient.connect(address, job=JOB, secret=SECRET, tls=None, timeout=1)
     # Listening but never answering (a wedged process): the deadline ends the wait.
     sock = trio.socket.socket()
     await sock.bind(("127.0.0.3", 0))
     sock.listen(4)
     with sock, trio.fail_after(2):
         with pytest.raises(PeerUnavailable, match="within 0.3s"):
-            await PeerClient.connect(sock.getsockname(), job=JOB, secret=SECRET, timeout=0.3)
+            await PeerClient.connect(sock.getsockname(), job=JOB, secret=SECRET, tls=None, timeout=0.3)
 
 
 @pytest.mark.parametrize("vanish", [False, True])
@@ -525,7 +525,7 @@ async def test_a_server_that_stalls_or_dies_mid_transfer_gives_peer_unavailable(
     listeners = await nursery.start(functools.partial(trio.serve_tcp, half_server, 0, host="127.0.0.3"))
     address = ("127.0.0.3", listeners[0].socket.getsockname()[1])
     for receive in ("bytes", "into"):
-        async with await PeerClient.connect(address, job=JOB, secret=SECRET, timeout=0.5) as client:
+        async with await PeerClient.connect(address, job=JOB, secret=SECRET, tls=None, timeout=0.5) as client:
             started = trio.current_time()
             with pytest.raises(PeerUnavailable):
                 if receive == "bytes":

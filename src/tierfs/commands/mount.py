@@ -40,12 +40,21 @@ OPTIONS = {
     "peers": "HOST:PORT,... of the other nodes' peer services",
     "replicas": "peers that keep a copy of each committed step (default 1)",
     "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
+    "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
     "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
     "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
     "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
 }
+# Host files for the peer service's TLS: options of this command and of mount -o, but not of
+# OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
+TLS_FILE_OPTIONS = {
+    "tls-cert": "PEM certificate this node presents to its peers, instead of one keyed from the secret",
+    "tls-key": "PEM private key of --tls-cert",
+    "tls-ca": "PEM certificate of the CA that signs every node's --tls-cert",
+}
+_FLAGS = {**OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
 _IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users",
                           "nofail", "_netdev", "dev", "nodev", "suid", "nosuid", "exec",
@@ -59,7 +68,7 @@ def _env(name: str) -> str | None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("mount", help="mount a tierfs volume", description=__doc__.splitlines()[0])
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
-    for name, text in OPTIONS.items():
+    for name, text in _FLAGS.items():
         p.add_argument(f"--{name}", default=_env(name), help=f"{text}; env TIERFS_{name.upper().replace('-', '_')}")
     p.add_argument("--foreground", action="store_true",
                    default=(_env("foreground") or "").lower() in ("1", "true", "yes"),
@@ -71,7 +80,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in OPTIONS}
+    values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in _FLAGS}
     return Config.build(mountpoint=args.mountpoint, foreground=args.foreground,
                         read_only=args.read_only, secret=_env("secret"), **values)
 
@@ -105,15 +114,15 @@ def run_helper(argv: list[str]) -> int:
     for opt in filter(None, options):
         key, _, value = opt.partition("=")
         key = key.replace("_", "-")
-        if key in OPTIONS:
+        if key in _FLAGS:
             values[key.replace("-", "_")] = value
         elif key == "ro":
             read_only = True
         elif key in _IGNORED_MOUNT_OPTIONS or key.startswith("x-"):
             continue
         else:
-            raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(OPTIONS))}, ro")
-    for name in OPTIONS:  # environment fills what -o leaves out, as for the flags
+            raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(_FLAGS))}, ro")
+    for name in _FLAGS:  # environment fills what -o leaves out, as for the flags
         values.setdefault(name.replace("-", "_"), _env(name))
     return spawn(Config.build(mountpoint=positional[1], read_only=read_only, secret=_env("secret"), **values))
 

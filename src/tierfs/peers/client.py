@@ -6,7 +6,9 @@ refusal (:class:`PeerError`, e.g. :class:`NoSpace`) leaves the connection usable
 that leaves it out of step (a timeout, a cancellation, a broken message) closes it, and
 every later call raises :class:`PeerUnavailable`: reconnect to go on.
 
-One request at a time per client; open several clients for parallel transfers.
+One request at a time per client; open several clients for parallel transfers. With
+``tls`` the connection is TLS 1.3 first (:mod:`tierfs.peers.tls`), then authenticated
+with the job's secret inside it, as in clear.
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ import trio
 import xxhash
 
 from tierfs.peers import wire
+from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerUnavailable, ProtocolError
+
+MANIFEST_MAX_DEPTH = 16  # a manifest nests 3 levels (formats.md); a deeper one is a hostile peer's
 
 
 class PeerClient:
-    def __init__(self, stream: trio.SocketStream, address: tuple[str, int], timeout: float):
+    def __init__(self, stream: trio.abc.Stream, address: tuple[str, int], timeout: float):
         """Use :meth:`connect`: a client is born authenticated."""
         self.address = address
         self.timeout = timeout
@@ -33,9 +38,9 @@ class PeerClient:
         self._broken: str | None = None
 
     @classmethod
-    async def connect(cls, address: tuple[str, int], *, job: str, secret: bytes, timeout: float = 10.0,
-                      local_host: str | None = None) -> PeerClient:
-        """Connect to ``address`` and authenticate, both within ``timeout`` seconds.
+    async def connect(cls, address: tuple[str, int], *, job: str, secret: bytes, tls: PeerTLS | None,
+                      timeout: float = 10.0, local_host: str | None = None) -> PeerClient:
+        """Connect to ``address``, run TLS (unless ``tls`` is None) and authenticate, all within ``timeout``.
 
         ``local_host`` binds the source address (several nodes on one machine use distinct
         loopback addresses, as distinct machines would).
@@ -45,11 +50,13 @@ class PeerClient:
         name = _name(address)
         try:
             with trio.fail_after(timeout):
-                stream = await trio.open_tcp_stream(*address, local_address=local_host)
+                stream: trio.abc.Stream = await trio.open_tcp_stream(*address, local_address=local_host)
                 try:
+                    if tls is not None:
+                        stream = await TLSStream.handshake(stream, tls, server_side=False)
                     await wire.client_handshake(stream, job=job, secret=secret)
                 except BaseException:
-                    await trio.aclose_forcefully(stream)
+                    wire.abort(stream)
                     raise
         except trio.TooSlowError:
             raise PeerUnavailable(f"peer {name} did not connect and authenticate within {timeout:g}s") from None
@@ -134,10 +141,15 @@ class PeerClient:
             raise ProtocolError(f"peer {_name(self.address)}: malformed list answer") from None
 
     async def get_manifest(self, rank: int, step: int) -> bytes:
+        """The manifest's bytes, checked to be JSON of a sane depth (the caller parses it)."""
         with self._request("get_manifest"):
             reply = await self._call({"op": "get_manifest", "rank": rank, "step": step})
             data = await self._body(reply, MAX_MANIFEST)
         self._check(reply)
+        try:
+            wire.parse_json(data, "manifest", MANIFEST_MAX_DEPTH)
+        except ProtocolError as e:
+            raise PeerError(f"peer {_name(self.address)}: get_manifest: {e}") from None
         return data
 
     async def get_chunk(self, h: str, offset: int = 0, length: int | None = None) -> bytes:
@@ -202,7 +214,7 @@ class PeerClient:
         finally:
             if not finished:
                 self._broken = self._broken or f"{op} did not finish"
-                self._stream.socket.close()  # synchronous: also right under cancellation
+                wire.abort(self._stream)  # synchronous: also right under cancellation
 
     async def _send(self, header: dict[str, Any], body: bytes = b"") -> None:
         self.bytes_sent += await wire.send_msg(self._stream, header, body)

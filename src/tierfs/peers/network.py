@@ -17,6 +17,7 @@ import trio
 
 from tierfs.config import Config
 from tierfs.manifest import Manifest
+from tierfs.peers import tls
 from tierfs.peers.client import PeerClient
 from tierfs.peers.placement import PeerInfo, choose
 from tierfs.peers.wire import PeerError
@@ -53,10 +54,10 @@ class PeerNetwork:
         }
 
     def connect(self, address: tuple[str, int], timeout: float | None = None):
-        """An authenticated connection (an async context manager) to one peer."""
+        """An authenticated connection (an async context manager) to one peer, in TLS unless it is off."""
         return PeerClient.connect(
-            address, job=self.cfg.job, secret=self.cfg.secret, timeout=timeout or self.timeout,
-            local_host=self.cfg.listen[0] if self.cfg.listen else None,
+            address, job=self.cfg.job, secret=self.cfg.secret, tls=tls.for_config(self.cfg),
+            timeout=timeout or self.timeout, local_host=self.cfg.listen[0] if self.cfg.listen else None,
         )
 
     def _mark(self, address: tuple[str, int], state: str, error: str | None = None, rank: int | None = None) -> None:

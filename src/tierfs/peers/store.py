@@ -7,9 +7,14 @@ Layout under ``root`` (the daemon passes a directory on the same tmpfs as the RA
     manifests/rank-<R>/step-<S:012d>.json     the newest manifest received for rank R
 
 A chunk file appears under its name only after its bytes were hashed and matched the
-name, so every file the store lists is one it verified; :meth:`ReplicaStore.open_chunk`
-hashes it again before it is served, because RAM can rot too. A manifest is written only
-when every chunk it names is held, so its presence is the commit point, as on every tier.
+name, so every file the store lists is one it verified. That check is remembered against the
+file's identity (device, inode, size, mtime and ctime, and the range): a read of any range,
+even one byte, serves without hashing again while the file is unchanged, so a reader cannot
+make this node hash 64 MiB per request. A file that changed, a chunk of this node's own
+steps never checked before, and every chunk after a restart are hashed once on their next
+read. Readers verify what they receive themselves (whole chunks against their names), which
+is what catches memory that rots after the check. A manifest is written only when every
+chunk it names is held, so its presence is the commit point, as on every tier.
 
 Data-parallel twins commit identical bytes. When a manifest names a chunk this node already
 holds in its *own* committed steps (``local``), the replica gets a private copy made with
@@ -29,6 +34,7 @@ import os
 import re
 import secrets
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
@@ -37,7 +43,7 @@ import trio
 import xxhash
 
 from tierfs.manifest import Manifest, ManifestError
-from tierfs.peers.wire import MAX_CHUNK, PIECE, NoSpace, PeerError
+from tierfs.peers.wire import MAX_CHUNK, PIECE, NoSpace, PeerError, brief, clip
 from tierfs.ramtier.space import PAGE, SpaceAccount
 
 log = logging.getLogger(__name__)
@@ -51,6 +57,7 @@ _HASH_RE = re.compile(r"[0-9a-f]{32}")
 _RANK_RE = re.compile(r"rank-(\d+)")
 _STEP_RE = re.compile(r"step-(\d{12})\.json")
 _TMP = ".tmp-"
+VERIFIED_CACHE = 65536  # file ranges remembered as verified: 256 GiB of 4 MiB chunks, ~10 MB of memory
 
 Location = tuple[str, int, int]  # (path, offset, length) of a chunk's bytes
 
@@ -188,6 +195,7 @@ class ReplicaStore:
         self._manifests: dict[tuple[int, int], frozenset[str]] = {}  # (rank, step) -> its chunks
         self._reserved = 0  # bytes promised to chunks being received
         self._sessions: dict[object, set[str]] = {}  # connection -> chunks it relies on
+        self._verified: OrderedDict[tuple, str] = OrderedDict()  # file identity + range -> its hash
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -291,7 +299,7 @@ class ReplicaStore:
         together) before a single byte is accepted.
         """
         if not is_hash(h) or not 0 <= length <= MAX_CHUNK:
-            raise PeerError(f"invalid chunk {h!r} of {length} bytes")
+            raise PeerError(f"invalid chunk {brief(h)} of {length} bytes")
         if h in self._chunks:
             self._touch(h)  # held through the transfer: the body is only hashed
             return ChunkWriter(self, h, length, None, None, 0)
@@ -314,7 +322,7 @@ class ReplicaStore:
         return ChunkWriter(self, h, length, fd, tmp, need)
 
     def open_chunk(self, h: str) -> ChunkSource:
-        """Chunk ``h``, hashed just now; raises :class:`NotFound` or :class:`Corrupt`.
+        """Chunk ``h``, verified (when stored, or now); raises :class:`NotFound` or :class:`Corrupt`.
 
         A stored chunk that fails the check is deleted (a sender will put it again) and the
         node's own copy, if any, is tried; a bad own copy is reported, never deleted: it is
@@ -322,7 +330,7 @@ class ReplicaStore:
         """
         source = None
         if h in self._chunks:
-            source = _open_verified(str(self._chunk_path(h)), 0, None, h)
+            source = self._open_verified(str(self._chunk_path(h)), 0, None, h)
             if isinstance(source, ChunkSource):
                 return source
             log.warning("replica chunk %s in %s is unusable (%s): removed", h, self.root, source)
@@ -331,7 +339,7 @@ class ReplicaStore:
         if location is None:
             raise Corrupt() if source is not None else NotFound()
         path, offset, length = location
-        source = _open_verified(path, offset, length, h)
+        source = self._open_verified(path, offset, length, h)
         if not isinstance(source, ChunkSource):
             log.warning("own chunk %s at %s+%d is unusable (%s)", h, path, offset, source)
             raise Corrupt()
@@ -371,9 +379,11 @@ class ReplicaStore:
         try:
             manifest = Manifest.from_json(data)
         except ManifestError as e:
-            raise PeerError(f"unusable manifest: {e}") from None
+            raise PeerError(f"unusable manifest: {clip(str(e))}") from None
+        except RecursionError:  # json's parser guards its own depth; a nesting bomb ends here
+            raise PeerError("unusable manifest: it nests too deep to be one") from None
         if manifest.job != self.job:
-            raise PeerError(f"manifest is for job {manifest.job!r}, this store holds {self.job!r}")
+            raise PeerError(f"manifest is for job {brief(manifest.job)}, this store holds {self.job!r}")
         if (manifest.rank, manifest.step) != (rank, step):
             raise PeerError(f"manifest is for rank {manifest.rank} step {manifest.step}, "
                             f"not rank {rank} step {step}")
@@ -432,9 +442,10 @@ class ReplicaStore:
         path = self._chunk_path(h)
         path.parent.mkdir(exist_ok=True)
         os.rename(tmp, path)
-        st = os.fstat(fd)
+        st = os.fstat(fd)  # after the rename, which changes the ctime
         self._account(st)
         self._chunks[h] = _Held(st.st_ino, st.st_size, time.time())
+        self._remember(_identity(st, 0, st.st_size), h)  # its bytes were hashed as they arrived
 
     def _touch(self, h: str) -> None:
         if (held := self._chunks.get(h)) is not None:
@@ -517,24 +528,49 @@ class ReplicaStore:
         if self.space is not None:
             self.space.drop(st.st_ino)
 
+    def _open_verified(self, path: str, offset: int, length: int | None, h: str) -> ChunkSource | str:
+        """Open a chunk's bytes, hashing them unless this very file range was verified before.
 
-def _open_verified(path: str, offset: int, length: int | None, h: str) -> ChunkSource | str:
-    """Open and hash a chunk's bytes; the open source, or why they are not chunk ``h``."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return "file is gone"
-    try:
-        if length is None:
-            length = os.fstat(fd).st_size - offset
-        hasher = _hash_range(fd, offset, length)
-    except BaseException:
-        os.close(fd)
-        raise
-    if hasher is None or hasher.hexdigest() != h:
-        os.close(fd)
-        return "short read" if hasher is None else f"hashes to {hasher.hexdigest()}"
-    return ChunkSource(fd, offset, length)
+        The open source, or why the bytes are not chunk ``h``. The identity is taken from
+        the open descriptor, which is also what is served: a rename or a GC between the
+        check and the send cannot swap in other bytes.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "file is gone"
+        try:
+            st = os.fstat(fd)
+            if length is None:
+                length = st.st_size - offset
+            key = _identity(st, offset, length)
+            if self._verified.get(key) == h:
+                self._verified.move_to_end(key)
+                return ChunkSource(fd, offset, length)
+            hasher = _hash_range(fd, offset, length)
+        except BaseException:
+            os.close(fd)
+            raise
+        if hasher is None or hasher.hexdigest() != h:
+            os.close(fd)
+            return "short read" if hasher is None else f"hashes to {hasher.hexdigest()}"
+        self._remember(key, h)
+        return ChunkSource(fd, offset, length)
+
+    def _remember(self, key: tuple, h: str) -> None:
+        self._verified[key] = h
+        self._verified.move_to_end(key)
+        while len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
+
+
+def _identity(st: os.stat_result, offset: int, length: int) -> tuple:
+    """A file range as it is now: any write to the file changes its mtime and ctime.
+
+    tmpfs gives a fine-grained ctime to a file whose times were just looked at, so a change
+    right after a check still shows. A new file that reuses the inode gets a new ctime.
+    """
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset, length
 
 
 def _hash_range(fd: int, offset: int, length: int) -> xxhash.xxh3_128 | None:

@@ -7,6 +7,15 @@ receiver decides where they go (a file, a hash, a bounded buffer) and reads them
 pieces of at most :data:`PIECE` bytes, so a transfer never holds more than one piece in
 memory, whatever its size.
 
+Everything read from the other side is bounded before it is used: a header's length is
+checked before a byte of it is read, a header nesting lists or objects deeper than
+:data:`MAX_DEPTH` is refused, and a body's announced length reserves at most
+:data:`BODY_RESERVE` bytes until the bytes actually arrive.
+
+The stream is a plain ``trio.SocketStream`` or a :class:`tierfs.peers.tls.TLSStream`; both
+receive straight into buffers. Only a plain socket may ``sendfile``: under TLS the kernel
+would send the file in clear.
+
 Every function here raises :class:`PeerUnavailable` when the connection breaks or ends
 mid-message and :class:`ProtocolError` when the other side breaks the protocol. None of them
 sets a deadline: the request is the unit a timeout makes sense for, so callers wrap whole
@@ -35,8 +44,11 @@ MAX_CHUNK = 64 << 20  # a chunk body
 MAX_MANIFEST = 64 << 20  # a manifest body
 MAX_HAVE = 100_000  # hashes per "have" request (the header limit binds first, near 29 000)
 HAVE_BATCH = 25_000  # hashes a client asks about per request: 875 kB, inside MAX_HEADER
+MAX_DEPTH = 8  # lists and objects inside one another in a header; the protocol uses 3
+BODY_RESERVE = 4 << 20  # memory a body's announced length gets before its bytes arrive
 
 _LENGTH = struct.Struct(">I")
+_TLS_RECORDS = {0x14, 0x15, 0x16, 0x17}  # a TLS record starts with its type, then major version 3
 _NONCE_RE = re.compile(r"[0-9a-f]{32}")
 _PROOF_RE = re.compile(r"[0-9a-f]{64}")
 
@@ -100,17 +112,62 @@ async def recv_msg(stream: trio.abc.ReceiveStream, limit: int = MAX_HEADER) -> d
     prefix = await _recv_exactly(stream, _LENGTH.size, at_boundary=True)
     (n,) = _LENGTH.unpack(prefix)
     if n > limit:
+        if prefix[0] in _TLS_RECORDS and prefix[1] == 3:  # as a length, over 300 MB: never a header
+            raise ProtocolError("the other side speaks TLS and this node does not: "
+                                "every node of a job needs the same --peer-tls")
         raise ProtocolError(f"header of {n} bytes exceeds the {limit}-byte limit")
     raw = await _recv_exactly(stream, n, at_boundary=False)
-    try:
-        header = json.loads(raw)
-    except ValueError:  # UnicodeDecodeError is a ValueError too
-        raise ProtocolError("header is not valid UTF-8 JSON") from None
+    header = parse_json(raw, "header")
     if not isinstance(header, dict):
         raise ProtocolError("header is not a JSON object")
     if "len" in header and not is_count(header["len"]):
-        raise ProtocolError(f"header has an invalid body length {header['len']!r}")
+        raise ProtocolError(f"header has an invalid body length {brief(header['len'])}")
     return header
+
+
+def parse_json(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> Any:
+    """``raw`` as JSON; :class:`ProtocolError` if it is not, or nests deeper than ``max_depth``.
+
+    The caller has already bounded ``raw``'s size. json's C parser guards its own recursion
+    (``RecursionError`` near a thousand levels), so a nesting bomb costs one pass over at
+    most that many bytes and is refused like any malformed header; what parses is then
+    walked once to enforce the small depth the protocol allows.
+    """
+    try:
+        value = json.loads(raw)
+    except RecursionError:
+        raise ProtocolError(f"{what} nests deeper than {max_depth} levels") from None
+    except ValueError:  # UnicodeDecodeError is a ValueError too
+        raise ProtocolError(f"{what} is not valid UTF-8 JSON") from None
+    if nesting_depth(value, max_depth) > max_depth:
+        raise ProtocolError(f"{what} nests deeper than {max_depth} levels")
+    return value
+
+
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep lists and objects nest in ``value`` (a scalar is 0); counts no further than ``limit + 1``."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return depth
+        deepest = max(deepest, depth)
+        todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return deepest
+
+
+def brief(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: what a peer sent, quoted in one short line."""
+    return clip(repr(value), limit)
+
+
+def clip(text: str, limit: int = 200) -> str:
+    """``text`` cut to ``limit`` characters, on one line."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def body_length(header: dict[str, Any]) -> int:
@@ -126,15 +183,20 @@ def is_count(value: object) -> bool:
 async def recv_body(stream: trio.abc.ReceiveStream, n: int, max_n: int) -> bytes:
     """A body as bytes (a manifest, a chunk range), refusing more than ``max_n`` unread.
 
-    Received straight into one buffer of exactly ``n`` bytes: asking the socket for "up to
-    what is left" would allocate that much on every call.
+    Received straight into a buffer (asking the socket for "up to what is left" would
+    allocate that much on every call). The buffer starts at ``n`` bytes up to
+    :data:`BODY_RESERVE` and doubles as bytes arrive, so a peer that announces 64 MiB and
+    sends nothing holds 4 MiB here, not 64.
     """
     if n > max_n:
         raise ProtocolError(f"body of {n} bytes exceeds the {max_n}-byte limit")
-    buf = bytearray(n)
-    view, done = memoryview(buf), 0
+    buf = bytearray(min(n, BODY_RESERVE))
+    done = 0
     while done < n:
-        done += await _recv_into(stream, view[done : done + PIECE])
+        if done == len(buf):
+            buf.extend(bytes(min(len(buf), n - len(buf))))
+        with memoryview(buf) as view:
+            done += await _recv_into(stream, view[done : min(done + PIECE, len(buf))])
     if n == 0:
         await trio.lowlevel.checkpoint()
     return bytes(buf)
@@ -172,13 +234,14 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
     """Send ``count`` bytes of ``fd`` from ``offset`` as a body, zero-copy where possible.
 
     ``os.sendfile`` moves tmpfs pages straight into the socket; on the non-blocking socket
-    it sends what fits and the loop waits for room. Streams without a socket (tests' memory
-    streams) and kernels that refuse sendfile fall back to ``pread`` + ``send_all`` in
-    :data:`PIECE`-sized pieces. A file shorter than ``offset + count`` raises ``EOFError``:
-    a local fault, after which the connection is out of step and must be dropped.
+    it sends what fits and the loop waits for room. Only a plain ``trio.SocketStream`` may:
+    a TLS stream (which must encrypt), streams without a socket (tests' memory streams) and
+    kernels that refuse sendfile take ``pread`` + ``send_all`` in :data:`PIECE`-sized
+    pieces. A file shorter than ``offset + count`` raises ``EOFError``: a local fault,
+    after which the connection is out of step and must be dropped.
     """
     sent = 0
-    sock = getattr(stream, "socket", None)
+    sock = stream.socket if isinstance(stream, trio.SocketStream) else None
     if sock is not None:
         out = sock.fileno()
         while sent < count:
@@ -197,15 +260,16 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
             await trio.lowlevel.checkpoint()  # a fast reader never blocks us: stay cancellable
         else:
             return sent
-    while sent < count:
-        piece = os.pread(fd, min(PIECE, count - sent), offset + sent)
-        if not piece:
+    view = memoryview(bytearray(min(PIECE, count - sent))) if count > sent else memoryview(b"")
+    while sent < count:  # one buffer, reused: every send_all copies (or encrypts) it before returning
+        n = os.preadv(fd, [view[: min(len(view), count - sent)]], offset + sent)
+        if not n:
             raise EOFError(f"file ended {count - sent} bytes short of the promised body")
         try:
-            await stream.send_all(piece)
+            await stream.send_all(view[:n])
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
-        sent += len(piece)
+        sent += n
     return sent
 
 
@@ -226,10 +290,12 @@ async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int, *, at_boundary: 
 
 
 async def _recv_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
-    """Fill some of ``view``; a socket stream receives straight into it (no allocation)."""
+    """Fill some of ``view``; socket and TLS streams receive straight into it (no allocation)."""
     try:
         if isinstance(stream, trio.SocketStream):
             got = await stream.socket.recv_into(view)
+        elif hasattr(stream, "receive_into"):  # tls.TLSStream
+            got = await stream.receive_into(view)
         else:
             data = await stream.receive_some(len(view))
             got = len(data)
@@ -239,6 +305,14 @@ async def _recv_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
     if not got:
         raise PeerUnavailable("connection closed mid-body")
     return got
+
+
+def abort(stream: trio.abc.Stream) -> None:
+    """Close ``stream``'s connection at once (synchronous: also right under cancellation)."""
+    if isinstance(stream, trio.SocketStream):
+        stream.socket.close()
+    elif hasattr(stream, "abort"):  # tls.TLSStream
+        stream.abort()
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -306,11 +380,11 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> s
     hello = await recv_msg(stream, HELLO_MAX_HEADER)
     if hello.get("op") != "hello":
         await send_msg(stream, {"error": "authentication required"})
-        return f"{hello.get('op')!r} before authenticating"
+        return f"{brief(hello.get('op'))} before authenticating"
     if hello.get("version") != VERSION:
-        await send_msg(stream, {"error": f"unsupported protocol version {hello.get('version')!r}: "
+        await send_msg(stream, {"error": f"unsupported protocol version {brief(hello.get('version'))}: "
                                          f"this peer speaks {VERSION}"})
-        return f"protocol version {hello.get('version')!r}"
+        return f"protocol version {brief(hello.get('version'))}"
     client_nonce = hello.get("nonce")
     if not isinstance(hello.get("job"), str) or not _valid(_NONCE_RE, client_nonce):
         await send_msg(stream, {"error": "malformed hello"})
@@ -323,7 +397,7 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> s
     if auth.get("op") != "auth" or not _valid(_PROOF_RE, auth.get("proof")) \
             or not hmac.compare_digest(expected, auth["proof"]):
         await send_msg(stream, {"error": "authentication failed"})
-        return f"authentication failed (peer claims job {hello['job']!r})"
+        return f"authentication failed (peer claims job {brief(hello['job'])})"
     await send_msg(stream, {"ok": True})
     return None
 

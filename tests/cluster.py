@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.conftest import unmount_beneath
+
 TIERFS = [sys.executable, "-m", "tierfs"]
 
 
@@ -140,6 +142,7 @@ class LocalCluster:
 
     def wipe(self, i: int) -> None:
         """The node's RAM is lost: everything of the job on its ramdisk goes."""
+        unmount_beneath(self.nodes[i].ramdisk / self.job)
         shutil.rmtree(self.nodes[i].ramdisk / self.job, ignore_errors=True)
 
     def unmount(self, i: int) -> None:
@@ -157,6 +160,7 @@ class LocalCluster:
                 except ProcessLookupError:
                     pass
                 _wait_gone(node.pid)
+        unmount_beneath(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
 
 

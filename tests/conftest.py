@@ -53,9 +53,18 @@ def runtime_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+def unmount_beneath(path: Path) -> None:
+    """Lazily unmount whatever is mounted under ``path`` (e.g. a rank's tmpfs of its own), deepest first."""
+    prefix = str(path) + "/"
+    with open("/proc/self/mountinfo") as f:
+        points = [mounts._unescape(line.split()[4]) for line in f]
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
 @pytest.fixture
 def shm_dir():
-    """A fresh directory on tmpfs, removed afterwards."""
+    """A fresh directory on tmpfs, removed afterwards with anything mounted in it."""
     made = []
 
     def make(prefix: str = "tierfs-test") -> Path:
@@ -66,6 +75,7 @@ def shm_dir():
 
     yield make
     for p in made:
+        unmount_beneath(p)
         shutil.rmtree(p, ignore_errors=True)
 
 

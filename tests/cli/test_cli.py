@@ -211,6 +211,21 @@ def test_read_only_mount(volumes):
     assert e.value.errno == 30  # EROFS
 
 
+@pytest.mark.parametrize("asked, engine, path", [("auto", "kernel", "passthrough"),
+                                                 ("passthrough", "kernel", "passthrough"),
+                                                 ("daemon", "pyfuse3", "daemon")])
+def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine, path):
+    vol = volumes(job="dp", data_path=asked)
+    (vol.mountpoint / "f").write_bytes(b"x" * 4096)
+    assert (vol.mountpoint / "f").read_bytes() == b"x" * 4096
+    fuse = vol.status()["fuse"]
+    assert (fuse["engine"], fuse["data_path"]) == (engine, path)
+    assert (fuse["passthrough_opens"] > 0) == (path == "passthrough")
+    log = mounts.Registration(vol.mountpoint).log_path.read_text()
+    assert log.count("data path: ") == 1 and f"data path: {path}" in log
+    assert f"data path {path} ({engine} engine)" in tierfs("status", vol.mountpoint).stdout
+
+
 # -- errors: one line, non-zero exit, nothing left mounted -----------------------------------
 
 

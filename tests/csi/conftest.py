@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import TIERFS, cleanup_mount
+from tests.conftest import TIERFS, cleanup_mount, unmount_beneath
 from tierfs import mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.rpc import stub
@@ -154,15 +154,7 @@ class Plugin:
                 subprocess.run(["umount", "-l", target], capture_output=True)
         for staging in (self.state_dir / "mnt").glob("*") if self.state_dir.exists() else ():
             cleanup_mount(staging)
-        # targets of records a test removed by hand
-        for mount in list_mounts_under(self.base):
-            subprocess.run(["umount", "-l", mount], capture_output=True)
-
-
-def list_mounts_under(base: Path) -> list[str]:
-    with open("/proc/self/mountinfo") as f:
-        points = [line.split()[4] for line in f]
-    return sorted((p for p in points if p.startswith(str(base) + "/")), key=len, reverse=True)
+        unmount_beneath(self.base)  # targets of records a test removed by hand, ranks' tmpfs
 
 
 def publish_request(volume_id: str, target: str, context: dict[str, str], readonly: bool = False,

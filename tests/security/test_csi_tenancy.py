@@ -283,9 +283,12 @@ def _still_serving(plugin: Plugin, target: str) -> None:
     assert {p.name for p in plugin.base.iterdir()} <= {"state", "ram", "pods", "csi.sock", "plugin.log"}
     assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "lock", "node.key"}
     for mount in open("/proc/self/mountinfo"):
-        point = mount.split()[4]
+        fields = mount.split()
+        point, (fstype, source) = fields[4], mount.partition(" - ")[2].split()[:2]
         if point.startswith(str(plugin.base)):
-            assert point.startswith((str(plugin.state_dir / "mnt") + "/", str(plugin.base / "pods") + "/")), point
+            rank_tmpfs = (fstype, source) == ("tmpfs", "tierfs-ram") and point.startswith(str(plugin.ramdisk) + "/")
+            assert rank_tmpfs or point.startswith((str(plugin.state_dir / "mnt") + "/",
+                                                   str(plugin.base / "pods") + "/")), point
 
 
 def _publish_fuzzed(plugin: Plugin, context: dict[str, str]) -> None:

@@ -1,0 +1,223 @@
+"""tierfs' own FUSE session, mounted in this process: the engine choice, passthrough
+bookkeeping, the daemon path it falls back to, and requests served concurrently.
+
+The session runs in the test's trio loop; the file system is used from threads and
+processes, as the kernel requires (a request waits for this very loop).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pyfuse3
+import pytest
+import trio
+
+from tierfs.fs import Operations, engine
+from tierfs.fs.session import KernelSession
+from tierfs.ramtier import SpaceAccount
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+
+
+class Mounted:
+    def __init__(self, session: KernelSession, ops: Operations, mountpoint: Path, tree: Path):
+        self.session, self.ops, self.mountpoint, self.tree = session, ops, mountpoint, tree
+
+    async def run(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args)
+
+
+@pytest.fixture
+async def mounted(shm_dir, nursery):
+    """Factory: mount ``ops_class`` over a fresh tree with a session; unmounted afterwards."""
+    made: list[KernelSession] = []
+
+    async def mount(want_passthrough: bool = True, ops_class=Operations) -> Mounted:
+        tree, mountpoint = shm_dir("tierfs-tree"), shm_dir("tierfs-mnt")
+        os.chmod(tree, 0o1777)
+        ops = ops_class(tree, SpaceAccount(None, tree))
+        session = KernelSession(ops, want_passthrough=want_passthrough)
+        session.mount(str(mountpoint), "test")
+        made.append(session)
+        nursery.start_soon(session.run)
+        await trio.to_thread.run_sync(os.stat, mountpoint)  # INIT is done once this answers
+        return Mounted(session, ops, mountpoint, tree)
+
+    try:
+        yield mount
+    finally:
+        for session in made:
+            session.terminate()
+            session.close(unmount=True)
+            session.ops.close()
+
+
+def test_auto_falls_back_to_the_daemon_path_with_the_reason(monkeypatch):
+    monkeypatch.setattr(engine.platform, "release", lambda: "6.8.12-generic")
+    path, why = engine.choose_data_path("auto")
+    assert path == "daemon" and "6.8.12" in why and "6.9" in why
+    with pytest.raises(ValueError, match="6.9"):
+        engine.choose_data_path("passthrough")
+    assert engine.choose_data_path("daemon")[0] == "daemon"
+    assert engine.kernel_version("6.18.0-rc1") == (6, 18)
+
+
+def test_this_machine_can_pass_through():
+    assert engine.passthrough_obstacle() is None
+    assert engine.choose_data_path("auto") == ("passthrough", None)
+
+
+async def test_whole_files_pass_through_and_share_one_backing_file(mounted):
+    m = await mounted()
+    assert m.session.data_path == "passthrough"
+    path = m.mountpoint / "f"
+
+    def use() -> tuple[int, int, bytes]:
+        path.write_bytes(b"a" * 100_000)
+        first = os.open(path, os.O_RDWR)
+        second = os.open(path, os.O_RDONLY)
+        try:
+            os.pwrite(first, b"b" * 10, 0)
+            opens = m.ops.backing.opens(os.stat(m.tree / "f").st_ino)
+            return opens, len(m.ops.backing), os.pread(second, 12, 0)
+        finally:
+            os.close(first)
+            os.close(second)
+
+    opens, handles, head = await m.run(use)
+    assert (opens, handles) == (2, 2)  # both opens of the inode use one backing id
+    assert head == b"b" * 10 + b"aa"
+    await trio.sleep(0.2)  # releases reach the daemon after close() returns
+    assert len(m.ops.backing) == 0 and m.ops.counters["passthrough_opens"] == 3
+    assert m.ops.counters["bytes_written"] == 0  # the kernel wrote, not the daemon
+
+
+async def test_a_session_without_passthrough_serves_every_byte(mounted):
+    m = await mounted(want_passthrough=False)
+    assert m.session.data_path == "daemon" and m.ops.backing is None
+    data = os.urandom(3 << 20)
+
+    def use():
+        (m.mountpoint / "d").mkdir()
+        (m.mountpoint / "d" / "f").write_bytes(data)
+        os.truncate(m.mountpoint / "d" / "f", 1 << 20)
+        os.setxattr(m.mountpoint / "d" / "f", "user.k", b"v")
+        os.symlink("f", m.mountpoint / "d" / "l")
+        os.rename(m.mountpoint / "d", m.mountpoint / "e")
+        return ((m.mountpoint / "e" / "l").read_bytes(), os.getxattr(m.mountpoint / "e" / "f", "user.k"),
+                sorted(os.listdir(m.mountpoint / "e")), os.statvfs(m.mountpoint).f_bsize)
+
+    content, xattr, names, bsize = await m.run(use)
+    assert content == data[: 1 << 20] and xattr == b"v" and names == ["f", "l"] and bsize == 4096
+    assert (m.tree / "e" / "f").read_bytes() == data[: 1 << 20]
+    assert m.ops.counters["bytes_written"] == len(data) and m.ops.counters["passthrough_opens"] == 0
+
+
+class StallingOperations(Operations):
+    """Fault injection: ``getxattr(user.stall)`` waits until released, as a read of a chunk
+    from a dead peer would."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.release_stall = trio.Event()
+        self.stalled = trio.Event()
+
+    async def getxattr(self, inode, name, ctx):
+        if name == b"user.stall":
+            self.stalled.set()
+            await self.release_stall.wait()
+            raise pyfuse3.FUSEError(errno.ENODATA)
+        return await super().getxattr(inode, name, ctx)
+
+
+WRITER = textwrap.dedent("""
+    import os, sys
+    top = sys.argv[1]
+    os.mkdir(top + ".tmp")
+    for i in range(1000):
+        fd = os.open(f"{top}.tmp/{i}", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"x" * 65536)
+        os.close(fd)
+    os.rename(top + ".tmp", top)
+""")
+
+
+async def test_eight_writers_are_not_held_up_by_a_stalled_request(mounted):
+    m = await mounted(ops_class=StallingOperations)
+    (m.tree / "f").write_bytes(b"")
+
+    def stalled_call():
+        try:
+            os.getxattr(m.mountpoint / "f", "user.stall")
+        except OSError as e:
+            return e.errno
+
+    async with trio.open_nursery() as nursery:
+        result = {}
+
+        async def stall():
+            result["errno"] = await trio.to_thread.run_sync(stalled_call)
+
+        nursery.start_soon(stall)
+        await m.ops.stalled.wait()
+        with trio.fail_after(120):  # the stall lasts until every writer is done
+            async with trio.open_nursery() as writers:
+                for w in range(8):
+                    writers.start_soon(trio.run_process, [sys.executable, "-c", WRITER, str(m.mountpoint / f"w{w}")])
+        assert not result, "the stalled request must still be waiting"
+        m.ops.release_stall.set()
+    assert result["errno"] == errno.ENODATA
+
+    def check(w: int) -> bool:
+        files = list((m.mountpoint / f"w{w}").iterdir())
+        return len(files) == 1000 and all(f.stat().st_size == 65536 for f in files[:50])
+
+    for w in range(8):
+        assert await m.run(check, w)
+    assert m.session._workers >= 2  # a second worker took over while the first one waited
+
+
+async def test_a_daemon_path_open_keeps_later_opens_off_passthrough(mounted):
+    """The kernel refuses to mix I/O modes on an inode: while a file is read through the
+    daemon (it was still being restored), new opens of it stay on the daemon path."""
+
+    class Restoring:
+        def __init__(self):
+            self.ino = None
+
+        def pending(self, ino):
+            return ino == self.ino
+
+        async def wait_range(self, ino, offset, size):
+            pass
+
+        async def wait_file(self, ino):
+            pass
+
+    m = await mounted()
+    (m.tree / "f").write_bytes(b"z" * 8192)
+    m.ops.restoring = restoring = Restoring()
+    restoring.ino = os.stat(m.tree / "f").st_ino
+
+    def use():
+        first = os.open(m.mountpoint / "f", os.O_RDONLY)  # pending: daemon path
+        restoring.ino = None  # the restore finished meanwhile
+        second = os.open(m.mountpoint / "f", os.O_RDONLY)  # must not pass through yet
+        data = os.pread(second, 10, 0), os.pread(first, 10, 8190)
+        os.close(first)
+        os.close(second)
+        return data
+
+    assert await m.run(use) == (b"z" * 10, b"zz")
+    assert m.ops.counters["passthrough_opens"] == 0
+    await trio.sleep(0.2)
+    assert await m.run(lambda: (m.mountpoint / "f").read_bytes()) == b"z" * 8192
+    assert m.ops.counters["passthrough_opens"] == 1  # all closed: the next open passes through
+    assert stat.S_ISREG(os.stat(m.tree / "f").st_mode)

@@ -355,6 +355,7 @@ class KernelSession:
             self.backing = BackingFiles(self.fd)
         elif self.want_passthrough:
             self.refused = f"the kernel does not offer FUSE passthrough (protocol {major}.{minor})"
+            log.warning("%s: files are served by the daemon", self.refused)
         self.ops.backing = self.backing
         reply = abi.INIT_OUT.pack(
             abi.KERNEL_MAJOR, min(minor, abi.KERNEL_MINOR), max_readahead,

@@ -139,7 +139,10 @@ class LocalCluster:
         self.nodes[i].pid = None
 
     def wipe(self, i: int) -> None:
-        """The node's RAM is lost: everything of the job on its ramdisk goes."""
+        """The node's RAM is lost: everything of the job on its ramdisk goes, ranks' own tmpfs included."""
+        from tierfs.ramtier.tmpfs import unmount_beneath
+
+        unmount_beneath(self.nodes[i].ramdisk / self.job)
         shutil.rmtree(self.nodes[i].ramdisk / self.job, ignore_errors=True)
 
     def unmount(self, i: int) -> None:
@@ -157,6 +160,9 @@ class LocalCluster:
                 except ProcessLookupError:
                     pass
                 _wait_gone(node.pid)
+        from tierfs.ramtier.tmpfs import unmount_beneath
+
+        unmount_beneath(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
 
 

@@ -23,6 +23,7 @@ import pytest
 
 from tests.gcs_emulator import GcsEmulator
 from tierfs import mounts
+from tierfs.ramtier.tmpfs import unmount_beneath
 
 TIERFS = [sys.executable, "-m", "tierfs"]
 SHM = Path("/dev/shm")
@@ -66,6 +67,7 @@ def shm_dir():
 
     yield make
     for p in made:
+        unmount_beneath(p)  # ranks' own tmpfs (--capacity) outlive their daemons
         shutil.rmtree(p, ignore_errors=True)
 
 

@@ -1,8 +1,10 @@
-"""What removing a job leaves behind.
+"""What removing a job leaves behind, and limits that must not drift apart.
 
 A rank given ``--capacity`` on the passthrough data path lives on a tmpfs of its own
 (``tierfs-ram``) that outlives its daemon. Removing the job's RAM data must take that
-mount away too, or the data, the mount and its directory stay on the node for good.
+mount away too, or the data, the mount and its directory stay on the node for good. And
+the largest chunk is one number: the configuration that allows a chunk size and every
+reader that bounds a chunk (GCS frames, peer bodies, manifests) must agree on it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ import pytest
 
 from tests.conftest import TIERFS
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (the fixtures)
-from tierfs import mounts
+from tierfs import chunks, mounts
+from tierfs.config import Config
+from tierfs.errors import UserError
 from tierfs.fs.engine import passthrough_obstacle
+from tierfs.peers import wire
 from tierfs.ramtier.tmpfs import SOURCE, own_tmpfs, unmount_beneath
 
 
@@ -58,3 +63,12 @@ def test_only_tierfs_own_tmpfs_mounts_are_taken_away(small_tmpfs):
         for home in homes:
             while mounts.find_mount(home) is not None:
                 subprocess.run(["umount", "-l", str(home)], check=False)
+
+
+def test_the_largest_chunk_size_is_one_number(monkeypatch):
+    assert wire.MAX_CHUNK == chunks.MAX_CHUNK_SIZE
+    assert Config.build(mountpoint="/tmp", chunk_size=str(chunks.MAX_CHUNK_SIZE)).chunk_size == chunks.MAX_CHUNK_SIZE
+    monkeypatch.setattr(chunks, "MAX_CHUNK_SIZE", 32 << 20)  # a reader's bound: the config follows it
+    with pytest.raises(UserError) as err:
+        Config.build(mountpoint="/tmp", chunk_size="64M")
+    assert "between 64K and 32M" in str(err.value)

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import unmount_beneath
+from tests.conftest import unmount_all_beneath
 
 TIERFS = [sys.executable, "-m", "tierfs"]
 
@@ -142,7 +142,7 @@ class LocalCluster:
 
     def wipe(self, i: int) -> None:
         """The node's RAM is lost: everything of the job on its ramdisk goes."""
-        unmount_beneath(self.nodes[i].ramdisk / self.job)
+        unmount_all_beneath(self.nodes[i].ramdisk / self.job)
         shutil.rmtree(self.nodes[i].ramdisk / self.job, ignore_errors=True)
 
     def unmount(self, i: int) -> None:
@@ -160,7 +160,7 @@ class LocalCluster:
                 except ProcessLookupError:
                     pass
                 _wait_gone(node.pid)
-        unmount_beneath(self.base)
+        unmount_all_beneath(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
 
 

@@ -53,11 +53,10 @@ def runtime_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def unmount_beneath(path: Path) -> None:
+def unmount_all_beneath(path: Path) -> None:
     """Lazily unmount whatever is mounted under ``path`` (e.g. a rank's tmpfs of its own), deepest first."""
     prefix = str(path) + "/"
-    with open("/proc/self/mountinfo") as f:
-        points = [mounts._unescape(line.split()[4]) for line in f]
+    points = {entry.mountpoint for entry in mounts.mount_table()}
     for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True)
 
@@ -75,7 +74,7 @@ def shm_dir():
 
     yield make
     for p in made:
-        unmount_beneath(p)
+        unmount_all_beneath(p)  # ranks' own tmpfs (--capacity) outlive their daemons
         shutil.rmtree(p, ignore_errors=True)
 
 

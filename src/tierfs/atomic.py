@@ -36,13 +36,13 @@ def temporary_name(path: Path) -> Path:
     return path.with_name(f".tmp.{path.name}")
 
 
-def write_atomically(path: Path, text: str, mode: int = 0o600, owner: tuple[int, int] | None = None) -> None:
-    """Replace ``path`` with ``text``; the file has ``mode`` (and ``owner``, uid and gid)
-    from before its first byte and its final name."""
+def write_atomically(path: Path, text: str | bytes, mode: int = 0o600, owner: tuple[int, int] | None = None) -> None:
+    """Replace ``path`` with ``text`` (or bytes); the file has ``mode`` (and ``owner``, uid
+    and gid) from before its first byte and its final name."""
     tmp = temporary_name(path)
     tmp.unlink(missing_ok=True)  # a crash's leftover would keep its own mode
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
-    with open(fd, "w") as f:
+    with open(fd, "wb" if isinstance(text, bytes) else "w") as f:
         if owner is not None:
             os.fchown(fd, *owner)
         f.write(text)

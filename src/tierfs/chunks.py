@@ -29,6 +29,7 @@ import xxhash
 import zstandard
 
 DEFAULT_CHUNK_SIZE = 4 << 20
+MIN_CHUNK_SIZE = 64 << 10  # the smallest --chunk-size
 MAX_CHUNK_SIZE = 64 << 20  # the largest --chunk-size: no chunk, decoded or raw, is larger
 
 RAW, ZSTD, PLANES = b"R", b"Z", b"P"

@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierfs import chunks
 from tierfs.commit import CommitRules, parse_rules
 from tierfs.errors import UserError
 
@@ -92,7 +93,7 @@ class Config:
     prefetch: int = 8  # background fetches of a restore at once; 0 = on demand only
     restore_wait: float = 15.0  # how long a start waits for silent peers before choosing a step
     survey_interval: float = 30.0  # seconds between views of the cluster (retention follows them)
-    chunk_size: int = 4 << 20
+    chunk_size: int = chunks.DEFAULT_CHUNK_SIZE
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
     listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
     peers: tuple[tuple[str, int], ...] = ()
@@ -181,9 +182,11 @@ class Config:
             raise UserError(f"invalid --survey-interval {self.survey_interval:g}s: use at least 1s")
         if not 0 <= self.prefetch <= 256:
             raise UserError(f"invalid --prefetch {self.prefetch}: use 0 (on demand only) to 256")
-        if not (64 << 10) <= self.chunk_size <= (64 << 20) or self.chunk_size % 4096:
+        # The bounds every reader of a chunk (GCS frames, peer bodies, manifests) holds to.
+        if not chunks.MIN_CHUNK_SIZE <= self.chunk_size <= chunks.MAX_CHUNK_SIZE or self.chunk_size % 4096:
             raise UserError(
-                f"invalid --chunk-size {self.chunk_size}: use a multiple of 4K between 64K and 64M"
+                f"invalid --chunk-size {self.chunk_size}: use a multiple of 4K between "
+                f"{chunks.MIN_CHUNK_SIZE >> 10}K and {chunks.MAX_CHUNK_SIZE >> 20}M"
             )
         parse_rules(self.commit_rule)  # a bad rule is a start-up error, not a later surprise
         if (self.peers or self.listen) and not self.secret:

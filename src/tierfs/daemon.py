@@ -23,11 +23,13 @@ from dataclasses import asdict, replace
 import trio
 
 from tierfs import control, linux, mounts
+from tierfs.atomic import UnsafeFile, read_state
 from tierfs.cluster import ClusterView, LocalHoldings
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, make_engine
+from tierfs.manifest import MAX_BYTES as MAX_MANIFEST, Manifest, ManifestError
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.tmpfs import own_tmpfs
 from tierfs.ramtier.snapshots import Snapshots
@@ -37,7 +39,7 @@ from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
 from tierfs.fetch import ChunkSources, peer_address
 from tierfs.mtc import REPLICATOR, MtcNode, ReplicatorSpec, SpecError
-from tierfs.restore import Restore, fetch_manifest, link_copy, restoring_steps, set_aside
+from tierfs.restore import Restore, fetch_manifest, link_into_tree, restoring_steps, set_aside
 from tierfs.steps import Steps
 
 log = logging.getLogger("tierfs")
@@ -241,8 +243,8 @@ class Daemon:
                 set_aside(self.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
         if step in self.steps.states:
             for root in self.steps.states[step].roots:
-                if not os.path.lexists(self.rank.tree / root):
-                    link_copy(self.snapshots.step_tree(step) / root, self.rank.tree / root)
+                link_into_tree(self.rank, self.snapshots.step_tree(step), root,
+                               f"it is in the way of step {step}", keep=True)
             log.info("step %d, the newest complete for every rank, is here already", step)
             return
         tiers = [t for t in survey.tiers(cfg.rank, step) if t != "local"]
@@ -317,10 +319,20 @@ class Daemon:
                    for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
 
     def _abandon_restore(self, step: int) -> None:
-        """An interrupted restore of a step no longer chosen: take its placeholders away."""
+        """An interrupted restore of a step no longer chosen: take its placeholders away.
+
+        Its manifest says what to take out of the volume, so it is read like every state
+        file: at most a manifest's size, never through a link, and only if the daemon wrote
+        it (UnsafeFile, a one-line refusal, otherwise).
+        """
+        path = self.snapshots.step_dir(step) / "manifest.json"
         try:
-            roots = json.loads((self.snapshots.step_dir(step) / "manifest.json").read_bytes())["roots"]
-        except (OSError, ValueError, KeyError):
+            roots = Manifest.from_json(read_state(path, MAX_MANIFEST)).roots
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
+        except (OSError, ManifestError) as e:
+            log.warning("the unfinished restore of step %d has no usable manifest (%s): "
+                        "nothing of it is taken out of the volume", step, e)
             roots = []
         for root in roots:
             set_aside(self.rank, root, f"the restore of step {step} was abandoned")

@@ -36,17 +36,26 @@ def _unescape(field: str) -> str:
     return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
 
 
-def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
-    """The topmost mount at ``mountpoint`` in /proc/self/mountinfo, if any."""
-    target = os.path.abspath(mountpoint)
-    found = None
+def mount_table() -> list[MountEntry]:
+    """Every mount in /proc/self/mountinfo, in its order (a mount comes after the one it covers)."""
+    entries = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             fields = left.split()
-            if _unescape(fields[4]) == target:
-                fstype, source = right.split()[:2]
-                found = MountEntry(target, fstype, _unescape(source), int(fields[2].split(":")[1]))
+            fstype, source = right.split()[:2]
+            entries.append(MountEntry(_unescape(fields[4]), fstype, _unescape(source),
+                                      int(fields[2].split(":")[1])))
+    return entries
+
+
+def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
+    """The topmost mount at ``mountpoint`` in /proc/self/mountinfo, if any."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    for entry in mount_table():
+        if entry.mountpoint == target:
+            found = entry
     return found
 
 

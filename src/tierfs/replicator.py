@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from tierfs import chunks
+from tierfs.atomic import write_atomically
 from tierfs.config import Config
 from tierfs.manifest import Manifest, ManifestError, build
 from tierfs.peers.network import PeerNetwork
@@ -216,7 +217,7 @@ class Replicator:
                     raise
                 continue  # a file changed under the hashing: it was detached, hash the copy
             if snapshots.detaches == detaches:
-                (snapshots.step_dir(state.step) / "manifest.json").write_bytes(manifest.to_json())
+                write_atomically(snapshots.step_dir(state.step) / "manifest.json", manifest.to_json())
                 return manifest
         raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
 

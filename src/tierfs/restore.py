@@ -29,18 +29,20 @@ import os
 import shutil
 import stat
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
-from tierfs.atomic import write_atomically
+from tierfs.atomic import UnsafeFile, private_dir, read_state, write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources, gcs_call, peer_address
-from tierfs.manifest import Entry, Manifest, ManifestError, restorable_mode
+from tierfs.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, restorable_mode
 from tierfs.peers.wire import PeerError
-from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier import RankDir, SpaceAccount, beneath
 from tierfs.steps import StepState, Steps
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,8 @@ log = logging.getLogger(__name__)
 STATE_FILE = "restore.json"  # present while the step is being restored
 JOURNAL = "restored-chunks"  # names of the chunks written and verified, one per line
 RETRY = 5.0  # seconds before chunks that no tier could give are tried again
+STATE_LIMIT = 1 << 20  # restore.json: a step number, two flags and the peers it came from
+JOURNAL_LIMIT = MAX_CHUNKS * 33  # one 32-digit name and a newline per chunk of the largest manifest
 
 
 @dataclass
@@ -99,8 +103,8 @@ class Restore:
         state = self._read_state()
         if state is None or state.get("step") != self.step:
             shutil.rmtree(self.dir, ignore_errors=True)
-            self.dir.mkdir(parents=True)
-            (self.dir / "manifest.json").write_bytes(self.manifest.to_json())
+            os.mkdir(self.dir, 0o700)  # steps/ exists (Snapshots.load) and is root-only too
+            write_atomically(self.dir / "manifest.json", self.manifest.to_json())
             state = {"step": self.step, "prepared": False, "linked": False,
                      "peers": self.origin.peers, "in_gcs": self.origin.in_gcs}
             self._write_state(state)
@@ -120,12 +124,12 @@ class Restore:
         self._load_journal()
 
     def _create_placeholders(self) -> None:
-        self.snap.mkdir(parents=True)
+        os.mkdir(self.snap, 0o700)
         snap = str(self.snap)  # plain strings: pathlib costs more than the syscalls here
         for e in self.manifest.entries:
             path = os.path.join(snap, e.path)
             if e.kind == "dir":
-                os.mkdir(path)
+                os.mkdir(path, 0o700)  # its own mode once its children are in (_apply_attrs)
             elif e.kind == "symlink":
                 os.symlink(e.target, path)
             else:
@@ -139,20 +143,18 @@ class Restore:
 
     def _link_into_tree(self, root: str) -> None:
         """Put the step's ``root`` into the volume; whatever was in its way is set aside."""
-        parts = root.split("/")
-        for depth in range(1, len(parts)):
-            parent = "/".join(parts[:depth])
-            if not os.path.isdir(self.rank.tree / parent) or os.path.islink(self.rank.tree / parent):
-                set_aside(self.rank, parent, f"it is in the way of restored step {self.step}")
-                link_copy(self.snap / parent, self.rank.tree / parent, recurse=False)
-        set_aside(self.rank, root, f"it is in the way of restored step {self.step}")
-        link_copy(self.snap / root, self.rank.tree / root)
+        link_into_tree(self.rank, self.snap, root, f"it is in the way of restored step {self.step}")
 
     def _load_journal(self) -> None:
         path = _journal_path(self.dir)
-        if path.exists():
-            self._done = {line for line in path.read_text().split() if line}
-        self._journal = open(path, "a", buffering=1)
+        try:
+            self._done = set(read_state(path, JOURNAL_LIMIT).decode("ascii", "replace").split())
+        except FileNotFoundError:
+            pass
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._journal = open(fd, "a", buffering=1)
         cs, snap = self.manifest.chunk_size, str(self.snap)
         for e in self.manifest.entries:
             if e.kind != "file":
@@ -348,10 +350,21 @@ class Restore:
     # -- state file ------------------------------------------------------------------------
 
     def _read_state(self) -> dict | None:
+        """The progress of an interrupted restore of this step; None if there is none to resume.
+
+        Raises UnsafeFile (a UserError) if the file is not the daemon's own: it decides what
+        this start deletes and links into the volume.
+        """
         try:
-            return json.loads((self.dir / STATE_FILE).read_text())
+            state = json.loads(read_state(self.dir / STATE_FILE, STATE_LIMIT))
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
         except (OSError, ValueError):
             return None
+        if not (isinstance(state, dict) and isinstance(state.get("prepared"), bool)
+                and isinstance(state.get("linked"), bool)):
+            return None  # not what _write_state writes: start the step over
+        return state
 
     def _write_state(self, state: dict) -> None:
         write_atomically(self.dir / STATE_FILE, json.dumps(state))
@@ -367,13 +380,55 @@ def restoring_steps(steps: Steps) -> list[int]:
 
 
 def set_aside(rank: RankDir, rel: str, why: str) -> None:
-    """Move ``rel`` out of the volume into ``<rank dir>/aside/``, where nothing is lost."""
-    path = rank.tree / rel
-    if os.path.lexists(path):
-        aside = rank.path / "aside" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}" / rel
-        aside.parent.mkdir(parents=True, exist_ok=True)
-        os.rename(path, aside)
-        log.warning("moved %s out of the volume to %s: %s", rel, aside, why)
+    """Move ``rel`` out of the volume into ``<rank dir>/aside/``, where nothing is lost.
+
+    ``rel`` is the job's path: it is reached from the tree's descriptor without following
+    links (:mod:`tierfs.ramtier.beneath`). If the job made a directory above it a symbolic
+    link, ``rel`` is not in the volume and nothing moves: root never moves what the link
+    leads to (another job's data, say).
+    """
+    with _tree_fd(rank) as tree_fd:
+        try:
+            with beneath.parent_of(tree_fd, rel) as (src_fd, name):
+                try:
+                    os.lstat(name, dir_fd=src_fd)
+                except FileNotFoundError:
+                    return
+                aside = rank.path / "aside" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}" / rel
+                dst_fd = os.open(private_dir(aside.parent), _DIR_FLAGS)
+                try:
+                    os.rename(name, aside.name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                finally:
+                    os.close(dst_fd)
+        except beneath.NotBeneath as e:
+            log.warning("left %s where it is (%s): %s", rel, why, e)
+            return
+    log.warning("moved %s out of the volume to %s: %s", rel, aside, why)
+
+
+def link_into_tree(rank: RankDir, snap: Path, root: str, why: str, *, keep: bool = False) -> None:
+    """Put the snapshot's ``snap/root`` into the volume at ``root``.
+
+    A directory above ``root`` that is not a real directory (a file, or a symbolic link
+    the job made) is set aside and recreated from the snapshot, so the step lands in the
+    job's tree and nowhere else; so is whatever is at ``root`` itself, unless ``keep``
+    (then an existing ``root`` stays as the job left it).
+    """
+    parts = root.split("/")
+    for depth in range(1, len(parts) + 1):
+        rel = "/".join(parts[:depth])
+        with _tree_fd(rank) as tree_fd:
+            try:
+                st = beneath.lstat(tree_fd, rel)
+            except FileNotFoundError:
+                st = None
+        if depth < len(parts):
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                set_aside(rank, rel, why)
+                link_copy(snap, rank, rel, recurse=False)
+        elif st is None or not keep:
+            set_aside(rank, rel, why)
+            link_copy(snap, rank, rel)
 
 
 def _pwrite_all(data: bytes, places: list[tuple[int, int]]) -> None:
@@ -388,20 +443,53 @@ def _apply_attrs(path: str, e: Entry) -> None:
     os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
 
 
-def link_copy(src: str | Path, dst: str | Path, recurse: bool = True) -> None:
-    """Recreate ``src`` at ``dst``: directories as new ones with the same attributes, the rest as links."""
+def link_copy(snap: Path, rank: RankDir, rel: str, recurse: bool = True) -> None:
+    """Recreate ``snap/rel`` at ``rel`` in the volume: directories as new ones with the
+    same attributes, everything else as hard links (no byte copied).
+
+    ``snap`` is the daemon's own snapshot; the volume's side is the job's, so it is reached
+    from the tree's descriptor and every directory made is entered by its descriptor:
+    a symbolic link the job puts in the way stops the copy (NotBeneath), never redirects it.
+    """
+    with _tree_fd(rank) as tree_fd, beneath.parent_of(tree_fd, rel) as (dst_fd, name):
+        _link_copy_at(os.path.join(snap, rel), dst_fd, name, recurse)
+
+
+def _link_copy_at(src: str, dir_fd: int, name: str, recurse: bool) -> None:
     st = os.lstat(src)
     if not stat.S_ISDIR(st.st_mode):
-        os.link(src, dst, follow_symlinks=False)
+        os.link(src, name, dst_dir_fd=dir_fd, follow_symlinks=False)
         return
-    os.mkdir(dst)
-    if recurse:
-        with os.scandir(src) as it:
-            for entry in it:
-                link_copy(entry.path, os.path.join(dst, entry.name))
-    os.chown(dst, st.st_uid, st.st_gid)
-    os.chmod(dst, stat.S_IMODE(st.st_mode))
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+    os.mkdir(name, 0o700, dir_fd=dir_fd)  # nobody else's until its attributes are set
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise beneath.NotBeneath(e.errno, f"{name} was replaced while it was being restored") from None
+        raise
+    try:
+        if recurse:
+            with os.scandir(src) as it:
+                for entry in it:
+                    _link_copy_at(entry.path, fd, entry.name, True)
+        os.fchown(fd, st.st_uid, st.st_gid)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextmanager
+def _tree_fd(rank: RankDir) -> Iterator[int]:
+    """A descriptor of the rank's tree, the root every path of the job's is walked from."""
+    fd = os.open(rank.tree, _DIR_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
 
 
 # -- planning ----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.conftest import TIERFS, cleanup_mount, unmount_beneath
+from tests.conftest import TIERFS, cleanup_mount, unmount_all_beneath
 from tierfs import mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.rpc import stub
@@ -154,7 +154,7 @@ class Plugin:
                 subprocess.run(["umount", "-l", target], capture_output=True)
         for staging in (self.state_dir / "mnt").glob("*") if self.state_dir.exists() else ():
             cleanup_mount(staging)
-        unmount_beneath(self.base)  # targets of records a test removed by hand, ranks' tmpfs
+        unmount_all_beneath(self.base)  # targets of records a test removed by hand, ranks' tmpfs
 
 
 def publish_request(volume_id: str, target: str, context: dict[str, str], readonly: bool = False,

@@ -15,7 +15,8 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from tests.conftest import tierfs, unmount_beneath
+from tests.conftest import tierfs
+from tierfs.ramtier.tmpfs import unmount_beneath
 
 MiB = 1 << 20
 
@@ -76,8 +77,8 @@ def commit_dir(mnt: Path, step: int, files: dict[str, bytes], base: str = "ckpt"
 
 
 def wipe(vol) -> None:
-    """Lose the node's RAM: the whole rank directory goes (with its tmpfs, if it has one)."""
-    unmount_beneath(vol.ramdisk / vol.job)
+    """Lose the node's RAM: the whole rank directory goes (with its own tmpfs, if it has one)."""
+    unmount_beneath(vol.ramdisk / vol.job / f"rank-{vol.rank}")
     shutil.rmtree(vol.ramdisk / vol.job / f"rank-{vol.rank}")
 
 

@@ -31,6 +31,7 @@ from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fi
 from tierfs import linux, mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.volumes import ATTRIBUTES, POD_INFO
+from tierfs.ramtier import tmpfs
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 SECRET = "a-peer-secret-of-the-job-0123456789"
@@ -282,13 +283,13 @@ def _still_serving(plugin: Plugin, target: str) -> None:
     assert open(os.path.join(target, "kept")).read() == "still here"
     assert {p.name for p in plugin.base.iterdir()} <= {"state", "ram", "pods", "csi.sock", "plugin.log"}
     assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "lock", "node.key"}
-    for mount in open("/proc/self/mountinfo"):
-        fields = mount.split()
-        point, (fstype, source) = fields[4], mount.partition(" - ")[2].split()[:2]
+    for mount in mounts.mount_table():
+        point = mount.mountpoint
         if point.startswith(str(plugin.base)):
-            rank_tmpfs = (fstype, source) == ("tmpfs", "tierfs-ram") and point.startswith(str(plugin.ramdisk) + "/")
-            assert rank_tmpfs or point.startswith((str(plugin.state_dir / "mnt") + "/",
-                                                   str(plugin.base / "pods") + "/")), point
+            if (mount.fstype, mount.source) == ("tmpfs", tmpfs.SOURCE):  # a rank's own (capacity)
+                assert point.startswith(str(plugin.ramdisk) + "/"), point
+                continue
+            assert point.startswith((str(plugin.state_dir / "mnt") + "/", str(plugin.base / "pods") + "/")), point
 
 
 def _publish_fuzzed(plugin: Plugin, context: dict[str, str]) -> None:

@@ -136,8 +136,12 @@ def spawn(cfg: Config) -> int:
     mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
     reg = mounts.Registration(cfg.mountpoint)
     log_path = cfg.log_file or reg.log_path
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    if cfg.log_file is None:
+        reg.prepare()  # the runtime directory: root-only, checked
+    else:
+        os.makedirs(log_path.parent, 0o700, exist_ok=True)
+    # Root's log names paths, peers and errors of every job on the node: root's alone.
+    log_fd = os.open(log_path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
     read_fd, write_fd = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()

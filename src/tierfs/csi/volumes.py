@@ -55,6 +55,7 @@ from tierfs.commands.mount import OPTIONS
 from tierfs.config import Config, check_job_id
 from tierfs.csi import kube
 from tierfs.errors import UserError
+from tierfs.ramtier.tmpfs import unmount_beneath
 
 log = logging.getLogger("tierfs.csi")
 
@@ -564,6 +565,10 @@ class Volumes:
                     raise VolumeError(str(e)) from None
             if held is None and not (self.cfg.ramdisk / job).exists():
                 raise NotFound(f"job {job} has no data on node {self.cfg.node_id}")
+            try:  # a rank's tmpfs of its own (--capacity) would keep its data and its directory
+                unmount_beneath(self.cfg.ramdisk / job)
+            except OSError as e:
+                raise VolumeError(f"could not unmount the RAM tier of job {job}: {e.strerror}") from None
             shutil.rmtree(self.cfg.ramdisk / job, ignore_errors=True)
             for path in (self._job_path(job), self._secret_path(job),
                          self.cfg.state_dir / "logs" / f"{job}.log"):

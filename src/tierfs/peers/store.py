@@ -42,6 +42,7 @@ from typing import Callable, Iterable, Protocol
 import trio
 import xxhash
 
+from tierfs.atomic import private_dir
 from tierfs.manifest import Manifest, ManifestError
 from tierfs.peers.wire import MAX_CHUNK, PIECE, NoSpace, PeerError, brief, clip
 from tierfs.ramtier.space import PAGE, SpaceAccount
@@ -207,8 +208,8 @@ class ReplicaStore:
         """
         self._chunks.clear()
         self._manifests.clear()
-        self._chunk_dir.mkdir(parents=True, exist_ok=True)
-        self._manifest_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self._chunk_dir)  # root-only, like every directory of the daemon's (umask 0)
+        private_dir(self._manifest_dir)
         for sub in _scan(self._chunk_dir):
             if sub.name.startswith(_TMP):
                 _unlink(Path(sub.path))
@@ -440,7 +441,7 @@ class ReplicaStore:
             self._touch(h)
             return
         path = self._chunk_path(h)
-        path.parent.mkdir(exist_ok=True)
+        _mkdir_private(path.parent)
         os.rename(tmp, path)
         st = os.fstat(fd)  # after the rename, which changes the ctime
         self._account(st)
@@ -474,7 +475,7 @@ class ReplicaStore:
     def _write_manifest(self, rank: int, step: int, data: bytes) -> None:
         path = self._manifest_path(rank, step)
         self._check_space(_pages(len(data)))
-        path.parent.mkdir(exist_ok=True)
+        _mkdir_private(path.parent)
         tmp = path.with_name(f"{_TMP}{path.name}-{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -615,6 +616,14 @@ def _pages(nbytes: int) -> int:
 def _scan(path: Path) -> Iterable[os.DirEntry]:
     with os.scandir(path) as it:
         return list(it)
+
+
+def _mkdir_private(path: Path) -> None:
+    """A directory of the store's, root-only from its creation: the daemon's umask is 0."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
 
 
 def _unlink(path: Path | None) -> None:

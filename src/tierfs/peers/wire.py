@@ -36,12 +36,15 @@ from typing import Any
 
 import trio
 
+from tierfs.chunks import MAX_CHUNK_SIZE
+from tierfs.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
+
 VERSION = 1
 MAX_HEADER = 1 << 20  # an authenticated peer's header
 HELLO_MAX_HEADER = 4096  # before authentication: a stranger gets no big allocation
 PIECE = 1 << 20  # the most body bytes held in memory at once
-MAX_CHUNK = 64 << 20  # a chunk body
-MAX_MANIFEST = 64 << 20  # a manifest body
+MAX_CHUNK = MAX_CHUNK_SIZE  # a chunk body: no chunk is larger than the largest --chunk-size
+MAX_MANIFEST = MAX_MANIFEST_BYTES  # a manifest body
 MAX_HAVE = 100_000  # hashes per "have" request (the header limit binds first, near 29 000)
 HAVE_BATCH = 25_000  # hashes a client asks about per request: 875 kB, inside MAX_HEADER
 MAX_DEPTH = 8  # lists and objects inside one another in a header; the protocol uses 3

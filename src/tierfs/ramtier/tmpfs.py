@@ -5,6 +5,8 @@ that passes the capacity; a tmpfs of exactly that size refuses it itself, with E
 the very write, for every writer (the job, restores, replicas from peers). Hard links of
 committed steps stay within one file system, since snapshots live beside the tree. The
 mount outlives the daemon, as the data must; a restart with another capacity resizes it.
+Whatever deletes a job's or a rank's RAM data therefore unmounts it first
+(:func:`unmount_beneath`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tierfs.errors import UserError
 
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
 SOURCE = "tierfs-ram"
+_MAX_LAYERS = 16  # tmpfs mounts stacked at one place that unmount_beneath takes away
 
 
 def is_own_tmpfs(path: Path) -> bool:
@@ -46,3 +49,30 @@ def own_tmpfs(path: Path, size: int) -> bool:
             return False
     linux.mount(SOURCE, str(path), "tmpfs", MS_NOSUID | MS_NODEV, f"size={size},mode=0700,uid=0,gid=0")
     return True
+
+
+def unmount_beneath(path: Path) -> list[str]:
+    """Detach every tmpfs of tierfs' own (source ``tierfs-ram``) at or beneath ``path``.
+
+    A rank's home may be such a tmpfs. Deleting the RAM data of a job or a rank must take
+    it away first: ``rmtree`` would empty it but could not remove its mountpoint, so the
+    directory and the mount (with its size reservation) would stay. The unmount is lazy
+    (``MNT_DETACH``): a reader still inside, such as a daemon that is just exiting, keeps
+    what it has open, and nothing new reaches the old data. Only tierfs' own tmpfs mounts
+    are touched, never another mount an operator put beneath ``path``. Returns the
+    mountpoints detached, deepest first.
+    """
+    top = os.path.realpath(path)
+    detached: list[str] = []
+    for _ in range(_MAX_LAYERS):  # one pass per layer: a mount may cover another at the same place
+        topmost: dict[str, mounts.MountEntry] = {}
+        for entry in mounts.mount_table():  # later entries cover earlier ones
+            if entry.mountpoint == top or entry.mountpoint.startswith(top + "/"):
+                topmost[entry.mountpoint] = entry
+        ours = [m for m, e in topmost.items() if e.fstype == "tmpfs" and e.source == SOURCE]
+        if not ours:
+            break
+        for mountpoint in sorted(ours, key=lambda m: m.count("/"), reverse=True):
+            linux.umount(mountpoint, linux.MNT_DETACH)
+            detached.append(mountpoint)
+    return detached

@@ -75,8 +75,7 @@ class LogRecorder(logging.Handler):
         return len(self.records)
 
 
-@pytest.fixture
-def peer_log():
+def _recording_peer_log():
     logger = logging.getLogger("tierfs.peers")
     recorder, old_level = LogRecorder(), logger.level
     logger.addHandler(recorder)
@@ -86,6 +85,11 @@ def peer_log():
     finally:
         logger.removeHandler(recorder)
         logger.setLevel(old_level)
+
+
+@pytest.fixture
+def peer_log():
+    yield from _recording_peer_log()
 
 
 def assert_clean_log(records: list[logging.LogRecord]) -> None:
@@ -714,15 +718,7 @@ def fuzz_base():
 
 @pytest.fixture(scope="module")
 def fuzz_log():
-    logger = logging.getLogger("tierfs.peers")
-    recorder, old_level = LogRecorder(), logger.level
-    logger.addHandler(recorder)
-    logger.setLevel(logging.INFO)
-    try:
-        yield recorder
-    finally:
-        logger.removeHandler(recorder)
-        logger.setLevel(old_level)
+    yield from _recording_peer_log()
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ the job reaches it through the mount alone.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -42,41 +43,37 @@ class RankDir:
         self.tree = path / "tree"
         self._lock_fd: int | None = None
 
-    def prepare_home(self) -> None:
-        """Create the daemon's root-only (0700) directories down to the rank's home, checked
-        if they exist. Raises UserError if one is not safe."""
-        ramdisk = self.path.parent.parent
+    @contextlib.contextmanager
+    def _as_user_errors(self):
         try:
-            private_dir(ramdisk, own=False)
-            private_dir(self.path.parent)
-            private_dir(self.path)
+            yield
         except UnsafeFile as e:
             raise UserError(f"unsafe ramdisk: {e}") from None
         except OSError as e:
             raise UserError(
-                f"ramdisk {ramdisk} is not writable ({e.strerror}): "
+                f"ramdisk {self.path.parent.parent} is not writable ({e.strerror}): "
                 "point --ramdisk at a writable tmpfs directory, e.g. /dev/shm/tierfs"
             ) from None
+
+    def prepare_home(self) -> None:
+        """Create the daemon's root-only (0700) directories down to the rank's home, checked
+        if they exist. Raises UserError if one is not safe."""
+        with self._as_user_errors():
+            private_dir(self.path.parent.parent, own=False)
+            private_dir(self.path.parent)
+            private_dir(self.path)
 
     def prepare(self) -> None:
         """Create the directories: the daemon's root-only (0700), checked if they exist; the
         tree root with tmpfs' default root mode (1777). Raises UserError if one is not safe."""
         self.prepare_home()
-        ramdisk = self.path.parent.parent
-        try:
+        with self._as_user_errors():
             if not os.path.lexists(self.tree):
                 os.mkdir(self.tree, 0o1777)
                 os.chmod(self.tree, 0o1777)  # explicit: mkdir's mode may lose the sticky bit
             probe = self.path / ".write-probe"
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600))
             probe.unlink()
-        except UnsafeFile as e:
-            raise UserError(f"unsafe ramdisk: {e}") from None
-        except OSError as e:
-            raise UserError(
-                f"ramdisk {ramdisk} is not writable ({e.strerror}): "
-                "point --ramdisk at a writable tmpfs directory, e.g. /dev/shm/tierfs"
-            ) from None
         if not stat.S_ISDIR(self.tree.lstat().st_mode):
             raise UserError(f"{self.tree} is not a directory: remove it or use another --ramdisk")
 

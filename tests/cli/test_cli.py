@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cleanup_mount, tierfs
+from tests.conftest import tierfs
 from tierfs import mounts
+from tierfs.local import cleanup_mount
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

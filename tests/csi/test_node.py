@@ -11,11 +11,13 @@ import subprocess
 import grpc
 import pytest
 
-from tests.conftest import TIERFS, tierfs
-from tests.csi.conftest import Mode, publish_request, wait_for
+from tests.conftest import tierfs
+from tests.csi.conftest import wait_for
 from tierfs import mounts
 from tierfs.csi import DRIVER_NAME
 from tierfs.csi import csi_pb2 as pb
+from tierfs.local import TIERFS
+from tierfs.local.csi import Mode, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 

@@ -23,7 +23,6 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cluster import free_port
 from tests.conftest import tierfs
 from tests.fuse.test_mtc import YAML, handshake
 from tests.gcs.test_backup_restore import wait_backed_up
@@ -33,6 +32,7 @@ from tests.security.test_untrusted_bytes import JSON, H, Sandbox, check_restored
 from tierfs import control, mounts
 from tierfs.daemon import Daemon
 from tierfs.errors import UserError
+from tierfs.local import free_port
 from tierfs.manifest import MAX_BYTES as MAX_MANIFEST, Entry, Manifest
 from tierfs.restore import set_aside
 

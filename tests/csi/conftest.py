@@ -5,7 +5,6 @@ called the way kubelet calls it, with a local stand-in for the Kubernetes API.
 from __future__ import annotations
 
 import os
-import time
 
 import pytest
 
@@ -41,9 +40,3 @@ def plugin_factory(shm_dir, pod_api):
 def plugin(plugin_factory) -> Plugin:
     return plugin_factory()
 
-
-def wait_for(predicate, timeout: float = 20, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)

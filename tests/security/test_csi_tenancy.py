@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import tierfs
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fixtures)
-from tests.csi.conftest import wait_for
+from tests.helpers import wait_for
 from tierfs import linux, mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.volumes import ATTRIBUTES, POD_INFO

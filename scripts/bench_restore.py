@@ -14,7 +14,7 @@ arrive on demand (a read waits for the chunks it covers) and by a background pre
   no Python start-up per poll) says ``restored.state`` is "done"; then every file's sha256 is
   checked (untimed).
 
-Each round builds a fresh 3-node LocalCluster (tests/cluster.py: 127.0.0.2-4, ``--replicas 1``,
+Each round builds a fresh 3-node LocalCluster (tierfs.local.cluster: 127.0.0.2-4, ``--replicas 1``,
 ``--gcs`` on a fresh bucket of a fake-gcs-server with the memory backend, default chunk size
 and prefetch) and:
 
@@ -91,7 +91,6 @@ from benchlib import (GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_in
                       parse_size, plain_copy, warm_tmpfs, write_all, write_json, pyplot, NO_MATPLOTLIB,
                       save_figure)  # (scripts/ is on sys.path)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.cluster, tests.gcs_emulator
 MiB, GiB = 1 << 20, 1 << 30
 NODE0 = "127.0.0.2"
 JOB, STEP = "bench", 100
@@ -135,7 +134,7 @@ class Bench:
     def __init__(self, args, emu, client):
         from tierfs.commands.status import fetch  # the control socket from this process: no
         self.fetch = fetch                        # Python start-up per poll on a 2-core VM
-        from tests.cluster import LocalCluster
+        from tierfs.local.cluster import LocalCluster
         self.LocalCluster = LocalCluster
         self.args, self.emu, self.client = args, emu, client
         self.buf = aligned(MiB)
@@ -556,8 +555,8 @@ def main() -> int:
                 "--list-files between 1 and --size bytes")
 
     interrupt_on_signals()
-    from tests.cluster import _wait_gone as wait_gone
-    from tests.gcs_emulator import GcsEmulator
+    from tierfs.local import wait_gone
+    from tierfs.local.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))
     args.shm = tempfile.mkdtemp(prefix="bench-restore-data-", dir="/dev/shm")

@@ -24,10 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-from tests.cluster import LocalCluster  # noqa: E402
-from tests.gcs_emulator import GcsEmulator  # noqa: E402
+from tierfs.local.cluster import LocalCluster
+from tierfs.local.gcs_emulator import GcsEmulator
 
 MiB = 1 << 20
 NODES, SHARDS, SHARD = 3, 8, 16 * MiB

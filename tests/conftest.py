@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
-import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.gcs_emulator import GcsEmulator
 from tierfs import mounts
+from tierfs.local import TIERFS, cleanup_mount, unmount_all_beneath
+from tierfs.local.gcs_emulator import GcsEmulator
 
-TIERFS = [sys.executable, "-m", "tierfs"]
 SHM = Path("/dev/shm")
 
 
@@ -51,14 +48,6 @@ def runtime_dir():
     else:
         os.environ["TIERFS_RUNTIME_DIR"] = old
     shutil.rmtree(path, ignore_errors=True)
-
-
-def unmount_all_beneath(path: Path) -> None:
-    """Lazily unmount whatever is mounted under ``path`` (e.g. a rank's tmpfs of its own), deepest first."""
-    prefix = str(path) + "/"
-    points = {entry.mountpoint for entry in mounts.mount_table()}
-    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
-        subprocess.run(["umount", "-l", point], capture_output=True)
 
 
 @pytest.fixture
@@ -124,24 +113,6 @@ class Volume:
 
     def is_mounted(self) -> bool:
         return mounts.find_mount(self.mountpoint) is not None
-
-
-def cleanup_mount(mountpoint: Path) -> None:
-    """Unmount whatever is left at ``mountpoint`` and stop its daemon."""
-    info = mounts.Registration(mountpoint).read() or {}
-    for _ in range(50):
-        if mounts.find_mount(mountpoint) is None:
-            break
-        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
-        time.sleep(0.1)
-    pid = info.get("pid")
-    if pid and mounts.process_alive(pid):
-        deadline = time.monotonic() + 10
-        while mounts.process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if mounts.process_alive(pid):
-            os.kill(pid, signal.SIGKILL)
-    mounts.Registration(mountpoint).remove()
 
 
 @pytest.fixture

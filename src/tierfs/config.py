@@ -1,7 +1,8 @@
 """One validated configuration object for the daemon and the commands.
 
-Every option comes from a command-line flag, a ``-o key=value`` mount option, or the
-environment variable ``TIERFS_<NAME>``; all three end up here and are checked once.
+Every option (:data:`OPTIONS`) comes from a command-line flag, a ``-o key=value`` mount
+option, or the environment variable ``TIERFS_<NAME>`` (:func:`env_name`); all three end up
+here and are checked once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,56 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECA
 _DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
 _SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+# Every option of a mount (flag name -> help text). Each is a `tierfs mount --FLAG`, a
+# ``-o key=value`` of the mount helper, the Config field of the same name with '_' for '-',
+# and the environment variable env_name(FLAG); all but host paths are CSI volume attributes.
+OPTIONS = {
+    "ramdisk": "directory on tmpfs that holds the RAM tier (default /dev/shm/tierfs)",
+    "job": "job id; all state is scoped by it (default 'default')",
+    "rank": "this node's rank in the job (default 0)",
+    "nodes": "number of nodes (ranks) in the job (default 1)",
+    "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
+    "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
+                 "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
+    "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
+    "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
+    "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
+    "keep": "committed steps kept in GCS per rank (default 3)",
+    "keep-local": "newest committed steps kept in RAM, besides any a tier still needs (default 1)",
+    "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
+    "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
+    "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
+    "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
+    "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
+    "listen": "HOST:PORT where this node's peer service accepts other nodes",
+    "peers": "HOST:PORT,... of the other nodes' peer services",
+    "replicas": "peers that keep a copy of each committed step (default 1)",
+    "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
+    "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
+    "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
+    "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
+    "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
+    "log-level": "debug, info, warning or error (default info)",
+    "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
+}
+# Host files for the peer service's TLS: options of `tierfs mount` and of mount -o, but not of
+# OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
+TLS_FILE_OPTIONS = {
+    "tls-cert": "PEM certificate this node presents to its peers, instead of one keyed from the secret",
+    "tls-key": "PEM private key of --tls-cert",
+    "tls-ca": "PEM certificate of the CA that signs every node's --tls-cert",
+}
+
+
+def env_name(option: str) -> str:
+    """The environment variable of an option: ``data-path`` -> ``TIERFS_DATA_PATH``."""
+    return "TIERFS_" + option.upper().replace("-", "_")
+
+
+def env_value(option: str) -> str | None:
+    """The option's value from the environment, or None."""
+    return os.environ.get(env_name(option))
 
 
 def check_job_id(job: str) -> None:

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 import signal
-import stat
 import subprocess
 import sys
 import time
@@ -15,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cleanup_mount, tierfs
+from tests.conftest import tierfs
+from tests.helpers import tree_digest
 from tierfs import mounts
+from tierfs.local import cleanup_mount, wait_gone
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -27,22 +27,6 @@ def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
     for fragment in fragments:
         assert fragment in lines[0], lines[0]
     return lines[0]
-
-
-def snapshot(root: Path) -> dict:
-    """Everything a restart must keep: types, modes, owners, sizes, bytes, link targets."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath, name)
-            st = p.lstat()
-            entry = (stat.filemode(st.st_mode), st.st_uid, st.st_gid, st.st_size, st.st_nlink)
-            if p.is_symlink():
-                entry += (os.readlink(p),)
-            elif p.is_file():
-                entry += (hashlib.sha256(p.read_bytes()).hexdigest(),)
-            out[str(p.relative_to(root))] = entry
-    return out
 
 
 def populate(root: Path) -> None:
@@ -62,12 +46,12 @@ def populate(root: Path) -> None:
 def test_files_survive_unmount_and_remount(volumes):
     vol = volumes(job="persist", rank=3, nodes=4)
     populate(vol.mountpoint)
-    before = snapshot(vol.mountpoint)
+    before = tree_digest(vol.mountpoint, exact=True)
     tierfs("unmount", vol.mountpoint)
     assert not vol.is_mounted()
     assert not list(vol.mountpoint.iterdir())  # the mountpoint itself is empty
     vol2 = volumes(job="persist", rank=3, nodes=4, mountpoint=vol.mountpoint)
-    assert snapshot(vol2.mountpoint) == before
+    assert tree_digest(vol2.mountpoint, exact=True) == before
 
 
 def test_ranks_and_jobs_are_separate(volumes):
@@ -142,9 +126,7 @@ def test_mount_helper_form_and_umount(shm_dir):
         assert os.statvfs(mp).f_blocks * os.statvfs(mp).f_frsize == 64 << 20
         pid = mounts.Registration(mp).read()["pid"]
         subprocess.run(["umount", str(mp)], check=True, timeout=30)
-        deadline = time.monotonic() + 10
-        while mounts.process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_gone(pid)
         assert not mounts.process_alive(pid), "daemon kept running after umount"
         assert mounts.find_mount(mp) is None
         bad = subprocess.run(["mount", "-t", "fuse.tierfs", "helperjob", str(mp), "-o", "bogus=1"],
@@ -308,9 +290,7 @@ def test_sigterm_unmounts_and_keeps_files(volumes):
     (vol.mountpoint / "f").write_bytes(b"kept")
     pid = vol.pid
     os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + 10
-    while mounts.process_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
+    wait_gone(pid)
     assert not mounts.process_alive(pid)
     assert not vol.is_mounted()
     assert mounts.Registration(vol.mountpoint).read() is None

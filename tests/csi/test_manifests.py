@@ -35,8 +35,7 @@ import yaml
 from packaging.version import Version
 
 import tierfs
-from tierfs.commands.mount import OPTIONS
-from tierfs.config import Config, parse_address
+from tierfs.config import OPTIONS, Config, parse_address
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "csi" / "deploy"

@@ -11,11 +11,13 @@ import subprocess
 import grpc
 import pytest
 
-from tests.conftest import TIERFS, tierfs
-from tests.csi.conftest import Mode, publish_request, wait_for
+from tests.conftest import tierfs
+from tests.helpers import wait_for
 from tierfs import mounts
 from tierfs.csi import DRIVER_NAME
 from tierfs.csi import csi_pb2 as pb
+from tierfs.local import TIERFS
+from tierfs.local.csi import Mode, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 
@@ -70,7 +72,7 @@ def test_volume_stats_report_the_volume_and_its_condition(plugin):
     assert reply.volume_condition.abnormal is False
 
     os.kill(daemon_pid(plugin, "llama"), signal.SIGKILL)
-    wait_for(lambda: mounts.is_dead(target), what="the daemon to die")
+    wait_for(lambda: mounts.is_dead(target), timeout=20, what="the daemon to die")
     reply = plugin.call("Node", "NodeGetVolumeStats", pb.NodeGetVolumeStatsRequest(volume_id=vol, volume_path=target))
     assert reply.volume_condition.abnormal and "does not answer" in reply.volume_condition.message
 
@@ -191,7 +193,7 @@ def test_plugin_restart_keeps_mounts_and_restarts_a_dead_daemon(plugin):
     # The daemon dies while the plugin is away: the restarted plugin brings the volume back.
     plugin.stop(signal.SIGKILL)
     os.kill(daemon_pid(plugin, "llama"), signal.SIGKILL)
-    wait_for(lambda: mounts.is_dead(target), what="the daemon to die")
+    wait_for(lambda: mounts.is_dead(target), timeout=20, what="the daemon to die")
     plugin.start()
     assert open(os.path.join(target, "ckpt")).read() == "committed"
     plugin.unpublish(vol, target)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.cluster import free_port
+from tests.helpers import free_port
 
 JOB = Path(__file__).with_name("orbax_job.py")
 

@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tierfs
+from tests.helpers import write_orbax_step
+
+
+METADATA = {"_CHECKPOINT_METADATA": b"{}"}  # Orbax's marker, inside a temporary dir: no commit yet
 
 
 def step_tree(vol, step: int) -> Path:
@@ -20,23 +24,12 @@ def steps_of(vol) -> dict[int, dict]:
     return {s["step"]: s for s in vol.status()["steps"]}
 
 
-def write_orbax_step(mnt: Path, step: int, files: dict[str, bytes]) -> Path:
-    tmp = mnt / "ckpt" / f"{step}.orbax-checkpoint-tmp"
-    for name, data in files.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(data)
-    (tmp / "_CHECKPOINT_METADATA").write_text("{}")  # inside a temporary dir: no commit yet
-    final = mnt / "ckpt" / str(step)
-    os.rename(tmp, final)
-    return final
-
-
 def test_directory_rename_commits_and_freezes_the_step(volume):
     assert steps_of(volume) == {}
     (volume.mountpoint / "ckpt" / "7.orbax-checkpoint-tmp").mkdir(parents=True)
     (volume.mountpoint / "ckpt" / "7.orbax-checkpoint-tmp" / "_CHECKPOINT_METADATA").write_text("{}")
     assert steps_of(volume) == {}, "a marker inside a temporary directory must not commit"
-    write_orbax_step(volume.mountpoint, 5, {"a": b"A" * 5000, "d/b": b"B" * 10})
+    write_orbax_step(volume.mountpoint, 5, {"a": b"A" * 5000, "d/b": b"B" * 10, **METADATA})
     steps = steps_of(volume)
     assert list(steps) == [5] and steps[5]["roots"] == ["ckpt/5"]
     snap = step_tree(volume, 5) / "ckpt" / "5"
@@ -45,7 +38,7 @@ def test_directory_rename_commits_and_freezes_the_step(volume):
 
 
 def test_committed_files_are_isolated_from_later_changes(volume):
-    final = write_orbax_step(volume.mountpoint, 1, {"a": b"old-a" * 1000, "b": b"old-b", "c": b"old-c"})
+    final = write_orbax_step(volume.mountpoint, 1, {"a": b"old-a" * 1000, "b": b"old-b", "c": b"old-c", **METADATA})
     snap = step_tree(volume, 1) / "ckpt" / "1"
     assert os.stat(final / "a").st_nlink == 1, "snapshot links must not show in st_nlink"
     with open(final / "a", "r+b") as f:  # rewrite in place
@@ -103,11 +96,11 @@ def test_explicit_commit_and_custom_rule(volumes):
 
 
 def test_a_newer_step_releases_the_older_snapshot_and_its_space(volume):
-    write_orbax_step(volume.mountpoint, 1, {"w": os.urandom(8 << 20)})
+    write_orbax_step(volume.mountpoint, 1, {"w": os.urandom(8 << 20), **METADATA})
     used_1 = volume.status()["tiers"]["ram"]["used"]
     (volume.mountpoint / "ckpt" / "1" / "w").unlink()  # the job deletes it; the snapshot holds it
     assert volume.status()["tiers"]["ram"]["used"] == used_1
-    write_orbax_step(volume.mountpoint, 2, {"w": os.urandom(1 << 20)})
+    write_orbax_step(volume.mountpoint, 2, {"w": os.urandom(1 << 20), **METADATA})
     assert list(steps_of(volume)) == [2]
     assert not step_tree(volume, 1).exists()
     assert volume.status()["tiers"]["ram"]["used"] < used_1 - (6 << 20)
@@ -115,7 +108,7 @@ def test_a_newer_step_releases_the_older_snapshot_and_its_space(volume):
 
 def test_steps_survive_a_daemon_restart(volumes):
     vol = volumes(capacity="256M")
-    write_orbax_step(vol.mountpoint, 4, {"a": b"a"})
+    write_orbax_step(vol.mountpoint, 4, {"a": b"a", **METADATA})
     tierfs("unmount", vol.mountpoint)
     vol2 = volumes(mountpoint=vol.mountpoint, capacity="256M")
     assert list(steps_of(vol2)) == [4]

@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tierfs
-from tests.fuse.test_commit import write_orbax_step
+from tests.fuse.test_commit import METADATA
+from tests.helpers import wait_for, write_orbax_step
 
 YAML = """job-name: {job}
 framework: orbax
@@ -29,16 +30,14 @@ nodes: {nodes}
 peer-ranks: []
 backup-interval-minutes: 30"""
 NO_GCS = "tierfs: this volume has no --gcs: nothing is backed up, whatever the interval\n"
+SUCCESS = {"commit_success.txt": b"ok"}  # the marker of a step Orbax writes at the root (multi-tier checkpointing)
 
 
 def handshake(mnt: Path, text: str, timeout: float = 15) -> tuple[int, str | None]:
     """Returns (restore step or 0, what replicator.errors said); raises as Orbax does on .failed."""
     (mnt / "replicator.yaml.tmp").write_text(text)
     os.replace(mnt / "replicator.yaml.tmp", mnt / "replicator.yaml")
-    deadline = time.monotonic() + timeout
-    while (mnt / "replicator.yaml").exists():
-        assert time.monotonic() < deadline, "replicator.yaml was never acknowledged"
-        time.sleep(0.05)
+    wait_for(lambda: not (mnt / "replicator.yaml").exists(), timeout, "replicator.yaml to be acknowledged", 0.05)
     errors = None
     if (mnt / "replicator.errors").exists():
         errors = (mnt / "replicator.errors").read_text()
@@ -91,7 +90,7 @@ def test_restart_presents_the_newest_step_and_the_rename_takes_it(volumes):
     vol = volumes(job="run", keep_local=3)
     handshake(vol.mountpoint, YAML.format(job="run", rank=0, nodes=1))
     for step in (10, 20):
-        write_orbax_step_at_root(vol.mountpoint, step, {"state/d/0": os.urandom(5000) + bytes([step])})
+        write_orbax_step(vol.mountpoint, step, {"state/d/0": os.urandom(5000) + bytes([step]), **SUCCESS}, base="")
     expected = (vol.mountpoint / "20" / "state" / "d" / "0").read_bytes()
     tierfs("unmount", vol.mountpoint)
 
@@ -107,16 +106,6 @@ def test_restart_presents_the_newest_step_and_the_rename_takes_it(volumes):
     assert orbax_steps(mnt) == [10, 20]
     assert sorted(s["step"] for s in again.status()["steps"]) == [10, 20], "taking the step is not a new commit"
     assert [s["version"] for s in again.status()["steps"] if s["step"] == 20] == [1]
-
-
-def write_orbax_step_at_root(mnt: Path, step: int, files: dict[str, bytes]) -> None:
-    """Orbax under multi-tier checkpointing writes steps at the root of the local directory."""
-    tmp = mnt / f"{step}.orbax-checkpoint-tmp"
-    for name, data in files.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(data)
-    (tmp / "commit_success.txt").write_text("ok")
-    os.rename(tmp, mnt / str(step))
 
 
 def handshake_inspecting(mnt: Path, text: str, entry: Path) -> tuple[int, str | None]:
@@ -162,10 +151,7 @@ def test_a_new_pod_does_not_read_the_answers_meant_for_a_pod_that_died(volumes):
     vol = volumes(job="run")
     mnt = vol.mountpoint
     (mnt / "replicator.yaml").write_text(YAML.format(job="run", rank=5, nodes=2))  # bad, and nobody reads
-    deadline = time.monotonic() + 15
-    while (mnt / "replicator.yaml").exists():
-        assert time.monotonic() < deadline, "replicator.yaml was never acknowledged"
-        time.sleep(0.05)
+    wait_for(lambda: not (mnt / "replicator.yaml").exists(), 15, "replicator.yaml to be acknowledged", 0.05)
     assert (mnt / "replicator.failed").exists()
     # The volume outlives that pod (the CSI plugin reuses the daemon); the next pod's good spec is taken.
     assert handshake(mnt, YAML.format(job="run", rank=0, nodes=1)) == (0, NO_GCS)
@@ -182,7 +168,7 @@ def test_old_steps_are_deleted_once_the_job_speaks_the_protocol(volumes):
     vol = volumes(job="run")  # --keep-local 1: only the newest step stays in RAM
     handshake(vol.mountpoint, YAML.format(job="run", rank=0, nodes=1))
     for step in (1, 2, 3):
-        write_orbax_step_at_root(vol.mountpoint, step, {"state/x": bytes([step]) * 1000})
+        write_orbax_step(vol.mountpoint, step, {"state/x": bytes([step]) * 1000, **SUCCESS}, base="")
     deadline = time.monotonic() + 10
     while orbax_steps(vol.mountpoint) != [3]:
         assert time.monotonic() < deadline, f"old steps stay: {orbax_steps(vol.mountpoint)}"
@@ -192,7 +178,7 @@ def test_old_steps_are_deleted_once_the_job_speaks_the_protocol(volumes):
 
 def test_without_the_protocol_old_steps_are_left_to_the_job(volume):
     for step in (1, 2):
-        write_orbax_step(volume.mountpoint, step, {"x": b"x"})
+        write_orbax_step(volume.mountpoint, step, {"x": b"x", **METADATA})
     time.sleep(1)
     assert sorted(p.name for p in (volume.mountpoint / "ckpt").iterdir()) == ["1", "2"]
 
@@ -201,7 +187,7 @@ def test_a_job_running_as_another_user_consumes_the_answers(volumes):
     """Pods often run as uid 1000: the volume's root is sticky (1777), so the job can delete
     the node's answers only if they are its own."""
     vol = volumes(job="run", keep_local=3)
-    write_orbax_step_at_root(vol.mountpoint, 10, {"x": b"x"})
+    write_orbax_step(vol.mountpoint, 10, {"x": b"x", **SUCCESS}, base="")
     script = (
         "import os, sys, time; m = sys.argv[1]\n"
         "def ack():\n"

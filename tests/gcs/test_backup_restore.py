@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
-import stat
 import time
 from pathlib import Path
 
@@ -16,20 +14,10 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from tests.conftest import tierfs
+from tests.helpers import tree_digest, wait_for, write_orbax_step
 from tierfs.ramtier.tmpfs import unmount_beneath
 
 MiB = 1 << 20
-
-
-def wait_for(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
 
 
 def step_state(vol, step: int) -> dict | None:
@@ -44,36 +32,6 @@ def wait_backed_up(vol, step: int, timeout: float = 60) -> dict:
 def wait_restored(vol) -> dict:
     """The volume's status once its restore has every byte (reads can finish just before)."""
     return wait_for(lambda: (s := vol.status())["restored"]["state"] == "done" and s, 30, "the restore to finish")
-
-
-def digest(root: Path) -> dict[str, tuple]:
-    """Everything a restore must reproduce: kind, mode, owner, size and content of each path."""
-    out = {}
-    for dirpath, dirnames, filenames in os.walk(root):
-        for name in dirnames + filenames:
-            p = Path(dirpath) / name
-            st = p.lstat()
-            if stat.S_ISLNK(st.st_mode):
-                what = ("link", os.readlink(p))
-            elif stat.S_ISDIR(st.st_mode):
-                what = ("dir",)
-            else:
-                what = ("file", st.st_size, hashlib.sha256(p.read_bytes()).hexdigest())
-            out[str(p.relative_to(root))] = (*what, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
-    return out
-
-
-def commit_dir(mnt: Path, step: int, files: dict[str, bytes], base: str = "ckpt", prepare=None) -> Path:
-    """Write ``files`` into a temporary directory and rename it to ``<base>/<step>`` (Orbax style)."""
-    tmp = mnt / base / f"{step}.orbax-checkpoint-tmp"
-    for name, data in files.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(data)
-    if prepare is not None:
-        prepare(tmp)
-    final = mnt / base / str(step)
-    os.rename(tmp, final)
-    return final
 
 
 def wipe(vol) -> None:
@@ -108,8 +66,8 @@ def test_round_trip_through_gcs_onto_an_empty_ram_tier(volumes, gcs_url):
         os.chmod(tmp / "meta", 0o750)
         os.chown(tmp / "shard-2", 1000, 1000)  # a pod running as another user
 
-    commit_dir(vol.mountpoint, 10, files, prepare=prepare)
-    expected = digest(vol.mountpoint / "ckpt")
+    write_orbax_step(vol.mountpoint, 10, files, prepare=prepare)
+    expected = tree_digest(vol.mountpoint / "ckpt")
     state = wait_backed_up(vol, 10)
     assert state["backup"]["bytes"] == sum(map(len, files.values()))
     assert state["backup"]["stored_bytes"] < state["backup"]["uploaded_bytes"], "zeros must compress"
@@ -119,7 +77,7 @@ def test_round_trip_through_gcs_onto_an_empty_ram_tier(volumes, gcs_url):
     tierfs("unmount", vol.mountpoint)
     wipe(vol)
     again = volumes(job="rt", capacity="1G", gcs=gcs_url, mountpoint=vol.mountpoint)
-    assert digest(again.mountpoint / "ckpt") == expected
+    assert tree_digest(again.mountpoint / "ckpt") == expected
     status = wait_restored(again)
     assert status["restored"]["step"] == 10 and status["restored"]["from"] == gcs_url
     assert [(s["step"], s["source"], s["backed_up"]) for s in status["steps"]] == [(10, "gcs", True)]
@@ -132,11 +90,11 @@ def test_round_trip_through_gcs_onto_an_empty_ram_tier(volumes, gcs_url):
 def test_dedup_across_steps_uploads_only_changed_chunks(volumes, gcs_url):
     vol = volumes(job="dd", capacity="1G", gcs=gcs_url, chunk_size="1M")
     shards = [os.urandom(4 * MiB) for _ in range(10)]
-    commit_dir(vol.mountpoint, 1, {f"s{i}": d for i, d in enumerate(shards)})
+    write_orbax_step(vol.mountpoint, 1, {f"s{i}": d for i, d in enumerate(shards)})
     first = wait_backed_up(vol, 1)["backup"]
     assert first["uploaded_bytes"] == 40 * MiB and first["dedup_bytes"] == 0
     shards[3] = os.urandom(4 * MiB)  # 10% of the bytes change
-    commit_dir(vol.mountpoint, 2, {f"s{i}": d for i, d in enumerate(shards)})
+    write_orbax_step(vol.mountpoint, 2, {f"s{i}": d for i, d in enumerate(shards)})
     second = wait_backed_up(vol, 2)["backup"]
     print(f"step 2 uploaded {second['uploaded_bytes'] / MiB:.1f} MiB of {second['bytes'] / MiB:.1f} MiB")
     assert second["uploaded_bytes"] == 4 * MiB
@@ -147,7 +105,7 @@ def test_identical_data_on_two_ranks_is_stored_once(volumes, gcs_url, gcs_bucket
     data = {f"w{i}": os.urandom(2 * MiB) for i in range(4)}
     vols = [volumes(job="dp", rank=r, nodes=2, capacity="256M", gcs=gcs_url, chunk_size="1M") for r in (0, 1)]
     for v in vols:
-        commit_dir(v.mountpoint, 5, data)
+        write_orbax_step(v.mountpoint, 5, data)
     backups = [wait_backed_up(v, 5)["backup"] for v in vols]
     assert sum(b["uploaded_bytes"] for b in backups) == 8 * MiB, backups
     chunk_objects = objects(gcs_bucket, "backups/dp/chunks/")
@@ -160,17 +118,17 @@ def test_identical_data_on_two_ranks_is_stored_once(volumes, gcs_url, gcs_bucket
 
 def test_outage_delays_backup_without_blocking_work_and_snapshot_holds(volumes, gcs_url, gcs_emulator):
     vol = volumes(job="out", capacity="512M", gcs=gcs_url)
-    commit_dir(vol.mountpoint, 1, {"a": os.urandom(MiB)})
+    write_orbax_step(vol.mountpoint, 1, {"a": os.urandom(MiB)})
     wait_backed_up(vol, 1)
     gcs_emulator.stop()
     try:
         committed = {"a": os.urandom(3 * MiB), "b": os.urandom(MiB)}
-        final = commit_dir(vol.mountpoint, 2, committed)
+        final = write_orbax_step(vol.mountpoint, 2, committed)
         # The job goes on: it rewrites and deletes committed files while GCS is away.
         started = time.monotonic()
         (final / "a").write_bytes(b"rewritten after commit")
         (final / "b").unlink()
-        commit_dir(vol.mountpoint, 3, {"c": os.urandom(MiB)}, base="other")
+        write_orbax_step(vol.mountpoint, 3, {"c": os.urandom(MiB)}, base="other")
         assert time.monotonic() - started < 5, "local work must not wait for GCS"
         gcs = wait_for(lambda: (g := vol.status()["gcs"])["state"] == "unavailable" and g, 30,
                        "the outage to show in status")
@@ -194,7 +152,7 @@ def test_a_step_changed_during_its_backup_is_uploaded_as_committed(volumes, gcs_
     gcs_emulator.stop()  # hold the backup back so the job's changes surely come first
     try:
         committed = {"a": os.urandom(5 * MiB), "b": os.urandom(MiB), "c": b"c" * 1000}
-        final = commit_dir(vol.mountpoint, 7, committed)
+        final = write_orbax_step(vol.mountpoint, 7, committed)
         with open(final / "a", "r+b") as f:
             f.seek(MiB)
             f.write(b"X" * MiB)
@@ -215,7 +173,7 @@ def test_a_step_changed_during_its_backup_is_uploaded_as_committed(volumes, gcs_
 def test_corrupt_or_missing_chunk_fails_only_its_reads_and_is_named(volumes, gcs_url, gcs_bucket):
     vol = volumes(job="bad", capacity="256M", gcs=gcs_url, chunk_size="1M")
     good = os.urandom(MiB)
-    commit_dir(vol.mountpoint, 1, {"a": os.urandom(3 * MiB), "b": good})
+    write_orbax_step(vol.mountpoint, 1, {"a": os.urandom(3 * MiB), "b": good})
     wait_backed_up(vol, 1)
     tierfs("unmount", vol.mountpoint)
     manifest = json.loads(client().bucket(gcs_bucket).blob(
@@ -246,7 +204,7 @@ def test_retention_keeps_newest_steps_and_only_their_chunks(volumes, gcs_url, gc
     vol = volumes(job="ret", capacity="256M", gcs=gcs_url, keep=2, gc_grace=0, chunk_size="1M")
     shared = os.urandom(MiB)
     for step in range(1, 5):
-        commit_dir(vol.mountpoint, step, {"shared": shared, "own": os.urandom(MiB)})
+        write_orbax_step(vol.mountpoint, step, {"shared": shared, "own": os.urandom(MiB)})
         wait_backed_up(vol, step)
     manifests = "backups/ret/manifests/rank-0/"
     wait_for(lambda: objects(gcs_bucket, manifests) == [manifests + "step-000000000003.json",
@@ -262,10 +220,10 @@ def test_retention_keeps_newest_steps_and_only_their_chunks(volumes, gcs_url, gc
 
 def test_backup_interval_backs_up_the_newest_step_at_most_that_often(volumes, gcs_url, gcs_bucket):
     vol = volumes(job="iv", capacity="256M", gcs=gcs_url, backup_interval="4s")
-    commit_dir(vol.mountpoint, 1, {"a": b"1"})
+    write_orbax_step(vol.mountpoint, 1, {"a": b"1"})
     first = wait_backed_up(vol, 1)["backup"]
-    commit_dir(vol.mountpoint, 2, {"a": b"2"})
-    commit_dir(vol.mountpoint, 3, {"a": b"3"})
+    write_orbax_step(vol.mountpoint, 2, {"a": b"2"})
+    write_orbax_step(vol.mountpoint, 3, {"a": b"3"})
     third = wait_backed_up(vol, 3, timeout=30)["backup"]
     assert third["at"] - first["at"] >= 4 - 0.1
     assert objects(gcs_bucket, "backups/iv/manifests/") == [
@@ -293,14 +251,14 @@ def test_one_gib_checkpoint_survives_losing_the_ram_tier(volumes, gcs_url):
             for _ in range(16):
                 f.write(os.urandom(4 * MiB))
     os.rename(tmp, vol.mountpoint / "ckpt" / "1000")
-    expected = digest(vol.mountpoint / "ckpt")
+    expected = tree_digest(vol.mountpoint / "ckpt")
     backup = wait_backed_up(vol, 1000, timeout=600)["backup"]
     assert backup["bytes"] == 1 << 30
     print(f"1 GiB backed up in {backup['seconds']:.1f}s, {backup['lag_s']:.1f}s after the commit")
     tierfs("unmount", vol.mountpoint)
     wipe(vol)
     again = volumes(job="gib", capacity="3G", gcs=gcs_url, mountpoint=vol.mountpoint)
-    assert digest(again.mountpoint / "ckpt") == expected
+    assert tree_digest(again.mountpoint / "ckpt") == expected
     restored = wait_restored(again)["restored"]
     assert (restored["step"], restored["from"], restored["bytes"]) == (1000, gcs_url, 1 << 30)
     print(f"1 GiB restored in {restored['seconds']:.1f}s")

@@ -15,7 +15,7 @@ from google.cloud import storage
 from tierfs import gcs
 from tierfs.errors import UserError
 from tierfs.gcs import CorruptObject, GcsStore, GcsUnavailable, MissingObject, parse_gcs_url
-from tests.gcs_emulator import GcsEmulator
+from tierfs.local.gcs_emulator import GcsEmulator
 
 
 def h(n: int) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster import LocalCluster
+from tierfs.local.cluster import LocalCluster
 
 
 @pytest.fixture

@@ -9,24 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import wait_for, write_orbax_step
+
 MiB = 1 << 20
 
 
-def wait_for(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
-    return value
-
-
 def commit_step(mnt: Path, step: int, files: dict[str, bytes]) -> dict[str, str]:
-    tmp = mnt / "ckpt" / f"{step}.orbax-checkpoint-tmp"
-    for name, data in files.items():
-        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp / name).write_bytes(data)
-    os.rename(tmp, mnt / "ckpt" / str(step))
+    """Commit ``files`` as Orbax step ``step`` under ckpt/; their sha256, by name."""
+    write_orbax_step(mnt, step, files)
     return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
 
 

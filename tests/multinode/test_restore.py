@@ -6,7 +6,8 @@ import hashlib
 import os
 import stat
 
-from tests.multinode.test_peers import MiB, commit_step, replicated, sums, wait_for
+from tests.helpers import wait_for
+from tests.multinode.test_peers import MiB, commit_step, replicated, sums
 
 
 def files_of(rank: int, step: int, big: int = 2 * MiB) -> dict[str, bytes]:

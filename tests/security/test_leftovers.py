@@ -14,12 +14,12 @@ import subprocess
 
 import pytest
 
-from tests.conftest import TIERFS
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (the fixtures)
 from tierfs import chunks, mounts
 from tierfs.config import Config
 from tierfs.errors import UserError
 from tierfs.fs.engine import passthrough_obstacle
+from tierfs.local import TIERFS
 from tierfs.peers import wire
 from tierfs.ramtier.tmpfs import SOURCE, own_tmpfs, unmount_beneath
 

@@ -23,12 +23,12 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.cluster import free_port
 from tests.conftest import tierfs
 from tests.fuse.test_mtc import YAML, handshake
 from tests.gcs.test_backup_restore import wait_backed_up
+from tests.helpers import free_port, wait_for
 from tests.multinode.conftest import cluster  # noqa: F401 (the fixture)
-from tests.multinode.test_peers import commit_step, replicated, wait_for
+from tests.multinode.test_peers import commit_step, replicated
 from tests.security.test_untrusted_bytes import JSON, H, Sandbox, check_restored_tree, hostile_manifests, one_line, sample
 from tierfs import control, mounts
 from tierfs.daemon import Daemon

@@ -36,6 +36,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import wait_for, write_orbax_step
 from tests.peers.test_peer_service import JOB, SECRET, frame, make_step, push, randbytes, read_until_closed, start_node
 from tierfs.chunks import chunk_hash
 from tierfs.config import Config
@@ -541,7 +542,7 @@ async def test_mounted_certificates_and_the_secret_are_both_required(nursery, tm
 
 def test_daemons_encrypt_peer_traffic_by_default():
     """Two real daemons; node 0 reaches its peer only through a wiretap: it sees no checkpoint byte."""
-    from tests.cluster import LocalCluster
+    from tierfs.local.cluster import LocalCluster
 
     c = LocalCluster(Path("/dev/shm") / f"tierfs-sec-{uuid.uuid4().hex[:10]}", 2, "wiretap",
                      replicas=1, capacity="256M", restore_wait="1s")
@@ -551,14 +552,9 @@ def test_daemons_encrypt_peer_traffic_by_default():
         relay = Relay((c.nodes[1].host, c.nodes[1].port))
         c.start(0, peers=f"{relay.address[0]}:{relay.address[1]}")
         data = os.urandom(2 * MiB)
-        tmp = c.nodes[0].mountpoint / "ckpt" / "3.orbax-checkpoint-tmp"
-        tmp.mkdir(parents=True)
-        (tmp / "shard").write_bytes(data)
-        os.rename(tmp, c.nodes[0].mountpoint / "ckpt" / "3")
-        deadline = time.monotonic() + 60
-        while not any(s["step"] == 3 and s["replicas"].get("peers") for s in c.status(0)["steps"]):
-            assert time.monotonic() < deadline, "step 3 was not replicated"
-            time.sleep(0.1)
+        write_orbax_step(c.nodes[0].mountpoint, 3, {"shard": data})
+        wait_for(lambda: any(s["step"] == 3 and s["replicas"].get("peers") for s in c.status(0)["steps"]),
+                 60, "step 3 to be replicated")
         assert c.status(1)["replicas_held"]["manifests"] == 1
         recorded = relay.recorded
         assert len(recorded) > len(data)

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import tierfs
 from tests.fuse.test_mtc import YAML, handshake
+from tests.helpers import wait_for
 from tierfs.mtc import EXPANDABLE, MAX_SPEC_BYTES, SpecError, parse_spec
 
 MARK = "S3CR3T-VALUE-7f1c9e"  # every environment value below contains it: it must never come back
@@ -149,10 +150,7 @@ def daemon_values(pid: int) -> list[str]:
 
 def answered(mnt: Path, timeout: float = 15) -> str:
     """Wait for the node's acknowledgement; returns replicator.failed (and deletes it, as Orbax does)."""
-    deadline = time.monotonic() + timeout
-    while os.path.lexists(mnt / "replicator.yaml"):
-        assert time.monotonic() < deadline, "replicator.yaml was never acknowledged"
-        time.sleep(0.05)
+    wait_for(lambda: not os.path.lexists(mnt / "replicator.yaml"), timeout, "replicator.yaml to be acknowledged", 0.05)
     failed = (mnt / "replicator.failed").read_text()
     (mnt / "replicator.failed").unlink()
     (mnt / "replicator.errors").unlink(missing_ok=True)
@@ -234,10 +232,7 @@ def test_fuzz_through_the_mount(one_mount, text):
     mnt = one_mount.mountpoint
     before = sorted(os.listdir(mnt.parent))
     place(mnt, text)
-    deadline = time.monotonic() + 15
-    while os.path.lexists(mnt / "replicator.yaml"):
-        assert time.monotonic() < deadline, "replicator.yaml was never acknowledged"
-        time.sleep(0.02)
+    wait_for(lambda: not os.path.lexists(mnt / "replicator.yaml"), 15, "replicator.yaml to be acknowledged", 0.02)
     if (mnt / "replicator.failed").exists():
         assert_clean_answer(one_mount, (mnt / "replicator.failed").read_text())
     for name in os.listdir(mnt):  # the answers, as the job consumes them

@@ -26,7 +26,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import tierfs
-from tests.gcs.test_backup_restore import client, commit_dir, objects, wait_backed_up, wipe
+from tests.gcs.test_backup_restore import client, objects, wait_backed_up, wipe
+from tests.helpers import write_orbax_step
 from tierfs import gcs, manifest as manifest_mod
 from tierfs.chunks import CorruptChunk, chunk_hash, decode, encode
 from tierfs.config import Config
@@ -492,7 +493,7 @@ def test_hostile_chunk_frames_fail_their_reads_and_the_daemon_keeps_serving(volu
     job = f"bomb-{uuid.uuid4().hex[:6]}"
     vol = volumes(job=job, capacity="256M", gcs=gcs_url, chunk_size="1M")
     good = os.urandom(MiB)
-    commit_dir(vol.mountpoint, 1, {"a": os.urandom(3 * MiB), "b": good})
+    write_orbax_step(vol.mountpoint, 1, {"a": os.urandom(3 * MiB), "b": good})
     wait_backed_up(vol, 1)
     tierfs("unmount", vol.mountpoint)
     m = json.loads(read_object(gcs_bucket, manifest_name(job, 0, 1)))
@@ -528,13 +529,13 @@ def test_backups_replace_corrupt_chunk_objects_instead_of_trusting_them(volumes,
                    for h, data in names.items())
 
     vol = volumes(job=job, capacity="256M", gcs=gcs_url, chunk_size="1M")
-    commit_dir(vol.mountpoint, 1, files)
+    write_orbax_step(vol.mountpoint, 1, files)
     wait_backed_up(vol, 1)
     assert sound()
     # Damaged after it was uploaded: the next step that reuses it puts it right.
     h = next(iter(names))
     plant(gcs_bucket, f"b/{job}/chunks/{h[:2]}/{h}", b"R" + os.urandom(MiB))
-    commit_dir(vol.mountpoint, 2, files)
+    write_orbax_step(vol.mountpoint, 2, files)
     wait_backed_up(vol, 2)
     assert sound()
 
@@ -542,9 +543,9 @@ def test_backups_replace_corrupt_chunk_objects_instead_of_trusting_them(volumes,
 def test_a_manifest_planted_under_another_steps_name_is_refused(volumes, gcs_url, gcs_bucket, shm_dir):
     job = f"who-{uuid.uuid4().hex[:6]}"
     vol = volumes(job=job, capacity="256M", gcs=gcs_url)
-    commit_dir(vol.mountpoint, 5, {"a": b"five"})
+    write_orbax_step(vol.mountpoint, 5, {"a": b"five"})
     wait_backed_up(vol, 5)
-    commit_dir(vol.mountpoint, 9, {"a": b"nine"})
+    write_orbax_step(vol.mountpoint, 9, {"a": b"nine"})
     wait_backed_up(vol, 9)
     tierfs("unmount", vol.mountpoint)
     nine = json.loads(read_object(gcs_bucket, manifest_name(job, 0, 9)))
@@ -571,7 +572,7 @@ def test_a_manifest_planted_under_another_steps_name_is_refused(volumes, gcs_url
 def test_a_planted_unpadded_manifest_name_neither_blocks_a_start_nor_hides_steps(volumes, gcs_url, gcs_bucket):
     job = f"pad-{uuid.uuid4().hex[:6]}"
     vol = volumes(job=job, capacity="256M", gcs=gcs_url)
-    commit_dir(vol.mountpoint, 3, {"a": b"three"})
+    write_orbax_step(vol.mountpoint, 3, {"a": b"three"})
     wait_backed_up(vol, 3)
     tierfs("unmount", vol.mountpoint)
     real = read_object(gcs_bucket, manifest_name(job, 0, 3))
@@ -590,7 +591,7 @@ def test_a_restore_from_the_bucket_creates_no_setuid_file(volumes, gcs_url, gcs_
         (tmp / "d").mkdir()
         (tmp / "d" / "f").write_bytes(b"f")
 
-    commit_dir(vol.mountpoint, 1, {"tool": b"#!/bin/sh\nid\n"}, prepare=prepare)
+    write_orbax_step(vol.mountpoint, 1, {"tool": b"#!/bin/sh\nid\n"}, prepare=prepare)
     wait_backed_up(vol, 1)
     tierfs("unmount", vol.mountpoint)
     m = json.loads(read_object(gcs_bucket, manifest_name(job, 0, 1)))

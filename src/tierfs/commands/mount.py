@@ -14,46 +14,9 @@ import traceback
 from typing import NoReturn
 
 from tierfs import mounts
-from tierfs.config import Config
+from tierfs.config import OPTIONS, TLS_FILE_OPTIONS, Config, env_name, env_value
 from tierfs.errors import UserError
 
-# Options of the contract that this command takes (flag name -> Config field).
-OPTIONS = {
-    "ramdisk": "directory on tmpfs that holds the RAM tier (default /dev/shm/tierfs)",
-    "job": "job id; all state is scoped by it (default 'default')",
-    "rank": "this node's rank in the job (default 0)",
-    "nodes": "number of nodes (ranks) in the job (default 1)",
-    "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
-    "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
-                 "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
-    "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
-    "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
-    "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
-    "keep": "committed steps kept in GCS per rank (default 3)",
-    "keep-local": "newest committed steps kept in RAM, besides any a tier still needs (default 1)",
-    "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
-    "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
-    "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
-    "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
-    "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
-    "listen": "HOST:PORT where this node's peer service accepts other nodes",
-    "peers": "HOST:PORT,... of the other nodes' peer services",
-    "replicas": "peers that keep a copy of each committed step (default 1)",
-    "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
-    "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
-    "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
-    "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
-    "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
-    "log-level": "debug, info, warning or error (default info)",
-    "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
-}
-# Host files for the peer service's TLS: options of this command and of mount -o, but not of
-# OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
-TLS_FILE_OPTIONS = {
-    "tls-cert": "PEM certificate this node presents to its peers, instead of one keyed from the secret",
-    "tls-key": "PEM private key of --tls-cert",
-    "tls-ca": "PEM certificate of the CA that signs every node's --tls-cert",
-}
 _FLAGS = {**OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
 _IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users",
@@ -61,20 +24,16 @@ _IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", 
                           "noexec", "async", "atime", "noatime", "relatime"}
 
 
-def _env(name: str) -> str | None:
-    return os.environ.get("TIERFS_" + name.upper().replace("-", "_"))
-
-
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("mount", help="mount a tierfs volume", description=__doc__.splitlines()[0])
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     for name, text in _FLAGS.items():
-        p.add_argument(f"--{name}", default=_env(name), help=f"{text}; env TIERFS_{name.upper().replace('-', '_')}")
+        p.add_argument(f"--{name}", default=env_value(name), help=f"{text}; env {env_name(name)}")
     p.add_argument("--foreground", action="store_true",
-                   default=(_env("foreground") or "").lower() in ("1", "true", "yes"),
+                   default=(env_value("foreground") or "").lower() in ("1", "true", "yes"),
                    help="run the daemon in this process instead of returning once mounted")
     p.add_argument("--read-only", action="store_true",
-                   default=(_env("read_only") or "").lower() in ("1", "true", "yes"),
+                   default=(env_value("read_only") or "").lower() in ("1", "true", "yes"),
                    help="mount read-only")
     p.set_defaults(func=run)
 
@@ -82,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> Config:
     values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in _FLAGS}
     return Config.build(mountpoint=args.mountpoint, foreground=args.foreground,
-                        read_only=args.read_only, secret=_env("secret"), **values)
+                        read_only=args.read_only, secret=env_value("secret"), **values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,8 +82,8 @@ def run_helper(argv: list[str]) -> int:
         else:
             raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(_FLAGS))}, ro")
     for name in _FLAGS:  # environment fills what -o leaves out, as for the flags
-        values.setdefault(name.replace("-", "_"), _env(name))
-    return spawn(Config.build(mountpoint=positional[1], read_only=read_only, secret=_env("secret"), **values))
+        values.setdefault(name.replace("-", "_"), env_value(name))
+    return spawn(Config.build(mountpoint=positional[1], read_only=read_only, secret=env_value("secret"), **values))
 
 
 def spawn(cfg: Config) -> int:

@@ -51,8 +51,7 @@ import yaml
 
 from tierfs.atomic import write_atomically
 from tierfs import linux, mounts
-from tierfs.commands.mount import OPTIONS
-from tierfs.config import Config, check_job_id
+from tierfs.config import OPTIONS, Config, check_job_id, env_name
 from tierfs.csi import kube
 from tierfs.errors import UserError
 from tierfs.ramtier.tmpfs import unmount_beneath
@@ -446,8 +445,9 @@ class Volumes:
         args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
                 "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log")]
         args += [f"--{key}={value}" for key, value in sorted(options.items())]  # one word each: never a flag
+        options_env = {env_name(name) for name in (*OPTIONS, "secret")}
         env = {k: v for k, v in os.environ.items()
-               if not (k.startswith("TIERFS_") and k[7:].lower().replace("_", "-") in (*OPTIONS, "secret"))}
+               if not (k.startswith("TIERFS_") and env_name(k[7:]) in options_env)}
         secret = self._secret_path(job).read_text()
         if secret:
             env["TIERFS_SECRET"] = secret

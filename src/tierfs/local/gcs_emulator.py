@@ -23,13 +23,14 @@ import json
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
+
+from tierfs.local import free_port
 
 HOST = "127.0.0.1"
 _START_TIMEOUT = 10.0
@@ -61,13 +62,6 @@ def find_binary() -> Path:
     return Path(found)
 
 
-def free_port() -> int:
-    """A loopback port nobody listens on right now (the emulator takes it a moment later)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 class GcsEmulator:
     """One fake-gcs-server process on ``127.0.0.1:port``, keeping its objects under ``root``.
 
@@ -81,7 +75,7 @@ class GcsEmulator:
         self.root = Path(root)
         self.backend = backend
         self.host = HOST
-        self.port = port or free_port()
+        self.port = port or free_port(HOST)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property

@@ -4,7 +4,7 @@ Node i listens on 127.0.0.(2+i) with its own ramdisk and mountpoint under one tm
 directory, and lists every other node as a peer; all share one job and secret. A node can
 be killed (-9), have its RAM wiped, and come back on the same address and port, which is
 exactly what losing and replacing a machine looks like to the others. Used by the
-multi-node tests and by the demo.
+demo, the benchmarks and the multi-node tests.
 """
 
 from __future__ import annotations
@@ -14,22 +14,12 @@ import os
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.conftest import unmount_all_beneath
-
-TIERFS = [sys.executable, "-m", "tierfs"]
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from tierfs.local import TIERFS, free_port, unmount_all_beneath, wait_gone
 
 
 @dataclass
@@ -137,7 +127,7 @@ class LocalCluster:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-        _wait_gone(pid)
+        wait_gone(pid)
         self.nodes[i].pid = None
 
     def wipe(self, i: int) -> None:
@@ -159,14 +149,7 @@ class LocalCluster:
                     os.kill(node.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-                _wait_gone(node.pid)
+                wait_gone(node.pid)
         unmount_all_beneath(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
 
-
-def _wait_gone(pid: int, timeout: float = 10) -> None:
-    from tierfs.mounts import process_alive
-
-    deadline = time.monotonic() + timeout
-    while process_alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)

@@ -1,0 +1,66 @@
+"""Helpers every test folder uses: waiting, free ports, Orbax-style steps, tree digests."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tierfs.local import free_port  # noqa: F401 (the package's runners need it too)
+
+
+def wait_for(predicate: Callable, timeout: float = 60, what: str = "condition", interval: float = 0.1):
+    """Call ``predicate`` every ``interval`` seconds until it returns something true; return that.
+
+    Fails the test with "timed out waiting for ``what``" after ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(interval)
+    return value
+
+
+def write_orbax_step(mnt: Path, step: int, files: dict[str, bytes], base: str = "ckpt",
+                     prepare: Callable[[Path], None] | None = None) -> Path:
+    """Commit ``files`` as Orbax does: write them into ``<base>/<step>.orbax-checkpoint-tmp``, rename it to ``<base>/<step>``.
+
+    ``base=""`` writes at the root of the mount (Orbax under multi-tier checkpointing).
+    Files are written in the order given, so a marker goes last. ``prepare(tmp)`` runs just
+    before the rename. Returns the step's directory.
+    """
+    tmp = mnt / base / f"{step}.orbax-checkpoint-tmp"
+    for name, data in files.items():
+        (tmp / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp / name).write_bytes(data)
+    if prepare is not None:
+        prepare(tmp)
+    final = mnt / base / str(step)
+    os.rename(tmp, final)
+    return final
+
+
+def tree_digest(root: Path, exact: bool = False) -> dict[str, tuple]:
+    """Each path beneath ``root``: its type and mode, owner, and a file's size and sha256 or a link's target.
+
+    That is what a restore from another tier must reproduce. ``exact`` adds every path's link
+    count and size (a directory's too), which a restart of the same RAM tier also keeps.
+    """
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath, name)
+            st = p.lstat()
+            entry: tuple = (stat.filemode(st.st_mode), st.st_uid, st.st_gid)
+            if stat.S_ISLNK(st.st_mode):
+                entry += (os.readlink(p),)
+            elif stat.S_ISREG(st.st_mode):
+                entry += (st.st_size, hashlib.sha256(p.read_bytes()).hexdigest())
+            if exact:
+                entry += (st.st_size, st.st_nlink)
+            out[str(p.relative_to(root))] = entry
+    return out

@@ -67,6 +67,7 @@ PASSTHROUGH = 1 << 37
 # -- open reply flags ----------------------------------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
+FOPEN_NOFLUSH = 1 << 5
 FOPEN_PASSTHROUGH = 1 << 7
 
 # -- setattr "valid" bits ------------------------------------------------------------------

@@ -1,56 +1,68 @@
 #!/usr/bin/env python3
-"""Sequential I/O benchmark: a tierfs mount against a plain tmpfs directory.
+"""I/O benchmark: both data paths of a tierfs volume against plain tmpfs, in one run.
 
-Writes and then reads large files with 1 MiB and 4 MiB blocks, with 1 and 4 writers
-(the total size stays the same), on (a) a plain directory under /dev/shm and (b) a tierfs
-mount whose RAM tier is also under /dev/shm. It uses fio when installed (psync, buffered
-I/O), else a built-in Python writer/reader (``--engine builtin``).
+Three sides are measured round after round: a plain directory under /dev/shm (``tmpfs``),
+a volume mounted with ``--data-path passthrough`` (the kernel reads, writes and maps the
+RAM-tier file itself) and one mounted with ``--data-path daemon`` (every byte through the
+daemon), their RAM tiers also under /dev/shm. Every number is reported as a ratio to tmpfs
+measured in the same run.
 
-The method follows docs "Facts of this machine": this VM's memory balloon hands pages back
-to the host and makes naive A/B runs lie by up to 4x, so
+Rows (defaults):
 
-- each file is moved in timed segments (512 MiB by default); before EACH segment a warm-up
-  file (2 GiB) is written on the tmpfs and deleted right before the segment starts. The
-  balloon hands freed pages back to the host ~2 s after they are freed, so a whole 2 GiB
-  measurement after one warm-up would put the slower side on cold pages. The warm-up must
-  cover the larger footprint: a segment written into the mount through the page cache
-  fills page-cache pages and the RAM tier's pages, twice its size (with a 1 GiB warm-up
-  the same run measured 0.37x instead of 0.44x);
+- fio sequential write, then read, of one file per job: 1, 4 and 8 jobs (``numjobs``, the
+  total size split over them), 1 MiB and 4 MiB blocks, two ways of moving the bytes:
+  ``psync`` (read(2)/write(2) from page-aligned buffers, ``--iomem_align=4096``) and
+  ``mmap`` (``--ioengine=mmap``: the file is mapped shared and copied to or from). Writes
+  end with an fsync (``--end_fsync=1``), inside fio's timing, so a side cannot finish early
+  by leaving dirty pages behind; on tmpfs and with passthrough it costs nothing.
+- a 1,000-file checkpoint, in Python, the same code on every side: create ``<step>.tmp``,
+  create 1,000 files (``O_WRONLY|O_CREAT|O_TRUNC``, as ``open(..., "wb")``), write 1 MiB
+  into each from a page-aligned buffer, close each, then rename the directory to
+  ``<step>``: the commit, as Orbax makes it (on the volume the rename commits a step, which
+  freezes it). Timed from the first create (the mkdir) until the rename has returned.
+
+The method follows the design brief's "Facts of this machine": this VM's memory balloon
+hands freed pages back to the host and makes naive A/B runs lie by up to 4x, so
+
+- before each timed part a 2 GiB warm-up file is written on tmpfs and deleted right
+  before the part starts (a segment written through a mount's page cache touches page-cache
+  pages and RAM-tier pages, twice its size; the balloon hands freed pages back ~2 s after
+  they are freed, so a file is timed in segments of at most ``--segment``, each right after
+  its own warm-up);
 - each test file is deleted right after its measurement (after the read of it);
-- the side that goes first alternates from round to round;
-- every number reported is the median of >= 5 rounds (``--rounds``), and the ratio
-  tierfs/tmpfs is computed from the medians of this run, never across runs.
+- the order of the three sides changes from row to row and round to round (all six
+  orders in turn), so no side is always first;
+- every number is the median of >= 5 rounds (``--rounds``); ratios are taken between the
+  medians of this run, never across runs.
 
-The daemon's CPU time (utime+stime of /proc/PID/stat) is read before and after each
-tierfs measurement and reported as CPU-seconds per GiB moved (median).
+Each daemon's CPU time (utime+stime of /proc/PID/stat) is read around its measurements and
+reported as CPU-seconds per GiB moved (median).
 
 Run it when the machine is quiet::
 
-    .venv/bin/python scripts/bench_io.py                 # full run, ~2 GiB per measurement
-    .venv/bin/python scripts/bench_io.py --quick         # smoke test: 256M, 2 rounds
-    .venv/bin/python scripts/bench_io.py --json out.json --plot out.png
+    .venv/bin/python scripts/bench_io.py --json docs/bench-io.json --plot docs/bench-io.png
+    .venv/bin/python scripts/bench_io.py --quick         # smoke test: 128M, 2 rounds, 200 files
+    .venv/bin/python scripts/bench_io.py --replot docs/bench-io.json --plot out.png
 
-Stdlib only; tierfs and fio run as subprocesses. Everything it creates lives under
-/dev/shm/bench-io-* and /tmp/bench-io-* and is removed (and the mount unmounted) on exit,
+The default run (512 MiB per measurement, 5 rounds) takes about 11 minutes on 2 cores, most
+of it in the warm-ups.
+tierfs runs as ``python -m tierfs`` with this checkout's ``src`` first on PYTHONPATH, fio as
+a subprocess; matplotlib only for ``--plot``. Everything it creates lives under
+/dev/shm/bench-io-* and /tmp/bench-io-* and is removed (and the mounts unmounted) on exit,
 also on errors and Ctrl-C.
 
-The two engines open files for writing differently, and the mount treats the two opens
-differently: fio opens with O_RDWR, which the mount serves through the page cache (so that
-shared mmap works), as it serves tensorstore's (Orbax's) data files; the built-in writer
-opens with O_WRONLY, which the mount serves with direct I/O, as it serves ``torch.save``,
-PyTorch DCP, numpy and safetensors files. Run both to see both paths.
-
-I/O buffers are page-aligned (fio ``--iomem_align=4096``; mmap buffers in the built-in
-engine). fio's default malloc'd buffer sits 16 bytes into a page, and on this machine's
-AMD EPYC a copy to or from such a buffer runs ~4x slower (tmpfs reads: ~1.4 GiB/s instead
-of ~6 GiB/s); that would slow the tmpfs side far more than the tierfs side and inflate the
-ratio. ``--malloc-buffers`` measures with such buffers instead.
+``--engine builtin`` replaces fio by a Python loop of os.write/os.readv (writes open with
+O_WRONLY, which the daemon path serves with direct I/O; fio opens with O_RDWR, which it
+serves through the page cache), for the psync rows only. fio's default malloc'd buffer sits
+16 bytes into a page, where a copy runs ~4x slower on this machine's AMD EPYC;
+``--malloc-buffers`` measures with such buffers instead of page-aligned ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import mmap
 import os
@@ -64,17 +76,20 @@ import sys
 import tempfile
 import threading
 import time
-from benchlib import (cpu_seconds, interrupt_on_signals, is_mounted, no_interruptions, parse_size,  # noqa: E402
-                      write_json, pyplot, NO_MATPLOTLIB, save_figure)  # (scripts/ is on sys.path)
+
+from benchlib import (BenchError, NO_MATPLOTLIB, TierfsMount, interrupt_on_signals, is_mounted,  # noqa: E402
+                      last_line, no_interruptions, parse_size, pyplot, save_figure, warm_up, write_all,
+                      write_json)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
 MiB = 1 << 20
-SIDES = ("tmpfs", "tierfs")
+VOLUMES = ("passthrough", "daemon")  # the data paths, each a volume of its own
+SIDES = ("tmpfs", *VOLUMES)
 OPS = ("write", "read")
-
-
-class BenchError(Exception):
-    """A failure to report as one line and a non-zero exit."""
+MODES = ("psync", "mmap")
+FILES_ROW = "files"
+# What each row should reach with passthrough, as a fraction of tmpfs.
+TARGET_IO, TARGET_FILES = 0.9, 0.5
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -87,10 +102,20 @@ def parse_int_list(text: str) -> list[int]:
     try:
         values = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid list {text!r}: use e.g. 1,4") from None
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: use e.g. 1,4,8") from None
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"invalid list {text!r}: numbers must be > 0")
     return values
+
+
+def parse_choices(allowed: tuple[str, ...]):
+    def parse(text: str) -> list[str]:
+        values = [t.strip() for t in text.split(",") if t.strip()]
+        bad = [v for v in values if v not in allowed]
+        if not values or bad:
+            raise argparse.ArgumentTypeError(f"invalid list {text!r}: choose from {','.join(allowed)}")
+        return values
+    return parse
 
 
 def fmt_size(n: int) -> str:
@@ -98,28 +123,6 @@ def fmt_size(n: int) -> str:
         if n % mult == 0:
             return f"{n // mult}{unit}"
     return str(n)
-
-
-def find_tierfs() -> str:
-    here = os.path.join(os.path.dirname(sys.executable), "tierfs")
-    if os.access(here, os.X_OK):
-        return here
-    found = shutil.which("tierfs")
-    if not found:
-        raise BenchError(f"the tierfs command is neither next to {sys.executable} nor on PATH")
-    return found
-
-
-def last_line(text: str) -> str:
-    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    try:
-        return cpu_seconds(pid)
-    except OSError:
-        raise BenchError(f"the tierfs daemon (pid {pid}) is gone") from None
 
 
 def aligned_buffer(size: int, offset: int = 0) -> memoryview:
@@ -131,22 +134,28 @@ def aligned_buffer(size: int, offset: int = 0) -> memoryview:
     return memoryview(m)[offset:offset + size]
 
 
-def write_warmup(path: str, size: int, buf: memoryview) -> None:
-    """Write ``size`` bytes to ``path`` (on tmpfs): touches fresh pages, as the method needs."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        left = size
-        while left > 0:
-            left -= os.write(fd, buf[:min(left, len(buf))])
-    finally:
-        os.close(fd)
-
-
 def remove(path: str) -> None:
     try:
-        os.unlink(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def row_key(r: dict) -> tuple:
+    return (r["mode"], r["op"], r["bs"], r["jobs"])
+
+
+def row_label(r: dict, short: bool = False) -> str:
+    if r["mode"] == FILES_ROW:
+        return (f"{r['files']} files\n{fmt_size(r['bs'])} each" if short
+                else f"checkpoint: {r['files']} files x {fmt_size(r['bs'])}, rename")
+    jobs = f"{r['jobs']} job{'s' if r['jobs'] > 1 else ''}"
+    if short:
+        return f"{r['mode']}\n{r['op']}\n{fmt_size(r['bs'])} {r['jobs']}j"
+    return f"{r['mode']} {r['op']} {fmt_size(r['bs'])}, {jobs}"
 
 
 # ----------------------------------------------------------------------------- engines
@@ -163,16 +172,17 @@ class FioEngine:
     def files(self, directory: str, tag: str, jobs: int) -> list[str]:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
-    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
+    def run(self, mode: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
             offset: int = 0) -> dict:
         cmd = [
             self.fio, f"--name={tag}", f"--directory={directory}",
             f"--filename_format={tag}.$jobnum",
-            "--ioengine=psync", f"--rw={op}", f"--bs={bs}", f"--size={per_job}", f"--offset={offset}",
+            f"--ioengine={mode}", f"--rw={op}", f"--bs={bs}", f"--size={per_job}", f"--offset={offset}",
             f"--numjobs={jobs}", "--group_reporting", "--output-format=json",
             "--direct=0", *self.align_args,
-            "--invalidate=0",    # drop nothing: reads see what the write left, on both sides
-            "--fallocate=none",  # writes allocate their pages on both sides alike
+            "--invalidate=0",    # drop nothing: reads see what the write left, on every side
+            "--fallocate=none",  # writes allocate their pages on every side alike
+            *(["--end_fsync=1"] if op == "write" else []),  # the bytes are in the file when timing ends
         ]
         try:
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -191,27 +201,24 @@ class FioEngine:
                 proc.kill()
                 proc.communicate()
             raise
-        out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-        if out.returncode != 0:
-            why = last_line(out.stderr) or last_line(out.stdout) or f"exit status {out.returncode}"
-            raise BenchError(f"fio {op} bs={fmt_size(bs)} jobs={jobs} in {directory} failed: {why}")
-        text = out.stdout
+        if proc.returncode != 0:
+            why = last_line(stderr) or last_line(stdout) or f"exit status {proc.returncode}"
+            raise BenchError(f"fio {mode} {op} bs={fmt_size(bs)} jobs={jobs} in {directory} failed: {why}")
         try:
-            data = json.loads(text[text.index("{"):])
+            data = json.loads(stdout[stdout.index("{"):])
             res = data["jobs"][0][op]
             nbytes, runtime_ms = int(res["io_bytes"]), float(res["runtime"])
         except (ValueError, KeyError, IndexError) as e:
-            raise BenchError(f"cannot parse fio's JSON output ({e}): {last_line(text)}") from None
+            raise BenchError(f"cannot parse fio's JSON output ({e}): {last_line(stdout)}") from None
         if nbytes != per_job * jobs:
-            raise BenchError(f"fio {op} moved {nbytes} bytes, expected {per_job * jobs}")
+            raise BenchError(f"fio {mode} {op} moved {nbytes} bytes, expected {per_job * jobs}")
         if runtime_ms <= 0:
             raise BenchError(f"fio {op} reported a runtime of {runtime_ms} ms: use a larger --size")
-        seconds = runtime_ms / 1000.0
-        return {"bytes": nbytes, "seconds": seconds, "fio_bw_bytes": res.get("bw_bytes")}
+        return {"bytes": nbytes, "seconds": runtime_ms / 1000.0}
 
 
 class BuiltinEngine:
-    """os.write / os.readv loops over one preallocated buffer; one thread per file."""
+    """os.write / os.readv loops over one preallocated buffer; one thread per file (psync rows only)."""
 
     name = "builtin"
     version = f"python {platform.python_version()}"
@@ -228,8 +235,10 @@ class BuiltinEngine:
     def files(self, directory: str, tag: str, jobs: int) -> list[str]:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
-    def run(self, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
+    def run(self, mode: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
             offset: int = 0) -> dict:
+        if mode != "psync":
+            raise BenchError(f"--engine builtin measures only psync rows, not {mode}")
         buf = self._buf(bs)
         paths = self.files(directory, tag, jobs)
         stop = threading.Event()
@@ -261,6 +270,8 @@ class BuiltinEngine:
                             raise OSError(f"unexpected end of file after {per_job - left} bytes")
                     left -= n
                     moved[i] += n
+                if op == "write":
+                    os.fsync(fd)  # as fio's --end_fsync
             except threading.BrokenBarrierError:
                 pass
             except OSError as e:
@@ -293,221 +304,220 @@ class BuiltinEngine:
         return {"bytes": nbytes, "seconds": seconds}
 
 
-# ----------------------------------------------------------------------------- tierfs mount
-
-class TierfsMount:
-    def __init__(self, tierfs: str, mountpoint: str, ramdisk: str, runtime: str, capacity: str | None):
-        self.tierfs, self.mountpoint, self.ramdisk = tierfs, mountpoint, ramdisk
-        self.env = dict(os.environ, TIERFS_RUNTIME_DIR=runtime)
-        self.capacity = capacity
-        self.pid: int | None = None
-        self.log_hint = runtime
-
-    def _run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run the tierfs CLI in its own session, so Ctrl-C cannot cut a mount or unmount
-        in half (a daemon mounting behind our back); an interrupt waits for it, then counts."""
-        cmd = [self.tierfs, *args]
-        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
-        interrupted = False
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
-                break
-            except KeyboardInterrupt:
-                interrupted = True
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
-                raise
-        if interrupted:
-            raise KeyboardInterrupt
-        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-    def mount(self) -> None:
-        args = ["mount", self.mountpoint, "--ramdisk", self.ramdisk]
-        if self.capacity:
-            args += ["--capacity", self.capacity]
+def checkpoint(directory: str, step: int, nfiles: int, file_size: int, buf: memoryview) -> dict:
+    """Write a step of ``nfiles`` files as a checkpointing framework does, and commit it by
+    renaming ``<step>.tmp`` to ``<step>``; timed from the mkdir until the rename returned."""
+    tmp, final = os.path.join(directory, f"{step}.tmp"), os.path.join(directory, str(step))
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    t0 = time.perf_counter()
+    os.mkdir(tmp)
+    for i in range(nfiles):
+        fd = os.open(os.path.join(tmp, f"shard-{i:04d}"), flags, 0o644)
         try:
-            out = self._run(*args)
-        except subprocess.TimeoutExpired:
-            raise BenchError(f"tierfs mount {self.mountpoint} did not return within 120 s "
-                             f"(logs in {self.log_hint})") from None
-        if out.returncode != 0:
-            why = last_line(out.stderr) or last_line(out.stdout) or f"exit status {out.returncode}"
-            raise BenchError(f"mount failed: {why}")
-        if not is_mounted(self.mountpoint):
-            raise BenchError(f"mount failed: tierfs mount returned but {self.mountpoint} is not mounted")
-        out = self._run("status", self.mountpoint, "--json", timeout=60)
-        try:
-            self.status = json.loads(out.stdout)
-            self.pid = int(self.status["pid"])
-        except (ValueError, KeyError, TypeError):
-            why = last_line(out.stderr) or last_line(out.stdout) or "no output"
-            raise BenchError(f"tierfs status {self.mountpoint} --json gave no daemon pid: {why}") from None
-        proc_cpu_seconds(self.pid)  # the pid must be ours to read
-
-    def unmount(self) -> None:
-        """Unmount; if tierfs cannot, detach lazily. Never raises."""
-        if not is_mounted(self.mountpoint):
-            return
-        try:
-            out = self._run("unmount", self.mountpoint)
-            if out.returncode == 0 and not is_mounted(self.mountpoint):
-                return
-            why = last_line(out.stderr) or f"exit status {out.returncode}"
-        except (OSError, subprocess.TimeoutExpired) as e:
-            why = str(e)
-        print(f"bench_io: warning: tierfs unmount {self.mountpoint} failed ({why}); detaching it",
-              file=sys.stderr)
-        for cmd in (["fusermount3", "-uz", self.mountpoint], ["umount", "-l", self.mountpoint]):
-            try:
-                subprocess.run(cmd, capture_output=True, timeout=30)
-            except (OSError, subprocess.TimeoutExpired):
-                continue
-            if not is_mounted(self.mountpoint):
-                break
-        if self.pid is not None:  # the daemon we started; do not leave it running
-            deadline = time.monotonic() + 10
-            while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
-                time.sleep(0.1)
-            if os.path.exists(f"/proc/{self.pid}"):
-                try:
-                    os.kill(self.pid, signal.SIGTERM)
-                except OSError:
-                    pass
-        if is_mounted(self.mountpoint):
-            print(f"bench_io: warning: {self.mountpoint} is still mounted", file=sys.stderr)
+            for pos in range(0, file_size, len(buf)):
+                write_all(fd, buf[:min(len(buf), file_size - pos)])
+        finally:
+            os.close(fd)
+    os.rename(tmp, final)
+    seconds = time.perf_counter() - t0
+    got = sum(e.stat().st_size for e in os.scandir(final))
+    if got != nfiles * file_size:
+        raise BenchError(f"the checkpoint in {final} holds {got} bytes, expected {nfiles * file_size}")
+    return {"bytes": nfiles * file_size, "seconds": seconds}
 
 
 # ----------------------------------------------------------------------------- benchmark
 
-def measure(engine, side: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
-            warm_path: str, warm_size: int, warm_buf: memoryview, daemon_pid: int | None,
-            segment: int) -> dict:
-    if op == "read":  # make sure the read hits exactly the files just written
-        for p in engine.files(directory, tag, jobs):
-            try:
-                size = os.stat(p).st_size
-            except OSError as e:
-                raise BenchError(f"the file to read is missing: {e}") from None
-            if size != per_job:
-                raise BenchError(f"{p} holds {size} bytes after the write, expected {per_job}")
-    # The file is moved in timed segments, each right after its own warm-up: the balloon
-    # hands freed pages back to the host about 2 s after they are freed, so a side that
-    # takes longer than that to move one warmed-up segment would touch cold pages.
-    res = {"bytes": 0, "seconds": 0.0, "segments": 0, "daemon_cpu_s": 0.0}
-    seg = min(per_job, max(bs, segment // jobs // bs * bs))
-    for offset in range(0, per_job, seg):
-        write_warmup(warm_path, warm_size, warm_buf)
-        os.unlink(warm_path)  # right before the measurement
-        cpu0 = proc_cpu_seconds(daemon_pid) if side == "tierfs" else None
-        part = engine.run(op, directory, tag, bs, min(seg, per_job - offset), jobs, offset)
-        if side == "tierfs":
-            res["daemon_cpu_s"] += proc_cpu_seconds(daemon_pid) - cpu0
-        res["bytes"] += part["bytes"]
-        res["seconds"] += part["seconds"]
-        res["segments"] += 1
-    if side == "tierfs":
-        res["daemon_cpu_s_per_gib"] = res["daemon_cpu_s"] / (res["bytes"] / GiB)
-    else:
-        del res["daemon_cpu_s"]
-    res["gib_s"] = res["bytes"] / GiB / res["seconds"]
-    return res
+class Run:
+    """One run's sides, buffers and progress."""
 
+    def __init__(self, args, engine, dirs: dict, mounts: dict, progress):
+        self.args, self.engine, self.dirs, self.mounts, self.progress = args, engine, dirs, mounts, progress
+        self.warm_buf = aligned_buffer(4 * MiB)
+        self.warm_path = os.path.join(dirs["warm"], "warmup")
+        self.file_buf = aligned_buffer(min(args.file_size, 4 * MiB))
+        self.raw: list[dict] = []
 
-def run_benchmark(args, engine, dirs: dict, mount: TierfsMount, progress) -> list[dict]:
-    warm_buf = aligned_buffer(4 * MiB)
-    warm_path = os.path.join(dirs["warm"], "warmup")
-    raw: list[dict] = []
-    configs = [(bs, jobs) for bs in args.bs for jobs in args.jobs]
-    total = args.rounds * len(configs) * len(SIDES) * len(OPS)
-    done = 0
-    for rnd in range(args.rounds):
-        order = SIDES if rnd % 2 == 0 else SIDES[::-1]
-        for bs, jobs in configs:
-            per_job = (args.size // jobs) // bs * bs
-            if per_job <= 0:
-                raise BenchError(f"--size {fmt_size(args.size)} is too small for bs={fmt_size(bs)} jobs={jobs}")
-            for pos, side in enumerate(order):
-                directory = dirs[side]
-                tag = f"bench-r{rnd}-bs{fmt_size(bs)}-j{jobs}"
+    def sides(self) -> tuple[str, ...]:
+        return ("tmpfs", *self.args.data_paths)
+
+    def configs(self) -> list[dict]:
+        """What each round measures: every fio configuration (written, then read), then the checkpoint."""
+        configs = [{"mode": mode, "bs": bs, "jobs": jobs}
+                   for mode in self.args.modes for bs in self.args.bs for jobs in self.args.jobs]
+        if self.args.files:
+            configs.append({"mode": FILES_ROW, "op": "write", "bs": self.args.file_size, "jobs": 1,
+                            "files": self.args.files})
+        return configs
+
+    def rows(self) -> list[dict]:
+        """The rows of the report: by mode, then operation, block size and jobs; the checkpoint last."""
+        rows = [{"mode": mode, "op": op, "bs": bs, "jobs": jobs}
+                for mode in self.args.modes for op in OPS for bs in self.args.bs for jobs in self.args.jobs]
+        return rows + [c for c in self.configs() if c["mode"] == FILES_ROW]
+
+    def _timed(self, side: str, fn) -> dict:
+        """``fn()`` right after its own warm-up, with the side's daemon CPU counted."""
+        warm_up(self.warm_path, self.args.warmup, self.warm_buf)
+        mount = self.mounts.get(side)
+        cpu0 = mount.daemon_cpu() if mount else None
+        res = fn()
+        if mount:
+            res["daemon_cpu_s"] = mount.daemon_cpu() - cpu0
+        return res
+
+    def io(self, side: str, mode: str, op: str, tag: str, bs: int, per_job: int, jobs: int) -> dict:
+        directory = self.dirs[side]
+        if op == "read":  # the read must hit exactly the files just written
+            for p in self.engine.files(directory, tag, jobs):
                 try:
-                    for op in OPS:
-                        res = measure(engine, side, op, directory, tag, bs, per_job, jobs,
-                                      warm_path, args.warmup, warm_buf,
-                                      mount.pid if side == "tierfs" else None, args.segment)
-                        res.update(round=rnd, side=side, op=op, bs=bs, jobs=jobs, position=pos)
-                        raw.append(res)
-                        done += 1
-                        cpu = (f", daemon {res['daemon_cpu_s_per_gib']:.2f} CPU-s/GiB"
-                               if "daemon_cpu_s_per_gib" in res else "")
-                        progress(f"[{done}/{total}] round {rnd + 1} {side:6} {op:5} bs={fmt_size(bs)} "
-                                 f"jobs={jobs}: {res['gib_s']:.3f} GiB/s{cpu}")
-                finally:  # right after its measurement (the read), or on any failure
-                    for p in engine.files(directory, tag, jobs):
-                        remove(p)
-                    remove(warm_path)
-    return raw
+                    size = os.stat(p).st_size
+                except OSError as e:
+                    raise BenchError(f"the file to read is missing: {e}") from None
+                if size != per_job:
+                    raise BenchError(f"{p} holds {size} bytes after the write, expected {per_job}")
+        res = {"bytes": 0, "seconds": 0.0, "segments": 0}
+        seg = min(per_job, max(bs, self.args.segment // jobs // bs * bs))
+        for offset in range(0, per_job, seg):
+            part = self._timed(side, lambda: self.engine.run(mode, op, directory, tag, bs,
+                                                             min(seg, per_job - offset), jobs, offset))
+            res["bytes"] += part["bytes"]
+            res["seconds"] += part["seconds"]
+            res["segments"] += 1
+            if "daemon_cpu_s" in part:
+                res["daemon_cpu_s"] = res.get("daemon_cpu_s", 0.0) + part["daemon_cpu_s"]
+        return res
+
+    def record(self, res: dict, **fields) -> None:
+        res["gib_s"] = res["bytes"] / GiB / res["seconds"]
+        if "daemon_cpu_s" in res:
+            res["daemon_cpu_s_per_gib"] = res["daemon_cpu_s"] / (res["bytes"] / GiB)
+        res.update(fields)
+        self.raw.append(res)
+        cpu = f", daemon {res['daemon_cpu_s_per_gib']:.2f} CPU-s/GiB" if "daemon_cpu_s_per_gib" in res else ""
+        self.progress(f"[{len(self.raw)}/{self.total}] round {fields['round'] + 1} {fields['side']:11} "
+                      f"{row_label(fields)}: {res['gib_s']:.3f} GiB/s{cpu}")
+
+    def run(self) -> list[dict]:
+        args = self.args
+        configs, sides = self.configs(), self.sides()
+        orders = list(itertools.permutations(sides))
+        self.total = args.rounds * len(sides) * len(self.rows())
+        for rnd in range(args.rounds):
+            for k, row in enumerate(configs):
+                order = orders[(rnd + k) % len(orders)]  # every order in turn, across rows and rounds
+                for pos, side in enumerate(order):
+                    if row["mode"] == FILES_ROW:
+                        self._files_row(rnd, pos, side, row)
+                    else:
+                        self._io_rows(rnd, pos, side, row)
+        return self.raw
+
+    def _io_rows(self, rnd: int, pos: int, side: str, row: dict) -> None:
+        mode, bs, jobs = row["mode"], row["bs"], row["jobs"]
+        per_job = (self.args.size // jobs) // bs * bs
+        if per_job <= 0:
+            raise BenchError(f"--size {fmt_size(self.args.size)} is too small for bs={fmt_size(bs)} jobs={jobs}")
+        tag = f"bench-r{rnd}-{mode}-bs{fmt_size(bs)}-j{jobs}"
+        try:
+            for op in OPS:  # the file is read right after it is written, then deleted
+                res = self.io(side, mode, op, tag, bs, per_job, jobs)
+                self.record(res, round=rnd, side=side, position=pos, mode=mode, op=op, bs=bs, jobs=jobs)
+        finally:  # right after its measurement, or on any failure
+            for p in self.engine.files(self.dirs[side], tag, jobs):
+                remove(p)
+
+    def _files_row(self, rnd: int, pos: int, side: str, row: dict) -> None:
+        step = 100 + rnd  # a new step every round, as a training job commits them
+        directory = self.dirs[side]
+        try:
+            res = self._timed(side, lambda: checkpoint(directory, step, row["files"], row["bs"], self.file_buf))
+            self.record(res, round=rnd, side=side, position=pos, **row)
+        finally:
+            for name in (f"{step}.tmp", str(step)):
+                remove(os.path.join(directory, name))
 
 
-def summarize(args, raw: list[dict]) -> list[dict]:
+def summarize(rows_wanted: list[dict], raw: list[dict], sides: tuple[str, ...]) -> list[dict]:
     rows = []
-    for op in OPS:
-        for bs in args.bs:
-            for jobs in args.jobs:
-                sel = [r for r in raw if r["op"] == op and r["bs"] == bs and r["jobs"] == jobs]
-                med = {}
-                for side in SIDES:
-                    vals = [r["gib_s"] for r in sel if r["side"] == side]
-                    med[side] = statistics.median(vals) if vals else None
-                cpu = [r["daemon_cpu_s_per_gib"] for r in sel if "daemon_cpu_s_per_gib" in r]
-                ratio = (med["tierfs"] / med["tmpfs"]) if med["tmpfs"] and med["tierfs"] is not None else None
-                rows.append({
-                    "op": op, "bs": bs, "jobs": jobs,
-                    "tmpfs_gib_s": med["tmpfs"], "tierfs_gib_s": med["tierfs"], "ratio": ratio,
-                    "daemon_cpu_s_per_gib": statistics.median(cpu) if cpu else None,
-                    "rounds": len(sel) // len(SIDES),
-                })
+    for want in rows_wanted:
+        sel = [r for r in raw if row_key(r) == row_key(want)]
+        row = dict(want)
+        med = {}
+        for side in sides:
+            vals = [r["gib_s"] for r in sel if r["side"] == side]
+            med[side] = statistics.median(vals) if vals else None
+            row[f"{side}_gib_s"] = med[side]
+            row[f"{side}_rounds"] = len(vals)
+        for side in VOLUMES:
+            if side not in sides:
+                continue
+            row[f"{side}_ratio"] = med[side] / med["tmpfs"] if med["tmpfs"] and med[side] is not None else None
+            cpu = [r["daemon_cpu_s_per_gib"] for r in sel if r["side"] == side and "daemon_cpu_s_per_gib" in r]
+            row[f"{side}_cpu_s_per_gib"] = statistics.median(cpu) if cpu else None
+        row["target"] = TARGET_FILES if want["mode"] == FILES_ROW else TARGET_IO
+        pt = row.get("passthrough_ratio")
+        row["meets_target"] = None if pt is None else pt >= row["target"]
+        rows.append(row)
     return rows
 
 
 def render_table(rows: list[dict]) -> str:
-    head = ("op", "bs", "jobs", "tmpfs GiB/s", "tierfs GiB/s", "ratio", "daemon CPU s/GiB")
+    """A Markdown table of the medians: GiB/s per side, ratios to tmpfs, daemon CPU per GiB."""
+    vols = [v for v in VOLUMES if any(f"{v}_ratio" in r for r in rows)]
+    head = ["row", "tmpfs GiB/s"]
+    for v in vols:
+        head += [f"{v} GiB/s", f"{v} ratio"]
+    head += [f"{v} CPU s/GiB" for v in vols] + ["target", "met"]
+
     def f(v, spec):
         return "-" if v is None else format(v, spec)
-    body = [(r["op"], fmt_size(r["bs"]), str(r["jobs"]), f(r["tmpfs_gib_s"], ".3f"),
-             f(r["tierfs_gib_s"], ".3f"), f(r["ratio"], ".2f"), f(r["daemon_cpu_s_per_gib"], ".2f"))
-            for r in rows]
+
+    body = []
+    for r in rows:
+        cells = [row_label(r), f(r.get("tmpfs_gib_s"), ".3f")]
+        for v in vols:
+            cells += [f(r.get(f"{v}_gib_s"), ".3f"), f(r.get(f"{v}_ratio"), ".2f")]
+        cells += [f(r.get(f"{v}_cpu_s_per_gib"), ".2f") for v in vols]
+        cells += [f">= {r['target']:.1f}", {True: "yes", False: "**no**", None: "-"}[r.get("meets_target")]]
+        body.append(cells)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+
     def line(cells):
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(b) for b in body])
+        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    rule = "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":") for i, w in enumerate(widths)) + "|"
+    return "\n".join([line(head), rule] + [line(b) for b in body])
 
 
 def plot(path: str, rows: list[dict], title: str) -> str | None:
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    groups = [(bs, jobs) for bs in sorted({r["bs"] for r in rows}) for jobs in sorted({r["jobs"] for r in rows})]
-    width = 0.8 / len(OPS)
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(groups)), 4))
-    for k, op in enumerate(OPS):
-        ys = []
-        for bs, jobs in groups:
-            r = next((r for r in rows if r["op"] == op and r["bs"] == bs and r["jobs"] == jobs), None)
-            ys.append(r["ratio"] if r and r["ratio"] is not None else 0.0)
-        xs = [i + (k - (len(OPS) - 1) / 2) * width for i in range(len(groups))]
-        bars = ax.bar(xs, ys, width, label=op)
+    vols = [v for v in VOLUMES if any(r.get(f"{v}_ratio") is not None for r in rows)]
+    width = 0.8 / max(1, len(vols))
+    fig, ax = plt.subplots(figsize=(max(8, 0.62 * len(rows) + 2), 4.8))
+    colors = {"passthrough": "tab:blue", "daemon": "tab:orange"}
+    for k, v in enumerate(vols):
+        ys = [r.get(f"{v}_ratio") or 0.0 for r in rows]
+        xs = [i + (k - (len(vols) - 1) / 2) * width for i in range(len(rows))]
+        bars = ax.bar(xs, ys, width, label=f"--data-path {v}", color=colors[v])
         for b, y in zip(bars, ys):
-            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=8)
-    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    ax.set_xticks(range(len(groups)))
-    ax.set_xticklabels([f"bs {fmt_size(bs)}\n{jobs} job{'s' if jobs > 1 else ''}" for bs, jobs in groups])
-    ax.set_ylabel("tierfs / tmpfs (median throughput)")
+            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
+                        fontsize=6, rotation=90)
+    ax.axhline(TARGET_IO, color="green", linewidth=0.9, linestyle="--", label=f"{TARGET_IO}x target (large I/O)")
+    files = [i for i, r in enumerate(rows) if r["mode"] == FILES_ROW]
+    for i in files:
+        ax.hlines(TARGET_FILES, i - 0.45, i + 0.45, color="purple", linewidth=1.2, linestyle=":",
+                  label=f"{TARGET_FILES}x target (files)")
+    ax.axhline(1.0, color="grey", linewidth=0.6)
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([row_label(r, short=True) for r in rows], fontsize=7)
+    ax.set_xlim(-0.6, len(rows) - 0.4)
+    ax.set_ylim(0, max(1.25, max((r.get(f"{v}_ratio") or 0) for r in rows for v in vols) + 0.2))
+    ax.set_ylabel("volume / tmpfs (median throughput)")
     ax.set_title(title, fontsize=9)
-    ax.legend()
+    ax.legend(fontsize=7, loc="upper right", ncol=2)
     save_figure(fig, path)
     return None
 
@@ -516,42 +526,52 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        description="Sequential write/read throughput of a tierfs mount against plain tmpfs "
-                    "(medians of alternating rounds, balloon-safe warm-up).")
-    p.add_argument("--size", type=parse_size, help="total bytes per measurement, split over the jobs (default 2G)")
+        description="Throughput of tierfs' passthrough and daemon data paths against plain tmpfs "
+                    "(medians of rotating rounds, balloon-safe warm-up).")
+    p.add_argument("--size", type=parse_size,
+                   help="bytes per I/O measurement, split over the jobs (default 512M)")
     p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 5, >= 5 for real numbers)")
     p.add_argument("--bs", type=parse_size_list, default=[MiB, 4 * MiB], help="block sizes (default 1M,4M)")
-    p.add_argument("--jobs", type=parse_int_list, default=[1, 4], help="writers/readers in parallel (default 1,4)")
+    p.add_argument("--jobs", type=parse_int_list, default=[1, 4, 8],
+                   help="fio jobs in parallel, each with its own file (default 1,4,8)")
+    p.add_argument("--modes", type=parse_choices(MODES), default=list(MODES),
+                   help="psync (read/write from page-aligned buffers) and/or mmap (default psync,mmap)")
+    p.add_argument("--data-paths", type=parse_choices(VOLUMES), default=list(VOLUMES),
+                   help="volumes to measure against tmpfs (default passthrough,daemon)")
+    p.add_argument("--files", type=int, help="files of the checkpoint row; 0 leaves it out (default 1000)")
+    p.add_argument("--file-size", type=parse_size, default=MiB, help="bytes per file of the checkpoint row (default 1M)")
     p.add_argument("--warmup", type=parse_size, default=2 * GiB,
-                   help="warm-up file written and deleted on tmpfs before each timed segment (default 2G: "
-                        "a segment written through the page cache touches twice its size)")
+                   help="warm-up file written and deleted on tmpfs before each timed part (default 2G: "
+                        "a segment written through a page cache touches twice its size)")
     p.add_argument("--segment", type=parse_size, default=512 * MiB,
                    help="bytes moved per timed segment, each after its own warm-up (default 512M; "
                         "the balloon returns freed pages to the host ~2 s after they are freed)")
     p.add_argument("--engine", choices=("auto", "fio", "builtin"), default="auto",
-                   help="fio, the built-in Python loop, or auto (fio if installed; default)")
+                   help="fio, the built-in Python loop (psync rows only), or auto (fio if installed; default)")
     p.add_argument("--malloc-buffers", action="store_true",
                    help="use 16-byte-aligned I/O buffers (fio's default) instead of page-aligned ones")
-    p.add_argument("--capacity", help="passed to tierfs mount --capacity")
+    p.add_argument("--capacity", help="passed to both volumes' tierfs mount --capacity")
     p.add_argument("--replot", metavar="JSON", help="re-render the table and --plot of a saved --json run")
-    p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: --size 128M --rounds 2 --files 200 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the ratios (needs matplotlib)")
     return p
+
+
+def plot_title(settings: dict, date: str) -> str:
+    return (f"volume/tmpfs, {settings['engine']}, {fmt_size(settings['size'])} per I/O row, "
+            f"medians of {settings['rounds']} rounds, {date[:10]}")
 
 
 def replot(json_path: str, plot_path: str | None) -> int:
     """Print the table (and draw the plot) of a saved ``--json`` run without measuring."""
     with open(json_path) as f:
         saved = json.load(f)
-    rows = saved["medians"]
     print(f"# bench_io {saved['header']['date']}  command: {saved['header']['command']}")
-    print(render_table(rows))
+    print(render_table(saved["medians"]))
     if plot_path:
-        st = saved["settings"]
-        title = (f"tierfs/tmpfs, {st['engine']}, {fmt_size(st['size'])}, {st['rounds']} rounds, "
-                 f"{saved['header']['date'][:10]}")
-        why = plot(plot_path, rows, title)
+        why = plot(plot_path, saved["medians"], plot_title(saved["settings"], saved["header"]["date"]))
         print(f"# plot skipped: {why}" if why else f"# wrote {plot_path}")
     return 0
 
@@ -561,11 +581,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.replot:
         return replot(args.replot, args.plot)
     if args.size is None:
-        args.size = 256 * MiB if args.quick else 2 * GiB
+        args.size = 128 * MiB if args.quick else 512 * MiB
     if args.rounds is None:
         args.rounds = 2 if args.quick else 5
-    if args.rounds < 1:
-        print("bench_io: error: --rounds must be >= 1", file=sys.stderr)
+    if args.files is None:
+        args.files = 200 if args.quick else 1000
+    if args.rounds < 1 or args.files < 0:
+        print("bench_io: error: --rounds must be >= 1 and --files >= 0", file=sys.stderr)
         return 2
 
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally blocks run; SIGINT too
@@ -576,7 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, file=sys.stderr, flush=True)
 
     created: list[str] = []
-    mount: TierfsMount | None = None
+    mounts: dict[str, TierfsMount] = {}
     try:
         if args.engine in ("auto", "fio") and shutil.which("fio"):
             engine = FioEngine(shutil.which("fio"), args.malloc_buffers)
@@ -584,26 +606,32 @@ def main(argv: list[str] | None = None) -> int:
             raise BenchError("--engine fio: fio is not installed (use --engine builtin)")
         else:
             engine = BuiltinEngine(args.malloc_buffers)
-        tierfs = find_tierfs()
+            if "mmap" in args.modes:
+                raise BenchError("--engine builtin measures psync rows only: add --modes psync")
 
         st = os.statvfs("/dev/shm")
-        need = args.size + args.warmup + 256 * MiB
+        files_bytes = args.files * args.file_size
+        # the I/O files, the warm-up, and each volume's newest committed step (kept in RAM)
+        need = max(args.size, files_bytes) + args.warmup + len(args.data_paths) * files_bytes + 256 * MiB
         if st.f_bavail * st.f_frsize < need:
             raise BenchError(f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, "
                              f"the run needs {need / GiB:.1f} GiB")
 
-        tmp_root = tempfile.mkdtemp(prefix="bench-io-", dir="/tmp")
-        created.append(tmp_root)
-        shm_tmpfs = tempfile.mkdtemp(prefix="bench-io-tmpfs-", dir="/dev/shm")
-        created.append(shm_tmpfs)
-        shm_ram = tempfile.mkdtemp(prefix="bench-io-ram-", dir="/dev/shm")
-        created.append(shm_ram)
-        shm_warm = tempfile.mkdtemp(prefix="bench-io-warm-", dir="/dev/shm")
-        created.append(shm_warm)
-        mountpoint = os.path.join(tmp_root, "mnt")
-        runtime = os.path.join(tmp_root, "run")
-        os.mkdir(mountpoint)
-        os.mkdir(runtime)
+        def mkdtemp(prefix: str, where: str) -> str:
+            path = tempfile.mkdtemp(prefix=prefix, dir=where)
+            created.append(path)
+            return path
+
+        tmp_root = mkdtemp("bench-io-", "/tmp")
+        runtime = mkdtemp("bench-io-run-", "/dev/shm")  # a daemon registry of our own
+        dirs = {"tmpfs": mkdtemp("bench-io-tmpfs-", "/dev/shm"), "warm": mkdtemp("bench-io-warm-", "/dev/shm")}
+        for path in args.data_paths:
+            mountpoint = os.path.join(tmp_root, path)
+            os.mkdir(mountpoint)
+            ramdisk = mkdtemp(f"bench-io-ram-{path}-", "/dev/shm")
+            mounts[path] = TierfsMount(mountpoint, ramdisk, runtime, data_path=path, job=f"bench-{path}",
+                                       capacity=args.capacity)
+            dirs[path] = mountpoint
 
         cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -611,27 +639,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"# bench_io {now}  kernel {header['kernel']}  cores {header['cores']}  command: {cmdline}")
         settings = {
             "engine": engine.name, "engine_version": engine.version, "size": args.size,
-            "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "warmup": args.warmup,
-            "segment": args.segment,
+            "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "modes": args.modes,
+            "data_paths": args.data_paths, "files": args.files, "file_size": args.file_size,
+            "warmup": args.warmup, "segment": args.segment,
             "buffers": "malloc (16-byte aligned)" if args.malloc_buffers else "page-aligned",
-            "tmpfs_dir": shm_tmpfs, "tierfs_mountpoint": mountpoint, "tierfs_ramdisk": shm_ram,
-            "tierfs": tierfs, "capacity": args.capacity,
+            "dirs": dirs, "capacity": args.capacity,
         }
-        print(f"# engine {engine.version}, {settings['buffers']} buffers, {fmt_size(args.size)} per measurement, {args.rounds} rounds, "
-              f"timed in {fmt_size(args.segment)} segments, each after a {fmt_size(args.warmup)} warm-up; "
-              "medians; ratio = tierfs/tmpfs",
-              flush=True)
+        print(f"# engine {engine.version}, {settings['buffers']} buffers, {fmt_size(args.size)} per I/O measurement, "
+              f"{args.files} x {fmt_size(args.file_size)} checkpoint, {args.rounds} rounds, each timed part after a "
+              f"{fmt_size(args.warmup)} warm-up; medians; ratio = volume/tmpfs", flush=True)
 
-        mount = TierfsMount(tierfs, mountpoint, shm_ram, runtime, args.capacity)
-        mount.mount()
-        settings["tierfs_daemon_pid"] = mount.pid
-        progress(f"mounted tierfs at {mountpoint} (daemon pid {mount.pid}, ramdisk {shm_ram})")
+        for path, mount in mounts.items():
+            mount.mount()
+            settings[f"{path}_daemon_pid"] = mount.pid
+            progress(f"mounted {mount.mountpoint} with --data-path {path} (daemon pid {mount.pid}, "
+                     f"engine {mount.status['fuse']['engine']})")
 
-        dirs = {"tmpfs": shm_tmpfs, "tierfs": mountpoint, "warm": shm_warm}
         started = time.monotonic()
-        raw = run_benchmark(args, engine, dirs, mount, progress)
+        run = Run(args, engine, dirs, mounts, progress)
+        raw = run.run()
         settings["elapsed_s"] = round(time.monotonic() - started, 1)
-        rows = summarize(args, raw)
+        if args.files:  # the renames committed steps on the volumes, as Orbax's do
+            for path, mount in mounts.items():
+                steps = [s["step"] for s in mount.read_status().get("steps", [])]
+                settings[f"{path}_committed_steps"] = steps
+                if 100 + args.rounds - 1 not in steps:
+                    raise BenchError(f"the checkpoint's rename did not commit a step on the {path} volume "
+                                     f"(steps held: {steps})")
+        rows = summarize(run.rows(), raw, run.sides())
 
         print(render_table(rows))
         if args.rounds < 5:
@@ -639,8 +674,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.json:
             write_json(args.json, {"header": header, "settings": settings, "raw": raw, "medians": rows})
         if args.plot:
-            title = f"tierfs/tmpfs, {engine.name}, {fmt_size(args.size)}, {args.rounds} rounds, {now}"
-            why = plot(args.plot, rows, title)
+            why = plot(args.plot, rows, plot_title(settings, now))
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except BenchError as e:
@@ -651,10 +685,10 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         with no_interruptions():
-            if mount is not None:
+            for mount in mounts.values():
                 mount.unmount()
             for d in reversed(created):
-                if is_mounted(os.path.join(d, "mnt")):
+                if any(is_mounted(m.mountpoint) for m in mounts.values() if m.mountpoint.startswith(d + "/")):
                     print(f"bench_io: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
                     continue
                 shutil.rmtree(d, ignore_errors=True)

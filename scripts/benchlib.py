@@ -1,5 +1,6 @@
 """What the benchmark scripts share: sizes on the command line, CPU time, mounts, cleanup,
-random test files, the tmpfs warm-up, the plain socket copy and a google-cloud-storage client.
+random test files, the tmpfs warm-up, a tierfs volume mounted for a run, the plain socket copy
+and a google-cloud-storage client.
 
 The plain copy runs as two processes of this file (``--_recv`` / ``--_send``), so it needs
 nothing from the script that asks for it.
@@ -20,6 +21,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,6 +163,170 @@ def warm_tmpfs(directory: str | os.PathLike, nbytes: int, buf: memoryview) -> No
     finally:
         os.close(fd)
         os.unlink(path)  # right before the measurement
+
+
+def warm_up(path: str, size: int, buf: memoryview, writers: int | None = None) -> None:
+    """Write ``size`` bytes into tmpfs files ``path.0``, ``path.1``, ... and delete them: the
+    pages the measurement right after needs are touched now (docs/benchmarks.md, "Method").
+    Pages the balloon took back are slow to touch again and each vCPU faults its own, so
+    ``writers`` threads (default: one per core, at most 2) share the work: on 2 cores two
+    take ~1.5 s per 2 GiB instead of ~3 s."""
+    writers = writers or max(1, min(2, os.cpu_count() or 1))
+    paths = [f"{path}.{i}" for i in range(writers)]
+    errors: list[OSError] = []
+
+    def write(p: str, nbytes: int) -> None:
+        try:
+            fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                while nbytes > 0:
+                    nbytes -= os.write(fd, buf[:min(nbytes, len(buf))])
+            finally:
+                os.close(fd)
+        except OSError as e:
+            errors.append(e)
+
+    share = -(-size // writers)
+    threads = [threading.Thread(target=write, args=(p, min(share, size - i * share))) for i, p in enumerate(paths)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for p in paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p)  # right before the measurement
+    if errors:
+        raise BenchError(f"the warm-up failed: {errors[0]}")
+
+
+# ----------------------------------------------------------------------------- a tierfs volume
+
+SRC_DIR = Path(__file__).resolve().parent.parent / "src"
+
+
+def tierfs_env(runtime: str | os.PathLike) -> dict[str, str]:
+    """The environment for the tierfs CLI: this checkout's code first, a daemon registry of our own."""
+    env = dict(os.environ, TIERFS_RUNTIME_DIR=str(runtime))
+    if SRC_DIR.is_dir():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC_DIR), os.environ.get("PYTHONPATH")) if p)
+    return env
+
+
+def last_line(text: str) -> str:
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1] if lines else ""
+
+
+class TierfsMount:
+    """One ``tierfs mount`` for a benchmark run: mounted, asked for its daemon's pid, unmounted.
+
+    The CLI runs as ``python -m tierfs`` with this checkout's ``src`` first on PYTHONPATH, in
+    its own session so that Ctrl-C cannot cut a mount or unmount in half; ``data_path`` is
+    checked against what the daemon reports, so a volume never silently measures the other path.
+    """
+
+    def __init__(self, mountpoint: str, ramdisk: str, runtime: str, data_path: str = "auto",
+                 job: str = "bench", capacity: str | None = None, extra: tuple[str, ...] = ()):
+        self.mountpoint, self.ramdisk, self.job = mountpoint, ramdisk, job
+        self.data_path, self.capacity, self.extra = data_path, capacity, tuple(extra)
+        self.env = tierfs_env(runtime)
+        self.pid: int | None = None
+        self.status: dict = {}
+        self.log_hint = runtime
+
+    def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "tierfs", *args]
+        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        interrupted = False
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                out, err = proc.communicate(timeout=max(0.0, deadline - time.monotonic()))
+                break
+            except KeyboardInterrupt:
+                interrupted = True
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+                raise
+        if interrupted:
+            raise KeyboardInterrupt
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def mount(self) -> None:
+        args = ["mount", self.mountpoint, "--ramdisk", self.ramdisk, "--job", self.job]
+        if self.data_path != "auto":
+            args += ["--data-path", self.data_path]
+        if self.capacity:
+            args += ["--capacity", self.capacity]
+        try:
+            out = self.run(*args, *self.extra)
+        except subprocess.TimeoutExpired:
+            raise BenchError(f"tierfs mount {self.mountpoint} did not return within 120 s "
+                             f"(logs in {self.log_hint})") from None
+        if out.returncode != 0:
+            why = last_line(out.stderr) or last_line(out.stdout) or f"exit status {out.returncode}"
+            raise BenchError(f"mount failed: {why}")
+        if not is_mounted(self.mountpoint):
+            raise BenchError(f"mount failed: tierfs mount returned but {self.mountpoint} is not mounted")
+        self.status = self.read_status()
+        try:
+            self.pid = int(self.status["pid"])
+            got = self.status["fuse"]["data_path"]
+        except (KeyError, TypeError, ValueError):
+            raise BenchError(f"tierfs status {self.mountpoint} --json gave no daemon pid or data path") from None
+        cpu_seconds(self.pid)  # the pid must be ours to read
+        if self.data_path != "auto" and got != self.data_path:
+            raise BenchError(f"{self.mountpoint} was mounted with --data-path {self.data_path} "
+                             f"but serves the {got} path")
+
+    def read_status(self) -> dict:
+        out = self.run("status", self.mountpoint, "--json", timeout=60)
+        try:
+            return json.loads(out.stdout)
+        except ValueError:
+            why = last_line(out.stderr) or last_line(out.stdout) or "no output"
+            raise BenchError(f"tierfs status {self.mountpoint} --json failed: {why}") from None
+
+    def daemon_cpu(self) -> float:
+        try:
+            return cpu_seconds(self.pid)
+        except OSError:
+            raise BenchError(f"the tierfs daemon of {self.mountpoint} (pid {self.pid}) is gone") from None
+
+    def unmount(self) -> None:
+        """Unmount; if tierfs cannot, detach lazily and stop the daemon we started. Never raises."""
+        if not is_mounted(self.mountpoint):
+            return
+        try:
+            out = self.run("unmount", self.mountpoint)
+            if out.returncode == 0 and not is_mounted(self.mountpoint):
+                return
+            why = last_line(out.stderr) or f"exit status {out.returncode}"
+        except (OSError, subprocess.TimeoutExpired) as e:
+            why = str(e)
+        print(f"warning: tierfs unmount {self.mountpoint} failed ({why}); detaching it", file=sys.stderr)
+        for cmd in (["fusermount3", "-uz", self.mountpoint], ["umount", "-l", self.mountpoint]):
+            try:
+                subprocess.run(cmd, capture_output=True, timeout=30)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if not is_mounted(self.mountpoint):
+                break
+        if self.pid is not None:  # the daemon we started; do not leave it running
+            deadline = time.monotonic() + 10
+            while os.path.exists(f"/proc/{self.pid}") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            if os.path.exists(f"/proc/{self.pid}"):
+                try:
+                    os.kill(self.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        if is_mounted(self.mountpoint):
+            print(f"warning: {self.mountpoint} is still mounted", file=sys.stderr)
 
 
 # ----------------------------------------------------------------------------- plain socket copy

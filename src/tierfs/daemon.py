@@ -9,7 +9,6 @@ together can see each other's holdings while they choose the step.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import resource

@@ -77,8 +77,8 @@ import tempfile
 import threading
 import time
 
-from benchlib import (BenchError, NO_MATPLOTLIB, TierfsMount, interrupt_on_signals, is_mounted,  # noqa: E402
-                      last_line, no_interruptions, parse_size, pyplot, save_figure, warm_up, write_all,
+from benchlib import (BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, interrupt_on_signals,  # noqa: E402
+                      last_line, parse_size, pyplot, save_figure, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
@@ -684,14 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_io: interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
-        with no_interruptions():
-            for mount in mounts.values():
-                mount.unmount()
-            for d in reversed(created):
-                if any(is_mounted(m.mountpoint) for m in mounts.values() if m.mountpoint.startswith(d + "/")):
-                    print(f"bench_io: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
-                    continue
-                shutil.rmtree(d, ignore_errors=True)
+        clean_up("bench_io", list(mounts.values()), created)
 
 
 if __name__ == "__main__":

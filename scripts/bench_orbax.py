@@ -42,8 +42,8 @@ import sys
 import tempfile
 import time
 
-from benchlib import (BenchError, TierfsMount, aligned, interrupt_on_signals, is_mounted,  # noqa: E402
-                      no_interruptions, parse_size, warm_up, write_json)  # (scripts/ is on sys.path)
+from benchlib import (BenchError, TierfsMount, aligned, clean_up, interrupt_on_signals,  # noqa: E402
+                      parse_size, warm_up, write_json)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -325,14 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_orbax: interrupted; cleaning up", file=sys.stderr)
         return 130
     finally:
-        with no_interruptions():
-            for mount in mounts.values():
-                mount.unmount()
-            for d in reversed(created):
-                if any(is_mounted(m.mountpoint) for m in mounts.values() if m.mountpoint.startswith(d + "/")):
-                    print(f"bench_orbax: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
-                    continue
-                shutil.rmtree(d, ignore_errors=True)
+        clean_up("bench_orbax", list(mounts.values()), created)
 
 
 if __name__ == "__main__":

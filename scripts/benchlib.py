@@ -101,6 +101,20 @@ def no_interruptions() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def clean_up(name: str, mounts, created: list[str]) -> None:
+    """Unmount a benchmark's volumes, then remove the directories it made (newest first),
+    except one that still has a mount on it: removing through a live mount would delete
+    the volume's RAM tier behind its daemon."""
+    with no_interruptions():
+        for mount in mounts:
+            mount.unmount()
+        for d in reversed(created):
+            if any(is_mounted(m.mountpoint) for m in mounts if m.mountpoint.startswith(d + "/")):
+                print(f"{name}: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
+                continue
+            shutil.rmtree(d, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def deferred_interruptions() -> Iterator[None]:
     """Hold Ctrl-C and friends until the block is done, then stop as Ctrl-C does: a cleanup in the

@@ -737,6 +737,13 @@ def check_after(server: ThreadedServer, base: Path, before: dict, log: LogRecord
     assert_clean_log(log.since(mark))
 
 
+def fuzz_plain(server: ThreadedServer, base: Path, log: LogRecorder, payload: bytes, authenticated: bool) -> None:
+    """Send ``payload`` in clear: only clear refusals come back, and nothing else changes."""
+    before, mark = outside(base, server.root), len(log)
+    assert_clear_refusals(answers(exchange(server, payload, authenticated=authenticated)), authenticated=authenticated)
+    check_after(server, base, before, log, mark)
+
+
 HASH = chunk_hash(b"fuzz")
 OPS = ["hello", "auth", "info", "have", "put_chunk", "put_manifest", "list", "get_manifest", "get_chunk"]
 scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
@@ -772,25 +779,19 @@ FUZZ = settings(max_examples=120, deadline=None,
 @FUZZ
 @given(payload=st.binary(max_size=6000))
 def test_fuzz_arbitrary_bytes_before_authentication(plain_server, fuzz_base, fuzz_log, payload):
-    before, mark = outside(fuzz_base, plain_server.root), len(fuzz_log)
-    assert_clear_refusals(answers(exchange(plain_server, payload)), authenticated=False)
-    check_after(plain_server, fuzz_base, before, fuzz_log, mark)
+    fuzz_plain(plain_server, fuzz_base, fuzz_log, payload, authenticated=False)
 
 
 @FUZZ
 @given(payload=st.lists(frames, min_size=1, max_size=3).map(b"".join))
 def test_fuzz_frames_and_headers_before_authentication(plain_server, fuzz_base, fuzz_log, payload):
-    before, mark = outside(fuzz_base, plain_server.root), len(fuzz_log)
-    assert_clear_refusals(answers(exchange(plain_server, payload)), authenticated=False)
-    check_after(plain_server, fuzz_base, before, fuzz_log, mark)
+    fuzz_plain(plain_server, fuzz_base, fuzz_log, payload, authenticated=False)
 
 
 @FUZZ
 @given(payload=st.lists(frames, min_size=1, max_size=4).map(b"".join))
 def test_fuzz_requests_after_authentication(plain_server, fuzz_base, fuzz_log, payload):
-    before, mark = outside(fuzz_base, plain_server.root), len(fuzz_log)
-    assert_clear_refusals(answers(exchange(plain_server, payload, authenticated=True)), authenticated=True)
-    check_after(plain_server, fuzz_base, before, fuzz_log, mark)
+    fuzz_plain(plain_server, fuzz_base, fuzz_log, payload, authenticated=True)
 
 
 @settings(FUZZ, max_examples=60)

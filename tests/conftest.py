@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -50,8 +51,56 @@ def runtime_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
+class DaemonLogs:
+    """What the daemons of one test logged at WARNING or above, read before their files go.
+
+    Bugs in a daemon mostly surface as log lines, not as failed calls, so a test fails when
+    a daemon it started logs a warning or an error the test did not declare with
+    ``@pytest.mark.expect_log(regex, ...)`` or ``daemon_logs.expect(regex)``.
+    """
+
+    PROBLEM = re.compile(r"^\S+ \S+ \d+ (WARNING|ERROR|CRITICAL) |^Traceback ")
+
+    def __init__(self, runtime_dir: Path):
+        self.runtime_dir = runtime_dir
+        self.expected: list[re.Pattern] = []
+        self.problems: list[str] = []
+        self._seen = {p: p.stat().st_size for p in runtime_dir.rglob("*.log")}
+
+    def expect(self, *patterns: str) -> None:
+        self.expected += [re.compile(p) for p in patterns]
+
+    def collect(self, root: Path) -> None:
+        """Read the new lines of every log under ``root``."""
+        for path in sorted(root.rglob("*.log")):
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._seen.get(path, 0))
+                    text = f.read().decode(errors="replace")
+            except OSError:
+                continue
+            self._seen[path] = self._seen.get(path, 0) + len(text.encode(errors="replace"))
+            self.problems += [f"{path.name}: {line}" for line in text.splitlines() if self.PROBLEM.match(line)]
+
+    def unexpected(self) -> list[str]:
+        return [line for line in self.problems if not any(p.search(line) for p in self.expected)]
+
+
+@pytest.fixture(autouse=True)
+def daemon_logs(request, runtime_dir) -> Iterator[DaemonLogs]:
+    logs = DaemonLogs(runtime_dir)
+    for marker in request.node.iter_markers("expect_log"):
+        logs.expect(*marker.args)
+    yield logs
+    logs.collect(runtime_dir)
+    unexpected = logs.unexpected()
+    if unexpected:
+        pytest.fail("a daemon logged what this test does not expect:\n  " + "\n  ".join(unexpected[:20]),
+                    pytrace=False)
+
+
 @pytest.fixture
-def shm_dir():
+def shm_dir(daemon_logs):
     """A fresh directory on tmpfs, removed afterwards with anything mounted in it."""
     made = []
 
@@ -64,6 +113,7 @@ def shm_dir():
     yield make
     for p in made:
         unmount_all_beneath(p)  # ranks' own tmpfs (--capacity) outlive their daemons
+        daemon_logs.collect(p)
         shutil.rmtree(p, ignore_errors=True)
 
 

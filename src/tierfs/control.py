@@ -59,7 +59,10 @@ async def _one(handler: Handler, stream: trio.SocketStream) -> None:
             buf += chunk
         try:
             reply = await handler(json.loads(buf))
-        except Exception as e:  # a bad request must not take the daemon down
+        except (ValueError, UserError, OSError) as e:  # refused: the command prints the reason
+            log.info("control request refused: %s", e)
+            reply = {"error": str(e)}
+        except Exception as e:  # a bug; it must still not take the daemon down
             log.exception("control request failed")
             reply = {"error": str(e)}
         await stream.send_all(json.dumps(reply).encode() + b"\n")

@@ -202,7 +202,7 @@ class Restore:
                 event = self._start(h, prefer=0)
             await event.wait()
             if h not in self._done:
-                log.error("read of restoring step %d failed: %s", self.step, self._failed.get(h))
+                log.error("read of restoring step %d failed: %s", self.step, self._failed.get(h, self.last_error))
                 raise OSError(errno.EIO, f"chunk {h} unavailable")
 
     def _start(self, h: str, prefer: int) -> trio.Event:

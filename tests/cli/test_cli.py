@@ -239,6 +239,7 @@ def test_error_ramdisk_not_writable(shm_dir):
         subprocess.run(["umount", str(ro)], check=True)
 
 
+@pytest.mark.expect_log('capacity .* is below')
 def test_error_capacity_below_stored(volumes):
     vol = volumes(job="cap")
     (vol.mountpoint / "f").write_bytes(b"x" * (3 << 20))

@@ -6,6 +6,8 @@ import hashlib
 import os
 import stat
 
+import pytest
+
 from tests.helpers import wait_for
 from tests.multinode.test_peers import MiB, commit_step, replicated, sums
 
@@ -49,6 +51,7 @@ def test_all_nodes_lost_two_wiped_every_rank_restores_the_same_step(cluster):
     assert c.status(2)["restored"] is None  # its RAM survived: nothing to fetch
 
 
+@pytest.mark.expect_log('moved \\S+ out of the volume to .*is not complete on every rank')
 def test_a_step_only_some_ranks_completed_is_not_chosen(cluster, gcs_bucket):
     c = cluster(3, replicas=1, capacity="256M", gcs=f"gs://{gcs_bucket}/b")
     c.start_all()
@@ -120,6 +123,7 @@ def test_prefetch_pulls_the_whole_step_without_reads(cluster):
     assert sums(c.nodes[0].mountpoint, 3, files_of(0, 3)) == expected[0]
 
 
+@pytest.mark.expect_log('trying the next tier')
 def test_restore_falls_back_from_a_dead_peer_to_gcs_mid_file(cluster, gcs_bucket):
     c = cluster(2, replicas=1, capacity="256M", chunk_size="1M", gcs=f"gs://{gcs_bucket}/d")
     c.start_all()
@@ -218,6 +222,7 @@ def test_a_write_to_a_file_being_restored_waits_for_its_bytes(cluster):
     assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(snap).st_mode)
 
 
+@pytest.mark.expect_log('does not answer yet', 'peers: step \\d+ delayed, retrying')
 def test_a_replacement_node_given_another_rank_gets_that_ranks_data(cluster):
     c = cluster(3, replicas=2, capacity="256M", restore_wait="3s")  # started one by one below
     c.start_all()

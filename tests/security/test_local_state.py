@@ -119,6 +119,7 @@ def _linked_lock(rank: Path, elsewhere: Path) -> str:
 
 @pytest.mark.parametrize("plant", [_planted_steps_link, _foreign_mtc_state, _writable_step_state,
                                    _foreign_job_dir, _foreign_ramdisk, _linked_lock])
+@pytest.mark.expect_log('ERROR tierfs: ')
 def test_a_start_refuses_state_it_did_not_write(volumes, shm_dir, plant):
     """What a local user planted where the daemon keeps its state must not steer the next start."""
     vol = volumes(job="run")
@@ -143,6 +144,7 @@ def test_a_start_refuses_state_it_did_not_write(volumes, shm_dir, plant):
         os.chown(rank.parent, 0, 0)
 
 
+@pytest.mark.expect_log('had mode 0777: narrowed to 0700')
 def test_a_directory_an_older_version_left_wide_open_is_narrowed(volumes):
     vol = volumes(job="run")
     write_step(vol, "ckpt", 1)
@@ -155,6 +157,7 @@ def test_a_directory_an_older_version_left_wide_open_is_narrowed(volumes):
     assert (vol.mountpoint / "ckpt" / "1" / "weights").read_bytes() == b"w" * 4096
 
 
+@pytest.mark.expect_log('could not delete superseded step .* symbolic link')
 def test_retention_never_deletes_through_a_link_the_job_swapped_in(volumes, shm_dir):
     """The job commits ckpt/1, then replaces ``ckpt`` by a link to another job's data; when a
     newer step drops step 1, the daemon (root) must not delete what the link points to."""
@@ -235,6 +238,7 @@ def test_a_registration_someone_else_wrote_is_not_believed(volume):
 # -- a restart that presents a step: set aside and linked beneath the tree ----------------------
 
 
+@pytest.mark.expect_log('is not followed through it', 'is in the way of step')
 def test_a_start_never_moves_or_links_through_a_link_the_job_swapped_in(volumes, shm_dir, gcs_bucket):
     """Rank 0 committed steps 1 and 2, rank 1 only step 1, so a restart restores step 1 and
     takes step 2 out of the volume. The job (uid 1000) moved ``ckpt`` away and put a link to
@@ -292,6 +296,7 @@ def _oversized_manifest(path: Path, elsewhere: Path) -> None:
     os.chmod(path, 0o600)
 
 
+@pytest.mark.expect_log('ERROR tierfs: unsafe ramdisk: .*tierfs did not write it')
 @pytest.mark.parametrize("plant", [_linked_manifest, _foreign_manifest, _oversized_manifest])
 def test_an_abandoned_restore_trusts_only_the_manifest_the_daemon_wrote(volumes, shm_dir, gcs_bucket, plant):
     """An unfinished restore of a step no longer chosen is taken out of the volume by the roots

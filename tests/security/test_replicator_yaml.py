@@ -177,6 +177,7 @@ def assert_clean_answer(vol, failed: str) -> None:
         assert value not in failed, "replicator.failed repeats a value of the daemon's environment"
 
 
+@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
 def test_a_hostile_replicator_yaml_leaves_the_mount_serving(volumes, hostile_env, shm_dir):
     vol = volumes(job="run")
     mnt = vol.mountpoint
@@ -195,6 +196,7 @@ def test_a_hostile_replicator_yaml_leaves_the_mount_serving(volumes, hostile_env
     assert handshake(mnt, GOOD)[0] == 0, "a good spec is still taken"
 
 
+@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
 @pytest.mark.parametrize("kind", ["deep", "link", "fifo"])
 def test_a_hostile_replicator_yaml_left_for_the_next_start(volumes, hostile_env, shm_dir, kind):
     """Found at start-up (written while no daemon served, or in a form that wakes nobody):
@@ -227,6 +229,7 @@ def one_mount(volumes, hostile_env):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])
+@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
 @given(st.one_of(st.text(max_size=300), documents.map(yaml.safe_dump)))
 def test_fuzz_through_the_mount(one_mount, text):
     mnt = one_mount.mountpoint

@@ -82,10 +82,10 @@ class PeerSpec:
 def parse_peers(text: str, what: str = "--peers") -> PeerSpec:
     """Parse a ``--peers`` value; every mistake is a one-line UserError naming the item."""
     items = [item.strip() for item in _split(str(text), what) if item.strip()]
-    counts = [_count(item, what) for item in items]
-    total = sum(counts)
+    total = sum(_count(item, what) for item in items)
     if total > MAX_PEERS:
-        raise UserError(f"{what} expands to {total:,} addresses, more than the {MAX_PEERS:,} allowed: "
+        size = f"{total:,}" if total < 10 * MAX_PEERS else f"over {10 * MAX_PEERS:,}"
+        raise UserError(f"{what} expands to {size} addresses, more than the {MAX_PEERS:,} allowed: "
                         "narrow the ranges, or use dns+srv:NAME")
     addresses: list[tuple[str, int]] = []
     sources: list[DnsSource] = []
@@ -141,9 +141,7 @@ def _count(item: str, what: str) -> int:
         return 0
     n = 1
     for first, last, _ in _ranges(item, what):
-        n *= last - first + 1
-        if n > MAX_PEERS:  # stop before the product of many ranges gets huge
-            return n
+        n = min(n * (last - first + 1), 10 * MAX_PEERS)  # the product of many ranges stays small
     return n
 
 

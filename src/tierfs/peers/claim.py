@@ -3,13 +3,16 @@
 Two nodes serving one rank would each write "rank R's" steps, replicate them over each
 other's and restore a mix. Every daemon therefore announces in its ``info`` answer who it
 is (:class:`Identity`): its *node* (host name and RAM tier: the same across restarts of
-its daemon), its *instance* (this process) and when it *started*. At start, once its own
-peer service listens, a daemon asks every reachable peer; if one of another node answers
-with the same rank, the one that started later yields: the newcomer exits with one line
-naming the other node, the incumbent keeps serving.
+its daemon), its *instance* (this process) and since when it *serves* (the moment its peer
+service started listening). Right after that, a daemon asks every reachable peer; if one
+of another node answers with the same rank, the later of the two yields: the newcomer exits
+with one line naming the other node, the incumbent keeps serving.
 
-- Both starting at once: each sees the other (each listens before it asks), and both
-  order the two the same way, by start time, then node, then instance: exactly one yields.
+- Both starting at once: both order the two the same way, by that moment, then node, then
+  instance. If one asked before the other listened, it did so before the other's moment,
+  so it comes first, and the other, which asks later, sees it and yields: exactly one
+  yields. (Across machines this takes clocks that agree to better than a start-up, as NTP
+  keeps them.)
 - A restarted node retakes its rank: its old daemon is gone (it held the RAM tier's lock),
   and an answer from the same node is never a rival.
 - A peer that does not answer is not a rival: a dead incumbent does not hold its rank.
@@ -25,15 +28,19 @@ from dataclasses import dataclass
 from tierfs.errors import UserError
 
 
-@dataclass(frozen=True)
+@dataclass
 class Identity:
     node: str  # the same for every daemon of this node and RAM tier, restarts included
     instance: str  # this process: an answer with it is this daemon's own
-    started: float  # seconds since the epoch: the earlier of two claimants keeps the rank
+    started: float  # when its peer service started listening (epoch seconds): the earlier claimant keeps the rank
 
     @classmethod
     def create(cls, ramdisk: object) -> Identity:
         return cls(f"{socket.gethostname()}:{ramdisk}", secrets.token_hex(8), time.time())
+
+    def listening(self) -> None:
+        """The peer service listens from now on: call before any await once it does, then ask the peers."""
+        self.started = time.time()
 
     def info(self) -> dict:
         """The fields of the peer service's ``info`` answer that say who this daemon is."""

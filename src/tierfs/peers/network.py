@@ -82,8 +82,12 @@ class PeerNetwork:
     async def join(self, nursery: trio.Nursery) -> None:
         """Find the peers and this node among them; refuse a rank another node serves (UserError).
 
+        Call it right after this node's peer service starts listening (no await between:
+        the order of two claimants of a rank depends on it; see :mod:`tierfs.peers.claim`).
         Then keeps looking DNS names up in ``nursery``, every ``--survey-interval``.
         """
+        if self.identity is not None and self.cfg.listen:
+            self.identity.listening()
         self._use(await self.directory.resolve())
         answers = await self._each(self._info)
         if self.identity is not None:

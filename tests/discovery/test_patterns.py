@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierfs.config import Config
 from tierfs.discovery import MAX_PEERS, DnsSource, expand, parse_peers, unanswered
@@ -115,3 +117,14 @@ def test_many_silent_peers_are_one_warning():
                                           "retries it" for n in ("a:1", "b:1")]
     (line,) = unanswered([f"n{i}:1" for i in range(1000)])
     assert line.startswith("1000 peers do not answer yet (n0:1, n1:1, n2:1 and 997 more)")
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.text(alphabet="ab0129.:{},@[]-_+dnsrv ", max_size=60))
+def test_any_text_is_peers_or_one_user_error(text):
+    try:
+        spec = parse_peers(text)
+    except UserError as e:
+        assert "\n" not in str(e)
+        return
+    assert len(spec.addresses) <= MAX_PEERS

@@ -214,7 +214,6 @@ class PeerDirectory:
         self.timeout = timeout
         self._answers: dict[DnsSource, list[tuple[str, int]]] = {}
         self._errors: dict[DnsSource, str] = {}  # the last error logged, so it is logged once
-        self.resolved_at: float | None = None
 
     @property
     def dynamic(self) -> bool:
@@ -231,7 +230,6 @@ class PeerDirectory:
         async with trio.open_nursery() as nursery:
             for source in self.spec.sources:
                 nursery.start_soon(self._resolve, source)
-        self.resolved_at = trio.current_time()
         return self.addresses()
 
     async def _resolve(self, source: DnsSource) -> None:

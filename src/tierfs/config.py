@@ -49,7 +49,8 @@ OPTIONS = {
     "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
     "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
     "listen": "HOST:PORT where this node's peer service accepts other nodes",
-    "peers": "HOST:PORT,... of the other nodes' peer services",
+    "peers": "the other nodes' peer services: HOST:PORT,..., patterns like node-{0..15}:7420, "
+             "dns:NAME:PORT (a headless Service's addresses) or dns+srv:NAME (SRV records)",
     "replicas": "peers that keep a copy of each committed step (default 1)",
     "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
     "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
@@ -147,7 +148,8 @@ class Config:
     chunk_size: int = chunks.DEFAULT_CHUNK_SIZE
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
     listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
-    peers: tuple[tuple[str, int], ...] = ()
+    peers: tuple[tuple[str, int], ...] = ()  # fixed addresses, brace patterns expanded
+    peer_dns: tuple = ()  # tierfs.discovery.DnsSource: names the daemon resolves (and re-resolves)
     replicas: int = 1  # peers that hold a copy of each committed step
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
     # Peer traffic: TLS 1.3 keyed from the secret, or from these mounted files (all three or none).
@@ -194,7 +196,11 @@ class Config:
         if "peers" in v:
             peers = v["peers"]
             if isinstance(peers, str):
-                peers = [parse_address(p, "--peers") for p in peers.split(",") if p.strip()]
+                from tierfs.discovery import parse_peers  # noqa: PLC0415 (it needs parse_address, below)
+
+                spec = parse_peers(peers)
+                peers = spec.addresses
+                v["peer_dns"] = spec.sources
             v["peers"] = tuple(p for p in peers if p != v.get("listen"))  # a node is not its own peer
         if "topology" in v and isinstance(v["topology"], str):
             v["topology"] = _parse_labels(v["topology"])
@@ -240,15 +246,17 @@ class Config:
                 f"{chunks.MIN_CHUNK_SIZE >> 10}K and {chunks.MAX_CHUNK_SIZE >> 20}M"
             )
         parse_rules(self.commit_rule)  # a bad rule is a start-up error, not a later surprise
-        if (self.peers or self.listen) and not self.secret:
+        if (self.peers or self.peer_dns or self.listen) and not self.secret:
             raise UserError("the peer service needs the job's secret: set TIERFS_SECRET or --secret-file")
         if self.secret is not None and len(self.secret) < 16:
             raise UserError("the job secret is too short: use at least 16 characters")
         _check_peer_tls(self)
-        if self.peers and not 1 <= self.replicas <= len(self.peers):
+        if self.peers and not self.peer_dns and not 1 <= self.replicas <= len(self.peers):
             raise UserError(
                 f"invalid --replicas {self.replicas}: between 1 and the {len(self.peers)} peer(s) given"
             )
+        if self.peer_dns and self.replicas < 1:
+            raise UserError(f"invalid --replicas {self.replicas}: at least 1")
         if self.data_parallel < 1 or self.nodes % self.data_parallel:
             raise UserError(
                 f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}"

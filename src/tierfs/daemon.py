@@ -32,7 +32,9 @@ from tierfs.manifest import MAX_BYTES as MAX_MANIFEST, Manifest, ManifestError
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.tmpfs import own_tmpfs
 from tierfs.ramtier.snapshots import Snapshots
+from tierfs.discovery import unanswered
 from tierfs.peers import server as peer_server
+from tierfs.peers.claim import Identity
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
@@ -59,7 +61,8 @@ class Daemon:
                                    lambda st: self.space.update(st))  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
         self.gcs = None
-        self.peers: PeerNetwork | None = PeerNetwork(cfg) if cfg.peers else None
+        self.identity = Identity.create(cfg.ramdisk)  # who serves this rank, in the peer service's info
+        self.peers: PeerNetwork | None = PeerNetwork(cfg, identity=self.identity) if cfg.peers or cfg.peer_dns else None
         self.replica_store: ReplicaStore | None = None
         self.replicator: Replicator | None = None
         self.view = ClusterView(cfg.nodes, self.peers, None, self._local_holdings)
@@ -210,7 +213,8 @@ class Daemon:
         return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
                 "data_parallel": self.cfg.data_parallel,
                 "free": max(0, self.space.capacity - self.space.used),
-                "steps": sorted(self.steps.states), "restore_step": self._announced_step()}
+                "steps": sorted(self.steps.states), "restore_step": self._announced_step(),
+                **self.identity.info()}
 
     # -- the cluster and restore -------------------------------------------------------------
 
@@ -368,6 +372,8 @@ class Daemon:
             if self.cfg.listen:
                 await nursery.start(self._serve_peers)
             try:
+                if self.peers is not None:  # resolves the peers; refuses a rank another node serves
+                    await self.peers.join(nursery)
                 if self.gcs or self.peers:
                     await self._plan_restore()
                 self._mount()
@@ -395,8 +401,8 @@ class Daemon:
         await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
         _set_read_ahead(self.cfg.mountpoint)
         if self.view.last is not None:
-            for name in self.view.last.missing:
-                self._warn(f"peer {name} does not answer yet; replication uses the others and retries it")
+            for warning in unanswered(self.view.last.missing):
+                self._warn(warning)
         elif self.peers is not None:
             reachable = {p.address for p in await self.peers.discover()}
             for address in self.cfg.peers:

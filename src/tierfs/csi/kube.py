@@ -3,6 +3,11 @@
 kubelet hands a CSI driver only the pod's name, namespace and uid (``podInfoOnMount``);
 the indexes that make a rank are labels on the pod, so the plugin reads the pod once at
 publish time with its service account (RBAC: ``get`` on ``pods``, nothing else).
+
+The same labels name every pod of the job (volume attribute ``peers: auto``): JobSet pods
+are ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`` and Indexed Job pods ``<job>-<index>``,
+each in the subdomain of the pod spec (a JobSet's defaults to its name), so
+:func:`peer_pattern` writes one brace pattern for all of them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 JOB_COMPLETION_INDEX = "batch.kubernetes.io/job-completion-index"
 JOBSET_GLOBAL_INDEX = "jobset.sigs.k8s.io/job-global-index"
 JOBSET_GLOBAL_REPLICAS = "jobset.sigs.k8s.io/global-replicas"
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+REPLICATED_JOB_NAME = "jobset.sigs.k8s.io/replicatedjob-name"
+REPLICATED_JOB_REPLICAS = "jobset.sigs.k8s.io/replicatedjob-replicas"
+JOBSET_JOB_INDEX = "jobset.sigs.k8s.io/job-index"
+JOB_NAME_LABELS = ("batch.kubernetes.io/job-name", "job-name")
 MAX_POD_BYTES = 4 << 20  # far above any pod the API server stores (etcd keeps objects under 1.5 MiB)
 _DNS_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
 _NAMESPACE_RE = re.compile(_DNS_LABEL)
@@ -81,6 +91,75 @@ def parse_pod(pod: dict) -> PodIndex:
             raise RankUnknown(f"the pod's {key} is {value!r}, not a number") from None
 
     return PodIndex(number(JOB_COMPLETION_INDEX), number(JOBSET_GLOBAL_INDEX), number(JOBSET_GLOBAL_REPLICAS))
+
+
+class PeersUnknown(Exception):
+    """The pod's labels do not name the job's other pods; the message says what is missing."""
+
+
+def peer_pattern(pod: dict, namespace: str, nodes: int, port: int) -> str:
+    """``peers: auto``: a pattern naming every pod of the pod's JobSet (its replicated Job) or Indexed Job.
+
+    Names are qualified with the namespace (``<host>.<subdomain>.<namespace>.svc``): the
+    daemons resolve them from the plugin's namespace, not the pod's.
+    """
+    meta = pod.get("metadata") if isinstance(pod, dict) else None
+    labels = meta.get("labels") if isinstance(meta, dict) else None
+    labels = {str(k): str(v) for k, v in labels.items()} if isinstance(labels, dict) else {}
+    spec = pod.get("spec") if isinstance(pod, dict) else None
+    spec = spec if isinstance(spec, dict) else {}
+    hostname, subdomain = spec.get("hostname"), spec.get("subdomain")
+    if JOBSET_NAME in labels:
+        jobset, rjob = _label(labels, JOBSET_NAME), _label(labels, REPLICATED_JOB_NAME)
+        jobs = _count(labels, REPLICATED_JOB_REPLICAS) if REPLICATED_JOB_REPLICAS in labels \
+            else _count(labels, JOBSET_GLOBAL_REPLICAS)
+        if nodes % jobs:
+            raise PeersUnknown(f"nodes={nodes} is not a multiple of the {jobs} Jobs of replicated job {rjob}")
+        mine = f"{jobset}-{rjob}-{_count(labels, JOBSET_JOB_INDEX, 0)}-{_count(labels, JOB_COMPLETION_INDEX, 0)}"
+        stem = f"{jobset}-{rjob}-{_range(jobs)}-{_range(nodes // jobs)}"
+        subdomain = subdomain or jobset  # JobSet's default: its headless Service has its name
+    else:
+        key = next((k for k in JOB_NAME_LABELS if k in labels), None)
+        if key is None or JOB_COMPLETION_INDEX not in labels:
+            raise PeersUnknown("the pod is in neither a JobSet nor an Indexed Job (no jobset-name, "
+                               "job-name or job-completion-index label)")
+        job = _label(labels, key)
+        mine = f"{job}-{_count(labels, JOB_COMPLETION_INDEX, 0)}"
+        stem = f"{job}-{_range(nodes)}"
+        if not subdomain:
+            raise PeersUnknown("the pod has no spec.subdomain, so its Job's pods have no DNS names: set "
+                               "subdomain in the Job's pod template, with a headless Service of that name")
+    if not isinstance(subdomain, str) or not _DNS_LABEL_RE.fullmatch(subdomain):
+        raise PeersUnknown(f"the pod's subdomain {str(subdomain)[:80]!r} is not a DNS label")
+    if hostname is not None and hostname != mine:
+        raise PeersUnknown(f"the pod's hostname {str(hostname)[:80]!r} is not {mine!r}, the name its indexes "
+                           "give: the other pods' names cannot be worked out")
+    return f"{stem}.{subdomain}.{check_namespace(namespace)}.svc:{port}"
+
+
+_DNS_LABEL_RE = re.compile(_DNS_LABEL)
+
+
+def _label(labels: dict[str, str], key: str) -> str:
+    value = labels.get(key)
+    if value is None:
+        raise PeersUnknown(f"the pod has no label {key}")
+    if len(value) > 63 or not _DNS_LABEL_RE.fullmatch(value):
+        raise PeersUnknown(f"the pod's label {key}={value[:80]!r} is not a DNS label")
+    return value
+
+
+def _count(labels: dict[str, str], key: str, least: int = 1) -> int:
+    value = labels.get(key)
+    if value is None:
+        raise PeersUnknown(f"the pod has no label {key}")
+    if not value.isdigit() or int(value) < least or int(value) > 1_000_000:
+        raise PeersUnknown(f"the pod's label {key}={value[:40]!r} is not a count")
+    return int(value)
+
+
+def _range(n: int) -> str:
+    return "0" if n == 1 else f"{{0..{n - 1}}}"
 
 
 class KubeClient:

@@ -65,6 +65,7 @@ POD_NAME, POD_NAMESPACE = POD_INFO + "pod.name", POD_INFO + "pod.namespace"
 HOST_OPTIONS = {"ramdisk", "log-file", "secret-file"}
 ATTRIBUTES = sorted(set(OPTIONS) - HOST_OPTIONS)
 PEER_PORT = 7420  # the peer service's port when a volume names peers but no listen address
+AUTO = "auto"  # volume attribute peers: auto: the pods of the pod's JobSet or Indexed Job
 MAX_ATTRIBUTE = 64 << 10  # characters in one attribute value (a 1000-node `peers` list fits)
 MAX_SECRET = 4096  # characters in the job's peer secret
 MAX_CONFIG_BYTES = 1 << 20  # the cluster defaults file (a ConfigMap holds at most 1 MiB)
@@ -209,6 +210,25 @@ def _unmount_target(target: str) -> None:
             linux.umount(target, linux.MNT_DETACH)
 
 
+class _PodOnce:
+    """The publishing pod from the Kubernetes API, read at most once per publish."""
+
+    def __init__(self, client: kube.KubeClient, req: PublishRequest):
+        self.client, self.name, self.namespace = client, req.context.get(POD_NAME), req.context.get(POD_NAMESPACE)
+        self._pod: dict | None = None
+
+    def __call__(self) -> dict:
+        if self._pod is None:
+            if not self.name or not self.namespace:
+                raise kube.RankUnknown("kubelet passed no pod name (is podInfoOnMount true on the CSIDriver?)")
+            try:
+                kube.check_pod_name(self.name)
+            except ValueError as e:
+                raise kube.RankUnknown(str(e)) from None
+            self._pod = self.client.pod(self.namespace, self.name)
+        return self._pod
+
+
 class Volumes:
     """Publish, unpublish, adopt and collect; callers may be concurrent threads or processes."""
 
@@ -294,7 +314,10 @@ class Volumes:
             options = self._options(req, namespace)
             job = options["job"]
             self._check_owner(job, namespace)
-            rank = self._rank(job, options, req)
+            pod = _PodOnce(self.kube, req)
+            rank = self._rank(job, options, pod)
+            if options.get("peers", "").strip().lower() == AUTO:
+                options["peers"] = self._auto_peers(job, options, pod)
             staging = self._ensure_daemon(job, rank, namespace, options, req.secrets.get("secret"))
             os.makedirs(req.target, exist_ok=True)
             _unmount_target(req.target)  # a dead mount left by a crash, same volume
@@ -374,7 +397,19 @@ class Volumes:
                 f"name, or have the admin delete it with `tierfs csi --gc {job}`"
             )
 
-    def _rank(self, job: str, options: dict[str, str], req: PublishRequest) -> int:
+    def _auto_peers(self, job: str, options: dict[str, str], pod: _PodOnce) -> str:
+        """``peers: auto``: every pod of the pod's JobSet or Indexed Job, as one brace pattern."""
+        try:
+            nodes = int(options.get("nodes", "1"))
+            port = int(options["listen"].rpartition(":")[2])
+            return kube.peer_pattern(pod(), pod.namespace, nodes, port)
+        except (kube.RankUnknown, kube.PeersUnknown, ValueError) as e:
+            raise InvalidArgument(
+                f"volume attribute peers=auto: cannot name the pods of job {job}: {e}; list the peers "
+                "instead (e.g. a pattern like name-{0..15}.service.namespace.svc:7420)"
+            ) from None
+
+    def _rank(self, job: str, options: dict[str, str], pod: _PodOnce) -> int:
         """Explicit attribute, else the rank this node already holds for the job, else the pod's index.
 
         A node keeps its rank for a job (its RAM holds that rank's steps), whatever index
@@ -388,13 +423,9 @@ class Volumes:
         held = _read_json(self._job_path(job))
         if held is not None:
             return held["rank"]
-        name, namespace = req.context.get(POD_NAME), req.context.get(POD_NAMESPACE)
         try:
-            if not name or not namespace:
-                raise kube.RankUnknown("kubelet passed no pod name (is podInfoOnMount true on the CSIDriver?)")
-            kube.check_pod_name(name)
             nodes = int(options.get("nodes", "1"))
-            return kube.parse_pod(self.kube.pod(namespace, name)).rank(nodes)
+            return kube.parse_pod(pod()).rank(nodes)
         except (kube.RankUnknown, ValueError) as e:
             raise InvalidArgument(
                 f"cannot work out the rank of job {job} on node {self.cfg.node_id}: {e}; run the pod in an "

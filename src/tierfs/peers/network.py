@@ -3,6 +3,11 @@
 Every operation talks to peers concurrently and with timeouts, so one slow or dead peer
 costs at most a timeout, never a hang; a peer that fails is replaced by the next best
 reachable one in the same call.
+
+The peers are whatever :class:`tierfs.discovery.PeerDirectory` knows now (DNS names are
+looked up again every ``--survey-interval``), less this node itself: a pattern or a DNS
+name usually covers it, and an ``info`` answer carrying this daemon's own instance gives
+it away. ``cfg.peers`` always holds the current list.
 """
 
 from __future__ import annotations
@@ -10,14 +15,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import trio
 
 from tierfs.config import Config
+from tierfs.discovery import RETRY_EMPTY, PeerDirectory, PeerSpec
 from tierfs.manifest import Manifest
-from tierfs.peers import tls
+from tierfs.peers import claim, tls
 from tierfs.peers.client import PeerClient
 from tierfs.peers.placement import PeerInfo, choose
 from tierfs.peers.wire import PeerError
@@ -43,15 +49,90 @@ async def _no_pause() -> None:
     pass
 
 
+class _Itself(PeerError):
+    """The address reached this very daemon."""
+
+
 class PeerNetwork:
-    def __init__(self, cfg: Config, timeout: float = 30.0):
-        self.cfg = cfg
+    def __init__(self, cfg: Config, timeout: float = 30.0, identity: claim.Identity | None = None):
         self.timeout = timeout
+        self.identity = identity
+        self.directory = PeerDirectory(PeerSpec(cfg.peers, cfg.peer_dns))
+        self._itself: set[tuple[str, int]] = set()  # addresses that reached this daemon
+        self._rivals: set[str] = set()  # instances already reported as claiming this rank
+        self.cfg = cfg
         self._fan_out = trio.CapacityLimiter(FAN_OUT)
-        self._seen: dict[tuple[str, int], dict] = {  # address -> last known state, for status
-            a: {"address": f"{a[0]}:{a[1]}", "state": "unknown", "rank": None, "error": None, "at": None}
-            for a in cfg.peers
-        }
+        self._seen: dict[tuple[str, int], dict] = {}  # address -> last known state, for status
+
+    @property
+    def cfg(self) -> Config:
+        """The configuration, its ``peers`` the addresses known now."""
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: Config) -> None:  # the job's shape changed (replicator.yaml): same peers
+        self._base = cfg
+        self._use(self.directory.addresses())
+
+    def _use(self, addresses: list[tuple[str, int]]) -> None:
+        self._cfg = replace(self._base, peers=tuple(a for a in addresses if a not in self._itself))
+
+    # -- who the peers are ---------------------------------------------------------------
+
+    async def join(self, nursery: trio.Nursery) -> None:
+        """Find the peers and this node among them; refuse a rank another node serves (UserError).
+
+        Call it right after this node's peer service starts listening (no await between:
+        the order of two claimants of a rank depends on it; see :mod:`tierfs.peers.claim`).
+        Then keeps looking DNS names up in ``nursery``, every ``--survey-interval``.
+        """
+        if self.identity is not None and self.cfg.listen:
+            self.identity.listening()
+        self._use(await self.directory.resolve())
+        answers = await self._each(self._info)
+        if self.identity is not None:
+            claim.check(self.identity, self.cfg.job, self.cfg.rank, answers)
+        if self._itself:
+            log.info("%s reached this node itself: not a peer", ", ".join(f"{h}:{p}" for h, p in sorted(self._itself)))
+        log.info("%d peer(s) known, %d answered", len(self.cfg.peers), len(answers))
+        if self.directory.dynamic:
+            nursery.start_soon(self.keep_resolving)
+
+    async def keep_resolving(self) -> None:
+        """Look the DNS names up again and again: nodes that come up late join the job."""
+        while True:
+            known = self.cfg.peers
+            await trio.sleep(min(RETRY_EMPTY, self.cfg.survey_interval) if not known else self.cfg.survey_interval)
+            self._use(await self.directory.resolve())
+            new = [a for a in self.cfg.peers if a not in known]
+            if new:  # who they are, now: this node itself, or a rival for its rank
+                await self._each(self._info, new)
+
+    async def _info(self, address: tuple[str, int]) -> dict:
+        async with await self.connect(address, INFO_TIMEOUT) as client:
+            answer = await client.info()
+        if not isinstance(answer.get("rank"), int):
+            raise PeerError(f"peer {address[0]}:{address[1]} sent a malformed info answer")
+        self._inspect(address, answer)
+        self._mark(address, "up", rank=answer["rank"])
+        return answer
+
+    def _inspect(self, address: tuple[str, int], info: dict) -> None:
+        """Recognise this daemon's own answer; report once a rival that claims this node's rank."""
+        if self.identity is None:
+            return
+        other = claim.Identity.of(info)
+        if other is not None and other.instance == self.identity.instance:
+            self._itself.add(address)
+            self._seen.pop(address, None)
+            self._use(self.directory.addresses())
+            raise _Itself(f"{address[0]}:{address[1]} is this node")
+        for _, rival in claim.rivals(self.identity, self.cfg.rank, {address: info}):
+            if rival.instance not in self._rivals:
+                self._rivals.add(rival.instance)
+                first = "it" if self.identity.precedes(rival) else "this node"
+                log.error("node %s at %s:%d also serves rank %d of job %s; %s started later and should stop",
+                          rival.node, address[0], address[1], self.cfg.rank, self.cfg.job, first)
 
     def connect(self, address: tuple[str, int], timeout: float | None = None):
         """An authenticated connection (an async context manager) to one peer, in TLS unless it is off."""
@@ -61,7 +142,7 @@ class PeerNetwork:
         )
 
     def _mark(self, address: tuple[str, int], state: str, error: str | None = None, rank: int | None = None) -> None:
-        seen = self._seen[address]
+        seen = self._seen.setdefault(address, _unknown(address))
         seen.update(state=state, error=error, at=time.time())
         if rank is not None:
             seen["rank"] = rank
@@ -74,6 +155,8 @@ class PeerNetwork:
             try:
                 async with self._fan_out:
                     results[address] = await fn(address)
+            except _Itself:
+                pass
             except (PeerError, OSError, trio.TooSlowError) as e:
                 self._mark(address, "down", f"{type(e).__name__}: {e}")
 
@@ -85,9 +168,7 @@ class PeerNetwork:
     async def discover(self) -> list[PeerInfo]:
         """The peers that answer now, with their rank and topology."""
         async def info(address):
-            async with await self.connect(address, INFO_TIMEOUT) as client:
-                answer = await client.info()
-            self._mark(address, "up", rank=answer["rank"])
+            answer = await self._info(address)
             return PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
 
         found = await self._each(info)
@@ -108,6 +189,7 @@ class PeerNetwork:
         async def report(address):
             async with await self.connect(address, INFO_TIMEOUT) as client:
                 info = await client.info()
+                self._inspect(address, info)
                 held = await client.list()
             self._mark(address, "up", rank=info["rank"])
             try:
@@ -168,4 +250,8 @@ class PeerNetwork:
         return sent, skipped
 
     def status(self) -> list[dict]:
-        return list(self._seen.values())
+        return [self._seen.get(a) or _unknown(a) for a in self.cfg.peers]
+
+
+def _unknown(address: tuple[str, int]) -> dict:
+    return {"address": f"{address[0]}:{address[1]}", "state": "unknown", "rank": None, "error": None, "at": None}

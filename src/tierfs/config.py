@@ -88,12 +88,18 @@ def check_job_id(job: str) -> None:
         )
 
 
+MAX_SIZE = float(1 << 62)
+
+
 def parse_size(text: str, what: str = "size") -> int:
     """Parse ``4G``, ``512MiB``, ``1.5T`` or plain bytes; suffixes are binary, as tmpfs' ``size=``."""
     m = _SIZE_RE.match(str(text))
     if not m:
         raise UserError(f"invalid {what} {text!r}: use bytes or a number with K/M/G/T, e.g. 64G")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if not n < MAX_SIZE:
+        raise UserError(f"invalid {what} {text!r}: larger than any machine's memory or disk")
+    return int(n)
 
 
 def parse_duration(text: str, what: str = "duration") -> float:

@@ -254,7 +254,7 @@ class Config:
                 f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}"
             )
         if self.gcs is not None:
-            from tierfs.gcs import parse_gcs_url  # google-cloud-storage is slow to import
+            from tierfs.tiers.gcs_store import parse_gcs_url  # google-cloud-storage is slow to import
 
             parse_gcs_url(self.gcs)
         if self.data_path not in DATA_PATHS:

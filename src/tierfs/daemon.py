@@ -186,7 +186,7 @@ class Daemon:
 
     def _open_gcs(self) -> None:
         """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
-        from tierfs.gcs import GcsStore, GcsUnavailable  # slow import: only when used
+        from tierfs.tiers.gcs_store import GcsStore, GcsUnavailable  # slow import: only when used
 
         cfg = self.cfg
         self.gcs = self.view.gcs = GcsStore(cfg.gcs, cfg.job)

@@ -131,7 +131,7 @@ class ChunkSources:
 
     async def _from_gcs(self, h: str, length: int) -> bytes:
         """Chunk ``h`` from GCS: never more than ``length`` bytes read, nor decoded."""
-        from tierfs.gcs import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
+        from tierfs.tiers.gcs_store import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
 
         url = self.gcs.chunk_url(h)
         try:
@@ -155,7 +155,7 @@ class ChunkSources:
 
 async def gcs_call(fn, *args):
     """Run a GCS request in a thread, retrying an unreachable GCS with a short backoff."""
-    from tierfs.gcs import GcsUnavailable  # noqa: PLC0415 (only with --gcs)
+    from tierfs.tiers.gcs_store import GcsUnavailable  # noqa: PLC0415 (only with --gcs)
 
     for attempt in range(GCS_ATTEMPTS):
         try:

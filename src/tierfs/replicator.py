@@ -9,7 +9,7 @@ never waits for either.
 
 Both lanes share the step's manifest, built once per committed version from the frozen
 snapshot. A GCS backup then goes, in the order that keeps the bucket consistent for
-readers and for the garbage collector (see :meth:`tierfs.gcs.GcsStore.collect_garbage`):
+readers and for the garbage collector (see :meth:`tierfs.tiers.gcs_store.GcsStore.collect_garbage`):
 
 1. announce the upload with a pending marker listing its chunks;
 2. for every distinct chunk: touch it if GCS has it (no bytes sent), else read it from the
@@ -41,7 +41,7 @@ from tierfs.peers.wire import PeerError
 from tierfs.steps import StepState, Steps
 
 if TYPE_CHECKING:
-    from tierfs.gcs import GcsStore  # google-cloud-storage is slow to import: only with --gcs
+    from tierfs.tiers.gcs_store import GcsStore  # google-cloud-storage is slow to import: only with --gcs
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Replicator:
             self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, (PeerError,),
                                        recheck=self._recheck_replicas)
         if gcs is not None:
-            from tierfs.gcs import GcsUnavailable
+            from tierfs.tiers.gcs_store import GcsUnavailable
 
             self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, (GcsUnavailable,),
                                      cfg.backup_interval)

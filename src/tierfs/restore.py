@@ -510,7 +510,7 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[str], peers, gcs) -
         except (PeerError, OSError, trio.TooSlowError, UserError) as e:
             errors.append(f"peer {name}: {e}")
     if origin.in_gcs:
-        from tierfs.gcs import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
+        from tierfs.tiers.gcs_store import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
 
         try:
             data = await gcs_call(gcs.get_manifest, cfg.rank, step)

@@ -132,7 +132,7 @@ async def test_sixteen_nodes_agree_and_keep_agreeing_when_holders_die(nursery, t
 
 
 async def test_gcs_completes_what_peers_lack_and_every_node_sees_the_same(nursery, tmp_path, gcs_bucket):
-    from tierfs.gcs import GcsStore
+    from tierfs.tiers.gcs_store import GcsStore
 
     gcs = GcsStore(f"gs://{gcs_bucket}/p", JOB)
     nodes = await start_cluster(nursery, tmp_path)

@@ -28,12 +28,13 @@ from hypothesis import strategies as st
 from tests.conftest import tierfs
 from tests.gcs.test_backup_restore import client, objects, wait_backed_up, wipe
 from tests.helpers import write_orbax_step
-from tierfs import gcs, manifest as manifest_mod
+from tierfs import manifest as manifest_mod
+from tierfs.tiers import gcs_store as gcs
 from tierfs.chunks import CorruptChunk, chunk_hash, decode, encode
 from tierfs.config import Config
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources
-from tierfs.gcs import CorruptObject, GcsStore
+from tierfs.tiers.gcs_store import CorruptObject, GcsStore
 from tierfs.manifest import Entry, Manifest, ManifestError
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
@@ -460,7 +461,7 @@ def test_manifest_names_that_are_not_canonical_are_ignored_and_logged_once(store
     for name in planted:
         plant(gcs_bucket, f"p/job1/manifests/rank-0/{name}", b'{"entries": []}')
     plant(gcs_bucket, "p/job1/manifests/rank-00/step-000000000004.json", b'{"entries": []}')
-    caplog.set_level(logging.WARNING, logger="tierfs.gcs")
+    caplog.set_level(logging.WARNING, logger="tierfs.tiers.gcs_store")
     assert store.list_steps(0) == [1, 2, 3]
     assert store.list_manifests() == {0: [1, 2, 3]}
     result = store.collect_garbage(keep_newest=2, grace=0)

@@ -145,6 +145,7 @@ class Tier(ABC):
     skip_after_failure: bool = False  # one of several holders: after a failure a restore asks the others
     volatile: bool = False  # may lose what it holds (another node's RAM): the lane checks it again
     awaited: bool = False  # another node of the job, maybe starting now: a survey waits for it
+    spill: bool = False  # on this node beside the RAM: when RAM is short, a step held here may leave RAM
 
     def __init__(self) -> None:
         self.cfg: Config | None = None

@@ -42,6 +42,7 @@ class DiskTier(StoredTier):
     name = "disk"
     lane = "disk"
     cost = Cost(read_gib_s=1.5)  # an NVMe drive: slower than RAM, faster than the network
+    spill = True  # when RAM is short, steps held here leave it
 
     def __init__(self, disk: Path, job: str, rank: int, keep_from: Callable[[], int | None] = lambda: None,
                  keep_newest: int = 1):
@@ -57,6 +58,13 @@ class DiskTier(StoredTier):
     @property
     def where(self) -> str:
         return str(self.root)
+
+    @classmethod
+    def open_for(cls, cfg, keep_from: Callable[[], int | None] = lambda: None) -> DiskTier:
+        """The tier of ``--disk``, opened (UserError if its directory is not usable)."""
+        tier = cls(cfg.disk, cfg.job, cfg.rank, keep_from, cfg.keep)
+        tier.open()
+        return tier
 
     def open(self) -> None:
         """Create or check the root-only directories, and index what an earlier daemon left."""

@@ -82,15 +82,19 @@ class PeerTier(Tier):
         about = f" ({what})" if what else ""
         try:
             return await awaitable
-        except PeerUnavailable as e:
-            raise TierUnavailable(f"{e}{about}") from None
         except PeerError as e:
             message = str(e)
             if message.endswith(": not found"):
                 raise NotHeld(f"{self.name} does not hold {what or 'it'}") from None
-            raise TierError(f"{message}{about}") from None
+            self._down(e)
+            raise (TierUnavailable if isinstance(e, PeerUnavailable) else TierError)(f"{message}{about}") from None
         except (OSError, trio.TooSlowError) as e:
+            self._down(e)
             raise TierUnavailable(f"{self.name}: {e}{about}") from None
+
+    def _down(self, e: BaseException) -> None:
+        """What ``tierfs status`` shows of the peer (the network keeps it)."""
+        self.network._mark(self.address, "down", f"{type(e).__name__}: {e}")
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []

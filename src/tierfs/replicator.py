@@ -34,7 +34,7 @@ from tierfs.atomic import write_atomically
 from tierfs.config import Config
 from tierfs.manifest import Manifest, ManifestError, build
 from tierfs.steps import StepState, Steps
-from tierfs.tiers.base import (Location, Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
+from tierfs.tiers.base import (Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
                                by_cost, put_step)
 
 log = logging.getLogger(__name__)

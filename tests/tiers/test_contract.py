@@ -4,7 +4,6 @@ a real peer service over loopback, and the GCS emulator."""
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 

@@ -12,9 +12,10 @@ only once every chunk it names is there)::
     chunks/<h[0:2]>/<h>                       the raw bytes of chunk h
     manifests/rank-<N>/step-<S:012d>.json     the rank's committed step S
 
-The store's work (copies of up to a chunk at a time, fsync-free writes through the page
-cache, hashing) runs in one worker thread at a time, so a slow disk never stalls the FUSE
-loop; the store is only ever touched from that thread, under a lock.
+The store's work (copies of up to a chunk at a time, writes through the page cache,
+hashing) runs in one worker thread at a time, so a slow disk never stalls the FUSE loop;
+the store changes only in that thread, under a lock. Reads of chunks (a restore's) run in
+parallel threads and verify what they read.
 """
 
 from __future__ import annotations
@@ -91,6 +92,14 @@ class DiskTier(StoredTier):
                     self._stats = self.store.stats()
 
         return await trio.to_thread.run_sync(locked, limiter=self._limiter)
+
+    def _own_copy(self, h: str):
+        """Where the store keeps ``h``: read and verified in parallel threads, outside the lock.
+
+        (A lookup in the store's index is one dict access, safe beside the worker thread.) A
+        copy that fails the check is then read through the store, which removes it.
+        """
+        return self.store.chunk_file(h)
 
     def configure(self, cfg) -> None:
         super().configure(cfg)

@@ -13,14 +13,14 @@ connection is reused only briefly: the peer's service closes connections that id
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import trio
 
 from tierfs import chunks
-from tierfs.config import parse_address
+from tierfs.peers.client import PeerClient
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.placement import choose
 from tierfs.peers.wire import PeerError, PeerUnavailable
@@ -28,17 +28,12 @@ from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, Tier, TierError, Ti
                                check_manifest)
 
 Address = tuple[str, int]
+T = TypeVar("T")
 REUSE_IDLE = 30.0  # seconds an idle connection is kept for the next request (the service drops it at 300)
-_FAILURES = (PeerError, OSError, trio.TooSlowError)
 
 
 def peer_name(address: Address) -> str:
     return f"{address[0]}:{address[1]}"
-
-
-def peer_address(name: str) -> Address:
-    """The inverse of :func:`peer_name` (``"peer "`` in front is allowed)."""
-    return parse_address(name.removeprefix("peer "), "peer")
 
 
 class PeerTier(Tier):
@@ -54,47 +49,56 @@ class PeerTier(Tier):
         self.network = network
         self.address = address
         self.name = f"peer {peer_name(address)}"
-        self._idle: list[tuple[float, object]] = []
+        self._idle: list[tuple[float, PeerClient]] = []  # (when it was last used, connection)
 
     # -- connections -------------------------------------------------------------------
 
-    @asynccontextmanager
-    async def _client(self):
+    async def _request(self, what: str, call: Callable[[PeerClient], Awaitable[T]]) -> T:
+        """``call(client)`` on a pooled connection; the peer's failures become tier errors naming ``what``.
+
+        A pooled connection the peer dropped meanwhile (its service restarted, or idled it
+        out) fails at once; the request is then made again once on a new connection, which
+        every request here allows (a chunk or manifest sent twice is stored once).
+        """
+        for attempt in range(2):
+            client, reused = await self._take(what)
+            try:
+                result = await call(client)
+            except BaseException as e:
+                if isinstance(e, PeerError) and not isinstance(e, PeerUnavailable):
+                    self._idle.append((time.monotonic(), client))  # a refusal: the connection is still in step
+                else:
+                    await client.aclose()
+                if isinstance(e, PeerUnavailable) and reused and attempt == 0:
+                    continue
+                if isinstance(e, (PeerError, OSError, trio.TooSlowError)):
+                    raise self._failed(e, what) from None
+                raise
+            self._idle.append((time.monotonic(), client))
+            return result
+        raise AssertionError("unreachable")
+
+    async def _take(self, what: str) -> tuple[PeerClient, bool]:
         now = time.monotonic()
-        client = None
         while self._idle:
-            at, candidate = self._idle.pop()
+            at, client = self._idle.pop()
             if now - at < REUSE_IDLE:
-                client = candidate
-                break
-            await candidate.aclose()
-        if client is None:
-            client = await self._call(self.network.connect(self.address), "connect")
-        try:
-            yield client
-        except BaseException:
+                return client, True
             await client.aclose()
-            raise
-        self._idle.append((time.monotonic(), client))
-
-    async def _call(self, awaitable, what: str = ""):
-        """Await a client call; the peer's failures become tier errors that say ``what`` failed."""
-        about = f" ({what})" if what else ""
         try:
-            return await awaitable
-        except PeerError as e:
-            message = str(e)
-            if message.endswith(": not found"):
-                raise NotHeld(f"{self.name} does not hold {what or 'it'}") from None
-            self._down(e)
-            raise (TierUnavailable if isinstance(e, PeerUnavailable) else TierError)(f"{message}{about}") from None
-        except (OSError, trio.TooSlowError) as e:
-            self._down(e)
-            raise TierUnavailable(f"{self.name}: {e}{about}") from None
+            return await self.network.connect(self.address), False
+        except (PeerError, OSError, trio.TooSlowError) as e:
+            raise self._failed(e, what) from None
 
-    def _down(self, e: BaseException) -> None:
-        """What ``tierfs status`` shows of the peer (the network keeps it)."""
+    def _failed(self, e: BaseException, what: str) -> TierError:
+        """The tier error for a peer's failure; one that is not a refusal marks the peer down."""
+        message, about = str(e), f" ({what})"
+        if isinstance(e, PeerError) and message.endswith(": not found"):
+            return NotHeld(f"{self.name} does not hold {what}")
         self.network._mark(self.address, "down", f"{type(e).__name__}: {e}")
+        if isinstance(e, PeerUnavailable) or not isinstance(e, PeerError):
+            return TierUnavailable(f"{message if isinstance(e, PeerError) else f'{self.name}: {e}'}{about}")
+        return TierError(f"{message}{about}")
 
     async def aclose(self) -> None:
         idle, self._idle = self._idle, []
@@ -104,20 +108,17 @@ class PeerTier(Tier):
     # -- chunks ------------------------------------------------------------------------
 
     async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
-        async with self._client() as client:
-            return await self._call(client.have(list(hashes)), "have")
+        return await self._request("have", lambda client: client.have(list(hashes)))
 
     async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
         """Sent straight from the page cache; the peer hashes it and refuses a mismatch."""
         check_chunk(self, h, length)
-        async with self._client() as client:
-            await self._call(client.put_chunk(h, path, offset, length), f"chunk {h}")
+        await self._request(f"chunk {h}", lambda client: client.put_chunk(h, path, offset, length))
         return Put(length, length)
 
     async def get_chunk(self, h: str, length: int) -> bytes:
         check_chunk(self, h, length)
-        async with self._client() as client:
-            data = await self._call(client.get_chunk(h, 0, length), f"chunk {h}")
+        data = await self._request(f"chunk {h}", lambda client: client.get_chunk(h, 0, length))
         if chunks.chunk_hash(data) != h:
             raise TierError(f"{self.name} sent bytes that do not match chunk {h}")
         return data
@@ -126,16 +127,14 @@ class PeerTier(Tier):
 
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
         check_manifest(self, rank, step, data)
-        async with self._client() as client:
-            await self._call(client.put_manifest(rank, step, data), f"manifest of rank {rank} step {step}")
+        await self._request(f"manifest of rank {rank} step {step}", lambda client: client.put_manifest(rank, step, data))
 
     async def get_manifest(self, rank: int, step: int) -> bytes:
-        async with self._client() as client:
-            return await self._call(client.get_manifest(rank, step), f"manifest of rank {rank} step {step}")
+        return await self._request(f"the manifest of rank {rank} step {step}",
+                                   lambda client: client.get_manifest(rank, step))
 
     async def list_manifests(self) -> list[tuple[int, int]]:
-        async with self._client() as client:
-            return sorted(await self._call(client.list(), "list"))
+        return sorted(await self._request("list", lambda client: client.list()))
 
     async def holdings(self) -> Holdings:
         """The peer's own committed steps, the replicas it keeps, its restore decision."""

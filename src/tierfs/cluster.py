@@ -1,8 +1,9 @@
 """The cluster view: the newest step that every rank can restore, as any node sees it.
 
-No node is special. Each node asks every peer what it holds (its own committed steps, the
-replicas it keeps for other ranks, and the step it restored at its last start) and lists
-the job's manifests in GCS, then computes the answer itself. Nodes that see the same
+No node is special. Each node asks every tier it knows what it holds (:func:`survey`): each
+peer its own committed steps, the replicas it keeps for other ranks, and the step it
+restored at its last start; the disk and GCS their manifests. Then it computes the answer
+itself. Nodes that see the same
 holdings compute the same step, so when the node that answered before is gone, any other
 gives the same answer.
 
@@ -16,40 +17,54 @@ split). Two rules keep ranks together: a start waits (``--restore-wait``) until 
 configured peer has answered; and a node adopts a step that a peer has already restored
 and not moved past (it is announced until that peer commits a newer step), because that
 peer's job may already be running from it.
+
+The survey is one function of a list of tiers: a coordination layer that asks a few
+coordinator ranks instead of every peer can replace it without touching the choice.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import trio
 
-from tierfs.errors import UserError
-from tierfs.fetch import gcs_call, peer_name
+from tierfs.tiers.base import Holdings, Tier, TierError, first_line
 
 log = logging.getLogger(__name__)
 
-POLL = 0.5  # seconds between attempts to reach peers that have not answered yet
+POLL = 0.5  # seconds between attempts to reach tiers that have not answered yet
+FAN_OUT = 64  # tiers asked at once: a survey of thousands of nodes stays within its sockets
 
 
 @dataclass
 class Survey:
     """Who holds which (rank, step) manifest, merged from every tier that answered."""
 
-    holders: dict[int, dict[int, list[str]]] = field(default_factory=dict)  # rank -> step -> tiers
-    decisions: dict[str, int] = field(default_factory=dict)  # peer -> step it restored and runs from
-    topology: dict[str, tuple] = field(default_factory=dict)  # peer -> its topology labels
-    missing: list[str] = field(default_factory=list)  # peers that did not answer
-    gcs_error: str | None = None
+    holders: dict[int, dict[int, list[str]]] = field(default_factory=dict)  # rank -> step -> tier names
+    decisions: dict[str, int] = field(default_factory=dict)  # tier (a node) -> step it restored and runs from
+    topology: dict[str, tuple] = field(default_factory=dict)  # tier (a node) -> its topology labels
+    missing: list[str] = field(default_factory=list)  # nodes' tiers that did not answer
+    errors: dict[str, str] = field(default_factory=dict)  # tier -> why it did not answer
     at: float = field(default_factory=time.time)
 
     def add(self, rank: int, step: int, tier: str) -> None:
         tiers = self.holders.setdefault(rank, {}).setdefault(step, [])
         if tier not in tiers:
             tiers.append(tier)
+
+    def record(self, tier: str, holdings: Holdings) -> None:
+        """Merge what ``tier`` answered."""
+        for rank, step in holdings.manifests:
+            self.add(rank, step, tier)
+        if holdings.topology:
+            self.topology[tier] = holdings.topology
+        if holdings.restore_step is not None:
+            self.decisions[tier] = holdings.restore_step
+        else:
+            self.decisions.pop(tier, None)
 
     def complete_steps(self, ranks: Iterable[int] | None = None) -> list[int]:
         """Steps whose manifest is on some tier for each of ``ranks`` (default: the writing ranks)."""
@@ -74,9 +89,9 @@ class Survey:
             return adoptable[-1]
         return newest
 
-    def closeness(self, peer: str, topology: tuple) -> int:
-        """How many topology labels ``peer`` shares with ``topology``."""
-        return len(set(self.topology.get(f"peer {peer}", ())) & set(topology))
+    def closeness(self, tier: str, topology: tuple) -> int:
+        """How many topology labels the node behind ``tier`` shares with ``topology``."""
+        return len(set(self.topology.get(tier, ())) & set(topology))
 
     def tiers(self, rank: int, step: int) -> list[str]:
         return self.holders.get(rank, {}).get(step, [])
@@ -88,23 +103,56 @@ class Survey:
             "ranks": len(self.holders),
             "complete_steps": self.complete_steps()[-5:],
             "unreachable_peers": list(self.missing),
-            "gcs_error": self.gcs_error,
+            "gcs_error": self.errors.get("gcs"),
+            "tier_errors": dict(self.errors),
         }
 
 
-@dataclass
-class LocalHoldings:
-    """What this node itself holds: its rank's committed steps and its replicas of others."""
+async def survey(tiers: Sequence[Tier], wait: float = 0.0) -> Survey:
+    """Ask every tier what it holds; keep asking the nodes that do not answer for up to ``wait`` seconds.
 
-    rank: int
-    steps: list[int]
-    replicas: list[tuple[int, int]] = field(default_factory=list)
-    restore_step: int | None = None  # the step this node restored and runs from, if any
+    Tiers that are other nodes of the job (``Tier.awaited``) may be starting right now, so
+    they are asked again until the deadline; any other tier that fails is recorded once.
+    """
+    result = Survey()
+    limiter = trio.CapacityLimiter(FAN_OUT)
+    deadline = trio.current_time() + wait
+    pending = list(tiers)
+    while True:
+        answered: set[str] = set()
+
+        async def ask(tier: Tier) -> None:
+            try:
+                async with limiter:
+                    holdings = await tier.holdings()
+            except Exception as e:  # a tier that cannot answer is left out of this survey
+                result.errors[tier.name] = first_line(e)
+                if not isinstance(e, TierError):
+                    log.error("cluster view: %s failed unexpectedly", tier.name, exc_info=True)
+                elif not tier.awaited:
+                    log.warning("cluster view without %s: %s", tier.name, e)
+                return
+            result.errors.pop(tier.name, None)
+            result.record(tier.name, holdings)
+            answered.add(tier.name)
+
+        async with trio.open_nursery() as nursery:
+            for tier in pending:
+                nursery.start_soon(ask, tier)
+        pending = [t for t in pending if t.name not in answered and t.awaited]
+        left = deadline - trio.current_time()
+        if not pending or left <= 0:
+            break
+        await trio.sleep(min(POLL, left))  # the last attempt comes at the deadline
+    result.missing = [t.name for t in pending]
+    return result
 
 
 class ClusterView:
-    def __init__(self, nodes: int, peers=None, gcs=None, local: Callable[[], LocalHoldings] | None = None):
-        self.nodes, self.peers, self.gcs, self._local = nodes, peers, gcs, local
+    """The last survey of the job's tiers, with this node's own holdings kept current."""
+
+    def __init__(self, nodes: int, tiers: Sequence[Tier], local=None):
+        self.nodes, self.tiers, self.local = nodes, list(tiers), local
         self.last: Survey | None = None
 
     def retention_floor(self) -> int | None:
@@ -120,58 +168,13 @@ class ClusterView:
         self._add_local(self.last)
         return self.last.newest_complete(range(self.nodes))
 
-    def _add_local(self, survey: Survey) -> None:
-        if self._local is None:
-            return
-        here = self._local()
-        for step in here.steps:
-            survey.add(here.rank, step, "local")
-        for rank, step in here.replicas:
-            survey.add(rank, step, "local")
-        if here.restore_step is not None:
-            survey.decisions["local"] = here.restore_step
+    def _add_local(self, result: Survey) -> None:
+        if self.local is not None:
+            result.record(self.local.name, self.local.current())
 
     async def survey(self, wait: float = 0.0) -> Survey:
-        """Ask every tier; keep asking peers that do not answer for up to ``wait`` seconds."""
-        survey = Survey()
-        self._add_local(survey)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._ask_gcs, survey)
-            if self.peers is not None:
-                nursery.start_soon(self._ask_peers, survey, wait)
-        self.last = survey
-        return survey
-
-    async def _ask_peers(self, survey: Survey, wait: float) -> None:
-        deadline = trio.current_time() + wait
-        pending = list(self.peers.cfg.peers)
-        while True:
-            reports = await self.peers.reports(pending)
-            for address, report in reports.items():
-                name = f"peer {peer_name(address)}"
-                survey.topology[name] = report.topology
-                for step in report.steps:
-                    survey.add(report.rank, step, name)
-                for rank, step in report.manifests:
-                    survey.add(rank, step, name)
-                if report.restore_step is not None:
-                    survey.decisions[name] = report.restore_step
-            pending = [a for a in pending if a not in reports]
-            left = deadline - trio.current_time()
-            if not pending or left <= 0:
-                break
-            await trio.sleep(min(POLL, left))  # the last attempt comes at the deadline
-        survey.missing = [peer_name(a) for a in pending]
-
-    async def _ask_gcs(self, survey: Survey) -> None:
-        if self.gcs is None:
-            return
-        try:
-            listing = await gcs_call(self.gcs.list_manifests)
-        except UserError as e:
-            survey.gcs_error = str(e)
-            log.warning("cluster view without GCS: %s", e)
-            return
-        for rank, steps in listing.items():
-            for step in steps:
-                survey.add(rank, step, "gcs")
+        """Ask every tier (this node's RAM first, as it is now); wait up to ``wait`` for silent nodes."""
+        result = await survey(self.tiers, wait)
+        self._add_local(result)
+        self.last = result
+        return result

@@ -41,7 +41,7 @@ OPTIONS = {
     "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
     "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
     "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
-    "keep": "committed steps kept in GCS per rank (default 3)",
+    "keep": "committed steps kept in GCS and on --disk per rank (default 3)",
     "keep-local": "newest committed steps kept in RAM, besides any a tier still needs (default 1)",
     "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
     "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
@@ -59,6 +59,12 @@ OPTIONS = {
     "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
+}
+# Host directories of `tierfs mount` and of mount -o that a pod author must not choose either
+# (so not in OPTIONS); the CSI plugin passes TIERFS_DISK from its own environment to every daemon.
+HOST_PATH_OPTIONS = {
+    "disk": "local directory (e.g. on NVMe) every committed step is also written to; restores read it "
+            "before peers, and when RAM is short committed steps held there leave RAM",
 }
 # Host files for the peer service's TLS: options of `tierfs mount` and of mount -o, but not of
 # OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
@@ -95,10 +101,10 @@ def parse_size(text: str, what: str = "size") -> int:
     """Parse ``4G``, ``512MiB``, ``1.5T`` or plain bytes; suffixes are binary, as tmpfs' ``size=``."""
     m = _SIZE_RE.match(str(text))
     if not m:
-        raise UserError(f"invalid {what} {text!r}: use bytes or a number with K/M/G/T, e.g. 64G")
+        raise UserError(f"invalid {what} {str(text)[:40]!r}: use bytes or a number with K/M/G/T, e.g. 64G")
     n = float(m.group(1)) * _UNITS[m.group(2).lower()]
     if not n < MAX_SIZE:
-        raise UserError(f"invalid {what} {text!r}: larger than any machine's memory or disk")
+        raise UserError(f"invalid {what} {str(text)[:40]!r}: larger than any machine's memory or disk")
     return int(n)
 
 
@@ -145,6 +151,7 @@ class Config:
     read_only: bool = False
     commit_rule: str = "default"
     gcs: str | None = None  # gs://BUCKET/PREFIX
+    disk: Path | None = None  # --disk DIR: a local directory tier (DIR/<job>/rank-<N>/)
     backup_interval: float = 0.0  # seconds between backups of the newest step; 0 = every commit
     keep: int = 3  # committed steps kept in GCS per rank
     keep_local: int = 1  # newest committed steps kept in RAM (plus any a tier still needs)
@@ -181,6 +188,10 @@ class Config:
             v["ramdisk"] = Path(os.path.abspath(v["ramdisk"]))
         if "log_file" in v:
             v["log_file"] = Path(os.path.abspath(v["log_file"]))
+        if "disk" in v:
+            if not str(v["disk"]).strip():
+                raise UserError("invalid --disk '': give a local directory, e.g. /mnt/nvme/tierfs")
+            v["disk"] = Path(os.path.abspath(v["disk"]))
         for key in ("rank", "nodes"):
             if key in v:
                 v[key] = _parse_int(v[key], key)
@@ -268,7 +279,7 @@ class Config:
                 f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}"
             )
         if self.gcs is not None:
-            from tierfs.gcs import parse_gcs_url  # google-cloud-storage is slow to import
+            from tierfs.tiers.gcs_store import parse_gcs_url  # google-cloud-storage is slow to import
 
             parse_gcs_url(self.gcs)
         if self.data_path not in DATA_PATHS:

@@ -1,5 +1,8 @@
 """The daemon's control socket: one JSON request per connection, one JSON reply.
 
+Requests: ``status`` (answered by :func:`tierfs.status.report`) and ``commit`` (``tierfs
+commit PATH``, answered by :func:`commit`); :class:`Answers` routes them.
+
 It lives in the runtime directory, not in the mount, so nothing the volume shows to a
 training job is ever a control file it could list, copy or delete by accident. It is
 root's alone (0600) from the moment it exists: its mode is set on the socket before
@@ -14,12 +17,15 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 import trio
 
 from tierfs.atomic import private_dir
 from tierfs.errors import UserError
+
+if TYPE_CHECKING:
+    from tierfs.steps import Steps
 
 log = logging.getLogger(__name__)
 MAX_REQUEST = 1 << 20
@@ -66,6 +72,31 @@ async def _one(handler: Handler, stream: trio.SocketStream) -> None:
             log.exception("control request failed")
             reply = {"error": str(e)}
         await stream.send_all(json.dumps(reply).encode() + b"\n")
+
+
+class Answers:
+    """The daemon's answers to the control socket's requests."""
+
+    def __init__(self, status: Callable[[], dict], commit: Callable[[str, int | None], dict]):
+        self._status, self._commit = status, commit
+
+    async def __call__(self, request: dict) -> dict:
+        op = request.get("op")
+        if op == "status":
+            return self._status()
+        if op == "commit":
+            return self._commit(request["path"], request.get("step"))
+        raise ValueError(f"unknown request {op!r}")
+
+
+def commit(steps: Steps, path: str, step: int | None) -> dict:
+    """Commit ``path`` (inside the volume) as ``step``, as ``tierfs commit`` asked."""
+    if path.startswith("/") or ".." in path.split("/"):
+        raise ValueError(f"{path!r} is not a path inside the volume")
+    state = steps.commit(path.strip("/"), step)
+    if state is None:
+        raise ValueError(f"{path} does not exist in the volume")
+    return {"step": state.step, "roots": state.roots, "version": state.version}
 
 
 def request(path: Path, message: dict, timeout: float = 10.0) -> dict:

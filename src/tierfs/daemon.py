@@ -1,4 +1,7 @@
-"""The mount daemon: one process per mountpoint, serving one (job, rank).
+"""The mount daemon: one process per mountpoint, serving one (job, rank); it assembles and runs.
+
+It builds the RAM tier, the FUSE engine and the other tiers (one line each, in
+:meth:`Daemon._assemble_tiers`), then runs them in one trio nursery.
 
 Start-up order matters: everything that can fail with a user error (ramdisk, lock,
 capacity, mountpoint, the step to restore) is settled before the kernel mount exists, so a
@@ -13,42 +16,54 @@ import logging
 import os
 import resource
 import signal
-import shutil
 import socket
 import sys
 import time
-from dataclasses import asdict, replace
 
 import trio
 
-from tierfs import control, linux, mounts
-from tierfs.atomic import UnsafeFile, read_state
-from tierfs.cluster import ClusterView, LocalHoldings
+from tierfs import control, linux, mounts, status
+from tierfs.atomic import read_state
+from tierfs.cluster import ClusterView
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, make_engine
-from tierfs.manifest import MAX_BYTES as MAX_MANIFEST, Manifest, ManifestError
+from tierfs.manifest import MAX_BYTES as MAX_MANIFEST
+from tierfs.multitier import MultiTier
+from tierfs.planning import RestorePlanner
 from tierfs.ramtier import RankDir, SpaceAccount
-from tierfs.ramtier.tmpfs import own_tmpfs
 from tierfs.ramtier.snapshots import Snapshots
+from tierfs.ramtier.tmpfs import own_tmpfs
 from tierfs.discovery import unanswered
 from tierfs.peers import server as peer_server
 from tierfs.peers.claim import Identity
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.store import ReplicaStore
 from tierfs.replicator import Replicator
-from tierfs.fetch import ChunkSources, peer_address
-from tierfs.mtc import REPLICATOR, MtcNode, ReplicatorSpec, SpecError
-from tierfs.restore import Restore, fetch_manifest, link_into_tree, restoring_steps, set_aside
+from tierfs.restore import Restore
 from tierfs.steps import Steps
+from tierfs.tiers.base import Tier
+from tierfs.tiers.disk import DiskTier
+from tierfs.tiers.local import LocalTier, OwnSteps
+from tierfs.tiers.base import by_cost
+from tierfs.tiers.peer import PeerTier, peer_tiers
 
 log = logging.getLogger("tierfs")
 
 READ_AHEAD_KB = 1024  # the kernel's default of 128 KiB halves sequential read speed
+SPILL_AT = 0.75  # RAM is short past this share of the capacity: steps on --disk may leave it
 
 
 class Daemon:
+    """One mount: the RAM tier, the FUSE engine, the tiers, and the tasks that run them.
+
+    What it assembles is used by modules of their own: :mod:`tierfs.planning` chooses and
+    prepares the step to restore, :mod:`tierfs.multitier` follows the job's
+    ``replicator.yaml``, :mod:`tierfs.status` and :mod:`tierfs.control` answer the control
+    socket.
+    """
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
         self.rank = RankDir(cfg.rank_dir)
@@ -60,20 +75,28 @@ class Daemon:
         self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked,
                                    lambda st: self.space.update(st))  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
-        self.gcs = None
         self.identity = Identity.create(cfg.ramdisk)  # who serves this rank, in the peer service's info
-        self.peers: PeerNetwork | None = PeerNetwork(cfg, identity=self.identity) if cfg.peers or cfg.peer_dns else None
+        self.network: PeerNetwork | None = (PeerNetwork(cfg, identity=self.identity)
+                                            if cfg.peers or cfg.peer_dns else None)
         self.replica_store: ReplicaStore | None = None
+        self.local = LocalTier(None, OwnSteps(
+            cfg.rank, steps=lambda: sorted(self.steps.states), find=self.find, manifest=self._own_manifest,
+            restore_step=lambda: self.planner.announced_step(), report=self._ram_report))
+        self.tiers: list[Tier] = []  # every tier but this node's RAM, cheapest first (start)
+        self.view = ClusterView(cfg.nodes, self.tiers, self.local)
+        self.planner = RestorePlanner(self)
+        self.multitier = MultiTier(self)
         self.replicator: Replicator | None = None
-        self.view = ClusterView(cfg.nodes, self.peers, None, self._local_holdings)
         self.restore: Restore | None = None
-        self.restore_step: int | None = None  # the step chosen at start, announced to peers
-        self.mtc: MtcNode | None = None
         self.mounted = False
         self.ready = False
         self._warnings: list[str] = []
         self.started = time.time()
         self._signalled = False
+
+    @property
+    def mtc(self):
+        return self.multitier.node
 
     def start(self) -> None:
         """Validate and claim the rank; raises UserError, with nothing mounted yet."""
@@ -94,12 +117,11 @@ class Daemon:
         self.steps.load()
         if cfg.listen:
             _check_listen(cfg.listen)
-            self.replica_store = ReplicaStore(
+            self.replica_store = self.local.store = ReplicaStore(
                 self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self,
                 keep_from=self.view.retention_floor,
             )
-        if cfg.gcs:
-            self._open_gcs()
+        self.tiers = self.view.tiers = self._assemble_tiers()
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
         if self.replica_store is not None:
@@ -112,10 +134,32 @@ class Daemon:
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path)
-        self.replicator = Replicator(cfg, self.steps, self.gcs, self.peers, lambda: self.ops.last_write,
-                                     self.view.retention_floor if self.gcs or self.peers else None)
+        self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
+                                     self.view.retention_floor if self.tiers or self.network else None,
+                                     self._ram_short)
         if not cfg.read_only:
-            self._start_mtc()
+            self.multitier.start()
+
+    def _assemble_tiers(self) -> list[Tier]:
+        """Every tier of the mount but its RAM, one line each; the policy code loops over them."""
+        cfg, tiers = self.cfg, []
+        if cfg.disk is not None:
+            tiers.append(DiskTier.open_for(cfg, keep_from=self.view.retention_floor))
+        if self.network is not None:
+            tiers += peer_tiers(self.network)
+        if cfg.gcs is not None:
+            tiers.append(self._open_gcs())
+        for tier in tiers:
+            tier.configure(cfg)
+        return tiers
+
+    def _follow_peers(self) -> None:
+        """Give each peer the network knows a tier: a DNS name can add peers after the start."""
+        known = {t.address for t in self.tiers if isinstance(t, PeerTier)}
+        new = [PeerTier(self.network, a) for a in self.network.cfg.peers if a not in known]
+        if new:
+            self.tiers[:] = by_cost(self.tiers + new)  # in place: the cluster view shares the list
+            self.replicator.add_tiers(new)
 
     def _choose_data_path(self) -> None:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
@@ -141,20 +185,27 @@ class Daemon:
         else:
             log.info("data path: daemon (%s)", why)
 
-    def _start_mtc(self) -> None:
-        cfg = self.cfg
-        self.mtc = MtcNode(self.rank.tree, self.rank.path / "mtc.json", cfg.mountpoint, cfg.rank,
-                           cfg.coordinator, self._apply_spec, self._restore_target)
-        spec = self.mtc.prepare()
-        if spec is not None:  # what the job said before this daemon started still holds
-            try:
-                self._apply_spec(spec)
-            except SpecError as e:
-                log.warning("the job's earlier %s no longer applies: %s", REPLICATOR, e)
-                self.mtc.spec = None
-        self.replicator.dropped = self.mtc.forget
+    def _open_gcs(self) -> Tier:
+        """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
+        from tierfs.tiers.gcs import GcsTier  # slow import: only when used
+        from tierfs.tiers.gcs_store import GcsUnavailable
 
-    # -- what the mount reports (Operations' events) ---------------------------------------
+        cfg = self.cfg
+        tier = GcsTier(cfg.gcs, cfg.job)
+        try:
+            tier.check()
+        except GcsUnavailable as e:
+            if not self.steps.states and not self.network and cfg.disk is None:
+                raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
+                                "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
+            self._warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
+        return tier
+
+    def _warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self._warnings.append(message)
+
+    # -- what the mount and the tiers ask of the RAM tier ---------------------------------
 
     def file_done(self, path: str) -> None:
         self.steps.file_done(path)
@@ -164,6 +215,47 @@ class Daemon:
     def dir_renamed(self, path: str) -> None:
         if self.mtc is None or not self.mtc.owns_rename(path):
             self.steps.dir_renamed(path)
+
+    def find(self, h: str) -> tuple[str, int, int] | None:
+        """This node's own committed copy of chunk ``h`` (twins' replicas, a restore's own copies)."""
+        return self.replicator.find_local(h) if self.replicator is not None else None
+
+    def _own_manifest(self, step: int) -> bytes | None:
+        """The manifest built for a committed step's first copy on a tier, if one was built."""
+        try:
+            return read_state(self.snapshots.step_dir(step) / "manifest.json", MAX_MANIFEST)
+        except (OSError, UserError):
+            return None
+
+    def _ram_report(self) -> dict:
+        return {"path": str(self.rank.tree), "tmpfs": self.rank.is_tmpfs(), "capacity": self.space.capacity,
+                "capacity_bounded": self.cfg.capacity is not None, "used": self.space.used}
+
+    def _ram_short(self) -> bool:
+        """Whether the volume uses more than SPILL_AT of its RAM (its tmpfs, where the kernel keeps count)."""
+        used = self.space.used
+        if not self.space.bounded:
+            st = os.statvfs(self.rank.tree)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        return used > self.space.capacity * SPILL_AT
+
+    def _peer_info(self) -> dict:
+        return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
+                "data_parallel": self.cfg.data_parallel,
+                "free": max(0, self.space.capacity - self.space.used),
+                "steps": sorted(self.steps.states), "restore_step": self.planner.announced_step(),
+                **self.identity.info()}
+
+    def _unlinked(self, st: os.stat_result) -> None:
+        if self.ops is not None:
+            self.ops.link_removed(st)
+        elif st.st_nlink <= 1:
+            self.space.drop(st.st_ino)
+
+    def _writing_inodes(self) -> set[int]:
+        return self.ops.writing_inodes() if self.ops is not None else set()
+
+    # -- running ----------------------------------------------------------------------
 
     def _mount(self) -> None:
         cfg = self.cfg
@@ -187,195 +279,19 @@ class Daemon:
             cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
         )
 
-    def _open_gcs(self) -> None:
-        """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
-        from tierfs.gcs import GcsStore, GcsUnavailable  # slow import: only when used
-
-        cfg = self.cfg
-        self.gcs = self.view.gcs = GcsStore(cfg.gcs, cfg.job)
-        try:
-            self.gcs.check()
-        except GcsUnavailable as e:
-            if not self.steps.states and not self.peers:
-                raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
-                                "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
-            self._warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
-
-    def _warn(self, message: str) -> None:
-        log.warning("%s", message)
-        self._warnings.append(message)
-
-    def find(self, h: str) -> tuple[str, int, int] | None:
-        """This node's own committed copy of chunk ``h``, for the replica store (twins)."""
-        return self.replicator.find_local(h) if self.replicator is not None else None
-
-    def _peer_info(self) -> dict:
-        return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
-                "data_parallel": self.cfg.data_parallel,
-                "free": max(0, self.space.capacity - self.space.used),
-                "steps": sorted(self.steps.states), "restore_step": self._announced_step(),
-                **self.identity.info()}
-
-    # -- the cluster and restore -------------------------------------------------------------
-
-    def _local_holdings(self) -> LocalHoldings:
-        replicas = self.replica_store.manifests() if self.replica_store is not None else []
-        return LocalHoldings(self.cfg.rank, sorted(self.steps.states), replicas, self._announced_step())
-
-    def _announced_step(self) -> int | None:
-        """The step chosen at start, until the job commits a newer one (then it has moved on)."""
-        chosen = self.restore_step
-        if chosen is None or any(s.step > chosen and s.committed_at > self.started
-                                 for s in self.steps.states.values()):
-            return None
-        return chosen
-
-    async def _plan_restore(self) -> None:
-        """Choose the step the whole job restores, and present this rank's files of it."""
-        cfg = self.cfg
-        survey = await self.view.survey(wait=cfg.restore_wait if self.peers else 0.0)
-        step = self.restore_step = survey.choose(cfg.rank)
-        for unfinished in restoring_steps(self.steps):
-            if unfinished != step:
-                self._abandon_restore(unfinished)
-        if step is None:
-            log.info("no tier holds a step complete for every rank of %s: starting from what is here", cfg.job)
-            return
-        for newer in sorted(s for s in self.steps.states if s > step):
-            for root in self.steps.states[newer].roots:  # other ranks cannot restore it: hide it
-                set_aside(self.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
-        if step in self.steps.states:
-            for root in self.steps.states[step].roots:
-                link_into_tree(self.rank, self.snapshots.step_tree(step), root,
-                               f"it is in the way of step {step}", keep=True)
-            log.info("step %d, the newest complete for every rank, is here already", step)
-            return
-        tiers = [t for t in survey.tiers(cfg.rank, step) if t != "local"]
-        if not tiers:
-            log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
-            return
-        manifest, origin = await fetch_manifest(cfg, step, tiers, self.peers, self.gcs)
-        needed = manifest.total_bytes - self._already_restored(step)
-        if cfg.capacity is not None and self.space.used + needed > cfg.capacity:
-            raise UserError(
-                f"step {step} of rank {cfg.rank} needs {format_size(needed)} more, but only "
-                f"{format_size(max(0, cfg.capacity - self.space.used))} of --capacity {format_size(cfg.capacity)} "
-                "is free: raise the capacity"
-            )
-        holders = sorted(origin.peers, key=lambda name: -survey.closeness(name, cfg.topology))
-        sources = ChunkSources(self.peers, [peer_address(name) for name in holders],
-                               self.gcs if origin.in_gcs else None, self.replicator.find_local)
-        self.restore = Restore(cfg, self.rank, self.steps, self.space, manifest, sources, origin)
-        self.restore.prepare()
-        self.ops.restoring = self.restore
-
-    def _apply_spec(self, spec: ReplicatorSpec) -> list[str]:
-        """Follow the job's replicator.yaml: its shape drives placement, dedup and backups."""
-        cfg, warnings = self.cfg, []
-        if spec.node_rank != cfg.rank:
-            raise SpecError(f"'node-rank' is {spec.node_rank} but this volume holds rank {cfg.rank}'s data "
-                            "(tierfs --rank): give the pod the volume of its rank")
-        if spec.job_name != cfg.job:
-            warnings.append(f"job-name {spec.job_name!r} differs from the volume's job {cfg.job!r}; "
-                            f"its data stays under {cfg.job!r}")
-        if spec.backup_interval_steps is not None:
-            interval = {"backup_interval": 0.0, "backup_interval_steps": spec.backup_interval_steps}
-        else:
-            interval = {"backup_interval": spec.backup_interval_s, "backup_interval_steps": 0}
-        try:
-            new = replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism,
-                                      peer_ranks=spec.peer_ranks, **interval)
-            new._validate()
-        except UserError as e:
-            raise SpecError(str(e)) from None
-        if cfg.gcs is None:
-            warnings.append("this volume has no --gcs: nothing is backed up, whatever the interval")
-        self.cfg = new
-        self.view.nodes = new.nodes
-        if self.peers is not None:
-            self.peers.cfg = new
-        self.replicator.reconfigure(new)
-        return warnings
-
-    async def _restore_target(self) -> tuple[int, str] | None:
-        """The step the job should take, and its root in the volume."""
-        step = self._announced_step()
-        if step is None and self.steps.states:
-            # The job moved on since this daemon started: the newest step every rank can restore.
-            survey = await self.view.survey(wait=self.cfg.restore_wait if self.peers else 0.0)
-            step = survey.choose(self.cfg.rank)
-        if step is None:
-            return None
-        if self.restore is not None and self.restore.step == step:
-            roots = self.restore.manifest.roots
-        elif step in self.steps.states:
-            roots = self.steps.states[step].roots
-        else:
-            raise SpecError(f"step {step}, the newest every rank can restore, is not on this node; "
-                            "restart the volume (tierfs mount) to restore it")
-        return step, (str(step) if str(step) in roots else sorted(roots)[0])
-
-    def _already_restored(self, step: int) -> int:
-        """Bytes of ``step`` a previous, interrupted restore already wrote."""
-        tree = self.snapshots.step_tree(step)
-        return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
-                   for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
-
-    def _abandon_restore(self, step: int) -> None:
-        """An interrupted restore of a step no longer chosen: take its placeholders away.
-
-        Its manifest says what to take out of the volume, so it is read like every state
-        file: at most a manifest's size, never through a link, and only if the daemon wrote
-        it (UnsafeFile, a one-line refusal, otherwise).
-        """
-        path = self.snapshots.step_dir(step) / "manifest.json"
-        try:
-            roots = Manifest.from_json(read_state(path, MAX_MANIFEST)).roots
-        except UnsafeFile as e:
-            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
-        except (OSError, ManifestError) as e:
-            log.warning("the unfinished restore of step %d has no usable manifest (%s): "
-                        "nothing of it is taken out of the volume", step, e)
-            roots = []
-        for root in roots:
-            set_aside(self.rank, root, f"the restore of step {step} was abandoned")
-        trash = self.snapshots.drop(step)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        log.warning("abandoned the unfinished restore of step %d", step)
-
-    async def _watch_cluster(self) -> None:
-        """Keep the view of the newest complete step fresh: retention on every tier depends on it."""
-        while True:
-            await trio.sleep(self.cfg.survey_interval)
-            try:
-                await self.view.survey()
-            except Exception as e:  # a survey is advisory; the next one may work
-                log.warning("cluster survey failed: %s", e)
-                continue
-            self.replicator.retain_local()
-            if self.replica_store is not None:
-                self.replica_store.retain()
-
-    def _unlinked(self, st: os.stat_result) -> None:
-        if self.ops is not None:
-            self.ops.link_removed(st)
-        elif st.st_nlink <= 1:
-            self.space.drop(st.st_ino)
-
-    def _writing_inodes(self) -> set[int]:
-        return self.ops.writing_inodes() if self.ops is not None else set()
-
     async def serve(self, ready_fd: int | None = None) -> None:
         failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             if self.cfg.listen:
                 await nursery.start(self._serve_peers)
             try:
-                if self.peers is not None:  # resolves the peers; refuses a rank another node serves
-                    await self.peers.join(nursery)
-                if self.gcs or self.peers:
-                    await self._plan_restore()
+                if self.network is not None:  # resolves the peers; refuses a rank another node serves
+                    await self.network.join(nursery)
+                    self._follow_peers()
+                if self.tiers:
+                    self.restore = await self.planner.plan()
+                    if self.restore is not None:
+                        self.ops.restoring = self.restore
                 self._mount()
             except Exception as e:  # raised below, outside the nursery: one error, not a group
                 failure = e
@@ -390,29 +306,44 @@ class Daemon:
         nursery.start_soon(self.replicator.run)
         if self.mtc is not None:
             nursery.start_soon(self.mtc.run)
-        if self.gcs or self.peers:
+        if self.tiers or self.network:
             nursery.start_soon(self._watch_cluster)
         if self.restore is not None:
             await nursery.start(self.restore.run)
-        await nursery.start(control.serve, self.registration.socket_path, self._control)
+        answers = control.Answers(lambda: status.report(self), self._commit)
+        await nursery.start(control.serve, self.registration.socket_path, answers)
         nursery.start_soon(self._fuse_main, nursery.cancel_scope)
         # The first request through the mount completes the kernel's INIT handshake,
         # which resets the read-ahead; set it after, and only then call the mount ready.
         await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
         _set_read_ahead(self.cfg.mountpoint)
         if self.view.last is not None:
-            for warning in unanswered(self.view.last.missing):
+            for warning in unanswered([name.removeprefix("peer ") for name in self.view.last.missing]):
                 self._warn(warning)
-        elif self.peers is not None:
-            reachable = {p.address for p in await self.peers.discover()}
-            for address in self.cfg.peers:
-                if address not in reachable:
-                    self._warn(f"peer {address[0]}:{address[1]} does not answer yet; "
-                               "replication uses the others and retries it")
         self.ready = True
         _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
         if self.restore is not None:
             self.restore.mounted.set()
+
+    def _commit(self, path: str, step: int | None) -> dict:
+        """``tierfs commit``: what was written before the command is part of the step."""
+        self.ops.writes_done()
+        return control.commit(self.steps, path, step)
+
+    async def _watch_cluster(self) -> None:
+        """Keep the view of the newest complete step fresh: retention on every tier depends on it."""
+        while True:
+            await trio.sleep(self.cfg.survey_interval)
+            try:
+                await self.view.survey()
+            except Exception as e:  # a survey is advisory; the next one may work
+                log.warning("cluster survey failed: %s", e)
+                continue
+            if self.network is not None:
+                self._follow_peers()
+            self.replicator.retain_local()
+            if self.replica_store is not None:
+                self.replica_store.retain()
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
@@ -430,58 +361,6 @@ class Daemon:
                 log.info("signal %d: unmounting", signum)
                 self._signalled = True
                 self.engine.terminate()
-
-    async def _control(self, request: dict) -> dict:
-        op = request.get("op")
-        if op == "status":
-            return self.status()
-        if op == "commit":
-            return self._commit(request["path"], request.get("step"))
-        raise ValueError(f"unknown request {op!r}")
-
-    def _commit(self, path: str, step: int | None) -> dict:
-        if path.startswith("/") or ".." in path.split("/"):
-            raise ValueError(f"{path!r} is not a path inside the volume")
-        self.ops.writes_done()  # what was written before the command is part of the step
-        state = self.steps.commit(path.strip("/"), step)
-        if state is None:
-            raise ValueError(f"{path} does not exist in the volume")
-        return {"step": state.step, "roots": state.roots, "version": state.version}
-
-    def status(self) -> dict:
-        cfg, ops = self.cfg, self.ops
-        ops.writes_done()  # what is written now is what is used
-        return {
-            "mountpoint": str(cfg.mountpoint),
-            "pid": os.getpid(),
-            "job": cfg.job,
-            "rank": cfg.rank,
-            "nodes": cfg.nodes,
-            "uptime_s": round(time.time() - self.started, 1),
-            "tiers": {
-                "ram": {
-                    "path": str(self.rank.tree),
-                    "tmpfs": self.rank.is_tmpfs(),
-                    "capacity": self.space.capacity,
-                    "capacity_bounded": cfg.capacity is not None,
-                    "used": self.space.used,
-                }
-            },
-            "fuse": {"engine": self.engine.name, "data_path": self.engine.data_path,
-                     "inodes": len(ops.inodes), **ops.counters},
-            "commit_rules": [str(r) for r in self.steps.rules.rules],
-            "steps": [
-                {**asdict(s), "backed_up": s.backed_up}
-                for s in sorted(self.steps.states.values(), key=lambda s: s.step)
-            ],
-            "restored": self.restore.status() if self.restore is not None else None,
-            "mtc": self.mtc.status() if self.mtc is not None else None,
-            "cluster": {**self.view.last.summary(), "restore_step": self.restore_step,
-                        "retention_floor": self.view.retention_floor()} if self.view.last else None,
-            **{tier: None for tier in ("gcs", "peers")},
-            **self.replicator.status(),
-            "replicas_held": self.replica_store.stats() if self.replica_store is not None else None,
-        }
 
     def stop(self) -> None:
         if self.mounted:

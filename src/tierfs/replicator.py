@@ -1,23 +1,22 @@
-"""The policy loop: commit -> replicate to peers and back up to GCS -> retain.
+"""The policy loop: commit -> put the step on every tier -> retain.
 
-One trio task owns it, started in the daemon's nursery; it runs one *lane* per remote tier
-(peers, GCS), each a task that always works on the newest committed step its tier lacks.
-Steps superseded before their turn are skipped, never queued without bound, and a slow or
-absent tier only delays its own lane. Blocking work (hashing, compression, HTTP) runs in
-worker threads; peer transfers are trio sockets with zero-copy sends, so the FUSE loop
+One trio task owns it, started in the daemon's nursery. The tiers it is given are values
+(:mod:`tierfs.tiers`); tiers that share a *lane* (``Tier.lane``: every peer is in the
+"peers" lane) are alternatives, of which each step must reach ``copies()``. One task per
+lane, cheapest lane first, always works on the newest committed step its tiers lack. Steps
+superseded before their turn are skipped, never queued without bound, and a slow or absent
+tier only delays its own lane. Blocking work (hashing, compression, HTTP, disk writes) runs
+in worker threads; peer transfers are trio sockets with zero-copy sends, so the FUSE loop
 never waits for either.
 
-Both lanes share the step's manifest, built once per committed version from the frozen
-snapshot. A GCS backup then goes, in the order that keeps the bucket consistent for
-readers and for the garbage collector (see :meth:`tierfs.gcs.GcsStore.collect_garbage`):
+Every lane shares the step's manifest, built once per committed version from the frozen
+snapshot. Putting a step on one tier (:func:`tierfs.tiers.base.put_step`) asks the tier
+which chunks it holds, sends the others straight from the snapshot's files, then the
+manifest (the commit point there); each tier brackets it with what it needs (GCS: a
+pending marker the garbage collector respects) and applies its retention after.
 
-1. announce the upload with a pending marker listing its chunks;
-2. for every distinct chunk: touch it if GCS has it (no bytes sent), else read it from the
-   snapshot, check its hash, compress it if that pays, and create it if absent;
-3. write the manifest (the commit point on GCS), then drop the pending marker.
-
-A replication asks each chosen peer which chunks it holds, sends the others straight from
-the snapshot files, then the manifest (the commit point on that peer).
+Which tiers of a lane get the step is the tier's own choice (``Tier.order``: placement
+among peers), and so is how often (``Tier.schedule``: GCS's backup interval).
 """
 
 from __future__ import annotations
@@ -26,31 +25,26 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
-from tierfs import chunks
 from tierfs.atomic import write_atomically
 from tierfs.config import Config
 from tierfs.manifest import Manifest, ManifestError, build
-from tierfs.peers.network import PeerNetwork
-from tierfs.peers.wire import PeerError
 from tierfs.steps import StepState, Steps
-
-if TYPE_CHECKING:
-    from tierfs.gcs import GcsStore  # google-cloud-storage is slow to import: only with --gcs
+from tierfs.tiers.base import (Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
+                               by_cost, put_step)
 
 log = logging.getLogger(__name__)
 
-UPLOAD_THREADS = 8
+BUILD_THREADS = 8
 # While the job writes, background transfers wait for a pause in its writes, up to this
 # long per chunk: a checkpoint being written gets the CPU, replication still progresses.
 WRITER_QUIET = 0.05
 MAX_DEFER = 1.0
-RECHECK_PEERS = 10.0  # seconds between checks that the peers still hold the newest replica
+RECHECK = 10.0  # seconds between checks that volatile tiers (peers) still hold the newest step
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 
@@ -59,20 +53,27 @@ class SnapshotChanged(Exception):
 
 
 class Lane:
-    """One remote tier's progress: which step it works on, and how it is doing."""
+    """The tiers that share one lane, and how putting steps on them is going."""
 
-    def __init__(self, name: str, work: Callable[[StepState], Awaitable[None]],
-                 done: Callable[[StepState], bool], transient: tuple[type[Exception], ...],
-                 interval: float = 0.0, recheck: Callable[[StepState], Awaitable[None]] | None = None):
-        self.name, self.work, self.done, self.interval = name, work, done, interval
-        self.transient = transient  # the tier is away: retry quietly (anything else is logged)
-        self.recheck = recheck  # when idle: is the newest step still where we put it?
-        self.every_steps = 0  # work on a step only this many steps after the last one (0: any)
+    def __init__(self, name: str, tiers: list[Tier]):
+        self.name, self.tiers = name, tiers
+        self.lead = tiers[0]  # speaks for the lane: copies, schedule, order, status
+        self.interval, self.every_steps = self.lead.schedule()
+        self.volatile = any(t.volatile for t in tiers)  # when idle: is the newest step still where we put it?
         self.last_step: int | None = None
         self.wake = trio.Event()
         self.busy: int | None = None
         self.last_at: float | None = None
+        self.progress: Progress | None = None
         self.status: dict = {"state": "idle", "error": None, "since": time.time()}
+
+    def copies(self) -> int:
+        return self.lead.copies()
+
+    def done(self, state: StepState) -> bool:
+        """Whether the step's current version is on enough of this lane's tiers."""
+        record = state.copies.get(self.name, {})
+        return record.get("version") == state.version and len(record.get("tiers", ())) >= self.copies()
 
     def set(self, state: str, error: str | None = None) -> None:
         if self.status["state"] != state:
@@ -80,45 +81,64 @@ class Lane:
         self.status.update(state=state, error=error)
 
 
+def lanes_of(tiers: list[Tier]) -> dict[str, Lane]:
+    """The lanes of ``tiers``, cheapest first; tiers without a lane (this node's RAM) get none."""
+    grouped: dict[str, list[Tier]] = {}
+    for tier in by_cost(tiers):
+        if tier.lane is not None:
+            grouped.setdefault(tier.lane, []).append(tier)
+    return {name: Lane(name, members) for name, members in grouped.items()}
+
+
 class Replicator:
-    def __init__(self, cfg: Config, steps: Steps, gcs: GcsStore | None, peers: PeerNetwork | None,
+    def __init__(self, cfg: Config, steps: Steps, tiers: list[Tier],
                  last_write: Callable[[], float] = lambda: 0.0,
-                 retention_floor: Callable[[], int | None] | None = None):
+                 retention_floor: Callable[[], int | None] | None = None,
+                 ram_short: Callable[[], bool] = lambda: False):
         self.cfg = cfg
         # The newest step complete on every rank; alone, that is simply our newest.
         self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
+        self.ram_short = ram_short  # RAM is short: steps a spill tier holds may leave it
         self._last_write = last_write
         self.steps = steps
-        self.gcs = gcs
-        self.peers = peers
-        self._limiter = trio.CapacityLimiter(UPLOAD_THREADS)
+        self.tiers = list(tiers)
+        self._limiter = trio.CapacityLimiter(BUILD_THREADS)
         self._hashed: dict = {}  # (ino, size, mtime_ns) -> chunk hashes: unchanged files are not rehashed
         self._manifests: dict[int, tuple[int, Manifest]] = {}  # step -> (version, manifest)
         self._local: dict[str, tuple[str, int, int]] = {}  # chunk -> where this node holds it
         self._build_lock = trio.Lock()
-        self.progress: dict = {}
         self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
         self._trash_wake = trio.Event()
-        self.lanes: dict[str, Lane] = {}
+        self.lanes = lanes_of(self.tiers)
+        self._nursery: trio.Nursery | None = None  # runs the lanes, once started
         self.dropped: Callable[[list[str]], None] = lambda roots: None  # a step left the RAM tier
-        if peers is not None:
-            self.lanes["peers"] = Lane("peers", self._replicate, self._replicated, (PeerError,),
-                                       recheck=self._recheck_replicas)
-        if gcs is not None:
-            from tierfs.gcs import GcsUnavailable
-
-            self.lanes["gcs"] = Lane("gcs", self._backup, lambda s: s.backed_up, (GcsUnavailable,),
-                                     cfg.backup_interval)
         self.reconfigure(cfg)
         steps.on_commit = self._committed
 
     def reconfigure(self, cfg: Config) -> None:
         """Follow a changed job shape (the multi-tier checkpointing protocol's replicator.yaml)."""
         self.cfg = cfg
-        gcs = self.lanes.get("gcs")
-        if gcs is not None:
-            gcs.interval, gcs.every_steps = cfg.backup_interval, cfg.backup_interval_steps
-            gcs.wake.set()
+        for tier in self.tiers:
+            tier.configure(cfg)
+        for lane in self.lanes.values():
+            lane.interval, lane.every_steps = lane.lead.schedule()
+            lane.wake.set()
+
+    def add_tiers(self, tiers: list[Tier]) -> None:
+        """Tiers found after the start (peers a DNS name gave later) join their lanes."""
+        for tier in tiers:
+            tier.configure(self.cfg)
+            self.tiers.append(tier)
+            lane = self.lanes.get(tier.lane)
+            if lane is not None:
+                lane.tiers.append(tier)
+            elif tier.lane is not None:
+                lane = self.lanes[tier.lane] = Lane(tier.lane, [tier])
+                lane.interval, lane.every_steps = lane.lead.schedule()
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._run_lane, lane)
+            if lane is not None:
+                lane.wake.set()
 
     def _committed(self, state: StepState) -> None:
         self.retain_local()
@@ -130,6 +150,7 @@ class Replicator:
     async def run(self) -> None:
         self.retain_local()
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             nursery.start_soon(self._empty_trash)
             for lane in self.lanes.values():
                 nursery.start_soon(self._run_lane, lane)
@@ -148,13 +169,13 @@ class Replicator:
             early = (newest is not None and lane.every_steps and lane.last_step is not None
                      and newest.step < lane.last_step + lane.every_steps)
             if newest is None or lane.done(newest) or early:
-                with trio.move_on_after(RECHECK_PEERS if lane.recheck else math.inf):
+                with trio.move_on_after(RECHECK if lane.volatile else math.inf):
                     await lane.wake.wait()
                     lane.wake = trio.Event()
                     continue
                 if newest is not None:
                     try:
-                        await lane.recheck(newest)
+                        await self._recheck(lane, newest)
                     except Exception as e:
                         log.warning("%s: could not recheck step %d: %s", lane.name, newest.step, e)
                 continue
@@ -165,7 +186,7 @@ class Replicator:
             lane.busy = newest.step
             lane.set("working")
             try:
-                await lane.work(newest)
+                await self._put(lane, newest)
                 lane.last_at, lane.last_step = time.time(), newest.step
                 lane.set("ok")
                 failures = 0
@@ -173,17 +194,85 @@ class Replicator:
                 e = _first_leaf(group)
                 delay = BACKOFF[min(failures, len(BACKOFF) - 1)]
                 failures += 1
-                if isinstance(e, SnapshotChanged):
+                if isinstance(e, (SnapshotChanged, SourceChanged)):
                     log.info("step %d changed while read for %s; again", newest.step, lane.name)
                 else:
-                    transient = isinstance(e, lane.transient)
+                    transient = isinstance(e, TierUnavailable)
                     lane.set("unavailable" if transient else "failing", f"{type(e).__name__}: {e}")
                     log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, newest.step, delay, e,
-                                exc_info=not transient)
+                                exc_info=not isinstance(e, TierError))
                     await trio.sleep(delay)
             finally:
                 lane.busy = None
+                lane.progress = None
                 self.retain_local()
+
+    async def _put(self, lane: Lane, state: StepState) -> None:
+        """Put the step on ``copies()`` of the lane's tiers, in the order the lane prefers."""
+        version, started = state.version, time.time()
+        manifest = await self.manifest_for(state)
+        where = self.chunk_locations(manifest)
+        lane.progress = Progress(state.step, len(where))
+        wanted = lane.copies()
+        candidates = await lane.lead.order(lane.tiers)
+        placed: list[Tier] = []
+        errors: list[TierError] = []
+        pushed = Pushed(chunks=len(where))
+        for tier in candidates:
+            if len(placed) == wanted:
+                break
+            try:
+                pushed += await put_step(tier, manifest, where, self.yield_to_writers, lane.progress)
+            except TierError as e:
+                if isinstance(e, SourceChanged):
+                    raise
+                errors.append(e)
+                log.warning("%s: step %d did not reach %s: %s", lane.name, state.step, tier.name, e)
+                continue
+            placed.append(tier)
+        if len(placed) < wanted:
+            if len(errors) == 1 and not placed:
+                raise errors[0]  # its kind (unavailable or refused) is the lane's state
+            refused = any(not isinstance(e, TierUnavailable) for e in errors)
+            reason = f": {errors[-1]}" if errors else ""
+            raise (TierError if refused else TierUnavailable)(
+                f"step {state.step} reached {len(placed)} of {wanted} of {lane.name} ({len(candidates)} answering){reason}")
+        for tier in placed:
+            await tier.retain()
+        if state.version == version:
+            now = time.time()
+            state.copies[lane.name] = {
+                "version": version, "at": now, "seconds": round(now - started, 3),
+                "lag_s": round(now - state.committed_at, 3), "tiers": [t.name for t in placed],
+                "bytes": manifest.total_bytes, "chunks": pushed.chunks, "sent_bytes": pushed.sent_bytes,
+                "skipped_bytes": pushed.skipped_bytes, "stored_bytes": pushed.stored_bytes,
+            }
+            self._save(state)
+        log.info("%s: step %d on %s in %.2fs: %d bytes sent, %d already there", lane.name, state.step,
+                 ", ".join(t.name for t in placed), time.time() - started, pushed.sent_bytes, pushed.skipped_bytes)
+
+    async def _recheck(self, lane: Lane, state: StepState) -> None:
+        """A tier that lost what it held (a peer's RAM, a replaced node) no longer has our step: put it again."""
+        record = state.copies.get(lane.name, {})
+        held = list(record.get("tiers", ()))
+        by_name = {t.name: t for t in lane.tiers}
+        kept = []
+        for name in held:
+            tier = by_name.get(name)
+            if tier is None or not tier.volatile:
+                kept.append(name)
+                continue
+            try:
+                listed = await tier.list_manifests()
+            except TierError:
+                continue
+            if (self.cfg.rank, state.step) in listed:
+                kept.append(name)
+        if kept != held:
+            log.warning("step %d is no longer on %s: putting it there again", state.step,
+                        ", ".join(sorted(set(held) - set(kept))))
+            state.copies[lane.name] = {**record, "tiers": kept}
+            self._save(state)
 
     # -- manifests -----------------------------------------------------------------------
 
@@ -254,105 +343,6 @@ class Replicator:
     async def _io(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
 
-    # -- peers ---------------------------------------------------------------------------
-
-    def _replicated(self, state: StepState) -> bool:
-        r = state.replicas
-        return r.get("version") == state.version and len(r.get("peers", ())) >= self.cfg.replicas
-
-    async def _replicate(self, state: StepState) -> None:
-        version, started = state.version, time.time()
-        manifest = await self.manifest_for(state)
-        result = await self.peers.replicate(manifest, self.chunk_locations(manifest), self.yield_to_writers)
-        if state.version == version:
-            state.replicas = {**result, "version": version, "at": time.time(),
-                              "seconds": round(time.time() - started, 3),
-                              "lag_s": round(time.time() - state.committed_at, 3)}
-            self._save(state)
-        log.info("replicated step %d to %s: %d bytes sent, %d already there",
-                 state.step, ", ".join(result["peers"]), result["sent_bytes"], result["skipped_bytes"])
-
-    async def _recheck_replicas(self, state: StepState) -> None:
-        """A peer that lost its RAM (or was replaced) no longer holds our replica: replace it."""
-        holdings = await self.peers.holdings()
-        names = {f"{a[0]}:{a[1]}": set(held) for a, held in holdings.items()}
-        kept = [p for p in state.replicas.get("peers", []) if (self.cfg.rank, state.step) in names.get(p, ())]
-        if kept != state.replicas.get("peers"):
-            lost = sorted(set(state.replicas["peers"]) - set(kept))
-            log.warning("step %d is no longer on %s: replicating it again", state.step, ", ".join(lost))
-            state.replicas = {**state.replicas, "peers": kept}
-            self._save(state)
-
-    # -- GCS -----------------------------------------------------------------------------
-
-    async def _backup(self, state: StepState) -> None:
-        cfg, gcs = self.cfg, self.gcs
-        version, started = state.version, time.time()
-        manifest = await self.manifest_for(state)
-        await self._io(gcs.put_pending, cfg.rank, state.step, manifest.chunk_set())
-        uploaded_raw, stored = await self._upload_chunks(manifest)
-        await self._io(gcs.put_manifest, cfg.rank, state.step, manifest.to_json())
-        await self._io(gcs.delete_pending, cfg.rank, state.step)
-        took = time.time() - started
-        if state.version == version:
-            state.backup = {
-                "version": version,
-                "at": time.time(),
-                "seconds": round(took, 3),
-                "lag_s": round(time.time() - state.committed_at, 3),
-                "bytes": manifest.total_bytes,
-                "uploaded_bytes": uploaded_raw,
-                "stored_bytes": stored,
-                "dedup_bytes": manifest.total_bytes - uploaded_raw,
-                "chunks": len(manifest.chunk_set()),
-            }
-            self._save(state)
-        log.info(
-            "backed up step %d: %d bytes, %d uploaded, %d deduplicated, in %.2fs",
-            state.step, manifest.total_bytes, uploaded_raw, manifest.total_bytes - uploaded_raw, took,
-        )
-        if cfg.rank == 0:  # one collector per job is enough; it covers every rank's manifests
-            result = await self._io(gcs.collect_garbage, cfg.keep, cfg.gc_grace, cfg.nodes)
-            log.info("GCS retention: %s", result)
-
-    async def _upload_chunks(self, manifest: Manifest) -> tuple[int, int]:
-        """Send every distinct chunk GCS lacks; returns (raw bytes uploaded, bytes stored)."""
-        where = self.chunk_locations(manifest)
-        progress = self.progress["gcs"] = {"step": manifest.step, "chunks_done": 0, "chunks_total": len(where)}
-        totals = [0, 0]
-        send, receive = trio.open_memory_channel(math.inf)
-        for h, (path, offset, _length) in where.items():
-            send.send_nowait((h, path, offset // manifest.chunk_size))
-        send.close()
-
-        async def worker() -> None:
-            async for h, path, index in receive:
-                await self.yield_to_writers()
-                raw, stored = await self._io(self._put_chunk, h, path, index)
-                totals[0] += raw
-                totals[1] += stored
-                progress["chunks_done"] += 1
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(UPLOAD_THREADS):
-                nursery.start_soon(worker)
-        return totals[0], totals[1]
-
-    def _put_chunk(self, h: str, path: Path, index: int) -> tuple[int, int]:
-        """In a worker thread: make sure GCS holds chunk ``h``; returns (raw, stored) bytes sent."""
-        if self.gcs.touch_chunk(h):
-            return 0, 0
-        for _ in range(2):  # a detach can race with the read: the path then holds the copy
-            data = chunks.read_chunk(path, index, self.cfg.chunk_size)
-            if chunks.chunk_hash(data) == h:
-                break
-        else:
-            raise SnapshotChanged(f"{path} chunk {index} no longer matches its hash")
-        frame = chunks.encode(data)
-        if not self.gcs.put_chunk(h, frame):
-            return 0, 0  # another rank uploaded the same bytes just now
-        return len(data), len(frame)
-
     # -- local retention -------------------------------------------------------------------
 
     def _save(self, state: StepState) -> None:
@@ -364,36 +354,52 @@ class Replicator:
 
         Kept: the ``--keep-local`` newest committed steps, the steps a lane is sending, and
         every step from the newest one complete on every rank on (``retention_floor``;
-        everything while that is unknown): that step may exist nowhere else.
+        everything while that is unknown): that step may exist nowhere else. When RAM is
+        short, a step a *spill* tier (``--disk``) holds in its current version may go too:
+        it is restored from there first.
         """
         floor = self.retention_floor()
         keep = set(sorted(self.steps.states)[-self.cfg.keep_local:])
         keep |= {lane.busy for lane in self.lanes.values()}
+        spill = [lane for lane in self.lanes.values() if lane.lead.spill]
+        short = None  # asked only when a step could spill
         for step in list(self.steps.states):
-            if step not in keep and floor is not None and step < floor:
-                roots = list(self.steps.states[step].roots)
-                trash = self.steps.drop(step)
-                self.dropped(roots)
-                if trash is not None:
-                    self._trash.append(trash)
-                    self._trash_wake.set()
-                if self._manifests.pop(step, None) is not None:
-                    self._index_local()
+            if step in keep:
+                continue
+            state = self.steps.states[step]
+            if not (floor is not None and step < floor):
+                if not any(lane.done(state) for lane in spill):
+                    continue
+                if short is None:
+                    short = self.ram_short()
+                if not short:
+                    continue
+                log.info("RAM is short: step %d leaves it, %s holds it", step,
+                         ", ".join(lane.name for lane in spill if lane.done(state)))
+            self._drop(step)
+
+    def _drop(self, step: int) -> None:
+        roots = list(self.steps.states[step].roots)
+        trash = self.steps.drop(step)
+        self.dropped(roots)
+        if trash is not None:
+            self._trash.append(trash)
+            self._trash_wake.set()
+        if self._manifests.pop(step, None) is not None:
+            self._index_local()
 
     # -- status ---------------------------------------------------------------------------
 
     def status(self) -> dict:
+        """Each lane's state, lag and progress, with what its tiers say of themselves."""
         now = time.time()
         out = {}
         for name, lane in self.lanes.items():
             pending = [s for s in self.steps.states.values() if not lane.done(s)]
             lag = now - min(s.committed_at for s in pending) if pending else 0.0
-            out[name] = {**lane.status, "working_on": lane.busy, "lag_s": round(lag, 3),
-                         "last_at": lane.last_at, "progress": self.progress.get(name) if lane.busy else None}
-        if "gcs" in out:
-            out["gcs"].update(url=self.cfg.gcs, backup_interval_s=self.cfg.backup_interval)
-        if "peers" in out and self.peers is not None:
-            out["peers"].update(replicas=self.cfg.replicas, known=self.peers.status())
+            out[name] = {**lane.status, "working_on": lane.busy, "lag_s": round(lag, 3), "last_at": lane.last_at,
+                         "progress": lane.progress.as_dict() if lane.busy and lane.progress else None,
+                         "tiers": [t.name for t in lane.tiers], **lane.lead.lane_report()}
         return out
 
 

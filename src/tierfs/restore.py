@@ -7,8 +7,8 @@ are hard-linked into the volume. From then on:
 - a read of a placeholder waits only for the chunks it covers (``wait_range``); a chunk
   two readers want is fetched once;
 - background workers fetch the rest in manifest order, each starting at a different peer
-  so the peers holding the step work in parallel, GCS only for what no peer can give
-  (``--prefetch`` of them, 0 for on-demand only);
+  so the peers holding the step work in parallel, the disk before them, GCS only for
+  what no node can give (``--prefetch`` of them, 0 for on-demand only);
 - anything that would change a placeholder waits for the whole file first, so the
   snapshot the job's change detaches from is complete, never a half-filled file.
 
@@ -39,11 +39,11 @@ import trio
 from tierfs.atomic import UnsafeFile, private_dir, read_state, write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
-from tierfs.fetch import ChunkSources, gcs_call, peer_address
+from tierfs.fetch import ChunkSources
 from tierfs.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, restorable_mode
-from tierfs.peers.wire import PeerError
 from tierfs.ramtier import RankDir, SpaceAccount, beneath
 from tierfs.steps import StepState, Steps
+from tierfs.tiers.base import Tier, TierError, by_cost, first_line
 
 log = logging.getLogger(__name__)
 
@@ -64,10 +64,13 @@ class _File:
 
 @dataclass
 class Origin:
-    """Where the step's manifest was found, for the step's record."""
+    """The tiers that hold the step's manifest (so, its whole step), for the step's record."""
 
-    peers: list[str] = field(default_factory=list)
-    in_gcs: bool = False
+    tiers: list[Tier] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tiers]
 
 
 class Restore:
@@ -105,8 +108,7 @@ class Restore:
             shutil.rmtree(self.dir, ignore_errors=True)
             os.mkdir(self.dir, 0o700)  # steps/ exists (Snapshots.load) and is root-only too
             write_atomically(self.dir / "manifest.json", self.manifest.to_json())
-            state = {"step": self.step, "prepared": False, "linked": False,
-                     "peers": self.origin.peers, "in_gcs": self.origin.in_gcs}
+            state = {"step": self.step, "prepared": False, "linked": False, "tiers": self.origin.names}
             self._write_state(state)
         if not state["prepared"]:
             shutil.rmtree(self.snap, ignore_errors=True)
@@ -302,14 +304,14 @@ class Restore:
     def _finish(self) -> None:
         """Every chunk is in: the step is committed here, and already where it came from."""
         self._close_files()
-        o, now = self.origin, time.time()
-        state = StepState(self.step, sorted(self.manifest.roots), now, source="peer" if o.peers else "gcs")
-        if o.peers:
-            state.replicas = {"version": state.version, "peers": o.peers, "at": now,
-                              "sent_bytes": 0, "skipped_bytes": 0, "restored": True}
-        if o.in_gcs:
-            state.backup = {"version": state.version, "at": now, "bytes": self.manifest.total_bytes,
-                            "uploaded_bytes": 0, "dedup_bytes": self.manifest.total_bytes, "restored": True}
+        now = time.time()
+        held = by_cost([t for t in self.origin.tiers if t.lane is not None])
+        state = StepState(self.step, sorted(self.manifest.roots), now, source=held[0].kind if held else "local")
+        for tier in held:  # the step is already on every tier it came from: no lane sends it back
+            record = state.copies.setdefault(tier.lane, {
+                "version": state.version, "at": now, "tiers": [], "bytes": self.manifest.total_bytes,
+                "chunks": self.total, "sent_bytes": 0, "skipped_bytes": 0, "stored_bytes": 0, "restored": True})
+            record["tiers"].append(tier.name)
         self.steps.states[self.step] = state
         self.steps.save(state)
         (self.dir / STATE_FILE).unlink()
@@ -325,13 +327,15 @@ class Restore:
     def status(self) -> dict:
         cs = self.manifest.chunk_size
         missing = sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)
-        peer_bytes = {k: v for k, v in self.sources.bytes_from.items() if k.startswith("peer ")}
+        gave = self.sources.bytes_from
+        # The tier the bytes came from: the cheapest of the step's holders that gave any, the one
+        # that gave most among equals (a restore from peers and GCS is "from a peer").
+        came = sorted((t for t in self.origin.tiers if gave.get(t.name)), key=lambda t: (t.cost.key(), -gave[t.name]))
         return {
             "step": self.step,
             "state": "done" if self.finished_at else ("prefetching" if self.cfg.prefetch else "on demand"),
-            "tier": "peer" if peer_bytes else ("gcs" if "gcs" in self.sources.bytes_from else "local"),
-            "from": max(peer_bytes, key=peer_bytes.get) if peer_bytes else (
-                self.cfg.gcs if "gcs" in self.sources.bytes_from else None),
+            "tier": came[0].kind if came else "local",
+            "from": came[0].where if came else None,
             "bytes": self.manifest.total_bytes,
             "bytes_missing": missing,
             "bytes_from": dict(self.sources.bytes_from),
@@ -495,30 +499,22 @@ def _tree_fd(rank: RankDir) -> Iterator[int]:
 # -- planning ----------------------------------------------------------------------------
 
 
-async def fetch_manifest(cfg: Config, step: int, tiers: list[str], peers, gcs) -> tuple[Manifest, Origin]:
-    """This rank's manifest of ``step`` from the first tier that gives a valid one.
+async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
+    """This rank's manifest of ``step`` from the first of ``tiers`` (in order) that gives a valid one.
 
     A manifest that is not this job's, this rank's and this step's is refused like a
     malformed one, and the next tier is asked.
     """
-    origin = Origin([t.removeprefix("peer ") for t in tiers if t.startswith("peer ")], "gcs" in tiers)
     errors = []
-    for name in origin.peers:
+    for tier in tiers:
         try:
-            async with await peers.connect(peer_address(name)) as client:
-                return _parse(await client.get_manifest(cfg.rank, step), f"peer {name}", cfg, step), origin
-        except (PeerError, OSError, trio.TooSlowError, UserError) as e:
-            errors.append(f"peer {name}: {e}")
-    if origin.in_gcs:
-        from tierfs.gcs import GcsError, MissingObject  # noqa: PLC0415 (only with --gcs)
-
-        try:
-            data = await gcs_call(gcs.get_manifest, cfg.rank, step)
-            return _parse(data, gcs.manifest_url(cfg.rank, step), cfg, step), origin
-        except MissingObject as e:
-            errors.append(f"gcs: {e}")
-        except (UserError, GcsError) as e:
-            errors.append(str(e))
+            data = await tier.get_manifest(cfg.rank, step)
+            return _parse(data, tier.where, cfg, step)
+        except Exception as e:  # whatever one tier does, the next one is asked
+            if not isinstance(e, (TierError, UserError)):
+                log.error("manifest of step %d from %s: unexpected %s", step, tier.name, type(e).__name__,
+                          exc_info=True)
+            errors.append(f"{tier.name}: {first_line(e)}")
     raise UserError(f"no tier could send the manifest of step {step} of rank {cfg.rank}: "
                     f"{'; '.join(errors) or 'none holds it'}")
 

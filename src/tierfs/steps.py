@@ -32,14 +32,26 @@ class StepState:
     step: int
     roots: list[str]
     committed_at: float
-    version: int = 1  # bumped by every commit into the step; a backup covers one version
-    source: str = "local"  # where the data came from: local writes, or the tier it was restored from
-    backup: dict = field(default_factory=dict)  # version, at, uploaded_bytes, dedup_bytes, ...
-    replicas: dict = field(default_factory=dict)  # version, peers, at, sent_bytes, skipped_bytes
+    version: int = 1  # bumped by every commit into the step; a copy on a tier covers one version
+    source: str = "local"  # where the data came from: local writes, or the kind of tier it was restored from
+    # Where the step went, by replicator lane ("peers", "gcs", "disk"): version, tiers, at, bytes sent...
+    copies: dict[str, dict] = field(default_factory=dict)
 
-    @property
-    def backed_up(self) -> bool:
-        return self.backup.get("version") == self.version
+    def held_by(self, lane: str) -> bool:
+        """Whether the lane's tiers hold the current version."""
+        return self.copies.get(lane, {}).get("version") == self.version
+
+    @classmethod
+    def from_dict(cls, d: dict) -> StepState:
+        """A step's saved state; also the shape earlier versions saved (``backup``, ``replicas``)."""
+        d = dict(d)
+        copies = dict(d.pop("copies", None) or {})
+        backup, replicas = d.pop("backup", None), d.pop("replicas", None)
+        if backup:
+            copies.setdefault("gcs", {**backup, "tiers": ["gcs"], "sent_bytes": backup.get("uploaded_bytes", 0)})
+        if replicas:
+            copies.setdefault("peers", {**replicas, "tiers": [f"peer {p}" for p in replicas.get("peers", ())]})
+        return cls(**d, copies=copies)
 
     def add_root(self, root: str) -> None:
         if any(root == r or root.startswith(r + "/") for r in self.roots):
@@ -63,7 +75,7 @@ class Steps:
                 continue  # a restore that did not finish: the restore resumes or drops it
             path = self.snapshots.step_dir(step) / "state.json"
             try:
-                self.states[step] = StepState(**json.loads(read_state(path)))
+                self.states[step] = StepState.from_dict(json.loads(read_state(path)))
             except UnsafeFile as e:  # not the daemon's own: refuse to act on it (UserError)
                 raise UnsafeFile(f"unsafe ramdisk: {e}") from None
             except (OSError, ValueError, TypeError) as e:

@@ -12,9 +12,9 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from tierfs import gcs
+from tierfs.tiers import gcs_store as gcs
 from tierfs.errors import UserError
-from tierfs.gcs import CorruptObject, GcsStore, GcsUnavailable, MissingObject, parse_gcs_url
+from tierfs.tiers.gcs_store import CorruptObject, GcsStore, GcsUnavailable, MissingObject, parse_gcs_url
 from tierfs.local.gcs_emulator import GcsEmulator
 
 

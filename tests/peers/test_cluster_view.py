@@ -8,19 +8,20 @@ tests check that they agree, and keep agreeing when nodes that held answers are 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
 
-from tierfs.cluster import ClusterView, LocalHoldings
+from tierfs.cluster import ClusterView
 from tierfs.config import Config
 from tierfs.manifest import Entry, Manifest
 from tierfs.peers import tls
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.server import Timeouts, serve
 from tierfs.peers.store import ReplicaStore
+from tierfs.tiers.local import LocalTier, OwnSteps
+from tierfs.tiers.peer import peer_tiers
 
 JOB = "view"
 SECRET = b"secret-of-the-view-test"
@@ -78,8 +79,9 @@ def view_of(node: SimNode, nodes: list[SimNode], gcs=None) -> ClusterView:
     cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=node.rank, nodes=N,
                        listen=f"{node.host}:{node.port}", secret=SECRET.decode(),
                        peers=",".join(f"{n.host}:{n.port}" for n in nodes))
-    local = functools.partial(lambda n: LocalHoldings(n.rank, list(n.steps), n.store.manifests(), n.restore_step), node)
-    return ClusterView(N, PeerNetwork(cfg, timeout=2), gcs, local)
+    local = LocalTier(node.store, OwnSteps(node.rank, steps=lambda: list(node.steps),
+                                           restore_step=lambda: node.restore_step))
+    return ClusterView(N, [*peer_tiers(PeerNetwork(cfg, timeout=2)), *([gcs] if gcs else [])], local)
 
 
 async def replicate(node: SimNode, to: SimNode, step: int) -> None:
@@ -126,21 +128,21 @@ async def test_sixteen_nodes_agree_and_keep_agreeing_when_holders_die(nursery, t
     nodes[8].stop()
     alive = [n for n in nodes if n.rank not in (0, 7, 8)]
     survey = await view_of(alive[0], nodes).survey()
-    assert 7 not in survey.holders and set(survey.missing) == {f"{n.host}:{n.port}" for n in
+    assert 7 not in survey.holders and set(survey.missing) == {f"peer {n.host}:{n.port}" for n in
                                                               (nodes[0], nodes[7], nodes[8])}
     assert await answers(nodes, alive) == {30}
 
 
 async def test_gcs_completes_what_peers_lack_and_every_node_sees_the_same(nursery, tmp_path, gcs_bucket):
-    from tierfs.gcs import GcsStore
+    from tierfs.tiers.gcs import GcsTier
 
-    gcs = GcsStore(f"gs://{gcs_bucket}/p", JOB)
+    gcs = GcsTier(f"gs://{gcs_bucket}/p", JOB)
     nodes = await start_cluster(nursery, tmp_path)
     for node in nodes:
         node.steps = [40]
-        await trio.to_thread.run_sync(gcs.put_manifest, node.rank, 30, manifest(node.rank, 30))
+        await gcs.put_manifest(node.rank, 30, manifest(node.rank, 30))
         if node.rank != 5:
-            await trio.to_thread.run_sync(gcs.put_manifest, node.rank, 40, manifest(node.rank, 40))
+            await gcs.put_manifest(node.rank, 40, manifest(node.rank, 40))
     assert await answers(nodes, nodes, gcs) == {40}  # rank 5's 40 is on rank 5 itself
 
     nodes[5].stop()  # with no replica anywhere, rank 5's step 40 is gone with it: back to 30
@@ -168,7 +170,7 @@ async def test_waiting_for_a_late_peer(nursery, tmp_path):
     view = view_of(nodes[0], nodes)
     survey = await view.survey(wait=0)
     assert survey.newest_complete() == 20  # rank 2 unheard of: it looks like a silent rank
-    assert survey.missing == [f"{late.host}:{late.port}"]
+    assert survey.missing == [f"peer {late.host}:{late.port}"]
 
     async def come_back_later():
         await trio.sleep(1.0)

@@ -481,7 +481,7 @@ def test_abandoning_a_restore_reads_any_manifest_as_roots_or_none(shm_dir, data)
     _plant_private(step_dir / "restore.json", b'{"step": 7, "prepared": false, "linked": false}')
     _plant_private(step_dir / "manifest.json", data)
     try:
-        daemon._abandon_restore(7)
+        daemon.planner.abandon(7)
     except UserError as e:
         one_line(e)
     assert sandbox.outside_untouched()

@@ -28,16 +28,18 @@ from hypothesis import strategies as st
 from tests.conftest import tierfs
 from tests.gcs.test_backup_restore import client, objects, wait_backed_up, wipe
 from tests.helpers import write_orbax_step
-from tierfs import gcs, manifest as manifest_mod
+from tierfs import manifest as manifest_mod
+from tierfs.tiers import gcs_store as gcs
 from tierfs.chunks import CorruptChunk, chunk_hash, decode, encode
 from tierfs.config import Config
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources
-from tierfs.gcs import CorruptObject, GcsStore
+from tierfs.tiers.gcs_store import CorruptObject, GcsStore
 from tierfs.manifest import Entry, Manifest, ManifestError
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.restore import Origin, Restore, fetch_manifest
+from tierfs.tiers.base import Cost, Tier
 from tierfs.steps import Steps
 
 MiB = 1 << 20
@@ -196,45 +198,50 @@ def test_identity_is_checked_against_what_was_asked_for():
         one_line(err.value)
 
 
-class HostilePeers:
-    """Peers that answer ``get_manifest`` with whatever bytes they were given, by address."""
+class HostilePeer(Tier):
+    """A peer that answers ``get_manifest`` with whatever bytes it was given (a fault no real
+    peer's store produces: it checks every manifest it keeps)."""
 
-    def __init__(self, answers: dict[str, bytes]):
-        self.answers = answers
-        self.asked: list[str] = []
+    kind, lane, cost = "peer", "peers", Cost(1.0)
 
-    async def connect(self, address):
-        name = f"{address[0]}:{address[1]}"
-        self.asked.append(name)
-        return _Answer(self.answers[name])
-
-
-class _Answer:
-    def __init__(self, data: bytes):
-        self.data = data
-
-    async def __aenter__(self):
-        return self
-
-    async def __aexit__(self, *exc):
-        return None
+    def __init__(self, name: str, answers: dict[str, bytes], asked: list[str]):
+        super().__init__()
+        self.name, self.answers, self.asked = f"peer {name}", answers, asked
+        self.address = name
 
     async def get_manifest(self, rank: int, step: int) -> bytes:
-        return self.data
+        self.asked.append(self.address)
+        return self.answers[self.address]
+
+    async def has_chunks(self, hashes):
+        raise NotImplementedError
+
+    async def put_chunk(self, h, path, offset, length):
+        raise NotImplementedError
+
+    async def get_chunk(self, h, length):
+        raise NotImplementedError
+
+    async def put_manifest(self, rank, step, data):
+        raise NotImplementedError
+
+    async def holdings(self):
+        raise NotImplementedError
 
 
 def test_a_peer_cannot_pass_another_rank_or_step_off_as_the_one_asked_for(tmp_path):
     cfg = Config.build(mountpoint=tmp_path, job="llama", rank=3, nodes=4)
     rank2 = Manifest(**{**vars(sample()), "rank": 2}).to_json()
     step9 = Manifest(**{**vars(sample()), "step": 9}).to_json()
-    peers = HostilePeers({"127.0.0.2:7000": rank2, "127.0.0.3:7000": step9})
+    answers, asked = {"127.0.0.2:7000": rank2, "127.0.0.3:7000": step9}, []
+    peers = [HostilePeer(name, answers, asked) for name in answers]
     with pytest.raises(UserError) as err:
-        trio.run(fetch_manifest, cfg, 500, ["peer 127.0.0.2:7000", "peer 127.0.0.3:7000"], peers, None)
+        trio.run(fetch_manifest, cfg, 500, peers)
     text = one_line(err.value)
     assert "rank 2" in text and "step 9" in text and "127.0.0.2:7000" in text
     # A good answer from the next peer is taken: one hostile peer cannot block a restore.
-    peers.answers["127.0.0.3:7000"] = sample().to_json()
-    got, _ = trio.run(fetch_manifest, cfg, 500, ["peer 127.0.0.2:7000", "peer 127.0.0.3:7000"], peers, None)
+    answers["127.0.0.3:7000"] = sample().to_json()
+    got = trio.run(fetch_manifest, cfg, 500, peers)
     assert (got.job, got.rank, got.step) == ("llama", 3, 500)
 
 
@@ -260,7 +267,7 @@ class Sandbox:
         snapshots = Snapshots(self.rank.path, self.rank.tree, lambda st: None, space.update)
         steps = Steps(snapshots, self.cfg.rules, set)
         steps.load()
-        restore = Restore(self.cfg, self.rank, steps, space, manifest, ChunkSources(), Origin([], True))
+        restore = Restore(self.cfg, self.rank, steps, space, manifest, ChunkSources(), Origin([]))
         try:
             restore.prepare()
         finally:
@@ -460,7 +467,7 @@ def test_manifest_names_that_are_not_canonical_are_ignored_and_logged_once(store
     for name in planted:
         plant(gcs_bucket, f"p/job1/manifests/rank-0/{name}", b'{"entries": []}')
     plant(gcs_bucket, "p/job1/manifests/rank-00/step-000000000004.json", b'{"entries": []}')
-    caplog.set_level(logging.WARNING, logger="tierfs.gcs")
+    caplog.set_level(logging.WARNING, logger="tierfs.tiers.gcs_store")
     assert store.list_steps(0) == [1, 2, 3]
     assert store.list_manifests() == {0: [1, 2, 3]}
     result = store.collect_garbage(keep_newest=2, grace=0)

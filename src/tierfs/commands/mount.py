@@ -14,10 +14,10 @@ import traceback
 from typing import NoReturn
 
 from tierfs import mounts
-from tierfs.config import OPTIONS, TLS_FILE_OPTIONS, Config, env_name, env_value
+from tierfs.config import HOST_PATH_OPTIONS, OPTIONS, TLS_FILE_OPTIONS, Config, env_name, env_value
 from tierfs.errors import UserError
 
-_FLAGS = {**OPTIONS, **TLS_FILE_OPTIONS}
+_FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
 _IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users",
                           "nofail", "_netdev", "dev", "nodev", "suid", "nosuid", "exec",

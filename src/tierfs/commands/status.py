@@ -58,12 +58,13 @@ def render(s: dict) -> str:
         lines.append(f"  restore step {r['step']} ({r['state']}) from {r['from'] or 'this node'}: "
                      f"{format_size(r['bytes'] - r['bytes_missing'])} of {format_size(r['bytes'])} here, "
                      f"{r['files']} files, {r['seconds']:.1f}s")
-    for tier, where in (("peers", None), ("gcs", "url")):
+    lanes = s.get("lanes", ("peers", "gcs"))
+    for tier in lanes:
         lane = s.get(tier)
         if not lane:
             continue
         state = lane["state"] + (f" ({lane['error']})" if lane.get("error") else "")
-        label = lane.get(where) or f"{lane['replicas']} replica(s)"
+        label = lane.get("label") or lane.get("url") or f"{lane.get('replicas', 1)} replica(s)"
         lines.append(f"  {tier:<5} {label}  {state}, lag {lane['lag_s']:.1f}s")
         if lane.get("progress"):
             p = lane["progress"]
@@ -85,6 +86,11 @@ def render(s: dict) -> str:
             where.append("in GCS")
         elif s.get("gcs"):
             where.append("not in GCS yet")
+        for lane in lanes:
+            if lane in ("peers", "gcs") or not s.get(lane):
+                continue
+            held = (st.get("copies") or {}).get(lane, {}).get("version") == st["version"]
+            where.append(f"on {lane}" if held else f"not on {lane} yet")
         lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {'; '.join(where)}")
     held = s.get("replicas_held")
     if held:

@@ -183,8 +183,10 @@ class ReplicaStore:
     """
 
     def __init__(self, root: Path, space: SpaceAccount | None, local: LocalChunks | None = None,
-                 *, job: str, grace: float = GRACE, keep_from: Callable[[], int | None] = lambda: None):
+                 *, job: str, grace: float = GRACE, keep_from: Callable[[], int | None] = lambda: None,
+                 keep_newest: int = 1):
         self.root = Path(root)
+        self.keep_newest = keep_newest  # replicas kept per rank besides those from keep_from() on
         self.keep_from = keep_from
         self.job = job
         self.space = space
@@ -377,18 +379,7 @@ class ReplicaStore:
         chunk is nowhere on this node, :class:`NoSpace`, or :class:`PeerError` for a
         manifest that is unusable or is not the one it claims to be.
         """
-        try:
-            manifest = Manifest.from_json(data)
-        except ManifestError as e:
-            raise PeerError(f"unusable manifest: {clip(str(e))}") from None
-        except RecursionError:  # json's parser guards its own depth; a nesting bomb ends here
-            raise PeerError("unusable manifest: it nests too deep to be one") from None
-        if manifest.job != self.job:
-            raise PeerError(f"manifest is for job {brief(manifest.job)}, this store holds {self.job!r}")
-        if (manifest.rank, manifest.step) != (rank, step):
-            raise PeerError(f"manifest is for rank {manifest.rank} step {manifest.step}, "
-                            f"not rank {rank} step {step}")
-        needed = manifest.chunk_set()
+        needed = self._check_manifest(rank, step, data)
         copies = {}
         for h in needed - self._chunks.keys():
             location = self.local.find(h) if self.local is not None else None
@@ -403,14 +394,36 @@ class ReplicaStore:
             await trio.lowlevel.checkpoint()
         # From here on nothing awaits: the check, the write and the index update are atomic
         # with respect to every other connection, including their garbage collections.
+        self._commit_manifest(rank, step, data, needed)
+        log.info("replica of job %s rank %d step %d stored (%d chunks, %d copied locally)",
+                 self.job, rank, step, len(needed), len(copies))
+
+    def put_manifest_now(self, rank: int, step: int, data: bytes) -> None:
+        """:meth:`put_manifest` for a caller that put every chunk itself (no local copies, no await)."""
+        self._commit_manifest(rank, step, data, self._check_manifest(rank, step, data))
+
+    def _check_manifest(self, rank: int, step: int, data: bytes) -> frozenset[str]:
+        """The chunks of a manifest that is this job's and the (rank, step) it claims to be."""
+        try:
+            manifest = Manifest.from_json(data)
+        except ManifestError as e:
+            raise PeerError(f"unusable manifest: {clip(str(e))}") from None
+        except RecursionError:  # json's parser guards its own depth; a nesting bomb ends here
+            raise PeerError("unusable manifest: it nests too deep to be one") from None
+        if manifest.job != self.job:
+            raise PeerError(f"manifest is for job {brief(manifest.job)}, this store holds {self.job!r}")
+        if (manifest.rank, manifest.step) != (rank, step):
+            raise PeerError(f"manifest is for rank {manifest.rank} step {manifest.step}, "
+                            f"not rank {rank} step {step}")
+        return frozenset(manifest.chunk_set())
+
+    def _commit_manifest(self, rank: int, step: int, data: bytes, needed: frozenset[str]) -> None:
         missing = len(needed - self._chunks.keys())
         if missing:
             raise MissingChunks(missing, len(needed))
         self._write_manifest(rank, step, data)
-        self._manifests[(rank, step)] = frozenset(needed)
+        self._manifests[(rank, step)] = needed
         self.retain()
-        log.info("replica of job %s rank %d step %d stored (%d chunks, %d copied locally)",
-                 self.job, rank, step, len(needed), len(copies))
 
     # -- internals -----------------------------------------------------------------------
 
@@ -454,23 +467,34 @@ class ReplicaStore:
 
     def _copy_local(self, h: str, location: Location) -> None:
         """Copy this node's own copy of ``h`` in, verified; zero bytes cross the network."""
+        problem = self.copy_in(h, location)
+        if problem is not None:
+            log.warning("own chunk %s at %s+%d %s: not copied", h, location[0], location[1], problem)
+
+    def copy_in(self, h: str, location: Location) -> str | None:
+        """Store chunk ``h`` from a local file range, verified; what is wrong with the range, or None.
+
+        Raises :class:`NoSpace` (nothing kept) when there is no room for it.
+        """
         path, offset, length = location
+        if h in self._chunks:  # held already: nothing to copy
+            self._touch(h)
+            return None
         with self.begin_chunk(h, length) as writer:
             try:
                 src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError as e:  # the step it was in was retained away meanwhile
-                log.warning("own chunk %s at %s is gone (%s): not copied", h, path, e.strerror)
-                return
+                return f"is gone ({e.strerror})"
             try:
                 _copy_range(src, offset, writer.fd, length)
             finally:
                 os.close(src)
             hasher = _hash_range(writer.fd, 0, length)
             if hasher is None or hasher.hexdigest() != h:
-                log.warning("own chunk %s at %s+%d does not match its name: not copied", h, path, offset)
-                return
+                return "does not match its name"
             writer.hasher = hasher
             writer.commit()
+        return None
 
     def _write_manifest(self, rank: int, step: int, data: bytes) -> None:
         path = self._manifest_path(rank, step)
@@ -498,15 +522,16 @@ class ReplicaStore:
         self._account(st)
 
     def retain(self) -> None:
-        """Drop replicas superseded by a newer replica of their rank that the job no longer needs.
+        """Drop replicas superseded by ``keep_newest`` newer ones of their rank that the job no longer needs.
 
         A superseded replica stays while it is at or after the newest step the whole job
         can restore (or while that is unknown): it may be the only copy of that step.
         """
         floor = self.keep_from()
-        newest: dict[int, int] = {}
+        steps: dict[int, list[int]] = {}
         for r, s in self._manifests:
-            newest[r] = max(newest.get(r, s), s)
+            steps.setdefault(r, []).append(s)
+        newest = {r: sorted(ss)[-min(self.keep_newest, len(ss))] for r, ss in steps.items()}
         for r, s in [k for k in self._manifests if k[1] < newest[k[0]]]:
             if floor is not None and s < floor:
                 del self._manifests[(r, s)]

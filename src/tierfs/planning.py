@@ -1,0 +1,129 @@
+"""Restore planning: which step the whole job restores at start, and from which tiers.
+
+At start (before the mount exists) the daemon surveys every tier, chooses the step every
+rank can restore (:mod:`tierfs.cluster`), and then either presents a step this node
+already holds, or fetches this rank's manifest of it from the cheapest tier that holds it
+and prepares a :class:`~tierfs.restore.Restore` that reads the chunks from those tiers,
+cheapest and closest first. Local steps newer than the chosen one are set aside, and an
+interrupted restore of a step no longer chosen is taken out of the volume.
+
+The per-chunk source order is :func:`tierfs.fetch.sources_for`; the tiers a restore may
+read from are chosen once, here (:meth:`RestorePlanner.holders`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+from tierfs.atomic import UnsafeFile, read_state
+from tierfs.config import format_size
+from tierfs.errors import UserError
+from tierfs.fetch import ChunkSources
+from tierfs.manifest import MAX_BYTES as MAX_MANIFEST, Manifest, ManifestError
+from tierfs.restore import Origin, Restore, fetch_manifest, link_into_tree, restoring_steps, set_aside
+from tierfs.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tierfs.cluster import Survey
+    from tierfs.daemon import Daemon
+
+log = logging.getLogger("tierfs")
+
+
+class RestorePlanner:
+    def __init__(self, daemon: Daemon):
+        self.d = daemon
+        self.restore_step: int | None = None  # the step chosen at start, announced to peers
+
+    def announced_step(self) -> int | None:
+        """The step chosen at start, until the job commits a newer one (then it has moved on)."""
+        chosen = self.restore_step
+        if chosen is None or any(s.step > chosen and s.committed_at > self.d.started
+                                 for s in self.d.steps.states.values()):
+            return None
+        return chosen
+
+    def survey_wait(self) -> float:
+        """How long a survey waits for silent nodes: ``--restore-wait`` when other nodes are tiers."""
+        return self.d.cfg.restore_wait if any(t.awaited for t in self.d.tiers) else 0.0
+
+    async def plan(self) -> Restore | None:
+        """Choose the step the whole job restores, and present this rank's files of it.
+
+        Returns the restore to run once mounted, or None when the step is here already (or
+        there is none). Raises UserError when the step cannot be restored here.
+        """
+        d, cfg = self.d, self.d.cfg
+        survey = await d.view.survey(wait=self.survey_wait())
+        step = self.restore_step = survey.choose(cfg.rank)
+        for unfinished in restoring_steps(d.steps):
+            if unfinished != step:
+                self.abandon(unfinished)
+        if step is None:
+            log.info("no tier holds a step complete for every rank of %s: starting from what is here", cfg.job)
+            return None
+        for newer in sorted(s for s in d.steps.states if s > step):
+            for root in d.steps.states[newer].roots:  # other ranks cannot restore it: hide it
+                set_aside(d.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
+        if step in d.steps.states:
+            for root in d.steps.states[step].roots:
+                link_into_tree(d.rank, d.snapshots.step_tree(step), root,
+                               f"it is in the way of step {step}", keep=True)
+            log.info("step %d, the newest complete for every rank, is here already", step)
+            return None
+        holders = self.holders(survey, step)
+        if not holders:
+            log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
+            return None
+        manifest = await fetch_manifest(cfg, step, holders)
+        needed = manifest.total_bytes - self.already_restored(step)
+        if cfg.capacity is not None and d.space.used + needed > cfg.capacity:
+            raise UserError(
+                f"step {step} of rank {cfg.rank} needs {format_size(needed)} more, but only "
+                f"{format_size(max(0, cfg.capacity - d.space.used))} of --capacity {format_size(cfg.capacity)} "
+                "is free: raise the capacity"
+            )
+        sources = ChunkSources([d.local, *holders])  # this node's own copies of a chunk come first
+        restore = Restore(cfg, d.rank, d.steps, d.space, manifest, sources, Origin(holders))
+        restore.prepare()
+        return restore
+
+    def holders(self, survey: Survey, step: int) -> list[Tier]:
+        """The tiers holding this rank's ``step``, in the order to read them: cheapest, then closest."""
+        d = self.d
+        by_name = {t.name: t for t in d.tiers}
+        held = [by_name[name] for name in survey.tiers(d.cfg.rank, step) if name in by_name]
+        return sorted(held, key=lambda t: (t.cost.key(), -survey.closeness(t.name, d.cfg.topology)))
+
+    def already_restored(self, step: int) -> int:
+        """Bytes of ``step`` a previous, interrupted restore already wrote."""
+        tree = self.d.snapshots.step_tree(step)
+        return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
+                   for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
+
+    def abandon(self, step: int) -> None:
+        """An interrupted restore of a step no longer chosen: take its placeholders away.
+
+        Its manifest says what to take out of the volume, so it is read like every state
+        file: at most a manifest's size, never through a link, and only if the daemon wrote
+        it (UnsafeFile, a one-line refusal, otherwise).
+        """
+        d = self.d
+        path = d.snapshots.step_dir(step) / "manifest.json"
+        try:
+            roots = Manifest.from_json(read_state(path, MAX_MANIFEST)).roots
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
+        except (OSError, ManifestError) as e:
+            log.warning("the unfinished restore of step %d has no usable manifest (%s): "
+                        "nothing of it is taken out of the volume", step, e)
+            roots = []
+        for root in roots:
+            set_aside(d.rank, root, f"the restore of step {step} was abandoned")
+        trash = d.snapshots.drop(step)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.warning("abandoned the unfinished restore of step %d", step)

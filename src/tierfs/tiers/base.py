@@ -1,0 +1,322 @@
+"""What a tier is: a place that holds chunks by hash and manifests by (rank, step).
+
+This node's RAM, a local disk, another node's RAM and GCS are all a :class:`Tier`. The
+policy code (the replicator's lanes, chunk fetching, manifest fetching, the cluster survey)
+takes tiers as values, orders them by :attr:`Tier.cost` and never asks which kind it holds;
+what differs between tiers (a pending marker in GCS, placement among peers, an upload
+interval) is a hook of the tier's own. Adding a tier is one module that implements this
+class and one line where the daemon assembles its tiers (:mod:`tierfs.assembly`).
+
+The contract every tier keeps (``tests/tiers/`` runs one suite over all of them):
+
+- **Chunks are verified.** :meth:`Tier.get_chunk` never returns bytes whose xxh3-128 is
+  not the name asked for, and :meth:`Tier.put_chunk` never stores bytes that are not.
+- **Manifests are atomic.** A reader gets the whole of a manifest or nothing; a put of
+  the same (rank, step) replaces the old one whole. A manifest is put after its chunks,
+  so its presence commits the step on that tier.
+- **Sizes are capped.** No chunk larger than :data:`MAX_CHUNK` and no manifest larger
+  than :data:`MAX_MANIFEST` is read or stored, whatever the other side claims.
+- **Errors are one line**, naming the tier and the object: :class:`NotHeld` (the tier
+  does not have it), :class:`TierUnavailable` (cannot reach it now: try later),
+  :class:`SourceChanged` (the local bytes being sent changed meanwhile: read them again),
+  :class:`TierError` for anything else (a refusal, damaged bytes).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+import trio
+
+from tierfs.chunks import MAX_CHUNK_SIZE
+from tierfs.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
+
+if TYPE_CHECKING:
+    from tierfs.config import Config
+    from tierfs.manifest import Manifest
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK = MAX_CHUNK_SIZE  # no chunk any tier stores or gives is larger
+MAX_MANIFEST = MAX_MANIFEST_BYTES
+
+Location = tuple[str, int, int]  # (path, offset, length) of a chunk's bytes in a local file
+
+
+class TierError(Exception):
+    """A tier could not do what was asked; the message is one line naming tier and object."""
+
+
+class TierUnavailable(TierError):
+    """The tier cannot be reached now (down, slow, out of service): try again later."""
+
+
+class NotHeld(TierError):
+    """The tier does not hold the chunk or manifest asked for."""
+
+
+class SourceChanged(TierError):
+    """A local range sent as a chunk no longer holds that chunk's bytes (a snapshot file was
+    detached while it was read): read the step again."""
+
+
+@dataclass(frozen=True)
+class Cost:
+    """How fast a restore reads from a tier, and what reading from it costs.
+
+    Rough numbers are enough: they only order the tiers, fastest free tier first.
+    """
+
+    read_gib_s: float
+    dollars_per_gib: float = 0.0
+
+    def key(self) -> tuple[float, float]:
+        return (self.dollars_per_gib, -self.read_gib_s)
+
+
+@dataclass(frozen=True)
+class Holdings:
+    """What a tier holds, as the cluster survey needs it."""
+
+    manifests: tuple[tuple[int, int], ...]  # (rank, step) of every manifest it holds
+    restore_step: int | None = None  # the step its node restored and still runs from, if a node
+    topology: tuple[tuple[str, str], ...] = ()  # its node's labels, if a node
+
+
+class Put(NamedTuple):
+    """What one :meth:`Tier.put_chunk` moved: raw bytes sent (0: it was there meanwhile), bytes stored."""
+
+    sent: int
+    stored: int
+
+
+@dataclass
+class Pushed:
+    """What putting one step on one tier moved."""
+
+    sent_bytes: int = 0  # raw bytes of the chunks the tier lacked
+    skipped_bytes: int = 0  # raw bytes of the distinct chunks it already held
+    stored_bytes: int = 0  # what the tier stored for the chunks sent (after compression)
+    chunks: int = 0  # distinct chunks of the step
+
+    def __iadd__(self, other: Pushed) -> Pushed:
+        self.sent_bytes += other.sent_bytes
+        self.skipped_bytes += other.skipped_bytes
+        self.stored_bytes += other.stored_bytes
+        self.chunks = max(self.chunks, other.chunks)
+        return self
+
+
+@dataclass
+class Progress:
+    """One lane's progress through the step it is putting."""
+
+    step: int
+    chunks_total: int
+    chunks_done: int = 0
+
+    def as_dict(self) -> dict:
+        return {"step": self.step, "chunks_done": self.chunks_done, "chunks_total": self.chunks_total}
+
+
+async def _no_pause() -> None:
+    pass
+
+
+class Tier(ABC):
+    """One place that holds chunks and manifests. Subclasses set the class attributes.
+
+    ``name`` identifies the tier in surveys, logs and status (``"local"``, ``"disk"``,
+    ``"peer HOST:PORT"``, ``"gcs"``); ``kind`` is what it is (``"local"``, ``"disk"``,
+    ``"peer"``, ``"gcs"``); ``lane`` is the replicator lane that puts steps on it (tiers
+    that share a lane are alternatives: a step goes to :meth:`copies` of them).
+    """
+
+    name: str
+    kind: str
+    lane: str | None = None  # None: the replicator puts nothing here (this node's own RAM)
+    cost: Cost
+    concurrency: int = 1  # chunks put at once while a step goes to this tier
+    skip_after_failure: bool = False  # one of several holders: after a failure a restore asks the others
+    volatile: bool = False  # may lose what it holds (another node's RAM): the lane checks it again
+    awaited: bool = False  # another node of the job, maybe starting now: a survey waits for it
+    spill: bool = False  # on this node beside the RAM: when RAM is short, a step held here may leave RAM
+
+    def __init__(self) -> None:
+        self.cfg: Config | None = None
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    @property
+    def where(self) -> str:
+        """Where it is, for people: a URL, a path, a peer's address."""
+        return self.name
+
+    # -- chunks ------------------------------------------------------------------------
+
+    @abstractmethod
+    async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
+        """For each hash, whether the tier holds that chunk (and keeps it while a step is put)."""
+
+    @abstractmethod
+    async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
+        """Store chunk ``h``: ``length`` bytes of the local file ``path`` at ``offset``.
+
+        Raises :class:`SourceChanged` if those bytes are not chunk ``h``, :class:`TierError`
+        if the tier refuses them.
+        """
+
+    @abstractmethod
+    async def get_chunk(self, h: str, length: int) -> bytes:
+        """Chunk ``h`` of ``length`` bytes, verified; :class:`NotHeld` if the tier lacks it."""
+
+    # -- manifests ---------------------------------------------------------------------
+
+    @abstractmethod
+    async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
+        """Commit (rank, step) on this tier: every chunk it names must be held already."""
+
+    @abstractmethod
+    async def get_manifest(self, rank: int, step: int) -> bytes:
+        """The manifest's bytes (at most :data:`MAX_MANIFEST`); :class:`NotHeld` if absent.
+
+        The caller parses it and checks it is the job's, rank's and step's.
+        """
+
+    @abstractmethod
+    async def holdings(self) -> Holdings:
+        """Every (rank, step) whose manifest the tier holds, and what its node says of itself."""
+
+    async def list_manifests(self) -> list[tuple[int, int]]:
+        return sorted((await self.holdings()).manifests)
+
+    # -- what it says about itself ---------------------------------------------------------
+
+    def report(self) -> dict:
+        """What ``tierfs status`` shows of the tier."""
+        return {"name": self.name, "kind": self.kind, "where": self.where}
+
+    def lane_report(self) -> dict:
+        """What the status of this tier's lane adds about the tier (its URL, its peers)."""
+        return {"label": self.where}
+
+    # -- policy hooks ----------------------------------------------------------------------
+
+    def configure(self, cfg: Config) -> None:
+        """Follow the job's configuration (also when the job changes its shape)."""
+        self.cfg = cfg
+
+    def copies(self) -> int:
+        """How many tiers of this one's lane must hold each step."""
+        return 1
+
+    def schedule(self) -> tuple[float, int]:
+        """(seconds, steps) to leave at least between two steps put here; (0, 0): every commit."""
+        return 0.0, 0
+
+    async def order(self, tiers: list[Tier]) -> list[Tier]:
+        """This lane's tiers in the order a step should try them (placement among peers)."""
+        return sorted(tiers, key=lambda t: t.cost.key())
+
+    async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:
+        """Called before the chunks of a step are put (GCS announces the upload)."""
+
+    async def end_step(self, rank: int, step: int) -> None:
+        """Called after the step's manifest is put."""
+
+    async def retain(self) -> None:
+        """Apply the tier's retention once a step is on it."""
+
+    async def aclose(self) -> None:
+        """Let go of connections and files."""
+
+
+async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
+                   pace: Callable[[], Awaitable[None]] = _no_pause, progress: Progress | None = None) -> Pushed:
+    """Put a step on ``tier``: the chunks it lacks, then the manifest (its commit point there).
+
+    ``where`` locates every distinct chunk of the step in local files; ``pace`` is awaited
+    before each chunk is sent (the job's writes go first).
+    """
+    hashes = list(where)
+    data = manifest.to_json()
+    pushed = Pushed(chunks=len(hashes))
+    await tier.begin_step(manifest.rank, manifest.step, hashes)
+    have = await tier.has_chunks(hashes) if hashes else []
+    missing = []
+    for h, held in zip(hashes, have):
+        if held:
+            pushed.skipped_bytes += where[h][2]
+        else:
+            missing.append(h)
+    if progress is not None:
+        progress.chunks_done = len(hashes) - len(missing)
+    todo = iter(missing)
+
+    async def worker() -> None:
+        for h in todo:
+            path, offset, length = where[h]
+            await pace()
+            put = await tier.put_chunk(h, path, offset, length)
+            pushed.sent_bytes += put.sent
+            pushed.stored_bytes += put.stored
+            if progress is not None:
+                progress.chunks_done += 1
+
+    async with trio.open_nursery() as nursery:
+        for _ in range(max(1, min(tier.concurrency, len(missing)))):
+            nursery.start_soon(worker)
+    await tier.put_manifest(manifest.rank, manifest.step, data)
+    await tier.end_step(manifest.rank, manifest.step)
+    return pushed
+
+
+def check_chunk(tier: Tier, h: str, length: int) -> None:
+    """Refuse, before any I/O, a chunk that cannot exist: a bad name or more than :data:`MAX_CHUNK` bytes."""
+    if not (isinstance(h, str) and len(h) == 32 and all(c in "0123456789abcdef" for c in h)):
+        raise TierError(f"{tier.name}: {h!r} is not a chunk name")
+    if not 0 <= length <= MAX_CHUNK:
+        raise TierError(f"{tier.name}: chunk {h} of {length} bytes: no chunk is larger than {MAX_CHUNK}")
+
+
+def check_manifest(tier: Tier, rank: int, step: int, data: bytes) -> None:
+    """Refuse, before any I/O, a manifest larger than any manifest can be."""
+    if len(data) > MAX_MANIFEST:
+        raise TierError(f"{tier.name}: manifest of rank {rank} step {step} has {len(data)} bytes: "
+                        f"no manifest is larger than {MAX_MANIFEST}")
+
+
+def by_cost(tiers: Sequence[Tier]) -> list[Tier]:
+    """Cheapest and fastest first; the order given is kept among equals (closest peer first)."""
+    return sorted(tiers, key=lambda t: t.cost.key())
+
+
+def rotate_equals(tiers: Sequence[Tier], prefer: int) -> list[Tier]:
+    """``tiers`` (in cost order) with each run of equal cost rotated by ``prefer``.
+
+    Restore workers pass different ``prefer`` values, so the peers holding a step are read
+    in parallel, each worker starting at another one.
+    """
+    out: list[Tier] = []
+    i = 0
+    while i < len(tiers):
+        j = i
+        while j < len(tiers) and tiers[j].cost == tiers[i].cost:
+            j += 1
+        run = list(tiers[i:j])
+        k = prefer % len(run)
+        out += run[k:] + run[:k]
+        i = j
+    return out
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+

@@ -1,0 +1,174 @@
+"""Google Cloud Storage as a tier: one job's chunks and manifests under gs://BUCKET/PREFIX.
+
+The bucket's layout, its conditional creates, what is checked when it is read, and the
+garbage collector are :mod:`tierfs.tiers.gcs_store`; this module speaks it as a tier.
+Every request runs in a worker thread (the store is synchronous) and an unreachable GCS
+is retried with a short backoff before :class:`~tierfs.tiers.base.TierUnavailable`.
+
+A step goes up in the order that keeps the bucket consistent for readers and for the
+collector (:meth:`~tierfs.tiers.gcs_store.GcsStore.collect_garbage`): a pending marker
+listing its chunks (:meth:`GcsTier.begin_step`), every chunk GCS lacks (a chunk it has is
+only touched), the manifest, then the marker goes. After a step, rank 0 applies retention
+to the whole job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import trio
+
+from tierfs import chunks
+from tierfs.errors import UserError
+from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, SourceChanged, Tier, TierError, TierUnavailable,
+                               check_chunk, check_manifest)
+from tierfs.tiers.gcs_store import GcsError, GcsStore, GcsUnavailable, MissingObject
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 4  # per request, on top of the store's own quick retries
+THREADS = 8  # requests at once: uploads, touches
+
+
+class GcsTier(Tier):
+    kind = "gcs"
+    lane = "gcs"
+    name = "gcs"
+    cost = Cost(read_gib_s=0.2, dollars_per_gib=0.12)  # slower than any node, and reads are paid for
+    concurrency = THREADS
+
+    def __init__(self, url: str, job: str, store: GcsStore | None = None):
+        super().__init__()
+        self.url = url
+        self.store = store or GcsStore(url, job)
+        self._limiter = trio.CapacityLimiter(THREADS)
+
+    @property
+    def where(self) -> str:
+        return self.url
+
+    async def _run(self, fn, *args):
+        """``fn(*args)`` in a worker thread; an unreachable GCS is retried with a short backoff."""
+        for attempt in range(ATTEMPTS):
+            try:
+                return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            except GcsUnavailable as e:
+                if attempt == ATTEMPTS - 1:
+                    raise TierUnavailable(f"GCS is unreachable: {e}") from None
+                await trio.sleep(2**attempt)
+
+    def check(self) -> None:
+        """Reach the bucket now (start-up): GcsUnavailable or a UserError (missing bucket) if not."""
+        self.store.check()
+
+    # -- chunks ------------------------------------------------------------------------
+
+    async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
+        """Touches each chunk: one GCS has is kept from the collector; one that is not the chunk counts as absent."""
+        out = [False] * len(hashes)
+
+        async def touch(i: int, h: str) -> None:
+            out[i] = await self._run(self.store.touch_chunk, h)
+
+        async with trio.open_nursery() as nursery:
+            for i, h in enumerate(hashes):
+                nursery.start_soon(touch, i, h)
+        return out
+
+    async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
+        check_chunk(self, h, length)
+        return await self._run(self._put_chunk, h, str(path), offset, length)
+
+    def _put_chunk(self, h: str, path: str, offset: int, length: int) -> Put:
+        """In a worker thread: read, check, compress if that pays, create if absent."""
+        for _ in range(2):  # a detach can race with the read: the path then holds the copy
+            data = _pread(path, offset, length)
+            if chunks.chunk_hash(data) == h:
+                break
+        else:
+            raise SourceChanged(f"{path} at {offset} no longer holds chunk {h}")
+        frame = chunks.encode(data)
+        if not self.store.put_chunk(h, frame):
+            return Put(0, 0)  # another rank uploaded the same bytes just now
+        return Put(len(data), len(frame))
+
+    async def get_chunk(self, h: str, length: int) -> bytes:
+        """Never more than ``length`` bytes read, nor decoded."""
+        check_chunk(self, h, length)
+        url = self.store.chunk_url(h)
+        try:
+            frame = await self._run(self.store.get_chunk_frame, h, length)
+        except MissingObject:
+            raise NotHeld(f"chunk {url} is missing from GCS") from None
+        except GcsError as e:
+            raise TierError(f"chunk {url} is corrupt or unreadable ({e})") from None
+        try:
+            data = await trio.to_thread.run_sync(chunks.decode, frame, h, length)
+        except chunks.CorruptChunk as e:
+            raise TierError(f"chunk {url} is corrupt ({e})") from None
+        if len(data) != length:
+            raise TierError(f"chunk {url} is corrupt ({len(data)} bytes, the manifest says {length})")
+        return data
+
+    # -- manifests ---------------------------------------------------------------------
+
+    async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
+        check_manifest(self, rank, step, data)
+        await self._run(self.store.put_manifest, rank, step, data)
+
+    async def get_manifest(self, rank: int, step: int) -> bytes:
+        url = self.store.manifest_url(rank, step)
+        try:
+            return await self._run(self.store.get_manifest, rank, step)
+        except MissingObject:
+            raise NotHeld(f"{url} does not exist") from None
+        except (GcsError, UserError) as e:
+            raise TierError(f"cannot read {url}: {e}") from None
+
+    async def holdings(self) -> Holdings:
+        try:
+            listing = await self._run(self.store.list_manifests)
+        except (GcsError, UserError) as e:
+            raise TierError(str(e)) from None
+        return Holdings(tuple((rank, step) for rank, steps in listing.items() for step in steps))
+
+    # -- a step's bracket and retention --------------------------------------------------
+
+    async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:
+        await self._run(self.store.put_pending, rank, step, hashes)
+
+    async def end_step(self, rank: int, step: int) -> None:
+        await self._run(self.store.delete_pending, rank, step)
+
+    async def retain(self) -> None:
+        """One collector per job is enough (rank 0's): it covers every rank's manifests."""
+        cfg = self.cfg
+        if cfg is not None and cfg.rank == 0:
+            result = await self._run(self.store.collect_garbage, cfg.keep, cfg.gc_grace, cfg.nodes)
+            log.info("GCS retention: %s", result)
+
+    def schedule(self) -> tuple[float, int]:
+        cfg = self.cfg
+        return (cfg.backup_interval, cfg.backup_interval_steps) if cfg is not None else (0.0, 0)
+
+    def lane_report(self) -> dict:
+        return {"label": self.url, "url": self.url,
+                "backup_interval_s": self.cfg.backup_interval if self.cfg is not None else 0.0}
+
+    def report(self) -> dict:
+        return {**super().report(), "url": self.url}
+
+
+def _pread(path: str, offset: int, length: int) -> bytes:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        parts, done = [], 0
+        while done < length and (part := os.pread(fd, length - done, offset + done)):
+            parts.append(part)
+            done += len(part)
+        return b"".join(parts)
+    finally:
+        os.close(fd)

@@ -1,0 +1,178 @@
+"""Another node's RAM, reached through the peer protocol: one :class:`PeerTier` per peer.
+
+The protocol itself (framing, authentication, TLS, the server and its replica store) is
+:mod:`tierfs.peers`; this module only speaks it as a tier. All the peers of a node share one
+:class:`~tierfs.peers.network.PeerNetwork`, which knows their state for ``tierfs status``
+and places replicas (twins first, one close peer, then distant ones).
+
+Connections are pooled: a step's chunks and a restore's fetches each cost one request, not
+a handshake, and concurrent fetches from one peer use separate connections. An idle
+connection is reused only briefly: the peer's service closes connections that idle.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import trio
+
+from tierfs import chunks
+from tierfs.peers.client import PeerClient
+from tierfs.peers.network import PeerNetwork
+from tierfs.peers.placement import choose
+from tierfs.peers.wire import PeerError, PeerUnavailable
+from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, Tier, TierError, TierUnavailable, check_chunk,
+                               check_manifest)
+
+Address = tuple[str, int]
+T = TypeVar("T")
+REUSE_IDLE = 30.0  # seconds an idle connection is kept for the next request (the service drops it at 300)
+
+
+def peer_name(address: Address) -> str:
+    return f"{address[0]}:{address[1]}"
+
+
+class PeerTier(Tier):
+    kind = "peer"
+    lane = "peers"
+    cost = Cost(read_gib_s=1.0)
+    skip_after_failure = True  # a down peer costs a timeout per request; the others hold the same
+    volatile = True  # its RAM can be lost, or the node replaced
+    awaited = True  # nodes of a job start together: a survey waits for the others
+
+    def __init__(self, network: PeerNetwork, address: Address):
+        super().__init__()
+        self.network = network
+        self.address = address
+        self.name = f"peer {peer_name(address)}"
+        self._idle: list[tuple[float, PeerClient]] = []  # (when it was last used, connection)
+
+    # -- connections -------------------------------------------------------------------
+
+    async def _request(self, what: str, call: Callable[[PeerClient], Awaitable[T]]) -> T:
+        """``call(client)`` on a pooled connection; the peer's failures become tier errors naming ``what``.
+
+        A pooled connection the peer dropped meanwhile (its service restarted, or idled it
+        out) fails at once; the request is then made again once on a new connection, which
+        every request here allows (a chunk or manifest sent twice is stored once).
+        """
+        for attempt in range(2):
+            client, reused = await self._take(what)
+            try:
+                result = await call(client)
+            except BaseException as e:
+                if isinstance(e, PeerError) and not isinstance(e, PeerUnavailable):
+                    self._idle.append((time.monotonic(), client))  # a refusal: the connection is still in step
+                else:
+                    await client.aclose()
+                if isinstance(e, PeerUnavailable) and reused and attempt == 0:
+                    continue
+                if isinstance(e, (PeerError, OSError, trio.TooSlowError)):
+                    raise self._failed(e, what) from None
+                raise
+            self._idle.append((time.monotonic(), client))
+            return result
+        raise AssertionError("unreachable")
+
+    async def _take(self, what: str) -> tuple[PeerClient, bool]:
+        now = time.monotonic()
+        while self._idle:
+            at, client = self._idle.pop()
+            if now - at < REUSE_IDLE:
+                return client, True
+            await client.aclose()
+        try:
+            return await self.network.connect(self.address), False
+        except (PeerError, OSError, trio.TooSlowError) as e:
+            raise self._failed(e, what) from None
+
+    def _failed(self, e: BaseException, what: str) -> TierError:
+        """The tier error for a peer's failure; one that is not a refusal marks the peer down."""
+        message, about = str(e), f" ({what})"
+        if isinstance(e, PeerError) and message.endswith(": not found"):
+            return NotHeld(f"{self.name} does not hold {what}")
+        self.network._mark(self.address, "down", f"{type(e).__name__}: {e}")
+        if isinstance(e, PeerUnavailable) or not isinstance(e, PeerError):
+            return TierUnavailable(f"{message if isinstance(e, PeerError) else f'{self.name}: {e}'}{about}")
+        return TierError(f"{message}{about}")
+
+    async def aclose(self) -> None:
+        idle, self._idle = self._idle, []
+        for _, client in idle:
+            await client.aclose()
+
+    # -- chunks ------------------------------------------------------------------------
+
+    async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
+        return await self._request("have", lambda client: client.have(list(hashes)))
+
+    async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
+        """Sent straight from the page cache; the peer hashes it and refuses a mismatch."""
+        check_chunk(self, h, length)
+        await self._request(f"chunk {h}", lambda client: client.put_chunk(h, path, offset, length))
+        return Put(length, length)
+
+    async def get_chunk(self, h: str, length: int) -> bytes:
+        check_chunk(self, h, length)
+        data = await self._request(f"chunk {h}", lambda client: client.get_chunk(h, 0, length))
+        if chunks.chunk_hash(data) != h:
+            raise TierError(f"{self.name} sent bytes that do not match chunk {h}")
+        return data
+
+    # -- manifests ---------------------------------------------------------------------
+
+    async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
+        check_manifest(self, rank, step, data)
+        await self._request(f"manifest of rank {rank} step {step}", lambda client: client.put_manifest(rank, step, data))
+
+    async def get_manifest(self, rank: int, step: int) -> bytes:
+        return await self._request(f"the manifest of rank {rank} step {step}",
+                                   lambda client: client.get_manifest(rank, step))
+
+    async def list_manifests(self) -> list[tuple[int, int]]:
+        return sorted(await self._request("list", lambda client: client.list()))
+
+    async def holdings(self) -> Holdings:
+        """The peer's own committed steps, the replicas it keeps, its restore decision."""
+        report = (await self.network.reports([self.address])).get(self.address)
+        if report is None:
+            error = self._seen().get("error") or "no answer"
+            raise TierUnavailable(f"{self.name}: {error}")
+        return Holdings(tuple((report.rank, s) for s in report.steps) + tuple(report.manifests),
+                        report.restore_step, report.topology)
+
+    # -- what it says about itself, and placement --------------------------------------
+
+    def report(self) -> dict:
+        return {**super().report(), **self._seen()}
+
+    def _seen(self) -> dict:
+        """What the network last saw of this peer: state, rank, error."""
+        name = peer_name(self.address)
+        return next((s for s in self.network.status() if s.get("address") == name), {})
+
+    def lane_report(self) -> dict:
+        replicas = self.network.cfg.replicas
+        return {"label": f"{replicas} replica(s)", "replicas": replicas, "known": self.network.status()}
+
+    def copies(self) -> int:
+        return self.network.cfg.replicas
+
+    async def order(self, tiers: list[Tier]) -> list[Tier]:
+        """Placement: data-parallel twins first, then one close peer, then distant ones."""
+        cfg = self.network.cfg
+        by_address = {t.address: t for t in tiers if isinstance(t, PeerTier)}
+        candidates = choose(cfg.rank, cfg.topology, await self.network.discover(), len(cfg.peers),
+                            cfg.nodes, cfg.data_parallel,
+                            set(cfg.peer_ranks) if cfg.peer_ranks is not None else None)
+        return [by_address[p.address] for p in candidates if p.address in by_address]
+
+
+def peer_tiers(network: PeerNetwork) -> list[PeerTier]:
+    """One tier per configured peer, sharing ``network``."""
+    return [PeerTier(network, address) for address in network.cfg.peers]
+

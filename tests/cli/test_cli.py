@@ -217,6 +217,7 @@ def test_error_missing_mountpoint(shm_dir):
     assert "mkdir" in p
 
 
+@pytest.mark.expect_log('is already served by tierfs pid')
 def test_error_busy_mountpoint_and_rank_served_twice(volumes, shm_dir):
     vol = volumes(job="busy")
     one_line_error(tierfs("mount", vol.mountpoint, "--ramdisk", vol.ramdisk, "--job", "other", check=False),
@@ -228,6 +229,7 @@ def test_error_busy_mountpoint_and_rank_served_twice(volumes, shm_dir):
     assert (vol.mountpoint / ".").exists()  # the first mount is unharmed
 
 
+@pytest.mark.expect_log('ramdisk \\S+ is not writable')
 def test_error_ramdisk_not_writable(shm_dir):
     ro = shm_dir("tierfs-ro")
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], check=True)

@@ -24,6 +24,10 @@ def report(d: Daemon) -> dict:
     cfg, ops = d.cfg, d.ops
     ops.writes_done()  # what is written now is what is used
     last = d.view.last
+    lanes = {lane: None for lane in LEGACY_LANES} | d.replicator.status()
+    if lanes["peers"] is None and d.network is not None:  # peers named by DNS, none found yet
+        lanes["peers"] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas,
+                          "known": d.network.status()}
     return {
         "mountpoint": str(cfg.mountpoint),
         "pid": os.getpid(),
@@ -41,8 +45,7 @@ def report(d: Daemon) -> dict:
         "cluster": {**last.summary(), "restore_step": d.planner.restore_step,
                     "retention_floor": d.view.retention_floor()} if last else None,
         "lanes": list(d.replicator.lanes),
-        **{lane: None for lane in LEGACY_LANES},
-        **d.replicator.status(),
+        **lanes,
         "replicas_held": d.local.replicas_report(),
     }
 

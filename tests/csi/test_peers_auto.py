@@ -17,7 +17,7 @@ from tierfs.csi import kube
 from tierfs.local import free_port
 
 # The pods' daemons start one at a time: the first ones warn of peers not up yet.
-pytestmark = pytest.mark.expect_log(r"does not answer yet")
+pytestmark = pytest.mark.expect_log(r"not answer yet")
 
 SECRET = {"secret": "s3cret-s3cret-s3cret"}
 HOSTS = "/etc/hosts"

@@ -33,7 +33,7 @@ def run_job(mnt: Path, action: str, *args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.expect_log('does not answer yet', 'delayed, retrying', 'trying the next tier')
+@pytest.mark.expect_log('not answer yet', 'delayed, retrying', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier')
 def test_orbax_restores_after_node_loss_from_a_peer_then_from_gcs(cluster, gcs_bucket):
     c = cluster(2, job="orbax-run", replicas=1, keep_local=2, restore_wait="2s",
                 gcs=f"gs://{gcs_bucket}/mtc", coordinator=f"127.0.0.1:{free_port('127.0.0.1')}")

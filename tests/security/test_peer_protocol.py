@@ -540,7 +540,7 @@ async def test_mounted_certificates_and_the_secret_are_both_required(nursery, tm
         assert await client.info() == INFO
 
 
-@pytest.mark.expect_log('does not answer yet')
+@pytest.mark.expect_log('not answer yet')
 def test_daemons_encrypt_peer_traffic_by_default():
     """Two real daemons; node 0 reaches its peer only through a wiretap: it sees no checkpoint byte."""
     from tierfs.local.cluster import LocalCluster

@@ -496,7 +496,7 @@ def read_object(bucket: str, name: str) -> bytes:
     return client().bucket(bucket).blob(name).download_as_bytes()
 
 
-@pytest.mark.expect_log('restore of step \\d+: chunk \\w+ is on no reachable tier', 'read of restoring step \\d+ failed: chunk')
+@pytest.mark.expect_log('restore of step \\d+: chunk \\w+ is on no reachable tier', 'chunk \\w+ from gcs failed', 'read of restoring step \\d+ failed: chunk')
 def test_hostile_chunk_frames_fail_their_reads_and_the_daemon_keeps_serving(volumes, gcs_url, gcs_bucket):
     job = f"bomb-{uuid.uuid4().hex[:6]}"
     vol = volumes(job=job, capacity="256M", gcs=gcs_url, chunk_size="1M")
@@ -524,7 +524,7 @@ def test_hostile_chunk_frames_fail_their_reads_and_the_daemon_keeps_serving(volu
     assert again.is_mounted()
 
 
-@pytest.mark.expect_log('WARNING tierfs.gcs: gs://\\S+ doe')
+@pytest.mark.expect_log('WARNING tierfs\\.(tiers\\.)?gcs(_store)?: gs://\\S+ doe')
 def test_backups_replace_corrupt_chunk_objects_instead_of_trusting_them(volumes, gcs_url, gcs_bucket):
     job = f"heal-{uuid.uuid4().hex[:6]}"
     files = {"a": os.urandom(2 * MiB), "b": os.urandom(MiB)}
@@ -578,7 +578,7 @@ def test_a_manifest_planted_under_another_steps_name_is_refused(volumes, gcs_url
     assert not (vol.ramdisk / job / "rank-0" / "steps" / "9").exists()
 
 
-@pytest.mark.expect_log("WARNING tierfs.gcs: ignoring 'gs://")
+@pytest.mark.expect_log("WARNING tierfs\\.(tiers\\.)?gcs(_store)?: ignoring 'gs://")
 def test_a_planted_unpadded_manifest_name_neither_blocks_a_start_nor_hides_steps(volumes, gcs_url, gcs_bucket):
     job = f"pad-{uuid.uuid4().hex[:6]}"
     vol = volumes(job=job, capacity="256M", gcs=gcs_url)

@@ -124,6 +124,7 @@ def test_when_ram_is_short_committed_steps_leave_it_and_stay_restorable_from_dis
     assert again.status()["restored"]["bytes_from"] == {"disk": 20 * MiB}
 
 
+@pytest.mark.expect_log(r"unsafe --disk")
 def test_an_unsafe_disk_directory_is_refused_in_one_line(volumes, tmp_path):
     shared = tmp_path / "shared"
     shared.mkdir()

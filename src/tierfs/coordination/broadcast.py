@@ -142,7 +142,7 @@ def plan(needs: Mapping[str, Sequence[str]], sizes: Mapping[str, int],
                 plans[a].sources[h], plans[a].depth[h] = (), 0
             continue
         _tree(h, size, roots, needers, index, fan_out, served, parent, depth)
-        restoring = set(wanted[h])
+        restoring = set(wanted[h]) - set(held)
         for a in wanted[h]:
             if a in held:
                 continue

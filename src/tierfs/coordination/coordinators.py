@@ -76,6 +76,7 @@ TICK = 0.5  # a coordinator's duties (pulls, expiry, listings) run this often
 PULL_AFTER = 1.0  # seconds as a coordinator before pulling the reports of silent members
 DOWN_AFTER = 2  # pulls in a row without an answer before a member counts as down
 REFUSED_GRACE = 5.0  # a member whose host refused a pull (its daemon may be starting) is down after this
+FRESH = 10.0  # a decision counts reports of the last FRESH seconds; older ones are confirmed by a pull
 PULLS_AT_ONCE = 64
 DECIDE_POLL = 2.0  # one long poll of coord_decide
 MAX_WAIT = 30.0
@@ -138,6 +139,8 @@ class Coordinator:
         self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
         self.gcs_error: str | None = None
         self._listing = False
+        self._epoch: float | None = None  # when the current round of decisions began
+        self._confirmed: set[str] = set()  # members whose holdings are known as of the epoch
         self._ready = trio.Event()
         self._activated = trio.Event()
         self._answers: dict[tuple[int, int], dict] = {}  # (view version, readiness) -> summary cache
@@ -159,11 +162,28 @@ class Coordinator:
         return self._index < self.k or 2 * len(self._fresh) >= len(self.members)
 
     def ready(self) -> bool:
+        """Whether a decision can be given: every member accounted for, GCS listed."""
         if self.active_since is None:
             return False
         if self.list_gcs is not None and self.gcs_at is None:
             return False
-        return len(self._fresh) + len(self._down) >= len(self.members)
+        known = self._fresh if self._epoch is None else self._confirmed
+        return len(known) + len(self._down) >= len(self.members)
+
+    def _begin_decisions(self) -> None:
+        """Nodes ask for their step: the holdings must be those of now, as a survey's are.
+
+        Reports older than FRESH seconds are confirmed by pulling their senders again, so
+        a node that died since its last report (its RAM and replicas gone with it) is
+        found down and left out, instead of counting for up to a ttl. One epoch serves
+        every question asked within FRESH seconds of its start.
+        """
+        now = self.clock()
+        if self._epoch is not None and now - self._epoch <= FRESH:
+            return
+        self._epoch = now
+        self._confirmed = {a for a in self._fresh if now - self._reports[a].at <= FRESH}
+        self._update_ready()
 
     def _update_ready(self) -> None:
         if self.ready():
@@ -186,6 +206,8 @@ class Coordinator:
         self.view.put_holdings(source, h)
         if source in self.members:
             self._fresh.add(source)
+            if self._epoch is not None:
+                self._confirmed.add(source)
             self._down.pop(source, None)
             self._failed.pop(source, None)
             self._starting.pop(source, None)
@@ -203,6 +225,7 @@ class Coordinator:
             if not self._ranks.get(held.holdings.rank):
                 self._ranks.pop(held.holdings.rank, None)
         self._fresh.discard(source)
+        self._confirmed.discard(source)
         self.view.drop(source)
 
     def _expire(self) -> None:
@@ -213,7 +236,8 @@ class Coordinator:
             self._forget(source)
         if not self._reports and self.active_since is not None and now - self.active_since > self.ttl:
             log.info("no reports for %.0fs: no longer a coordinator", self.ttl)
-            self.active_since = self.gcs_at = self.gcs_error = None
+            self.active_since = self.gcs_at = self.gcs_error = self._epoch = None
+            self._confirmed.clear()
             self._down.clear()
             self._failed.clear()
             self._starting.clear()
@@ -244,6 +268,8 @@ class Coordinator:
         report = message.get("report")
         if report is not None:
             self.accept(source, Holdings.from_wire(report))
+        if self.active_since is not None:
+            self._begin_decisions()
         if self.coordinating():
             with trio.move_on_after(wait):
                 while not self.ready():
@@ -293,11 +319,12 @@ class Coordinator:
         for member, since in list(self._starting.items()):
             if now - since >= REFUSED_GRACE:  # still not listening: it reports itself once it does
                 del self._starting[member]
+                self._forget(member)
                 self._down[member] = now
                 log.info("member %s is down (refused pulls for %.0fs)", member, now - since)
-        silent = len(self.members) - len(self._fresh) - len(self._down)
-        if silent and self.coordinating():
-            for member in self.members - self._fresh - self._down.keys() - self._pulling - self._starting.keys():
+        known = self._fresh if self._epoch is None or now - self._epoch > FRESH else self._confirmed
+        if len(known) + len(self._down) < len(self.members) and self.coordinating():
+            for member in self.members - known - self._down.keys() - self._pulling - self._starting.keys():
                 self._pulling.add(member)
                 nursery.start_soon(self._pull, member)
         for member, since in self._down.items():
@@ -334,6 +361,7 @@ class Coordinator:
             failed = self._failed[member] = self._failed.get(member, 0) + 1
             if failed >= self.down_after and member not in self._down:
                 self._starting.pop(member, None)
+                self._forget(member)  # what it reported went with it
                 self._down[member] = self.clock()
                 log.info("member %s is down (%d pulls unanswered: %s)", member, failed, e)
         else:

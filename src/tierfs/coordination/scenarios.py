@@ -392,7 +392,7 @@ async def _restore(model: JobModel, s: Settings, mode: str, fail: float) -> dict
         if victims:
             while not all(job.nodes[r].decided_at is not None for r in victims):
                 await trio.sleep(0.05)
-            await trio.sleep(0.2)  # mid-restore: some of their chunks are in, some not
+            await trio.sleep(0.03)  # mid-restore: before their first chunk is in
             for r in victims:
                 job.kill(r)
         live = [r for r in range(model.nodes) if r not in victims]

@@ -15,7 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierfs.coordination import scenarios
-from tierfs.coordination.broadcast import GCS, POLL, ChunkBoard, NoSource, PlannedFetch, plan, plan_stats
+from tierfs.coordination.broadcast import (
+    GCS, GCS_SOURCE, POLL, ChunkBoard, NodePlan, NoSource, PlannedFetch, Source, plan, plan_stats)
 from tierfs.coordination.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 MiB = 1 << 20
@@ -182,24 +183,24 @@ async def test_waiting_for_a_peer_ends_at_its_deadline_or_at_once_when_it_will_n
         assert answers == []  # planned: waits for the chunk itself
         board.arrived(h)
         await trio.sleep(0.01)
-        assert answers == [{"ok": True, "have": True, "pending": False}]
+        assert answers == [{"ok": True, "have": True, "pending": False, "via": []}]
 
         t0 = trio.current_time()
         assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": False}
+            {"ok": True, "have": False, "pending": False, "via": []}
         assert trio.current_time() == t0  # not in its plan: no wait at all
 
         board.set_plan([other])
         t0 = trio.current_time()
         assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": True}
+            {"ok": True, "have": False, "pending": True, "via": []}
         assert abs(trio.current_time() - t0 - 3) < 1e-9  # in its plan, not there: the whole wait
 
         nursery.start_soon(ask, other)
         await trio.sleep(1)
         board.gave_up(other)  # its sources failed: waiters go to their next source now
         await trio.sleep(0.01)
-        assert answers[-1] == {"ok": True, "have": False, "pending": False}
+        assert answers[-1] == {"ok": True, "have": False, "pending": False, "via": []}
     for bad in ({"hash": "XYZ", "wait": 1}, {"hash": h, "wait": 1e9}, {"hash": h, "wait": True}):
         assert "error" in await board.handle("x", {"op": "await_chunk", **bad})
 
@@ -222,6 +223,29 @@ async def test_a_parent_that_never_gets_the_chunk_is_left_at_the_deadline_for_gc
         assert 7 <= took < 7 + POLL + 1 and f.bytes_from == {GCS: MiB} and f.fallbacks == 1
         assert f.dead == set()  # slow is not dead: it is asked again for other chunks
         nursery.cancel_scope.cancel()
+
+
+async def test_nodes_whose_plans_disagree_and_wait_for_each_other_break_the_cycle(autojump_clock):
+    """Plans made from different answers: A waits for B, B for A, C for A. One poll, one GCS read."""
+    net = SimNetwork(NetModel())
+    gcs = SimGcs(net, GcsModel())
+    h = chunk(5)
+    a, b, c = (Node(net, gcs, f"10.0.0.{i}:7070") for i in (1, 2, 3))
+
+    def waits_for(node, source):
+        return NodePlan(node.address, [h], {h: (Source(source.address, after_fetch=True), GCS_SOURCE)}, {h: 1})
+
+    fetches = [a.fetcher(waits_for(a, b)), b.fetcher(waits_for(b, a)), c.fetcher(waits_for(c, a))]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        t0 = trio.current_time()
+        async with trio.open_nursery() as restore:
+            for f in fetches:
+                restore.start_soon(f.fetch, h, MiB)
+        assert trio.current_time() - t0 < 2 * POLL + 1  # not the 30-second deadline
+        nursery.cancel_scope.cancel()
+    assert gcs.reads == 1 and all(f.board.has(h) for f in fetches)
+    assert sorted(f.fallbacks for f in fetches) == [0, 0, 1]  # only the one that left went to GCS
 
 
 async def test_a_chunk_on_no_tier_is_reported_not_waited_for(autojump_clock):

@@ -30,17 +30,25 @@ answers ``await_chunk`` (wait until it has chunk h, up to a deadline);
 moving on when a source is down, slow or gives up. Messages (JSON headers on the peer
 wire; the chunk itself comes by the existing ``get_chunk``)::
 
-    {"op":"await_chunk","hash":H,"wait":SECONDS}     -> {"ok":true,"have":bool,"pending":bool}
+    {"op":"await_chunk","hash":H,"wait":SECONDS}
+        -> {"ok":true,"have":bool,"pending":bool,"via":[address,...]}
 
 The answer comes when the chunk is in (``have``), or after ``wait`` seconds (at most 60)
 with ``pending`` true if the node still means to fetch it, or at once with ``pending``
 false when it will not (the chunk is not in its plan, or it gave up on it). A waiting node
 asks again every :data:`POLL` seconds up to its deadline, so a source that dies while it
 waits is noticed within a poll, not at the deadline.
+
+Plans computed from different answers (a twin decided after another node was found
+down) can disagree, and two nodes could then wait for each other. ``via`` (at most 16
+addresses) is the chain of nodes the answering node itself waits on for that chunk: a
+node that finds itself in its own chain is in a cycle, and the member of the cycle with
+the lowest :func:`priority` leaves it for its next source, within a poll.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
 import logging
 import re
@@ -62,6 +70,12 @@ POLL = 2.0  # one await_chunk waits at most this long: a dead source is noticed 
 RPC_TIMEOUT = 2.0
 MAX_WAIT = 60.0
 _HASH = re.compile(r"^[0-9a-f]{32}$")
+MAX_VIA = 16
+
+
+def priority(h: str, address: str) -> bytes:
+    """Who leaves a cycle of waits for chunk ``h`` (the lowest): the same on every node."""
+    return hashlib.blake2b(f"{h}|{address}".encode(), digest_size=8).digest()
 
 
 @dataclass(frozen=True)
@@ -233,9 +247,17 @@ class ChunkBoard:
         self._planned = set(planned or ())
         self._have: set[str] = set()
         self._events: dict[str, trio.Event] = {}
+        self._upstream: dict[str, list[str]] = {}  # chunk -> the chain of nodes this one waits on for it
         self._known = trio.Event()  # the plan is known: until then a wait cannot tell "never"
         if planned is not None:
             self._known.set()
+
+    def waiting_on(self, h: str, chain: list[str] | None) -> None:
+        """This node now waits on ``chain`` (its source first) for ``h``; None: it no longer waits."""
+        if chain:
+            self._upstream[h] = chain[:MAX_VIA]
+        else:
+            self._upstream.pop(h, None)
 
     def set_plan(self, planned: Iterable[str]) -> None:
         """The chunks this node will fetch (its plan's order): waits for others now get answers."""
@@ -295,7 +317,7 @@ class ChunkBoard:
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
             return {"error": f"malformed await_chunk: wait must be a number of seconds in [0, {MAX_WAIT:g}]"}
         have = await self.wait(h, wait)
-        return {"ok": True, "have": have, "pending": self.pending(h)}
+        return {"ok": True, "have": have, "pending": self.pending(h), "via": self._upstream.get(h, [])}
 
 
 ReadPeer = Callable[[str, str, int], Awaitable[object]]  # (address, chunk, length) -> its bytes
@@ -311,12 +333,13 @@ class PlannedFetch:
     """
 
     def __init__(self, plan: NodePlan, transport: Transport, read_peer: ReadPeer, read_gcs: ReadGcs | None,
-                 board: ChunkBoard | None = None, *, wait: float = WAIT, rpc_timeout: float = RPC_TIMEOUT):
+                 board: ChunkBoard | None = None, *, wait: float = WAIT, rpc_timeout: float = RPC_TIMEOUT,
+                 dead: Iterable[str] = ()):
         self.plan, self.transport, self.read_peer, self.read_gcs = plan, transport, read_peer, read_gcs
         self.board = board if board is not None else ChunkBoard()
         self.board.set_plan(plan.order)
         self.wait, self.rpc_timeout = wait, rpc_timeout
-        self.dead: set[str] = set()
+        self.dead: set[str] = set(dead)  # known down (a coordinator said so): skipped without a timeout
         self.bytes_from: Counter = Counter()  # "gcs" or a node -> bytes it gave
         self.failed: dict[str, str] = {}  # chunk -> why no source gave it
         self.fallbacks = 0  # chunks that came from another source than the planned one
@@ -352,19 +375,37 @@ class PlannedFetch:
     async def _from(self, src: Source, h: str, length: int):
         if src.is_gcs:
             return await self.read_gcs(h, length)
-        if src.after_fetch:
-            deadline = trio.current_time() + self.wait
+        if src.after_fetch and not await self._await(src.address, h):
+            return None
+        return await self.read_peer(src.address, h, length)
+
+    async def _await(self, source: str, h: str) -> bool:
+        """Wait until ``source`` has ``h``: False at the deadline, when it will not, or in a cycle."""
+        me = self.plan.address
+        deadline = trio.current_time() + self.wait
+        self.board.waiting_on(h, [source])
+        try:
             while True:
                 wait = min(POLL, max(0.0, deadline - trio.current_time()))
-                reply = await self.transport.request(src.address, {"op": "await_chunk", "hash": h, "wait": wait},
+                reply = await self.transport.request(source, {"op": "await_chunk", "hash": h, "wait": wait},
                                                      wait + self.rpc_timeout)
                 if "error" in reply:
                     raise SourceFailed(str(reply["error"]))
                 if reply.get("have"):
-                    break
+                    return True
                 if not reply.get("pending") or trio.current_time() >= deadline:
-                    return None
-        return await self.read_peer(src.address, h, length)
+                    return False
+                via = reply.get("via")
+                chain = [source, *(a for a in via[:MAX_VIA] if isinstance(a, str))] if isinstance(via, list) else [source]
+                self.board.waiting_on(h, chain)
+                if me in chain:
+                    cycle = [*chain[: chain.index(me)], me]
+                    if min(cycle, key=lambda a: priority(h, a)) == me:
+                        log.info("chunk %s: %s waits in a cycle (%s): going to the next source", h,
+                                 me, " -> ".join(cycle))
+                        return False
+        finally:
+            self.board.waiting_on(h, None)
 
     async def prefetch(self, lengths: Mapping[str, int], workers: int = 8) -> None:
         """Fetch every chunk of the plan in its order, ``workers`` at a time; failures go to ``failed``."""

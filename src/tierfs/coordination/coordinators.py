@@ -128,7 +128,8 @@ class Coordinator:
         self.clock = clock
         self.view = HoldingsView(nodes)
         self._reports: dict[str, _Report] = {}  # in the order received: the oldest expire first
-        self._ranks: dict[int, set[str]] = {}  # rank -> addresses reporting as it
+        self._ranks: dict[int, set[str]] = {}  # rank -> addresses reporting as it (or found down since)
+        self._rank_of: dict[str, int] = {}
         self._fresh: set[str] = set()  # members with a report held
         self._down: dict[str, float] = {}  # members found down -> since
         self._failed: dict[str, int] = {}  # member -> pulls unanswered in a row
@@ -199,10 +200,10 @@ class Coordinator:
         now = self.clock()
         if held is not None:
             del self._reports[source]  # re-inserted last: the dict stays in order of arrival
-            if held.holdings.rank != h.rank:
-                self._ranks.get(held.holdings.rank, set()).discard(source)
+        self._unrank(source, h.rank)
         self._reports[source] = _Report(h, now)
         self._ranks.setdefault(h.rank, set()).add(source)
+        self._rank_of[source] = h.rank
         self.view.put_holdings(source, h)
         if source in self.members:
             self._fresh.add(source)
@@ -218,15 +219,26 @@ class Coordinator:
         self._update_ready()
         return True
 
-    def _forget(self, source: str) -> None:
-        held = self._reports.pop(source, None)
-        if held is not None:
-            self._ranks.get(held.holdings.rank, set()).discard(source)
-            if not self._ranks.get(held.holdings.rank):
-                self._ranks.pop(held.holdings.rank, None)
+    def _forget(self, source: str, keep_rank: bool = False) -> None:
+        """Drop ``source``'s holdings; ``keep_rank``: still list it as its rank's node (found down)."""
+        self._reports.pop(source, None)
+        if not keep_rank:
+            self._unrank(source)
         self._fresh.discard(source)
         self._confirmed.discard(source)
         self.view.drop(source)
+
+    def _unrank(self, source: str, rank: int | None = None) -> None:
+        """Stop listing ``source`` as the node of the rank it had (unless that is ``rank``)."""
+        old = self._rank_of.get(source)
+        if old is None or old == rank:
+            return
+        del self._rank_of[source]
+        nodes = self._ranks.get(old)
+        if nodes is not None:
+            nodes.discard(source)
+            if not nodes:
+                del self._ranks[old]
 
     def _expire(self) -> None:
         now = self.clock()
@@ -319,7 +331,7 @@ class Coordinator:
         for member, since in list(self._starting.items()):
             if now - since >= REFUSED_GRACE:  # still not listening: it reports itself once it does
                 del self._starting[member]
-                self._forget(member)
+                self._forget(member, keep_rank=True)
                 self._down[member] = now
                 log.info("member %s is down (refused pulls for %.0fs)", member, now - since)
         known = self._fresh if self._epoch is None or now - self._epoch > FRESH else self._confirmed
@@ -361,7 +373,7 @@ class Coordinator:
             failed = self._failed[member] = self._failed.get(member, 0) + 1
             if failed >= self.down_after and member not in self._down:
                 self._starting.pop(member, None)
-                self._forget(member)  # what it reported went with it
+                self._forget(member, keep_rank=True)  # what it held went with it; its rank's plans still name it
                 self._down[member] = self.clock()
                 log.info("member %s is down (%d pulls unanswered: %s)", member, failed, e)
         else:
@@ -380,7 +392,7 @@ class RankView:
 
     choice: int | None
     steps: dict[int, list[str]]  # step -> holders (addresses, "gcs")
-    nodes: list[str]  # addresses of the nodes reporting as this rank
+    nodes: list[str]  # addresses of the nodes reporting as this rank, or found down since
 
 
 @dataclass

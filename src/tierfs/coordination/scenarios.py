@@ -373,7 +373,8 @@ async def _restore_node(node: SimNode, job: Job, mode: str) -> None:
         holders = [a for r in ranks for a in d.holders(r, d.step) if a != GCS]
         in_gcs = any(GCS in d.holders(r, d.step) for r in ranks)
         plan = broadcast.plan(needs, sizes, dict.fromkeys(chunks, holders), in_gcs, fan_out=s.fan_out)[node.address]
-    node.fetch = broadcast.PlannedFetch(plan, node.transport, node.read_peer, node.read_gcs, node.board)
+    node.fetch = broadcast.PlannedFetch(plan, node.transport, node.read_peer, node.read_gcs, node.board,
+                                        dead=d.down)
     await node.fetch.prefetch(sizes, s.workers)
     node.restored_at = trio.current_time()
 

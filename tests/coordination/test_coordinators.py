@@ -53,6 +53,11 @@ async def test_a_lost_coordinator_is_replaced_by_the_next_and_the_answers_stay_t
             assert coordinator.view.newest_complete() == truth.newest_complete() == 20
             assert {r: coordinator.answer(r)["ranks"][str(r)]["choice"] for r in range(30)} == before
 
+        c.net.stats.reset()
+        await trio.sleep(2 * c.interval)  # it was found down and named in answers: no more timeouts
+        assert c.net.stats.timeouts["coord_report"] == 0
+        assert c.net.stats.requests["coord_report"] / 29 / 2 == (3 * 29 - 3) / 29  # k a round, no more
+
         t0 = trio.current_time()
         decision = await c.nodes[live[5]].member.decide(live[5], wait=15)
         assert decision.ready and decision.step == 20 and decision.coordinator == c.addresses[second]

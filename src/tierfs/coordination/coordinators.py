@@ -68,10 +68,11 @@ log = logging.getLogger(__name__)
 
 K = 3  # coordinators per job
 RPC_TIMEOUT = 1.0  # a coordination answer is a few hundred bytes: a live node sends it in milliseconds
-SUSPECT_FOR = 20.0  # a coordinator that did not answer is skipped this long (under a round), then tried again
+SUSPECT_FOR = 20.0  # a coordinator that did not answer is skipped this long (and at least a round and a half)
 REFUSED_FOR = 1.0  # one that refused (its daemon is starting) is asked again this soon
 INTERVAL = 30.0  # between reports (--survey-interval)
 TTL_ROUNDS = 3  # a report older than this many intervals no longer counts
+OVERDUE_ROUNDS = 1.5  # a coordinator pulls a member whose last report is older than this many intervals
 TICK = 0.5  # a coordinator's duties (pulls, expiry, listings) run this often
 PULL_AFTER = 1.0  # seconds as a coordinator before pulling the reports of silent members
 DOWN_AFTER = 2  # pulls in a row without an answer before a member counts as down
@@ -84,6 +85,7 @@ MAX_GROUP = 64
 MAX_LISTED_STEPS = 16  # per rank in an answer: the newest
 MAX_LISTED_HOLDERS = 16  # per step in an answer
 MAX_LISTED_DOWN = 64
+MAX_SUSPECTS = 8  # coordinators a member found unresponsive, named in its next report
 LISTINGS_AT_ONCE = 32  # prefix listings of GCS in flight at once
 
 Clock = Callable[[], float]
@@ -135,6 +137,8 @@ class Coordinator:
         self._failed: dict[str, int] = {}  # member -> pulls unanswered in a row
         self._starting: dict[str, float] = {}  # member whose host refused a pull -> since
         self._pulling: set[str] = set()
+        self._pushed: dict[str, float] = {}  # members that sent their own report -> when (oldest first)
+        self._suspects: set[str] = set()  # members that members found unresponsive: pulled at once
         self._pulls = trio.CapacityLimiter(PULLS_AT_ONCE)
         self.active_since: float | None = None
         self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
@@ -152,15 +156,17 @@ class Coordinator:
     def coordinating(self) -> bool:
         """Whether this node is a coordinator, not a stand-in.
 
-        It is one of the first ``k`` candidates, or most members report to it (they found
-        one of those down). A node that some members reported to while a candidate
-        refused for a moment (its daemon was starting) is a stand-in: it keeps what it is
-        sent and answers at once, but leaves pulling every silent member, and the long
-        wait for a ready view, to the coordinators.
+        It is one of the first ``k`` candidates, or most members sent it their reports
+        themselves within the last round and a half (they found one of those down). A
+        node that some members reported to while a candidate refused for a moment (its
+        daemon was starting) is a stand-in: it keeps what it is sent and answers at once,
+        but leaves listing GCS, pulling silent members and the long wait for a ready view
+        to the coordinators. Reports it pulled do not count: a stand-in must not keep
+        itself a coordinator.
         """
         if self._index is None:
             self._index = self.order.index(self.address) if self.address in self.members else len(self.order)
-        return self._index < self.k or 2 * len(self._fresh) >= len(self.members)
+        return self._index < self.k or 2 * len(self._pushed) >= len(self.members)
 
     def ready(self) -> bool:
         """Whether a decision can be given: every member accounted for, GCS listed."""
@@ -242,6 +248,10 @@ class Coordinator:
 
     def _expire(self) -> None:
         now = self.clock()
+        for source, at in list(self._pushed.items()):
+            if now - at <= OVERDUE_ROUNDS * self.interval:
+                break
+            del self._pushed[source]
         for source, report in list(self._reports.items()):
             if now - report.at <= self.ttl:
                 break  # the rest arrived later
@@ -263,6 +273,7 @@ class Coordinator:
         op = message.get("op")
         try:
             if op == "coord_report":
+                self._note_push(source, message)
                 self.accept(source, Holdings.from_wire(message.get("report")))
                 return {"ok": True, "summary": self.view.summary(), "down": self.down_candidates()}
             if op == "coord_decide":
@@ -279,6 +290,7 @@ class Coordinator:
             raise BadMessage(f"wait must be a number of seconds in [0, {MAX_WAIT:g}]")
         report = message.get("report")
         if report is not None:
+            self._note_push(source, message)
             self.accept(source, Holdings.from_wire(report))
         if self.active_since is not None:
             self._begin_decisions()
@@ -287,6 +299,17 @@ class Coordinator:
                 while not self.ready():
                     await self._ready.wait()
         return self.answer(rank, group, source)
+
+    def _note_push(self, source: str, message: Message) -> None:
+        """A member sent its own report: it counts toward this node being a coordinator."""
+        if source in self.members:
+            self._pushed.pop(source, None)
+            self._pushed[source] = self.clock()
+        suspects = message.get("suspects")
+        if isinstance(suspects, list):
+            for a in suspects[:MAX_SUSPECTS]:
+                if isinstance(a, str) and a in self.members and a not in self._down:
+                    self._suspects.add(a)
 
     def down_candidates(self) -> list[str]:
         """The leading coordinator candidates found down: members skip them without a timeout."""
@@ -323,9 +346,15 @@ class Coordinator:
 
     def _duties(self, nursery: trio.Nursery) -> None:
         now = self.clock()
-        if self.list_gcs is not None and not self._listing and (self.gcs_at is None or now - self.gcs_at >= self.interval):
+        coordinating = self.coordinating()
+        if (coordinating and self.list_gcs is not None and not self._listing
+                and (self.gcs_at is None or now - self.gcs_at >= self.interval)):
             self._listing = True
             nursery.start_soon(self._list)
+        for member in self._suspects - self._pulling - self._down.keys():  # a member could not reach it
+            self._pulling.add(member)
+            nursery.start_soon(self._pull, member)
+        self._suspects.clear()
         if now - self.active_since < self.pull_after:
             return
         for member, since in list(self._starting.items()):
@@ -334,9 +363,17 @@ class Coordinator:
                 self._forget(member, keep_rank=True)
                 self._down[member] = now
                 log.info("member %s is down (refused pulls for %.0fs)", member, now - since)
+        if not coordinating:
+            return
         known = self._fresh if self._epoch is None or now - self._epoch > FRESH else self._confirmed
-        if len(known) + len(self._down) < len(self.members) and self.coordinating():
+        if len(known) + len(self._down) < len(self.members):  # silent members
             for member in self.members - known - self._down.keys() - self._pulling - self._starting.keys():
+                self._pulling.add(member)
+                nursery.start_soon(self._pull, member)
+        for member, report in self._reports.items():  # overdue members (a gone node's holdings go soon)
+            if now - report.at <= OVERDUE_ROUNDS * self.interval:
+                break  # the rest are newer
+            if member in self.members and member not in self._pulling:
                 self._pulling.add(member)
                 nursery.start_soon(self._pull, member)
         for member, since in self._down.items():
@@ -448,8 +485,10 @@ class Member:
         self.k, self.rpc_timeout, self.suspect_for = k, rpc_timeout, suspect_for
         self.local, self.clock = local, clock
         self.inc = int(time.time() * 1e6) if inc is None else inc
+        self.interval = INTERVAL  # between reports (run() sets it)
         self.seq = 0
-        self._suspect: dict[str, float] = {}
+        self._suspect: dict[str, float] = {}  # coordinator -> skipped until
+        self._silent: dict[str, float] = {}  # coordinator -> when it last failed to answer
         self.summary: dict | None = None  # the newest summary a coordinator sent back
         self.summary_from: str | None = None
         self.reported_to: list[str] = []
@@ -474,12 +513,15 @@ class Member:
                 break
         return out
 
-    def suspect(self, address: str, why: Exception | None = None) -> None:
+    def suspect(self, address: str, why: Exception | None = None, until: float | None = None) -> None:
         """Skip ``address`` for a while: briefly if it refused (starting up), else ``suspect_for``."""
         now = self.clock()
-        until = now + (REFUSED_FOR if isinstance(why, Refused) else self.suspect_for)
+        if until is None:
+            until = now + (REFUSED_FOR if isinstance(why, Refused) else max(self.suspect_for, 1.5 * self.interval))
+        if why is not None and not isinstance(why, Refused):
+            self._silent[address] = now
         if why is not None and self._suspect.get(address, 0.0) <= now and not isinstance(why, Refused):
-            log.info("coordinator %s does not answer (%s): asking the next one for %.0fs", address, why, self.suspect_for)
+            log.info("coordinator %s does not answer (%s): asking the next one for %.0fs", address, why, until - now)
         self._suspect[address] = max(until, self._suspect.get(address, 0.0))
 
     async def _ask(self, address: str, message: Message, timeout: float) -> Message:
@@ -510,13 +552,17 @@ class Member:
             self._reporting = None
 
     async def _report(self) -> dict | None:
-        message = {"op": "coord_report", "report": self.report_now().to_wire()}
+        report = self.report_now().to_wire()
         walk = self.coordinators(extra=2 * self.k)
         order = iter(walk)
         answers: dict[str, dict] = {}
 
         async def lane() -> None:
             for address in order:  # shared: each lane takes the next candidate
+                message = {"op": "coord_report", "report": report}
+                suspects = self._unresponsive()
+                if suspects:  # the coordinators check them at once, and tell everyone who is down
+                    message["suspects"] = suspects
                 try:
                     reply = await self._ask(address, message, self.rpc_timeout)
                 except (Unreachable, BadMessage) as e:
@@ -533,14 +579,21 @@ class Member:
             log.info("no coordinator took this node's report yet (%d candidates skipped)", len(self._suspect))
             return None
         first = self.reported_to[0]
-        summary, down = answers[first].get("summary"), answers[first].get("down")
+        summary = answers[first].get("summary")
         if isinstance(summary, dict):
             self.summary, self.summary_from = summary, first
-        if isinstance(down, list):
-            for address in down[:MAX_LISTED_DOWN]:
-                if isinstance(address, str) and address != first:
-                    self.suspect(address)
+        for answer in answers.values():
+            down = answer.get("down")
+            if isinstance(down, list):  # skipped until the round after next, without a timeout each round
+                for address in down[:MAX_LISTED_DOWN]:
+                    if isinstance(address, str) and address not in answers:
+                        self.suspect(address, until=self.clock() + max(self.suspect_for, 2 * self.interval))
         return self.summary
+
+    def _unresponsive(self) -> list[str]:
+        """Coordinators this node found silent (not refusing) within the last round."""
+        now = self.clock()
+        return [a for a, at in self._silent.items() if now - at <= 2 * self.interval][:MAX_SUSPECTS]
 
     async def decide(self, rank: int, group: Sequence[int] = (), wait: float = 15.0,
                      poll: float = DECIDE_POLL) -> Decision:
@@ -591,6 +644,7 @@ class Member:
 
     async def run(self, interval: float = INTERVAL, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Report every ``interval`` seconds, for as long as the node runs."""
+        self.interval = interval
         task_status.started()
         while True:
             await self.report()

@@ -245,41 +245,53 @@ def _per_node(stats, ops, nodes: int, rounds: float = 1.0) -> dict:
 # -- scenario 1: report rounds in a running job -----------------------------------------
 
 
-def rounds(nodes: int, rounds: int = 3, s: Settings | None = None, lost: int = 0) -> dict:
-    """A running job's report rounds: requests, messages and bytes per node per round."""
-    return _run(_rounds, JobModel(nodes), s or Settings(), rounds, lost)
+def rounds(nodes: int, s: Settings | None = None, steady: int = 2, after: int = 3, lost: float = 0.001) -> dict:
+    """A running job's report rounds: requests, messages and bytes per node per round.
+
+    ``steady`` rounds with every node up, then the first coordinator and a ``lost`` share
+    of the nodes go down and ``after`` rounds more are counted; by then every view must
+    have dropped what the lost nodes held.
+    """
+    return _run(_rounds, JobModel(nodes), s or Settings(), steady, after, lost)
 
 
-async def _rounds(model: JobModel, s: Settings, n_rounds: int, lost: int) -> dict:
+async def _rounds(model: JobModel, s: Settings, steady: int, after: int, lost: float) -> dict:
     job = Job(model, s)
     for r in range(model.nodes):
         job.add(r)
-    dead = set(job.rng.sample(range(model.nodes), lost)) if lost else set()
+    first = job.coordinator_ranks(1)[0]
+    others = [r for r in range(model.nodes) if r != first]
+    dead = {first, *job.rng.sample(others, int(lost * model.nodes))}
+    live = [r for r in range(model.nodes) if r not in dead]
+    out = {"nodes": model.nodes, "lost_nodes": len(dead) - 1}
     async with trio.open_nursery() as nursery:
         await nursery.start(job.net.run)
         for r, node in job.nodes.items():
-            nursery.start_soon(job.run_node, node, job.rng.uniform(0, s.interval), None)
-        for r in dead:
-            job.kill(r)
+            nursery.start_soon(job.run_node, node, job.rng.uniform(0, 5.0), None)
         await trio.sleep(2 * s.interval)  # everyone reported twice: the coordinators are settled
-        job.net.stats.reset()
-        start_listing = job.gcs.list_requests
-        await trio.sleep(n_rounds * s.interval)
-        stats = job.net.stats
-        live = [r for r in range(model.nodes) if r not in dead]
+        coords = [model.address(r) for r in job.coordinator_ranks(s.k)]
+        for phase, n_rounds in (("steady", steady), ("after_failures", after)):
+            if phase == "after_failures":
+                for r in dead:
+                    job.kill(r)
+                coords = [model.address(r) for r in job.coordinator_ranks(s.k + 1) if r != first]
+            job.net.stats.reset()
+            listings = job.gcs.list_requests
+            await trio.sleep(n_rounds * s.interval)
+            stats = job.net.stats
+            out[phase] = {**_per_node(stats, COORD_OPS, model.nodes, n_rounds),
+                          "coordinator_requests_per_round": round(max(stats.received[a] for a in coords) / n_rounds),
+                          "gcs_list_requests_per_round": round((job.gcs.list_requests - listings) / n_rounds, 1),
+                          "timeouts_per_round": round(sum(stats.timeouts.values()) / n_rounds, 1)}
         truth = job.truth(live)
         summaries = [job.nodes[r].coordination.member.summary for r in live]
-        agree = all(x is not None and x["newest"] == truth.newest_complete() and x["floor"] == truth.retention_floor()
-                    for x in summaries)
-        coords = job.coordinator_ranks(s.k)
-        inbound = max(stats.received[model.address(r)] for r in coords) / n_rounds
+        out["views_agree"] = all(x is not None and x["newest"] == truth.newest_complete()
+                                 and x["floor"] == truth.retention_floor() for x in summaries)
         nursery.cancel_scope.cancel()
-    return {"nodes": model.nodes, "rounds": n_rounds, **_per_node(stats, COORD_OPS, model.nodes, n_rounds),
-            "coordinator_requests_per_round": round(inbound), "gcs_list_requests_per_round":
-            round((job.gcs.list_requests - start_listing) / n_rounds, 1),
-            "gcs_list_requests_per_round_today": model.nodes * max(1, -(-model.nodes * len(model.gcs_steps) // s.gcs.page_objects)),
-            "requests_per_node_today": 4 * (model.nodes - 1),  # hello, auth, info, list to each peer
-            "views_agree": agree, "lost": lost}
+    pages = max(1, -(-model.nodes * len(model.gcs_steps) // s.gcs.page_objects))
+    out["today"] = {"requests_per_node": 4 * (model.nodes - 1),  # hello, auth, info, list to every peer
+                    "gcs_list_requests_per_round": model.nodes * pages}
+    return out
 
 
 # -- scenario 2: a restart decision with a coordinator lost --------------------------------
@@ -336,7 +348,7 @@ async def _decision(model: JobModel, s: Settings, c_lost: int, n_lost: int, late
             "all_ready": all(job.nodes[r].decision.ready for r in live),
             "agree": len(steps) == 1, "step": sorted(steps, key=lambda x: (x is None, x))[0],
             "matches_rules": steps == expected,
-            **_per_node(stats, COORD_OPS, len(live)), "timeouts": stats.timeouts}
+            **_per_node(stats, COORD_OPS, len(live)), "timeouts": sum(stats.timeouts.values())}
 
 
 # -- scenario 3: D twins restore from GCS together ----------------------------------------

@@ -76,7 +76,7 @@ class Stats:
     sent: Counter = field(default_factory=Counter)  # address -> requests it sent
     received: Counter = field(default_factory=Counter)  # address -> requests it received
     lost: int = 0
-    timeouts: int = 0
+    timeouts: Counter = field(default_factory=Counter)  # op -> requests that got no answer in time
 
     def messages(self, ops: Iterable[str] | None = None) -> int:
         keys = self.requests.keys() if ops is None else ops
@@ -253,7 +253,7 @@ class SimTransport:
         with trio.move_on_after(timeout) as scope:
             return await net._deliver(self.address, address, message)
         if scope.cancelled_caught:
-            net.stats.timeouts += 1
+            net.stats.timeouts[op] += 1
         raise Unreachable(f"{address} did not answer {op} within {timeout:g}s")
 
 

@@ -132,7 +132,8 @@ class SimNode:
             inc=int(start * 1e6) + 1)
         self.board = broadcast.ChunkBoard()
         self.decision = None
-        self.decided_at: float | None = None
+        self.decided_at: float | None = None  # seconds from its start to its decision
+        self.decided_abs: float | None = None
         self.restored_at: float | None = None
         self.fetch: broadcast.PlannedFetch | None = None
         net.listen(self.address, self.handle)
@@ -372,6 +373,7 @@ async def _restore_node(node: SimNode, job: Job, mode: str) -> None:
     group = model.twins(node.rank)
     d = await member.decide(node.rank, group, wait=s.restore_wait)
     node.decision, node.decided_at = d, trio.current_time() - t0
+    node.decided_abs = trio.current_time()
     if d.step is None:
         return
     chunks = model.chunks_of(node.rank, d.step)
@@ -415,6 +417,7 @@ async def _restore(model: JobModel, s: Settings, mode: str, fail: float) -> dict
     unique = model.group * model.chunks * model.chunk_size
     decided = [job.nodes[r].decided_at for r in live]
     done = [job.nodes[r].restored_at for r in live]
+    transfer = [job.nodes[r].restored_at - job.nodes[r].decided_abs for r in live]
     failed = sum(len(job.nodes[r].fetch.failed) for r in live)
     peer_bytes = sum(v for r in live for a, v in job.nodes[r].fetch.bytes_from.items() if a != GCS)
     return {"nodes": model.nodes, "mode": mode, "fail": fail, "victims": len(victims), "gcs_slow": s.gcs.slow,
@@ -423,5 +426,6 @@ async def _restore(model: JobModel, s: Settings, mode: str, fail: float) -> dict
             "gcs_per_unique": round(job.gcs.bytes_read / unique, 3),
             "peer_bytes": peer_bytes, "decision_s_max": round(max(decided), 3),
             "restore_s_max": round(max(done), 3), "restore_s_median": round(statistics.median(done), 3),
+            "transfer_s_max": round(max(transfer), 3), "transfer_s_median": round(statistics.median(transfer), 3),
             "fallbacks": sum(job.nodes[r].fetch.fallbacks for r in live), "failed_chunks": failed,
             "messages_per_node": round(job.net.stats.messages() / model.nodes, 2)}

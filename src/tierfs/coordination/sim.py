@@ -15,8 +15,9 @@ The model, kept simple and stated (:class:`NetModel`, :class:`GcsModel`):
 - a node that is down never answers: its requests time out (``refused`` nodes answer a
   refusal after one round trip instead, like a host whose daemon is gone);
 - GCS: a read costs a first-byte latency and runs at a per-stream bandwidth, through the
-  reading node's NIC; a listing costs one request per page of 1000 objects. ``slow``
-  multiplies latencies and divides bandwidths.
+  reading node's NIC and through the bucket's total bandwidth (a FIFO shared by every
+  reader: what the job's project may read at once); a listing costs one request per page
+  of 1000 objects. ``slow`` multiplies latencies and divides bandwidths.
 
 Every message is encoded (:func:`tierfs.coordination.transport.encoded`), so the size cap
 holds here as on the wire, and counted, per sender and per op.
@@ -51,6 +52,7 @@ class NetModel:
 class GcsModel:
     first_byte: float = 0.05  # seconds to the first byte of a read
     stream: float = 100e6  # bytes/s of one read
+    total: float = 25e9  # bytes/s the bucket serves to everyone at once (the project's egress quota)
     page: float = 0.1  # seconds per listing page
     page_objects: int = 1000
     slow: float = 1.0  # a slow GCS: latencies times this, bandwidth divided by it
@@ -266,6 +268,7 @@ class SimGcs:
         self.reads = 0
         self.list_requests = 0
         self.down = False
+        self._free = 0.0  # when the bucket's bandwidth is free for the next read
         self.set_listing(listing or {})
 
     def set_listing(self, listing: dict[int, Iterable[int]]) -> None:
@@ -295,5 +298,7 @@ class SimGcs:
         self.reads += 1
         self.bytes_read += length
         await self.net.sleep_until(trio.current_time() + m.first_byte * m.slow)
-        await self.net.sleep_until(self.net.nic_in(reader, length, m.stream / m.slow))
+        now = trio.current_time()
+        self._free = max(now, self._free) + length / (m.total / m.slow)
+        await self.net.sleep_until(max(self._free, self.net.nic_in(reader, length, m.stream / m.slow)))
         return length

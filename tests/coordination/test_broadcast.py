@@ -183,24 +183,24 @@ async def test_waiting_for_a_peer_ends_at_its_deadline_or_at_once_when_it_will_n
         assert answers == []  # planned: waits for the chunk itself
         board.arrived(h)
         await trio.sleep(0.01)
-        assert answers == [{"ok": True, "have": True, "pending": False, "via": []}]
+        assert answers == [{"ok": True, "have": True, "pending": False, "progress": 1, "via": []}]
 
         t0 = trio.current_time()
         assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": False, "via": []}
+            {"ok": True, "have": False, "pending": False, "progress": 1, "via": []}
         assert trio.current_time() == t0  # not in its plan: no wait at all
 
         board.set_plan([other])
         t0 = trio.current_time()
         assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": True, "via": []}
+            {"ok": True, "have": False, "pending": True, "progress": 1, "via": []}
         assert abs(trio.current_time() - t0 - 3) < 1e-9  # in its plan, not there: the whole wait
 
         nursery.start_soon(ask, other)
         await trio.sleep(1)
         board.gave_up(other)  # its sources failed: waiters go to their next source now
         await trio.sleep(0.01)
-        assert answers[-1] == {"ok": True, "have": False, "pending": False, "via": []}
+        assert answers[-1] == {"ok": True, "have": False, "pending": False, "progress": 1, "via": []}
     for bad in ({"hash": "XYZ", "wait": 1}, {"hash": h, "wait": 1e9}, {"hash": h, "wait": True}):
         assert "error" in await board.handle("x", {"op": "await_chunk", **bad})
 
@@ -222,6 +222,26 @@ async def test_a_parent_that_never_gets_the_chunk_is_left_at_the_deadline_for_gc
         took = trio.current_time() - t0
         assert 7 <= took < 7 + POLL + 1 and f.bytes_from == {GCS: MiB} and f.fallbacks == 1
         assert f.dead == set()  # slow is not dead: it is asked again for other chunks
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_slow_source_that_keeps_receiving_chunks_is_waited_for_past_the_deadline(autojump_clock):
+    """GCS is the bottleneck: the seed gets a chunk every 4 s, the child's deadline is 5 s."""
+    net = SimNetwork(NetModel())
+    gcs = SimGcs(net, GcsModel(first_byte=0.0, stream=MiB))
+    first, second = chunk(1), chunk(2)
+    seed, child = Node(net, gcs, "10.0.0.1:7070"), Node(net, gcs, "10.0.0.2:7070")
+    seed_plan = NodePlan(seed.address, [first, second], {first: (GCS_SOURCE,), second: (GCS_SOURCE,)},
+                         {first: 0, second: 0})
+    child_plan = NodePlan(child.address, [second], {second: (Source(seed.address, after_fetch=True), GCS_SOURCE)},
+                          {second: 1})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        nursery.start_soon(seed.fetcher(seed_plan).prefetch, dict.fromkeys([first, second], 4 * MiB), 1)
+        f = child.fetcher(child_plan, wait=5)
+        await f.fetch(second, 4 * MiB)
+        assert 8 <= trio.current_time() < 9  # its second chunk, 8 s in: 3 s past the deadline
+        assert f.bytes_from == {seed.address: 4 * MiB} and gcs.reads == 2  # and GCS was not read twice
         nursery.cancel_scope.cancel()
 
 

@@ -31,13 +31,18 @@ moving on when a source is down, slow or gives up. Messages (JSON headers on the
 wire; the chunk itself comes by the existing ``get_chunk``)::
 
     {"op":"await_chunk","hash":H,"wait":SECONDS}
-        -> {"ok":true,"have":bool,"pending":bool,"via":[address,...]}
+        -> {"ok":true,"have":bool,"pending":bool,"progress":n,"via":[address,...]}
 
 The answer comes when the chunk is in (``have``), or after ``wait`` seconds (at most 60)
 with ``pending`` true if the node still means to fetch it, or at once with ``pending``
-false when it will not (the chunk is not in its plan, or it gave up on it). A waiting node
-asks again every :data:`POLL` seconds up to its deadline, so a source that dies while it
-waits is noticed within a poll, not at the deadline.
+false when it will not (the chunk is not in its plan, or it gave up on it). A node asked
+before it has planned (it is still deciding) holds the question until its plan is known.
+A waiting node asks again every :data:`POLL` seconds up to its deadline, so a source that
+dies while it waits is noticed within a poll, not at the deadline; sources a coordinator
+already reported down are skipped at once. The deadline counts time without progress:
+``progress`` is how many chunks the source has received so far, and each poll that finds
+it grown starts the wait again. When GCS is the bottleneck every seed is slow, and a
+waiter that went to GCS itself after a fixed time would only add to the queue.
 
 Plans computed from different answers (a twin decided after another node was found
 down) can disagree, and two nodes could then wait for each other. ``via`` (at most 16
@@ -248,6 +253,7 @@ class ChunkBoard:
         self._have: set[str] = set()
         self._events: dict[str, trio.Event] = {}
         self._upstream: dict[str, list[str]] = {}  # chunk -> the chain of nodes this one waits on for it
+        self.progress = 0  # chunks received so far: waiters keep waiting while it grows
         self._known = trio.Event()  # the plan is known: until then a wait cannot tell "never"
         if planned is not None:
             self._known.set()
@@ -268,7 +274,9 @@ class ChunkBoard:
         return h in self._have
 
     def arrived(self, h: str) -> None:
-        self._have.add(h)
+        if h not in self._have:
+            self._have.add(h)
+            self.progress += 1
         self._wake(h)
 
     def gave_up(self, h: str) -> None:
@@ -317,7 +325,8 @@ class ChunkBoard:
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
             return {"error": f"malformed await_chunk: wait must be a number of seconds in [0, {MAX_WAIT:g}]"}
         have = await self.wait(h, wait)
-        return {"ok": True, "have": have, "pending": self.pending(h), "via": self._upstream.get(h, [])}
+        return {"ok": True, "have": have, "pending": self.pending(h), "progress": self.progress,
+                "via": self._upstream.get(h, [])}
 
 
 ReadPeer = Callable[[str, str, int], Awaitable[object]]  # (address, chunk, length) -> its bytes
@@ -380,9 +389,10 @@ class PlannedFetch:
         return await self.read_peer(src.address, h, length)
 
     async def _await(self, source: str, h: str) -> bool:
-        """Wait until ``source`` has ``h``: False at the deadline, when it will not, or in a cycle."""
+        """Wait until ``source`` has ``h``: False after ``wait`` s without progress, when it will not, in a cycle."""
         me = self.plan.address
         deadline = trio.current_time() + self.wait
+        progress = None
         self.board.waiting_on(h, [source])
         try:
             while True:
@@ -393,6 +403,10 @@ class PlannedFetch:
                     raise SourceFailed(str(reply["error"]))
                 if reply.get("have"):
                     return True
+                seen = reply.get("progress")
+                if isinstance(seen, int) and progress is not None and seen > progress:
+                    deadline = trio.current_time() + self.wait  # it is getting chunks, only slowly
+                progress = seen if isinstance(seen, int) else progress
                 if not reply.get("pending") or trio.current_time() >= deadline:
                     return False
                 via = reply.get("via")

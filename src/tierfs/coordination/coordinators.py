@@ -1,54 +1,71 @@
-"""A few coordinators per job collect every node's holdings and answer for the whole cluster.
+"""A few coordinators per job collect every node's holdings and answer for the whole job.
 
 Why. Today every node asks every other node what it holds, at start and every
-``--survey-interval``: N(N-1) connections a round, 10^8 at 10,000 nodes. Here each node
-sends one report to each of ``k`` coordinators a round (k = 3: 3N requests in all), and a
-starting node asks one coordinator for its step. The coordinators apply the rules of
-:mod:`tierfs.cluster` (see :mod:`tierfs.coordination.view`) to what they received, so
-the answer is the one a survey of every node would give.
+``--survey-interval``: N(N-1) connections a round, 10^8 at 10,000 nodes, and N listings
+of GCS. Here each node sends one report to each of ``k`` coordinators a round (k = 3: 3N
+requests in all), the coordinators list GCS (k listings), and a starting node asks one
+coordinator for its step. The coordinators apply the rules of :mod:`tierfs.cluster` (see
+:mod:`tierfs.coordination.view`) to what they received, so the answer is the one a
+survey of every node would give.
 
 Who. Every node orders the job's members the same way (:func:`candidates`: a hash of the
-job and the address, so coordinators spread over racks and are not always rank 0) and
-sends its report to the first ``k`` it can reach. A coordinator that does not answer is
-*suspected* and skipped for ``suspect_for`` seconds; the node reports to the next
-candidate instead, so when one is gone, the next one takes over within one request
-timeout. A node is a coordinator exactly while it receives reports: it then lists the
-job's manifests in GCS each interval (k listings a round instead of N), pulls the reports
-of members that stay silent, and drops reports older than ``ttl``. No coordinator talks
-to another; each holds the whole view, so any one of them can answer.
+job and the address, so the coordinators are spread over racks, and rank 0 is not special)
+and sends its report to the first ``k`` it can reach. One that does not answer is skipped
+for a round and a half (one that refuses, its daemon starting, for a second) and the
+next candidate gets the report: when a coordinator is gone, the next one takes over
+within one request timeout. Members name the coordinators they found silent in their
+next reports (``suspects``); the others check them at once and list those found down in
+their answers (``down``), so every member skips a dead coordinator without a timeout of
+its own.
 
-Ready. A coordinator's view is *ready* once every member has reported, or been found
-down (``down_after`` pulls in a row unanswered), and a GCS listing has finished (or
-failed) since it became a coordinator. A starting node waits for a ready answer, up to
-``--restore-wait``, and takes the best one it has after that, as a survey takes the
-peers that answered. Unlike the survey, which waits out the whole ``--restore-wait``
-for a peer that is gone, a member that does not answer two pulls stops holding the
+A node *coordinates* while it is one of the first ``k`` candidates or most members send
+it their reports. Then it lists the job's manifests in GCS every interval (in parallel
+prefix shards, :func:`listing_prefixes`), pulls the report of every member that is silent
+or overdue (no report for a round and a half), and counts a member *down* after two
+pulls without an answer (its holdings leave the view), or after ``REFUSED_GRACE``
+seconds of refused connections. A node that members reported to only while a candidate
+was starting is a *stand-in*: it keeps and answers what it has, but does none of that,
+and stops being one once the members go back.
+
+Deciding. A starting node long-polls the first coordinator with ``coord_decide``. Its
+answer is *ready* when every member is accounted for (reported, or found down) and GCS
+was listed; for decisions, reports older than ``FRESH`` seconds are confirmed by a pull
+first, so a node that died since its last report does not count, as it would not answer
+a survey. The node waits up to ``--restore-wait`` for a ready answer, then takes the best
+it has, as a survey takes the peers that answered. Unlike the survey, which waits out the
+whole ``--restore-wait`` for a peer that is gone, a member found down stops holding the
 decision back: with thousands of nodes one is almost always down. Its data is restorable
-all the same from its replicas and GCS; when it comes back, it adopts the step the others
+all the same from replicas and GCS; when it comes back, it adopts the step the others
 run from (the adopt rule of the view).
 
 Agreement. Nodes ask the coordinators in the same order, so they take the same one's
-answer; all coordinators receive the same reports, so they agree unless a message was
-lost, and a pull fixes that. A node whose view differs still adopts the step its peers
+answer; every coordinator receives every report, so they agree unless a message was lost,
+and a pull repairs that. A node whose view differs still adopts the step its peers
 already run from.
 
 Messages (JSON headers on the peer wire, no bodies; each well under 1 MiB)::
 
-    {"op":"coord_report","report":REPORT}
-        -> {"ok":true,"summary":SUMMARY}
-    {"op":"coord_decide","rank":R,"group":[R,...],"wait":SECONDS}        (group: <= 64 ranks)
-        -> {"ok":true,"ready":bool,"you":bool,"summary":SUMMARY,"reported":n,"members":m,
-            "down":[address,...],"down_count":d,"gcs":{"listed":bool,"error":str|null},
+    {"op":"coord_report","report":REPORT,"suspects":[address,...]}        (suspects: <= 8, optional)
+        -> {"ok":true,"summary":SUMMARY,"down":[address,...]}
+    {"op":"coord_decide","rank":R,"group":[R,...],"wait":SECONDS,"report":REPORT}
+            (group: the ranks holding the same data, <= 64; report: optional, when this
+             coordinator may not have the asker's)
+        -> {"ok":true,"ready":bool,"you":bool,"coordinating":bool,"summary":SUMMARY,
+            "reported":n,"members":m,"down":[address,...],"down_count":d,
+            "gcs":{"listed":bool,"error":str|null},
             "ranks":{"R":{"choice":S|null,"steps":{"S":[holder,...]},"nodes":[address,...]}}}
-    {"op":"coord_pull"}                                                  (a coordinator to a silent member)
+    {"op":"coord_pull"}                                      (a coordinator to a member)
         -> {"ok":true,"report":REPORT}
 
 REPORT is :class:`tierfs.coordination.view.Holdings` on the wire; SUMMARY is
-``{"newest":S|null,"floor":S|null,"decisions":[S,...],"complete":[S,...],"ranks":n}``.
-A holder is a node's address or ``"gcs"``. ``coord_decide`` is a long poll: the
-coordinator answers as soon as its view is ready, or after ``wait`` seconds (at most 30)
-with what it has. Answers list at most 16 steps per rank (the newest) and 16 holders per
-step; ``choice`` is computed over everything, so it is exact even where the lists are cut.
+``{"newest":S|null,"floor":S|null,"decisions":[S,...],"complete":[S,...],"ranks":n}``
+(the newest complete step, the retention floor, the steps nodes run from). A holder is a
+node's address or ``"gcs"``; ``nodes`` are the addresses reporting as that rank (or found
+down since). ``coord_decide`` answers as soon as the view is ready, or after ``wait``
+seconds (at most 30) with what it has; a stand-in answers at once (``coordinating``
+false) and the member asks the next candidate. Answers list at most 16 steps per rank
+(the newest), 16 holders per step and 64 down members; ``choice`` is computed over
+everything, so it is exact where the lists are cut. Errors are ``{"error": one line}``.
 """
 
 from __future__ import annotations
@@ -148,7 +165,6 @@ class Coordinator:
         self._confirmed: set[str] = set()  # members whose holdings are known as of the epoch
         self._ready = trio.Event()
         self._activated = trio.Event()
-        self._answers: dict[tuple[int, int], dict] = {}  # (view version, readiness) -> summary cache
         self.received = 0  # reports, for tests and the simulation
 
     # -- state ----------------------------------------------------------------------------
@@ -248,13 +264,15 @@ class Coordinator:
 
     def _expire(self) -> None:
         now = self.clock()
-        for source, at in list(self._pushed.items()):
+        while self._pushed:  # oldest first: stop at the first one recent enough
+            source, at = next(iter(self._pushed.items()))
             if now - at <= OVERDUE_ROUNDS * self.interval:
                 break
             del self._pushed[source]
-        for source, report in list(self._reports.items()):
+        while self._reports:
+            source, report = next(iter(self._reports.items()))
             if now - report.at <= self.ttl:
-                break  # the rest arrived later
+                break
             self._forget(source)
         if not self._reports and self.active_since is not None and now - self.active_since > self.ttl:
             log.info("no reports for %.0fs: no longer a coordinator", self.ttl)

@@ -1,0 +1,439 @@
+"""Broadcast restores: each chunk leaves GCS (or a holder) once and spreads between the nodes that need it.
+
+Why. When a whole job restarts from GCS, the D data-parallel twins of a rank restore the
+same chunks. Each fetching everything itself reads every byte from GCS D times: D times
+the egress bill, and D times the time when GCS is the bottleneck. Here the twins split
+the work: each chunk has one *seed* that reads it from GCS, and the others get it from
+the seed, or from a node that got it from the seed (a tree of bounded fan-out), as soon
+as it is there.
+
+The planner (:func:`plan`) is pure and deterministic: from who needs which chunks and who
+holds them now, it gives every node, for every chunk it needs, an ordered list of
+sources. Every node that computes it from the same inputs (a rank's twins: the same
+manifest and the same answer of a coordinator) gets the same plan, so nothing has to be
+sent to agree on it.
+
+- A chunk some peer holds now (a replica, a twin that kept it) comes from those holders,
+  never from GCS; a chunk no peer holds is read from GCS by exactly one seed, the needing
+  node with the fewest GCS bytes so far (so the seeds rotate and the GCS work splits evenly).
+- The others form a tree under the holders or the seed: each source serves at most
+  ``fan_out`` nodes per chunk, parents chosen by the fewest bytes served so far.
+- After its planned source, a node's list goes up the tree (its parent's parent, ..., the
+  seed), then to other holders, then to GCS: a source that fails costs one more hop, and a
+  GCS read only when nothing else is left.
+- A node fetches its chunks by depth (what it seeds or takes from holders first), so the
+  nodes below it find them there when they ask.
+
+The runtime side: :class:`ChunkBoard` records which chunks of the restore a node has and
+answers ``await_chunk`` (wait until it has chunk h, up to a deadline);
+:class:`PlannedFetch` walks a chunk's sources, waiting for a node that will have it,
+moving on when a source is down, slow or gives up. Messages (JSON headers on the peer
+wire; the chunk itself comes by the existing ``get_chunk``)::
+
+    {"op":"await_chunk","hash":H,"wait":SECONDS}
+        -> {"ok":true,"have":bool,"pending":bool,"progress":n,"via":[address,...]}
+
+The answer comes when the chunk is in (``have``), or after ``wait`` seconds (at most 60)
+with ``pending`` true if the node still means to fetch it, or at once with ``pending``
+false when it will not (the chunk is not in its plan, or it gave up on it). A node asked
+before it has planned (it is still deciding) holds the question until its plan is known.
+A waiting node asks again every :data:`POLL` seconds up to its deadline, so a source that
+dies while it waits is noticed within a poll, not at the deadline; sources a coordinator
+already reported down are skipped at once. The deadline counts time without progress:
+``progress`` is how many chunks the source has received so far, and each poll that finds
+it grown starts the wait again. When GCS is the bottleneck every seed is slow, and a
+waiter that went to GCS itself after a fixed time would only add to the queue.
+
+Plans computed from different answers (a twin decided after another node was found
+down) can disagree, and two nodes could then wait for each other. ``via`` (at most 16
+addresses) is the chain of nodes the answering node itself waits on for that chunk: a
+node that finds itself in its own chain is in a cycle, and the member of the cycle with
+the lowest :func:`priority` leaves it for its next source, within a poll.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import logging
+import re
+from collections import Counter
+from collections.abc import Awaitable, Callable, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from tierfs.coordination.transport import Message, Transport, Unreachable
+
+log = logging.getLogger(__name__)
+
+GCS = "gcs"
+FAN_OUT = 4  # nodes one source serves per chunk
+FALLBACKS = 3  # sources tried after the planned one before GCS
+WAIT = 30.0  # longest wait for a node that will have a chunk
+POLL = 2.0  # one await_chunk waits at most this long: a dead source is noticed within a poll
+RPC_TIMEOUT = 2.0
+MAX_WAIT = 60.0
+_HASH = re.compile(r"^[0-9a-f]{32}$")
+MAX_VIA = 16
+
+
+def priority(h: str, address: str) -> bytes:
+    """Who leaves a cycle of waits for chunk ``h`` (the lowest): the same on every node."""
+    return hashlib.blake2b(f"{h}|{address}".encode(), digest_size=8).digest()
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where a chunk can come from: a node (``after_fetch``: once its own fetch is done) or GCS."""
+
+    address: str
+    after_fetch: bool = False
+
+    @property
+    def is_gcs(self) -> bool:
+        return self.address == GCS
+
+
+GCS_SOURCE = Source(GCS)
+
+
+@dataclass
+class NodePlan:
+    """One node's part of a broadcast restore."""
+
+    address: str
+    order: list[str] = field(default_factory=list)  # chunks, in the order to fetch them
+    sources: dict[str, tuple[Source, ...]] = field(default_factory=dict)  # chunk -> sources, best first
+    depth: dict[str, int] = field(default_factory=dict)  # chunk -> hops below GCS or a holder
+
+    def from_gcs(self) -> list[str]:
+        """Chunks this node is planned to read from GCS (it seeds them)."""
+        return [h for h in self.order if self.sources[h] and self.sources[h][0].is_gcs]
+
+
+class _Everything:
+    def __contains__(self, item: object) -> bool:
+        return True
+
+
+def plan(needs: Mapping[str, Sequence[str]], sizes: Mapping[str, int],
+         holders: Mapping[str, Iterable[str]] | None = None, in_gcs: Container[str] | bool = True,
+         fan_out: int = FAN_OUT, fallbacks: int = FALLBACKS, dead: Container[str] = ()) -> dict[str, NodePlan]:
+    """Per-node plans for ``needs`` (node -> chunks it needs, in the order it wants them).
+
+    ``holders``: chunk -> nodes that hold it now; ``in_gcs``: the chunks GCS has (True:
+    all); ``dead``: nodes known down, never planned as sources.
+    """
+    if fan_out < 1:
+        raise ValueError("fan_out must be at least 1")
+    holders = holders or {}
+    gcs = _Everything() if in_gcs is True else (() if in_gcs is False else in_gcs)
+    first: dict[str, int] = {}
+    wanted: dict[str, list[str]] = {}
+    for node in sorted(needs):
+        for i, h in enumerate(needs[node]):
+            if h not in first or i < first[h]:
+                first[h] = i
+            wanted.setdefault(h, []).append(node)
+    plans = {node: NodePlan(node) for node in needs}
+    served: Counter = Counter()  # source -> bytes it sends to other nodes
+    seeded: Counter = Counter()  # node -> bytes it reads from GCS
+    for index, h in enumerate(sorted(first, key=lambda c: (first[c], c))):
+        size = sizes[h]
+        held = sorted(a for a in set(holders.get(h, ())) if a != GCS and a not in dead)
+        needers = sorted(set(wanted[h]) - set(held))
+        if not needers:
+            continue
+        parent: dict[str, str] = {}
+        depth: dict[str, int] = {a: 0 for a in held}
+        if held:
+            roots = held
+        elif h in gcs:
+            n = len(needers)
+            seed = min(enumerate(needers), key=lambda t: (seeded[t[1]], (t[0] - index) % n))[1]
+            seeded[seed] += size
+            parent[seed], depth[seed] = GCS, 0
+            roots = [seed]
+            needers.remove(seed)
+        else:
+            for a in needers:  # on no tier: the fetch reports it
+                plans[a].sources[h], plans[a].depth[h] = (), 0
+            continue
+        _tree(h, size, roots, needers, index, fan_out, served, parent, depth)
+        restoring = set(wanted[h]) - set(held)
+        for a in wanted[h]:
+            if a in held:
+                continue
+            p = plans[a]
+            p.sources[h] = _sources(a, parent, held, restoring, h in gcs, fallbacks)
+            p.depth[h] = depth[a]
+    for p in plans.values():
+        p.order = sorted(p.sources, key=lambda c: (p.depth[c], first[c], c))
+    return plans
+
+
+def _tree(h: str, size: int, roots: list[str], needers: list[str], index: int, fan_out: int,
+          served: Counter, parent: dict[str, str], depth: dict[str, int]) -> None:
+    """Hang ``needers`` under ``roots``, ``fan_out`` per node, least-loaded parents first."""
+    if not needers:
+        return
+    k = index % len(needers)
+    rest = needers[k:] + needers[:k]  # who sits high in the tree changes from chunk to chunk
+    layer = [(served[r], r) for r in roots]
+    heapq.heapify(layer)
+    children: Counter = Counter()
+    below: list[str] = []
+    for a in rest:
+        if not layer:
+            layer = [(served[b], b) for b in below]
+            heapq.heapify(layer)
+            below = []
+        load, p = heapq.heappop(layer)
+        parent[a], depth[a] = p, depth[p] + 1
+        served[p] += size
+        children[p] += 1
+        below.append(a)
+        if children[p] < fan_out:
+            heapq.heappush(layer, (served[p], p))
+
+
+def _sources(node: str, parent: dict[str, str], held: list[str], restoring: set[str],
+             gcs: bool, fallbacks: int) -> tuple[Source, ...]:
+    out: list[Source] = []
+    p = parent.get(node)
+    if p == GCS:
+        return (GCS_SOURCE,)
+    seen = {node}
+    while p is not None and p != GCS and len(out) < 1 + fallbacks:
+        out.append(Source(p, after_fetch=p in restoring))
+        seen.add(p)
+        p = parent.get(p)
+    for a in held:
+        if len(out) >= 1 + fallbacks:
+            break
+        if a not in seen:
+            out.append(Source(a))
+            seen.add(a)
+    if gcs:
+        out.append(GCS_SOURCE)
+    return tuple(out)
+
+
+def plan_stats(plans: Mapping[str, NodePlan], sizes: Mapping[str, int]) -> dict:
+    """GCS bytes planned against the unique bytes needed, and the busiest source."""
+    unique = {h for p in plans.values() for h in p.sources}
+    gcs = sum(sizes[h] for p in plans.values() for h in p.from_gcs())
+    served: Counter = Counter()
+    for p in plans.values():
+        for h, src in p.sources.items():
+            if src and not src[0].is_gcs:
+                served[src[0].address] += sizes[h]
+    return {"unique_bytes": sum(sizes[h] for h in unique), "gcs_bytes": gcs,
+            "max_served_bytes": max(served.values(), default=0),
+            "max_depth": max((d for p in plans.values() for d in p.depth.values()), default=0)}
+
+
+# -- runtime -----------------------------------------------------------------------------
+
+
+class NoSource(Exception):
+    """No source of a chunk's plan gave it."""
+
+
+class SourceFailed(Exception):
+    """A source answered but did not give the chunk (not found, wrong bytes, refused)."""
+
+
+class ChunkBoard:
+    """The chunks of the running restore this node has, and those it still means to fetch."""
+
+    def __init__(self, planned: Iterable[str] | None = None):
+        self._planned = set(planned or ())
+        self._have: set[str] = set()
+        self._events: dict[str, trio.Event] = {}
+        self._upstream: dict[str, list[str]] = {}  # chunk -> the chain of nodes this one waits on for it
+        self.progress = 0  # chunks received so far: waiters keep waiting while it grows
+        self._known = trio.Event()  # the plan is known: until then a wait cannot tell "never"
+        if planned is not None:
+            self._known.set()
+
+    def waiting_on(self, h: str, chain: list[str] | None) -> None:
+        """This node now waits on ``chain`` (its source first) for ``h``; None: it no longer waits."""
+        if chain:
+            self._upstream[h] = chain[:MAX_VIA]
+        else:
+            self._upstream.pop(h, None)
+
+    def set_plan(self, planned: Iterable[str]) -> None:
+        """The chunks this node will fetch (its plan's order): waits for others now get answers."""
+        self._planned.update(h for h in planned if h not in self._have)
+        self._known.set()
+
+    def has(self, h: str) -> bool:
+        return h in self._have
+
+    def arrived(self, h: str) -> None:
+        if h not in self._have:
+            self._have.add(h)
+            self.progress += 1
+        self._wake(h)
+
+    def gave_up(self, h: str) -> None:
+        """This node will not have ``h`` soon: nodes waiting for it go to their next source."""
+        self._planned.discard(h)
+        self._wake(h)
+
+    def plan(self, h: str) -> None:
+        """This node means to fetch ``h`` (again, after giving up on it)."""
+        self._planned.add(h)
+
+    def _wake(self, h: str) -> None:
+        event = self._events.pop(h, None)
+        if event is not None:
+            event.set()
+
+    def pending(self, h: str) -> bool:
+        """Whether this node may still get ``h`` (it has not planned yet, or it is in its plan)."""
+        return h not in self._have and (not self._known.is_set() or h in self._planned)
+
+    async def wait(self, h: str, timeout: float) -> bool:
+        """True once this node has ``h``; False after ``timeout``, or at once if it will not.
+
+        A node asked before it has planned (it is still deciding) waits for its plan first:
+        its twins compute theirs from the same answer at about the same time.
+        """
+        deadline = trio.current_time() + timeout
+        if not self._known.is_set():
+            with trio.move_on_at(deadline):
+                await self._known.wait()
+        while h not in self._have and h in self._planned:
+            event = self._events.get(h)
+            if event is None:
+                event = self._events[h] = trio.Event()
+            with trio.move_on_at(deadline) as scope:
+                await event.wait()
+            if scope.cancelled_caught:
+                break
+        return h in self._have
+
+    async def handle(self, source: str, message: Message) -> Message:
+        """Answer ``await_chunk``."""
+        h, wait = message.get("hash"), message.get("wait", 0)
+        if not (isinstance(h, str) and _HASH.match(h)):
+            return {"error": "malformed await_chunk: hash must be 32 lowercase hex digits"}
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
+            return {"error": f"malformed await_chunk: wait must be a number of seconds in [0, {MAX_WAIT:g}]"}
+        have = await self.wait(h, wait)
+        return {"ok": True, "have": have, "pending": self.pending(h), "progress": self.progress,
+                "via": self._upstream.get(h, [])}
+
+
+ReadPeer = Callable[[str, str, int], Awaitable[object]]  # (address, chunk, length) -> its bytes
+ReadGcs = Callable[[str, int], Awaitable[object]]  # (chunk, length) -> its bytes
+
+
+class PlannedFetch:
+    """Fetch chunks the way a node's plan says, falling back source by source.
+
+    ``read_peer`` / ``read_gcs`` get the verified bytes (the daemon's ChunkSources does
+    that today); they raise :class:`Unreachable` (the source is then not asked again
+    during this restore) or :class:`SourceFailed` (it is, for other chunks).
+    """
+
+    def __init__(self, plan: NodePlan, transport: Transport, read_peer: ReadPeer, read_gcs: ReadGcs | None,
+                 board: ChunkBoard | None = None, *, wait: float = WAIT, rpc_timeout: float = RPC_TIMEOUT,
+                 dead: Iterable[str] = ()):
+        self.plan, self.transport, self.read_peer, self.read_gcs = plan, transport, read_peer, read_gcs
+        self.board = board if board is not None else ChunkBoard()
+        self.board.set_plan(plan.order)
+        self.wait, self.rpc_timeout = wait, rpc_timeout
+        self.dead: set[str] = set(dead)  # known down (a coordinator said so): skipped without a timeout
+        self.bytes_from: Counter = Counter()  # "gcs" or a node -> bytes it gave
+        self.failed: dict[str, str] = {}  # chunk -> why no source gave it
+        self.fallbacks = 0  # chunks that came from another source than the planned one
+
+    async def fetch(self, h: str, length: int):
+        """Chunk ``h`` from the first source of its plan that gives it; NoSource if none does."""
+        errors = []
+        for i, src in enumerate(self.plan.sources.get(h, ())):
+            if src.address in self.dead or (src.is_gcs and self.read_gcs is None):
+                continue
+            try:
+                data = await self._from(src, h, length)
+            except Unreachable as e:
+                self.dead.add(src.address)
+                errors.append(f"{src.address}: {e}")
+                continue
+            except SourceFailed as e:
+                errors.append(f"{src.address}: {e}")
+                continue
+            if data is None:
+                errors.append(f"{src.address}: did not have it in time")
+                continue
+            if i:
+                self.fallbacks += 1
+            self.bytes_from[src.address] += length
+            self.board.arrived(h)
+            return data
+        self.board.gave_up(h)
+        why = "; ".join(errors) or "the plan has no source for it"
+        self.failed[h] = why
+        raise NoSource(f"chunk {h}: no planned source gave it ({why})")
+
+    async def _from(self, src: Source, h: str, length: int):
+        if src.is_gcs:
+            return await self.read_gcs(h, length)
+        if src.after_fetch and not await self._await(src.address, h):
+            return None
+        return await self.read_peer(src.address, h, length)
+
+    async def _await(self, source: str, h: str) -> bool:
+        """Wait until ``source`` has ``h``: False after ``wait`` s without progress, when it will not, in a cycle."""
+        me = self.plan.address
+        deadline = trio.current_time() + self.wait
+        progress = None
+        self.board.waiting_on(h, [source])
+        try:
+            while True:
+                wait = min(POLL, max(0.0, deadline - trio.current_time()))
+                reply = await self.transport.request(source, {"op": "await_chunk", "hash": h, "wait": wait},
+                                                     wait + self.rpc_timeout)
+                if "error" in reply:
+                    raise SourceFailed(str(reply["error"]))
+                if reply.get("have"):
+                    return True
+                seen = reply.get("progress")
+                if isinstance(seen, int) and progress is not None and seen > progress:
+                    deadline = trio.current_time() + self.wait  # it is getting chunks, only slowly
+                progress = seen if isinstance(seen, int) else progress
+                if not reply.get("pending") or trio.current_time() >= deadline:
+                    return False
+                via = reply.get("via")
+                chain = [source, *(a for a in via[:MAX_VIA] if isinstance(a, str))] if isinstance(via, list) else [source]
+                self.board.waiting_on(h, chain)
+                if me in chain:
+                    cycle = [*chain[: chain.index(me)], me]
+                    if min(cycle, key=lambda a: priority(h, a)) == me:
+                        log.info("chunk %s: %s waits in a cycle (%s): going to the next source", h,
+                                 me, " -> ".join(cycle))
+                        return False
+        finally:
+            self.board.waiting_on(h, None)
+
+    async def prefetch(self, lengths: Mapping[str, int], workers: int = 8) -> None:
+        """Fetch every chunk of the plan in its order, ``workers`` at a time; failures go to ``failed``."""
+        order = iter(self.plan.order)
+
+        async def worker() -> None:
+            for h in order:
+                if self.board.has(h):
+                    continue
+                try:
+                    await self.fetch(h, lengths[h])
+                except NoSource as e:
+                    log.warning("%s", e)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(workers):
+                nursery.start_soon(worker)

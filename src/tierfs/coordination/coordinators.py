@@ -1,0 +1,738 @@
+"""A few coordinators per job collect every node's holdings and answer for the whole job.
+
+Why. Today every node asks every other node what it holds, at start and every
+``--survey-interval``: N(N-1) connections a round, 10^8 at 10,000 nodes, and N listings
+of GCS. Here each node sends one report to each of ``k`` coordinators a round (k = 3: 3N
+requests in all), the coordinators list GCS (k listings), and a starting node asks one
+coordinator for its step. The coordinators apply the rules of :mod:`tierfs.cluster` (see
+:mod:`tierfs.coordination.view`) to what they received, so the answer is the one a
+survey of every node would give.
+
+Who. Every node orders the job's members the same way (:func:`candidates`: a hash of the
+job and the address, so the coordinators are spread over racks, and rank 0 is not special)
+and sends its report to the first ``k`` it can reach. One that does not answer is skipped
+for a round and a half (one that refuses, its daemon starting, for a second) and the
+next candidate gets the report: when a coordinator is gone, the next one takes over
+within one request timeout. Members name the coordinators they found silent in their
+next reports (``suspects``); the others check them at once and list those found down in
+their answers (``down``), so every member skips a dead coordinator without a timeout of
+its own.
+
+A node *coordinates* while it is one of the first ``k`` candidates or most members send
+it their reports. Then it lists the job's manifests in GCS every interval (in parallel
+prefix shards, :func:`listing_prefixes`), pulls the report of every member that is silent
+or overdue (no report for a round and a half), and counts a member *down* after two
+pulls without an answer (its holdings leave the view), or after ``REFUSED_GRACE``
+seconds of refused connections. A node that members reported to only while a candidate
+was starting is a *stand-in*: it keeps and answers what it has, but does none of that,
+and stops being one once the members go back.
+
+Deciding. A starting node long-polls the first coordinator with ``coord_decide``. Its
+answer is *ready* when every member is accounted for (reported, or found down) and GCS
+was listed; for decisions, reports older than ``FRESH`` seconds are confirmed by a pull
+first, so a node that died since its last report does not count, as it would not answer
+a survey. The node waits up to ``--restore-wait`` for a ready answer, then takes the best
+it has, as a survey takes the peers that answered. Unlike the survey, which waits out the
+whole ``--restore-wait`` for a peer that is gone, a member found down stops holding the
+decision back: with thousands of nodes one is almost always down. Its data is restorable
+all the same from replicas and GCS; when it comes back, it adopts the step the others
+run from (the adopt rule of the view).
+
+Agreement. Nodes ask the coordinators in the same order, so they take the same one's
+answer; every coordinator receives every report, so they agree unless a message was lost,
+and a pull repairs that. A node whose view differs still adopts the step its peers
+already run from.
+
+Messages (JSON headers on the peer wire, no bodies; each well under 1 MiB)::
+
+    {"op":"coord_report","report":REPORT,"suspects":[address,...]}        (suspects: <= 8, optional)
+        -> {"ok":true,"summary":SUMMARY,"down":[address,...]}
+    {"op":"coord_decide","rank":R,"group":[R,...],"wait":SECONDS,"report":REPORT}
+            (group: the ranks holding the same data, <= 64; report: optional, when this
+             coordinator may not have the asker's)
+        -> {"ok":true,"ready":bool,"you":bool,"coordinating":bool,"summary":SUMMARY,
+            "reported":n,"members":m,"down":[address,...],"down_count":d,
+            "gcs":{"listed":bool,"error":str|null},
+            "ranks":{"R":{"choice":S|null,"steps":{"S":[holder,...]},"nodes":[address,...]}}}
+    {"op":"coord_pull"}                                      (a coordinator to a member)
+        -> {"ok":true,"report":REPORT}
+
+REPORT is :class:`tierfs.coordination.view.Holdings` on the wire; SUMMARY is
+``{"newest":S|null,"floor":S|null,"decisions":[S,...],"complete":[S,...],"ranks":n}``
+(the newest complete step, the retention floor, the steps nodes run from). A holder is a
+node's address or ``"gcs"``; ``nodes`` are the addresses reporting as that rank (or found
+down since). ``coord_decide`` answers as soon as the view is ready, or after ``wait``
+seconds (at most 30) with what it has; a stand-in answers at once (``coordinating``
+false) and the member asks the next candidate. Answers list at most 16 steps per rank
+(the newest), 16 holders per step and 64 down members; ``choice`` is computed over
+everything, so it is exact where the lists are cut. Errors are ``{"error": one line}``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import trio
+
+from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable, int_field, int_list
+from tierfs.coordination.view import GCS, Holdings, HoldingsView
+
+log = logging.getLogger(__name__)
+
+K = 3  # coordinators per job
+RPC_TIMEOUT = 1.0  # a coordination answer is a few hundred bytes: a live node sends it in milliseconds
+SUSPECT_FOR = 20.0  # a coordinator that did not answer is skipped this long (and at least a round and a half)
+REFUSED_FOR = 1.0  # one that refused (its daemon is starting) is asked again this soon
+INTERVAL = 30.0  # between reports (--survey-interval)
+TTL_ROUNDS = 3  # a report older than this many intervals no longer counts
+OVERDUE_ROUNDS = 1.5  # a coordinator pulls a member whose last report is older than this many intervals
+TICK = 0.5  # a coordinator's duties (pulls, expiry, listings) run this often
+PULL_AFTER = 1.0  # seconds as a coordinator before pulling the reports of silent members
+DOWN_AFTER = 2  # pulls in a row without an answer before a member counts as down
+REFUSED_GRACE = 5.0  # a member whose host refused a pull (its daemon may be starting) is down after this
+FRESH = 10.0  # a decision counts reports of the last FRESH seconds; older ones are confirmed by a pull
+PULLS_AT_ONCE = 64
+DECIDE_POLL = 2.0  # one long poll of coord_decide
+MAX_WAIT = 30.0
+MAX_GROUP = 64
+MAX_LISTED_STEPS = 16  # per rank in an answer: the newest
+MAX_LISTED_HOLDERS = 16  # per step in an answer
+MAX_LISTED_DOWN = 64
+MAX_SUSPECTS = 8  # coordinators a member found unresponsive, named in its next report
+LISTINGS_AT_ONCE = 32  # prefix listings of GCS in flight at once
+
+Clock = Callable[[], float]
+
+
+def candidates(job: str, members: Iterable[str]) -> list[str]:
+    """The order in which members become coordinators: the same on every node of ``job``.
+
+    Computed once per node (it hashes every member); pass it on as ``order``.
+    """
+    return sorted(set(members), key=lambda a: hashlib.blake2b(f"{job}|{a}".encode(), digest_size=8).digest())
+
+
+# -- the coordinator --------------------------------------------------------------------
+
+
+@dataclass
+class _Report:
+    holdings: Holdings
+    at: float
+
+
+class Coordinator:
+    """The coordinator side of a node: receives reports, keeps the view, answers.
+
+    ``list_gcs``: the job's manifests in GCS (rank -> committed steps), or None without GCS.
+    """
+
+    def __init__(self, address: str, order: Sequence[str], transport: Transport, *, nodes: int,
+                 list_gcs: Callable[[], Awaitable[dict[int, list[int]]]] | None = None,
+                 interval: float = INTERVAL, rpc_timeout: float = RPC_TIMEOUT, k: int = K,
+                 pull_after: float = PULL_AFTER, down_after: int = DOWN_AFTER, clock: Clock = trio.current_time,
+                 members: frozenset[str] | None = None):
+        self.address, self.transport, self.list_gcs = address, transport, list_gcs
+        self.members = frozenset(order) if members is None else members  # shared, never copied
+        self.order, self.k = order, k
+        self._leading = frozenset(order[: 4 * k])  # candidates whose being down is worth telling
+        self._index: int | None = None  # this node's place in ``order``, once it coordinates
+        self.interval, self.rpc_timeout = interval, rpc_timeout
+        self.pull_after, self.down_after = pull_after, down_after
+        self.ttl = TTL_ROUNDS * interval
+        self.clock = clock
+        self.view = HoldingsView(nodes)
+        self._reports: dict[str, _Report] = {}  # in the order received: the oldest expire first
+        self._ranks: dict[int, set[str]] = {}  # rank -> addresses reporting as it (or found down since)
+        self._rank_of: dict[str, int] = {}
+        self._fresh: set[str] = set()  # members with a report held
+        self._down: dict[str, float] = {}  # members found down -> since
+        self._failed: dict[str, int] = {}  # member -> pulls unanswered in a row
+        self._starting: dict[str, float] = {}  # member whose host refused a pull -> since
+        self._pulling: set[str] = set()
+        self._pushed: dict[str, float] = {}  # members that sent their own report -> when (oldest first)
+        self._suspects: set[str] = set()  # members that members found unresponsive: pulled at once
+        self._pulls = trio.CapacityLimiter(PULLS_AT_ONCE)
+        self.active_since: float | None = None
+        self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
+        self.gcs_error: str | None = None
+        self._listing = False
+        self._epoch: float | None = None  # when the current round of decisions began
+        self._confirmed: set[str] = set()  # members whose holdings are known as of the epoch
+        self._ready = trio.Event()
+        self._activated = trio.Event()
+        self.received = 0  # reports, for tests and the simulation
+
+    # -- state ----------------------------------------------------------------------------
+
+    def coordinating(self) -> bool:
+        """Whether this node is a coordinator, not a stand-in.
+
+        It is one of the first ``k`` candidates, or most members sent it their reports
+        themselves within the last round and a half (they found one of those down). A
+        node that some members reported to while a candidate refused for a moment (its
+        daemon was starting) is a stand-in: it keeps what it is sent and answers at once,
+        but leaves listing GCS, pulling silent members and the long wait for a ready view
+        to the coordinators. Reports it pulled do not count: a stand-in must not keep
+        itself a coordinator.
+        """
+        if self._index is None:
+            self._index = self.order.index(self.address) if self.address in self.members else len(self.order)
+        return self._index < self.k or 2 * len(self._pushed) >= len(self.members)
+
+    def ready(self) -> bool:
+        """Whether a decision can be given: every member accounted for, GCS listed."""
+        if self.active_since is None:
+            return False
+        if self.list_gcs is not None and self.gcs_at is None:
+            return False
+        known = self._fresh if self._epoch is None else self._confirmed
+        return len(known) + len(self._down) >= len(self.members)
+
+    def _begin_decisions(self) -> None:
+        """Nodes ask for their step: the holdings must be those of now, as a survey's are.
+
+        Reports older than FRESH seconds are confirmed by pulling their senders again, so
+        a node that died since its last report (its RAM and replicas gone with it) is
+        found down and left out, instead of counting for up to a ttl. One epoch serves
+        every question asked within FRESH seconds of its start.
+        """
+        now = self.clock()
+        if self._epoch is not None and now - self._epoch <= FRESH:
+            return
+        self._epoch = now
+        self._confirmed = {a for a in self._fresh if now - self._reports[a].at <= FRESH}
+        self._update_ready()
+
+    def _update_ready(self) -> None:
+        if self.ready():
+            self._ready.set()
+        elif self._ready.is_set():
+            self._ready = trio.Event()
+
+    def accept(self, source: str, h: Holdings) -> bool:
+        """Take ``source``'s report; False if it is older than the one held."""
+        held = self._reports.get(source)
+        if held is not None and not h.newer_than(held.holdings):
+            return False
+        now = self.clock()
+        if held is not None:
+            del self._reports[source]  # re-inserted last: the dict stays in order of arrival
+        self._unrank(source, h.rank)
+        self._reports[source] = _Report(h, now)
+        self._ranks.setdefault(h.rank, set()).add(source)
+        self._rank_of[source] = h.rank
+        self.view.put_holdings(source, h)
+        if source in self.members:
+            self._fresh.add(source)
+            if self._epoch is not None:
+                self._confirmed.add(source)
+            self._down.pop(source, None)
+            self._failed.pop(source, None)
+            self._starting.pop(source, None)
+        if self.active_since is None:
+            self.active_since = now
+            self._activated.set()
+        self.received += 1
+        self._update_ready()
+        return True
+
+    def _forget(self, source: str, keep_rank: bool = False) -> None:
+        """Drop ``source``'s holdings; ``keep_rank``: still list it as its rank's node (found down)."""
+        self._reports.pop(source, None)
+        if not keep_rank:
+            self._unrank(source)
+        self._fresh.discard(source)
+        self._confirmed.discard(source)
+        self.view.drop(source)
+
+    def _unrank(self, source: str, rank: int | None = None) -> None:
+        """Stop listing ``source`` as the node of the rank it had (unless that is ``rank``)."""
+        old = self._rank_of.get(source)
+        if old is None or old == rank:
+            return
+        del self._rank_of[source]
+        nodes = self._ranks.get(old)
+        if nodes is not None:
+            nodes.discard(source)
+            if not nodes:
+                del self._ranks[old]
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._pushed:  # oldest first: stop at the first one recent enough
+            source, at = next(iter(self._pushed.items()))
+            if now - at <= OVERDUE_ROUNDS * self.interval:
+                break
+            del self._pushed[source]
+        while self._reports:
+            source, report = next(iter(self._reports.items()))
+            if now - report.at <= self.ttl:
+                break
+            self._forget(source)
+        if not self._reports and self.active_since is not None and now - self.active_since > self.ttl:
+            log.info("no reports for %.0fs: no longer a coordinator", self.ttl)
+            self.active_since = self.gcs_at = self.gcs_error = self._epoch = None
+            self._confirmed.clear()
+            self._down.clear()
+            self._failed.clear()
+            self._starting.clear()
+            self.view.drop(GCS)
+            self._activated = trio.Event()
+        self._update_ready()
+
+    # -- answering ------------------------------------------------------------------------
+
+    async def handle(self, source: str, message: Message) -> Message:
+        op = message.get("op")
+        try:
+            if op == "coord_report":
+                self._note_push(source, message)
+                self.accept(source, Holdings.from_wire(message.get("report")))
+                return {"ok": True, "summary": self.view.summary(), "down": self.down_candidates()}
+            if op == "coord_decide":
+                return await self._decide(source, message)
+        except BadMessage as e:
+            return {"error": f"malformed {op}: {e}"}
+        return {"error": f"unknown op {op!r}"}
+
+    async def _decide(self, source: str, message: Message) -> Message:
+        rank = int_field(message, "rank", hi=(1 << 31) - 1)
+        group = int_list(message.get("group", []), "group", MAX_GROUP)
+        wait = message.get("wait", 0)
+        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
+            raise BadMessage(f"wait must be a number of seconds in [0, {MAX_WAIT:g}]")
+        report = message.get("report")
+        if report is not None:
+            self._note_push(source, message)
+            self.accept(source, Holdings.from_wire(report))
+        if self.active_since is not None:
+            self._begin_decisions()
+        if self.coordinating():
+            with trio.move_on_after(wait):
+                while not self.ready():
+                    await self._ready.wait()
+        return self.answer(rank, group, source)
+
+    def _note_push(self, source: str, message: Message) -> None:
+        """A member sent its own report: it counts toward this node being a coordinator."""
+        if source in self.members:
+            self._pushed.pop(source, None)
+            self._pushed[source] = self.clock()
+        suspects = message.get("suspects")
+        if isinstance(suspects, list):
+            for a in suspects[:MAX_SUSPECTS]:
+                if isinstance(a, str) and a in self.members and a not in self._down:
+                    self._suspects.add(a)
+
+    def down_candidates(self) -> list[str]:
+        """The leading coordinator candidates found down: members skip them without a timeout."""
+        return sorted(a for a in self._down if a in self._leading) if self._down else []
+
+    def answer(self, rank: int, group: Iterable[int] = (), source: str | None = None) -> Message:
+        """What ``coord_decide`` returns for ``rank`` and its ``group`` (the ranks holding the same data)."""
+        ranks = {}
+        for r in dict.fromkeys([rank, *group]):
+            steps = self.view.steps_of(r) or {}
+            listed = sorted(steps)[-MAX_LISTED_STEPS:]
+            ranks[str(r)] = {"choice": self.view.choose(r),
+                             "steps": {str(s): steps[s][:MAX_LISTED_HOLDERS] for s in listed},
+                             "nodes": sorted(self._ranks.get(r, ()))[:MAX_LISTED_HOLDERS]}
+        down = sorted(self._down)
+        return {"ok": True, "ready": self.ready(), "you": source in self._reports,
+                "coordinating": self.active_since is not None and self.coordinating(), "summary": self.view.summary(),
+                "reported": len(self._fresh), "members": len(self.members),
+                "down": down[:MAX_LISTED_DOWN], "down_count": len(down),
+                "gcs": {"listed": self.gcs_at is not None, "error": self.gcs_error}, "ranks": ranks}
+
+    # -- duties ---------------------------------------------------------------------------
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Wait to become a coordinator, then list GCS, pull silent members and expire old reports."""
+        async with trio.open_nursery() as nursery:
+            task_status.started()
+            while True:
+                await self._activated.wait()
+                while self.active_since is not None:
+                    self._duties(nursery)
+                    await trio.sleep(TICK)
+                    self._expire()
+
+    def _duties(self, nursery: trio.Nursery) -> None:
+        now = self.clock()
+        coordinating = self.coordinating()
+        if (coordinating and self.list_gcs is not None and not self._listing
+                and (self.gcs_at is None or now - self.gcs_at >= self.interval)):
+            self._listing = True
+            nursery.start_soon(self._list)
+        for member in self._suspects - self._pulling - self._down.keys():  # a member could not reach it
+            self._pulling.add(member)
+            nursery.start_soon(self._pull, member)
+        self._suspects.clear()
+        if now - self.active_since < self.pull_after:
+            return
+        for member, since in list(self._starting.items()):
+            if now - since >= REFUSED_GRACE:  # still not listening: it reports itself once it does
+                del self._starting[member]
+                self._forget(member, keep_rank=True)
+                self._down[member] = now
+                log.info("member %s is down (refused pulls for %.0fs)", member, now - since)
+        if not coordinating:
+            return
+        known = self._fresh if self._epoch is None or now - self._epoch > FRESH else self._confirmed
+        if len(known) + len(self._down) < len(self.members):  # silent members
+            for member in self.members - known - self._down.keys() - self._pulling - self._starting.keys():
+                self._pulling.add(member)
+                nursery.start_soon(self._pull, member)
+        for member, report in self._reports.items():  # overdue members (a gone node's holdings go soon)
+            if now - report.at <= OVERDUE_ROUNDS * self.interval:
+                break  # the rest are newer
+            if member in self.members and member not in self._pulling:
+                self._pulling.add(member)
+                nursery.start_soon(self._pull, member)
+        for member, since in self._down.items():
+            if now - since >= self.ttl and member not in self._pulling:  # still down? it reports itself when back
+                self._down[member] = now
+                self._pulling.add(member)
+                nursery.start_soon(self._pull, member)
+
+    async def _list(self) -> None:
+        try:
+            listing = await self.list_gcs()
+        except Exception as e:  # any failure of the listing: the view goes on without GCS
+            self.gcs_error = f"{type(e).__name__}: {e}".splitlines()[0]
+            log.warning("coordinator without a GCS listing: %s", self.gcs_error)
+        else:
+            self.view.put_listing(listing)
+            self.gcs_error = None
+        finally:
+            self._listing = False
+        self.gcs_at = self.clock()
+        self._update_ready()
+
+    async def _pull(self, member: str) -> None:
+        try:
+            async with self._pulls:
+                reply = await self.transport.request(member, {"op": "coord_pull"}, self.rpc_timeout)
+            if "error" in reply:
+                raise BadMessage(str(reply["error"]))
+            h = Holdings.from_wire(reply.get("report"))
+        except Refused:
+            if member not in self._down:
+                self._starting.setdefault(member, self.clock())  # not pulled again: it will report
+        except (Unreachable, BadMessage) as e:
+            failed = self._failed[member] = self._failed.get(member, 0) + 1
+            if failed >= self.down_after and member not in self._down:
+                self._starting.pop(member, None)
+                self._forget(member, keep_rank=True)  # what it held went with it; its rank's plans still name it
+                self._down[member] = self.clock()
+                log.info("member %s is down (%d pulls unanswered: %s)", member, failed, e)
+        else:
+            self.accept(member, h)
+        finally:
+            self._pulling.discard(member)
+            self._update_ready()
+
+
+# -- the member -------------------------------------------------------------------------
+
+
+@dataclass
+class RankView:
+    """What a coordinator says about one rank."""
+
+    choice: int | None
+    steps: dict[int, list[str]]  # step -> holders (addresses, "gcs")
+    nodes: list[str]  # addresses of the nodes reporting as this rank, or found down since
+
+
+@dataclass
+class Decision:
+    """The step to restore, as a coordinator answered, with the holdings a restore plans from."""
+
+    step: int | None
+    ready: bool  # every member reported or was found down
+    coordinator: str | None
+    summary: dict = field(default_factory=dict)
+    ranks: dict[int, RankView] = field(default_factory=dict)
+    reported: int = 0
+    members: int = 0
+    down: list[str] = field(default_factory=list)
+    at: float = 0.0
+
+    @classmethod
+    def from_answer(cls, rank: int, answer: Message, coordinator: str, at: float) -> Decision:
+        try:
+            ranks = {int(r): RankView(v["choice"], {int(s): list(h) for s, h in v["steps"].items()}, list(v["nodes"]))
+                     for r, v in answer["ranks"].items()}
+            return cls(ranks[rank].choice, bool(answer["ready"]), coordinator, dict(answer["summary"]), ranks,
+                       int(answer["reported"]), int(answer["members"]), list(answer["down"]), at)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise BadMessage(f"malformed coord_decide answer from {coordinator}: {e!r}") from None
+
+    def holders(self, rank: int, step: int) -> list[str]:
+        view = self.ranks.get(rank)
+        return [] if view is None else view.steps.get(step, [])
+
+    def needing(self, ranks: Iterable[int], step: int) -> dict[int, list[str]]:
+        """The nodes of ``ranks`` that do not hold ``step`` of their own rank: they restore it."""
+        out = {}
+        for r in ranks:
+            view = self.ranks.get(r)
+            if view is not None:
+                held = set(view.steps.get(step, ()))
+                need = [a for a in view.nodes if a not in held]
+                if need:
+                    out[r] = need
+        return out
+
+
+class Member:
+    """The member side of a node: reports to the coordinators and asks them for decisions."""
+
+    def __init__(self, address: str, order: Sequence[str], transport: Transport,
+                 holdings: Callable[[], Holdings], *, k: int = K,
+                 rpc_timeout: float = RPC_TIMEOUT, suspect_for: float = SUSPECT_FOR,
+                 local: Coordinator | None = None, clock: Clock = trio.current_time, inc: int | None = None):
+        self.address, self.transport, self._holdings = address, transport, holdings
+        self.order = order  # candidates(job, members), shared
+        self.k, self.rpc_timeout, self.suspect_for = k, rpc_timeout, suspect_for
+        self.local, self.clock = local, clock
+        self.inc = int(time.time() * 1e6) if inc is None else inc
+        self.interval = INTERVAL  # between reports (run() sets it)
+        self.seq = 0
+        self._suspect: dict[str, float] = {}  # coordinator -> skipped until
+        self._silent: dict[str, float] = {}  # coordinator -> when it last failed to answer
+        self.summary: dict | None = None  # the newest summary a coordinator sent back
+        self.summary_from: str | None = None
+        self.reported_to: list[str] = []
+        self._reporting: trio.Event | None = None
+
+    def report_now(self) -> Holdings:
+        """This node's holdings, numbered: each report replaces the previous one everywhere."""
+        self.seq += 1
+        h = self._holdings()
+        return Holdings(h.rank, tuple(h.steps), tuple(h.replicas), h.restore_step, tuple(h.topology), self.inc, self.seq)
+
+    def coordinators(self, extra: int = 0) -> list[str]:
+        """The first ``k + extra`` candidates not under suspicion, in order."""
+        now = self.clock()
+        out = []
+        for a in self.order:
+            until = self._suspect.get(a)
+            if until is not None and now < until:
+                continue
+            out.append(a)
+            if len(out) == self.k + extra:
+                break
+        return out
+
+    def suspect(self, address: str, why: Exception | None = None, until: float | None = None) -> None:
+        """Skip ``address`` for a while: briefly if it refused (starting up), else ``suspect_for``."""
+        now = self.clock()
+        if until is None:
+            until = now + (REFUSED_FOR if isinstance(why, Refused) else max(self.suspect_for, 1.5 * self.interval))
+        if why is not None and not isinstance(why, Refused):
+            self._silent[address] = now
+        if why is not None and self._suspect.get(address, 0.0) <= now and not isinstance(why, Refused):
+            log.info("coordinator %s does not answer (%s): asking the next one for %.0fs", address, why, until - now)
+        self._suspect[address] = max(until, self._suspect.get(address, 0.0))
+
+    async def _ask(self, address: str, message: Message, timeout: float) -> Message:
+        if address == self.address and self.local is not None:
+            reply = await self.local.handle(self.address, message)
+        else:
+            reply = await self.transport.request(address, message, timeout)
+        if not isinstance(reply, dict) or "error" in reply:
+            raise Unreachable(f"{address} refused {message.get('op')}: {reply.get('error') if isinstance(reply, dict) else reply!r}")
+        return reply
+
+    async def handle_pull(self, source: str, message: Message) -> Message:
+        return {"ok": True, "report": self.report_now().to_wire()}
+
+    async def report(self) -> dict | None:
+        """Send this node's holdings to ``k`` coordinators; one that fails is replaced by the next.
+
+        Returns the summary of the first coordinator (in order) that answered, None if none did.
+        """
+        if self._reporting is not None:  # one report at a time: a second caller shares the first's
+            await self._reporting.wait()
+            return self.summary
+        self._reporting = trio.Event()
+        try:
+            return await self._report()
+        finally:
+            self._reporting.set()
+            self._reporting = None
+
+    async def _report(self) -> dict | None:
+        report = self.report_now().to_wire()
+        walk = self.coordinators(extra=2 * self.k)
+        order = iter(walk)
+        answers: dict[str, dict] = {}
+
+        async def lane() -> None:
+            for address in order:  # shared: each lane takes the next candidate
+                message = {"op": "coord_report", "report": report}
+                suspects = self._unresponsive()
+                if suspects:  # the coordinators check them at once, and tell everyone who is down
+                    message["suspects"] = suspects
+                try:
+                    reply = await self._ask(address, message, self.rpc_timeout)
+                except (Unreachable, BadMessage) as e:
+                    self.suspect(address, e)
+                    continue
+                answers[address] = reply
+                return
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.k):
+                nursery.start_soon(lane)
+        self.reported_to = [a for a in walk if a in answers]
+        if not self.reported_to:
+            log.info("no coordinator took this node's report yet (%d candidates skipped)", len(self._suspect))
+            return None
+        first = self.reported_to[0]
+        summary = answers[first].get("summary")
+        if isinstance(summary, dict):
+            self.summary, self.summary_from = summary, first
+        for answer in answers.values():
+            down = answer.get("down")
+            if isinstance(down, list):  # skipped until the round after next, without a timeout each round
+                for address in down[:MAX_LISTED_DOWN]:
+                    if isinstance(address, str) and address not in answers:
+                        self.suspect(address, until=self.clock() + max(self.suspect_for, 2 * self.interval))
+        return self.summary
+
+    def _unresponsive(self) -> list[str]:
+        """Coordinators this node found silent (not refusing) within the last round."""
+        now = self.clock()
+        return [a for a, at in self._silent.items() if now - at <= 2 * self.interval][:MAX_SUSPECTS]
+
+    async def decide(self, rank: int, group: Sequence[int] = (), wait: float = 15.0,
+                     poll: float = DECIDE_POLL) -> Decision:
+        """The step ``rank`` restores, from the first coordinator whose view is ready.
+
+        Waits up to ``wait`` seconds for a ready view (--restore-wait), then takes the
+        most complete answer it has (``ready`` False), or ``step`` None if no coordinator
+        answered at all: then the caller falls back to what it sees itself.
+        """
+        deadline = self.clock() + wait
+        if self.seq == 0 or not self.reported_to:
+            await self.report()
+        best: Decision | None = None
+        group = [g for g in group if g != rank][:MAX_GROUP]
+        while True:
+            left = max(0.0, deadline - self.clock())
+            polled = False
+            for address in self.coordinators():
+                message = {"op": "coord_decide", "rank": rank, "group": group, "wait": min(poll, left)}
+                if address not in self.reported_to:  # it may not have this node's report: bring it
+                    message["report"] = self.report_now().to_wire()
+                try:
+                    answer = await self._ask(address, message, min(poll, left) + self.rpc_timeout)
+                    decision = Decision.from_answer(rank, answer, address, self.clock())
+                except (Unreachable, BadMessage) as e:
+                    self.suspect(address, e)
+                    continue
+                if answer.get("you") and address not in self.reported_to:
+                    self.reported_to.append(address)
+                if decision.ready:
+                    return decision
+                if best is None or decision.reported > best.reported:
+                    best = decision
+                if answer.get("coordinating"):
+                    polled = True
+                    break  # it waited for its view: ask again from the top
+                # a stand-in that does not wait: the next candidate may be the coordinator
+            if self.clock() >= deadline:
+                break
+            if not polled:
+                await trio.sleep(min(TICK, max(0.0, deadline - self.clock())))
+        if best is None:
+            log.warning("no coordinator answered within %.0fs", wait)
+            return Decision(None, False, None, at=self.clock())
+        log.warning("deciding on a view that is not ready: %d of %d members reported, %d down",
+                    best.reported, best.members, len(best.down))
+        return best
+
+    async def run(self, interval: float = INTERVAL, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Report every ``interval`` seconds, for as long as the node runs."""
+        self.interval = interval
+        task_status.started()
+        while True:
+            await self.report()
+            await trio.sleep(interval)
+
+
+# -- one node's coordination, as the peer service would host it ----------------------------
+
+
+class Coordination:
+    """A node's member and coordinator sides together, behind one handler for the peer service."""
+
+    def __init__(self, address: str, order: Sequence[str], transport: Transport,
+                 holdings: Callable[[], Holdings], *, nodes: int,
+                 list_gcs: Callable[[], Awaitable[dict[int, list[int]]]] | None = None,
+                 interval: float = INTERVAL, k: int = K, rpc_timeout: float = RPC_TIMEOUT,
+                 pull_after: float = PULL_AFTER, down_after: int = DOWN_AFTER,
+                 suspect_for: float = SUSPECT_FOR, clock: Clock = trio.current_time, inc: int | None = None,
+                 members: frozenset[str] | None = None):
+        """``order``: :func:`candidates` of the job's members (this node included)."""
+        self.interval = interval
+        self.coordinator = Coordinator(address, order, transport, nodes=nodes, list_gcs=list_gcs,
+                                       interval=interval, rpc_timeout=rpc_timeout, k=k, pull_after=pull_after,
+                                       down_after=down_after, clock=clock, members=members)
+        self.member = Member(address, order, transport, holdings, k=k, rpc_timeout=rpc_timeout,
+                             suspect_for=suspect_for, local=self.coordinator, clock=clock, inc=inc)
+
+    OPS = ("coord_report", "coord_decide", "coord_pull")
+
+    async def handle(self, source: str, message: Message) -> Message:
+        if message.get("op") == "coord_pull":
+            return await self.member.handle_pull(source, message)
+        return await self.coordinator.handle(source, message)
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.coordinator.run)
+            await nursery.start(self.member.run, self.interval)
+            task_status.started()
+
+
+# -- listing GCS in parallel --------------------------------------------------------------
+
+
+def listing_prefixes(nodes: int) -> list[str]:
+    """Prefixes under ``manifests/`` that split a listing of ``rank-<R>/...`` into shards.
+
+    Ranks are not zero-padded, so ``rank-57`` also covers ranks 570-579 and 5700-5799; the
+    ranks too short for a shard of their own get an exact ``rank-<R>/``. With shards of
+    ``digits`` = (digits of the largest rank) - 2 leading digits, each covers at most 111
+    ranks of the job, and every rank number, in the job or not, falls in exactly one.
+    """
+    digits = max(1, len(str(max(nodes - 1, 0))) - 2)
+    exact = [f"rank-{r}/" for r in range(10 ** (digits - 1))]
+    shared = [f"rank-{p}" for p in range(10 ** (digits - 1), 10**digits)]
+    return exact + shared
+
+
+async def list_sharded(list_prefix: Callable[[str], Awaitable[dict[int, list[int]]]],
+                       prefixes: Sequence[str], at_once: int = LISTINGS_AT_ONCE) -> dict[int, list[int]]:
+    """One listing from many prefix listings run concurrently (any failure fails the listing)."""
+    merged: dict[int, list[int]] = {}
+    limit = trio.CapacityLimiter(at_once)
+
+    async def one(prefix: str) -> None:
+        async with limit:
+            for rank, steps in (await list_prefix(prefix)).items():
+                merged.setdefault(rank, []).extend(steps)
+
+    async with trio.open_nursery() as nursery:
+        for prefix in prefixes:
+            nursery.start_soon(one, prefix)
+    return {r: sorted(set(s)) for r, s in merged.items()}

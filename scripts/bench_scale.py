@@ -28,12 +28,13 @@ c. A restore from GCS after every RAM is lost, D = 4 data-parallel twins per sha
 
     .venv/bin/python scripts/bench_scale.py [--nodes 1000,4000,10000] [--quick]
         [--json docs/bench-scale.json] [--plot docs/bench-scale.png]
-    python3 scripts/bench_scale.py --replot docs/bench-scale.json --plot docs/bench-scale.png
+    /usr/bin/python3 scripts/bench_scale.py --replot docs/bench-scale.json --plot docs/bench-scale.png
 
-The full run takes about 15 minutes of one core (10,000 nodes are most of it); ``--quick``
-runs 100 and 400 nodes. ``--plot`` needs matplotlib; without it the JSON and the tables
-are still written, and ``--replot`` draws the plot later from the JSON with any Python
-that has matplotlib (it imports nothing of tierfs).
+The full run takes about 25 minutes of one core (18 of them for 10,000 nodes); ``--quick``
+runs 100 and 400 nodes in a few seconds. ``--plot`` needs matplotlib, which the project's
+venv does not have: the JSON and the tables are written all the same, and ``--replot``
+draws the plot from the JSON with any Python that has matplotlib (it imports nothing of
+tierfs; here, the system's /usr/bin/python3).
 """
 
 from __future__ import annotations

@@ -183,24 +183,24 @@ async def test_waiting_for_a_peer_ends_at_its_deadline_or_at_once_when_it_will_n
         assert answers == []  # planned: waits for the chunk itself
         board.arrived(h)
         await trio.sleep(0.01)
-        assert answers == [{"ok": True, "have": True, "pending": False, "progress": 1, "via": []}]
+        assert answers == [{"ok": True, "have": True, "pending": False, "fetching": False, "progress": 1, "via": []}]
 
         t0 = trio.current_time()
         assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": False, "progress": 1, "via": []}
+            {"ok": True, "have": False, "pending": False, "fetching": False, "progress": 1, "via": []}
         assert trio.current_time() == t0  # not in its plan: no wait at all
 
         board.set_plan([other])
         t0 = trio.current_time()
         assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": True, "progress": 1, "via": []}
+            {"ok": True, "have": False, "pending": True, "fetching": False, "progress": 1, "via": []}
         assert abs(trio.current_time() - t0 - 3) < 1e-9  # in its plan, not there: the whole wait
 
         nursery.start_soon(ask, other)
         await trio.sleep(1)
         board.gave_up(other)  # its sources failed: waiters go to their next source now
         await trio.sleep(0.01)
-        assert answers[-1] == {"ok": True, "have": False, "pending": False, "progress": 1, "via": []}
+        assert answers[-1] == {"ok": True, "have": False, "pending": False, "fetching": False, "progress": 1, "via": []}
     for bad in ({"hash": "XYZ", "wait": 1}, {"hash": h, "wait": 1e9}, {"hash": h, "wait": True}):
         assert "error" in await board.handle("x", {"op": "await_chunk", **bad})
 
@@ -242,6 +242,23 @@ async def test_a_slow_source_that_keeps_receiving_chunks_is_waited_for_past_the_
         await f.fetch(second, 4 * MiB)
         assert 8 <= trio.current_time() < 9  # its second chunk, 8 s in: 3 s past the deadline
         assert f.bytes_from == {seed.address: 4 * MiB} and gcs.reads == 2  # and GCS was not read twice
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_source_whose_fetch_of_the_chunk_is_under_way_is_waited_for_past_the_deadline(autojump_clock):
+    """The seed's one GCS read takes 8 s (a queue at the bucket); the child's deadline is 3 s."""
+    net = SimNetwork(NetModel())
+    gcs = SimGcs(net, GcsModel(first_byte=0.0, stream=MiB))
+    h = chunk(9)
+    seed, child = Node(net, gcs, "10.0.0.1:7070"), Node(net, gcs, "10.0.0.2:7070")
+    seed_plan = NodePlan(seed.address, [h], {h: (GCS_SOURCE,)}, {h: 0})
+    child_plan = NodePlan(child.address, [h], {h: (Source(seed.address, after_fetch=True), GCS_SOURCE)}, {h: 1})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(net.run)
+        nursery.start_soon(seed.fetcher(seed_plan).fetch, h, 8 * MiB)
+        f = child.fetcher(child_plan, wait=3)
+        await f.fetch(h, 8 * MiB)
+        assert 8 <= trio.current_time() < 9 and f.bytes_from == {seed.address: 8 * MiB} and gcs.reads == 1
         nursery.cancel_scope.cancel()
 
 

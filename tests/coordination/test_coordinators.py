@@ -124,6 +124,26 @@ async def test_a_restarted_node_replaces_its_old_report_and_its_lost_ram_counts(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_coordinator_restarted_mid_round_rebuilds_its_view_and_answers_the_same(autojump_clock):
+    c = Cluster(24, replicated(24), gcs={r: [10] for r in range(24)})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.net.run)
+        await c.start(nursery)
+        await trio.sleep(c.interval + 10)  # mid-round
+        first = c.coordinator(0)
+        c.kill(first)
+        node = c.make(first)  # back at once, with nothing: no report, no listing
+        await nursery.start(c.run, first)
+        assert node.coordinator.view.sources() == [c.addresses[first]]  # its own report only
+        await trio.sleep(3)  # its own report woke it; it pulled every member and listed GCS
+        truth = c.truth()
+        assert node.coordinator.ready() and node.coordinator.view.newest_complete() == truth.newest_complete() == 20
+        assert all(node.coordinator.view.steps_of(r) == truth.steps_of(r) for r in range(24))
+        d = await c.nodes[3].member.decide(3, wait=15)
+        assert d.ready and d.step == 20 and d.coordinator == c.addresses[first]
+        nursery.cancel_scope.cancel()
+
+
 async def requests_per_node_per_round(n: int, rounds: int = 3) -> float:
     c = Cluster(n, replicated(n))
     async with trio.open_nursery() as nursery:

@@ -31,7 +31,7 @@ moving on when a source is down, slow or gives up. Messages (JSON headers on the
 wire; the chunk itself comes by the existing ``get_chunk``)::
 
     {"op":"await_chunk","hash":H,"wait":SECONDS}
-        -> {"ok":true,"have":bool,"pending":bool,"progress":n,"via":[address,...]}
+        -> {"ok":true,"have":bool,"pending":bool,"fetching":bool,"progress":n,"via":[address,...]}
 
 The answer comes when the chunk is in (``have``), or after ``wait`` seconds (at most 60)
 with ``pending`` true if the node still means to fetch it, or at once with ``pending``
@@ -40,9 +40,10 @@ before it has planned (it is still deciding) holds the question until its plan i
 A waiting node asks again every :data:`POLL` seconds up to its deadline, so a source that
 dies while it waits is noticed within a poll, not at the deadline; sources a coordinator
 already reported down are skipped at once. The deadline counts time without progress:
-``progress`` is how many chunks the source has received so far, and each poll that finds
-it grown starts the wait again. When GCS is the bottleneck every seed is slow, and a
-waiter that went to GCS itself after a fixed time would only add to the queue.
+a poll that finds the source fetching that very chunk (``fetching``: its request is out),
+or holding more chunks than before (``progress``), starts the wait again, up to
+:data:`MAX_WAITS` waits in all. When GCS is the bottleneck every seed is slow, and a
+waiter that went to GCS itself after a fixed time would only lengthen the queue.
 
 Plans computed from different answers (a twin decided after another node was found
 down) can disagree, and two nodes could then wait for each other. ``via`` (at most 16
@@ -70,7 +71,8 @@ log = logging.getLogger(__name__)
 GCS = "gcs"
 FAN_OUT = 4  # nodes one source serves per chunk
 FALLBACKS = 3  # sources tried after the planned one before GCS
-WAIT = 30.0  # longest wait for a node that will have a chunk
+WAIT = 30.0  # longest wait without progress for a node that will have a chunk
+MAX_WAITS = 10  # ... and at most this many such waits in all
 POLL = 2.0  # one await_chunk waits at most this long: a dead source is noticed within a poll
 RPC_TIMEOUT = 2.0
 MAX_WAIT = 60.0
@@ -254,6 +256,7 @@ class ChunkBoard:
         self._events: dict[str, trio.Event] = {}
         self._upstream: dict[str, list[str]] = {}  # chunk -> the chain of nodes this one waits on for it
         self.progress = 0  # chunks received so far: waiters keep waiting while it grows
+        self._fetching: Counter = Counter()  # chunks this node's fetches are out for
         self._known = trio.Event()  # the plan is known: until then a wait cannot tell "never"
         if planned is not None:
             self._known.set()
@@ -272,6 +275,12 @@ class ChunkBoard:
 
     def has(self, h: str) -> bool:
         return h in self._have
+
+    def fetching(self, h: str, started: bool) -> None:
+        """A fetch of ``h`` by this node started (or ended): waiters keep waiting meanwhile."""
+        self._fetching[h] += 1 if started else -1
+        if self._fetching[h] <= 0:
+            del self._fetching[h]
 
     def arrived(self, h: str) -> None:
         if h not in self._have:
@@ -325,8 +334,8 @@ class ChunkBoard:
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
             return {"error": f"malformed await_chunk: wait must be a number of seconds in [0, {MAX_WAIT:g}]"}
         have = await self.wait(h, wait)
-        return {"ok": True, "have": have, "pending": self.pending(h), "progress": self.progress,
-                "via": self._upstream.get(h, [])}
+        return {"ok": True, "have": have, "pending": self.pending(h), "fetching": h in self._fetching,
+                "progress": self.progress, "via": self._upstream.get(h, [])}
 
 
 ReadPeer = Callable[[str, str, int], Awaitable[object]]  # (address, chunk, length) -> its bytes
@@ -355,6 +364,13 @@ class PlannedFetch:
 
     async def fetch(self, h: str, length: int):
         """Chunk ``h`` from the first source of its plan that gives it; NoSource if none does."""
+        self.board.fetching(h, True)
+        try:
+            return await self._fetch(h, length)
+        finally:
+            self.board.fetching(h, False)
+
+    async def _fetch(self, h: str, length: int):
         errors = []
         for i, src in enumerate(self.plan.sources.get(h, ())):
             if src.address in self.dead or (src.is_gcs and self.read_gcs is None):
@@ -391,7 +407,8 @@ class PlannedFetch:
     async def _await(self, source: str, h: str) -> bool:
         """Wait until ``source`` has ``h``: False after ``wait`` s without progress, when it will not, in a cycle."""
         me = self.plan.address
-        deadline = trio.current_time() + self.wait
+        start = trio.current_time()
+        deadline, last = start + self.wait, start + MAX_WAITS * self.wait
         progress = None
         self.board.waiting_on(h, [source])
         try:
@@ -404,10 +421,11 @@ class PlannedFetch:
                 if reply.get("have"):
                     return True
                 seen = reply.get("progress")
-                if isinstance(seen, int) and progress is not None and seen > progress:
-                    deadline = trio.current_time() + self.wait  # it is getting chunks, only slowly
+                now = trio.current_time()
+                if reply.get("fetching") is True or (isinstance(seen, int) and progress is not None and seen > progress):
+                    deadline = min(now + self.wait, last)  # it is on its way, only slowly
                 progress = seen if isinstance(seen, int) else progress
-                if not reply.get("pending") or trio.current_time() >= deadline:
+                if not reply.get("pending") or now >= deadline:
                     return False
                 via = reply.get("via")
                 chain = [source, *(a for a in via[:MAX_VIA] if isinstance(a, str))] if isinstance(via, list) else [source]

@@ -29,7 +29,7 @@ import trio.testing
 from tierfs.coordination import broadcast
 from tierfs.coordination.coordinators import Coordination, candidates, list_sharded, listing_prefixes
 from tierfs.coordination.sim import GcsModel, NetModel, SimGcs, SimNetwork
-from tierfs.coordination.transport import Message, Unreachable
+from tierfs.coordination.transport import Message
 from tierfs.coordination.view import GCS, Holdings, HoldingsView
 from tierfs.peers.placement import PeerInfo, choose
 

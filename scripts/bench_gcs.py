@@ -56,7 +56,7 @@ from google.cloud.storage import transfer_manager
 
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
 from tierfs.local.gcs_emulator import GcsEmulator  # noqa: E402
-from benchlib import (GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
+from benchlib import (progress, GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
                       interrupt_on_signals, is_mounted, no_interruptions, parse_size,
                       write_json, pyplot, NO_MATPLOTLIB, save_figure)  # (scripts/ is on sys.path)
 
@@ -64,10 +64,6 @@ MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
 WORKERS, POOL = GCS_WORKERS, GCS_POOL
 JOB = "bench"
-
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def sha256(path: Path) -> str:

@@ -77,7 +77,7 @@ import tempfile
 import threading
 import time
 
-from benchlib import (BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, interrupt_on_signals,  # noqa: E402
+from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, interrupt_on_signals,  # noqa: E402
                       last_line, parse_size, pyplot, save_figure, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
 
@@ -593,9 +593,6 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally blocks run; SIGINT too
     # when started in the background (where the shell has it ignored).
     interrupt_on_signals()
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     created: list[str] = []
     mounts: dict[str, TierfsMount] = {}

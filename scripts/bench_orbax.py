@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 
-from benchlib import (BenchError, TierfsMount, aligned, clean_up, interrupt_on_signals,  # noqa: E402
+from benchlib import (progress, BenchError, TierfsMount, aligned, clean_up, interrupt_on_signals,  # noqa: E402
                       parse_size, warm_up, write_json)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
@@ -249,9 +249,6 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_orbax: error: --rounds and --arrays must be >= 1", file=sys.stderr)
         return 2
     interrupt_on_signals()
-
-    def progress(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
 
     created: list[str] = []
     mounts: dict[str, TierfsMount] = {}

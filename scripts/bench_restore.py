@@ -86,7 +86,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_interruptions, drop_bucket,  # noqa: E402
+from benchlib import (progress, GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_interruptions, drop_bucket,  # noqa: E402
                       gcs_client, interrupt_on_signals, is_mounted, make_files, no_interruptions,
                       parse_size, plain_copy, warm_tmpfs, write_all, write_json, pyplot, NO_MATPLOTLIB,
                       save_figure)  # (scripts/ is on sys.path)
@@ -98,10 +98,6 @@ LIST_JOB, LIST_STEP, LIST_DIR = "bench-list", 200, 100  # files per directory of
 POLL = 0.02
 GCS_RESTORE_WAIT = "1s"
 TIMEOUT = 900.0  # for any one wait on the daemons
-
-
-def progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def sha256(path: Path) -> str:

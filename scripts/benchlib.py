@@ -130,6 +130,11 @@ def deferred_interruptions() -> Iterator[None]:
         raise KeyboardInterrupt
 
 
+def progress(msg: str) -> None:
+    """A line of progress for the person waiting: on stderr, so tables on stdout stay clean."""
+    print(msg, file=sys.stderr, flush=True)
+
+
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP end a run as Ctrl-C does, so its cleanup runs."""
     def interrupt(signum, frame):

@@ -1,15 +1,18 @@
-"""Helpers every test folder uses: waiting, free ports, Orbax-style steps, tree digests."""
+"""Helpers every test folder uses: waiting, free ports, Orbax-style steps, committed trees and
+their manifests, tree digests."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+import random
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from tierfs.local import free_port  # noqa: F401 (the package's runners need it too)
+from tierfs.manifest import Manifest, build
 
 
 def wait_for(predicate: Callable, timeout: float = 60, what: str = "condition", interval: float = 0.1):
@@ -64,3 +67,18 @@ def tree_digest(root: Path, exact: bool = False) -> dict[str, tuple]:
                 entry += (st.st_size, st.st_nlink)
             out[str(p.relative_to(root))] = entry
     return out
+
+
+def make_step(base: Path, files: dict[str, bytes], *, job: str, rank: int, step: int,
+              chunk_size: int) -> tuple[Manifest, dict[str, tuple[str, int, int]]]:
+    """A committed tree ``ckpt/`` holding ``files``, its manifest, and where each chunk lies."""
+    tree = base / f"snap-{rank}-{step}-{random.random()}"
+    (tree / "ckpt").mkdir(parents=True)
+    for name, data in files.items():
+        (tree / "ckpt" / name).write_bytes(data)
+    manifest = build(tree, ["ckpt"], job=job, rank=rank, step=step, chunk_size=chunk_size)
+    where = {}
+    for e in manifest.entries:
+        for i, h in enumerate(e.chunks):
+            where.setdefault(h, (str(tree / e.path), i * chunk_size, min(chunk_size, e.size - i * chunk_size)))
+    return manifest, where

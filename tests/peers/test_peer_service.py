@@ -18,8 +18,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests import helpers
 from tierfs.chunks import chunk_hash
-from tierfs.manifest import Manifest, build
+from tierfs.manifest import Manifest
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
 from tierfs.peers.server import Timeouts, serve
@@ -72,17 +73,7 @@ def randbytes(n: int, seed: int) -> bytes:
 
 
 def make_step(base: Path, rank: int, step: int, files: dict[str, bytes]) -> tuple[Manifest, Where]:
-    """A committed tree ``ckpt/`` holding ``files``, its manifest, and where each chunk lies."""
-    tree = base / f"snap-{rank}-{step}-{random.random()}"
-    (tree / "ckpt").mkdir(parents=True)
-    for name, data in files.items():
-        (tree / "ckpt" / name).write_bytes(data)
-    manifest = build(tree, ["ckpt"], job=JOB, rank=rank, step=step, chunk_size=CS)
-    where: Where = {}
-    for e in manifest.entries:
-        for i, h in enumerate(e.chunks):
-            where.setdefault(h, (str(tree / e.path), i * CS, min(CS, e.size - i * CS)))
-    return manifest, where
+    return helpers.make_step(base, files, job=JOB, rank=rank, step=step, chunk_size=CS)
 
 
 async def push(client: PeerClient, manifest: Manifest, where: Where) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from tests import helpers
 from tierfs.chunks import chunk_hash
-from tierfs.manifest import Manifest, build
+from tierfs.manifest import Manifest
 from tierfs.tiers.base import (MAX_CHUNK, MAX_MANIFEST, Holdings, NotHeld, Progress, Tier, TierError, by_cost,
                                put_step)
 
@@ -31,17 +32,7 @@ def one_line(e: BaseException) -> str:
 
 
 def make_step(base: Path, rank: int, step: int, files: dict[str, bytes]) -> tuple[Manifest, dict]:
-    """A committed tree ``ckpt/`` of ``files``, its manifest, and where each chunk lies."""
-    tree = base / f"snap-{rank}-{step}-{random.random()}"
-    (tree / "ckpt").mkdir(parents=True)
-    for name, data in files.items():
-        (tree / "ckpt" / name).write_bytes(data)
-    manifest = build(tree, ["ckpt"], job=JOB, rank=rank, step=step, chunk_size=CS)
-    where = {}
-    for e in manifest.entries:
-        for i, h in enumerate(e.chunks):
-            where.setdefault(h, (str(tree / e.path), i * CS, min(CS, e.size - i * CS)))
-    return manifest, where
+    return helpers.make_step(base, files, job=JOB, rank=rank, step=step, chunk_size=CS)
 
 
 # -- chunks --------------------------------------------------------------------------------

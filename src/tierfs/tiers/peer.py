@@ -95,7 +95,7 @@ class PeerTier(Tier):
         message, about = str(e), f" ({what})"
         if isinstance(e, PeerError) and message.endswith(": not found"):
             return NotHeld(f"{self.name} does not hold {what}")
-        self.network._mark(self.address, "down", f"{type(e).__name__}: {e}")
+        self.network.mark(self.address, "down", f"{type(e).__name__}: {e}")
         if isinstance(e, PeerUnavailable) or not isinstance(e, PeerError):
             return TierUnavailable(f"{message if isinstance(e, PeerError) else f'{self.name}: {e}'}{about}")
         return TierError(f"{message}{about}")

@@ -383,10 +383,10 @@ def run(cfg: Config, ready_fd: int | None = None) -> int:
     except UserError as e:
         if daemon.ready:
             raise
-        _report(ready_fd, f"error: {e}")
         if ready_fd is None:
             raise
-        log.error("%s", e)
+        log.error("%s", e)  # before the report, so the log is complete when the caller looks
+        _report(ready_fd, f"error: {e}")
         return 1
     except Exception as e:
         if daemon.ready:

@@ -121,7 +121,7 @@ async def test_a_session_without_passthrough_serves_every_byte(mounted):
 
 
 class StallingOperations(Operations):
-    """Fault injection: ``getxattr(user.stall)`` waits until released, as a read of a chunk
+    """Fault injection: the first ``statfs`` waits until released, as a read of a chunk
     from a dead peer would."""
 
     def __init__(self, *args):
@@ -129,12 +129,12 @@ class StallingOperations(Operations):
         self.release_stall = trio.Event()
         self.stalled = trio.Event()
 
-    async def getxattr(self, inode, name, ctx):
-        if name == b"user.stall":
+    async def statfs(self, ctx):
+        if not self.stalled.is_set():
             self.stalled.set()
             await self.release_stall.wait()
-            raise pyfuse3.FUSEError(errno.ENODATA)
-        return await super().getxattr(inode, name, ctx)
+            raise pyfuse3.FUSEError(errno.ENOLINK)
+        return await super().statfs(ctx)
 
 
 WRITER = textwrap.dedent("""
@@ -151,11 +151,10 @@ WRITER = textwrap.dedent("""
 
 async def test_eight_writers_are_not_held_up_by_a_stalled_request(mounted):
     m = await mounted(ops_class=StallingOperations)
-    (m.tree / "f").write_bytes(b"")
 
     def stalled_call():
         try:
-            os.getxattr(m.mountpoint / "f", "user.stall")
+            os.statvfs(m.mountpoint)
         except OSError as e:
             return e.errno
 
@@ -173,7 +172,7 @@ async def test_eight_writers_are_not_held_up_by_a_stalled_request(mounted):
                     writers.start_soon(trio.run_process, [sys.executable, "-c", WRITER, str(m.mountpoint / f"w{w}")])
         assert not result, "the stalled request must still be waiting"
         m.ops.release_stall.set()
-    assert result["errno"] == errno.ENODATA
+    assert result["errno"] == errno.ENOLINK
 
     def check(w: int) -> bool:
         files = list((m.mountpoint / f"w{w}").iterdir())

@@ -71,10 +71,11 @@ class InodeTable:
         fd = os.open(name, O_PATH_FLAGS, dir_fd=dirfd)
         return self.adopt(fd)
 
-    def adopt(self, fd: int) -> tuple[int, os.stat_result]:
-        """Count one lookup of the inode ``fd`` (an O_PATH descriptor, consumed) refers to."""
+    def adopt(self, fd: int, st: os.stat_result | None = None) -> tuple[int, os.stat_result]:
+        """Count one lookup of the inode ``fd`` (an O_PATH descriptor, consumed) refers to
+        (whose status is ``st``, if the caller has it)."""
         try:
-            st = os.fstat(fd)
+            st = st or os.fstat(fd)
             ino = self.fuse_ino(st)
         except OSError:
             os.close(fd)

@@ -27,6 +27,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import pyfuse3
@@ -149,11 +150,12 @@ class BackingFiles:
         ino = self._handles.get(fh)
         return None if ino is None else self._inodes[ino][0]
 
-    def detach(self, fh: int) -> None:
-        """``fh`` was released: the inode's last passthrough open closes its backing id."""
+    def detach(self, fh: int) -> bool:
+        """``fh`` was released: the inode's last passthrough open closes its backing id.
+        Whether ``fh`` was served by passthrough."""
         ino = self._handles.pop(fh, None)
         if ino is None:
-            return
+            return False
         entry = self._inodes[ino]
         entry[1] -= 1
         if entry[1] == 0:
@@ -162,6 +164,7 @@ class BackingFiles:
                 fcntl.ioctl(self._dev_fd, abi.DEV_IOC_BACKING_CLOSE, abi.BACKING_ID.pack(entry[0]))
             except OSError as e:  # the connection is gone: nothing to close
                 log.debug("closing backing id %d: %s", entry[0], e)
+        return True
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -215,17 +218,27 @@ class KernelSession:
         self._read_lock = trio.Lock()
         self._workers = 0
         self._idle = 0
-        self._handlers = {
+        valid = _ts(ops.attr_timeout)
+        self._entry_valid = (0, valid[0], valid[0], valid[1], valid[1])  # generation, entry and attr timeouts
+        self._attr_valid = (valid[0], valid[1], 0)
+        # Handlers that never wait, served where the request was read: no coroutine, no
+        # pyfuse3 objects. These are the requests of creating and writing a file, where
+        # the daemon's Python is most of each request's cost.
+        self._now = {
             abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
-            abi.GETATTR: self._getattr, abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
+            abi.GETATTR: self._getattr, abi.CREATE: self._create, abi.RELEASE: self._release,
+            abi.GETXATTR: self._getxattr,
+        }
+        self._handlers = {
+            abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
             abi.SYMLINK: self._symlink, abi.MKNOD: self._mknod, abi.MKDIR: self._mkdir,
             abi.UNLINK: self._unlink, abi.RMDIR: self._rmdir, abi.RENAME: self._rename,
             abi.RENAME2: self._rename2, abi.LINK: self._link, abi.OPEN: self._open,
-            abi.CREATE: self._create, abi.READ: self._read, abi.WRITE: self._write,
-            abi.FLUSH: self._flush, abi.RELEASE: self._release, abi.FSYNC: self._fsync,
+            abi.READ: self._read, abi.WRITE: self._write,
+            abi.FLUSH: self._flush, abi.FSYNC: self._fsync,
             abi.OPENDIR: self._opendir, abi.READDIRPLUS: self._readdirplus,
             abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
-            abi.SETXATTR: self._setxattr, abi.GETXATTR: self._getxattr,
+            abi.SETXATTR: self._setxattr,
             abi.LISTXATTR: self._listxattr, abi.REMOVEXATTR: self._removexattr,
             abi.INIT: self._init, abi.INTERRUPT: self._interrupt, abi.DESTROY: self._destroy,
         }
@@ -278,36 +291,37 @@ class KernelSession:
     async def _worker(self) -> None:
         buf = bytearray(BUFFER_SIZE)
         view = memoryview(buf)
-        served = 0
         while True:
             self._idle += 1
             try:
-                # A request already queued is taken at once: no pass through the scheduler,
-                # which would cost as much as the handler itself.
-                n = self._read_queued(buf) if served % YIELD_EVERY else None
-                if n is None:
-                    async with self._read_lock:  # one task waits on the device at a time
-                        n = await self._next_request(buf)
+                await self._read_lock.acquire()  # one task reads the device at a time
             finally:
                 self._idle -= 1
-            served += 1
+            try:
+                waiting = await self._serve_until_waiting(buf, view)
+            finally:
+                self._read_lock.release()
             if self._idle == 0 and self._workers < MAX_WORKERS:
-                self._workers += 1  # keep one worker listening while this one may await
+                self._workers += 1  # keep one worker reading while this one awaits
                 self._nursery.start_soon(self._worker)
-            await self._dispatch(view[:n])
+            await waiting
 
-    def _read_queued(self, buf: bytearray) -> int | None:
-        try:
-            return os.readv(self.fd, [buf])
-        except OSError:  # nothing queued, or the end: _next_request waits or ends
-            return None
+    async def _serve_until_waiting(self, buf: bytearray, view: memoryview) -> Awaitable[None]:
+        """Read requests and serve them, as long as they need no waiting; return the first
+        one that does, to be awaited by this worker once another one reads the device.
 
-    async def _next_request(self, buf: bytearray) -> int:
+        A request already queued is taken at once, with no pass through trio's scheduler
+        (which costs as much as a handler), but every ``YIELD_EVERY`` requests the other
+        tasks get their turn.
+        """
+        served = 0
         while True:
             try:
-                return os.readv(self.fd, [buf])
+                n = os.readv(self.fd, [buf])
             except BlockingIOError:
+                served = 0
                 await trio.lowlevel.wait_readable(self.fd)
+                continue
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.EINTR):  # interrupted before we read it
                     continue
@@ -315,30 +329,54 @@ class KernelSession:
                     self.terminate()
                     await trio.sleep_forever()
                 raise
+            waiting = self._serve(view[:n])
+            if waiting is not None:
+                return waiting
+            served += 1
+            if served == YIELD_EVERY:
+                served = 0
+                await trio.lowlevel.checkpoint()
 
-    async def _dispatch(self, req: memoryview) -> None:
+    def _serve(self, req: memoryview):
+        """Serve one request at once, or return what to await to serve it (a handler that may wait)."""
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
         body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
+        handler = self._now.get(opcode)
+        if handler is None:
+            return self._dispatch(opcode, unique, nodeid, body, Context(uid, gid, pid))
+        try:
+            reply = handler(nodeid, body, Context(uid, gid, pid))
+        except Exception as e:
+            self._fail(opcode, unique, e)
+            return None
+        if reply is not None:
+            self._reply(unique, reply)
+        return None
+
+    async def _dispatch(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context) -> None:
         handler = self._handlers.get(opcode)
         if handler is None:
             self._reply_error(unique, errno.ENOSYS)
             return
         try:
-            reply = await handler(nodeid, body, Context(uid, gid, pid))
-        except pyfuse3.FUSEError as e:
-            self._reply_error(unique, e.errno)
-            return
-        except OSError as e:
-            self._reply_error(unique, e.errno or errno.EIO)
-            return
+            reply = await handler(nodeid, body, ctx)
         except trio.Cancelled:
             raise
-        except Exception:
-            log.exception("internal error serving FUSE opcode %d", opcode)
-            self._reply_error(unique, errno.EIO)
+        except Exception as e:
+            self._fail(opcode, unique, e)
             return
         if reply is not None:
             self._reply(unique, reply)
+
+    def _fail(self, opcode: int, unique: int, e: Exception) -> None:
+        """Answer a request whose handler raised: its errno, or EIO for a bug (logged)."""
+        if isinstance(e, pyfuse3.FUSEError):
+            self._reply_error(unique, e.errno)
+        elif isinstance(e, OSError):
+            self._reply_error(unique, e.errno or errno.EIO)
+        else:
+            log.error("internal error serving FUSE opcode %d", opcode, exc_info=e)
+            self._reply_error(unique, errno.EIO)
 
     def _reply(self, unique: int, parts: list) -> None:
         length = abi.OUT_HEADER.size + sum(len(p) for p in parts)
@@ -385,19 +423,22 @@ class KernelSession:
 
     # -- names ---------------------------------------------------------------------------
 
-    async def _lookup(self, nodeid, body, ctx):
-        return [_entry(await self.ops.lookup(nodeid, bytes(body[:-1]), ctx))]
+    def _entry_now(self, ino: int, st: os.stat_result) -> bytes:
+        return abi.ENTRY_OUT.pack(ino, *self._entry_valid, *self.ops.fuse_attr(ino, st))
 
-    async def _forget(self, nodeid, body, ctx):
-        await self.ops.forget([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
+    def _lookup(self, nodeid, body, ctx):
+        return [self._entry_now(*self.ops.lookup_sync(nodeid, bytes(body[:-1])))]
 
-    async def _batch_forget(self, nodeid, body, ctx):
+    def _forget(self, nodeid, body, ctx):
+        self.ops.forget_sync([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
+
+    def _batch_forget(self, nodeid, body, ctx):
         count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
-        pairs = list(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
-        await self.ops.forget(pairs)
+        self.ops.forget_sync(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
 
-    async def _getattr(self, nodeid, body, ctx):
-        return [_attr(await self.ops.getattr(nodeid, ctx))]
+    def _getattr(self, nodeid, body, ctx):
+        st = self.ops.getattr_sync(nodeid)
+        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(nodeid, st))]
 
     async def _setattr(self, nodeid, body, ctx):
         (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _
@@ -465,11 +506,11 @@ class KernelSession:
         flags, _ = abi.OPEN_IN.unpack_from(body)
         return [self._open_out(await self.ops.open(nodeid, flags, ctx))]
 
-    async def _create(self, nodeid, body, ctx):
+    def _create(self, nodeid, body, ctx):
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         name = bytes(body[abi.CREATE_IN.size:-1])
-        fi, attr = await self.ops.create(nodeid, name, mode, flags, ctx)
-        return [_entry(attr), self._open_out(fi)]
+        fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx)
+        return [self._entry_now(ino, st), self._open_out(fi)]
 
     async def _read(self, nodeid, body, ctx):
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
@@ -485,8 +526,8 @@ class KernelSession:
         await self.ops.flush(abi.FLUSH_IN.unpack_from(body)[0])
         return []
 
-    async def _release(self, nodeid, body, ctx):
-        await self.ops.release(abi.RELEASE_IN.unpack_from(body)[0])
+    def _release(self, nodeid, body, ctx):
+        self.ops.release_sync(abi.RELEASE_IN.unpack_from(body)[0])
         return []
 
     async def _fsync(self, nodeid, body, ctx):
@@ -529,10 +570,9 @@ class KernelSession:
         await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1:end + 1 + size]), ctx)
         return []
 
-    async def _getxattr(self, nodeid, body, ctx):
+    def _getxattr(self, nodeid, body, ctx):
         size, _ = abi.GETXATTR_IN.unpack_from(body)
-        value = await self.ops.getxattr(nodeid, bytes(body[abi.GETXATTR_IN.size:-1]), ctx)
-        return self._sized(value, size)
+        return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size:-1])), size)
 
     async def _listxattr(self, nodeid, body, ctx):
         size, _ = abi.GETXATTR_IN.unpack_from(body)

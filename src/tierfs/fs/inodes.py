@@ -26,6 +26,7 @@ class Inode:
     opens: int = 0  # open file handles
     orphaned: bool = False  # last link removed while open: free space at last release
     cache_valid: bool = False  # kernel page cache still matches the backing file
+    open_fd: int = -1  # a handle's descriptor of the file while one is open (xattrs need no /proc walk)
 
     @property
     def proc_path(self) -> str:
@@ -85,6 +86,7 @@ class InodeTable:
             node = self._nodes[ino] = Inode(fd, stat.S_IFMT(st.st_mode))
         elif node.fd < 0:  # tmpfs reused the number of an unpinned inode the kernel still knows
             node.fd, node.kind, node.orphaned, node.cache_valid = fd, stat.S_IFMT(st.st_mode), False, False
+            node.open_fd = -1
         else:
             os.close(fd)
         node.nlookup += 1

@@ -293,6 +293,7 @@ class Operations(pyfuse3.Operations):
         passthrough for an inode it caches. ``st``: the file's status, if taken since the open.
         """
         node.opens += 1
+        node.open_fd = fd
         self._files[fd] = ino
         self.counters["opens"] += 1
         fi = pyfuse3.FileInfo(fh=fd)
@@ -590,6 +591,8 @@ class Operations(pyfuse3.Operations):
         if node is None:
             return
         node.opens -= 1
+        if node.open_fd == fh:
+            node.open_fd = -1
         if node.orphaned and node.opens == 0:
             self.space.drop(os.fstat(node.fd).st_ino)
             self.inodes.unpin(ino)
@@ -665,6 +668,11 @@ class Operations(pyfuse3.Operations):
         os.setxattr(self._xattr_path(inode, errno.EPERM), name, value)
 
     def getxattr_sync(self, inode: int, name: bytes) -> bytes:
+        # Asked at the first write of every new file (for security.capability): through the
+        # open file when there is one, which spares the kernel a walk of /proc.
+        node = self.inodes[inode]
+        if node.open_fd >= 0:
+            return os.getxattr(node.open_fd, name)
         return os.getxattr(self._xattr_path(inode, pyfuse3.ENOATTR), name)
 
     @_errors_to_fuse

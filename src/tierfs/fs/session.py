@@ -53,6 +53,11 @@ _WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES | abi.AUTO_INVAL_D
 # that have them stay on the daemon path for their non-root writers (Operations).
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+# Requests that cannot tell whether a file released before them was handled yet (nothing
+# they do or return depends on it): they are served ahead of releases read before them.
+# A file's close is followed at once by the next open's path walk, which this way does not
+# wait for the release's bookkeeping.
+_AHEAD_OF_RELEASES = frozenset({abi.LOOKUP, abi.GETATTR, abi.GETXATTR, abi.FORGET, abi.BATCH_FORGET, abi.RELEASE})
 
 
 class Unmounted(Exception):
@@ -216,6 +221,7 @@ class KernelSession:
         self.refused: str | None = None  # why passthrough is off, if it was wanted
         self._cancel: trio.CancelScope | None = None
         self._read_lock = trio.Lock()
+        self._released: list[int] = []  # handles released, their bookkeeping still to do
         self._workers = 0
         self._idle = 0
         valid = _ts(ops.attr_timeout)
@@ -312,19 +318,24 @@ class KernelSession:
 
         A request already queued is taken at once, with no pass through trio's scheduler
         (which costs as much as a handler), but every ``YIELD_EVERY`` requests the other
-        tasks get their turn.
+        tasks get their turn. Releases are done when nothing else is queued, and always
+        before this worker lets any other task run: no task ever sees one half done.
         """
         served = 0
         while True:
             try:
                 n = os.readv(self.fd, [buf])
             except BlockingIOError:
+                if self._released:
+                    self._finish_releases()
+                    continue
                 served = 0
                 await trio.lowlevel.wait_readable(self.fd)
                 continue
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.EINTR):  # interrupted before we read it
                     continue
+                self._finish_releases()
                 if e.errno == errno.ENODEV:  # unmounted
                     self.terminate()
                     await trio.sleep_forever()
@@ -335,12 +346,24 @@ class KernelSession:
             served += 1
             if served == YIELD_EVERY:
                 served = 0
+                self._finish_releases()
                 await trio.lowlevel.checkpoint()
+
+    def _finish_releases(self) -> None:
+        """The bookkeeping of the handles released so far (the kernel has its answers)."""
+        released, self._released = self._released, []
+        for fh in released:
+            try:
+                self.ops.release_sync(fh)
+            except Exception as e:  # the kernel ignores a release's result: say it here
+                log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
 
     def _serve(self, req: memoryview):
         """Serve one request at once, or return what to await to serve it (a handler that may wait)."""
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
         body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
+        if self._released and opcode not in _AHEAD_OF_RELEASES:
+            self._finish_releases()
         handler = self._now.get(opcode)
         if handler is None:
             return self._dispatch(opcode, unique, nodeid, body, Context(uid, gid, pid))
@@ -527,7 +550,7 @@ class KernelSession:
         return []
 
     def _release(self, nodeid, body, ctx):
-        self.ops.release_sync(abi.RELEASE_IN.unpack_from(body)[0])
+        self._released.append(abi.RELEASE_IN.unpack_from(body)[0])  # done once nothing waits (_finish_releases)
         return []
 
     async def _fsync(self, nodeid, body, ctx):

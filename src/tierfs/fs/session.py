@@ -35,6 +35,7 @@ import trio
 
 from tierfs import linux
 from tierfs.fs import abi
+from tierfs.fs.poller import Poller
 
 log = logging.getLogger(__name__)
 
@@ -222,6 +223,8 @@ class KernelSession:
         self._cancel: trio.CancelScope | None = None
         self._read_lock = trio.Lock()
         self._released: list[int] = []  # handles released, their bookkeeping still to do
+        self._last_opcode = 0
+        self._poll = Poller()  # whether to poll for the next request rather than sleep
         self._workers = 0
         self._idle = 0
         valid = _ts(ops.attr_timeout)
@@ -291,6 +294,7 @@ class KernelSession:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self._poll.close()
 
     # -- the request loop ----------------------------------------------------------------
 
@@ -329,9 +333,11 @@ class KernelSession:
                 if self._released:
                     self._finish_releases()
                     continue
-                served = 0
-                await trio.lowlevel.wait_readable(self.fd)
-                continue
+                n = self._poll.next_request(self.fd, buf, self._last_opcode)
+                if n is None:
+                    served = 0
+                    await trio.lowlevel.wait_readable(self.fd)
+                    continue
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.EINTR):  # interrupted before we read it
                     continue
@@ -364,6 +370,7 @@ class KernelSession:
         body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
         if self._released and opcode not in _AHEAD_OF_RELEASES:
             self._finish_releases()
+        self._last_opcode = opcode
         handler = self._now.get(opcode)
         if handler is None:
             return self._dispatch(opcode, unique, nodeid, body, Context(uid, gid, pid))

@@ -8,11 +8,22 @@ itself (``mount(2)`` with ``fd=``), answers INIT, and serves requests by calling
 same :class:`~tierfs.fs.operations.Operations` handlers pyfuse3 calls, with arguments of
 the same shape. File-system semantics stay in that one class; this is only the engine.
 
-Requests are served by trio tasks like pyfuse3's own workers: each reads one request,
-and a new worker starts whenever none is left waiting for the next, so a handler that
-awaits (a read of a file still being restored) never holds up the others. Each worker has
-its own request buffer; a reply is written before the worker awaits anything again, so a
-handler may reply from a shared buffer.
+Requests are served by trio tasks. One worker at a time reads the device, and serves what
+it reads right there, as long as the handler cannot wait: most requests, and all those of
+creating and writing a file, whose cost is mostly the daemon's Python, so they go without
+a coroutine, pyfuse3's objects, or a pass through trio's scheduler while more are queued
+(the handlers in ``_now`` call Operations' synchronous ``*_sync`` methods). A request whose
+handler may await (an open, truncate or read of a file still being restored) makes its
+worker hand the device to another one and await it, so it never holds up the others. Each
+worker has its own request buffer; a reply is written before the worker awaits anything
+again, so a handler may reply from a shared buffer.
+
+Two things keep the caller of a file's create from waiting on the daemon. A release (the
+kernel does not wait for its answer) is done once nothing is queued, so the next open's
+lookups are answered first, and always before any other request that could tell, and
+before the worker lets another task run. And after answering a request that its caller
+follows at once, the worker polls the device for a little while instead of sleeping
+(:mod:`tierfs.fs.poller`), where the CPU is idle anyway.
 
 Open files of the kernel's choice of I/O mode are tracked by :class:`BackingFiles`: the
 kernel insists that every passthrough open of an inode use the same backing file, and that
@@ -224,7 +235,7 @@ class KernelSession:
         self._read_lock = trio.Lock()
         self._released: list[int] = []  # handles released, their bookkeeping still to do
         self._last_opcode = 0
-        self._poll = Poller()  # whether to poll for the next request rather than sleep
+        self._poller = Poller()  # whether to poll for the next request rather than sleep
         self._workers = 0
         self._idle = 0
         valid = _ts(ops.attr_timeout)
@@ -294,7 +305,7 @@ class KernelSession:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-        self._poll.close()
+        self._poller.close()
 
     # -- the request loop ----------------------------------------------------------------
 
@@ -323,7 +334,8 @@ class KernelSession:
         A request already queued is taken at once, with no pass through trio's scheduler
         (which costs as much as a handler), but every ``YIELD_EVERY`` requests the other
         tasks get their turn. Releases are done when nothing else is queued, and always
-        before this worker lets any other task run: no task ever sees one half done.
+        before this worker lets any other task run: no task ever sees one half done. With
+        nothing queued, the next request may be polled for before going to sleep.
         """
         served = 0
         while True:
@@ -333,7 +345,7 @@ class KernelSession:
                 if self._released:
                     self._finish_releases()
                     continue
-                n = self._poll.next_request(self.fd, buf, self._last_opcode)
+                n = self._poller.next_request(self.fd, buf, self._last_opcode)
                 if n is None:
                     served = 0
                     await trio.lowlevel.wait_readable(self.fd)

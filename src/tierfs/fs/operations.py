@@ -565,28 +565,42 @@ class Operations(pyfuse3.Operations):
         self.release_sync(fh)
 
     def release_sync(self, fh: int) -> None:
-        ino = self._files[fh]
-        # The kernel wrote a file it passed through itself, and never mixes that with daemon
-        # writes on one inode: only a daemon-path file can have writes still queued.
-        if self.backing is None or not self.backing.detach(fh):
-            self.writes_done(ino)
+        self.release_writes(fh)
+        self.release_handle(fh)
+
+    def release_writes(self, fh: int) -> None:
+        """The part of a release that others see, done in order with what follows it: the
+        file's writes are in and accounted, it no longer counts as open for writing, and the
+        commit rules hear that it was closed."""
+        if fh not in self._writable:
+            return
+        self._writable.discard(fh)
+        if fh in self._passthrough_writers:
+            # The kernel wrote it itself, and never mixes that with daemon writes on one
+            # inode: nothing can be queued for it. Account what it wrote now.
+            self._passthrough_writers.discard(fh)
+            self._last_write = time.monotonic()
+            st = os.fstat(fh)
+            self.space.update(st)
+        else:
+            self.writes_done(self._files[fh])
             if (error := self.writes.take_error(fh)) is not None:  # flush reported any but this
                 log.warning("a write to %s failed after close: %s", self._relpath(fh) or "an unlinked file", error)
-        del self._files[fh]
-        self._kill_privs.discard(fh)
-        path = None
-        if fh in self._writable:
-            self._writable.discard(fh)
             st = os.fstat(fh)
-            if fh in self._passthrough_writers:  # the kernel wrote it: account it now
-                self._passthrough_writers.discard(fh)
-                self._last_write = time.monotonic()
-                self.space.update(st)
-            if self.events is not None and st.st_nlink > 0:
-                path = self._relpath(fh)
+        if self.events is not None and st.st_nlink > 0:
+            path = self._relpath(fh)
+            if path is not None:
+                self.events.file_done(path)
+
+    def release_handle(self, fh: int) -> None:
+        """The rest of a release (after :meth:`release_writes`), which no request can tell
+        from not done yet: the descriptor, the backing file and the inode's count of opens.
+        The kernel session leaves it for a moment when nothing waits."""
+        ino = self._files.pop(fh)
+        self._kill_privs.discard(fh)
+        if self.backing is not None:
+            self.backing.detach(fh)
         os.close(fh)
-        if path is not None:
-            self.events.file_done(path)
         node = self.inodes.get(ino)
         if node is None:
             return

@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import time
 
-POLL_NS = 60_000  # how long to poll for the next request after an answer
+POLL_NS = 100_000  # how long to poll for the next request after an answer
 PRESSURE = "/proc/pressure/cpu"
 BUSY_PERCENT = 10.0  # "some" CPU pressure (10 s average) above which the daemon never polls
 PRESSURE_EVERY_NS = 250_000_000  # how often the pressure is read again
@@ -49,29 +49,33 @@ class Poller:
             os.close(self._pressure_fd)
             self._pressure_fd = -1
 
-    def next_request(self, fd: int, buf: bytearray, answered: int) -> int | None:
-        """The length of the next request read into ``buf`` if it came while polling after
-        answering a request of opcode ``answered``; None if this did not poll or none came."""
+    def expects(self, answered: int) -> bool:
+        """Whether to poll for the request after one of opcode ``answered`` (now answered)."""
         now = time.perf_counter_ns()
         if now >= self._pressure_at:
             self._idle_cpu = self._cpu_to_spare()
             self._pressure_at = now + PRESSURE_EVERY_NS
         if not self._idle_cpu:
-            return None
+            return False
+        if self._score[answered & 63] >= _SCORE_POLL:
+            return True
+        self._skipped += 1
+        return self._skipped % PROBE_EVERY == 0  # now and then, see whether it pays again
+
+    def poll(self, fd: int, buf: bytearray, answered: int) -> int | None:
+        """The length of the next request, read into ``buf`` as soon as it is queued; None
+        if none came within ``POLL_NS`` (the device is idle) or the read failed (the
+        caller's own read sees the error)."""
         kind = answered & 63
         score = self._score[kind]
-        if score < _SCORE_POLL:
-            self._skipped += 1
-            if self._skipped % PROBE_EVERY:
-                return None
-        deadline = now + POLL_NS
+        deadline = time.perf_counter_ns() + POLL_NS
         while time.perf_counter_ns() < deadline:
             try:
                 n = os.readv(fd, [buf])
             except BlockingIOError:
                 continue
             except OSError:
-                return None  # the caller's own read sees (and handles) the error
+                return None
             self._score[kind] = min(_SCORE_MAX, score + 1)
             return n
         self._score[kind] = max(0, score - _MISS)

@@ -65,11 +65,15 @@ _WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES | abi.AUTO_INVAL_D
 # that have them stay on the daemon path for their non-root writers (Operations).
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-# Requests that cannot tell whether a file released before them was handled yet (nothing
-# they do or return depends on it): they are served ahead of releases read before them.
-# A file's close is followed at once by the next open's path walk, which this way does not
-# wait for the release's bookkeeping.
-_AHEAD_OF_RELEASES = frozenset({abi.LOOKUP, abi.GETATTR, abi.GETXATTR, abi.FORGET, abi.BATCH_FORGET, abi.RELEASE})
+# A file's close is followed at once by the next open's path walk and create, which should
+# not wait for the release's bookkeeping. Requests that cannot tell whether a release before
+# them was handled yet (nothing they do or return depends on it) are served before it. A
+# create needs only the part of a release that others see (Operations.release_writes: the
+# commit rules hear of the close before anything new appears), not the rest
+# (Operations.release_handle). Any other request comes after the whole release, as the
+# kernel sent them.
+_BEFORE_RELEASES = frozenset({abi.LOOKUP, abi.GETATTR, abi.GETXATTR, abi.FORGET, abi.BATCH_FORGET, abi.RELEASE})
+_BEFORE_RELEASE_HANDLES = frozenset({*_BEFORE_RELEASES, abi.CREATE})
 
 
 class Unmounted(Exception):
@@ -233,7 +237,8 @@ class KernelSession:
         self.refused: str | None = None  # why passthrough is off, if it was wanted
         self._cancel: trio.CancelScope | None = None
         self._read_lock = trio.Lock()
-        self._released: list[int] = []  # handles released, their bookkeeping still to do
+        self._released: list[int] = []  # handles released, nothing done about them yet
+        self._closing: list[int] = []  # handles released, their release_handle still to do
         self._last_opcode = 0
         self._poller = Poller()  # whether to poll for the next request rather than sleep
         self._workers = 0
@@ -333,20 +338,23 @@ class KernelSession:
 
         A request already queued is taken at once, with no pass through trio's scheduler
         (which costs as much as a handler), but every ``YIELD_EVERY`` requests the other
-        tasks get their turn. Releases are done when nothing else is queued, and always
-        before this worker lets any other task run: no task ever sees one half done. With
-        nothing queued, the next request may be polled for before going to sleep.
+        tasks get their turn. With nothing queued, the next request is polled for where
+        the poller expects it soon; releases are done once the device is idle, and always
+        before this worker lets any other task run: no task ever sees one half done.
         """
         served = 0
+        follow_up = True  # the last answer may be followed at once (no idle moment since)
         while True:
             try:
                 n = os.readv(self.fd, [buf])
             except BlockingIOError:
-                if self._released:
-                    self._finish_releases()
-                    continue
-                n = self._poller.next_request(self.fd, buf, self._last_opcode)
+                n = None
+                if follow_up and self._poller.expects(self._last_opcode):
+                    n = self._poller.poll(self.fd, buf, self._last_opcode)
+                follow_up = False
                 if n is None:
+                    if self._finish_releases():
+                        continue
                     served = 0
                     await trio.lowlevel.wait_readable(self.fd)
                     continue
@@ -358,6 +366,7 @@ class KernelSession:
                     self.terminate()
                     await trio.sleep_forever()
                 raise
+            follow_up = True
             waiting = self._serve(view[:n])
             if waiting is not None:
                 return waiting
@@ -367,21 +376,39 @@ class KernelSession:
                 self._finish_releases()
                 await trio.lowlevel.checkpoint()
 
-    def _finish_releases(self) -> None:
-        """The bookkeeping of the handles released so far (the kernel has its answers)."""
+    def _settle_releases(self) -> None:
+        """Do the part of the releases read so far that others see (Operations.release_writes)."""
         released, self._released = self._released, []
         for fh in released:
-            try:
-                self.ops.release_sync(fh)
-            except Exception as e:  # the kernel ignores a release's result: say it here
-                log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
+            self._releasing(self.ops.release_writes, fh)
+            self._closing.append(fh)
+
+    def _finish_releases(self) -> bool:
+        """Do all of the releases read so far; whether there were any."""
+        if not self._released and not self._closing:
+            return False
+        self._settle_releases()
+        closing, self._closing = self._closing, []
+        for fh in closing:
+            self._releasing(self.ops.release_handle, fh)
+        return True
+
+    @staticmethod
+    def _releasing(step, fh: int) -> None:
+        try:
+            step(fh)
+        except Exception as e:  # the kernel ignores a release's result: say it here
+            log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
 
     def _serve(self, req: memoryview):
         """Serve one request at once, or return what to await to serve it (a handler that may wait)."""
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
         body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
-        if self._released and opcode not in _AHEAD_OF_RELEASES:
-            self._finish_releases()
+        if (self._released or self._closing) and opcode not in _BEFORE_RELEASES:
+            if opcode in _BEFORE_RELEASE_HANDLES:
+                self._settle_releases()
+            else:
+                self._finish_releases()
         self._last_opcode = opcode
         handler = self._now.get(opcode)
         if handler is None:
@@ -569,7 +596,7 @@ class KernelSession:
         return []
 
     def _release(self, nodeid, body, ctx):
-        self._released.append(abi.RELEASE_IN.unpack_from(body)[0])  # done once nothing waits (_finish_releases)
+        self._released.append(abi.RELEASE_IN.unpack_from(body)[0])  # done by _settle/_finish_releases
         return []
 
     async def _fsync(self, nodeid, body, ctx):

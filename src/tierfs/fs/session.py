@@ -171,12 +171,11 @@ class BackingFiles:
         ino = self._handles.get(fh)
         return None if ino is None else self._inodes[ino][0]
 
-    def detach(self, fh: int) -> bool:
-        """``fh`` was released: the inode's last passthrough open closes its backing id.
-        Whether ``fh`` was served by passthrough."""
+    def detach(self, fh: int) -> None:
+        """``fh`` was released: the inode's last passthrough open closes its backing id."""
         ino = self._handles.pop(fh, None)
         if ino is None:
-            return False
+            return
         entry = self._inodes[ino]
         entry[1] -= 1
         if entry[1] == 0:
@@ -185,7 +184,6 @@ class BackingFiles:
                 fcntl.ioctl(self._dev_fd, abi.DEV_IOC_BACKING_CLOSE, abi.BACKING_ID.pack(entry[0]))
             except OSError as e:  # the connection is gone: nothing to close
                 log.debug("closing backing id %d: %s", entry[0], e)
-        return True
 
     def __len__(self) -> int:
         return len(self._handles)

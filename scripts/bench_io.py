@@ -42,6 +42,7 @@ Run it when the machine is quiet::
 
     .venv/bin/python scripts/bench_io.py --json docs/bench-io.json --plot docs/bench-io.png
     .venv/bin/python scripts/bench_io.py --quick         # smoke test: 128M, 2 rounds, 200 files
+    .venv/bin/python scripts/bench_io.py --files-only --data-paths passthrough  # the checkpoint row alone
     .venv/bin/python scripts/bench_io.py --replot docs/bench-io.json --plot out.png
 
 The default run (512 MiB per measurement, 5 rounds) takes about 11 minutes on 2 cores, most
@@ -540,6 +541,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="volumes to measure against tmpfs (default passthrough,daemon)")
     p.add_argument("--files", type=int, help="files of the checkpoint row; 0 leaves it out (default 1000)")
     p.add_argument("--file-size", type=parse_size, default=MiB, help="bytes per file of the checkpoint row (default 1M)")
+    p.add_argument("--files-only", action="store_true",
+                   help="measure the checkpoint row alone (no fio rows)")
     p.add_argument("--warmup", type=parse_size, default=2 * GiB,
                    help="warm-up file written and deleted on tmpfs before each timed part (default 2G: "
                         "a segment written through a page cache touches twice its size)")
@@ -589,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.files < 0:
         print("bench_io: error: --rounds must be >= 1 and --files >= 0", file=sys.stderr)
         return 2
+    if args.files_only:
+        if not args.files:
+            print("bench_io: error: --files-only needs --files > 0", file=sys.stderr)
+            return 2
+        args.modes = []
 
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally blocks run; SIGINT too
     # when started in the background (where the shell has it ignored).

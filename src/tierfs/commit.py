@@ -111,10 +111,12 @@ class CommitRules:
 
     def __init__(self, rules: tuple[Rule, ...]):
         self.rules = rules
-        self._by_kind = {k: [r.pattern for r in rules if r.kind == k] for k in KINDS}
+        # One expression per kind: this runs at every close after writing.
+        self._by_kind = {k: re.compile("|".join(fnmatch.translate(r.pattern) for r in rules if r.kind == k) or "(?!)")
+                         for k in KINDS}
 
     def _matches(self, kind: str, name: str) -> bool:
-        return any(fnmatch.fnmatchcase(name, p) for p in self._by_kind[kind])
+        return self._by_kind[kind].match(name) is not None
 
     def dir_renamed(self, path: str) -> str | None:
         name = path.rpartition("/")[2]

@@ -19,7 +19,7 @@ import pyfuse3
 import pytest
 import trio
 
-from tierfs.fs import Operations, engine
+from tierfs.fs import Operations, abi, engine
 from tierfs.fs.session import KernelSession
 from tierfs.ramtier import SpaceAccount
 
@@ -121,7 +121,7 @@ async def test_a_session_without_passthrough_serves_every_byte(mounted):
 
 
 class StallingOperations(Operations):
-    """Fault injection: ``getxattr(user.stall)`` waits until released, as a read of a chunk
+    """Fault injection: the first ``statfs`` waits until released, as a read of a chunk
     from a dead peer would."""
 
     def __init__(self, *args):
@@ -129,12 +129,12 @@ class StallingOperations(Operations):
         self.release_stall = trio.Event()
         self.stalled = trio.Event()
 
-    async def getxattr(self, inode, name, ctx):
-        if name == b"user.stall":
+    async def statfs(self, ctx):
+        if not self.stalled.is_set():
             self.stalled.set()
             await self.release_stall.wait()
-            raise pyfuse3.FUSEError(errno.ENODATA)
-        return await super().getxattr(inode, name, ctx)
+            raise pyfuse3.FUSEError(errno.ENOLINK)
+        return await super().statfs(ctx)
 
 
 WRITER = textwrap.dedent("""
@@ -151,11 +151,10 @@ WRITER = textwrap.dedent("""
 
 async def test_eight_writers_are_not_held_up_by_a_stalled_request(mounted):
     m = await mounted(ops_class=StallingOperations)
-    (m.tree / "f").write_bytes(b"")
 
     def stalled_call():
         try:
-            os.getxattr(m.mountpoint / "f", "user.stall")
+            os.statvfs(m.mountpoint)
         except OSError as e:
             return e.errno
 
@@ -173,7 +172,7 @@ async def test_eight_writers_are_not_held_up_by_a_stalled_request(mounted):
                     writers.start_soon(trio.run_process, [sys.executable, "-c", WRITER, str(m.mountpoint / f"w{w}")])
         assert not result, "the stalled request must still be waiting"
         m.ops.release_stall.set()
-    assert result["errno"] == errno.ENODATA
+    assert result["errno"] == errno.ENOLINK
 
     def check(w: int) -> bool:
         files = list((m.mountpoint / f"w{w}").iterdir())
@@ -221,3 +220,61 @@ async def test_a_daemon_path_open_keeps_later_opens_off_passthrough(mounted):
     assert await m.run(lambda: (m.mountpoint / "f").read_bytes()) == b"z" * 8192
     assert m.ops.counters["passthrough_opens"] == 1  # all closed: the next open passes through
     assert stat.S_ISREG(os.stat(m.tree / "f").st_mode)
+
+
+async def test_no_other_task_sees_a_release_half_done(mounted):
+    """A release waits until nothing else is queued (the next open's lookups are answered
+    first), but is done before anything else in the daemon runs."""
+    m = await mounted()
+
+    def write_then_look_up():
+        with open(m.mountpoint / "f", "wb") as f:
+            f.write(b"x" * 4096)
+        return os.path.exists(m.mountpoint / "g")  # queued right behind the release
+
+    assert await m.run(write_then_look_up) is False
+    # no sleep: this task could not run before the release was done
+    assert len(m.ops.backing) == 0 and m.ops.writing_inodes() == set()
+    assert m.ops.counters["passthrough_opens"] == 1
+
+
+def _request(opcode: int, nodeid: int, body: bytes, unique: int = 1) -> memoryview:
+    header = abi.IN_HEADER.pack(abi.IN_HEADER.size + len(body), opcode, unique, nodeid, 0, 0, os.getpid(), 0, 0)
+    return memoryview(header + body)
+
+
+def test_a_release_is_done_before_any_request_that_could_tell(shm_dir):
+    """The kernel queues a release before what the caller does next; the daemon may answer
+    lookups first, but a create (which the commit rules must not see before the close) or
+    anything else comes after the release. Driven with requests built here: the kernel only
+    rarely queues a create right behind a release."""
+    tree = shm_dir("tierfs-tree")
+
+    class Recorder:
+        def __init__(self):
+            self.seen: list[tuple[str, bool]] = []
+
+        def file_done(self, path):
+            self.seen.append((path, (tree / "late").exists()))
+
+        def dir_renamed(self, path):
+            pass
+
+    ops = Operations(tree, SpaceAccount(None, tree), events=(recorder := Recorder()))
+    session = KernelSession(ops)
+    session.fd = os.open("/dev/null", os.O_WRONLY)  # the answers go nowhere
+    try:
+        flags = os.O_WRONLY | os.O_CREAT
+        create = abi.CREATE_IN.pack(flags, stat.S_IFREG | 0o644, 0o022, 0)
+        assert session._serve(_request(abi.CREATE, pyfuse3.ROOT_INODE, create + b"marker\0")) is None
+        (fh,) = list(ops._files)
+        os.pwrite(fh, b"done", 0)
+        session._serve(_request(abi.RELEASE, pyfuse3.ROOT_INODE, abi.RELEASE_IN.pack(fh, flags, 0, 0)))
+        session._serve(_request(abi.GETATTR, pyfuse3.ROOT_INODE, abi.GETATTR_IN.pack(0, 0, 0)))
+        session._serve(_request(abi.LOOKUP, pyfuse3.ROOT_INODE, b"late\0"))
+        assert recorder.seen == [] and ops.writing_inodes(), "lookups go ahead of the release"
+        session._serve(_request(abi.CREATE, pyfuse3.ROOT_INODE, create + b"late\0"))
+        assert recorder.seen == [("marker", False)], "the close was seen before the create"
+    finally:
+        os.close(session.fd)
+        ops.close()

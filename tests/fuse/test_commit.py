@@ -71,6 +71,17 @@ def test_markers_and_single_files_commit_when_closed(volume, relpath, root):
     assert (step_tree(volume, state["step"]) / relpath).read_bytes() == b"done"
 
 
+def test_a_marker_commits_its_directory_as_it_was_when_closed(volume):
+    step = volume.mountpoint / "dcp" / "step_5"
+    step.mkdir(parents=True)
+    (step / "shard-0").write_bytes(b"x" * 100)
+    (step / ".metadata").write_bytes(b"m")  # the marker
+    (step / "late").write_bytes(b"l")  # created right after the marker's close
+    (state,) = steps_of(volume).values()
+    assert state["step"] == 5 and state["roots"] == ["dcp/step_5"]
+    assert sorted(p.name for p in (step_tree(volume, 5) / "dcp" / "step_5").iterdir()) == [".metadata", "shard-0"]
+
+
 def test_rename_of_a_finished_file_into_a_pattern_commits(volume):
     tmp = volume.mountpoint / "weights-8.safetensors.partial"
     tmp.write_bytes(b"w" * 1000)

@@ -26,6 +26,7 @@ class Inode:
     opens: int = 0  # open file handles
     orphaned: bool = False  # last link removed while open: free space at last release
     cache_valid: bool = False  # kernel page cache still matches the backing file
+    open_fd: int = -1  # a handle's descriptor of the file while one is open (xattrs need no /proc walk)
 
     @property
     def proc_path(self) -> str:
@@ -71,10 +72,11 @@ class InodeTable:
         fd = os.open(name, O_PATH_FLAGS, dir_fd=dirfd)
         return self.adopt(fd)
 
-    def adopt(self, fd: int) -> tuple[int, os.stat_result]:
-        """Count one lookup of the inode ``fd`` (an O_PATH descriptor, consumed) refers to."""
+    def adopt(self, fd: int, st: os.stat_result | None = None) -> tuple[int, os.stat_result]:
+        """Count one lookup of the inode ``fd`` (an O_PATH descriptor, consumed) refers to
+        (whose status is ``st``, if the caller has it)."""
         try:
-            st = os.fstat(fd)
+            st = st or os.fstat(fd)
             ino = self.fuse_ino(st)
         except OSError:
             os.close(fd)
@@ -84,6 +86,7 @@ class InodeTable:
             node = self._nodes[ino] = Inode(fd, stat.S_IFMT(st.st_mode))
         elif node.fd < 0:  # tmpfs reused the number of an unpinned inode the kernel still knows
             node.fd, node.kind, node.orphaned, node.cache_valid = fd, stat.S_IFMT(st.st_mode), False, False
+            node.open_fd = -1
         else:
             os.close(fd)
         node.nlookup += 1

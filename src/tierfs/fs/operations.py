@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # Every change goes through this daemon, so the kernel may cache names and attributes;
 # writes, renames and unlinks invalidate what they touch in the kernel itself.
 ATTR_TIMEOUT = 1.0
+_NS = 1_000_000_000
 # Flags that the kernel has already acted on, or that the backing open must not see.
 _STRIP_OPEN_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW | os.O_DIRECT
 
@@ -112,6 +113,7 @@ def _readdir_reply(token, name: bytes, attrs: pyfuse3.EntryAttributes, next_id: 
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = False  # no NFS export: '.'/'..' never reach lookup()
     enable_writeback_cache = False
+    attr_timeout = ATTR_TIMEOUT  # of names and attributes alike
 
     def __init__(self, tree: str | os.PathLike, space: SpaceAccount,
                  snapshots: Snapshots | None = None, events: Events | None = None):
@@ -124,6 +126,7 @@ class Operations(pyfuse3.Operations):
         self.backing: BackingFiles | None = None  # kernel passthrough, when the engine has it
         self.writes = WriteBehind()  # applies writes only while its worker runs (``with``)
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
+        self._proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._files: dict[int, int] = {}  # fh (the backing fd) -> inode
         self._writable: set[int] = set()  # fhs open for writing
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
@@ -141,17 +144,31 @@ class Operations(pyfuse3.Operations):
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+    def _current(self, ino: int, st: os.stat_result) -> tuple[os.stat_result, int]:
+        """``st`` brought up to date (writes still queued for ``ino`` applied first), and the
+        link count users see (without the snapshots' links)."""
         if self.writes.pending(ino):
             self.writes_done(ino)
             st = os.fstat(self.inodes[ino].fd)
+        return st, st.st_nlink - (self.snapshots.pins(st.st_ino) if self.snapshots else 0)
+
+    def fuse_attr(self, ino: int, st: os.stat_result) -> tuple:
+        """``ino``'s attributes in the order of the kernel's ``struct fuse_attr``, for the
+        kernel session to pack as they are (pyfuse3 gets the same as :meth:`_attrs`)."""
+        st, nlink = self._current(ino, st)
+        at, mt, ct = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
+        return (ino, st.st_size, st.st_blocks, at // _NS, mt // _NS, ct // _NS, at % _NS, mt % _NS, ct % _NS,
+                st.st_mode, nlink, st.st_uid, st.st_gid, st.st_rdev, st.st_blksize, 0)
+
+    def _attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
+        st, nlink = self._current(ino, st)
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
         a.entry_timeout = ATTR_TIMEOUT
         a.attr_timeout = ATTR_TIMEOUT
         a.st_mode = st.st_mode
-        a.st_nlink = st.st_nlink - (self.snapshots.pins(st.st_ino) if self.snapshots else 0)
+        a.st_nlink = nlink
         a.st_uid = st.st_uid
         a.st_gid = st.st_gid
         a.st_rdev = st.st_rdev
@@ -199,7 +216,7 @@ class Operations(pyfuse3.Operations):
 
     def _relpath(self, fd: int, name: bytes = b"") -> str | None:
         """The tree-relative path of ``fd`` (joined with ``name``), as the commit rules see it."""
-        path = os.readlink(f"/proc/self/fd/{fd}".encode())
+        path = os.readlink(b"%d" % fd, dir_fd=self._proc_fds)
         if name:
             path = path + b"/" + name
         if not path.startswith(self._tree_prefix) or path.endswith(b" (deleted)"):
@@ -264,7 +281,8 @@ class Operations(pyfuse3.Operations):
             return False  # an earlier open is served by the daemon: the kernel allows no mix
         return backing.attach(ino, fd)
 
-    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx) -> pyfuse3.FileInfo:
+    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx,
+                      st: os.stat_result | None = None) -> pyfuse3.FileInfo:
         """Register an open backing descriptor and choose how the kernel reads and writes it.
 
         Passthrough when the engine and the file allow it. Otherwise, through the daemon:
@@ -272,9 +290,10 @@ class Operations(pyfuse3.Operations):
         read-only opens keep the page cache between opens unless the file changed since;
         read-write opens use the page cache (so shared mmap works), dropping stale pages.
         Under a passthrough engine every daemon open is direct I/O, since the kernel refuses
-        passthrough for an inode it caches.
+        passthrough for an inode it caches. ``st``: the file's status, if taken since the open.
         """
         node.opens += 1
+        node.open_fd = fd
         self._files[fd] = ino
         self.counters["opens"] += 1
         fi = pyfuse3.FileInfo(fh=fd)
@@ -283,8 +302,9 @@ class Operations(pyfuse3.Operations):
             self._writable.add(fd)
         if flags & os.O_TRUNC:
             node.cache_valid = False
-            self.space.update(os.fstat(fd))
-        drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and _has_privs(os.fstat(fd).st_mode)
+            st = st or os.fstat(fd)
+            self.space.update(st)
+        drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and _has_privs((st or os.fstat(fd)).st_mode)
         if self._passes_through(ino, node, fd, drops_privs):
             self.counters["passthrough_opens"] += 1
             if accmode != os.O_RDONLY:
@@ -306,18 +326,26 @@ class Operations(pyfuse3.Operations):
 
     # -- names -----------------------------------------------------------------------
 
+    def lookup_sync(self, parent_inode: int, name: bytes) -> tuple[int, os.stat_result]:
+        return self.inodes.lookup(self.inodes[parent_inode].fd, name)
+
     @_errors_to_fuse
     async def lookup(self, parent_inode, name, ctx=None):
-        ino, st = self.inodes.lookup(self.inodes[parent_inode].fd, name)
-        return self._attrs(ino, st)
+        return self._attrs(*self.lookup_sync(parent_inode, name))
 
-    async def forget(self, inode_list):
+    def forget_sync(self, inode_list) -> None:
         for ino, n in inode_list:
             self.inodes.forget(ino, n)
 
+    async def forget(self, inode_list):
+        self.forget_sync(inode_list)
+
+    def getattr_sync(self, inode: int) -> os.stat_result:
+        return os.fstat(self.inodes[inode].fd)
+
     @_errors_to_fuse
     async def getattr(self, inode, ctx=None):
-        return self._attrs(inode, os.fstat(self.inodes[inode].fd))
+        return self._attrs(inode, self.getattr_sync(inode))
 
     @_errors_to_fuse
     async def setattr(self, inode, attr, fields, fh, ctx):
@@ -422,8 +450,8 @@ class Operations(pyfuse3.Operations):
         fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
         return self._open_backing(inode, node, fd, flags, ctx)
 
-    @_errors_to_fuse
-    async def create(self, parent_inode, name, mode, flags, ctx):
+    def create_sync(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                    ctx) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         parent = self.inodes[parent_inode]
         bflags = (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC
         try:
@@ -438,11 +466,36 @@ class Operations(pyfuse3.Operations):
         try:
             if created:
                 self._give_to_caller(fd, parent, ctx, mode)
-            ino, st = self.inodes.adopt(os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC))
+            ino, st = self.inodes.adopt(*self._path_fd(fd, parent, name))
         except OSError:
             os.close(fd)
             raise
-        fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx)
+        fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx, st)
+        return fi, ino, st
+
+    @staticmethod
+    def _path_fd(fd: int, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
+        """An O_PATH descriptor of the file open as ``fd`` (just opened as ``name`` in
+        ``parent``), and the file's status.
+
+        The name is opened again, which is cheaper than reopening ``fd`` through /proc,
+        but only kept if it still is that file.
+        """
+        st = os.fstat(fd)
+        path_fd = os.open(name, O_PATH_FLAGS, dir_fd=parent.fd)
+        try:
+            again = os.fstat(path_fd)
+        except OSError:
+            os.close(path_fd)
+            raise
+        if (again.st_ino, again.st_dev) != (st.st_ino, st.st_dev):
+            os.close(path_fd)
+            path_fd = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+        return path_fd, st
+
+    @_errors_to_fuse
+    async def create(self, parent_inode, name, mode, flags, ctx):
+        fi, ino, st = self.create_sync(parent_inode, name, mode, flags, ctx)
         return fi, self._attrs(ino, st)
 
     @staticmethod
@@ -509,29 +562,51 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def release(self, fh):
-        self.writes_done(self._files[fh])
-        if (error := self.writes.take_error(fh)) is not None:  # flush reported any but this
-            log.warning("a write to %s failed after close: %s", self._relpath(fh) or "an unlinked file", error)
+        self.release_sync(fh)
+
+    def release_sync(self, fh: int) -> None:
+        self.release_writes(fh)
+        self.release_handle(fh)
+
+    def release_writes(self, fh: int) -> None:
+        """The part of a release that others see, done in order with what follows it: the
+        file's writes are in and accounted, it no longer counts as open for writing, and the
+        commit rules hear that it was closed."""
+        if fh not in self._writable:
+            return
+        self._writable.discard(fh)
+        if fh in self._passthrough_writers:
+            # The kernel wrote it itself, and never mixes that with daemon writes on one
+            # inode: nothing can be queued for it. Account what it wrote now.
+            self._passthrough_writers.discard(fh)
+            self._last_write = time.monotonic()
+            st = os.fstat(fh)
+            self.space.update(st)
+        else:
+            self.writes_done(self._files[fh])
+            if (error := self.writes.take_error(fh)) is not None:  # flush reported any but this
+                log.warning("a write to %s failed after close: %s", self._relpath(fh) or "an unlinked file", error)
+            st = os.fstat(fh)
+        if self.events is not None and st.st_nlink > 0:
+            path = self._relpath(fh)
+            if path is not None:
+                self.events.file_done(path)
+
+    def release_handle(self, fh: int) -> None:
+        """The rest of a release (after :meth:`release_writes`), which no request can tell
+        from not done yet: the descriptor, the backing file and the inode's count of opens.
+        The kernel session leaves it for a moment when nothing waits."""
         ino = self._files.pop(fh)
         self._kill_privs.discard(fh)
         if self.backing is not None:
             self.backing.detach(fh)
-        path = None
-        if fh in self._writable:
-            self._writable.discard(fh)
-            if fh in self._passthrough_writers:  # the kernel wrote it: account it now
-                self._passthrough_writers.discard(fh)
-                self._last_write = time.monotonic()
-                self.space.update(os.fstat(fh))
-            if self.events is not None and os.fstat(fh).st_nlink > 0:
-                path = self._relpath(fh)
         os.close(fh)
-        if path is not None:
-            self.events.file_done(path)
         node = self.inodes.get(ino)
         if node is None:
             return
         node.opens -= 1
+        if node.open_fd == fh:
+            node.open_fd = -1
         if node.orphaned and node.opens == 0:
             self.space.drop(os.fstat(node.fd).st_ino)
             self.inodes.unpin(ino)
@@ -606,9 +681,17 @@ class Operations(pyfuse3.Operations):
     async def setxattr(self, inode, name, value, ctx):
         os.setxattr(self._xattr_path(inode, errno.EPERM), name, value)
 
+    def getxattr_sync(self, inode: int, name: bytes) -> bytes:
+        # Asked at the first write of every new file (for security.capability): through the
+        # open file when there is one, which spares the kernel a walk of /proc.
+        node = self.inodes[inode]
+        if node.open_fd >= 0:
+            return os.getxattr(node.open_fd, name)
+        return os.getxattr(self._xattr_path(inode, pyfuse3.ENOATTR), name)
+
     @_errors_to_fuse
     async def getxattr(self, inode, name, ctx):
-        return os.getxattr(self._xattr_path(inode, pyfuse3.ENOATTR), name)
+        return self.getxattr_sync(inode, name)
 
     @_errors_to_fuse
     async def listxattr(self, inode, ctx):
@@ -625,6 +708,9 @@ class Operations(pyfuse3.Operations):
         """Close every descriptor still held (after the kernel let go of the mount)."""
         for fd in list(self._files) + list(self._dirs):
             os.close(fd)
+        if self._proc_fds >= 0:
+            os.close(self._proc_fds)
+            self._proc_fds = -1
         self._files.clear()
         self._dirs.clear()
         self.inodes.close_all()

@@ -8,11 +8,22 @@ itself (``mount(2)`` with ``fd=``), answers INIT, and serves requests by calling
 same :class:`~tierfs.fs.operations.Operations` handlers pyfuse3 calls, with arguments of
 the same shape. File-system semantics stay in that one class; this is only the engine.
 
-Requests are served by trio tasks like pyfuse3's own workers: each reads one request,
-and a new worker starts whenever none is left waiting for the next, so a handler that
-awaits (a read of a file still being restored) never holds up the others. Each worker has
-its own request buffer; a reply is written before the worker awaits anything again, so a
-handler may reply from a shared buffer.
+Requests are served by trio tasks. One worker at a time reads the device, and serves what
+it reads right there, as long as the handler cannot wait: most requests, and all those of
+creating and writing a file, whose cost is mostly the daemon's Python, so they go without
+a coroutine, pyfuse3's objects, or a pass through trio's scheduler while more are queued
+(the handlers in ``_now`` call Operations' synchronous ``*_sync`` methods). A request whose
+handler may await (an open, truncate or read of a file still being restored) makes its
+worker hand the device to another one and await it, so it never holds up the others. Each
+worker has its own request buffer; a reply is written before the worker awaits anything
+again, so a handler may reply from a shared buffer.
+
+Two things keep the caller of a file's create from waiting on the daemon. A release (the
+kernel does not wait for its answer) is done once nothing is queued, so the next open's
+lookups are answered first, and always before any other request that could tell, and
+before the worker lets another task run. And after answering a request that its caller
+follows at once, the worker polls the device for a little while instead of sleeping
+(:mod:`tierfs.fs.poller`), where the CPU is idle anyway.
 
 Open files of the kernel's choice of I/O mode are tracked by :class:`BackingFiles`: the
 kernel insists that every passthrough open of an inode use the same backing file, and that
@@ -27,6 +38,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass
 
 import pyfuse3
@@ -34,6 +46,7 @@ import trio
 
 from tierfs import linux
 from tierfs.fs import abi
+from tierfs.fs.poller import Poller
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +65,15 @@ _WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES | abi.AUTO_INVAL_D
 # that have them stay on the daemon path for their non-root writers (Operations).
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
+# A file's close is followed at once by the next open's path walk and create, which should
+# not wait for the release's bookkeeping. Requests that cannot tell whether a release before
+# them was handled yet (nothing they do or return depends on it) are served before it. A
+# create needs only the part of a release that others see (Operations.release_writes: the
+# commit rules hear of the close before anything new appears), not the rest
+# (Operations.release_handle). Any other request comes after the whole release, as the
+# kernel sent them.
+_BEFORE_RELEASES = frozenset({abi.LOOKUP, abi.GETATTR, abi.GETXATTR, abi.FORGET, abi.BATCH_FORGET, abi.RELEASE})
+_BEFORE_RELEASE_HANDLES = frozenset({*_BEFORE_RELEASES, abi.CREATE})
 
 
 class Unmounted(Exception):
@@ -213,19 +235,33 @@ class KernelSession:
         self.refused: str | None = None  # why passthrough is off, if it was wanted
         self._cancel: trio.CancelScope | None = None
         self._read_lock = trio.Lock()
+        self._released: list[int] = []  # handles released, nothing done about them yet
+        self._closing: list[int] = []  # handles released, their release_handle still to do
+        self._last_opcode = 0
+        self._poller = Poller()  # whether to poll for the next request rather than sleep
         self._workers = 0
         self._idle = 0
-        self._handlers = {
+        valid = _ts(ops.attr_timeout)
+        self._entry_valid = (0, valid[0], valid[0], valid[1], valid[1])  # generation, entry and attr timeouts
+        self._attr_valid = (valid[0], valid[1], 0)
+        # Handlers that never wait, served where the request was read: no coroutine, no
+        # pyfuse3 objects. These are the requests of creating and writing a file, where
+        # the daemon's Python is most of each request's cost.
+        self._now = {
             abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
-            abi.GETATTR: self._getattr, abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
+            abi.GETATTR: self._getattr, abi.CREATE: self._create, abi.RELEASE: self._release,
+            abi.GETXATTR: self._getxattr,
+        }
+        self._handlers = {
+            abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
             abi.SYMLINK: self._symlink, abi.MKNOD: self._mknod, abi.MKDIR: self._mkdir,
             abi.UNLINK: self._unlink, abi.RMDIR: self._rmdir, abi.RENAME: self._rename,
             abi.RENAME2: self._rename2, abi.LINK: self._link, abi.OPEN: self._open,
-            abi.CREATE: self._create, abi.READ: self._read, abi.WRITE: self._write,
-            abi.FLUSH: self._flush, abi.RELEASE: self._release, abi.FSYNC: self._fsync,
+            abi.READ: self._read, abi.WRITE: self._write,
+            abi.FLUSH: self._flush, abi.FSYNC: self._fsync,
             abi.OPENDIR: self._opendir, abi.READDIRPLUS: self._readdirplus,
             abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
-            abi.SETXATTR: self._setxattr, abi.GETXATTR: self._getxattr,
+            abi.SETXATTR: self._setxattr,
             abi.LISTXATTR: self._listxattr, abi.REMOVEXATTR: self._removexattr,
             abi.INIT: self._init, abi.INTERRUPT: self._interrupt, abi.DESTROY: self._destroy,
         }
@@ -272,73 +308,142 @@ class KernelSession:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        self._poller.close()
 
     # -- the request loop ----------------------------------------------------------------
 
     async def _worker(self) -> None:
         buf = bytearray(BUFFER_SIZE)
         view = memoryview(buf)
-        served = 0
         while True:
             self._idle += 1
             try:
-                # A request already queued is taken at once: no pass through the scheduler,
-                # which would cost as much as the handler itself.
-                n = self._read_queued(buf) if served % YIELD_EVERY else None
-                if n is None:
-                    async with self._read_lock:  # one task waits on the device at a time
-                        n = await self._next_request(buf)
+                await self._read_lock.acquire()  # one task reads the device at a time
             finally:
                 self._idle -= 1
-            served += 1
+            try:
+                waiting = await self._serve_until_waiting(buf, view)
+            finally:
+                self._read_lock.release()
             if self._idle == 0 and self._workers < MAX_WORKERS:
-                self._workers += 1  # keep one worker listening while this one may await
+                self._workers += 1  # keep one worker reading while this one awaits
                 self._nursery.start_soon(self._worker)
-            await self._dispatch(view[:n])
+            await waiting
 
-    def _read_queued(self, buf: bytearray) -> int | None:
-        try:
-            return os.readv(self.fd, [buf])
-        except OSError:  # nothing queued, or the end: _next_request waits or ends
-            return None
+    async def _serve_until_waiting(self, buf: bytearray, view: memoryview) -> Awaitable[None]:
+        """Read requests and serve them, as long as they need no waiting; return the first
+        one that does, to be awaited by this worker once another one reads the device.
 
-    async def _next_request(self, buf: bytearray) -> int:
+        A request already queued is taken at once, with no pass through trio's scheduler
+        (which costs as much as a handler), but every ``YIELD_EVERY`` requests the other
+        tasks get their turn. With nothing queued, the next request is polled for where
+        the poller expects it soon; releases are done once the device is idle, and always
+        before this worker lets any other task run: no task ever sees one half done.
+        """
+        served = 0
+        follow_up = True  # the last answer may be followed at once (no idle moment since)
         while True:
             try:
-                return os.readv(self.fd, [buf])
+                n = os.readv(self.fd, [buf])
             except BlockingIOError:
-                await trio.lowlevel.wait_readable(self.fd)
+                n = None
+                if follow_up and self._poller.expects(self._last_opcode):
+                    n = self._poller.poll(self.fd, buf, self._last_opcode)
+                follow_up = False
+                if n is None:
+                    if self._finish_releases():
+                        continue
+                    served = 0
+                    await trio.lowlevel.wait_readable(self.fd)
+                    continue
             except OSError as e:
                 if e.errno in (errno.ENOENT, errno.EINTR):  # interrupted before we read it
                     continue
+                self._finish_releases()
                 if e.errno == errno.ENODEV:  # unmounted
                     self.terminate()
                     await trio.sleep_forever()
                 raise
+            follow_up = True
+            waiting = self._serve(view[:n])
+            if waiting is not None:
+                return waiting
+            served += 1
+            if served == YIELD_EVERY:
+                served = 0
+                self._finish_releases()
+                await trio.lowlevel.checkpoint()
 
-    async def _dispatch(self, req: memoryview) -> None:
+    def _settle_releases(self) -> None:
+        """Do the part of the releases read so far that others see (Operations.release_writes)."""
+        released, self._released = self._released, []
+        for fh in released:
+            self._releasing(self.ops.release_writes, fh)
+            self._closing.append(fh)
+
+    def _finish_releases(self) -> bool:
+        """Do all of the releases read so far; whether there were any."""
+        if not self._released and not self._closing:
+            return False
+        self._settle_releases()
+        closing, self._closing = self._closing, []
+        for fh in closing:
+            self._releasing(self.ops.release_handle, fh)
+        return True
+
+    @staticmethod
+    def _releasing(step, fh: int) -> None:
+        try:
+            step(fh)
+        except Exception as e:  # the kernel ignores a release's result: say it here
+            log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
+
+    def _serve(self, req: memoryview):
+        """Serve one request at once, or return what to await to serve it (a handler that may wait)."""
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
         body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
+        if (self._released or self._closing) and opcode not in _BEFORE_RELEASES:
+            if opcode in _BEFORE_RELEASE_HANDLES:
+                self._settle_releases()
+            else:
+                self._finish_releases()
+        self._last_opcode = opcode
+        handler = self._now.get(opcode)
+        if handler is None:
+            return self._dispatch(opcode, unique, nodeid, body, Context(uid, gid, pid))
+        try:
+            reply = handler(nodeid, body, Context(uid, gid, pid))
+        except Exception as e:
+            self._fail(opcode, unique, e)
+            return None
+        if reply is not None:
+            self._reply(unique, reply)
+        return None
+
+    async def _dispatch(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context) -> None:
         handler = self._handlers.get(opcode)
         if handler is None:
             self._reply_error(unique, errno.ENOSYS)
             return
         try:
-            reply = await handler(nodeid, body, Context(uid, gid, pid))
-        except pyfuse3.FUSEError as e:
-            self._reply_error(unique, e.errno)
-            return
-        except OSError as e:
-            self._reply_error(unique, e.errno or errno.EIO)
-            return
+            reply = await handler(nodeid, body, ctx)
         except trio.Cancelled:
             raise
-        except Exception:
-            log.exception("internal error serving FUSE opcode %d", opcode)
-            self._reply_error(unique, errno.EIO)
+        except Exception as e:
+            self._fail(opcode, unique, e)
             return
         if reply is not None:
             self._reply(unique, reply)
+
+    def _fail(self, opcode: int, unique: int, e: Exception) -> None:
+        """Answer a request whose handler raised: its errno, or EIO for a bug (logged)."""
+        if isinstance(e, pyfuse3.FUSEError):
+            self._reply_error(unique, e.errno)
+        elif isinstance(e, OSError):
+            self._reply_error(unique, e.errno or errno.EIO)
+        else:
+            log.error("internal error serving FUSE opcode %d", opcode, exc_info=e)
+            self._reply_error(unique, errno.EIO)
 
     def _reply(self, unique: int, parts: list) -> None:
         length = abi.OUT_HEADER.size + sum(len(p) for p in parts)
@@ -385,19 +490,22 @@ class KernelSession:
 
     # -- names ---------------------------------------------------------------------------
 
-    async def _lookup(self, nodeid, body, ctx):
-        return [_entry(await self.ops.lookup(nodeid, bytes(body[:-1]), ctx))]
+    def _entry_now(self, ino: int, st: os.stat_result) -> bytes:
+        return abi.ENTRY_OUT.pack(ino, *self._entry_valid, *self.ops.fuse_attr(ino, st))
 
-    async def _forget(self, nodeid, body, ctx):
-        await self.ops.forget([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
+    def _lookup(self, nodeid, body, ctx):
+        return [self._entry_now(*self.ops.lookup_sync(nodeid, bytes(body[:-1])))]
 
-    async def _batch_forget(self, nodeid, body, ctx):
+    def _forget(self, nodeid, body, ctx):
+        self.ops.forget_sync([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
+
+    def _batch_forget(self, nodeid, body, ctx):
         count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
-        pairs = list(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
-        await self.ops.forget(pairs)
+        self.ops.forget_sync(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
 
-    async def _getattr(self, nodeid, body, ctx):
-        return [_attr(await self.ops.getattr(nodeid, ctx))]
+    def _getattr(self, nodeid, body, ctx):
+        st = self.ops.getattr_sync(nodeid)
+        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(nodeid, st))]
 
     async def _setattr(self, nodeid, body, ctx):
         (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _
@@ -465,11 +573,11 @@ class KernelSession:
         flags, _ = abi.OPEN_IN.unpack_from(body)
         return [self._open_out(await self.ops.open(nodeid, flags, ctx))]
 
-    async def _create(self, nodeid, body, ctx):
+    def _create(self, nodeid, body, ctx):
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         name = bytes(body[abi.CREATE_IN.size:-1])
-        fi, attr = await self.ops.create(nodeid, name, mode, flags, ctx)
-        return [_entry(attr), self._open_out(fi)]
+        fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx)
+        return [self._entry_now(ino, st), self._open_out(fi)]
 
     async def _read(self, nodeid, body, ctx):
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
@@ -485,8 +593,8 @@ class KernelSession:
         await self.ops.flush(abi.FLUSH_IN.unpack_from(body)[0])
         return []
 
-    async def _release(self, nodeid, body, ctx):
-        await self.ops.release(abi.RELEASE_IN.unpack_from(body)[0])
+    def _release(self, nodeid, body, ctx):
+        self._released.append(abi.RELEASE_IN.unpack_from(body)[0])  # done by _settle/_finish_releases
         return []
 
     async def _fsync(self, nodeid, body, ctx):
@@ -529,10 +637,9 @@ class KernelSession:
         await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1:end + 1 + size]), ctx)
         return []
 
-    async def _getxattr(self, nodeid, body, ctx):
+    def _getxattr(self, nodeid, body, ctx):
         size, _ = abi.GETXATTR_IN.unpack_from(body)
-        value = await self.ops.getxattr(nodeid, bytes(body[abi.GETXATTR_IN.size:-1]), ctx)
-        return self._sized(value, size)
+        return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size:-1])), size)
 
     async def _listxattr(self, nodeid, body, ctx):
         size, _ = abi.GETXATTR_IN.unpack_from(body)

@@ -26,6 +26,7 @@ from tierfs import control, linux, mounts, status
 from tierfs.atomic import read_state
 from tierfs.cluster import ClusterView
 from tierfs.config import Config, format_size
+from tierfs.coordinating import NodeCoordination
 from tierfs.errors import UserError
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, make_engine
@@ -79,6 +80,7 @@ class Daemon:
         self.network: PeerNetwork | None = (PeerNetwork(cfg, identity=self.identity)
                                             if cfg.peers or cfg.peer_dns else None)
         self.replica_store: ReplicaStore | None = None
+        self.coordinating: NodeCoordination | None = None  # with a peer service and peers (start)
         self.local = LocalTier(None, OwnSteps(
             cfg.rank, steps=lambda: sorted(self.steps.states), find=self.find, manifest=self._own_manifest,
             restore_step=lambda: self.planner.announced_step(), report=self._ram_report))
@@ -119,8 +121,10 @@ class Daemon:
             _check_listen(cfg.listen)
             self.replica_store = self.local.store = ReplicaStore(
                 self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self,
-                keep_from=self.view.retention_floor,
+                keep_from=self.retention_floor,
             )
+            if self.network is not None:
+                self.coordinating = NodeCoordination(self)
         self.tiers = self.view.tiers = self._assemble_tiers()
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
@@ -135,7 +139,7 @@ class Daemon:
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path)
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
-                                     self.view.retention_floor if self.tiers or self.network else None,
+                                     self.retention_floor if self.tiers or self.network else None,
                                      self._ram_short)
         if not cfg.read_only:
             self.multitier.start()
@@ -144,7 +148,7 @@ class Daemon:
         """Every tier of the mount but its RAM, one line each; the policy code loops over them."""
         cfg, tiers = self.cfg, []
         if cfg.disk is not None:
-            tiers.append(DiskTier.open_for(cfg, keep_from=self.view.retention_floor))
+            tiers.append(DiskTier.open_for(cfg, keep_from=self.retention_floor))
         if self.network is not None:
             tiers += peer_tiers(self.network)
         if cfg.gcs is not None:
@@ -160,6 +164,14 @@ class Daemon:
         if new:
             self.tiers[:] = by_cost(self.tiers + new)  # in place: the cluster view shares the list
             self.replicator.add_tiers(new)
+        if self.coordinating is not None:
+            self.coordinating.follow()
+
+    def retention_floor(self) -> int | None:
+        """The newest step every rank holds somewhere: retention on every tier keeps it and newer ones."""
+        if self.coordinating is not None and self.coordinating.summary() is not None:
+            return self.coordinating.summary().get("floor")
+        return self.view.retention_floor()
 
     def _choose_data_path(self) -> None:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
@@ -217,8 +229,11 @@ class Daemon:
             self.steps.dir_renamed(path)
 
     def find(self, h: str) -> tuple[str, int, int] | None:
-        """This node's own committed copy of chunk ``h`` (twins' replicas, a restore's own copies)."""
-        return self.replicator.find_local(h) if self.replicator is not None else None
+        """This node's own copy of chunk ``h``: in a committed step, or written by the running restore."""
+        found = self.replicator.find_local(h) if self.replicator is not None else None
+        if found is None and self.restore is not None:
+            found = self.restore.location(h)
+        return found
 
     def _own_manifest(self, step: int) -> bytes | None:
         """The manifest built for a committed step's first copy on a tier, if one was built."""
@@ -288,10 +303,14 @@ class Daemon:
                 if self.network is not None:  # resolves the peers; refuses a rank another node serves
                     await self.network.join(nursery)
                     self._follow_peers()
+                if self.coordinating is not None:
+                    await self.coordinating.join(nursery)
                 if self.tiers:
                     self.restore = await self.planner.plan()
                     if self.restore is not None:
                         self.ops.restoring = self.restore
+                if self.coordinating is not None:
+                    self.coordinating.settled(nursery)
                 self._mount()
             except Exception as e:  # raised below, outside the nursery: one error, not a group
                 failure = e
@@ -317,9 +336,8 @@ class Daemon:
         # which resets the read-ahead; set it after, and only then call the mount ready.
         await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
         _set_read_ahead(self.cfg.mountpoint)
-        if self.view.last is not None:
-            for warning in unanswered([name.removeprefix("peer ") for name in self.view.last.missing]):
-                self._warn(warning)
+        for warning in unanswered([name.removeprefix("peer ") for name in self.planner.missing]):
+            self._warn(warning)
         self.ready = True
         _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
         if self.restore is not None:
@@ -335,7 +353,8 @@ class Daemon:
         while True:
             await trio.sleep(self.cfg.survey_interval)
             try:
-                await self.view.survey()
+                if self.coordinating is None:  # else the coordinators keep the view, from reports
+                    await self.view.survey()
             except Exception as e:  # a survey is advisory; the next one may work
                 log.warning("cluster survey failed: %s", e)
                 continue
@@ -348,7 +367,8 @@ class Daemon:
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
                                 store=self.replica_store, info=self._peer_info, task_status=task_status,
-                                tls=peer_server.tls.for_config(self.cfg))
+                                tls=peer_server.tls.for_config(self.cfg),
+                                messages=self.coordinating.handle if self.coordinating is not None else None)
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
         with self.ops.writes:  # the write-behind worker lives as long as the request loop

@@ -68,6 +68,13 @@ class ChunkSources:
             return data
         raise UserError(f"chunk {h} is on no reachable tier: {'; '.join(errors) or 'no tier holds it'}")
 
+    def order(self, hashes: list[str]) -> list[str]:
+        """The order in which a restore's workers fetch ``hashes`` (a plan may change it)."""
+        return hashes
+
+    def arrived(self, h: str) -> None:
+        """Chunk ``h`` is written where this node's peer service can read it (a plan tells its twins)."""
+
     async def aclose(self) -> None:
         for tier in self.tiers:
             await tier.aclose()

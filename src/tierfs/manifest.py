@@ -144,6 +144,14 @@ class Manifest:
         """Every chunk the checkpoint needs: what must be on a tier before the manifest."""
         return {h for e in self.entries for h in e.chunks}
 
+    def chunk_sizes(self) -> dict[str, int]:
+        """Every chunk's length, in the order the files need them."""
+        cs, sizes = self.chunk_size, {}
+        for e in self.entries:
+            for i, h in enumerate(e.chunks):
+                sizes.setdefault(h, min(cs, e.size - i * cs))
+        return sizes
+
     @property
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries if e.kind == "file")

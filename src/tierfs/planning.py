@@ -19,6 +19,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from tierfs.atomic import UnsafeFile, read_state
+from tierfs.cluster import Survey
 from tierfs.config import format_size
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources
@@ -27,7 +28,6 @@ from tierfs.restore import Origin, Restore, fetch_manifest, link_into_tree, rest
 from tierfs.tiers.base import Tier
 
 if TYPE_CHECKING:
-    from tierfs.cluster import Survey
     from tierfs.daemon import Daemon
 
 log = logging.getLogger("tierfs")
@@ -37,6 +37,7 @@ class RestorePlanner:
     def __init__(self, daemon: Daemon):
         self.d = daemon
         self.restore_step: int | None = None  # the step chosen at start, announced to peers
+        self.missing: list[str] = []  # the nodes' tiers that had not answered when the step was chosen
 
     def announced_step(self) -> int | None:
         """The step chosen at start, until the job commits a newer one (then it has moved on)."""
@@ -57,8 +58,8 @@ class RestorePlanner:
         there is none). Raises UserError when the step cannot be restored here.
         """
         d, cfg = self.d, self.d.cfg
-        survey = await d.view.survey(wait=self.survey_wait())
-        step = self.restore_step = survey.choose(cfg.rank)
+        survey, step = await self.choose()
+        self.restore_step, self.missing = step, survey.missing
         for unfinished in restoring_steps(d.steps):
             if unfinished != step:
                 self.abandon(unfinished)
@@ -86,10 +87,26 @@ class RestorePlanner:
                 f"{format_size(max(0, cfg.capacity - d.space.used))} of --capacity {format_size(cfg.capacity)} "
                 "is free: raise the capacity"
             )
-        sources = ChunkSources([d.local, *holders])  # this node's own copies of a chunk come first
+        if d.coordinating is not None:  # with twins restoring it from GCS too, a shared plan
+            sources = d.coordinating.sources(step, manifest, holders, d.local)
+        else:
+            sources = ChunkSources([d.local, *holders])  # this node's own copies of a chunk come first
         restore = Restore(cfg, d.rank, d.steps, d.space, manifest, sources, Origin(holders))
         restore.prepare()
+        for h in restore.done_chunks():  # written before a restart: twins may take them from here
+            sources.arrived(h)
         return restore
+
+    async def choose(self) -> tuple[Survey, int | None]:
+        """Who holds what, and the step to restore: the coordinators' answer, else a survey of every tier."""
+        d = self.d
+        if d.coordinating is not None:
+            answered = await d.coordinating.decide()
+            if answered is not None:
+                return answered
+            log.warning("no coordinator answered: surveying every node instead")
+        survey = await d.view.survey(wait=self.survey_wait())
+        return survey, survey.choose(d.cfg.rank)
 
     def holders(self, survey: Survey, step: int) -> list[Tier]:
         """The tiers holding this rank's ``step``, in the order to read them: cheapest, then closest."""

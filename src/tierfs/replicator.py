@@ -35,7 +35,7 @@ from tierfs.config import Config
 from tierfs.manifest import Manifest, ManifestError, build
 from tierfs.steps import StepState, Steps
 from tierfs.tiers.base import (Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
-                               by_cost, put_step)
+                               by_cost, first_line, put_step)
 
 log = logging.getLogger(__name__)
 
@@ -256,7 +256,7 @@ class Replicator:
         record = state.copies.get(lane.name, {})
         held = list(record.get("tiers", ()))
         by_name = {t.name: t for t in lane.tiers}
-        kept = []
+        kept, silent = [], []
         for name in held:
             tier = by_name.get(name)
             if tier is None or not tier.volatile:
@@ -264,13 +264,16 @@ class Replicator:
                 continue
             try:
                 listed = await tier.list_manifests()
-            except TierError:
+            except TierError as e:  # down, or too busy to answer: the step goes to another tier meanwhile
+                silent.append(f"{name} ({first_line(e)})")
                 continue
             if (self.cfg.rank, state.step) in listed:
                 kept.append(name)
         if kept != held:
-            log.warning("step %d is no longer on %s: putting it there again", state.step,
-                        ", ".join(sorted(set(held) - set(kept))))
+            lost = sorted(set(held) - set(kept) - {s.split(" (")[0] for s in silent})
+            log.warning("step %d is %s: putting it on %s again", state.step,
+                        "; ".join([*(f"no longer on {n}" for n in lost), *(f"not confirmed by {s}" for s in silent)]),
+                        lane.name)
             state.copies[lane.name] = {**record, "tiers": kept}
             self._save(state)
 

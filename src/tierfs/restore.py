@@ -86,6 +86,7 @@ class Restore:
         self._files: dict[int, _File] = {}  # FUSE inode -> file still missing chunks
         self._users: dict[str, list[tuple[_File, int]]] = {}  # chunk -> (file, index) it fills
         self._done: set[str] = set()
+        self._places: dict[str, tuple[str, int, int]] | None = None  # chunk -> its first place, once asked
         self._inflight: dict[str, trio.Event] = {}
         self._failed: dict[str, str] = {}  # chunk -> why no tier gave it (cleared on retry)
         self.last_error: str | None = None
@@ -238,7 +239,7 @@ class Restore:
             self._close_files()
 
     async def _prefetch_pass(self) -> None:
-        order = iter(h for e in self.manifest.entries for h in e.chunks)
+        order = iter(self.sources.order([h for e in self.manifest.entries for h in e.chunks]))
 
         async def worker(n: int) -> None:
             for h in order:
@@ -290,8 +291,24 @@ class Restore:
                 self._files.pop(st.st_ino, None)
         self._done.add(h)
         self._journal.write(h + "\n")
+        self.sources.arrived(h)
         if self.first_byte_s is None:
             self.first_byte_s = round(time.time() - self.started, 3)
+
+    def location(self, h: str) -> tuple[str, int, int] | None:
+        """Where a chunk this restore wrote is (its first place), for the peer service; None if not in yet."""
+        if h not in self._done:
+            return None
+        if self._places is None:
+            cs, snap = self.manifest.chunk_size, str(self.snap)
+            self._places = {}
+            for e in self.manifest.entries:
+                for i, c in enumerate(e.chunks):
+                    self._places.setdefault(c, (os.path.join(snap, e.path), i * cs, min(cs, e.size - i * cs)))
+        return self._places.get(h)
+
+    def done_chunks(self) -> set[str]:
+        return set(self._done)
 
     def _close_files(self) -> None:
         for f in self._files.values():

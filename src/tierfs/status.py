@@ -23,7 +23,6 @@ LEGACY_LANES = ("gcs", "peers")  # lanes ``tierfs status`` always names, None wh
 def report(d: Daemon) -> dict:
     cfg, ops = d.cfg, d.ops
     ops.writes_done()  # what is written now is what is used
-    last = d.view.last
     lanes = {lane: None for lane in LEGACY_LANES} | d.replicator.status()
     if lanes["peers"] is None and d.network is not None:  # peers named by DNS, none found yet
         lanes["peers"] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas,
@@ -42,12 +41,22 @@ def report(d: Daemon) -> dict:
         "steps": [step_report(s) for s in sorted(d.steps.states.values(), key=lambda s: s.step)],
         "restored": d.restore.status() if d.restore is not None else None,
         "mtc": d.mtc.status() if d.mtc is not None else None,
-        "cluster": {**last.summary(), "restore_step": d.planner.restore_step,
-                    "retention_floor": d.view.retention_floor()} if last else None,
+        "cluster": _cluster(d),
         "lanes": list(d.replicator.lanes),
         **lanes,
         "replicas_held": d.local.replicas_report(),
     }
+
+
+def _cluster(d: Daemon) -> dict | None:
+    """The job as this node knows it: from the coordinators, else from its last survey."""
+    if d.coordinating is not None and d.coordinating.coordination is not None:
+        view = d.coordinating.status()
+    elif d.view.last is not None:
+        view = d.view.last.summary()
+    else:
+        return None
+    return {**view, "restore_step": d.planner.restore_step, "retention_floor": d.retention_floor()}
 
 
 def step_report(state: StepState) -> dict:

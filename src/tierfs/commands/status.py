@@ -53,6 +53,10 @@ def render(s: dict) -> str:
         gone = f", unreachable: {', '.join(v['unreachable_peers'])}" if v["unreachable_peers"] else ""
         lines.append(f"  job   newest step complete on every rank: {v['newest_complete']}; "
                      f"started from step {v['restore_step']}{gone}")
+        if v.get("coordination"):
+            c = v["coordination"]
+            lines.append(f"        reports to {', '.join(c['reported_to']) or 'no coordinator yet'}"
+                         f"{'; coordinates the job' if c['coordinating'] else ''}")
     if s.get("restored"):
         r = s["restored"]
         lines.append(f"  restore step {r['step']} ({r['state']}) from {r['from'] or 'this node'}: "

@@ -348,12 +348,16 @@ class PlannedFetch:
     ``read_peer`` / ``read_gcs`` get the verified bytes (the daemon's ChunkSources does
     that today); they raise :class:`Unreachable` (the source is then not asked again
     during this restore) or :class:`SourceFailed` (it is, for other chunks).
+
+    ``announce`` False: a fetched chunk is not put on the board; the caller does that once
+    the chunk is where this node's service reads it from (written, in the daemon).
     """
 
     def __init__(self, plan: NodePlan, transport: Transport, read_peer: ReadPeer, read_gcs: ReadGcs | None,
                  board: ChunkBoard | None = None, *, wait: float = WAIT, rpc_timeout: float = RPC_TIMEOUT,
-                 dead: Iterable[str] = ()):
+                 dead: Iterable[str] = (), announce: bool = True):
         self.plan, self.transport, self.read_peer, self.read_gcs = plan, transport, read_peer, read_gcs
+        self.announce = announce
         self.board = board if board is not None else ChunkBoard()
         self.board.set_plan(plan.order)
         self.wait, self.rpc_timeout = wait, rpc_timeout
@@ -390,7 +394,8 @@ class PlannedFetch:
             if i:
                 self.fallbacks += 1
             self.bytes_from[src.address] += length
-            self.board.arrived(h)
+            if self.announce:
+                self.board.arrived(h)
             return data
         self.board.gave_up(h)
         why = "; ".join(errors) or "the plan has no source for it"

@@ -74,7 +74,7 @@ import hashlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -95,6 +95,7 @@ PULL_AFTER = 1.0  # seconds as a coordinator before pulling the reports of silen
 DOWN_AFTER = 2  # pulls in a row without an answer before a member counts as down
 REFUSED_GRACE = 5.0  # a member whose host refused a pull (its daemon may be starting) is down after this
 FRESH = 10.0  # a decision counts reports of the last FRESH seconds; older ones are confirmed by a pull
+GCS_FRESH = 2.0  # ... and a listing of GCS begun at most this long before it was asked
 PULLS_AT_ONCE = 64
 DECIDE_POLL = 2.0  # one long poll of coord_decide
 MAX_WAIT = 30.0
@@ -159,6 +160,11 @@ class Coordinator:
         self._pulls = trio.CapacityLimiter(PULLS_AT_ONCE)
         self.active_since: float | None = None
         self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
+        self._listed_from: float | None = None  # when the last finished listing began
+        self._wanted = float("-inf")  # a question needs a listing begun after this
+        self._listed = trio.Event()  # set when a listing finishes, then replaced
+        self._silent_cache: list[str] = []
+        self._silent_at: float | None = None
         self.gcs_error: str | None = None
         self._listing = False
         self._epoch: float | None = None  # when the current round of decisions began
@@ -188,7 +194,7 @@ class Coordinator:
         """Whether a decision can be given: every member accounted for, GCS listed."""
         if self.active_since is None:
             return False
-        if self.list_gcs is not None and self.gcs_at is None:
+        if self.list_gcs is not None and self._listed_from is None:
             return False
         known = self._fresh if self._epoch is None else self._confirmed
         return len(known) + len(self._down) >= len(self.members)
@@ -198,7 +204,8 @@ class Coordinator:
 
         Reports older than FRESH seconds are confirmed by pulling their senders again, so
         a node that died since its last report (its RAM and replicas gone with it) is
-        found down and left out, instead of counting for up to a ttl. One epoch serves
+        found down and left out, instead of counting for up to a ttl; nodes report changes
+        of their holdings as they happen, so the others are current. One epoch serves
         every question asked within FRESH seconds of its start.
         """
         now = self.clock()
@@ -276,7 +283,7 @@ class Coordinator:
             self._forget(source)
         if not self._reports and self.active_since is not None and now - self.active_since > self.ttl:
             log.info("no reports for %.0fs: no longer a coordinator", self.ttl)
-            self.active_since = self.gcs_at = self.gcs_error = self._epoch = None
+            self.active_since = self.gcs_at = self.gcs_error = self._epoch = self._listed_from = None
             self._confirmed.clear()
             self._down.clear()
             self._failed.clear()
@@ -312,11 +319,15 @@ class Coordinator:
             self.accept(source, Holdings.from_wire(report))
         if self.active_since is not None:
             self._begin_decisions()
+        listed_after = self.clock() - GCS_FRESH  # the answer counts what GCS holds now, as a survey's would
         if self.coordinating():
+            self._wanted = max(self._wanted, listed_after)
             with trio.move_on_after(wait):
                 while not self.ready():
                     await self._ready.wait()
-        return self.answer(rank, group, source)
+                while self.list_gcs is not None and self._listed_from < listed_after:
+                    await self._listed.wait()
+        return self.answer(rank, group, source, listed_after)
 
     def _note_push(self, source: str, message: Message) -> None:
         """A member sent its own report: it counts toward this node being a coordinator."""
@@ -329,12 +340,32 @@ class Coordinator:
                 if isinstance(a, str) and a in self.members and a not in self._down:
                     self._suspects.add(a)
 
+    def down_members(self) -> list[str]:
+        return sorted(self._down)
+
+    def _silent(self) -> list[str]:
+        """Members neither reported nor found down (at most MAX_LISTED_DOWN), worked out once per TICK."""
+        now = self.clock()
+        if self._silent_at is None or now - self._silent_at >= TICK:
+            silent = []
+            for a in self.order:
+                if a not in self._fresh and a not in self._down:
+                    silent.append(a)
+                    if len(silent) == MAX_LISTED_DOWN:
+                        break
+            self._silent_cache, self._silent_at = silent, now
+        return self._silent_cache
+
     def down_candidates(self) -> list[str]:
         """The leading coordinator candidates found down: members skip them without a timeout."""
         return sorted(a for a in self._down if a in self._leading) if self._down else []
 
-    def answer(self, rank: int, group: Iterable[int] = (), source: str | None = None) -> Message:
-        """What ``coord_decide`` returns for ``rank`` and its ``group`` (the ranks holding the same data)."""
+    def answer(self, rank: int, group: Iterable[int] = (), source: str | None = None,
+               listed_after: float = float("-inf")) -> Message:
+        """What ``coord_decide`` returns for ``rank`` and its ``group`` (the ranks holding the same data).
+
+        Ready only with a GCS listing begun after ``listed_after``.
+        """
         ranks = {}
         for r in dict.fromkeys([rank, *group]):
             steps = self.view.steps_of(r) or {}
@@ -343,7 +374,8 @@ class Coordinator:
                              "steps": {str(s): steps[s][:MAX_LISTED_HOLDERS] for s in listed},
                              "nodes": sorted(self._ranks.get(r, ()))[:MAX_LISTED_HOLDERS]}
         down = sorted(self._down)
-        return {"ok": True, "ready": self.ready(), "you": source in self._reports,
+        ready = self.ready() and (self.list_gcs is None or self._listed_from >= listed_after)
+        return {"ok": True, "ready": ready, "you": source in self._reports, "silent": [] if ready else self._silent(),
                 "coordinating": self.active_since is not None and self.coordinating(), "summary": self.view.summary(),
                 "reported": len(self._fresh), "members": len(self.members),
                 "down": down[:MAX_LISTED_DOWN], "down_count": len(down),
@@ -366,7 +398,8 @@ class Coordinator:
         now = self.clock()
         coordinating = self.coordinating()
         if (coordinating and self.list_gcs is not None and not self._listing
-                and (self.gcs_at is None or now - self.gcs_at >= self.interval)):
+                and (self.gcs_at is None or now - self.gcs_at >= self.interval
+                     or self._listed_from is not None and self._listed_from < self._wanted)):
             self._listing = True
             nursery.start_soon(self._list)
         for member in self._suspects - self._pulling - self._down.keys():  # a member could not reach it
@@ -401,6 +434,7 @@ class Coordinator:
                 nursery.start_soon(self._pull, member)
 
     async def _list(self) -> None:
+        started = self.clock()
         try:
             listing = await self.list_gcs()
         except Exception as e:  # any failure of the listing: the view goes on without GCS
@@ -411,7 +445,9 @@ class Coordinator:
             self.gcs_error = None
         finally:
             self._listing = False
-        self.gcs_at = self.clock()
+        self.gcs_at, self._listed_from = self.clock(), started
+        self._listed.set()
+        self._listed = trio.Event()
         self._update_ready()
 
     async def _pull(self, member: str) -> None:
@@ -463,6 +499,7 @@ class Decision:
     members: int = 0
     down: list[str] = field(default_factory=list)
     at: float = 0.0
+    silent: list[str] = field(default_factory=list)  # members that had not reported (when not ready)
 
     @classmethod
     def from_answer(cls, rank: int, answer: Message, coordinator: str, at: float) -> Decision:
@@ -470,7 +507,8 @@ class Decision:
             ranks = {int(r): RankView(v["choice"], {int(s): list(h) for s, h in v["steps"].items()}, list(v["nodes"]))
                      for r, v in answer["ranks"].items()}
             return cls(ranks[rank].choice, bool(answer["ready"]), coordinator, dict(answer["summary"]), ranks,
-                       int(answer["reported"]), int(answer["members"]), list(answer["down"]), at)
+                       int(answer["reported"]), int(answer["members"]), list(answer["down"]), at,
+                       [a for a in answer.get("silent", [])[:MAX_LISTED_DOWN] if isinstance(a, str)])
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise BadMessage(f"malformed coord_decide answer from {coordinator}: {e!r}") from None
 
@@ -516,7 +554,7 @@ class Member:
         """This node's holdings, numbered: each report replaces the previous one everywhere."""
         self.seq += 1
         h = self._holdings()
-        return Holdings(h.rank, tuple(h.steps), tuple(h.replicas), h.restore_step, tuple(h.topology), self.inc, self.seq)
+        return replace(h, inc=self.inc, seq=self.seq)
 
     def coordinators(self, extra: int = 0) -> list[str]:
         """The first ``k + extra`` candidates not under suspicion, in order."""
@@ -656,8 +694,8 @@ class Member:
         if best is None:
             log.warning("no coordinator answered within %.0fs", wait)
             return Decision(None, False, None, at=self.clock())
-        log.warning("deciding on a view that is not ready: %d of %d members reported, %d down",
-                    best.reported, best.members, len(best.down))
+        log.info("deciding on a view that is not ready: %d of %d members reported, %d down",
+                 best.reported, best.members, len(best.down))
         return best
 
     async def run(self, interval: float = INTERVAL, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
@@ -691,6 +729,13 @@ class Coordination:
                              suspect_for=suspect_for, local=self.coordinator, clock=clock, inc=inc)
 
     OPS = ("coord_report", "coord_decide", "coord_pull")
+
+    def set_order(self, order: Sequence[str]) -> None:
+        """The job's members changed (a DNS name found more nodes): ``candidates`` of the new set."""
+        c = self.coordinator
+        c.order, c.members, c._leading, c._index = order, frozenset(order), frozenset(order[: 4 * c.k]), None
+        self.member.order = order
+        c._update_ready()
 
     async def handle(self, source: str, message: Message) -> Message:
         if message.get("op") == "coord_pull":

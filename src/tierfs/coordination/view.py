@@ -20,11 +20,12 @@ A node's report (:class:`Holdings`) travels as the JSON object below, capped so 
 report stays far under the peer wire's 1 MiB header limit::
 
     {"rank": R, "steps": [S, ...], "replicas": [[R, S], ...], "restore": S | null,
-     "topology": [[key, value], ...], "inc": I, "seq": Q}
+     "topology": [[key, value], ...], "inc": I, "seq": Q, "backed": [S, ...]}
 
 ``steps`` are the node's own committed steps, ``replicas`` the (rank, step) manifests it
 keeps for others, ``restore`` the step it restored and still runs from (what the
-daemon's ``info`` calls ``restore_step``). ``inc`` (the incarnation: the daemon's start
+daemon's ``info`` calls ``restore_step``), ``backed`` (optional) the node's own steps it
+backed up to GCS: they count as GCS's at once, not only from the next listing. ``inc`` (the incarnation: the daemon's start
 time in microseconds) and ``seq`` (a counter) order reports: an old report that arrives
 late never replaces a newer one, and a restarted daemon's first report always does.
 """
@@ -59,6 +60,7 @@ class Holdings:
     topology: tuple[tuple[str, str], ...] = ()
     inc: int = 0
     seq: int = 0
+    backed: tuple[int, ...] = ()  # own steps this node backed up to GCS
 
     def pairs(self) -> set[tuple[int, int]]:
         """Every (rank, step) manifest this node holds."""
@@ -70,7 +72,7 @@ class Holdings:
     def to_wire(self) -> dict:
         return {"rank": self.rank, "steps": list(self.steps), "replicas": [list(p) for p in self.replicas],
                 "restore": self.restore_step, "topology": [list(t) for t in self.topology],
-                "inc": self.inc, "seq": self.seq}
+                "inc": self.inc, "seq": self.seq, **({"backed": list(self.backed)} if self.backed else {})}
 
     @classmethod
     def from_wire(cls, data: object) -> Holdings:
@@ -98,10 +100,12 @@ class Holdings:
             if not (isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) and len(x) <= MAX_LABEL for x in t)):
                 raise BadMessage(f"each topology label must be a [key, value] pair of strings of at most {MAX_LABEL}")
             labels.append((t[0], t[1]))
-        if any(s > MAX_STEP for s in steps):
+        backed = int_list(data.get("backed", []), "backed", MAX_STEPS)
+        if any(s > MAX_STEP for s in steps + backed):
             raise BadMessage("a step is out of range")
         return cls(rank, tuple(steps), tuple(pairs), int_field(data, "restore", hi=MAX_STEP, optional=True),
-                   tuple(labels), int_field(data, "inc", hi=1 << 62), int_field(data, "seq", hi=1 << 62))
+                   tuple(labels), int_field(data, "inc", hi=1 << 62), int_field(data, "seq", hi=1 << 62),
+                   tuple(backed))
 
 
 def choose_step(newest: int | None, decisions: Iterable[int], mine: Iterable[int] | None) -> int | None:
@@ -162,6 +166,9 @@ class HoldingsView:
 
     def put_holdings(self, source: str, h: Holdings) -> None:
         self.put(source, h.pairs(), h.restore_step)
+        backed = {(h.rank, s) for s in h.backed} - self._pairs.get(GCS, frozenset())
+        if backed:  # in GCS now; the next listing confirms it (or not)
+            self.put(GCS, self._pairs.get(GCS, frozenset()) | backed)
 
     def put_listing(self, listing: dict[int, Iterable[int]], source: str = GCS) -> None:
         """What a listing of the job's manifests in GCS shows (rank -> committed steps)."""

@@ -22,7 +22,8 @@ import xxhash
 
 from tierfs.peers import wire
 from tierfs.peers.tls import PeerTLS, TLSStream
-from tierfs.peers.wire import HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerUnavailable, ProtocolError
+from tierfs.peers.wire import (HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerRefused, PeerUnavailable,
+                               ProtocolError)
 
 MANIFEST_MAX_DEPTH = 16  # a manifest nests 3 levels (formats.md); a deeper one is a hostile peer's
 
@@ -61,6 +62,8 @@ class PeerClient:
         except trio.TooSlowError:
             raise PeerUnavailable(f"peer {name} did not connect and authenticate within {timeout:g}s") from None
         except OSError as e:
+            if _refused(e):
+                raise PeerRefused(f"cannot connect to peer {name}: connection refused") from None
             raise PeerUnavailable(f"cannot connect to peer {name}: {e.strerror or e}") from None
         except PeerError as e:
             raise type(e)(f"peer {name}: {e}") from None
@@ -169,6 +172,18 @@ class PeerClient:
         self._check(reply)
         return data
 
+    async def call(self, header: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """A request of one JSON header answered by one, within ``timeout`` (coordination's long polls).
+
+        The answer is returned as it came, refusals (``{"error": ...}``) included; one
+        with a body breaks the protocol.
+        """
+        with self._request(str(header.get("op")), timeout):
+            reply = await self._call(header)
+            if "len" in reply:
+                raise ProtocolError(f"{wire.brief(header.get('op'))}: an answer with a body")
+        return reply
+
     async def get_chunk_into(self, h: str, fd: int, file_offset: int) -> int:
         """Receive the whole chunk ``h`` into ``fd`` at ``file_offset``; returns its length.
 
@@ -194,19 +209,20 @@ class PeerClient:
     # -- plumbing ------------------------------------------------------------------------
 
     @contextmanager
-    def _request(self, op: str) -> Iterator[None]:
+    def _request(self, op: str, timeout: float | None = None) -> Iterator[None]:
         """One exchange under the deadline; anything but a clean finish closes the connection."""
         if self._broken is not None:
             raise PeerUnavailable(f"peer {_name(self.address)}: connection unusable ({self._broken})")
+        timeout = self.timeout if timeout is None else timeout
         finished = False
         try:
-            with trio.fail_after(self.timeout):
+            with trio.fail_after(timeout):
                 yield
             finished = True
         except trio.TooSlowError:
             self._broken = "timed out"
             raise PeerUnavailable(f"peer {_name(self.address)}: {op} got no answer within "
-                                  f"{self.timeout:g}s") from None
+                                  f"{timeout:g}s") from None
         except PeerUnavailable as e:
             raise PeerUnavailable(f"peer {_name(self.address)}: {op}: {e}") from None
         except ProtocolError as e:
@@ -242,6 +258,14 @@ class PeerClient:
             raise ProtocolError(f"peer {_name(self.address)}: answer is neither ok nor an error")
         message = f"peer {_name(self.address)}: {error}"
         raise NoSpace(message) if error == "no space" else PeerError(message)
+
+
+def _refused(e: OSError) -> bool:
+    """Whether every attempt of a connect was refused (trio groups them under its own OSError)."""
+    cause = e.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        return all(isinstance(x, ConnectionRefusedError) for x in cause.exceptions)
+    return isinstance(e, ConnectionRefusedError)
 
 
 def _name(address: tuple[str, int]) -> str:

@@ -38,6 +38,7 @@ from tierfs.peers.wire import (MAX_CHUNK, MAX_HAVE, MAX_MANIFEST, AuthFailed, No
 log = logging.getLogger(__name__)
 
 _RESERVED = frozenset({"ok", "error", "len"})
+MESSAGE_OPS = frozenset({"coord_report", "coord_decide", "coord_pull", "await_chunk"})  # to ``messages``
 MAX_CONNECTIONS = 256  # per service: every node's survey, replication and restore fit many times
 LOG_BURST = 10  # lines about bad connections per LOG_PERIOD
 LOG_PERIOD = 60.0
@@ -76,6 +77,9 @@ class RateLimitedLog:
         self._logger.log(level, message, *args)
 
 
+Messages = Callable[[str, dict], Awaitable[dict]]  # (the sender's listen address, request) -> answer
+
+
 @dataclass(frozen=True)
 class _Context:
     job: str
@@ -84,18 +88,21 @@ class _Context:
     info: Callable[[], dict]
     timeouts: Timeouts
     tls: PeerTLS | None
+    messages: Messages | None = None
     say: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
 
 
 async def serve(listen: tuple[str, int], *, job: str, secret: bytes, store: ReplicaStore,
                 info: Callable[[], dict], tls: PeerTLS | None, timeouts: Timeouts = Timeouts(),
-                max_connections: int = MAX_CONNECTIONS,
+                max_connections: int = MAX_CONNECTIONS, messages: Messages | None = None,
                 task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the peer protocol on ``listen`` (host, port; port 0 picks one) until cancelled.
 
     ``tls`` encrypts every connection (``None``: in clear, for trusted networks only).
     ``task_status.started`` reports the port actually bound. ``info()`` is called for every
     ``info`` request and must return a JSON-able dict without the keys ok, error or len.
+    ``messages`` answers the coordination requests (:data:`MESSAGE_OPS`, header only), given
+    the sender's listen address, which must be on the host the connection comes from.
     """
     if not secret:
         raise ValueError("the peer service needs the job's secret")
@@ -106,7 +113,7 @@ async def serve(listen: tuple[str, int], *, job: str, secret: bytes, store: Repl
     bound = listeners[0].socket.getsockname()[1]
     log.info("peer service of job %s listening on %s:%d (%s, at most %d connections)", job, host, bound,
              f"TLS 1.3, {tls.origin}" if tls else "in clear: --peer-tls off", max_connections)
-    ctx = _Context(job, secret, store, info, timeouts, tls)
+    ctx = _Context(job, secret, store, info, timeouts, tls, messages)
     slots = trio.Semaphore(max_connections, max_value=max_connections)
     async with trio.open_nursery() as nursery:
         for listener in listeners:
@@ -193,6 +200,9 @@ async def _session(ctx: _Context, stream: trio.abc.Stream, peer: str) -> None:
 
 async def _dispatch(ctx: _Context, stream: trio.abc.Stream, request: dict, peer: str) -> None:
     op = request.get("op")
+    if op in MESSAGE_OPS:
+        await _message(ctx, stream, request, peer)
+        return
     entry = _OPS.get(op) if isinstance(op, str) else None
     if entry is None:
         if wire.body_length(request):
@@ -284,6 +294,28 @@ async def _get_chunk(ctx: _Context, stream: trio.abc.Stream, request: dict) -> N
             raise PeerError(f"range {offset}+{length} is outside the chunk's {source.length} bytes")
         await wire.send_msg(stream, {"ok": True, "len": length})
         await wire.send_file(stream, source.fd, source.offset + offset, length)
+
+
+async def _message(ctx: _Context, stream: trio.abc.Stream, request: dict, peer: str) -> None:
+    """A coordination request: its answer (a refusal included) is the handler's, one header."""
+    if wire.body_length(request):
+        raise ProtocolError(f"{request['op']} takes no body")
+    sender = request.get("from")
+    host = peer.rsplit(":", 1)[0].strip("[]")
+    if ctx.messages is None:
+        answer = {"error": "this node takes no coordination requests"}
+    elif not isinstance(sender, str) or len(sender) > 300 or sender.rsplit(":", 1)[0].strip("[]") != host:
+        answer = {"error": f"{request['op']} from {host} must name its sender's address on that host"}
+    else:
+        try:
+            answer = await ctx.messages(sender, request)
+        except ValueError as e:  # a malformed message: refused, the connection stays in step
+            answer = {"error": f"malformed {request['op']}: {e}"}
+        if not isinstance(answer, dict) or "len" in answer:
+            raise RuntimeError(f"the {request['op']} handler answered {type(answer).__name__} with a body")
+    if "error" in answer:
+        ctx.say(logging.INFO, "peer %s: %s refused: %s", peer, request["op"], answer["error"])
+    await wire.send_msg(stream, answer)
 
 
 _Handler = Callable[[_Context, trio.abc.Stream, dict], Awaitable[None]]

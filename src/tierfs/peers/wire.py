@@ -64,6 +64,10 @@ class PeerUnavailable(PeerError):
     """The peer cannot be reached or went away: refused, reset, timed out, or closed mid-message."""
 
 
+class PeerRefused(PeerUnavailable):
+    """Nothing listens at the peer's address (yet): its daemon is down or still starting."""
+
+
 class ProtocolError(PeerError):
     """The other side broke the protocol: the connection is out of step and must be closed."""
 

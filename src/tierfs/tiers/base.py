@@ -196,6 +196,11 @@ class Tier(ABC):
     async def list_manifests(self) -> list[tuple[int, int]]:
         return sorted((await self.holdings()).manifests)
 
+    def held(self) -> tuple[tuple[int, int], ...]:
+        """The (rank, step) manifests held, known without asking: a ``spill`` tier's, which its
+        node reports as its own; () for a tier that must be asked."""
+        return ()
+
     # -- what it says about itself ---------------------------------------------------------
 
     def report(self) -> dict:

@@ -79,7 +79,10 @@ class DiskTier(StoredTier):
         except OSError as e:
             raise UserError(f"--disk {self.disk} is not usable ({e.strerror or e}): "
                             "point it at a writable local directory") from None
-        self._stats = self.store.stats()
+        self._stats, self._held = self.store.stats(), tuple(self.store.manifests())
+
+    def held(self) -> tuple[tuple[int, int], ...]:
+        return self._held
 
     async def _do(self, fn, *args):
         self._floor = self._keep_from()  # read on the trio thread, where the survey lives
@@ -89,7 +92,7 @@ class DiskTier(StoredTier):
                 try:
                     return fn(*args)
                 finally:
-                    self._stats = self.store.stats()
+                    self._stats, self._held = self.store.stats(), tuple(self.store.manifests())
 
         return await trio.to_thread.run_sync(locked, limiter=self._limiter)
 

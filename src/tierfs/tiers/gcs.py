@@ -129,11 +129,15 @@ class GcsTier(Tier):
             raise TierError(f"cannot read {url}: {e}") from None
 
     async def holdings(self) -> Holdings:
+        listing = await self.list_manifests_under("")
+        return Holdings(tuple((rank, step) for rank, steps in listing.items() for step in steps))
+
+    async def list_manifests_under(self, prefix: str) -> dict[int, list[int]]:
+        """Committed steps by rank, of the manifests under ``manifests/<prefix>`` (a shard of a listing)."""
         try:
-            listing = await self._run(self.store.list_manifests)
+            return await self._run(self.store.list_manifests, prefix)
         except (GcsError, UserError) as e:
             raise TierError(str(e)) from None
-        return Holdings(tuple((rank, step) for rank, steps in listing.items() for step in steps))
 
     # -- a step's bracket and retention --------------------------------------------------
 

@@ -51,6 +51,7 @@ from tierfs import manifest as manifest_format
 from tierfs.errors import UserError
 
 T = TypeVar("T")
+_VANISHED = "it was deleted meanwhile"
 log = logging.getLogger(__name__)
 
 RETRY_DELAYS = (0.2, 1.0)  # sleeps between the three attempts of one request
@@ -270,7 +271,9 @@ class GcsStore:
             return True
         with self._lock:
             self._replace[h] = blob.generation or 0
-        log.warning("%s does not hold chunk %s (%s): replacing it", self.url_of(blob.name), h, problem)
+        # Gone meanwhile: most often a twin uploading the same chunk replaced that generation.
+        log.log(logging.INFO if problem == _VANISHED else logging.WARNING,
+                "%s does not hold chunk %s (%s): replacing it", self.url_of(blob.name), h, problem)
         return False
 
     def _chunk_problem(self, h: str, blob: storage.Blob) -> str | None:
@@ -280,7 +283,7 @@ class GcsStore:
             frame = self._download(blob.name, MAX_CHUNK_FRAME, blob.generation)
             chunks.decode(frame, h)
         except MissingObject:
-            return "it was deleted meanwhile"
+            return _VANISHED
         except (CorruptObject, chunks.CorruptChunk) as e:
             return str(e)
         return None
@@ -334,9 +337,9 @@ class GcsStore:
         """Committed steps of one rank, oldest first."""
         return self._list_manifests(f"{self._base}manifests/rank-{rank}/").get(rank, [])
 
-    def list_manifests(self) -> dict[int, list[int]]:
-        """Committed steps of every rank that has any, oldest first."""
-        return self._list_manifests(f"{self._base}manifests/")
+    def list_manifests(self, prefix: str = "") -> dict[int, list[int]]:
+        """Committed steps of every rank that has any (under ``manifests/<prefix>``), oldest first."""
+        return self._list_manifests(f"{self._base}manifests/{prefix}")
 
     def put_pending(self, rank: int, step: int, hashes: Iterable[str]) -> None:
         """Announce an upload and every chunk it will reference, before touching any of them.

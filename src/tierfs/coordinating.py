@@ -196,11 +196,11 @@ class NodeCoordination:
             return ChunkSources([local, *holders])
         group = [rank, *self.twins()]
         needing = decision.needing(group, step)
-        order = [h for e in manifest.entries for h in e.chunks]
+        sizes = manifest.chunk_sizes()
+        order = list(sizes)  # each chunk once, in the order the files need them
         needs = {a: order for nodes in needing.values() for a in nodes}
         if self.address not in needs or len(needs) < 2:
             return ChunkSources([local, *holders])
-        sizes = manifest.chunk_sizes()
         held_by = [a for r in group for a in decision.holders(r, step) if a != GCS]
         in_gcs = any(GCS in decision.holders(r, step) for r in group)
         plan = broadcast.plan(needs, sizes, dict.fromkeys(sizes, held_by), in_gcs, dead=decision.down)
@@ -228,8 +228,10 @@ class PlannedSources(ChunkSources):
 
     def order(self, hashes: list[str]) -> list[str]:
         """What this node seeds comes first, so the twins below it find it there soon."""
-        first = [h for h in self.planned.plan.order if h in set(hashes)]
-        return first + [h for h in hashes if h not in set(first)]
+        wanted = set(hashes)
+        first = [h for h in self.planned.plan.order if h in wanted]
+        planned = set(first)
+        return first + [h for h in hashes if h not in planned]
 
     async def fetch(self, h: str, length: int, prefer: int = 0) -> bytes:
         if h not in self.planned.plan.sources:

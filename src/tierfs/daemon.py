@@ -368,7 +368,9 @@ class Daemon:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
                                 store=self.replica_store, info=self._peer_info, task_status=task_status,
                                 tls=peer_server.tls.for_config(self.cfg),
-                                messages=self.coordinating.handle if self.coordinating is not None else None)
+                                messages=self.coordinating.handle if self.coordinating is not None else None,
+                                # a coordinator keeps one pooled connection per member, and long polls
+                                max_connections=max(peer_server.MAX_CONNECTIONS, 2 * self.cfg.nodes + 64))
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
         with self.ops.writes:  # the write-behind worker lives as long as the request loop

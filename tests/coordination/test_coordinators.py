@@ -258,3 +258,31 @@ async def test_listing_shards_cover_every_rank_exactly_once(autojump_clock):
         assert await gcs.list_prefix("") == listing
         assert sharded < (trio.current_time() - t0) / 2  # 10 pages one after the other, against shards at once
         nursery.cancel_scope.cancel()
+
+
+async def test_a_decision_counts_what_gcs_holds_when_it_is_asked_not_at_the_last_round(autojump_clock):
+    """A step backed up a moment ago is restorable, as a survey made then would see it."""
+    c = Cluster(4, {r: Holdings(r) for r in range(4)}, gcs={r: [10] for r in range(4)})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.net.run)
+        await c.start(nursery)
+        await trio.sleep(5)  # the round is done, GCS listed with step 10 only
+        c.gcs.set_listing({r: [10, 20] for r in range(4)})
+        decision = await c.nodes[0].member.decide(0, wait=15)
+        assert decision.ready and decision.step == 20
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_reported_backup_counts_as_held_by_gcs_before_the_next_listing(autojump_clock):
+    c = Cluster(4, {r: Holdings(r) for r in range(4)}, gcs={r: [10] for r in range(4)})
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.net.run)
+        await c.start(nursery)
+        await trio.sleep(5)
+        for r in range(4):  # the nodes committed step 20 and backed it up, then reported it
+            c.held[r] = Holdings(r, (20,), backed=(20,))
+            await c.nodes[r].member.report()
+        coordinator = c.nodes[c.coordinator(0)].coordinator
+        assert coordinator.view.steps_of(2)[20] == sorted([c.addresses[2], "gcs"])
+        assert Holdings.from_wire(c.held[2].to_wire()).backed == (20,)
+        nursery.cancel_scope.cancel()

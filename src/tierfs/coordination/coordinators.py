@@ -162,6 +162,7 @@ class Coordinator:
         self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
         self._listed_from: float | None = None  # when the last finished listing began
         self._wanted = float("-inf")  # a question needs a listing begun after this
+        self._asked: dict[tuple[str, int], float] = {}  # (member, incarnation) -> its first question this epoch
         self._listed = trio.Event()  # set when a listing finishes, then replaced
         self._silent_cache: list[str] = []
         self._silent_at: float | None = None
@@ -212,6 +213,7 @@ class Coordinator:
         if self._epoch is not None and now - self._epoch <= FRESH:
             return
         self._epoch = now
+        self._asked.clear()
         self._confirmed = {a for a in self._fresh if now - self._reports[a].at <= FRESH}
         self._update_ready()
 
@@ -319,7 +321,10 @@ class Coordinator:
             self.accept(source, Holdings.from_wire(report))
         if self.active_since is not None:
             self._begin_decisions()
-        listed_after = self.clock() - GCS_FRESH  # the answer counts what GCS holds now, as a survey's would
+        # The answer counts what GCS held when the node first asked, as a survey then would;
+        # its later polls of the same question do not raise the bar.
+        held = self._reports.get(source)
+        listed_after = self._asked.setdefault((source, held.holdings.inc if held else 0), self.clock()) - GCS_FRESH
         if self.coordinating():
             self._wanted = max(self._wanted, listed_after)
             with trio.move_on_after(wait):

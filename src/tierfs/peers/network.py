@@ -56,6 +56,7 @@ class PeerNetwork:
         self.cfg = cfg
         self._fan_out = trio.CapacityLimiter(FAN_OUT)
         self._seen: dict[tuple[str, int], dict] = {}  # address -> last known state, for status
+        self._known: dict[tuple[str, int], PeerInfo] = {}  # who answered at an address, until it fails
 
     @property
     def cfg(self) -> Config:
@@ -108,6 +109,7 @@ class PeerNetwork:
             raise PeerError(f"peer {address[0]}:{address[1]} sent a malformed info answer")
         self._inspect(address, answer)
         self.mark(address, "up", rank=answer["rank"])
+        self._known[address] = PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
         return answer
 
     def _inspect(self, address: tuple[str, int], info: dict) -> None:
@@ -137,6 +139,8 @@ class PeerNetwork:
     def mark(self, address: tuple[str, int], state: str, error: str | None = None, rank: int | None = None) -> None:
         seen = self._seen.setdefault(address, _unknown(address))
         seen.update(state=state, error=error, at=time.time())
+        if state != "up":
+            self._known.pop(address, None)  # asked again before it is placed on
         if rank is not None:
             seen["rank"] = rank
 
@@ -159,13 +163,13 @@ class PeerNetwork:
         return results
 
     async def discover(self) -> list[PeerInfo]:
-        """The peers that answer now, with their rank and topology."""
-        async def info(address):
-            answer = await self._info(address)
-            return PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
+        """The peers that answer, with their rank and topology, for placing a step's replicas.
 
-        found = await self._each(info)
-        return [found[a] for a in self.cfg.peers if a in found]
+        A peer's answer is kept until a request to it fails: a step costs a request to the
+        peers not known yet (or found down since), not to every node of the job.
+        """
+        await self._each(self._info, [a for a in self.cfg.peers if a not in self._known])
+        return [self._known[a] for a in self.cfg.peers if a in self._known]
 
     async def reports(self, addresses=None) -> dict[tuple[str, int], PeerReport]:
         """What each reachable peer (of ``addresses``, default all) holds: one connection each."""

@@ -95,7 +95,6 @@ PULL_AFTER = 1.0  # seconds as a coordinator before pulling the reports of silen
 DOWN_AFTER = 2  # pulls in a row without an answer before a member counts as down
 REFUSED_GRACE = 5.0  # a member whose host refused a pull (its daemon may be starting) is down after this
 FRESH = 10.0  # a decision counts reports of the last FRESH seconds; older ones are confirmed by a pull
-GCS_FRESH = 2.0  # ... and a listing of GCS begun at most this long before it was asked
 PULLS_AT_ONCE = 64
 DECIDE_POLL = 2.0  # one long poll of coord_decide
 MAX_WAIT = 30.0
@@ -162,7 +161,7 @@ class Coordinator:
         self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
         self._listed_from: float | None = None  # when the last finished listing began
         self._wanted = float("-inf")  # a question needs a listing begun after this
-        self._asked: dict[tuple[str, int], float] = {}  # (member, incarnation) -> its first question this epoch
+        self._reborn: dict[str, float] = {}  # member -> when a new incarnation of it first reported
         self._listed = trio.Event()  # set when a listing finishes, then replaced
         self._silent_cache: list[str] = []
         self._silent_at: float | None = None
@@ -213,7 +212,6 @@ class Coordinator:
         if self._epoch is not None and now - self._epoch <= FRESH:
             return
         self._epoch = now
-        self._asked.clear()
         self._confirmed = {a for a in self._fresh if now - self._reports[a].at <= FRESH}
         self._update_ready()
 
@@ -231,6 +229,8 @@ class Coordinator:
         now = self.clock()
         if held is not None:
             del self._reports[source]  # re-inserted last: the dict stays in order of arrival
+            if h.inc != held.holdings.inc:
+                self._reborn[source] = now
         self._unrank(source, h.rank)
         self._reports[source] = _Report(h, now)
         self._ranks.setdefault(h.rank, set()).add(source)
@@ -323,8 +323,9 @@ class Coordinator:
             self._begin_decisions()
         # The answer counts what GCS held when the node first asked, as a survey then would;
         # its later polls of the same question do not raise the bar.
-        held = self._reports.get(source)
-        listed_after = self._asked.setdefault((source, held.holdings.inc if held else 0), self.clock()) - GCS_FRESH
+        # A node that restarted may have backed a step up just before it died, too late to
+        # report it: its answer waits for a listing of GCS begun after it came back.
+        listed_after = self._reborn.get(source, float("-inf"))
         if self.coordinating():
             self._wanted = max(self._wanted, listed_after)
             with trio.move_on_after(wait):

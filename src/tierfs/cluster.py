@@ -18,8 +18,9 @@ configured peer has answered; and a node adopts a step that a peer has already r
 and not moved past (it is announced until that peer commits a newer step), because that
 peer's job may already be running from it.
 
-The survey is one function of a list of tiers: a coordination layer that asks a few
-coordinator ranks instead of every peer can replace it without touching the choice.
+The survey is one function of a list of tiers. A node with a peer service asks the job's
+coordinators instead (:mod:`tierfs.coordinating`), which apply these same rules to every
+node's reports; the survey remains for a node without peers, and as the fallback.
 """
 
 from __future__ import annotations

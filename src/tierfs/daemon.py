@@ -169,9 +169,8 @@ class Daemon:
 
     def retention_floor(self) -> int | None:
         """The newest step every rank holds somewhere: retention on every tier keeps it and newer ones."""
-        if self.coordinating is not None and self.coordinating.summary() is not None:
-            return self.coordinating.summary().get("floor")
-        return self.view.retention_floor()
+        summary = self.coordinating.summary() if self.coordinating is not None else None
+        return summary.get("floor") if summary is not None else self.view.retention_floor()
 
     def _choose_data_path(self) -> None:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""

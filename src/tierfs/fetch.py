@@ -6,8 +6,9 @@ what it gives (:meth:`~tierfs.tiers.base.Tier.get_chunk`), whichever it is. A ti
 one of several holders of the same data (a peer) and fails (down, too slow, wrong bytes)
 is not asked again during this restore; the chunk goes to the next tier.
 
-Which tier a chunk is read from is one small function, :func:`sources_for`: broadcast
-restore planning can replace it with a per-chunk choice.
+Which tier a chunk is read from is one small function, :func:`sources_for`; when twins
+restore a step from GCS together, :class:`tierfs.coordinating.PlannedSources` makes a
+per-chunk choice instead (one twin reads each chunk from GCS, the others from it).
 """
 
 from __future__ import annotations

@@ -62,3 +62,4 @@ def test_thirty_two_nodes_with_four_twins_read_each_chunk_from_gcs_once(cluster,
     got = restore_twins_from_gcs(cluster, gcs_bucket, nodes=32, data_parallel=4, size=8 * MiB)
     assert got["gcs"] <= 1.1 * got["unique"], f"GCS gave {got['gcs']} bytes for {got['unique']} unique"
     assert got["gcs"] + got["peers"] == 4 * got["unique"]
+    assert all(r["bytes_from"].get("gcs", 0) < 8 * MiB for r in got["restored"].values())

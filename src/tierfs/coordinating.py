@@ -126,14 +126,13 @@ class NodeCoordination:
     def holdings(self) -> Holdings:
         """What this node reports: its own steps (in RAM or on a tier beside it), replicas, the step it runs from."""
         d, rank = self.d, self.d.cfg.rank
-        local = d.local.current()
-        own = {s for r, s in local.manifests if r == rank and s in d.steps.states}
+        own = set(d.steps.states)
         for tier in d.tiers:
             if tier.spill:
                 own.update(s for r, s in tier.held() if r == rank)
-        replicas = tuple(p for p in local.manifests if p[0] != rank or p[1] not in own)
+        replicas = tuple(d.replica_store.manifests()) if d.replica_store is not None else ()
         backed = tuple(sorted(s for s, state in d.steps.states.items() if state.held_by(GCS)))
-        return Holdings(rank, tuple(sorted(own)), replicas, local.restore_step, tuple(d.cfg.topology),
+        return Holdings(rank, tuple(sorted(own)), replicas, d.planner.announced_step(), tuple(d.cfg.topology),
                         backed=backed)
 
     # -- the decision at start -------------------------------------------------------------

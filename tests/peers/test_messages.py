@@ -50,7 +50,7 @@ async def test_a_message_reaches_the_handler_with_the_senders_listen_address(nur
     for n in range(3):
         assert (await t.request(f"{host}:{port}", {"op": "coord_report", "n": n}, 2.0))["echo"] == n
     assert seen == [("127.0.0.3:7000", "coord_report", n) for n in range(3)]
-    assert len(t._idle[f"{host}:{port}"]) == 1, "one pooled connection carried all three"
+    assert len(t._pools[f"{host}:{port}"]) == 1, "one pooled connection carried all three"
     await t.aclose()
 
 
@@ -100,7 +100,7 @@ async def test_an_answer_that_does_not_come_in_time_is_unreachable_and_the_conne
         with pytest.raises(Unreachable) as e:
             await t.request(f"{host}:{port}", {"op": "await_chunk"}, 0.3)
     assert "0.3s" in str(e.value)
-    assert not t._idle.get(f"{host}:{port}"), "a connection out of step is not pooled"
+    assert not t._pools[f"{host}:{port}"], "a connection out of step is not pooled"
 
 
 async def test_a_malformed_message_is_refused_and_the_service_goes_on(nursery, tmp_path):

@@ -69,6 +69,11 @@ class PeerClient:
             raise type(e)(f"peer {name}: {e}") from None
         return cls(stream, address, timeout)
 
+    @property
+    def usable(self) -> bool:
+        """Still in step with the peer: a refusal leaves it so, a timeout or broken message does not."""
+        return self._broken is None
+
     async def aclose(self) -> None:
         self._broken = self._broken or "closed"
         await trio.aclose_forcefully(self._stream)

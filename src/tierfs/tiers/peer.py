@@ -5,14 +5,12 @@ The protocol itself (framing, authentication, TLS, the server and its replica st
 :class:`~tierfs.peers.network.PeerNetwork`, which knows their state for ``tierfs status``
 and places replicas (twins first, one close peer, then distant ones).
 
-Connections are pooled: a step's chunks and a restore's fetches each cost one request, not
-a handshake, and concurrent fetches from one peer use separate connections. An idle
-connection is reused only briefly: the peer's service closes connections that idle.
+Connections are pooled (:mod:`tierfs.peers.pool`): a step's chunks and a restore's
+fetches each cost one request, not a handshake.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -23,13 +21,13 @@ from tierfs import chunks
 from tierfs.peers.client import PeerClient
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.placement import choose
+from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError, PeerUnavailable
 from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, Tier, TierError, TierUnavailable, check_chunk,
                                check_manifest)
 
 Address = tuple[str, int]
 T = TypeVar("T")
-REUSE_IDLE = 30.0  # seconds an idle connection is kept for the next request (the service drops it at 300)
 
 
 def peer_name(address: Address) -> str:
@@ -49,44 +47,14 @@ class PeerTier(Tier):
         self.network = network
         self.address = address
         self.name = f"peer {peer_name(address)}"
-        self._idle: list[tuple[float, PeerClient]] = []  # (when it was last used, connection)
+        self._pool = ConnectionPool(lambda timeout: network.connect(address, timeout))
 
     # -- connections -------------------------------------------------------------------
 
     async def _request(self, what: str, call: Callable[[PeerClient], Awaitable[T]]) -> T:
-        """``call(client)`` on a pooled connection; the peer's failures become tier errors naming ``what``.
-
-        A pooled connection the peer dropped meanwhile (its service restarted, or idled it
-        out) fails at once; the request is then made again once on a new connection, which
-        every request here allows (a chunk or manifest sent twice is stored once).
-        """
-        for attempt in range(2):
-            client, reused = await self._take(what)
-            try:
-                result = await call(client)
-            except BaseException as e:
-                if isinstance(e, PeerError) and not isinstance(e, PeerUnavailable):
-                    self._idle.append((time.monotonic(), client))  # a refusal: the connection is still in step
-                else:
-                    await client.aclose()
-                if isinstance(e, PeerUnavailable) and reused and attempt == 0:
-                    continue
-                if isinstance(e, (PeerError, OSError, trio.TooSlowError)):
-                    raise self._failed(e, what) from None
-                raise
-            self._idle.append((time.monotonic(), client))
-            return result
-        raise AssertionError("unreachable")
-
-    async def _take(self, what: str) -> tuple[PeerClient, bool]:
-        now = time.monotonic()
-        while self._idle:
-            at, client = self._idle.pop()
-            if now - at < REUSE_IDLE:
-                return client, True
-            await client.aclose()
+        """``call(client)`` on a pooled connection; the peer's failures become tier errors naming ``what``."""
         try:
-            return await self.network.connect(self.address), False
+            return await self._pool.request(call)
         except (PeerError, OSError, trio.TooSlowError) as e:
             raise self._failed(e, what) from None
 
@@ -101,9 +69,7 @@ class PeerTier(Tier):
         return TierError(f"{message}{about}")
 
     async def aclose(self) -> None:
-        idle, self._idle = self._idle, []
-        for _, client in idle:
-            await client.aclose()
+        await self._pool.aclose()
 
     # -- chunks ------------------------------------------------------------------------
 

@@ -52,6 +52,11 @@ a subprocess; matplotlib only for ``--plot``. Everything it creates lives under
 /dev/shm/bench-io-* and /tmp/bench-io-* and is removed (and the mounts unmounted) on exit,
 also on errors and Ctrl-C.
 
+``--reference NAME=DIR`` adds a side: a directory on any other file system, measured like
+the others (e.g. libfuse's C ``passthrough_hp`` example, built by
+``scripts/libfuse_reference.sh``, to see what a FUSE daemon written in C gets on this
+kernel and machine).
+
 ``--engine builtin`` replaces fio by a Python loop of os.write/os.readv (writes open with
 O_WRONLY, which the daemon path serves with direct I/O; fio opens with O_RDWR, which it
 serves through the page cache), for the psync rows only. fio's default malloc'd buffer sits
@@ -117,6 +122,19 @@ def parse_choices(allowed: tuple[str, ...]):
             raise argparse.ArgumentTypeError(f"invalid list {text!r}: choose from {','.join(allowed)}")
         return values
     return parse
+
+
+def parse_reference(text: str) -> tuple[str, str]:
+    name, sep, directory = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not directory:
+        raise argparse.ArgumentTypeError(f"invalid reference {text!r}: expected NAME=DIR")
+    if name in SIDES or "_" in name or name == "warm":
+        raise argparse.ArgumentTypeError(f"invalid reference name {name!r}: not one of {', '.join(SIDES)}, "
+                                         "no underscore")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"reference {name}: {directory} is not a directory")
+    return name, os.path.abspath(directory)
 
 
 def fmt_size(n: int) -> str:
@@ -340,7 +358,7 @@ class Run:
         self.raw: list[dict] = []
 
     def sides(self) -> tuple[str, ...]:
-        return ("tmpfs", *self.args.data_paths)
+        return ("tmpfs", *self.args.data_paths, *(name for name, _ in self.args.reference))
 
     def configs(self) -> list[dict]:
         """What each round measures: every fio configuration (written, then read), then the checkpoint."""
@@ -450,9 +468,7 @@ def summarize(rows_wanted: list[dict], raw: list[dict], sides: tuple[str, ...]) 
             med[side] = statistics.median(vals) if vals else None
             row[f"{side}_gib_s"] = med[side]
             row[f"{side}_rounds"] = len(vals)
-        for side in VOLUMES:
-            if side not in sides:
-                continue
+        for side in sides[1:]:
             row[f"{side}_ratio"] = med[side] / med["tmpfs"] if med["tmpfs"] and med[side] is not None else None
             cpu = [r["daemon_cpu_s_per_gib"] for r in sel if r["side"] == side and "daemon_cpu_s_per_gib" in r]
             row[f"{side}_cpu_s_per_gib"] = statistics.median(cpu) if cpu else None
@@ -463,13 +479,19 @@ def summarize(rows_wanted: list[dict], raw: list[dict], sides: tuple[str, ...]) 
     return rows
 
 
+def compared(rows: list[dict]) -> list[str]:
+    """The sides measured against tmpfs, in the run's order."""
+    return [k[:-len("_ratio")] for k in rows[0] if k.endswith("_ratio")] if rows else []
+
+
 def render_table(rows: list[dict]) -> str:
     """A Markdown table of the medians: GiB/s per side, ratios to tmpfs, daemon CPU per GiB."""
-    vols = [v for v in VOLUMES if any(f"{v}_ratio" in r for r in rows)]
+    vols = compared(rows)
+    daemons = [v for v in vols if v in VOLUMES]
     head = ["row", "tmpfs GiB/s"]
     for v in vols:
         head += [f"{v} GiB/s", f"{v} ratio"]
-    head += [f"{v} CPU s/GiB" for v in vols] + ["target", "met"]
+    head += [f"{v} CPU s/GiB" for v in daemons] + ["target", "met"]
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
@@ -479,7 +501,7 @@ def render_table(rows: list[dict]) -> str:
         cells = [row_label(r), f(r.get("tmpfs_gib_s"), ".3f")]
         for v in vols:
             cells += [f(r.get(f"{v}_gib_s"), ".3f"), f(r.get(f"{v}_ratio"), ".2f")]
-        cells += [f(r.get(f"{v}_cpu_s_per_gib"), ".2f") for v in vols]
+        cells += [f(r.get(f"{v}_cpu_s_per_gib"), ".2f") for v in daemons]
         cells += [f">= {r['target']:.1f}", {True: "yes", False: "**no**", None: "-"}[r.get("meets_target")]]
         body.append(cells)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
@@ -495,14 +517,16 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    vols = [v for v in VOLUMES if any(r.get(f"{v}_ratio") is not None for r in rows)]
+    vols = [v for v in compared(rows) if any(r.get(f"{v}_ratio") is not None for r in rows)]
     width = 0.8 / max(1, len(vols))
     fig, ax = plt.subplots(figsize=(max(8, 0.62 * len(rows) + 2), 4.8))
     colors = {"passthrough": "tab:blue", "daemon": "tab:orange"}
+    others = iter(("tab:grey", "tab:brown", "tab:olive", "tab:cyan"))
     for k, v in enumerate(vols):
         ys = [r.get(f"{v}_ratio") or 0.0 for r in rows]
         xs = [i + (k - (len(vols) - 1) / 2) * width for i in range(len(rows))]
-        bars = ax.bar(xs, ys, width, label=f"--data-path {v}", color=colors[v])
+        label = f"--data-path {v}" if v in VOLUMES else v
+        bars = ax.bar(xs, ys, width, label=label, color=colors.get(v) or next(others, None))
         for b, y in zip(bars, ys):
             ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
                         fontsize=6, rotation=90)
@@ -553,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fio, the built-in Python loop (psync rows only), or auto (fio if installed; default)")
     p.add_argument("--malloc-buffers", action="store_true",
                    help="use 16-byte-aligned I/O buffers (fio's default) instead of page-aligned ones")
+    p.add_argument("--reference", type=parse_reference, action="append", default=[], metavar="NAME=DIR",
+                   help="also measure DIR, a directory on another file system, as side NAME "
+                        "(e.g. a libfuse passthrough_hp mount; repeatable)")
     p.add_argument("--capacity", help="passed to both volumes' tierfs mount --capacity")
     p.add_argument("--replot", metavar="JSON", help="re-render the table and --plot of a saved --json run")
     p.add_argument("--quick", action="store_true",
@@ -637,6 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             mounts[path] = TierfsMount(mountpoint, ramdisk, runtime, data_path=path, job=f"bench-{path}",
                                        capacity=args.capacity)
             dirs[path] = mountpoint
+        dirs.update(args.reference)
 
         cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
@@ -645,7 +673,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {
             "engine": engine.name, "engine_version": engine.version, "size": args.size,
             "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "modes": args.modes,
-            "data_paths": args.data_paths, "files": args.files, "file_size": args.file_size,
+            "data_paths": args.data_paths, "references": dict(args.reference), "files": args.files, "file_size": args.file_size,
             "warmup": args.warmup, "segment": args.segment,
             "buffers": "malloc (16-byte aligned)" if args.malloc_buffers else "page-aligned",
             "dirs": dirs, "capacity": args.capacity,

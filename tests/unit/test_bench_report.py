@@ -1,0 +1,44 @@
+"""The I/O benchmark's report: medians and ratios per side, including reference sides."""
+
+import argparse
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import bench_io  # noqa: E402
+
+ROW = {"mode": bench_io.FILES_ROW, "op": "write", "bs": 1 << 20, "jobs": 1, "files": 10}
+
+
+def _raw(side: str, *gib_s: float, cpu: float | None = None) -> list[dict]:
+    out = []
+    for rnd, v in enumerate(gib_s):
+        r = dict(ROW, side=side, round=rnd, gib_s=v)
+        if cpu is not None:
+            r["daemon_cpu_s_per_gib"] = cpu
+        out.append(r)
+    return out
+
+
+def test_a_reference_side_gets_its_ratio_and_no_cpu_column():
+    raw = _raw("tmpfs", 2.0, 4.0, 3.0) + _raw("passthrough", 1.0, 1.5, 1.2, cpu=0.4) + _raw("hp", 0.6, 0.9, 0.75)
+    rows = bench_io.summarize([ROW], raw, ("tmpfs", "passthrough", "hp"))
+    (row,) = rows
+    assert row["passthrough_ratio"] == pytest.approx(1.2 / 3.0)
+    assert row["hp_ratio"] == pytest.approx(0.75 / 3.0)
+    assert row["hp_cpu_s_per_gib"] is None
+    assert row["meets_target"] is False  # judged on passthrough alone
+    head = bench_io.render_table(rows).splitlines()[0]
+    assert "hp ratio" in head and "passthrough CPU s/GiB" in head and "hp CPU" not in head
+
+
+@pytest.mark.parametrize("text", ["hp", "=/tmp", "tmpfs=/tmp", "a_b=/tmp", "hp=/nonexistent/dir"])
+def test_a_bad_reference_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        bench_io.parse_reference(text)
+
+
+def test_a_reference_names_a_directory(tmp_path):
+    assert bench_io.parse_reference(f"hp={tmp_path}") == ("hp", str(tmp_path))

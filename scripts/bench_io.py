@@ -624,6 +624,10 @@ def main(argv: list[str] | None = None) -> int:
             print("bench_io: error: --files-only needs --files > 0", file=sys.stderr)
             return 2
         args.modes = []
+    names = [name for name, _ in args.reference]
+    if len(set(names)) != len(names):
+        print(f"bench_io: error: --reference names must differ: {', '.join(names)}", file=sys.stderr)
+        return 2
 
     # SIGTERM/SIGHUP take the same path as Ctrl-C, so the finally blocks run; SIGINT too
     # when started in the background (where the shell has it ignored).
@@ -673,7 +677,8 @@ def main(argv: list[str] | None = None) -> int:
         settings = {
             "engine": engine.name, "engine_version": engine.version, "size": args.size,
             "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "modes": args.modes,
-            "data_paths": args.data_paths, "references": dict(args.reference), "files": args.files, "file_size": args.file_size,
+            "data_paths": args.data_paths, "references": dict(args.reference),
+            "files": args.files, "file_size": args.file_size,
             "warmup": args.warmup, "segment": args.segment,
             "buffers": "malloc (16-byte aligned)" if args.malloc_buffers else "page-aligned",
             "dirs": dirs, "capacity": args.capacity,

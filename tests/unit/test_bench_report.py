@@ -42,3 +42,8 @@ def test_a_bad_reference_is_refused(text):
 
 def test_a_reference_names_a_directory(tmp_path):
     assert bench_io.parse_reference(f"hp={tmp_path}") == ("hp", str(tmp_path))
+
+
+def test_two_references_of_one_name_are_refused(tmp_path, capsys):
+    assert bench_io.main(["--files-only", "--reference", f"hp={tmp_path}", "--reference", f"hp={tmp_path}"]) == 2
+    assert "names must differ" in capsys.readouterr().err

@@ -83,8 +83,8 @@ import tempfile
 import threading
 import time
 
-from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, interrupt_on_signals,  # noqa: E402
-                      last_line, parse_size, pyplot, save_figure, warm_up, write_all,
+from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, cpu_idle,  # noqa: E402
+                      interrupt_on_signals, last_line, parse_size, pyplot, save_figure, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
@@ -672,8 +672,10 @@ def main(argv: list[str] | None = None) -> int:
 
         cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        header = {"date": now, "kernel": platform.release(), "cores": os.cpu_count(), "command": cmdline}
-        print(f"# bench_io {now}  kernel {header['kernel']}  cores {header['cores']}  command: {cmdline}")
+        header = {"date": now, "kernel": platform.release(), "cores": os.cpu_count(), "cpuidle": cpu_idle(),
+                  "command": cmdline}
+        print(f"# bench_io {now}  kernel {header['kernel']}  cores {header['cores']}  cpuidle {header['cpuidle']}  "
+              f"command: {cmdline}")
         settings = {
             "engine": engine.name, "engine_version": engine.version, "size": args.size,
             "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "modes": args.modes,

@@ -84,6 +84,21 @@ def cpu_seconds(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of proc(5)
 
 
+def cpu_idle() -> str:
+    """The machine's idle-CPU setting, which decides what a wake-up costs on a VM (and so
+    every FUSE round trip): the cpuidle driver, and haltpoll's guest polling if it is that."""
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+    driver = read("/sys/devices/system/cpu/cpuidle/current_driver") or "none"
+    if driver == "haltpoll":
+        return f"haltpoll, guest_halt_poll_ns={read('/sys/module/haltpoll/parameters/guest_halt_poll_ns')}"
+    return driver
+
+
 def is_mounted(path: str | os.PathLike) -> bool:
     target = os.path.abspath(path)
     with open("/proc/self/mountinfo") as f:

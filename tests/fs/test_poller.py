@@ -1,5 +1,5 @@
-"""Polling for the next FUSE request: only where the CPU is idle, only after kinds of
-requests that are followed at once.
+"""Polling for the next FUSE request: only where the CPU is idle, and for about as long as
+the next request took to come lately after the same kind of answer.
 
 A pipe stands in for ``/dev/fuse`` (both hand over one message per read); a file stands in
 for ``/proc/pressure/cpu``, to set the machine's load at will.
@@ -31,10 +31,22 @@ def device():
         os.close(w)
 
 
-def make_poller(tmp_path, pressure: bytes) -> Poller:
-    path = tmp_path / "pressure"
-    path.write_bytes(pressure)
-    return Poller(str(path))
+@pytest.fixture
+def make_poller(tmp_path):
+    made: list[Poller] = []
+
+    def make(pressure: bytes | None = IDLE) -> Poller:
+        path = tmp_path / "pressure"
+        if pressure is not None:
+            path.write_bytes(pressure)
+        made.append(Poller(str(path)))
+        return made[-1]
+
+    try:
+        yield make
+    finally:
+        for p in made:
+            p.close()
 
 
 def send_later(fd: int, delay: float, data: bytes = b"request") -> threading.Thread:
@@ -43,54 +55,97 @@ def send_later(fd: int, delay: float, data: bytes = b"request") -> threading.Thr
     return t
 
 
-def test_a_request_that_comes_while_polling_is_read_at_once(tmp_path, device, monkeypatch):
-    monkeypatch.setattr(poller, "POLL_NS", 2_000_000_000)  # room for a thread on a busy machine
+class Clock:
+    """The poller's clock, moved by hand."""
+
+    def __init__(self):
+        self.ns = 1
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    monkeypatch.setattr(poller, "_clock", c)
+    return c
+
+
+def learn(p: Poller, clock: Clock, kind: int, gap_ns: int, times: int = poller.HISTORY) -> None:
+    """Let ``times`` requests come ``gap_ns`` after answers of ``kind``."""
+    for _ in range(times):
+        p.idle(kind)
+        clock.ns += gap_ns
+        p.arrived()
+
+
+def test_a_request_that_comes_while_polling_is_read_at_once(device):
     r, w = device
-    p = make_poller(tmp_path, IDLE)
     buf = bytearray(64)
-    assert p.expects(abi.LOOKUP)
     t = send_later(w, 0.01)
     try:
         started = time.perf_counter()
-        n = p.poll(r, buf, abi.LOOKUP)
+        n = Poller.poll(r, buf, 2_000_000_000)  # room for a thread on a busy machine
         waited = time.perf_counter() - started
     finally:
         t.join()
-        p.close()
     assert n is not None and bytes(buf[:n]) == b"request"
     assert 0.01 <= waited < 1.9
 
 
-def test_polling_gives_up_when_nothing_comes(tmp_path, device, monkeypatch):
-    monkeypatch.setattr(poller, "POLL_NS", 2_000_000)
+def test_polling_gives_up_when_nothing_comes(device):
     r, _ = device
-    p = make_poller(tmp_path, IDLE)
     started = time.perf_counter()
-    assert p.poll(r, bytearray(64), abi.LOOKUP) is None
+    assert Poller.poll(r, bytearray(64), 2_000_000) is None
     assert 0.002 <= time.perf_counter() - started < 1
-    p.close()
 
 
-def test_a_busy_machine_never_polls(tmp_path):
-    p = make_poller(tmp_path, BUSY)
-    assert not p.expects(abi.LOOKUP)
-    p.close()
+def test_a_kind_not_seen_yet_gets_a_short_poll(make_poller):
+    assert make_poller().idle(abi.LOOKUP) == poller.POLL_FIRST_NS
 
 
-def test_no_pressure_information_means_no_polling(tmp_path):
-    p = Poller(str(tmp_path / "missing"))
-    assert not p.expects(abi.LOOKUP)
-    p.close()
+def test_a_busy_machine_never_polls(make_poller):
+    assert make_poller(BUSY).idle(abi.LOOKUP) == 0
 
 
-def test_polling_stops_after_a_kind_of_request_that_is_not_followed(tmp_path, device, monkeypatch):
-    monkeypatch.setattr(poller, "POLL_NS", 100_000)
-    r, _ = device
-    p = make_poller(tmp_path, IDLE)
-    try:
-        assert p.expects(abi.GETXATTR)
-        assert p.poll(r, bytearray(64), abi.GETXATTR) is None  # a miss takes it below the threshold
-        assert [p.expects(abi.GETXATTR) for _ in range(poller.PROBE_EVERY)] == [False] * (poller.PROBE_EVERY - 1) + [True]
-        assert p.expects(abi.LOOKUP), "other kinds keep their own record"
-    finally:
-        p.close()
+def test_no_pressure_information_means_no_polling(make_poller):
+    assert make_poller(None).idle(abi.LOOKUP) == 0
+
+
+def test_the_poll_lasts_twice_the_usual_gap_after_that_kind(make_poller, clock):
+    p = make_poller()
+    learn(p, clock, abi.GETXATTR, 300_000)  # a caller copying its bytes between requests
+    assert p.idle(abi.GETXATTR) == 600_000
+    learn(p, clock, abi.LOOKUP, 10_000)  # followed at once
+    assert p.idle(abi.LOOKUP) == poller.POLL_MIN_NS
+    assert p.idle(abi.GETXATTR) == 600_000, "each kind keeps its own record"
+    learn(p, clock, abi.CREATE, 800_000)
+    assert p.idle(abi.CREATE) == poller.POLL_MAX_NS
+
+
+def test_the_usual_gap_is_the_median_of_the_last_few(make_poller, clock):
+    p = make_poller()
+    learn(p, clock, abi.GETATTR, 200_000, times=poller.HISTORY // 2)
+    learn(p, clock, abi.GETATTR, 5_000_000_000, times=poller.HISTORY // 2 - 1)  # a pause now and then
+    assert p.idle(abi.GETATTR) == 400_000
+
+
+def test_no_polling_after_a_kind_usually_followed_much_later(make_poller, clock):
+    p = make_poller()
+    learn(p, clock, abi.RELEASE, 3_000_000)
+    assert p.idle(abi.RELEASE) == 0
+    learn(p, clock, abi.RELEASE, 20_000, times=poller.HISTORY // 2 + 1)  # bursts again: polling comes back
+    assert p.idle(abi.RELEASE) == poller.POLL_MIN_NS
+
+
+def test_a_gap_is_counted_once_and_only_after_an_idle_moment(make_poller, clock):
+    p = make_poller()
+    p.arrived()  # no idle moment yet: nothing to learn
+    assert p.idle(abi.GETATTR) == poller.POLL_FIRST_NS
+    clock.ns += 20_000
+    p.arrived()
+    clock.ns += 3_000_000_000
+    p.arrived()  # the next request of a burst: no gap of its own (counted, it would stop polling)
+    assert p.idle(abi.GETATTR) == poller.POLL_MIN_NS
+    assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS

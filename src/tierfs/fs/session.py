@@ -21,8 +21,8 @@ again, so a handler may reply from a shared buffer.
 Two things keep the caller of a file's create from waiting on the daemon. A release (the
 kernel does not wait for its answer) is done once nothing is queued, so the next open's
 lookups are answered first, and always before any other request that could tell, and
-before the worker lets another task run. And after answering a request that its caller
-follows at once, the worker polls the device for a little while instead of sleeping
+before the worker lets another task run. And where the next request typically follows
+within a millisecond, the worker polls the device for it instead of sleeping
 (:mod:`tierfs.fs.poller`), where the CPU is idle anyway.
 
 Open files of the kernel's choice of I/O mode are tracked by :class:`BackingFiles`: the
@@ -347,8 +347,8 @@ class KernelSession:
                 n = os.readv(self.fd, [buf])
             except BlockingIOError:
                 n = None
-                if follow_up and self._poller.expects(self._last_opcode):
-                    n = self._poller.poll(self.fd, buf, self._last_opcode)
+                if follow_up and (window := self._poller.idle(self._last_opcode)):
+                    n = self._poller.poll(self.fd, buf, window)
                 follow_up = False
                 if n is None:
                     if self._finish_releases():
@@ -364,6 +364,8 @@ class KernelSession:
                     self.terminate()
                     await trio.sleep_forever()
                 raise
+            if not follow_up:
+                self._poller.arrived()
             follow_up = True
             waiting = self._serve(view[:n])
             if waiting is not None:

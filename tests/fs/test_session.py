@@ -278,3 +278,31 @@ def test_a_release_is_done_before_any_request_that_could_tell(shm_dir):
     finally:
         os.close(session.fd)
         ops.close()
+
+
+def test_the_last_release_of_an_unlinked_file_frees_its_space_at_once(shm_dir):
+    """tmpfs frees an unlinked file's space at its last close; the daemon's release of it
+    cannot wait for an idle moment, since what the caller does next may need that space."""
+    tree = shm_dir("tierfs-tree")
+    space = SpaceAccount(None, tree)
+    ops = Operations(tree, space)
+    session = KernelSession(ops)
+    session.fd = os.open("/dev/null", os.O_WRONLY)  # the answers go nowhere
+    try:
+        flags = os.O_WRONLY | os.O_CREAT
+        create = abi.CREATE_IN.pack(flags, stat.S_IFREG | 0o644, 0o022, 0)
+        for name in (b"kept", b"gone"):
+            session._serve(_request(abi.CREATE, pyfuse3.ROOT_INODE, create + name + b"\0"))
+        kept, gone = sorted(ops._files)
+        for fh in (kept, gone):
+            os.pwrite(fh, b"x" * (1 << 20), 0)  # as the kernel's passthrough writes do
+            space.update(os.fstat(fh))
+        used = space.used
+        trio.run(ops.unlink, pyfuse3.ROOT_INODE, b"gone", None)
+        session._serve(_request(abi.RELEASE, pyfuse3.ROOT_INODE, abi.RELEASE_IN.pack(kept, flags, 0, 0)))
+        assert kept in ops._files, "a linked file's release waits for an idle moment"
+        session._serve(_request(abi.RELEASE, pyfuse3.ROOT_INODE, abi.RELEASE_IN.pack(gone, flags, 0, 0)))
+        assert gone not in ops._files and space.used <= used - (1 << 20)
+    finally:
+        os.close(session.fd)
+        ops.close()

@@ -568,6 +568,12 @@ class Operations(pyfuse3.Operations):
         self.release_writes(fh)
         self.release_handle(fh)
 
+    def release_frees_space(self, fh: int) -> bool:
+        """Whether releasing ``fh`` gives space back: the last open of an unlinked file.
+        tmpfs frees it at close, so the kernel session does such a release at once."""
+        node = self.inodes.get(self._files.get(fh, -1))
+        return node is not None and node.orphaned and node.opens == 1
+
     def release_writes(self, fh: int) -> None:
         """The part of a release that others see, done in order with what follows it: the
         file's writes are in and accounted, it no longer counts as open for writing, and the

@@ -336,8 +336,9 @@ class KernelSession:
 
         A request already queued is taken at once, with no pass through trio's scheduler
         (which costs as much as a handler), but every ``YIELD_EVERY`` requests the other
-        tasks get their turn. With nothing queued, the next request is polled for where
-        the poller expects it soon; releases are done once the device is idle, and always
+        tasks get their turn. With nothing queued, releases read so far are done first
+        (the space of an unlinked file comes back at once, as on tmpfs), then the next
+        request is polled for where the poller expects it soon; releases are always done
         before this worker lets any other task run: no task ever sees one half done.
         """
         served = 0
@@ -346,13 +347,13 @@ class KernelSession:
             try:
                 n = os.readv(self.fd, [buf])
             except BlockingIOError:
+                if self._finish_releases():  # the first idle moment; then read again
+                    continue
                 n = None
                 if follow_up and (window := self._poller.idle(self._last_opcode)):
                     n = self._poller.poll(self.fd, buf, window)
                 follow_up = False
                 if n is None:
-                    if self._finish_releases():
-                        continue
                     served = 0
                     await trio.lowlevel.wait_readable(self.fd)
                     continue
@@ -596,7 +597,10 @@ class KernelSession:
         return []
 
     def _release(self, nodeid, body, ctx):
-        self._released.append(abi.RELEASE_IN.unpack_from(body)[0])  # done by _settle/_finish_releases
+        fh = abi.RELEASE_IN.unpack_from(body)[0]
+        self._released.append(fh)  # done by _settle/_finish_releases
+        if self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
+            self._finish_releases()
         return []
 
     async def _fsync(self, nodeid, body, ctx):

@@ -144,13 +144,18 @@ class Manifest:
         """Every chunk the checkpoint needs: what must be on a tier before the manifest."""
         return {h for e in self.entries for h in e.chunks}
 
-    def chunk_sizes(self) -> dict[str, int]:
-        """Every chunk's length, in the order the files need them."""
-        cs, sizes = self.chunk_size, {}
+    def chunk_places(self) -> dict[str, tuple[str, int, int]]:
+        """Every distinct chunk's first place, (file path, offset, length), in the order the files need them."""
+        cs, places = self.chunk_size, {}
         for e in self.entries:
             for i, h in enumerate(e.chunks):
-                sizes.setdefault(h, min(cs, e.size - i * cs))
-        return sizes
+                if h not in places:
+                    places[h] = (e.path, i * cs, min(cs, e.size - i * cs))
+        return places
+
+    def chunk_sizes(self) -> dict[str, int]:
+        """Every chunk's length, in the order the files need them."""
+        return {h: length for h, (_, _, length) in self.chunk_places().items()}
 
     @property
     def total_bytes(self) -> int:

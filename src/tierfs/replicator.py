@@ -256,7 +256,7 @@ class Replicator:
         record = state.copies.get(lane.name, {})
         held = list(record.get("tiers", ()))
         by_name = {t.name: t for t in lane.tiers}
-        kept, silent = [], []
+        kept, silent = [], {}  # silent: tier name -> why it did not answer
         for name in held:
             tier = by_name.get(name)
             if tier is None or not tier.volatile:
@@ -265,14 +265,15 @@ class Replicator:
             try:
                 listed = await tier.list_manifests()
             except TierError as e:  # down, or too busy to answer: the step goes to another tier meanwhile
-                silent.append(f"{name} ({first_line(e)})")
+                silent[name] = first_line(e)
                 continue
             if (self.cfg.rank, state.step) in listed:
                 kept.append(name)
         if kept != held:
-            lost = sorted(set(held) - set(kept) - {s.split(" (")[0] for s in silent})
+            lost = sorted(set(held) - set(kept) - silent.keys())
             log.warning("step %d is %s: putting it on %s again", state.step,
-                        "; ".join([*(f"no longer on {n}" for n in lost), *(f"not confirmed by {s}" for s in silent)]),
+                        "; ".join([*(f"no longer on {n}" for n in lost),
+                                   *(f"not confirmed by {n} ({why})" for n, why in silent.items())]),
                         lane.name)
             state.copies[lane.name] = {**record, "tiers": kept}
             self._save(state)
@@ -316,12 +317,7 @@ class Replicator:
     def chunk_locations(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
         """Where each distinct chunk of a step lives in its snapshot: (path, offset, length)."""
         snap = self.steps.snapshots.step_tree(manifest.step)
-        where: dict[str, tuple[Path, int, int]] = {}
-        for e in manifest.entries:
-            for i, h in enumerate(e.chunks):
-                offset = i * manifest.chunk_size
-                where.setdefault(h, (snap / e.path, offset, min(manifest.chunk_size, e.size - offset)))
-        return where
+        return {h: (snap / path, offset, length) for h, (path, offset, length) in manifest.chunk_places().items()}
 
     def find_local(self, h: str) -> tuple[str, int, int] | None:
         """This node's own committed copy of chunk ``h`` (lets twins replicate with no transfer)."""

@@ -300,11 +300,9 @@ class Restore:
         if h not in self._done:
             return None
         if self._places is None:
-            cs, snap = self.manifest.chunk_size, str(self.snap)
-            self._places = {}
-            for e in self.manifest.entries:
-                for i, c in enumerate(e.chunks):
-                    self._places.setdefault(c, (os.path.join(snap, e.path), i * cs, min(cs, e.size - i * cs)))
+            snap = str(self.snap)
+            self._places = {c: (os.path.join(snap, path), offset, length)
+                            for c, (path, offset, length) in self.manifest.chunk_places().items()}
         return self._places.get(h)
 
     def done_chunks(self) -> set[str]:

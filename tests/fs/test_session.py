@@ -8,6 +8,7 @@ processes, as the kernel requires (a request waits for this very loop).
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 import subprocess
@@ -72,6 +73,21 @@ def test_auto_falls_back_to_the_daemon_path_with_the_reason(monkeypatch):
 def test_this_machine_can_pass_through():
     assert engine.passthrough_obstacle() is None
     assert engine.choose_data_path("auto") == ("passthrough", None)
+
+
+def test_the_daemon_engine_logs_a_reply_the_kernel_dropped_only_at_debug(caplog):
+    """An unmount aborts the RELEASEs of files closed just before it; pyfuse3's
+    'reply failed with ENOENT' for them is no error of the volume's."""
+    engine.Pyfuse3Engine(ops=None)
+    pyfuse3_log = logging.getLogger("pyfuse3")
+    with caplog.at_level(logging.INFO, logger="pyfuse3"):
+        pyfuse3_log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+        pyfuse3_log.error("fuse_write(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
+    assert [r.getMessage() for r in caplog.records] == [
+        f"fuse_write(): fuse_reply_* failed with {os.strerror(errno.EINVAL)}"]
+    with caplog.at_level(logging.DEBUG, logger="pyfuse3"):
+        pyfuse3_log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
+    assert caplog.records[-1].levelname == "DEBUG"
 
 
 async def test_whole_files_pass_through_and_share_one_backing_file(mounted):

@@ -12,6 +12,7 @@ semantics do not depend on the choice; only its speed does.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import platform
@@ -29,14 +30,34 @@ CAP_SYS_ADMIN = 21
 PYFUSE3_TASKS = (1, 32)
 
 
+class _GoneReplies(logging.Filter):
+    """Demotes pyfuse3's error for a reply the kernel no longer waits for.
+
+    The kernel drops a request it has handed out when its caller is interrupted or when
+    the mount goes away (an unmount aborts the RELEASEs of files closed just before it);
+    writing the reply then fails with ENOENT. libfuse itself ignores that errno, but
+    pyfuse3 logs it as an error. Nothing is lost: the handler has already run.
+    """
+
+    GONE = f"fuse_reply_* failed with {os.strerror(errno.ENOENT)}"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and record.getMessage().endswith(self.GONE):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 class Pyfuse3Engine:
     """pyfuse3's request loop behind the same life cycle as :class:`KernelSession`."""
 
     name = "pyfuse3"
     data_path = "daemon"
+    _gone_replies = _GoneReplies()
 
     def __init__(self, ops):
         self.ops = ops
+        logging.getLogger("pyfuse3").addFilter(self._gone_replies)  # added once, however many engines
 
     def mount(self, mountpoint: str, fsname: str, read_only: bool = False) -> None:
         options = {f"fsname={fsname}", "subtype=tierfs", "allow_other", "default_permissions"}

@@ -82,3 +82,12 @@ def make_step(base: Path, files: dict[str, bytes], *, job: str, rank: int, step:
         for i, h in enumerate(e.chunks):
             where.setdefault(h, (str(tree / e.path), i * chunk_size, min(chunk_size, e.size - i * chunk_size)))
     return manifest, where
+
+
+def cpu_latency_limit() -> int:
+    """The node's CPU wake-up latency limit in µs (PM QoS), as the kernel applies it now."""
+    fd = os.open("/dev/cpu_dma_latency", os.O_RDONLY)
+    try:
+        return int.from_bytes(os.pread(fd, 4, 0), "little", signed=True)
+    finally:
+        os.close(fd)

@@ -38,6 +38,8 @@ OPTIONS = {
     "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
     "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
                  "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
+    "wake-cpus": "on (default): while a burst of file creates lasts, keep idle CPUs out of deep idle "
+                 "states (/dev/cpu_dma_latency), so each answer wakes its caller at once; off: leave them alone",
     "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
     "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
     "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
@@ -145,6 +147,7 @@ class Config:
     nodes: int = 1
     capacity: int | None = None  # bytes; None = whatever the ramdisk's filesystem holds
     data_path: str = "auto"  # passthrough (kernel FUSE passthrough), daemon (pyfuse3), or auto
+    wake_cpus: bool = True  # hold a 0 µs CPU wake-up latency request while requests come in bursts
     foreground: bool = False
     log_level: str = "info"
     log_file: Path | None = None
@@ -233,6 +236,7 @@ class Config:
             if key in v:
                 v[key] = str(v[key]).strip().lower()
         _parse_peer_tls(v)
+        _parse_switch(v, "wake_cpus", "on (the default) or off")
         cfg = cls(**v)
         cfg._validate()
         return cfg
@@ -313,14 +317,18 @@ _ON, _OFF = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
 _TLS_FILES = ("tls_cert", "tls_key", "tls_ca")
 
 
+def _parse_switch(v: dict, key: str, choices: str) -> None:
+    """An on/off option, in place in the raw values."""
+    if key in v and not isinstance(v[key], bool):
+        text = str(v[key]).strip().lower()
+        if text not in _ON + _OFF:
+            raise UserError(f"invalid --{key.replace('_', '-')} {v[key]!r}: use {choices}")
+        v[key] = text in _ON
+
+
 def _parse_peer_tls(v: dict) -> None:
     """``--peer-tls on|off`` and the TLS files' paths, in place in the raw values."""
-    if "peer_tls" in v and not isinstance(v["peer_tls"], bool):
-        text = str(v["peer_tls"]).strip().lower()
-        if text not in _ON + _OFF:
-            raise UserError(f"invalid --peer-tls {v['peer_tls']!r}: use on (the default: encrypted) "
-                            "or off (in clear, for a network you trust)")
-        v["peer_tls"] = text in _ON
+    _parse_switch(v, "peer_tls", "on (the default: encrypted) or off (in clear, for a network you trust)")
     for key in _TLS_FILES:
         if key in v:
             v[key] = Path(os.path.abspath(v[key]))

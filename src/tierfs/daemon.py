@@ -137,7 +137,7 @@ class Daemon:
             )
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
-        self.engine = make_engine(self.ops, self.data_path)
+        self.engine = make_engine(self.ops, self.data_path, cfg.wake_cpus)
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
                                      self.retention_floor if self.tiers or self.network else None,
                                      self._ram_short)

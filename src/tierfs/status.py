@@ -36,6 +36,7 @@ def report(d: Daemon) -> dict:
         "uptime_s": round(time.time() - d.started, 1),
         "tiers": {"ram": d.local.report(), **{t.name: t.report() for t in d.tiers}},
         "fuse": {"engine": d.engine.name, "data_path": d.engine.data_path,
+                 "wake_cpus": d.engine.wake_cpus,
                  "inodes": len(ops.inodes), **ops.counters},
         "commit_rules": [str(r) for r in d.steps.rules.rules],
         "steps": [step_report(s) for s in sorted(d.steps.states.values(), key=lambda s: s.step)],

@@ -205,7 +205,10 @@ def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine
     assert (fuse["passthrough_opens"] > 0) == (path == "passthrough")
     log = mounts.Registration(vol.mountpoint).log_path.read_text()
     assert log.count("data path: ") == 1 and f"data path: {path}" in log
-    assert f"data path {path} ({engine} engine)" in tierfs("status", vol.mountpoint).stdout
+    human = tierfs("status", vol.mountpoint).stdout
+    assert f"data path {path} ({engine} engine)" in human
+    assert fuse["wake_cpus"] == ("on" if path == "passthrough" else "off (daemon engine)")
+    assert f"idle CPUs kept awake in bursts: {fuse['wake_cpus']}" in human
 
 
 # -- errors: one line, non-zero exit, nothing left mounted -----------------------------------

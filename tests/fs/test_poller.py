@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from tests.helpers import cpu_latency_limit
 from tierfs.fs import abi, poller
 from tierfs.fs.poller import Poller
 
@@ -109,6 +110,39 @@ def test_a_busy_machine_never_polls(make_poller):
     assert make_poller(BUSY).idle(abi.LOOKUP) == 0
 
 
+def pressure(avg10: float, stalled_us: int) -> bytes:
+    return (f"some avg10={avg10:.2f} avg60=0.00 avg300=0.00 total={stalled_us}\n"
+            f"full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n").encode()
+
+
+def test_a_load_that_has_ended_stops_polling_only_for_a_moment(make_poller, clock, tmp_path):
+    p = make_poller(pressure(63.2, 9))  # the 10 s average still remembers a load
+    assert p.idle(abi.LOOKUP) == 0
+    clock.ns += poller.PRESSURE_SOON_NS - 1
+    assert p.idle(abi.LOOKUP) == 0, "read again only a moment later"
+    clock.ns += 1
+    (tmp_path / "pressure").write_bytes(pressure(60.0, 9 + 100))  # 0.5 % of the time since
+    assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS
+
+
+def test_a_load_that_starts_stops_polling_within_a_quarter_second(make_poller, clock, tmp_path):
+    p = make_poller(pressure(0.0, 1_000))
+    assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS
+    clock.ns += poller.PRESSURE_SOON_NS  # the first reading measured over a window
+    assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS
+    clock.ns += poller.PRESSURE_EVERY_NS // 2
+    (tmp_path / "pressure").write_bytes(pressure(0.5, 1_000 + 200_000))
+    assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS, "the last reading stands for a while"
+    clock.ns += poller.PRESSURE_EVERY_NS // 2
+    assert p.idle(abi.LOOKUP) == 0, "tasks waited for a CPU 80 % of the last 250 ms"
+    clock.ns += poller.PRESSURE_EVERY_NS
+    (tmp_path / "pressure").write_bytes(pressure(4.0, 1_000 + 200_000 + 2_000))
+    assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS, "and 0.8 % of the next: back to polling"
+    clock.ns += 10 * poller.PRESSURE_EVERY_NS
+    (tmp_path / "pressure").write_bytes(pressure(30.0, 1_000 + 200_000 + 2_000 + 1))
+    assert p.idle(abi.LOOKUP) == 0, "after a pause, the 10 s average judges until the next reading"
+
+
 def test_no_pressure_information_means_no_polling(make_poller):
     assert make_poller(None).idle(abi.LOOKUP) == 0
 
@@ -149,3 +183,30 @@ def test_a_gap_is_counted_once_and_only_after_an_idle_moment(make_poller, clock)
     p.arrived()  # the next request of a burst: no gap of its own (counted, it would stop polling)
     assert p.idle(abi.GETATTR) == poller.POLL_MIN_NS
     assert p.idle(abi.LOOKUP) == poller.POLL_FIRST_NS
+
+
+@pytest.mark.skipif(not os.access(poller.CPU_LATENCY, os.W_OK), reason="needs root and /dev/cpu_dma_latency")
+def test_idle_cpus_are_kept_awake_only_while_the_hold_lasts():
+    before = cpu_latency_limit()
+    wake = poller.WakeLatency()
+    try:
+        assert wake.state == "on" and cpu_latency_limit() == before, "opening alone asks for nothing"
+        wake.hold()
+        assert wake.held and cpu_latency_limit() == 0
+        wake.release()
+        assert not wake.held and cpu_latency_limit() == before
+        wake.hold()
+    finally:
+        wake.close()
+    assert cpu_latency_limit() == before, "closing drops a hold still in place"
+
+
+def test_without_the_device_or_when_off_nothing_is_held(tmp_path):
+    missing = poller.WakeLatency(path=str(tmp_path / "cpu_dma_latency"))
+    assert missing.state.startswith("unavailable (") and "No such file" in missing.state
+    off = poller.WakeLatency(enabled=False)
+    for wake in (missing, off):
+        wake.hold()
+        assert not wake.held
+        wake.close()
+    assert off.state == "off"

@@ -20,7 +20,8 @@ import pyfuse3
 import pytest
 import trio
 
-from tierfs.fs import Operations, abi, engine
+from tests.helpers import cpu_latency_limit
+from tierfs.fs import Operations, abi, engine, poller
 from tierfs.fs.session import KernelSession
 from tierfs.ramtier import SpaceAccount
 
@@ -40,11 +41,11 @@ async def mounted(shm_dir, nursery):
     """Factory: mount ``ops_class`` over a fresh tree with a session; unmounted afterwards."""
     made: list[KernelSession] = []
 
-    async def mount(want_passthrough: bool = True, ops_class=Operations) -> Mounted:
+    async def mount(want_passthrough: bool = True, ops_class=Operations, wake_cpus: bool = True) -> Mounted:
         tree, mountpoint = shm_dir("tierfs-tree"), shm_dir("tierfs-mnt")
         os.chmod(tree, 0o1777)
         ops = ops_class(tree, SpaceAccount(None, tree))
-        session = KernelSession(ops, want_passthrough=want_passthrough)
+        session = KernelSession(ops, want_passthrough=want_passthrough, wake_cpus=wake_cpus)
         session.mount(str(mountpoint), "test")
         made.append(session)
         nursery.start_soon(session.run)
@@ -322,3 +323,26 @@ def test_the_last_release_of_an_unlinked_file_frees_its_space_at_once(shm_dir):
     finally:
         os.close(session.fd)
         ops.close()
+
+
+@pytest.mark.skipif(not os.access(poller.CPU_LATENCY, os.W_OK), reason="needs /dev/cpu_dma_latency")
+@pytest.mark.parametrize("wake_cpus", [True, False], ids=["on", "off"])
+async def test_idle_cpus_are_kept_awake_while_the_daemon_polls_in_a_burst(mounted, monkeypatch, wake_cpus):
+    before = cpu_latency_limit()
+    if before == 0:
+        pytest.skip("another process keeps idle CPUs awake already")
+    monkeypatch.setattr(poller, "BUSY_PERCENT", float("inf"))  # however busy the machine is
+    m = await mounted(wake_cpus=wake_cpus)
+    assert m.session.wake_cpus == ("on" if wake_cpus else "off")
+
+    def burst() -> set[int]:
+        limits = set()
+        for i in range(200):
+            (m.mountpoint / f"f{i}").write_bytes(b"x" * 65536)
+            limits.add(cpu_latency_limit())
+        return limits
+
+    limits = await m.run(burst)
+    assert (0 in limits) == wake_cpus and limits <= {0, before}
+    await trio.sleep(0.1)  # polls last 1 ms at most
+    assert cpu_latency_limit() == before, "let go once the burst is over"

@@ -64,6 +64,8 @@ def test_build_defaults():
     ({"job": "x" * 129}, "invalid job id"),
     ({"capacity": "100K"}, "too small"),
     ({"log_level": "chatty"}, "invalid log level"),
+    ({"wake_cpus": "sometimes"}, "invalid --wake-cpus 'sometimes': use on"),
+    ({"peer_tls": "maybe"}, "invalid --peer-tls 'maybe': use on"),
     ({}, None),
 ])
 def test_build_rejects(values, message):
@@ -73,3 +75,9 @@ def test_build_rejects(values, message):
         return
     with pytest.raises(UserError, match=message):
         Config.build(mountpoint="/m", **values)
+
+
+def test_wake_cpus_is_on_unless_turned_off():
+    assert Config.build(mountpoint="/m").wake_cpus is True
+    assert Config.build(mountpoint="/m", wake_cpus="OFF").wake_cpus is False
+    assert Config.build(mountpoint="/m", wake_cpus="yes").wake_cpus is True

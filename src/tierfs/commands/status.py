@@ -46,7 +46,7 @@ def render(s: dict) -> str:
         f"  io    data path {s['fuse']['data_path']} ({s['fuse']['engine']} engine): "
         f"{s['fuse']['passthrough_opens']} of {s['fuse']['opens']} opens passed through; through the daemon "
         f"written {format_size(s['fuse']['bytes_written'])}, read {format_size(s['fuse']['bytes_read'])}; "
-        f"{s['fuse']['inodes']} inodes cached",
+        f"{s['fuse']['inodes']} inodes cached; idle CPUs kept awake in bursts: {s['fuse']['wake_cpus']}",
     ]
     if s.get("cluster"):
         v = s["cluster"]

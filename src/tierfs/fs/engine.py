@@ -53,6 +53,7 @@ class Pyfuse3Engine:
 
     name = "pyfuse3"
     data_path = "daemon"
+    wake_cpus = "off (daemon engine)"
     _gone_replies = _GoneReplies()
 
     def __init__(self, ops):
@@ -118,6 +119,6 @@ def choose_data_path(requested: str) -> tuple[str, str | None]:
     return "daemon", obstacle
 
 
-def make_engine(ops, data_path: str):
+def make_engine(ops, data_path: str, wake_cpus: bool = True):
     """The engine serving ``ops`` on ``data_path``."""
-    return KernelSession(ops) if data_path == "passthrough" else Pyfuse3Engine(ops)
+    return KernelSession(ops, wake_cpus=wake_cpus) if data_path == "passthrough" else Pyfuse3Engine(ops)

@@ -22,8 +22,9 @@ Two things keep the caller of a file's create from waiting on the daemon. A rele
 kernel does not wait for its answer) is done once nothing is queued, so the next open's
 lookups are answered first, and always before any other request that could tell, and
 before the worker lets another task run. And where the next request typically follows
-within a millisecond, the worker polls the device for it instead of sleeping
-(:mod:`tierfs.fs.poller`), where the CPU is idle anyway.
+within a millisecond, the worker polls the device for it instead of sleeping, and asks the
+kernel to keep idle CPUs awake meanwhile, so that its answers wake their callers at once
+(:mod:`tierfs.fs.poller`); both only where the CPU is idle anyway.
 
 Open files of the kernel's choice of I/O mode are tracked by :class:`BackingFiles`: the
 kernel insists that every passthrough open of an inode use the same backing file, and that
@@ -46,7 +47,7 @@ import trio
 
 from tierfs import linux
 from tierfs.fs import abi
-from tierfs.fs.poller import Poller
+from tierfs.fs.poller import Poller, WakeLatency
 
 log = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ class KernelSession:
 
     name = "kernel"
 
-    def __init__(self, ops, want_passthrough: bool = True):
+    def __init__(self, ops, want_passthrough: bool = True, wake_cpus: bool = True):
         self.ops = ops
         self.want_passthrough = want_passthrough
         self.fd: int | None = None
@@ -239,6 +240,9 @@ class KernelSession:
         self._closing: list[int] = []  # handles released, their release_handle still to do
         self._last_opcode = 0
         self._poller = Poller()  # whether to poll for the next request rather than sleep
+        self._wake = WakeLatency(wake_cpus)  # idle CPUs kept awake while a burst lasts
+        if self._wake.state not in ("on", "off"):
+            log.info("idle CPUs will not be kept awake during bursts of requests: %s", self._wake.state)
         self._workers = 0
         self._idle = 0
         valid = _ts(ops.attr_timeout)
@@ -265,6 +269,10 @@ class KernelSession:
             abi.LISTXATTR: self._listxattr, abi.REMOVEXATTR: self._removexattr,
             abi.INIT: self._init, abi.INTERRUPT: self._interrupt, abi.DESTROY: self._destroy,
         }
+
+    @property
+    def wake_cpus(self) -> str:
+        return self._wake.state
 
     @property
     def data_path(self) -> str:
@@ -309,6 +317,7 @@ class KernelSession:
             os.close(self.fd)
             self.fd = None
         self._poller.close()
+        self._wake.close()
 
     # -- the request loop ----------------------------------------------------------------
 
@@ -351,9 +360,11 @@ class KernelSession:
                     continue
                 n = None
                 if follow_up and (window := self._poller.idle(self._last_opcode)):
+                    self._wake.hold()
                     n = self._poller.poll(self.fd, buf, window)
                 follow_up = False
                 if n is None:
+                    self._wake.release()
                     served = 0
                     await trio.lowlevel.wait_readable(self.fd)
                     continue

@@ -28,13 +28,13 @@ c. A restore from GCS after every RAM is lost, D = 4 data-parallel twins per sha
 
     .venv/bin/python scripts/bench_scale.py [--nodes 1000,4000,10000] [--quick]
         [--json docs/bench-scale.json] [--plot docs/bench-scale.png]
-    /usr/bin/python3 scripts/bench_scale.py --replot docs/bench-scale.json --plot docs/bench-scale.png
+    .venv/bin/python scripts/bench_scale.py --replot docs/bench-scale.json --plot docs/bench-scale.png
 
 The full run takes about 25 minutes of one core (18 of them for 10,000 nodes); ``--quick``
-runs 100 and 400 nodes in a few seconds. ``--plot`` needs matplotlib, which the project's
-venv does not have: the JSON and the tables are written all the same, and ``--replot``
-draws the plot from the JSON with any Python that has matplotlib (it imports nothing of
-tierfs; here, the system's /usr/bin/python3).
+runs 100 and 400 nodes in a few seconds. ``--plot`` needs matplotlib (``scripts/setup.sh``
+installs it, the ``bench`` extra); without it the JSON and the tables are written all the
+same, and ``--replot`` draws the plot from the JSON with any Python that has matplotlib (it
+imports nothing of tierfs).
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
-stamp=.venv/.installed-$(sha256sum pyproject.toml | cut -c1-16)
+extras=test,frameworks,bench
+stamp=.venv/.installed-$(echo "$extras" | cat - pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -e "$stamp" ]; then
-    .venv/bin/pip install -q --disable-pip-version-check -e '.[test,frameworks]'
+    .venv/bin/pip install -q --disable-pip-version-check -e ".[$extras]"
     touch "$stamp"
 fi
 ln -sfn "$PWD/.venv/bin/tierfs" /usr/local/bin/tierfs

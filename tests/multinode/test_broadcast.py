@@ -46,8 +46,10 @@ def restore_twins_from_gcs(cluster, gcs_bucket: str, nodes: int, data_parallel: 
     return {"gcs": gcs, "peers": peers, "unique": unique, "restored": restored}
 
 
-# Killing the job one node at a time: the last ones may still be putting a replica on the first.
-@pytest.mark.expect_log("does not answer yet", "delayed, retrying", "step 5 did not reach peer ")
+# Killing the job one node at a time: the last ones may still be putting a replica on the
+# first, or asking it to confirm one.
+@pytest.mark.expect_log("does not answer yet", "delayed, retrying", "step 5 did not reach peer ",
+                        "step 5 is not confirmed by peer")
 def test_eight_nodes_with_four_twins_read_each_chunk_from_gcs_once(cluster, gcs_bucket):
     got = restore_twins_from_gcs(cluster, gcs_bucket, nodes=8, data_parallel=4, size=8 * MiB)
     assert got["gcs"] <= 1.1 * got["unique"], f"GCS gave {got['gcs']} bytes for {got['unique']} unique"

@@ -17,8 +17,15 @@ from tests.helpers import cpu_latency_limit
 from tierfs.fs import abi, poller
 from tierfs.fs.poller import Poller
 
-IDLE = b"some avg10=0.00 avg60=0.00 avg300=0.00 total=1\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
-BUSY = b"some avg10=63.20 avg60=40.00 avg300=30.00 total=9\nfull avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+
+def pressure(avg10: float, stalled_us: int) -> bytes:
+    """/proc/pressure/cpu as the kernel writes it."""
+    return (f"some avg10={avg10:.2f} avg60=0.00 avg300=0.00 total={stalled_us}\n"
+            f"full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n").encode()
+
+
+IDLE = pressure(0.0, 1)
+BUSY = pressure(63.2, 9)
 
 
 @pytest.fixture
@@ -36,10 +43,10 @@ def device():
 def make_poller(tmp_path):
     made: list[Poller] = []
 
-    def make(pressure: bytes | None = IDLE) -> Poller:
+    def make(text: bytes | None = IDLE) -> Poller:
         path = tmp_path / "pressure"
-        if pressure is not None:
-            path.write_bytes(pressure)
+        if text is not None:
+            path.write_bytes(text)
         made.append(Poller(str(path)))
         return made[-1]
 
@@ -108,11 +115,6 @@ def test_a_kind_not_seen_yet_gets_a_short_poll(make_poller):
 
 def test_a_busy_machine_never_polls(make_poller):
     assert make_poller(BUSY).idle(abi.LOOKUP) == 0
-
-
-def pressure(avg10: float, stalled_us: int) -> bytes:
-    return (f"some avg10={avg10:.2f} avg60=0.00 avg300=0.00 total={stalled_us}\n"
-            f"full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n").encode()
 
 
 def test_a_load_that_has_ended_stops_polling_only_for_a_moment(make_poller, clock, tmp_path):

@@ -152,6 +152,7 @@ class Config:
     log_level: str = "info"
     log_file: Path | None = None
     read_only: bool = False
+    start_fresh: bool = False  # start even if the tiers hold a newer complete step than the one chosen
     commit_rule: str = "default"
     gcs: str | None = None  # gs://BUCKET/PREFIX
     disk: Path | None = None  # --disk DIR: a local directory tier (DIR/<job>/rank-<N>/)

@@ -142,15 +142,19 @@ class NodeCoordination:
         same = set(cfg.peer_ranks) if cfg.peer_ranks is not None else twins(cfg.rank, cfg.nodes, cfg.data_parallel)
         return sorted(same - {cfg.rank})
 
-    async def decide(self) -> tuple[Survey, int | None] | None:
-        """The step to restore and who holds it, as the coordinators answer; None if none answered."""
+    async def decide(self, exclude: tuple[str, ...] = ()) -> tuple[Survey, int | None] | None:
+        """The step to restore and who holds it, as a coordinator (not in ``exclude``) answers; None if none did."""
         cfg = self.d.cfg
-        decision = self.decision = await self.coordination.member.decide(cfg.rank, self.twins(),
-                                                                         wait=cfg.restore_wait)
+        decision = await self.coordination.member.decide(cfg.rank, self.twins(), wait=cfg.restore_wait,
+                                                         exclude=exclude)
         if decision.coordinator is None:
             return None
-        log.info("coordinator %s: restore step %s (%d of %d nodes reported, %d down)", decision.coordinator,
-                 decision.step, decision.reported, decision.members, len(decision.down))
+        self.decision = decision
+        log.info("coordinator %s: restore step %s (%d of %d nodes reported, %d down%s)", decision.coordinator,
+                 decision.step, decision.reported, decision.members, len(decision.down),
+                 "" if decision.ready else f"; not ready, silent: {', '.join(decision.silent) or 'none named'}")
+        if decision.down:
+            log.info("members found down while deciding: %s", ", ".join(decision.down))
         survey = Survey(missing=[f"peer {a}" for a in decision.silent + decision.down])
         for rank, view in decision.ranks.items():
             for step, holders in view.steps.items():

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tierfs")
 
+SELF_CHECK_NODES = 64  # up to this many nodes, a start holds the coordinators' answer against its own survey
+
 
 class RestorePlanner:
     def __init__(self, daemon: Daemon):
@@ -103,10 +105,57 @@ class RestorePlanner:
         if d.coordinating is not None:
             answered = await d.coordinating.decide()
             if answered is not None:
-                return answered
+                return await self.cross_check(*answered)
             log.warning("no coordinator answered: surveying every node instead")
         survey = await d.view.survey(wait=self.survey_wait())
         return survey, survey.choose(d.cfg.rank)
+
+    async def cross_check(self, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
+        """Hold the coordinators' answer against what this node sees itself before following it.
+
+        The node asks the tiers it reaches (its disk and replica store, its peers, GCS) and
+        applies the same rules, with the steps the coordinator says nodes run from. If that
+        finds a newer step than the answer, the answer is not followed silently: a second
+        coordinator is asked, and the disagreement logged. If no answer accounts for the
+        newer step, the start is refused rather than run from nothing or from an older step
+        (``--start-fresh`` overrides). Jobs larger than SELF_CHECK_NODES skip the survey of
+        every peer, which is what the coordinators exist to avoid.
+        """
+        d, cfg = self.d, self.d.cfg
+        if cfg.nodes > SELF_CHECK_NODES:
+            return survey, step
+        first = d.coordinating.decision
+        own = await d.view.survey()
+        seen = self._seen(own, first.summary)
+        if seen is None or (step is not None and step >= seen):
+            return survey, step
+        where = ", ".join(own.tiers(cfg.rank, seen)) or "no tier (this rank wrote nothing)"
+        log.warning("coordinator %s chose step %s, but step %d is complete for every rank on the tiers this "
+                    "node reaches (rank %d's on %s): asking another coordinator",
+                    first.coordinator, step, seen, cfg.rank, where)
+        second = await d.coordinating.decide(exclude=(first.coordinator,))
+        if second is not None and second[1] is not None and second[1] >= seen:
+            log.warning("coordinators disagree: %s chose step %s, %s chose step %s: following %s",
+                        first.coordinator, step, d.coordinating.decision.coordinator, second[1],
+                        d.coordinating.decision.coordinator)
+            return second
+        if cfg.start_fresh:
+            log.warning("step %d is complete for every rank (rank %d's on %s), but the coordinators chose "
+                        "step %s: starting from that, as --start-fresh asks", seen, cfg.rank, where, step)
+            return survey, step
+        raise UserError(
+            f"step {seen} is complete for every rank of job {cfg.job} (rank {cfg.rank}'s on {where}), but the "
+            f"coordinators chose {'no step' if step is None else f'step {step}'}: not starting "
+            f"{'empty' if step is None else 'from the older step'}; mount again to retry, "
+            "or pass --start-fresh to start from what the coordinators chose")
+
+    def _seen(self, own: Survey, summary: dict) -> int | None:
+        """The step this node's own survey gives its rank, counting the steps nodes run from as the coordinator knows them."""
+        decisions = summary.get("decisions") if isinstance(summary, dict) else None
+        for s in decisions if isinstance(decisions, list) else ():
+            if type(s) is int:
+                own.decisions.setdefault(f"a node running step {s}", s)
+        return own.choose(self.d.cfg.rank)
 
     def holders(self, survey: Survey, step: int) -> list[Tier]:
         """The tiers holding this rank's ``step``, in the order to read them: cheapest, then closest."""

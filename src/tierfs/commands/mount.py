@@ -35,13 +35,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--read-only", action="store_true",
                    default=(env_value("read_only") or "").lower() in ("1", "true", "yes"),
                    help="mount read-only")
+    p.add_argument("--start-fresh", action="store_true",
+                   default=(env_value("start_fresh") or "").lower() in ("1", "true", "yes"),
+                   help="start even if the tiers hold a newer step complete for every rank than the one the "
+                        "coordinators chose (by default such a start is refused); env TIERFS_START_FRESH")
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in _FLAGS}
-    return Config.build(mountpoint=args.mountpoint, foreground=args.foreground,
-                        read_only=args.read_only, secret=env_value("secret"), **values)
+    return Config.build(mountpoint=args.mountpoint, foreground=args.foreground, read_only=args.read_only,
+                        start_fresh=args.start_fresh, secret=env_value("secret"), **values)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,21 +73,22 @@ def run_helper(argv: list[str]) -> int:
     if len(positional) != 2:
         raise UserError("usage: tierfs JOB MOUNTPOINT [-o rank=N,ramdisk=DIR,...]")
     values: dict[str, str] = {"job": positional[0]}
-    read_only = False
+    switches = {"ro": False, "start-fresh": (env_value("start_fresh") or "").lower() in ("1", "true", "yes")}
     for opt in filter(None, options):
         key, _, value = opt.partition("=")
         key = key.replace("_", "-")
         if key in _FLAGS:
             values[key.replace("-", "_")] = value
-        elif key == "ro":
-            read_only = True
+        elif key in switches and not value:
+            switches[key] = True
         elif key in _IGNORED_MOUNT_OPTIONS or key.startswith("x-"):
             continue
         else:
-            raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(_FLAGS))}, ro")
+            raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(_FLAGS))}, ro, start-fresh")
     for name in _FLAGS:  # environment fills what -o leaves out, as for the flags
         values.setdefault(name.replace("-", "_"), env_value(name))
-    return spawn(Config.build(mountpoint=positional[1], read_only=read_only, secret=env_value("secret"), **values))
+    return spawn(Config.build(mountpoint=positional[1], read_only=switches["ro"], start_fresh=switches["start-fresh"],
+                              secret=env_value("secret"), **values))
 
 
 def spawn(cfg: Config) -> int:

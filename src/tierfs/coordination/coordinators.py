@@ -27,12 +27,16 @@ seconds of refused connections. A node that members reported to only while a can
 was starting is a *stand-in*: it keeps and answers what it has, but does none of that,
 and stops being one once the members go back.
 
-Deciding. A starting node long-polls the first coordinator with ``coord_decide``. Its
-answer is *ready* when every member is accounted for (reported, or found down) and GCS
-was listed; for decisions, reports older than ``FRESH`` seconds are confirmed by a pull
-first, so a node that died since its last report does not count, as it would not answer
-a survey. The node waits up to ``--restore-wait`` for a ready answer, then takes the best
-it has, as a survey takes the peers that answered. Unlike the survey, which waits out the
+Deciding. A starting node long-polls the first coordinator with ``coord_decide``. A
+decision is never older than the question: the coordinator answers it from a *round*
+begun after the question arrived, in which it read its own holdings as they are, pulled
+every member's holdings afresh (a periodic report may predate the step a replica just
+brought, or the member's death), and listed GCS. The answer is *ready* when every member
+answered that round's pull or was found down in it (two pulls unanswered, or refusals for
+``REFUSED_GRACE`` seconds), and the listing is done. Questions that arrive while a round
+runs wait for the next one, which starts as soon as the running one ends, so a burst of
+questions costs two rounds, not one each. The node waits up to ``--restore-wait`` for a
+ready answer, then takes the best it has, naming the members still silent. Unlike the survey, which waits out the
 whole ``--restore-wait`` for a peer that is gone, a member found down stops holding the
 decision back: with thousands of nodes one is almost always down. Its data is restorable
 all the same from replicas and GCS; when it comes back, it adopts the step the others
@@ -47,9 +51,9 @@ Messages (JSON headers on the peer wire, no bodies; each well under 1 MiB)::
 
     {"op":"coord_report","report":REPORT,"suspects":[address,...]}        (suspects: <= 8, optional)
         -> {"ok":true,"summary":SUMMARY,"down":[address,...]}
-    {"op":"coord_decide","rank":R,"group":[R,...],"wait":SECONDS,"report":REPORT}
-            (group: the ranks holding the same data, <= 64; report: optional, when this
-             coordinator may not have the asker's)
+    {"op":"coord_decide","rank":R,"group":[R,...],"wait":SECONDS,"q":ID,"report":REPORT}
+            (group: the ranks holding the same data, <= 64; q: the question, the same in
+             every poll of it (<= 64 characters); report: the asker's holdings)
         -> {"ok":true,"ready":bool,"you":bool,"coordinating":bool,"summary":SUMMARY,
             "reported":n,"members":m,"down":[address,...],"down_count":d,
             "gcs":{"listed":bool,"error":str|null},
@@ -72,8 +76,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 import trio
@@ -94,7 +99,8 @@ TICK = 0.5  # a coordinator's duties (pulls, expiry, listings) run this often
 PULL_AFTER = 1.0  # seconds as a coordinator before pulling the reports of silent members
 DOWN_AFTER = 2  # pulls in a row without an answer before a member counts as down
 REFUSED_GRACE = 5.0  # a member whose host refused a pull (its daemon may be starting) is down after this
-FRESH = 10.0  # a decision counts reports of the last FRESH seconds; older ones are confirmed by a pull
+REFUSED_RETRY = 0.25  # a round asks a member whose host refused again this soon
+MAX_QUESTIONS = 4096  # questions remembered (each until answered or MAX_WAIT + DECIDE_POLL old)
 PULLS_AT_ONCE = 64
 DECIDE_POLL = 2.0  # one long poll of coord_decide
 MAX_WAIT = 30.0
@@ -160,16 +166,18 @@ class Coordinator:
         self.active_since: float | None = None
         self.gcs_at: float | None = None  # when the last listing finished (None: none since active)
         self._listed_from: float | None = None  # when the last finished listing began
-        self._wanted = float("-inf")  # a question needs a listing begun after this
-        self._reborn: dict[str, float] = {}  # member -> when a new incarnation of it first reported
-        self._listed = trio.Event()  # set when a listing finishes, then replaced
+        self._wanted = float("-inf")  # a round needs a listing begun after this
         self._silent_cache: list[str] = []
         self._silent_at: float | None = None
         self.gcs_error: str | None = None
         self._listing = False
-        self._epoch: float | None = None  # when the current round of decisions began
-        self._confirmed: set[str] = set()  # members whose holdings are known as of the epoch
-        self._ready = trio.Event()
+        self.own: Callable[[], Holdings] | None = None  # this node's holdings as they are now
+        self._round: _Round | None = None  # the running round of fresh pulls, if any
+        self._answered_at: float | None = None  # when the newest complete round began
+        self._next_round = False  # a question came after the running round began
+        self._questions: dict[tuple[str, str], float] = {}  # (asker, question) -> when first asked
+        self._round_done = trio.Event()
+        self._nursery: trio.Nursery | None = None
         self._activated = trio.Event()
         self.received = 0  # reports, for tests and the simulation
 
@@ -191,35 +199,94 @@ class Coordinator:
         return self._index < self.k or 2 * len(self._pushed) >= len(self.members)
 
     def ready(self) -> bool:
-        """Whether a decision can be given: every member accounted for, GCS listed."""
+        """Whether the view is whole: every member reported or found down, GCS listed."""
         if self.active_since is None:
             return False
         if self.list_gcs is not None and self._listed_from is None:
             return False
-        known = self._fresh if self._epoch is None else self._confirmed
-        return len(known) + len(self._down) >= len(self.members)
+        return len(self._fresh) + len(self._down) >= len(self.members)
 
-    def _begin_decisions(self) -> None:
-        """Nodes ask for their step: the holdings must be those of now, as a survey's are.
+    # -- rounds: the facts a decision is made from ------------------------------------------
 
-        Reports older than FRESH seconds are confirmed by pulling their senders again, so
-        a node that died since its last report (its RAM and replicas gone with it) is
-        found down and left out, instead of counting for up to a ttl; nodes report changes
-        of their holdings as they happen, so the others are current. One epoch serves
-        every question asked within FRESH seconds of its start.
-        """
-        now = self.clock()
-        if self._epoch is not None and now - self._epoch <= FRESH:
+    def answered(self, asked: float) -> bool:
+        """Whether a round begun at or after ``asked`` is complete: a question of then can be answered."""
+        return self._answered_at is not None and self._answered_at >= asked
+
+    def _ask_round(self, asked: float) -> None:
+        """A question asked at ``asked`` needs a round begun after it: start one, or the next."""
+        if self.answered(asked) or self._nursery is None:
             return
-        self._epoch = now
-        self._confirmed = {a for a in self._fresh if now - self._reports[a].at <= FRESH}
-        self._update_ready()
+        if self._round is None:
+            self._begin_round()
+        elif self._round.at < asked:
+            self._next_round = True
 
-    def _update_ready(self) -> None:
-        if self.ready():
-            self._ready.set()
-        elif self._ready.is_set():
-            self._ready = trio.Event()
+    def _begin_round(self) -> None:
+        now = self.clock()
+        self._round = r = _Round(now)
+        self._next_round = False
+        if self.own is not None:  # this node's holdings need no message: read them as they are
+            self.accept(self.address, self.own())
+            r.known.add(self.address)
+        for member in self.members - r.known:
+            self._nursery.start_soon(self._round_pull, member, r)
+        if self.list_gcs is not None:
+            self._wanted = max(self._wanted, now)
+            if not self._listing:
+                self._listing = True
+                self._nursery.start_soon(self._list)
+        self._check_round()
+
+    def _check_round(self) -> None:
+        """End the running round once every member is accounted for and GCS listed after it began."""
+        r = self._round
+        if r is None or len(r.known) + len(r.down) < len(self.members):
+            return
+        if self.list_gcs is not None and (self._listed_from is None or self._listed_from < r.at):
+            return
+        self._answered_at, self._round = r.at, None
+        self._round_done.set()
+        self._round_done = trio.Event()
+        if self._next_round:
+            self._begin_round()
+
+    async def _round_pull(self, member: str, r: _Round) -> None:
+        """Pull ``member``'s holdings for round ``r``: its answer, or its being down, settles it."""
+        failures, refused_since = 0, None
+        while self._round is r:
+            try:
+                async with self._pulls:
+                    reply = await self.transport.request(member, {"op": "coord_pull"}, self.rpc_timeout)
+                if "error" in reply:
+                    raise BadMessage(str(reply["error"]))
+                h = Holdings.from_wire(reply.get("report"))
+            except Refused:
+                now = self.clock()
+                refused_since = now if refused_since is None else refused_since
+                if now - refused_since < REFUSED_GRACE:
+                    await trio.sleep(REFUSED_RETRY)
+                    continue
+                self._found_down(member, f"refused pulls for {now - refused_since:.0f}s")
+            except (Unreachable, BadMessage) as e:
+                failures += 1
+                if failures < self.down_after:
+                    continue
+                self._found_down(member, f"{failures} pulls unanswered: {e}")
+            else:
+                self.accept(member, h)
+                r.known.add(member)
+                self._check_round()
+                return
+            r.down.add(member)
+            self._check_round()
+            return
+
+    def _found_down(self, member: str, why: str) -> None:
+        if member not in self._down:
+            log.info("member %s is down (%s)", member, why)
+        self._starting.pop(member, None)
+        self._forget(member, keep_rank=True)  # what it held went with it; its rank's plans still name it
+        self._down[member] = self.clock()
 
     def accept(self, source: str, h: Holdings) -> bool:
         """Take ``source``'s report; False if it is older than the one held."""
@@ -229,8 +296,6 @@ class Coordinator:
         now = self.clock()
         if held is not None:
             del self._reports[source]  # re-inserted last: the dict stays in order of arrival
-            if h.inc != held.holdings.inc:
-                self._reborn[source] = now
         self._unrank(source, h.rank)
         self._reports[source] = _Report(h, now)
         self._ranks.setdefault(h.rank, set()).add(source)
@@ -238,8 +303,6 @@ class Coordinator:
         self.view.put_holdings(source, h)
         if source in self.members:
             self._fresh.add(source)
-            if self._epoch is not None:
-                self._confirmed.add(source)
             self._down.pop(source, None)
             self._failed.pop(source, None)
             self._starting.pop(source, None)
@@ -247,7 +310,6 @@ class Coordinator:
             self.active_since = now
             self._activated.set()
         self.received += 1
-        self._update_ready()
         return True
 
     def _forget(self, source: str, keep_rank: bool = False) -> None:
@@ -256,7 +318,6 @@ class Coordinator:
         if not keep_rank:
             self._unrank(source)
         self._fresh.discard(source)
-        self._confirmed.discard(source)
         self.view.drop(source)
 
     def _unrank(self, source: str, rank: int | None = None) -> None:
@@ -285,14 +346,12 @@ class Coordinator:
             self._forget(source)
         if not self._reports and self.active_since is not None and now - self.active_since > self.ttl:
             log.info("no reports for %.0fs: no longer a coordinator", self.ttl)
-            self.active_since = self.gcs_at = self.gcs_error = self._epoch = self._listed_from = None
-            self._confirmed.clear()
+            self.active_since = self.gcs_at = self.gcs_error = self._listed_from = self._answered_at = None
             self._down.clear()
             self._failed.clear()
             self._starting.clear()
             self.view.drop(GCS)
             self._activated = trio.Event()
-        self._update_ready()
 
     # -- answering ------------------------------------------------------------------------
 
@@ -315,25 +374,33 @@ class Coordinator:
         wait = message.get("wait", 0)
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
             raise BadMessage(f"wait must be a number of seconds in [0, {MAX_WAIT:g}]")
+        question = message.get("q", "")
+        if not isinstance(question, str) or len(question) > 64:
+            raise BadMessage("q must be a string of at most 64 characters")
         report = message.get("report")
         if report is not None:
             self._note_push(source, message)
             self.accept(source, Holdings.from_wire(report))
-        if self.active_since is not None:
-            self._begin_decisions()
-        # The answer counts what GCS held when the node first asked, as a survey then would;
-        # its later polls of the same question do not raise the bar.
-        # A node that restarted may have backed a step up just before it died, too late to
-        # report it: its answer waits for a listing of GCS begun after it came back.
-        listed_after = self._reborn.get(source, float("-inf"))
-        if self.coordinating():
-            self._wanted = max(self._wanted, listed_after)
+        asked = self._asked(source, question)
+        if self.active_since is not None and self.coordinating():
+            self._ask_round(asked)
             with trio.move_on_after(wait):
-                while not self.ready():
-                    await self._ready.wait()
-                while self.list_gcs is not None and self._listed_from < listed_after:
-                    await self._listed.wait()
-        return self.answer(rank, group, source, listed_after)
+                while not self.answered(asked):
+                    await self._round_done.wait()
+        return self.answer(rank, group, source, asked)
+
+    def _asked(self, source: str, question: str) -> float:
+        """When ``source`` first asked ``question``: its later polls of it need no newer round."""
+        now = self.clock()
+        if not question:
+            return now
+        key = (source, question)
+        if key not in self._questions:
+            while len(self._questions) >= MAX_QUESTIONS or self._questions and \
+                    now - next(iter(self._questions.values())) > MAX_WAIT + DECIDE_POLL:
+                del self._questions[next(iter(self._questions))]
+            self._questions[key] = now
+        return self._questions[key]
 
     def _note_push(self, source: str, message: Message) -> None:
         """A member sent its own report: it counts toward this node being a coordinator."""
@@ -367,10 +434,10 @@ class Coordinator:
         return sorted(a for a in self._down if a in self._leading) if self._down else []
 
     def answer(self, rank: int, group: Iterable[int] = (), source: str | None = None,
-               listed_after: float = float("-inf")) -> Message:
+               asked: float | None = None) -> Message:
         """What ``coord_decide`` returns for ``rank`` and its ``group`` (the ranks holding the same data).
 
-        Ready only with a GCS listing begun after ``listed_after``.
+        Ready only when a round begun at or after ``asked`` is complete (None: the view as it is).
         """
         ranks = {}
         for r in dict.fromkeys([rank, *group]):
@@ -380,7 +447,7 @@ class Coordinator:
                              "steps": {str(s): steps[s][:MAX_LISTED_HOLDERS] for s in listed},
                              "nodes": sorted(self._ranks.get(r, ()))[:MAX_LISTED_HOLDERS]}
         down = sorted(self._down)
-        ready = self.ready() and (self.list_gcs is None or self._listed_from >= listed_after)
+        ready = self.ready() if asked is None else self.answered(asked)
         return {"ok": True, "ready": ready, "you": source in self._reports, "silent": [] if ready else self._silent(),
                 "coordinating": self.active_since is not None and self.coordinating(), "summary": self.view.summary(),
                 "reported": len(self._fresh), "members": len(self.members),
@@ -392,6 +459,7 @@ class Coordinator:
     async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
         """Wait to become a coordinator, then list GCS, pull silent members and expire old reports."""
         async with trio.open_nursery() as nursery:
+            self._nursery = nursery
             task_status.started()
             while True:
                 await self._activated.wait()
@@ -416,15 +484,11 @@ class Coordinator:
             return
         for member, since in list(self._starting.items()):
             if now - since >= REFUSED_GRACE:  # still not listening: it reports itself once it does
-                del self._starting[member]
-                self._forget(member, keep_rank=True)
-                self._down[member] = now
-                log.info("member %s is down (refused pulls for %.0fs)", member, now - since)
+                self._found_down(member, f"refused pulls for {now - since:.0f}s")
         if not coordinating:
             return
-        known = self._fresh if self._epoch is None or now - self._epoch > FRESH else self._confirmed
-        if len(known) + len(self._down) < len(self.members):  # silent members
-            for member in self.members - known - self._down.keys() - self._pulling - self._starting.keys():
+        if len(self._fresh) + len(self._down) < len(self.members):  # silent members
+            for member in self.members - self._fresh - self._down.keys() - self._pulling - self._starting.keys():
                 self._pulling.add(member)
                 nursery.start_soon(self._pull, member)
         for member, report in self._reports.items():  # overdue members (a gone node's holdings go soon)
@@ -452,9 +516,10 @@ class Coordinator:
         finally:
             self._listing = False
         self.gcs_at, self._listed_from = self.clock(), started
-        self._listed.set()
-        self._listed = trio.Event()
-        self._update_ready()
+        if started < self._wanted and self._nursery is not None:  # a round began during this listing
+            self._listing = True
+            self._nursery.start_soon(self._list)
+        self._check_round()
 
     async def _pull(self, member: str) -> None:
         try:
@@ -469,15 +534,20 @@ class Coordinator:
         except (Unreachable, BadMessage) as e:
             failed = self._failed[member] = self._failed.get(member, 0) + 1
             if failed >= self.down_after and member not in self._down:
-                self._starting.pop(member, None)
-                self._forget(member, keep_rank=True)  # what it held went with it; its rank's plans still name it
-                self._down[member] = self.clock()
-                log.info("member %s is down (%d pulls unanswered: %s)", member, failed, e)
+                self._found_down(member, f"{failed} pulls unanswered: {e}")
         else:
             self.accept(member, h)
         finally:
             self._pulling.discard(member)
-            self._update_ready()
+
+
+@dataclass
+class _Round:
+    """One round of fresh pulls: it answers every question asked before ``at``."""
+
+    at: float
+    known: set[str] = field(default_factory=set)  # members whose holdings were read in this round
+    down: set[str] = field(default_factory=set)  # members found down in this round
 
 
 # -- the member -------------------------------------------------------------------------
@@ -658,10 +728,10 @@ class Member:
         return [a for a, at in self._silent.items() if now - at <= 2 * self.interval][:MAX_SUSPECTS]
 
     async def decide(self, rank: int, group: Sequence[int] = (), wait: float = 15.0,
-                     poll: float = DECIDE_POLL) -> Decision:
-        """The step ``rank`` restores, from the first coordinator whose view is ready.
+                     poll: float = DECIDE_POLL, exclude: Collection[str] = ()) -> Decision:
+        """The step ``rank`` restores, from the first coordinator (not in ``exclude``) whose answer is ready.
 
-        Waits up to ``wait`` seconds for a ready view (--restore-wait), then takes the
+        Waits up to ``wait`` seconds for a ready answer (--restore-wait), then takes the
         most complete answer it has (``ready`` False), or ``step`` None if no coordinator
         answered at all: then the caller falls back to what it sees itself.
         """
@@ -670,13 +740,15 @@ class Member:
             await self.report()
         best: Decision | None = None
         group = [g for g in group if g != rank][:MAX_GROUP]
+        question = secrets.token_hex(8)
         while True:
             left = max(0.0, deadline - self.clock())
             polled = False
-            for address in self.coordinators():
-                message = {"op": "coord_decide", "rank": rank, "group": group, "wait": min(poll, left)}
-                if address not in self.reported_to:  # it may not have this node's report: bring it
-                    message["report"] = self.report_now().to_wire()
+            for address in self.coordinators(extra=len(exclude)):
+                if address in exclude:
+                    continue
+                message = {"op": "coord_decide", "rank": rank, "group": group, "wait": min(poll, left),
+                           "q": question, "report": self.report_now().to_wire()}
                 try:
                     answer = await self._ask(address, message, min(poll, left) + self.rpc_timeout)
                     decision = Decision.from_answer(rank, answer, address, self.clock())
@@ -733,6 +805,7 @@ class Coordination:
                                        down_after=down_after, clock=clock, members=members)
         self.member = Member(address, order, transport, holdings, k=k, rpc_timeout=rpc_timeout,
                              suspect_for=suspect_for, local=self.coordinator, clock=clock, inc=inc)
+        self.coordinator.own = self.member.report_now
 
     OPS = ("coord_report", "coord_decide", "coord_pull")
 
@@ -741,7 +814,6 @@ class Coordination:
         c = self.coordinator
         c.order, c.members, c._leading, c._index = order, frozenset(order), frozenset(order[: 4 * c.k]), None
         self.member.order = order
-        c._update_ready()
 
     async def handle(self, source: str, message: Message) -> Message:
         if message.get("op") == "coord_pull":

@@ -291,3 +291,50 @@ async def test_a_reported_backup_counts_as_held_by_gcs_before_the_next_listing(a
         assert coordinator.view.steps_of(2)[20] == sorted([c.addresses[2], "gcs"])
         assert Holdings.from_wire(c.held[2].to_wire()).backed == (20,)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_decision_counts_holdings_that_changed_after_the_last_report(autojump_clock):
+    """A replica that reached the coordinator itself and another member since their last
+    reports, which no report has carried yet, counts in the answer to a later question."""
+    n = 6
+    c = Cluster(n, replicated(n, (10,)))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.net.run)
+        await c.start(nursery)
+        await trio.sleep(c.interval + 2)  # a round of reports went by two seconds ago
+        first, asker = c.coordinator(0), c.coordinator(5)
+        coordinator = c.nodes[first].coordinator
+        assert coordinator.view.newest_complete() == 10
+        for r in range(n):  # step 20 of every rank arrives everywhere, and nobody reports it
+            c.held[r] = Holdings(r, (10, 20) if r != asker else (10,), c.held[r].replicas + (((r - 1) % n, 20),))
+        assert coordinator.view.newest_complete() == 10  # what the last reports said
+        c.net.stats.reset()
+        decision = await c.nodes[asker].member.decide(asker, wait=15)
+        assert decision.ready and decision.coordinator == c.addresses[first]
+        assert decision.step == 20  # the asker's own step 20 is the replica its peer keeps
+        assert c.net.stats.requests["coord_pull"] == n - 1  # every member but the coordinator itself
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_burst_of_questions_shares_rounds_of_pulls(autojump_clock):
+    n = 40
+    c = Cluster(n, replicated(n))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.net.run)
+        await c.start(nursery)
+        await trio.sleep(c.interval / 2)
+        c.net.stats.reset()
+        steps = {}
+
+        async def ask(r):
+            steps[r] = (await c.nodes[r].member.decide(r, wait=15)).step
+
+        async with trio.open_nursery() as askers:  # a whole job restarting at once
+            for r in range(n):
+                askers.start_soon(ask, r)
+        assert set(steps.values()) == {20}
+        # Each round answers every question that arrived before it began; the questions reach
+        # the coordinator over a few round trips, so a handful of rounds answer all 40.
+        rounds = c.net.stats.requests["coord_pull"] / (n - 1)
+        assert rounds == int(rounds) and rounds <= n / 8, rounds
+        nursery.cancel_scope.cancel()

@@ -35,7 +35,7 @@ brought, or the member's death), and listed GCS. The answer is *ready* when ever
 answered that round's pull or was found down in it (two pulls unanswered, or refusals for
 ``REFUSED_GRACE`` seconds), and the listing is done. Questions that arrive while a round
 runs wait for the next one, which starts as soon as the running one ends, so a burst of
-questions costs two rounds, not one each. The node waits up to ``--restore-wait`` for a
+questions shares a few rounds instead of costing one each. The node waits up to ``--restore-wait`` for a
 ready answer, then takes the best it has, naming the members still silent. Unlike the survey, which waits out the
 whole ``--restore-wait`` for a peer that is gone, a member found down stops holding the
 decision back: with thousands of nodes one is almost always down. Its data is restorable

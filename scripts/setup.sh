@@ -15,6 +15,7 @@ command -v fusermount3 >/dev/null || need+=(fuse3)
 command -v pkg-config >/dev/null || need+=(pkg-config)
 pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev)
 command -v fio >/dev/null || need+=(fio)
+command -v nft >/dev/null || need+=(nftables)  # the fault-schedule tests cut nodes off the network
 command -v gcc >/dev/null || need+=(gcc)
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \

@@ -23,6 +23,7 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import time
 import urllib.error
@@ -133,6 +134,15 @@ class GcsEmulator:
     def restart(self) -> None:
         self.stop()
         self.start()
+
+    def pause(self) -> None:
+        """Freeze the server (SIGSTOP): connections open, requests unanswered, as an endpoint that hangs."""
+        if self.running:
+            self._process.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.running:
+            self._process.send_signal(signal.SIGCONT)
 
     def environ(self) -> dict[str, str]:
         """Variables that point google-cloud-storage here, past any proxy the shell sets."""

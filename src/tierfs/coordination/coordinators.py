@@ -255,11 +255,7 @@ class Coordinator:
         failures, refused_since = 0, None
         while self._round is r:
             try:
-                async with self._pulls:
-                    reply = await self.transport.request(member, {"op": "coord_pull"}, self.rpc_timeout)
-                if "error" in reply:
-                    raise BadMessage(str(reply["error"]))
-                h = Holdings.from_wire(reply.get("report"))
+                h = await self._request_pull(member)
             except Refused:
                 now = self.clock()
                 refused_since = now if refused_since is None else refused_since
@@ -521,13 +517,16 @@ class Coordinator:
             self._nursery.start_soon(self._list)
         self._check_round()
 
+    async def _request_pull(self, member: str) -> Holdings:
+        async with self._pulls:
+            reply = await self.transport.request(member, {"op": "coord_pull"}, self.rpc_timeout)
+        if "error" in reply:
+            raise BadMessage(str(reply["error"]))
+        return Holdings.from_wire(reply.get("report"))
+
     async def _pull(self, member: str) -> None:
         try:
-            async with self._pulls:
-                reply = await self.transport.request(member, {"op": "coord_pull"}, self.rpc_timeout)
-            if "error" in reply:
-                raise BadMessage(str(reply["error"]))
-            h = Holdings.from_wire(reply.get("report"))
+            h = await self._request_pull(member)
         except Refused:
             if member not in self._down:
                 self._starting.setdefault(member, self.clock())  # not pulled again: it will report

@@ -11,7 +11,10 @@ import time
 import pyfuse3
 import pytest
 
+from tests.helpers import wait_for
+from tierfs.fs import abi
 from tierfs.fs.operations import Operations
+from tierfs.fs.session import SetattrFields
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier import SpaceAccount
 
@@ -178,3 +181,46 @@ async def test_a_write_that_failed_after_its_answer_fails_flush_and_fsync(ops):
         await ops.fsync(fh, False)
     assert e.value.errno == errno.EBADF
     await ops.release(fh)
+
+
+async def test_attributes_taken_before_the_last_write_was_applied_are_taken_again(ops):
+    """The worker may apply a file's last queued write between a handler's fstat and its
+    reply. Whether a write is queued at the reply is then no guide: the status must still
+    be taken again, or the kernel believes the older size and cuts its view of the file."""
+    fh, ino = await create(ops, b"f", os.O_RDWR)
+    await ops.write(fh, 0, b"a" * 70_000)
+    await ops.setattr(ino, attrs_of_size(30_000), size_only(), fh, pyfuse3.RequestContext())
+    await ops.write(fh, 250_000, b"b" * 3_000)  # past the end: the size is this write's
+    st = ops.getattr_sync(ino)  # GETATTR's fstat, taken while the write is queued
+    wait_for(lambda: not ops.writes.pending(ino), 10, "the worker to apply the write", interval=0.001)
+    assert ops.fuse_attr(ino, st)[1] == 253_000  # what the kernel session replies
+    await ops.write(fh, 260_000, b"c")
+    lookup = ops.lookup_sync(pyfuse3.ROOT_INODE, b"f")
+    wait_for(lambda: not ops.writes.pending(ino), 10, "the worker to apply the write", interval=0.001)
+    assert ops._attrs(*lookup).st_size == 260_001  # what pyfuse3 replies
+    await ops.release(fh)
+
+
+async def test_writes_land_at_the_kernels_offsets_through_an_append_handle(ops, tree):
+    """The kernel gives every write its offset: for an O_APPEND open, the end of the file
+    as it knows it; for mapped pages written back, through whichever handle it holds open
+    for writing, the pages' own place."""
+    fh, ino = await create(ops, b"f", os.O_RDWR)
+    await ops.write(fh, 0, b"a" * 100)
+    appending = (await ops.open(ino, os.O_RDWR | os.O_APPEND, pyfuse3.RequestContext())).fh
+    await ops.write(appending, 100, b"c" * 10)  # an append
+    await ops.write(appending, 10, b"b" * 5)  # a page written back
+    await ops.flush(appending)
+    assert (tree / "f").read_bytes() == b"a" * 10 + b"b" * 5 + b"a" * 85 + b"c" * 10
+    await ops.release(appending)
+    await ops.release(fh)
+
+
+def attrs_of_size(size: int) -> pyfuse3.EntryAttributes:
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = size
+    return attr
+
+
+def size_only() -> SetattrFields:
+    return SetattrFields(abi.FATTR_SIZE)

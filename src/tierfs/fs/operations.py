@@ -53,7 +53,10 @@ log = logging.getLogger(__name__)
 ATTR_TIMEOUT = 1.0
 _NS = 1_000_000_000
 # Flags that the kernel has already acted on, or that the backing open must not see.
-_STRIP_OPEN_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW | os.O_DIRECT
+# O_APPEND among them: the kernel gives every write its offset (for an O_APPEND open, the
+# end of the file as it knows it), and writes mapped pages back through any handle open
+# for writing; a backing descriptor opened O_APPEND would move all of those to its end.
+_STRIP_OPEN_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW | os.O_DIRECT | os.O_APPEND
 
 
 def _errors_to_fuse(handler: Callable) -> Callable:
@@ -145,9 +148,15 @@ class Operations(pyfuse3.Operations):
     # -- helpers ---------------------------------------------------------------------
 
     def _current(self, ino: int, st: os.stat_result) -> tuple[os.stat_result, int]:
-        """``st`` brought up to date (writes still queued for ``ino`` applied first), and the
-        link count users see (without the snapshots' links)."""
-        if self.writes.pending(ino):
+        """``st`` brought up to date, and the link count users see (without the snapshots' links).
+
+        The kernel believes the size it is given: an older one truncates its view of the
+        file (its cached pages, and where its next ``O_APPEND`` write goes). ``st`` was taken
+        by the caller, and the worker may have applied the last queued write since, so
+        whether it was queued then is not whether it is queued now: any write to ``ino``
+        answered since the last wait for it means the status is taken again, after them.
+        """
+        if self.writes.unsettled(ino):
             self.writes_done(ino)
             st = os.fstat(self.inodes[ino].fd)
         return st, st.st_nlink - (self.snapshots.pins(st.st_ino) if self.snapshots else 0)
@@ -242,8 +251,7 @@ class Operations(pyfuse3.Operations):
 
     def writes_done(self, ino: int | None = None) -> None:
         """Wait until the writes to ``ino`` (or to every file) are in the RAM tier, and account them."""
-        if self.writes.pending(ino):
-            self.writes.wait(ino)
+        self.writes.wait(ino)
         self._account_writes()
 
     def _account_writes(self) -> None:

@@ -83,8 +83,18 @@ class WriteBehind:
         target = self._submitted if ino is None else self._newest.get(ino, 0)
         return target > self._applied
 
+    def unsettled(self, ino: int) -> bool:
+        """Whether writes to ``ino`` were submitted since the last :meth:`wait` for it.
+
+        Unlike :meth:`pending`, the answer does not change while the worker runs, so it
+        tells whether a status of the file taken earlier (on this thread, since that wait)
+        may miss some of them: applied or not by now, they were queued when it was taken.
+        """
+        return ino in self._newest
+
     def wait(self, ino: int | None = None) -> None:
-        """Block until every write submitted so far to ``ino`` (or to any file) is applied."""
+        """Block until every write submitted so far to ``ino`` (or to any file) is applied;
+        returns at once when there is none."""
         target = self._submitted if ino is None else self._newest.get(ino, 0)
         if target > self._applied:
             with self._applied_cond:

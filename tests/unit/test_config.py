@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
 
+from tierfs.commands import mount
 from tierfs.config import Config, format_size, parse_duration, parse_size
 from tierfs.errors import UserError
 
@@ -81,3 +83,16 @@ def test_wake_cpus_is_on_unless_turned_off():
     assert Config.build(mountpoint="/m").wake_cpus is True
     assert Config.build(mountpoint="/m", wake_cpus="OFF").wake_cpus is False
     assert Config.build(mountpoint="/m", wake_cpus="yes").wake_cpus is True
+
+
+@pytest.mark.parametrize("argv, env, expected", [
+    (["mount", "/mnt/x"], {}, False),
+    (["mount", "/mnt/x", "--start-fresh"], {}, True),
+    (["mount", "/mnt/x"], {"TIERFS_START_FRESH": "1"}, True),
+])
+def test_start_fresh_from_the_flag_or_the_environment(monkeypatch, argv, env, expected):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    mount.add_parser(parser.add_subparsers())
+    assert mount.config_from_args(parser.parse_args(argv)).start_fresh is expected

@@ -33,6 +33,20 @@ def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int =
     _check(_libc.renameat2(olddirfd, old, newdirfd, new, ctypes.c_uint(flags)), old)
 
 
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
+SEEK_DATA = 3
+SEEK_HOLE = 4
+
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+
+
+def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
+    """``fallocate(2)`` with its flags (``os.posix_fallocate`` knows only mode 0)."""
+    _check(_libc.fallocate(fd, mode, offset, length))
+
+
 def utimens_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
     """Set times on the file an ``O_PATH`` descriptor refers to (symlinks included); None keeps a time."""
 

@@ -42,6 +42,7 @@ MAX_FDS = 4
 MAX_MAPS = 2
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
+FALLOC_FL_ZERO_RANGE = 0x10
 SEEK_DATA, SEEK_HOLE = 3, 4
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -294,16 +295,21 @@ class Run:
         f = self.fd("writable_at")
         if f is None:
             return self.op_open()
-        mode = self.rng.choice([0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE])
+        mode = self.rng.choice([0, 0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE, FALLOC_FL_PUNCH_HOLE])
         off, n = self.offset(), self.length()
         name = f"fallocate({f}, mode {mode}, {n} @ {off})"
+        # tmpfs has no ZERO_RANGE, and a hole punched must keep the size (vfs_fallocate)
+        refused_by_tmpfs = mode in (FALLOC_FL_ZERO_RANGE, FALLOC_FL_PUNCH_HOLE)
         try:
             fallocate(f.fd, mode, off, n)
         except OSError as e:
-            if e.errno != errno.EOPNOTSUPP or "fallocate" not in self.unsupported:
+            if e.errno != errno.EOPNOTSUPP or not (refused_by_tmpfs or "fallocate" in self.unsupported):
                 raise
             self.refused["fallocate"] = self.refused.get("fallocate", 0) + 1
             return name + " refused", f
+        if refused_by_tmpfs:
+            raise Mismatch(f"{name}: succeeded, but tmpfs refuses it with EOPNOTSUPP")
         if mode & FALLOC_FL_PUNCH_HOLE:
             end = min(off + n, len(self.model))
             if off < end:

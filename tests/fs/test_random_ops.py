@@ -47,9 +47,14 @@ OPS = int(os.environ.get("TIERFS_RANDOM_OPS", 3000))
 SEEDS = 2
 SLOW_OPS = 40_000
 SLOW_SEEDS = 3
-FUSE_UNSUPPORTED = ["--unsupported", "fallocate"]  # FUSE_FALLOCATE is not served: EOPNOTSUPP
+PYFUSE3_UNSUPPORTED = ["--unsupported", "fallocate"]  # pyfuse3 serves no FUSE_FALLOCATE: EOPNOTSUPP
 RESTORED_SIZE = 1 << 20
 CHUNK = 64 << 10
+
+
+def unsupported(kind: str) -> list[str]:
+    """What a volume of ``kind`` may refuse: fallocate on pyfuse3 only; the own engine serves it."""
+    return PYFUSE3_UNSUPPORTED if kind == "daemon" else []
 
 
 def seeds(count: int = 1) -> list[int]:
@@ -101,7 +106,7 @@ def place(shm_dir, volumes, monkeypatch):
         monkeypatch.setenv("TIERFS_DATA_PATH", kind)
         vol = volumes(capacity="1G")
         assert vol.status()["fuse"]["data_path"] == kind
-        return vol.mountpoint, FUSE_UNSUPPORTED
+        return vol.mountpoint, unsupported(kind)
 
     return make
 
@@ -157,7 +162,7 @@ async def session_sequences(shm_dir, ops: int, count: int) -> None:
     async with own_session_without_passthrough(shm_dir) as mountpoint:
         for seed in seeds(count):
             with trio.fail_after(600):
-                proc = await trio.run_process(driver_command(mountpoint / f"file-{seed}", seed, ops, *FUSE_UNSUPPORTED),
+                proc = await trio.run_process(driver_command(mountpoint / f"file-{seed}", seed, ops),
                                               capture_stdout=True, capture_stderr=True, check=False)
             done.append((proc, seed))
             if proc.returncode:
@@ -206,7 +211,7 @@ def test_random_operations_on_a_file_being_restored(volumes, shm_dir, tmp_path, 
     seed = seeds()[0]
     proc = subprocess.run(driver_command(again.mountpoint / "ckpt" / "7" / "w", seed, OPS, "--initial", str(initial),
                                          "--lazy", "300", "--source", str(again.mountpoint / "source"),
-                                         *FUSE_UNSUPPORTED),
+                                         *unsupported(kind)),
                           capture_output=True, timeout=600)
     outcome(proc, seed, f"a file being restored ({kind})")
     restored = again.status()["restored"]

@@ -21,6 +21,7 @@ import pytest
 import trio
 
 from tests.helpers import cpu_latency_limit
+from tierfs import linux
 from tierfs.fs import Operations, abi, engine, poller
 from tierfs.fs.session import KernelSession
 from tierfs.ramtier import SpaceAccount
@@ -41,10 +42,11 @@ async def mounted(shm_dir, nursery):
     """Factory: mount ``ops_class`` over a fresh tree with a session; unmounted afterwards."""
     made: list[KernelSession] = []
 
-    async def mount(want_passthrough: bool = True, ops_class=Operations, wake_cpus: bool = True) -> Mounted:
+    async def mount(want_passthrough: bool = True, ops_class=Operations, wake_cpus: bool = True,
+                    capacity: int | None = None) -> Mounted:
         tree, mountpoint = shm_dir("tierfs-tree"), shm_dir("tierfs-mnt")
         os.chmod(tree, 0o1777)
-        ops = ops_class(tree, SpaceAccount(None, tree))
+        ops = ops_class(tree, SpaceAccount(capacity, tree))
         session = KernelSession(ops, want_passthrough=want_passthrough, wake_cpus=wake_cpus)
         session.mount(str(mountpoint), "test")
         made.append(session)
@@ -135,6 +137,77 @@ async def test_a_session_without_passthrough_serves_every_byte(mounted):
     assert content == data[: 1 << 20] and xattr == b"v" and names == ["f", "l"] and bsize == 4096
     assert (m.tree / "e" / "f").read_bytes() == data[: 1 << 20]
     assert m.ops.counters["bytes_written"] == len(data) and m.ops.counters["passthrough_opens"] == 0
+
+
+class CountingOperations(Operations):
+    """Counts the fallocate and lseek requests that reach the daemon."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.calls = {"fallocate": 0, "lseek": 0}
+
+    async def fallocate(self, fh, mode, offset, length, ctx):
+        self.calls["fallocate"] += 1
+        return await super().fallocate(fh, mode, offset, length, ctx)
+
+    async def lseek(self, fh, offset, whence):
+        self.calls["lseek"] += 1
+        return await super().lseek(fh, offset, whence)
+
+
+@pytest.mark.parametrize("want_passthrough", [True, False], ids=["passthrough", "daemon-path"])
+async def test_fallocate_and_seek_holes_are_served_on_the_backing_file(mounted, want_passthrough):
+    """The own engine serves FUSE_FALLOCATE and FUSE_LSEEK on the open file's backing file;
+    a preallocation is held to the space account (the tree here is no tmpfs of that size)."""
+    MiB = 1 << 20
+    m = await mounted(want_passthrough=want_passthrough, ops_class=CountingOperations, capacity=16 * MiB)
+    assert m.session.data_path == ("passthrough" if want_passthrough else "daemon")
+    keep, punch = linux.FALLOC_FL_KEEP_SIZE, linux.FALLOC_FL_PUNCH_HOLE | linux.FALLOC_FL_KEEP_SIZE
+
+    def attempt(fd, mode, offset, length):
+        try:
+            linux.fallocate(fd, mode, offset, length)
+        except OSError as e:
+            return errno.errorcode[e.errno]
+        return "ok"
+
+    def use():
+        out = {}
+        p = m.mountpoint / "f"
+        fd = os.open(p, os.O_CREAT | os.O_RDWR, 0o644)
+        reader = os.open(p, os.O_RDONLY)
+        try:
+            out["too big"] = attempt(fd, 0, 0, 32 * MiB), os.fstat(fd).st_size, os.fstat(fd).st_blocks
+            out["fits"] = attempt(fd, 0, 0, 8 * MiB), os.fstat(fd).st_size, m.ops.space.used
+            out["keep size too big"] = attempt(fd, keep, 8 * MiB, 9 * MiB), os.fstat(fd).st_blocks
+            os.pwrite(fd, b"d" * MiB, 2 * MiB)
+            out["punch"] = attempt(fd, punch, 0, 2 * MiB + 4096), m.ops.space.used
+            out["read"] = os.pread(reader, 8, 2 * MiB + 4092), os.pread(reader, 4, 3 * MiB - 4)
+            out["seek"] = (os.lseek(reader, 0, linux.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, linux.SEEK_HOLE),
+                           os.lseek(fd, 3 * MiB, linux.SEEK_HOLE))
+            out["keep size fits"] = attempt(fd, keep, 8 * MiB, 9 * MiB), os.fstat(reader).st_size
+        finally:
+            os.close(fd)
+        try:  # no writer left that could have pages in the kernel's cache: tmpfs' holes
+            out["seek closed"] = (os.lseek(reader, 0, linux.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, linux.SEEK_HOLE))
+        finally:
+            os.close(reader)
+        return out
+
+    out = await m.run(use)
+    assert out["too big"] == ("ENOSPC", 0, 0)
+    assert out["fits"] == ("ok", 8 * MiB, 8 * MiB)
+    assert out["keep size too big"] == ("ENOSPC", 8 * MiB // 512)
+    assert out["punch"] == ("ok", 6 * MiB - 4096)
+    assert out["read"] == (bytes(4) + b"dddd", b"dddd")
+    if want_passthrough:
+        assert out["seek"] == (2 * MiB + 4096, 3 * MiB, 3 * MiB)  # preallocated pages are holes to tmpfs
+    else:  # a read-write open on the daemon path may have mapped pages the daemon cannot see: all data
+        assert out["seek"] == (0, 8 * MiB, 8 * MiB)
+    assert out["seek closed"] == (2 * MiB + 4096, 3 * MiB)
+    assert out["keep size fits"] == ("ok", 8 * MiB)
+    assert m.ops.calls["fallocate"] == 5 and m.ops.calls["lseek"] == 5
+    assert os.stat(m.tree / "f").st_blocks * 512 == m.ops.space.used == 15 * MiB - 4096
 
 
 class StallingOperations(Operations):

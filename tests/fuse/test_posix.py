@@ -7,7 +7,6 @@ NeMo, HF): see the "Filesystem behaviour" list of the MTC interface.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import fcntl
 import mmap
@@ -342,7 +341,7 @@ def xattrs(root: Path):
 
 def preallocate(root: Path):
     fd = os.open(root / "f", os.O_CREAT | os.O_RDWR, 0o644)
-    os.posix_fallocate(fd, 0, 1 << 20)  # glibc falls back to writing where FUSE lacks fallocate
+    os.posix_fallocate(fd, 0, 1 << 20)  # glibc falls back to writing where the volume lacks fallocate (pyfuse3)
     out = [os.fstat(fd).st_size, os.pread(fd, 4, 4096)]
     os.close(fd)
     return out
@@ -408,18 +407,6 @@ def test_same_as_tmpfs(scenario, volume, ref_dir):
     expected = scenario(ref_dir)
     got = scenario(volume.mountpoint)
     assert got == expected
-
-
-def test_fallocate_is_refused_cleanly(volume):
-    """pyfuse3 has no fallocate handler: the kernel answers EOPNOTSUPP (glibc then emulates)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(volume.mountpoint / "f", os.O_CREAT | os.O_RDWR, 0o644)
-    try:
-        assert libc.fallocate(fd, 0, ctypes.c_long(0), ctypes.c_long(4096)) == -1
-        assert ctypes.get_errno() == errno.EOPNOTSUPP
-        assert os.fstat(fd).st_size == 0
-    finally:
-        os.close(fd)
 
 
 def test_readdir_offsets_stable_under_concurrent_change(volume):

@@ -47,8 +47,10 @@ CREATE = 35
 INTERRUPT = 36
 DESTROY = 38
 BATCH_FORGET = 42
+FALLOCATE = 43
 READDIRPLUS = 44
 RENAME2 = 45
+LSEEK = 46
 
 # -- INIT flags (bits 32..63 travel in flags2) --------------------------------------------
 ASYNC_READ = 1 << 0
@@ -120,6 +122,9 @@ GETXATTR_OUT = struct.Struct("<II")
 STATFS_OUT = struct.Struct("<QQQQQIII4x24x")  # blocks bfree bavail files ffree bsize namelen frsize pad spare[6]
 DIRENT = struct.Struct("<QQII")  # ino off namelen type
 INTERRUPT_IN = struct.Struct("<Q")
+FALLOCATE_IN = struct.Struct("<QqqII")  # fh offset length mode padding
+LSEEK_IN = struct.Struct("<QqII")  # fh offset whence padding
+LSEEK_OUT = struct.Struct("<Q")  # offset
 
 # -- /dev/fuse ioctls ------------------------------------------------------------------------
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding

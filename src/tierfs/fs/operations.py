@@ -632,6 +632,57 @@ class Operations(pyfuse3.Operations):
         self._raise_write_error(fh)
         (os.fdatasync if datasync else os.fsync)(fh)
 
+    @_errors_to_fuse
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int, ctx) -> None:
+        """``fallocate(2)`` of an open file, applied to its backing file: tmpfs' own
+        preallocation, ``KEEP_SIZE`` and punched holes (and its ``EOPNOTSUPP`` for the rest).
+
+        Served by tierfs' own FUSE engine only (pyfuse3 has no such handler). It changes the file
+        as a write does, so it follows the write's rules: the file's queued writes and its
+        restore come first, a committed file is detached from its snapshots, what may be
+        allocated must fit in ``--capacity`` (``ENOSPC`` before anything changes), and a
+        caller other than root drops set-id bits, as tmpfs does. The kernel updates its own
+        size for a size-changing call and drops its cached attributes and punched pages.
+        """
+        ino = self._files[fh]
+        await self._settle(ino)
+        self.writes_done(ino)
+        self._raise_write_error(fh)
+        node = self.inodes[ino]
+        self._detach(node)
+        if not mode & linux.FALLOC_FL_PUNCH_HOLE:  # may allocate what the range lacks
+            self.space.check_write(fh, offset, length)
+        linux.fallocate(fh, mode, offset, length)
+        if ctx.uid != 0:
+            self._kill_privs.discard(fh)
+            _drop_privs(f"/proc/self/fd/{fh}")
+        node.cache_valid = False
+        self.space.update(os.fstat(fh))
+        self._last_write = time.monotonic()
+
+    @_errors_to_fuse
+    async def lseek(self, fh: int, offset: int, whence: int) -> int:
+        """``SEEK_DATA``/``SEEK_HOLE`` (the kernel answers the other kinds itself), answered
+        by the backing file as tmpfs keeps it, once its writes and its restore are in.
+
+        Pages written through a shared mapping of a file open for writing on the daemon
+        path sit in the kernel's page cache until written back, and the kernel does not
+        write them back before asking: while such an open exists the answer is the one
+        the kernel gives without a handler (the whole file is data), never a hole that
+        holds bytes.
+        """
+        ino = self._files[fh]
+        await self._settle(ino)  # a placeholder's holes are chunks not fetched yet
+        self.writes_done(ino)
+        if any(self._files[w] == ino for w in self._writable - self._passthrough_writers):
+            size = os.fstat(fh).st_size
+            if offset < 0 or whence not in (linux.SEEK_DATA, linux.SEEK_HOLE):
+                raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+            if offset >= size:
+                raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+            return offset if whence == linux.SEEK_DATA else size
+        return os.lseek(fh, offset, whence)
+
     # -- directories -----------------------------------------------------------------
 
     @_errors_to_fuse

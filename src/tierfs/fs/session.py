@@ -232,6 +232,7 @@ class KernelSession:
         self.want_passthrough = want_passthrough
         self.fd: int | None = None
         self.mountpoint: str | None = None
+        self.read_only = False
         self.backing: BackingFiles | None = None  # set once INIT granted passthrough
         self.refused: str | None = None  # why passthrough is off, if it was wanted
         self._cancel: trio.CancelScope | None = None
@@ -263,6 +264,7 @@ class KernelSession:
             abi.RENAME2: self._rename2, abi.LINK: self._link, abi.OPEN: self._open,
             abi.READ: self._read, abi.WRITE: self._write,
             abi.FLUSH: self._flush, abi.FSYNC: self._fsync,
+            abi.FALLOCATE: self._fallocate, abi.LSEEK: self._lseek,
             abi.OPENDIR: self._opendir, abi.READDIRPLUS: self._readdirplus,
             abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
             abi.SETXATTR: self._setxattr,
@@ -291,7 +293,7 @@ class KernelSession:
         except OSError:
             os.close(fd)
             raise
-        self.fd, self.mountpoint = fd, mountpoint
+        self.fd, self.mountpoint, self.read_only = fd, mountpoint, read_only
 
     async def run(self) -> None:
         """Serve requests until the kernel ends the connection or :meth:`terminate` is called."""
@@ -618,6 +620,17 @@ class KernelSession:
         fh, flags, _ = abi.FSYNC_IN.unpack_from(body)
         await self.ops.fsync(fh, bool(flags & abi.FSYNC_FDATASYNC))
         return []
+
+    async def _fallocate(self, nodeid, body, ctx):
+        fh, offset, length, mode, _ = abi.FALLOCATE_IN.unpack_from(body)
+        if self.read_only:  # the kernel lets no descriptor write on a read-only mount: never reached
+            raise pyfuse3.FUSEError(errno.EROFS)
+        await self.ops.fallocate(fh, mode, offset, length, ctx)
+        return []
+
+    async def _lseek(self, nodeid, body, ctx):
+        fh, offset, whence, _ = abi.LSEEK_IN.unpack_from(body)
+        return [abi.LSEEK_OUT.pack(await self.ops.lseek(fh, offset, whence))]
 
     # -- directories -----------------------------------------------------------------------
 

@@ -467,9 +467,9 @@ class Coordinator:
     def _duties(self, nursery: trio.Nursery) -> None:
         now = self.clock()
         coordinating = self.coordinating()
+        # Periodic listings; a round starts its own (_begin_round, and _list once the running one ends).
         if (coordinating and self.list_gcs is not None and not self._listing
-                and (self.gcs_at is None or now - self.gcs_at >= self.interval
-                     or self._listed_from is not None and self._listed_from < self._wanted)):
+                and (self.gcs_at is None or now - self.gcs_at >= self.interval)):
             self._listing = True
             nursery.start_soon(self._list)
         for member in self._suspects - self._pulling - self._down.keys():  # a member could not reach it

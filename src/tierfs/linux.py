@@ -35,9 +35,6 @@ def renameat2(olddirfd: int, old: bytes, newdirfd: int, new: bytes, flags: int =
 
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
-FALLOC_FL_ZERO_RANGE = 0x10
-SEEK_DATA = 3
-SEEK_HOLE = 4
 
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
 

@@ -183,13 +183,13 @@ async def test_fallocate_and_seek_holes_are_served_on_the_backing_file(mounted, 
             os.pwrite(fd, b"d" * MiB, 2 * MiB)
             out["punch"] = attempt(fd, punch, 0, 2 * MiB + 4096), m.ops.space.used
             out["read"] = os.pread(reader, 8, 2 * MiB + 4092), os.pread(reader, 4, 3 * MiB - 4)
-            out["seek"] = (os.lseek(reader, 0, linux.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, linux.SEEK_HOLE),
-                           os.lseek(fd, 3 * MiB, linux.SEEK_HOLE))
+            out["seek"] = (os.lseek(reader, 0, os.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, os.SEEK_HOLE),
+                           os.lseek(fd, 3 * MiB, os.SEEK_HOLE))
             out["keep size fits"] = attempt(fd, keep, 8 * MiB, 9 * MiB), os.fstat(reader).st_size
         finally:
             os.close(fd)
         try:  # no writer left that could have pages in the kernel's cache: tmpfs' holes
-            out["seek closed"] = (os.lseek(reader, 0, linux.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, linux.SEEK_HOLE))
+            out["seek closed"] = (os.lseek(reader, 0, os.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, os.SEEK_HOLE))
         finally:
             os.close(reader)
         return out

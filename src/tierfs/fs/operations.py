@@ -676,11 +676,11 @@ class Operations(pyfuse3.Operations):
         self.writes_done(ino)
         if any(self._files[w] == ino for w in self._writable - self._passthrough_writers):
             size = os.fstat(fh).st_size
-            if offset < 0 or whence not in (linux.SEEK_DATA, linux.SEEK_HOLE):
+            if offset < 0 or whence not in (os.SEEK_DATA, os.SEEK_HOLE):
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
             if offset >= size:
                 raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
-            return offset if whence == linux.SEEK_DATA else size
+            return offset if whence == os.SEEK_DATA else size
         return os.lseek(fh, offset, whence)
 
     # -- directories -----------------------------------------------------------------

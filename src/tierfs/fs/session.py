@@ -232,7 +232,6 @@ class KernelSession:
         self.want_passthrough = want_passthrough
         self.fd: int | None = None
         self.mountpoint: str | None = None
-        self.read_only = False
         self.backing: BackingFiles | None = None  # set once INIT granted passthrough
         self.refused: str | None = None  # why passthrough is off, if it was wanted
         self._cancel: trio.CancelScope | None = None
@@ -293,7 +292,7 @@ class KernelSession:
         except OSError:
             os.close(fd)
             raise
-        self.fd, self.mountpoint, self.read_only = fd, mountpoint, read_only
+        self.fd, self.mountpoint = fd, mountpoint
 
     async def run(self) -> None:
         """Serve requests until the kernel ends the connection or :meth:`terminate` is called."""
@@ -623,8 +622,6 @@ class KernelSession:
 
     async def _fallocate(self, nodeid, body, ctx):
         fh, offset, length, mode, _ = abi.FALLOCATE_IN.unpack_from(body)
-        if self.read_only:  # the kernel lets no descriptor write on a read-only mount: never reached
-            raise pyfuse3.FUSEError(errno.EROFS)
         await self.ops.fallocate(fh, mode, offset, length, ctx)
         return []
 

@@ -20,6 +20,7 @@ DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
 DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DATA_PATHS = ("auto", "passthrough", "daemon")
+ENGINES = ("auto", "tierfs", "pyfuse3")
 
 _JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
@@ -38,6 +39,8 @@ OPTIONS = {
     "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
     "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
                  "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
+    "engine": "the FUSE engine: tierfs (its own, on every kernel), pyfuse3 (libfuse; daemon path only), "
+              "or auto (tierfs', pyfuse3 where it cannot mount; the default)",
     "wake-cpus": "on (default): while a burst of file creates lasts, keep idle CPUs out of deep idle "
                  "states (/dev/cpu_dma_latency), so each answer wakes its caller at once; off: leave them alone",
     "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
@@ -146,7 +149,8 @@ class Config:
     rank: int = 0
     nodes: int = 1
     capacity: int | None = None  # bytes; None = whatever the ramdisk's filesystem holds
-    data_path: str = "auto"  # passthrough (kernel FUSE passthrough), daemon (pyfuse3), or auto
+    data_path: str = "auto"  # passthrough (kernel FUSE passthrough), daemon (every byte through it), or auto
+    engine: str = "auto"  # the FUSE engine: tierfs' own, pyfuse3, or auto (own, pyfuse3 where it cannot mount)
     wake_cpus: bool = True  # hold a 0 µs CPU wake-up latency request while requests come in bursts
     foreground: bool = False
     log_level: str = "info"
@@ -233,7 +237,7 @@ class Config:
                 raise UserError(f"cannot read --secret-file {secret_file}: {e.strerror}") from None
         if isinstance(v.get("secret"), str):
             v["secret"] = v["secret"].encode()
-        for key in ("log_level", "data_path"):
+        for key in ("log_level", "data_path", "engine"):
             if key in v:
                 v[key] = str(v[key]).strip().lower()
         _parse_peer_tls(v)
@@ -289,6 +293,10 @@ class Config:
             parse_gcs_url(self.gcs)
         if self.data_path not in DATA_PATHS:
             raise UserError(f"invalid --data-path {self.data_path!r}: use auto, passthrough or daemon")
+        if self.engine not in ENGINES:
+            raise UserError(f"invalid --engine {self.engine!r}: use auto, tierfs or pyfuse3")
+        if self.engine == "pyfuse3" and self.data_path == "passthrough":
+            raise UserError("--engine pyfuse3 cannot pass files through: use --data-path daemon or auto")
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"invalid log level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
 

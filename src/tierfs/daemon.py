@@ -29,7 +29,7 @@ from tierfs.config import Config, format_size
 from tierfs.coordinating import NodeCoordination
 from tierfs.errors import UserError
 from tierfs.fs import Operations
-from tierfs.fs.engine import choose_data_path, make_engine
+from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
 from tierfs.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.multitier import MultiTier
 from tierfs.planning import RestorePlanner
@@ -137,7 +137,7 @@ class Daemon:
             )
         mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
-        self.engine = make_engine(self.ops, self.data_path, cfg.wake_cpus)
+        self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
                                      self.retention_floor if self.tiers or self.network else None,
                                      self._ram_short)
@@ -176,7 +176,7 @@ class Daemon:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
         cfg = self.cfg
         try:
-            self.data_path, why = choose_data_path(cfg.data_path)
+            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != "pyfuse3" else "daemon")
         except ValueError as e:
             raise UserError(f"--data-path passthrough is impossible here: {e}; "
                             "use --data-path auto or daemon") from None
@@ -274,7 +274,13 @@ class Daemon:
     def _mount(self) -> None:
         cfg = self.cfg
         try:
-            self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+            try:
+                self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+            except OSError as e:
+                if (fallback := fallback_engine(self.engine, cfg.engine, e)) is None:
+                    raise
+                self.engine = fallback
+                self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
         except OSError as e:
             raise UserError(f"could not mount {cfg.mountpoint}: {e.strerror or e} (see the log)") from None
         self.mounted = True

@@ -35,7 +35,7 @@ def report(d: Daemon) -> dict:
         "nodes": cfg.nodes,
         "uptime_s": round(time.time() - d.started, 1),
         "tiers": {"ram": d.local.report(), **{t.name: t.report() for t in d.tiers}},
-        "fuse": {"engine": d.engine.name, "data_path": d.engine.data_path,
+        "fuse": {"engine": d.engine.name, "data_path": d.engine.data_path, "transfer": d.engine.transfer,
                  "wake_cpus": d.engine.wake_cpus,
                  "inodes": len(ops.inodes), **ops.counters},
         "commit_rules": [str(r) for r in d.steps.rules.rules],

@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import tierfs
 from tests.helpers import tree_digest
 from tierfs import mounts
+from tierfs.fs.engine import WRITERS
 from tierfs.local import cleanup_mount, wait_gone
 
 
@@ -193,11 +194,12 @@ def test_read_only_mount(volumes):
     assert e.value.errno == 30  # EROFS
 
 
-@pytest.mark.parametrize("asked, engine, path", [("auto", "kernel", "passthrough"),
-                                                 ("passthrough", "kernel", "passthrough"),
-                                                 ("daemon", "pyfuse3", "daemon")])
+@pytest.mark.parametrize("asked, engine, path", [("auto", "tierfs", "passthrough"),
+                                                 ("passthrough", "tierfs", "passthrough"),
+                                                 ("daemon", "tierfs", "daemon"),
+                                                 ("auto", "pyfuse3", "daemon")])
 def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine, path):
-    vol = volumes(job="dp", data_path=asked)
+    vol = volumes(job="dp", data_path=asked, engine="auto" if engine == "tierfs" else engine)
     (vol.mountpoint / "f").write_bytes(b"x" * 4096)
     assert (vol.mountpoint / "f").read_bytes() == b"x" * 4096
     fuse = vol.status()["fuse"]
@@ -206,8 +208,10 @@ def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine
     log = mounts.Registration(vol.mountpoint).log_path.read_text()
     assert log.count("data path: ") == 1 and f"data path: {path}" in log
     human = tierfs("status", vol.mountpoint).stdout
-    assert f"data path {path} ({engine} engine)" in human
-    assert fuse["wake_cpus"] == ("on" if path == "passthrough" else "off (daemon engine)")
+    assert f"data path {path} ({engine} engine; {fuse['transfer']})" in human
+    assert fuse["transfer"] == {"passthrough": "others by direct I/O", "daemon": f"writes spliced by {WRITERS} threads",
+                                "pyfuse3": "writes copied by 1 thread"}["pyfuse3" if engine == "pyfuse3" else path]
+    assert fuse["wake_cpus"] == ("off (daemon engine)" if engine == "pyfuse3" else "on")
     assert f"idle CPUs kept awake in bursts: {fuse['wake_cpus']}" in human
 
 

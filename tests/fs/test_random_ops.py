@@ -6,7 +6,7 @@ after every operation compare its size and bytes, through a second descriptor to
 bytearray that had the same operations applied. They run on plain tmpfs (which must agree
 with the model: it checks the model), on a volume of each data path, on tierfs' own FUSE
 session serving every byte, on a file of a step still being restored lazily, and as a
-non-root user. Write-behind answers writes before their bytes are in the RAM tier, so any
+non-root user. Write-behind answers writes before their bytes are in the RAM tier (pyfuse3), so any
 reply that reports a size from before them shows up here as a file that shrank.
 
 A failure prints the seed and the index of the operation. To replay one:
@@ -52,9 +52,13 @@ RESTORED_SIZE = 1 << 20
 CHUNK = 64 << 10
 
 
+# kind -> (TIERFS_DATA_PATH, TIERFS_ENGINE)
+VOLUMES = {"passthrough": ("passthrough", "auto"), "daemon": ("daemon", "auto"), "pyfuse3": ("daemon", "pyfuse3")}
+
+
 def unsupported(kind: str) -> list[str]:
     """What a volume of ``kind`` may refuse: fallocate on pyfuse3 only; the own engine serves it."""
-    return PYFUSE3_UNSUPPORTED if kind == "daemon" else []
+    return PYFUSE3_UNSUPPORTED if kind == "pyfuse3" else []
 
 
 def seeds(count: int = 1) -> list[int]:
@@ -103,9 +107,12 @@ def place(shm_dir, volumes, monkeypatch):
             d = shm_dir("tierfs-plain")
             os.chmod(d, 0o1777)
             return d, []
-        monkeypatch.setenv("TIERFS_DATA_PATH", kind)
+        path, engine = VOLUMES[kind]
+        monkeypatch.setenv("TIERFS_DATA_PATH", path)
+        monkeypatch.setenv("TIERFS_ENGINE", engine)
         vol = volumes(capacity="1G")
-        assert vol.status()["fuse"]["data_path"] == kind
+        fuse = vol.status()["fuse"]
+        assert fuse["data_path"] == path and (fuse["engine"] == "pyfuse3") == (engine == "pyfuse3"), fuse
         return vol.mountpoint, unsupported(kind)
 
     return make
@@ -113,14 +120,14 @@ def place(shm_dir, volumes, monkeypatch):
 
 @pytest.mark.skipif(SYSTEM_PYTHON is None, reason="needs a system python3 that any user can run")
 @pytest.mark.parametrize("user", ["root", "user"])
-@pytest.mark.parametrize("kind", ["tmpfs", "passthrough", "daemon"])
+@pytest.mark.parametrize("kind", ["tmpfs", *VOLUMES])
 def test_random_operations_agree_with_the_model(place, kind, user):
     directory, extra = place(kind)
     run_sequences(directory, kind, OPS, SEEDS, *extra, user=USER if user == "user" else None)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["tmpfs", "passthrough", "daemon"])
+@pytest.mark.parametrize("kind", ["tmpfs", *VOLUMES])
 def test_long_random_operations_agree_with_the_model(place, kind):
     directory, extra = place(kind)
     run_sequences(directory, kind, SLOW_OPS, SLOW_SEEDS, *extra)
@@ -136,7 +143,7 @@ async def own_session_without_passthrough(shm_dir):
     tree, mountpoint = shm_dir("tierfs-tree"), shm_dir("tierfs-mnt")
     os.chmod(tree, 0o1777)
     ops = Operations(tree, SpaceAccount(None, tree))
-    session = KernelSession(ops, want_passthrough=False, wake_cpus=False)
+    session = KernelSession(ops, want_passthrough=False, wake_cpus=False, writers=2)
     session.mount(str(mountpoint), "test")
     try:
         async with trio.open_nursery() as nursery:
@@ -148,7 +155,7 @@ async def own_session_without_passthrough(shm_dir):
             nursery.start_soon(serve)
             try:
                 await trio.to_thread.run_sync(os.stat, mountpoint)  # INIT is done once this answers
-                assert session.data_path == "daemon" and ops.writes.running
+                assert session.data_path == "daemon" and ops.writes.running and ops.writes.threads == 2
                 yield mountpoint
             finally:
                 session.terminate()
@@ -188,12 +195,14 @@ def on_disk(status: dict, step: int) -> bool:
                for s in status["steps"])
 
 
-@pytest.mark.parametrize("kind", ["passthrough", "daemon"])
+@pytest.mark.parametrize("kind", ["passthrough", "daemon", "pyfuse3"])
 def test_random_operations_on_a_file_being_restored(volumes, shm_dir, tmp_path, monkeypatch, kind):
     """Step 7 is restored from the disk tier with no prefetch: its file is a placeholder
     whose chunks arrive only when read. The sequence reads it first (every open for
     writing waits for the whole file), then changes it like any other."""
-    monkeypatch.setenv("TIERFS_DATA_PATH", kind)
+    path, engine = VOLUMES[kind]
+    monkeypatch.setenv("TIERFS_DATA_PATH", path)
+    monkeypatch.setenv("TIERFS_ENGINE", engine)
     options = dict(job="lazy", capacity="256M", disk=tmp_path / "nvme", chunk_size=f"{CHUNK // 1024}K")
     vol = volumes(**options)
     data = random.randbytes(RESTORED_SIZE)

@@ -7,9 +7,11 @@ processes, as the kernel requires (a request waits for this very loop).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
+import random
 import stat
 import subprocess
 import sys
@@ -43,14 +45,19 @@ async def mounted(shm_dir, nursery):
     made: list[KernelSession] = []
 
     async def mount(want_passthrough: bool = True, ops_class=Operations, wake_cpus: bool = True,
-                    capacity: int | None = None) -> Mounted:
+                    capacity: int | None = None, writers: int = 1) -> Mounted:
         tree, mountpoint = shm_dir("tierfs-tree"), shm_dir("tierfs-mnt")
         os.chmod(tree, 0o1777)
         ops = ops_class(tree, SpaceAccount(capacity, tree))
-        session = KernelSession(ops, want_passthrough=want_passthrough, wake_cpus=wake_cpus)
+        session = KernelSession(ops, want_passthrough=want_passthrough, wake_cpus=wake_cpus, writers=writers)
         session.mount(str(mountpoint), "test")
         made.append(session)
-        nursery.start_soon(session.run)
+
+        async def serve():
+            with ops.writes:  # the write-behind workers live as long as the request loop, as in the daemon
+                await session.run()
+
+        nursery.start_soon(serve)
         await trio.to_thread.run_sync(os.stat, mountpoint)  # INIT is done once this answers
         return Mounted(session, ops, mountpoint, tree)
 
@@ -137,6 +144,90 @@ async def test_a_session_without_passthrough_serves_every_byte(mounted):
     assert content == data[: 1 << 20] and xattr == b"v" and names == ["f", "l"] and bsize == 4096
     assert (m.tree / "e" / "f").read_bytes() == data[: 1 << 20]
     assert m.ops.counters["bytes_written"] == len(data) and m.ops.counters["passthrough_opens"] == 0
+
+
+def unaligned(data: bytes) -> memoryview:
+    """``data`` in a buffer that starts 100 bytes into a page (a direct write's request then
+    touches one page more than its size)."""
+    buf = bytearray(len(data) + 4096)
+    start = 100 - (ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 4096) % 4096
+    start %= 4096
+    view = memoryview(buf)[start:start + len(data)]
+    view[:] = data
+    return view
+
+
+@pytest.mark.parametrize("flags", [os.O_WRONLY, os.O_RDWR], ids=["direct", "page-cache"])
+async def test_daemon_path_writes_are_spliced_whole_from_several_writers_at_once(mounted, flags):
+    """Writes of every size up to past the largest request, from buffers on and off page
+    boundaries, at random offsets, by four writers at once: every byte lands in the RAM
+    tier. (Write-only opens are direct I/O, the writer's own pages in the pipe;
+    read-write ones go through the page cache.)"""
+    m = await mounted(want_passthrough=False, writers=2)
+    assert m.session.transfer == "writes spliced by 2 threads" and m.session.max_write < 1 << 20
+    rng = random.Random(11)
+    plans = [[(rng.randrange(0, 4 << 20), rng.choice([1, 4096, 65536, m.session.max_write, 1 << 20, 3 << 20]))
+              for _ in range(40)] for _ in range(4)]
+
+    def write(w: int) -> bytes:
+        model = bytearray()
+        fd = os.open(m.mountpoint / f"w{w}", os.O_CREAT | flags, 0o644)
+        try:
+            for i, (offset, size) in enumerate(plans[w]):
+                data = bytes([(w * 40 + i) % 251 + 1]) * size
+                assert os.pwrite(fd, unaligned(data) if i % 2 else data, offset) == size
+                model[len(model):] = bytes(max(0, offset + size - len(model)))
+                model[offset:offset + size] = data
+        finally:
+            os.close(fd)
+        return bytes(model)
+
+    async with trio.open_nursery() as writers:
+        models = {}
+
+        async def writer(w):
+            models[w] = await trio.to_thread.run_sync(write, w)
+
+        for w in range(4):
+            writers.start_soon(writer, w)
+    for w, model in models.items():
+        assert (m.tree / f"w{w}").read_bytes() == model
+    assert m.ops.counters["bytes_written"] == sum(size for plan in plans for _, size in plan)
+
+
+class CountingReads(Operations):
+    """Counts the reads that reach the daemon."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.reads = 0
+
+    def read_sync(self, fh, off, size):
+        self.reads += 1
+        return super().read_sync(fh, off, size)
+
+
+async def test_the_page_cache_is_kept_while_valid_and_dropped_after_a_direct_write(mounted):
+    """On the daemon path, what a read-write open wrote through the page cache is read back
+    from it by the next open, without the daemon; a write-only open's writes bypass it (direct
+    I/O), so the next open drops it and reads the new bytes."""
+    m = await mounted(want_passthrough=False, ops_class=CountingReads)
+    path = m.mountpoint / "f"
+    first, second = os.urandom(4 << 20), os.urandom(4 << 20)
+
+    def write(flags: int, data: bytes) -> None:
+        fd = os.open(path, os.O_CREAT | flags, 0o644)
+        try:
+            os.pwrite(fd, data, 0)
+        finally:
+            os.close(fd)
+
+    await m.run(write, os.O_RDWR, first)
+    assert await m.run(path.read_bytes) == first
+    assert m.ops.reads == 0
+    await m.run(write, os.O_WRONLY, second)
+    assert await m.run(path.read_bytes) == second
+    assert m.ops.reads > 0
 
 
 class CountingOperations(Operations):

@@ -65,6 +65,36 @@ def test_waiting_for_one_file_and_for_all(shm_dir):
             os.close(fd)
 
 
+def test_several_workers_apply_jobs_side_by_side_and_waits_cover_each_file():
+    """Jobs (a write that answers the kernel itself) run on any worker; a wait for one
+    file returns while another file's job is still running; ``now`` runs on the caller."""
+    gate, running = threading.Event(), threading.Event()
+    order = []
+
+    def slow():
+        running.set()
+        assert gate.wait(10)
+        order.append("slow")
+
+    with WriteBehind(threads=2) as writes:
+        writes.submit_job(1, 10, 100, slow)
+        assert running.wait(10)
+        writes.submit_job(2, 11, 50, lambda: order.append("quick"))
+        writes.wait(2)  # the second worker took it: no waiting on file 1
+        assert order == ["quick"] and writes.pending(1) and not writes.pending(2) and writes.pending()
+        callers = []
+        writes.submit_job(2, 11, 10, lambda: callers.append(threading.current_thread()), now=True)
+        assert callers == [threading.current_thread()]
+        with pytest.raises(RuntimeError, match="in order"):
+            writes.submit(3, 12, 0, b"x")  # answered writes need one worker
+        gate.set()
+        writes.wait()
+        assert order == ["quick", "slow"] and not writes.pending()
+        assert writes.finished() == {10, 11} and writes.queued_bytes == 0
+        assert len(worker_threads()) == 2
+    assert worker_threads() == []
+
+
 def test_a_failed_write_is_kept_for_its_descriptor_and_reported_once(small_tmpfs):
     d = small_tmpfs(MiB)
     full = os.open(d / "full", os.O_WRONLY | os.O_CREAT, 0o644)

@@ -68,6 +68,8 @@ def test_build_defaults():
     ({"log_level": "chatty"}, "invalid log level"),
     ({"wake_cpus": "sometimes"}, "invalid --wake-cpus 'sometimes': use on"),
     ({"peer_tls": "maybe"}, "invalid --peer-tls 'maybe': use on"),
+    ({"engine": "libfuse"}, "invalid --engine 'libfuse': use auto, tierfs or pyfuse3"),
+    ({"engine": "PyFuse3", "data_path": "passthrough"}, "--engine pyfuse3 cannot pass files through"),
     ({}, None),
 ])
 def test_build_rejects(values, message):

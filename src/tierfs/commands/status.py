@@ -43,7 +43,7 @@ def render(s: dict) -> str:
         f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  pid {s['pid']}  up {s['uptime_s']:.0f}s",
         f"  ram   {ram['path']}{'' if ram['tmpfs'] else '  (NOT tmpfs)'}",
         f"        used {format_size(ram['used'])} of {cap}",
-        f"  io    data path {s['fuse']['data_path']} ({s['fuse']['engine']} engine): "
+        f"  io    data path {s['fuse']['data_path']} ({s['fuse']['engine']} engine; {s['fuse']['transfer']}): "
         f"{s['fuse']['passthrough_opens']} of {s['fuse']['opens']} opens passed through; through the daemon "
         f"written {format_size(s['fuse']['bytes_written'])}, read {format_size(s['fuse']['bytes_read'])}; "
         f"{s['fuse']['inodes']} inodes cached; idle CPUs kept awake in bursts: {s['fuse']['wake_cpus']}",

@@ -2,9 +2,13 @@
 
 - ``passthrough``: our own FUSE session (:mod:`tierfs.fs.session`) hands every whole
   file's RAM-tier file to the kernel, which then reads, writes and maps it directly.
-- ``daemon``: pyfuse3 (libfuse), every byte through the daemon. Used where the kernel
-  cannot pass through (Linux < 6.9, no ``CAP_SYS_ADMIN`` in the initial user namespace),
-  or when asked for.
+- ``daemon``: every byte through the daemon, for kernels without passthrough (Linux < 6.9),
+  without ``CAP_SYS_ADMIN`` in the initial user namespace, or when asked for. Served by the
+  same own session without passthrough: requests read through a pipe and written bytes
+  spliced into their files by worker threads (never copied through Python), and the
+  kernel's page cache kept between opens while it is valid. pyfuse3 (libfuse) serves it
+  only where the own session cannot mount (``mount(2)`` refused) or when asked for
+  (``--engine pyfuse3``).
 
 Both engines call the same :class:`~tierfs.fs.operations.Operations`, so the volume's
 semantics do not depend on the choice; only its speed does.
@@ -28,6 +32,9 @@ CAP_SYS_ADMIN = 21
 # min/max concurrent request tasks of pyfuse3; only reads of files being restored await,
 # so a few spare tasks keep the mount answering while reads wait for chunks.
 PYFUSE3_TASKS = (1, 32)
+# Threads writing spliced bytes into the RAM tier on the daemon path: one per core, within
+# reason (each copies at memory speed; more than the cores only take turns).
+WRITERS = max(1, min(4, os.cpu_count() or 1))
 
 
 class _GoneReplies(logging.Filter):
@@ -54,6 +61,7 @@ class Pyfuse3Engine:
     name = "pyfuse3"
     data_path = "daemon"
     wake_cpus = "off (daemon engine)"
+    transfer = "writes copied by 1 thread"
     _gone_replies = _GoneReplies()
 
     def __init__(self, ops):
@@ -61,6 +69,7 @@ class Pyfuse3Engine:
         logging.getLogger("pyfuse3").addFilter(self._gone_replies)  # added once, however many engines
 
     def mount(self, mountpoint: str, fsname: str, read_only: bool = False) -> None:
+        self.ops.writes.threads = 1  # its writes are answered before they are applied: in order
         options = {f"fsname={fsname}", "subtype=tierfs", "allow_other", "default_permissions"}
         try:
             pyfuse3.init(self.ops, mountpoint, options | ({"ro"} if read_only else set()))
@@ -119,6 +128,23 @@ def choose_data_path(requested: str) -> tuple[str, str | None]:
     return "daemon", obstacle
 
 
-def make_engine(ops, data_path: str, wake_cpus: bool = True):
-    """The engine serving ``ops`` on ``data_path``."""
-    return KernelSession(ops, wake_cpus=wake_cpus) if data_path == "passthrough" else Pyfuse3Engine(ops)
+def make_engine(ops, data_path: str, engine: str = "auto", wake_cpus: bool = True):
+    """The engine serving ``ops`` on ``data_path`` (``engine``: auto, tierfs or pyfuse3)."""
+    if engine == "pyfuse3":
+        return Pyfuse3Engine(ops)
+    if data_path == "passthrough":
+        return KernelSession(ops, wake_cpus=wake_cpus)
+    return KernelSession(ops, want_passthrough=False, wake_cpus=wake_cpus, writers=WRITERS)
+
+
+def fallback_engine(engine, requested: str, error: OSError):
+    """pyfuse3 in place of ``engine``, the own session, when its ``mount(2)`` was refused
+    (no ``CAP_SYS_ADMIN``: pyfuse3 mounts with the setuid helper ``fusermount3``); None when
+    that does not apply."""
+    if requested != "auto" or not isinstance(engine, KernelSession) or engine.want_passthrough:
+        return None
+    if error.errno not in (errno.EPERM, errno.EACCES):
+        return None
+    log.warning("the own FUSE engine cannot mount here (%s): pyfuse3 serves the volume instead", error.strerror)
+    engine.close(unmount=False)
+    return Pyfuse3Engine(engine.ops)

@@ -30,6 +30,7 @@ committed file is detached from its snapshot before anything changes it.
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -134,6 +135,8 @@ class Operations(pyfuse3.Operations):
         self._writable: set[int] = set()  # fhs open for writing
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
         self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
+        self._failed_writes: set[int] = set()  # fhs with a write that failed after its answer
+        self._direct: set[int] = set()  # fhs open with direct I/O: their writes bypass the page cache
         self._read_buf = memoryview(bytearray(1 << 20))
         self._passthrough_writers: set[int] = set()  # fhs open for writing by passthrough
         self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0, "passthrough_opens": 0}
@@ -264,6 +267,7 @@ class Operations(pyfuse3.Operations):
         """Report a write of ``fh`` that failed after it was answered (as a failed writeback)."""
         error = self.writes.take_error(fh)
         if error is not None:
+            self._failed_writes.add(fh)
             raise error
 
     def writing_inodes(self) -> set[int]:
@@ -324,12 +328,10 @@ class Operations(pyfuse3.Operations):
             self._kill_privs.add(fd)
         if accmode == os.O_WRONLY or flags & os.O_DIRECT or self.backing is not None:
             fi.direct_io = True
-            node.cache_valid = False
-        elif accmode == os.O_RDONLY:
+            self._direct.add(fd)
+        else:
             fi.keep_cache = node.cache_valid
             node.cache_valid = True
-        else:
-            node.cache_valid = False
         return fi
 
     # -- names -----------------------------------------------------------------------
@@ -526,12 +528,20 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def read(self, fh, off, size):
-        ino = self._files[fh]
-        if self.restoring is not None and self.restoring.pending(ino):
-            await self.restoring.wait_range(ino, off, size)
-        self.writes_done(ino)
-        # One buffer serves every read: pyfuse3 copies the reply to the kernel as soon as
-        # this handler returns, before any other handler can run, so it is never shared.
+        if not self.read_ready(fh):
+            await self.restoring.wait_range(self._files[fh], off, size)
+        return self.read_sync(fh, off, size)
+
+    def read_ready(self, fh: int) -> bool:
+        """Whether a read of ``fh`` can be answered without waiting for a restore."""
+        return self.restoring is None or not self.restoring.pending(self._files[fh])
+
+    def read_sync(self, fh: int, off: int, size: int) -> memoryview:
+        """Read from the RAM tier, once the chunks of a file being restored are in.
+
+        One buffer serves every read: the engine copies the reply to the kernel as soon as
+        this returns, before any other handler can run, so it is never shared."""
+        self.writes_done(self._files[fh])
         if size > len(self._read_buf):
             self._read_buf = memoryview(bytearray(size))
         n = os.preadv(fh, [self._read_buf[:size]], off)
@@ -540,11 +550,7 @@ class Operations(pyfuse3.Operations):
 
     @_errors_to_fuse
     async def write(self, fh, off, buf):
-        ino = self._files[fh]
-        self._account_writes()
-        self._raise_write_error(fh)
-        if self._kill_privs:
-            self._drop_privs(fh)
+        ino = self._before_write(fh)
         if self.writes.running and self.space.fits(self.writes.queued_bytes + len(buf), fh):
             self.writes.submit(ino, fh, off, buf)
             n = len(buf)
@@ -553,10 +559,38 @@ class Operations(pyfuse3.Operations):
             self.space.check_write(fh, off, len(buf))
             n = os.pwrite(fh, buf, off)
             self.space.update(os.fstat(fh))
-        self.inodes[ino].cache_valid = False
+        self._wrote(fh, ino, n)
+        return n
+
+    def write_by(self, fh: int, off: int, size: int, apply: Callable[[], None], now: bool = False) -> None:
+        """A write of ``size`` bytes at ``off`` that ``apply()`` makes and answers itself
+        (tierfs' own engine, from the pipe its request was spliced into), queued for the
+        write-behind workers, or made ``now``; when the RAM tier is near full, only after
+        the queued ones and waited for (ENOSPC before anything is written). Raises only
+        before ``apply`` is queued."""
+        ino = self._before_write(fh)
+        near_full = not self.space.fits(self.writes.queued_bytes + size, fh)
+        if near_full:
+            self.writes_done(ino)
+            self.space.check_write(fh, off, size)
+        self.writes.submit_job(ino, fh, size, apply, now)  # from here on, nothing may fail: apply answers
+        if near_full:
+            self.writes.wait(ino)
+        self._wrote(fh, ino, size)
+
+    def _before_write(self, fh: int) -> int:
+        ino = self._files[fh]
+        self._account_writes()
+        self._raise_write_error(fh)
+        if self._kill_privs:
+            self._drop_privs(fh)
+        return ino
+
+    def _wrote(self, fh: int, ino: int, n: int) -> None:
+        if fh in self._direct:  # the kernel's cached pages of the file may be stale now
+            self.inodes[ino].cache_valid = False
         self.counters["bytes_written"] += n
         self._last_write = time.monotonic()
-        return n
 
     def _drop_privs(self, fh: int) -> None:
         if fh in self._kill_privs:
@@ -600,8 +634,13 @@ class Operations(pyfuse3.Operations):
             self.writes_done(self._files[fh])
             if (error := self.writes.take_error(fh)) is not None:  # flush reported any but this
                 log.warning("a write to %s failed after close: %s", self._relpath(fh) or "an unlinked file", error)
+                self._failed_writes.add(fh)
             st = os.fstat(fh)
-        if self.events is not None and st.st_nlink > 0:
+        if fh in self._failed_writes:
+            self._failed_writes.discard(fh)
+            log.warning("%s lost a write after it was answered: its close does not count toward a commit",
+                        self._relpath(fh) or "an unlinked file")
+        elif self.events is not None and st.st_nlink > 0:
             path = self._relpath(fh)
             if path is not None:
                 self.events.file_done(path)
@@ -612,6 +651,7 @@ class Operations(pyfuse3.Operations):
         The kernel session leaves it for a moment when nothing waits."""
         ino = self._files.pop(fh)
         self._kill_privs.discard(fh)
+        self._direct.discard(fh)
         if self.backing is not None:
             self.backing.detach(fh)
         os.close(fh)
@@ -665,16 +705,17 @@ class Operations(pyfuse3.Operations):
         """``SEEK_DATA``/``SEEK_HOLE`` (the kernel answers the other kinds itself), answered
         by the backing file as tmpfs keeps it, once its writes and its restore are in.
 
-        Pages written through a shared mapping of a file open for writing on the daemon
-        path sit in the kernel's page cache until written back, and the kernel does not
-        write them back before asking: while such an open exists the answer is the one
-        the kernel gives without a handler (the whole file is data), never a hole that
-        holds bytes.
+        Pages written through a shared mapping of a file open for reading and writing on
+        the daemon path sit in the kernel's page cache until written back, and the kernel
+        does not write them back before asking: while such an open exists the answer is
+        the one the kernel gives without a handler (the whole file is data), never a hole
+        that holds bytes. (A write-only open cannot be mapped.)
         """
         ino = self._files[fh]
         await self._settle(ino)  # a placeholder's holes are chunks not fetched yet
         self.writes_done(ino)
-        if any(self._files[w] == ino for w in self._writable - self._passthrough_writers):
+        if any(self._files[w] == ino and fcntl.fcntl(w, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+               for w in self._writable - self._passthrough_writers):
             size = os.fstat(fh).st_size
             if offset < 0 or whence not in (os.SEEK_DATA, os.SEEK_HOLE):
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))

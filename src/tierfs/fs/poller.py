@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 
 POLL_MAX_NS = 1_000_000  # the longest the daemon polls for one request
 POLL_MIN_NS = 50_000  # the shortest poll worth starting
@@ -90,14 +91,14 @@ class Poller:
             self._idle_since = 0
 
     @staticmethod
-    def poll(fd: int, buf: bytearray, window_ns: int) -> int | None:
-        """The length of the next request, read into ``buf`` as soon as it is queued; None
-        if none came within ``window_ns`` or the read failed (the caller's own read sees
-        the error)."""
+    def poll(receive: Callable[[bytearray], int], buf: bytearray, window_ns: int) -> int | None:
+        """The length of the next request, read into ``buf`` by ``receive`` (which raises
+        BlockingIOError while none is queued) as soon as it is queued; None if none came
+        within ``window_ns`` or the read failed (the caller's own read sees the error)."""
         deadline = _clock() + window_ns
         while _clock() < deadline:
             try:
-                return os.readv(fd, [buf])
+                return receive(buf)
             except BlockingIOError:
                 continue
             except OSError:

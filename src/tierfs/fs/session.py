@@ -29,6 +29,15 @@ kernel to keep idle CPUs awake meanwhile, so that its answers wake their callers
 Open files of the kernel's choice of I/O mode are tracked by :class:`BackingFiles`: the
 kernel insists that every passthrough open of an inode use the same backing file, and that
 no open of an inode in passthrough use the page cache.
+
+Without passthrough (a kernel before 6.9, or ``--data-path daemon``) every byte crosses the
+daemon, and the session moves them without Python touching them: each request is read
+through a pipe (:mod:`tierfs.fs.splicing`), a write's bytes stay there and are spliced into
+the RAM-tier file, by this worker when no other request waits (one writer: no hand-over to
+wait for), else by a write-behind thread (several writers: their copies run side by side),
+which answers once they are in. Reads are answered from the file as they come; the
+kernel's page cache keeps what it read or what was written through it between opens, as
+long as nothing bypassed it (:class:`~tierfs.fs.operations.Operations`).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ import errno
 import fcntl
 import logging
 import os
+import select
 import stat
 import time
 from collections.abc import Awaitable
@@ -46,7 +56,8 @@ import pyfuse3
 import trio
 
 from tierfs import linux
-from tierfs.fs import abi
+from tierfs.fs import abi, splicing
+from tierfs.fs.splicing import Pipe, PipePool
 from tierfs.fs.poller import Poller, WakeLatency
 
 log = logging.getLogger(__name__)
@@ -57,7 +68,7 @@ BUFFER_SIZE = MAX_WRITE + 2 * 4096  # the kernel refuses reads into anything sma
 MAX_WORKERS = 32
 MAX_BACKGROUND = 64
 YIELD_EVERY = 16  # requests a worker serves back to back before it lets other tasks run
-_WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES | abi.AUTO_INVAL_DATA
+_WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES
          | abi.DO_READDIRPLUS | abi.ASYNC_DIO | abi.PARALLEL_DIROPS | abi.MAX_PAGES
          | abi.INIT_EXT | abi.DIRECT_IO_ALLOW_MMAP | abi.HANDLE_KILLPRIV_V2)
 # HANDLE_KILLPRIV_V2 lets the kernel mark inodes without set-id bits or capabilities as
@@ -75,6 +86,9 @@ MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 # kernel sent them.
 _BEFORE_RELEASES = frozenset({abi.LOOKUP, abi.GETATTR, abi.GETXATTR, abi.FORGET, abi.BATCH_FORGET, abi.RELEASE})
 _BEFORE_RELEASE_HANDLES = frozenset({*_BEFORE_RELEASES, abi.CREATE})
+
+
+_LATER = object()  # a handler of ``_now`` that must wait after all: serve it as a coroutine
 
 
 class Unmounted(Exception):
@@ -225,11 +239,25 @@ class KernelSession:
     cycle as pyfuse3's ``init``/``main``/``close``.
     """
 
-    name = "kernel"
+    name = "tierfs"
 
-    def __init__(self, ops, want_passthrough: bool = True, wake_cpus: bool = True):
+    def __init__(self, ops, want_passthrough: bool = True, wake_cpus: bool = True, writers: int = 1):
         self.ops = ops
         self.want_passthrough = want_passthrough
+        # Without passthrough every byte written crosses the daemon: requests are read
+        # through a pipe and writes spliced into their files by ``writers`` threads.
+        self._pipes: PipePool | None = None
+        self._pipe: Pipe | None = None  # the pipe the next request is read through
+        if not want_passthrough:
+            try:
+                pipes = PipePool()
+                self._pipe, self._pipes = pipes.take(), pipes
+            except OSError as e:
+                log.warning("writes are read into the daemon, not spliced: a pipe for them: %s", e.strerror or e)
+        self.max_write = MAX_WRITE if self._pipes is None else min(MAX_WRITE, self._pipes.max_write)
+        self._data_pipe: Pipe | None = None  # holding the bytes of the write read last
+        self._dev_poll = select.poll()  # whether more requests are queued
+        ops.writes.threads = writers if self._pipes is not None else 1  # unspliced writes: answered first
         self.fd: int | None = None
         self.mountpoint: str | None = None
         self.backing: BackingFiles | None = None  # set once INIT granted passthrough
@@ -254,7 +282,7 @@ class KernelSession:
         self._now = {
             abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
             abi.GETATTR: self._getattr, abi.CREATE: self._create, abi.RELEASE: self._release,
-            abi.GETXATTR: self._getxattr,
+            abi.GETXATTR: self._getxattr, abi.READ: self._read_now,
         }
         self._handlers = {
             abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
@@ -279,6 +307,15 @@ class KernelSession:
     def data_path(self) -> str:
         return "passthrough" if self.backing is not None and self.backing.failed is None else "daemon"
 
+    @property
+    def transfer(self) -> str:
+        """How the bytes of files served by the daemon move, in a few words (for status)."""
+        if self.backing is not None:
+            return "others by direct I/O"
+        if self._pipes is None:
+            return "writes copied by 1 thread"
+        return f"writes spliced by {self.ops.writes.threads} threads"
+
     # -- life cycle ------------------------------------------------------------------------
 
     def mount(self, mountpoint: str, fsname: str, read_only: bool = False) -> None:
@@ -293,6 +330,7 @@ class KernelSession:
             os.close(fd)
             raise
         self.fd, self.mountpoint = fd, mountpoint
+        self._dev_poll.register(fd, select.POLLIN)
 
     async def run(self) -> None:
         """Serve requests until the kernel ends the connection or :meth:`terminate` is called."""
@@ -317,6 +355,11 @@ class KernelSession:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self._pipes is not None:
+            if self._pipe is not None:
+                self._pipes.discard(self._pipe)
+                self._pipe = None
+            self._pipes.close()
         self._poller.close()
         self._wake.close()
 
@@ -355,14 +398,14 @@ class KernelSession:
         follow_up = True  # the last answer may be followed at once (no idle moment since)
         while True:
             try:
-                n = os.readv(self.fd, [buf])
+                n = self._receive(buf)
             except BlockingIOError:
                 if self._finish_releases():  # the first idle moment; then read again
                     continue
                 n = None
                 if follow_up and (window := self._poller.idle(self._last_opcode)):
                     self._wake.hold()
-                    n = self._poller.poll(self.fd, buf, window)
+                    n = self._poller.poll(self._receive, buf, window)
                 follow_up = False
                 if n is None:
                     self._wake.release()
@@ -388,6 +431,17 @@ class KernelSession:
                 served = 0
                 self._finish_releases()
                 await trio.lowlevel.checkpoint()
+
+    def _receive(self, buf: bytearray) -> int:
+        """Read the next request into ``buf``: its length (BlockingIOError if none is queued)."""
+        if self._pipes is None:
+            return os.readv(self.fd, [buf])
+        if self._pipe is None:
+            self._pipe = self._pipes.take()
+        n, holds_data = splicing.receive(self.fd, self._pipe, buf)
+        if holds_data:  # the write's bytes go with their pipe
+            self._data_pipe, self._pipe = self._pipe, None
+        return n
 
     def _settle_releases(self) -> None:
         """Do the part of the releases read so far that others see (Operations.release_writes)."""
@@ -423,17 +477,21 @@ class KernelSession:
             else:
                 self._finish_releases()
         self._last_opcode = opcode
-        handler = self._now.get(opcode)
-        if handler is None:
-            return self._dispatch(opcode, unique, nodeid, body, Context(uid, gid, pid))
-        try:
-            reply = handler(nodeid, body, Context(uid, gid, pid))
-        except Exception as e:
-            self._fail(opcode, unique, e)
+        if self._data_pipe is not None:
+            self._write_spliced(unique, body)
             return None
-        if reply is not None:
-            self._reply(unique, reply)
-        return None
+        handler = self._now.get(opcode)
+        if handler is not None:
+            try:
+                reply = handler(nodeid, body, Context(uid, gid, pid))
+            except Exception as e:
+                self._fail(opcode, unique, e)
+                return None
+            if reply is not _LATER:
+                if reply is not None:
+                    self._reply(unique, reply)
+                return None
+        return self._dispatch(opcode, unique, nodeid, body, Context(uid, gid, pid))
 
     async def _dispatch(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context) -> None:
         handler = self._handlers.get(opcode)
@@ -460,6 +518,31 @@ class KernelSession:
             log.error("internal error serving FUSE opcode %d", opcode, exc_info=e)
             self._reply_error(unique, errno.EIO)
 
+    def _write_spliced(self, unique: int, body: memoryview) -> None:
+        """A write whose bytes wait in ``_data_pipe``: moved into the file and answered by a
+        write-behind worker while more requests wait to be read (several writers: their
+        copies run side by side), else here, at once (one writer: no hand-over to wait for)."""
+        pipe, self._data_pipe = self._data_pipe, None
+        fh, offset, size, *_ = abi.WRITE_IN.unpack_from(body)
+
+        def apply() -> None:
+            try:
+                n = splicing.write_out(pipe, fh, offset, size)
+            except BaseException as e:
+                self._pipes.discard(pipe)
+                self._reply_error(unique, getattr(e, "errno", None) or errno.EIO)
+                if not isinstance(e, OSError):
+                    raise
+                return
+            (self._pipes.give if n == size else self._pipes.discard)(pipe)
+            self._reply(unique, [abi.WRITE_OUT.pack(n, 0)])
+
+        try:
+            self.ops.write_by(fh, offset, size, apply, now=not self._dev_poll.poll(0))
+        except Exception as e:  # refused before apply was queued
+            self._pipes.discard(pipe)
+            self._fail(abi.WRITE, unique, e)
+
     def _reply(self, unique: int, parts: list) -> None:
         length = abi.OUT_HEADER.size + sum(len(p) for p in parts)
         self._send([abi.OUT_HEADER.pack(length, 0, unique), *parts])
@@ -483,6 +566,12 @@ class KernelSession:
             raise pyfuse3.FUSEError(errno.EPROTO)
         offered = flags | (flags2 << 32 if flags & abi.INIT_EXT else 0)
         want = _WANT | (abi.PASSTHROUGH if self.want_passthrough else 0)
+        if self.want_passthrough or not offered & abi.DIRECT_IO_ALLOW_MMAP:
+            # Drop cached pages whenever a file's mtime changed. Every change goes through
+            # the kernel, and since Linux 6.6 (DIRECT_IO_ALLOW_MMAP) it drops what a direct
+            # write makes stale itself; before, only this catches it in the other opens. On
+            # the daemon path it would also drop what a write just put in the page cache.
+            want |= abi.AUTO_INVAL_DATA
         granted = offered & want
         if granted & abi.PASSTHROUGH:
             self.backing = BackingFiles(self.fd)
@@ -492,7 +581,7 @@ class KernelSession:
         self.ops.backing = self.backing
         reply = abi.INIT_OUT.pack(
             abi.KERNEL_MAJOR, min(minor, abi.KERNEL_MINOR), max_readahead,
-            granted & 0xFFFFFFFF, MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, MAX_WRITE, 1,
+            granted & 0xFFFFFFFF, MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, self.max_write, 1,
             MAX_PAGES, 0, granted >> 32, 1 if self.backing is not None else 0,
         )
         return [reply]
@@ -593,6 +682,12 @@ class KernelSession:
         name = bytes(body[abi.CREATE_IN.size:-1])
         fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx)
         return [self._entry_now(ino, st), self._open_out(fi)]
+
+    def _read_now(self, nodeid, body, ctx):
+        fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
+        if not self.ops.read_ready(fh):
+            return _LATER  # waits for chunks of a file being restored
+        return [self.ops.read_sync(fh, offset, size)]
 
     async def _read(self, nodeid, body, ctx):
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)

@@ -96,6 +96,9 @@ MODES = ("psync", "mmap")
 FILES_ROW = "files"
 # What each row should reach with passthrough, as a fraction of tmpfs.
 TARGET_IO, TARGET_FILES = 0.9, 0.5
+# What the daemon path should reach: a fraction of tmpfs on the large-I/O rows, and of every
+# --reference (libfuse's C passthrough_hp) on every row.
+DAEMON_TARGET_IO, DAEMON_TARGET_REFERENCE = 0.5, 1.0
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -475,6 +478,16 @@ def summarize(rows_wanted: list[dict], raw: list[dict], sides: tuple[str, ...]) 
         row["target"] = TARGET_FILES if want["mode"] == FILES_ROW else TARGET_IO
         pt = row.get("passthrough_ratio")
         row["meets_target"] = None if pt is None else pt >= row["target"]
+        references = [s for s in sides[1:] if s not in VOLUMES]
+        for ref in references:
+            row[f"daemon_vs_{ref}"] = (med["daemon"] / med[ref] if med.get("daemon") is not None and med[ref]
+                                       else None)
+        if med.get("daemon") is not None:
+            checks = [row[f"daemon_vs_{ref}"] >= DAEMON_TARGET_REFERENCE for ref in references
+                      if row[f"daemon_vs_{ref}"] is not None]
+            if want["mode"] != FILES_ROW:
+                checks.append(row["daemon_ratio"] >= DAEMON_TARGET_IO)
+            row["daemon_meets_target"] = all(checks)
         rows.append(row)
     return rows
 
@@ -491,7 +504,10 @@ def render_table(rows: list[dict]) -> str:
     head = ["row", "tmpfs GiB/s"]
     for v in vols:
         head += [f"{v} GiB/s", f"{v} ratio"]
+    refs = [k[len("daemon_vs_"):] for k in (rows[0] if rows else {}) if k.startswith("daemon_vs_")]
     head += [f"{v} CPU s/GiB" for v in daemons] + ["target", "met"]
+    if "daemon" in vols:
+        head += [f"daemon/{ref}" for ref in refs] + ["daemon met"]
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
@@ -503,6 +519,9 @@ def render_table(rows: list[dict]) -> str:
             cells += [f(r.get(f"{v}_gib_s"), ".3f"), f(r.get(f"{v}_ratio"), ".2f")]
         cells += [f(r.get(f"{v}_cpu_s_per_gib"), ".2f") for v in daemons]
         cells += [f">= {r['target']:.1f}", {True: "yes", False: "**no**", None: "-"}[r.get("meets_target")]]
+        if "daemon" in vols:
+            cells += [f(r.get(f"daemon_vs_{ref}"), ".2f") for ref in refs]
+            cells.append({True: "yes", False: "**no**", None: "-"}[r.get("daemon_meets_target")])
         body.append(cells)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
 

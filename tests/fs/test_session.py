@@ -192,6 +192,7 @@ async def test_daemon_path_writes_are_spliced_whole_from_several_writers_at_once
             writers.start_soon(writer, w)
     for w, model in models.items():
         assert (m.tree / f"w{w}").read_bytes() == model
+        assert await m.run((m.mountpoint / f"w{w}").read_bytes) == model  # read back through the mount
     assert m.ops.counters["bytes_written"] == sum(size for plan in plans for _, size in plan)
 
 
@@ -202,7 +203,11 @@ class CountingReads(Operations):
         super().__init__(*args)
         self.reads = 0
 
-    def read_sync(self, fh, off, size):
+    def read_size(self, fh, off, size):  # a read spliced from the file
+        self.reads += 1
+        return super().read_size(fh, off, size)
+
+    def read_sync(self, fh, off, size):  # a read copied through the daemon
         self.reads += 1
         return super().read_sync(fh, off, size)
 

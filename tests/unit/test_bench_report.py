@@ -34,6 +34,26 @@ def test_a_reference_side_gets_its_ratio_and_no_cpu_column():
     assert "hp ratio" in head and "passthrough CPU s/GiB" in head and "hp CPU" not in head
 
 
+def test_the_daemon_path_is_judged_against_tmpfs_and_every_reference():
+    io_row = {"mode": "psync", "op": "write", "bs": 1 << 20, "jobs": 1}
+
+    def raw(row, side, v):
+        return [dict(row, side=side, round=0, gib_s=v)]
+
+    rows = bench_io.summarize(
+        [io_row, ROW],
+        raw(io_row, "tmpfs", 4.0) + raw(io_row, "daemon", 2.2) + raw(io_row, "hp", 2.0)
+        + raw(ROW, "tmpfs", 4.0) + raw(ROW, "daemon", 1.0) + raw(ROW, "hp", 1.1),
+        ("tmpfs", "daemon", "hp"))
+    assert rows[0]["daemon_vs_hp"] == pytest.approx(1.1) and rows[0]["daemon_meets_target"] is True
+    assert rows[1]["daemon_vs_hp"] == pytest.approx(1.0 / 1.1) and rows[1]["daemon_meets_target"] is False
+    rows = bench_io.summarize([io_row], raw(io_row, "tmpfs", 4.0) + raw(io_row, "daemon", 1.9)
+                              + raw(io_row, "hp", 1.0), ("tmpfs", "daemon", "hp"))
+    assert rows[0]["daemon_meets_target"] is False  # twice passthrough_hp, but under half of tmpfs
+    table = bench_io.render_table(rows).splitlines()
+    assert "daemon/hp" in table[0] and "daemon met" in table[0] and table[2].endswith("**no** |")
+
+
 @pytest.mark.parametrize("text", ["hp", "=/tmp", "tmpfs=/tmp", "a_b=/tmp", "hp=/nonexistent/dir"])
 def test_a_bad_reference_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):

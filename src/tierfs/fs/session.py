@@ -480,6 +480,8 @@ class KernelSession:
         if self._data_pipe is not None:
             self._write_spliced(unique, body)
             return None
+        if opcode == abi.READ and self._pipes is not None and self._read_spliced(unique, body):
+            return None
         handler = self._now.get(opcode)
         if handler is not None:
             try:
@@ -543,6 +545,28 @@ class KernelSession:
             self._pipes.discard(pipe)
             self._fail(abi.WRITE, unique, e)
 
+    def _read_spliced(self, unique: int, body: memoryview) -> bool:
+        """Answer a read by splicing the file's pages through the pipe into ``/dev/fuse``:
+        one copy, by the kernel, into the reader's pages. False: not done (a file being
+        restored, or one that changed under the splice), for the ordinary handler."""
+        fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
+        try:
+            n = self.ops.read_size(fh, offset, size) if self.ops.read_ready(fh) else 0
+        except Exception:  # the ordinary handler answers with the error
+            return False
+        if n == 0:
+            return False
+        try:
+            done = splicing.read_out(self._pipe, fh, offset, n, self.fd,
+                                     abi.OUT_HEADER.pack(abi.OUT_HEADER.size + n, 0, unique))
+        except OSError as e:
+            log.debug("could not splice a read (answered by a copy instead): %s", e)
+            done = False
+        if not done:  # the pipe may hold part of it
+            self._pipes.discard(self._pipe)
+            self._pipe = self._pipes.take()
+        return done
+
     def _reply(self, unique: int, parts: list) -> None:
         length = abi.OUT_HEADER.size + sum(len(p) for p in parts)
         self._send([abi.OUT_HEADER.pack(length, 0, unique), *parts])
@@ -554,7 +578,7 @@ class KernelSession:
         try:
             os.writev(self.fd, parts)
         except OSError as e:
-            if e.errno != errno.ENOENT:  # ENOENT: the request was interrupted meanwhile
+            if e.errno not in (errno.ENOENT, errno.ENODEV):  # interrupted meanwhile, or unmounted
                 log.warning("could not answer the kernel: %s", e)
 
     # -- handshake -----------------------------------------------------------------------
@@ -582,7 +606,7 @@ class KernelSession:
         reply = abi.INIT_OUT.pack(
             abi.KERNEL_MAJOR, min(minor, abi.KERNEL_MINOR), max_readahead,
             granted & 0xFFFFFFFF, MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, self.max_write, 1,
-            MAX_PAGES, 0, granted >> 32, 1 if self.backing is not None else 0,
+            self.max_write // 4096, 0, granted >> 32, 1 if self.backing is not None else 0,
         )
         return [reply]
 

@@ -106,6 +106,25 @@ def receive(dev_fd: int, pipe: Pipe, buf: bytearray) -> tuple[int, bool]:
     return n, False
 
 
+def read_out(pipe: Pipe, fd: int, offset: int, size: int, dev_fd: int, header: bytes) -> bool:
+    """Answer a read with ``size`` bytes of ``fd`` at ``offset``: ``header`` and the file's
+    pages into ``pipe``, then all of it into ``dev_fd``. True once answered (or dropped by the
+    kernel meanwhile); False, or an OSError, if nothing was sent (the file held fewer bytes,
+    or could not be read): the pipe may then hold part of it."""
+    os.write(pipe.w, header)
+    moved = 0
+    while moved < size:
+        n = os.splice(fd, pipe.w, size - moved, offset_src=offset + moved)
+        if n == 0:
+            return False
+        moved += n
+    try:
+        os.splice(pipe.r, dev_fd, len(header) + size)
+    except FileNotFoundError:  # the reader was interrupted: nobody to answer
+        pass
+    return True
+
+
 def write_out(pipe: Pipe, fd: int, offset: int, size: int) -> int:
     """Move ``size`` bytes from ``pipe`` into ``fd`` at ``offset``; how many moved before
     an error (raised only when none did)."""

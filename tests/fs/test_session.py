@@ -80,6 +80,24 @@ def test_auto_falls_back_to_the_daemon_path_with_the_reason(monkeypatch):
     assert engine.kernel_version("6.18.0-rc1") == (6, 18)
 
 
+def test_pyfuse3_takes_over_the_daemon_path_only_where_the_own_engine_may_not_mount(shm_dir):
+    tree = shm_dir()
+    ops = Operations(tree, SpaceAccount(None, tree))
+    refused = OSError(errno.EPERM, os.strerror(errno.EPERM))
+    try:
+        own = engine.make_engine(ops, "daemon")
+        assert isinstance(own, KernelSession) and not own.want_passthrough
+        assert isinstance(engine.fallback_engine(own, "auto", refused), engine.Pyfuse3Engine)
+        assert engine.fallback_engine(own, "tierfs", refused) is None  # asked for by name: the error stands
+        assert engine.fallback_engine(own, "auto", OSError(errno.ENODEV, "no /dev/fuse")) is None
+        passthrough = engine.make_engine(ops, "passthrough")
+        assert engine.fallback_engine(passthrough, "auto", refused) is None  # pyfuse3 cannot pass through
+        passthrough.close(unmount=False)
+        assert isinstance(engine.make_engine(ops, "daemon", "pyfuse3"), engine.Pyfuse3Engine)
+    finally:
+        ops.close()
+
+
 def test_this_machine_can_pass_through():
     assert engine.passthrough_obstacle() is None
     assert engine.choose_data_path("auto") == ("passthrough", None)

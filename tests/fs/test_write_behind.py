@@ -254,3 +254,31 @@ def attrs_of_size(size: int) -> pyfuse3.EntryAttributes:
 
 def size_only() -> SetattrFields:
     return SetattrFields(abi.FATTR_SIZE)
+
+
+async def test_a_file_that_lost_an_answered_write_does_not_count_as_written(tree, monkeypatch):
+    """Closing it does not tell the commit rules it was written (a file: rule would commit
+    a file missing bytes the writer was told were in); a file written whole does."""
+    done = []
+
+    class Events:
+        def file_done(self, path):
+            done.append(path)
+
+        def dir_renamed(self, path):
+            pass
+
+    ops = Operations(tree, SpaceAccount(None, tree), events=Events())
+    with ops.writes:
+        bad, _ = await create(ops, b"bad", os.O_WRONLY)
+        assert await ops.write(bad, (1 << 63) - 2, b"xx") == 2  # answered; past the largest file: EINVAL
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            await ops.flush(bad)
+        assert e.value.errno == errno.EINVAL
+        await ops.release(bad)
+        good, _ = await create(ops, b"good", os.O_WRONLY)
+        await write_all(ops, good, b"y" * MiB)
+        await ops.flush(good)
+        await ops.release(good)
+    ops.close()
+    assert done == ["good"]

@@ -69,7 +69,6 @@ PASSTHROUGH = 1 << 37
 # -- open reply flags ----------------------------------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
-FOPEN_CACHE_DIR = 1 << 3
 FOPEN_NOFLUSH = 1 << 5
 FOPEN_PASSTHROUGH = 1 << 7
 

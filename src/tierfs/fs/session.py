@@ -63,7 +63,6 @@ from tierfs.fs.poller import Poller, WakeLatency
 log = logging.getLogger(__name__)
 
 MAX_WRITE = 1 << 20  # 1 MiB requests, as libfuse negotiates on this kernel
-MAX_PAGES = MAX_WRITE // 4096
 BUFFER_SIZE = MAX_WRITE + 2 * 4096  # the kernel refuses reads into anything smaller
 MAX_WORKERS = 32
 MAX_BACKGROUND = 64

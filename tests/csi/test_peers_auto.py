@@ -23,6 +23,14 @@ SECRET = {"secret": "s3cret-s3cret-s3cret"}
 HOSTS = "/etc/hosts"
 
 
+@pytest.fixture
+def plugin(plugin_factory, tmp_path):
+    """A plugin whose ceilings let volumes listen on any unprivileged port (the tests take free ones)."""
+    config = tmp_path / "config.yaml"
+    config.write_text('listen-ports: "1024-65535"\n')
+    return plugin_factory("--config", str(config))
+
+
 @contextlib.contextmanager
 def hosts_entries(entries: dict[str, str]):
     """Names in /etc/hosts for the test (so no DNS server is asked), removed afterwards.

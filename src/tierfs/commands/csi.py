@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tierfs.csi import server  # grpc and the generated messages: only this command needs them
-    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_defaults
+    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_settings
     from tierfs.errors import UserError
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         gc_after=parse_duration(args.gc_after, "--gc-after"),
         allow_pod_gcs=args.allow_pod_gcs,
     )
-    load_defaults(cfg.config_file)  # a broken file is a start-up error, not the first pod's
+    load_settings(cfg.config_file)  # a broken file or ceiling is a start-up error, not the first pod's
     if args.gc:
         try:
             Volumes(cfg).remove_job(args.gc)

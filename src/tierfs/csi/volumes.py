@@ -51,8 +51,9 @@ import yaml
 
 from tierfs.atomic import write_atomically
 from tierfs import linux, mounts
-from tierfs.config import OPTIONS, Config, check_job_id, env_name
-from tierfs.csi import kube
+from tierfs.config import OPTIONS, Config, check_job_id, env_name, parse_address, parse_size
+from tierfs.csi import ceilings, kube
+from tierfs.csi.ceilings import Ceilings, OverCeiling
 from tierfs.errors import UserError
 from tierfs.ramtier.tmpfs import unmount_beneath
 
@@ -127,13 +128,13 @@ class PublishRequest:
         return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
-def load_defaults(path: Path | None) -> dict[str, str]:
-    """The cluster-wide volume attributes (a ConfigMap's config.yaml): option name -> value.
+def load_settings(path: Path | None) -> tuple[dict[str, str], Ceilings]:
+    """The cluster's settings (a ConfigMap's config.yaml): volume attribute defaults, and the ceilings.
 
     Read at every publish, so an edited ConfigMap applies to the next pod without a restart.
     """
     if path is None:
-        return {}
+        return {}, Ceilings()
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_CONFIG_BYTES + 1)
@@ -147,13 +148,18 @@ def load_defaults(path: Path | None) -> dict[str, str]:
         raise UserError(f"--config {path} is not YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"--config {path} must be a mapping of tierfs mount options to values")
-    unknown = sorted(set(map(str, data)) - set(ATTRIBUTES))
+    unknown = sorted(set(map(str, data)) - set(ATTRIBUTES) - set(ceilings.KEYS))
     if unknown:
-        raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}")
+        raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}, "
+                        f"or a ceiling: {', '.join(ceilings.KEYS)}")
     nested = sorted(str(k) for k, v in data.items() if isinstance(v, (dict, list)))
     if nested:
         raise UserError(f"--config {path}: option(s) {', '.join(nested)} must be a single value, not a list or mapping")
-    return {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in data.items() if v is not None}
+    values = {str(k): str(v).lower() if isinstance(v, bool) else str(v) for k, v in data.items() if v is not None}
+    limits = Ceilings.parse({k: v for k, v in values.items() if k in ceilings.KEYS}, f"--config {path}")
+    defaults = {k: v for k, v in values.items() if k not in ceilings.KEYS}
+    ceilings.check_admin_defaults(defaults, limits, f"--config {path}", ceilings.mem_total())
+    return defaults, limits
 
 
 def _read_json(path: Path) -> dict | None:
@@ -311,9 +317,10 @@ class Volumes:
                     _write_json(self._volume_path(req.volume_id), {**record, "request": digest})
                 return  # the same call again: done already
             namespace = _namespace(req)
-            options = self._options(req, namespace)
+            options, limits = self._options(req, namespace)
             job = options["job"]
             self._check_owner(job, namespace)
+            self._check_node_ceilings(job, namespace, options, req, limits)
             pod = _PodOnce(self.kube, req)
             rank = self._rank(job, options, pod)
             if options.get("peers", "").strip().lower() == AUTO:
@@ -330,14 +337,18 @@ class Volumes:
             log.info("published %s: job %s rank %d at %s%s", req.volume_id, job, rank, req.target,
                      " (read-only)" if req.read_only else "")
 
-    def _options(self, req: PublishRequest, namespace: str) -> dict[str, str]:
-        """The daemon's options: cluster defaults, then the volume's attributes, then the namespace's GCS prefix."""
+    def _options(self, req: PublishRequest, namespace: str) -> tuple[dict[str, str], Ceilings]:
+        """The daemon's options: cluster defaults, then the volume's attributes, then the namespace's GCS prefix.
+
+        With them, the cluster's ceilings; those an attribute alone can pass are checked here.
+        """
         if req.context.get(EPHEMERAL, "true") != "true":
             raise InvalidArgument("tierfs volumes are ephemeral inline volumes: use a csi volume in the pod spec")
         try:
-            options = load_defaults(self.cfg.config_file)
+            options, limits = load_settings(self.cfg.config_file)
         except UserError as e:
             raise FailedPrecondition(f"the plugin's cluster settings are broken: {e}") from None
+        admins = dict(options)
         cluster_gcs = options.get("gcs")
         for key, value in req.context.items():
             if key.startswith(POD_INFO):
@@ -370,6 +381,18 @@ class Volumes:
             if not self.cfg.node_ip:
                 raise InvalidArgument("the volume needs a peer listen address but the plugin has no --node-ip")
             options["listen"] = f"{self.cfg.node_ip}:{listen[1:] or PEER_PORT}"
+        try:
+            for key, daemons_default in (("data-path", Config.data_path), ("wake-cpus", "on")):
+                if key in req.context:
+                    limits.check_choice(key, req.context[key], admins.get(key, daemons_default))
+            if options.get("listen"):
+                try:
+                    host, port = parse_address(options["listen"], "volume attribute listen")
+                except UserError as e:
+                    raise InvalidArgument(str(e)) from None
+                limits.check_listen(host, port, self.cfg.node_ip)
+        except OverCeiling as e:
+            raise InvalidArgument(str(e)) from None
         if options.get("peers") and not req.secrets.get("secret"):
             raise InvalidArgument(
                 "volume attribute 'peers' needs the job's peer secret: reference a Secret with key "
@@ -381,7 +404,40 @@ class Volumes:
                 f"the job's peer secret (key 'secret' of the nodePublishSecretRef) must be at most {MAX_SECRET} "
                 "characters with no NUL byte"
             )
-        return options
+        return options, limits
+
+    def _check_node_ceilings(self, job: str, namespace: str, options: dict[str, str], req: PublishRequest,
+                             limits: Ceilings) -> None:
+        """The ceilings that count what the node already holds: its jobs and their capacities.
+
+        A volume without ``capacity`` gets the admin's default, or a share of the node's
+        ceiling; either way every job on the node runs with a capacity the ceilings counted.
+        """
+        memory = ceilings.mem_total()
+        fallback = f"{limits.default_capacity(memory) >> 20}M"
+        if "capacity" in req.context:
+            what = f"volume attribute 'capacity' {options['capacity'][:40]}"
+        else:
+            what = f"the {'ConfigMap' if 'capacity' in options else 'node'}'s default capacity " \
+                   f"{options.setdefault('capacity', fallback)}"
+        others = [r for p in sorted((self.cfg.state_dir / "jobs").glob("*.json"))
+                  if (r := _read_json(p)) is not None and r.get("job") != job]
+        held = 0
+        for record in others:  # a record of an older plugin may have no capacity: count the default
+            try:
+                held += parse_size(record.get("options", {}).get("capacity") or fallback)
+            except UserError:
+                held += parse_size(fallback)
+        try:
+            capacity = parse_size(options["capacity"], "capacity")
+        except UserError as e:
+            raise InvalidArgument(f"volume attribute capacity: {e}") from None
+        try:
+            if _read_json(self._job_path(job)) is None:  # a job already held is no new job
+                limits.check_jobs(job, namespace, self.cfg.node_id, {r["job"]: r.get("namespace") for r in others})
+            limits.check_capacity(capacity, what, memory, held)
+        except OverCeiling as e:
+            raise InvalidArgument(str(e)) from None
 
     def _check_owner(self, job: str, namespace: str) -> None:
         """A job id on this node belongs to one namespace, from its first pod until the job is collected."""

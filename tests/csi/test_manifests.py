@@ -35,7 +35,8 @@ import yaml
 from packaging.version import Version
 
 import tierfs
-from tierfs.config import OPTIONS, Config, parse_address
+from tierfs.config import OPTIONS, Config, parse_address, parse_size
+from tierfs.csi import ceilings
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "csi" / "deploy"
@@ -141,12 +142,23 @@ def pod_specs() -> list[tuple[str, dict]]:
     return specs
 
 
-def config_defaults() -> tuple[dict, str]:
+def config_values() -> tuple[dict, str]:
+    """Every key of the ConfigMap's config.yaml: option defaults and ceilings."""
     cm = one("ConfigMap", name="tierfs-config")
     text = cm["data"]["config.yaml"]
     data = yaml.safe_load(text) or {}
     assert isinstance(data, dict), "config.yaml must be a mapping of option names to values"
     return data, text
+
+
+def config_defaults() -> tuple[dict, str]:
+    data, text = config_values()
+    return {k: v for k, v in data.items() if k not in ceilings.KEYS}, text
+
+
+def config_ceilings() -> ceilings.Ceilings:
+    data, _ = config_values()
+    return ceilings.Ceilings.parse({k: v for k, v in data.items() if k in ceilings.KEYS}, "config.yaml")
 
 
 def example_workloads() -> list[dict]:
@@ -406,14 +418,23 @@ def test_daemonset_runs_everywhere_and_is_upgraded_by_hand():
     assert ds["spec"]["selector"]["matchLabels"].items() <= labels.items()
     for c in spec["containers"]:
         assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], c["name"]
-    # The RAM tier's pages are charged to the plugin's cgroup: a memory limit would kill it.
-    assert "memory" not in plugin()["resources"].get("limits", {})
+    # The daemons' own memory and the RAM tier's pages they write are charged to the plugin's
+    # container: it has a limit, which must at least hold the plugin and a daemon per job.
+    resources = plugin()["resources"]
+    request, limit = (parse_size(resources[k]["memory"].replace("i", "")) for k in ("requests", "limits"))
+    jobs = config_ceilings().max_jobs_per_node
+    assert request <= limit and limit >= ceilings_overhead(jobs), (request, limit)
     for c in spec["containers"]:
         image = c["image"]
         if c["name"] == "tierfs":
             assert image.rpartition(":")[2] == tierfs.__version__, f"{image} is not tierfs {tierfs.__version__}"
         else:
             assert re.fullmatch(r"registry\.k8s\.io/sig-storage/[a-z-]+:v\d+\.\d+\.\d+", image), image
+
+
+def ceilings_overhead(jobs: int) -> int:
+    """What docs/kubernetes.md budgets beside the RAM tier: 256 MiB for the plugin and for each daemon."""
+    return (1 + jobs) * (256 << 20)
 
 
 def test_rbac_grants_get_pods_to_the_plugin_only():
@@ -465,16 +486,29 @@ def test_host_path_and_per_job_options_exist():
 
 
 def test_defaults_are_mount_options():
-    data, text = config_defaults()
+    values, text = config_values()
+    data = {k: v for k, v in values.items() if k not in ceilings.KEYS}
     assert data, "config.yaml sets nothing"
     # Commented-out examples (`# gcs: gs://...`) must be right too: someone will uncomment them.
-    commented = set(re.findall(r"^\s*#\s*([a-z][a-z-]*):\s", text, flags=re.MULTILINE))
+    commented = set(re.findall(r"^\s*#\s*([a-z][a-z-]*):\s", text, flags=re.MULTILINE)) - set(ceilings.KEYS)
     for key in set(data) | commented:
         assert key in OPTIONS, f"config.yaml: {key!r} is not a tierfs mount option"
         assert key not in HOST_PATH_OPTIONS, f"config.yaml: {key!r} is the plugin's (a host path)"
         assert key not in PER_JOB_OPTIONS, f"config.yaml: {key!r} differs per job or node, not a default"
-    for key, value in data.items():
+    for key, value in values.items():
         assert isinstance(value, str), f"config.yaml: {key}: {value!r} is not a string (quote it)"
+
+
+def test_ceilings_are_valid_and_the_commented_ones_too():
+    """The plugin refuses to start on a bad ceiling: the shipped ones, set or commented, all parse."""
+    values, text = config_values()
+    assert set(ceilings.KEYS) & set(values), "config.yaml shows no ceiling"
+    commented = dict(re.findall(r"^\s*#\s*([a-z][a-z-]*):\s*(.+)$", text, flags=re.MULTILINE))
+    every = {**{k: yaml.safe_load(v) for k, v in commented.items() if k in ceilings.KEYS},
+             **{k: v for k, v in values.items() if k in ceilings.KEYS}}
+    assert set(every) == set(ceilings.KEYS), f"config.yaml does not show {set(ceilings.KEYS) - set(every)}"
+    ceilings.Ceilings.parse({k: str(v) for k, v in every.items()}, "config.yaml")
+    assert config_ceilings() == ceilings.Ceilings(), "the shipped ceilings are the plugin's documented defaults"
 
 
 def test_example_attributes_are_mount_options():
@@ -609,6 +643,12 @@ def test_example_volumes_build_valid_configurations(workload):
         options.setdefault("rank", str(_rank(attrs, p["labels"])))
         if options.get("peers") and not options.get("listen"):
             options["listen"] = f"192.0.2.{n + 1}:7420"  # the plugin's node IP
+        limits = config_ceilings()  # the examples ask for nothing the shipped ceilings refuse
+        if options.get("listen"):
+            limits.check_listen(*parse_address(options["listen"], "listen"), f"192.0.2.{n + 1}")
+        assert not {"data-path", "wake-cpus"} & set(attrs), "pods take the ConfigMap's data-path and wake-cpus"
+        if "capacity" in attrs and limits.max_capacity is not None:
+            assert parse_size(attrs["capacity"]) <= limits.max_capacity
         cfg = Config.build(mountpoint="/var/lib/kubelet/plugins/csi.tierfs.dev/mnt/job", secret=secret,
                            **{k.replace("-", "_"): v for k, v in options.items()})
         assert cfg.job == attrs["job"] and cfg.nodes == len(_pods(workload))

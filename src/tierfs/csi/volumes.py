@@ -413,7 +413,10 @@ class Volumes:
         A volume without ``capacity`` gets the admin's default, or a share of the node's
         ceiling; either way every job on the node runs with a capacity the ceilings counted.
         """
-        memory = ceilings.mem_total()
+        try:
+            memory = ceilings.mem_total()
+        except UserError as e:
+            raise FailedPrecondition(str(e)) from None
         fallback = f"{limits.default_capacity(memory) >> 20}M"
         if "capacity" in req.context:
             what = f"volume attribute 'capacity' {options['capacity'][:40]}"

@@ -42,7 +42,9 @@ def main() -> int:
     base = Path(f"/dev/shm/bench-csi-{uuid.uuid4().hex[:6]}")
     base.mkdir()
     api = PodApi()
-    plugin = Plugin(base, api)
+    config = base / "config.yaml"  # every job stays on the node until the end: room for all of them
+    config.write_text(f'max-jobs-per-node: "{args.jobs}"\nmax-jobs-per-namespace: "{args.jobs}"\n')
+    plugin = Plugin(base, api, ("--config", str(config)))
     times: dict[str, list[float]] = {"tierfs mount by hand": [], "first publish (starts the daemon)": [],
                                      "unpublish": [], "publish to the running daemon": []}
     try:

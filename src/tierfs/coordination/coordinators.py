@@ -70,6 +70,8 @@ seconds (at most 30) with what it has; a stand-in answers at once (``coordinatin
 false) and the member asks the next candidate. Answers list at most 16 steps per rank
 (the newest), 16 holders per step and 64 down members; ``choice`` is computed over
 everything, so it is exact where the lists are cut. Errors are ``{"error": one line}``.
+Every field of a message or an answer is checked where it arrives (:mod:`.fields`): a
+member that holds the job's secret is trusted to authenticate, not to tell the truth.
 """
 
 from __future__ import annotations

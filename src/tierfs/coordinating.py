@@ -102,7 +102,7 @@ class NodeCoordination:
                 self.coordination.set_order(candidates(self.d.cfg.job, members))
 
     def resize(self, nodes: int) -> None:
-        """The job's shape changed (replicator.yaml): reports are checked against, and the floor counts, ``nodes`` ranks."""
+        """The job's size changed (replicator.yaml): reports are checked, and the floor counted, over ``nodes``."""
         if self.coordination is not None:
             self.coordination.coordinator.view.set_nodes(nodes)
 

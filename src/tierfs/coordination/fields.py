@@ -22,8 +22,8 @@ from tierfs.coordination.view import GCS, MAX_DECISIONS, MAX_STEP, Holdings
 MAX_ADDRESS = 300  # characters of a HOST:PORT (the peer service allows a sender no longer)
 MAX_COMPLETE = 5  # complete steps a summary lists (the newest)
 MAX_QUESTION = 64  # characters of a question's id
-_NUMBER = re.compile(r"^[0-9]{1,19}$")  # a step or rank as a JSON object's key
-_ADDRESS = re.compile(r"^[A-Za-z0-9._:%\[\]-]+:([0-9]{1,5})$")
+_NUMBER = re.compile(r"[0-9]{1,19}")  # a step or rank as a JSON object's key
+_ADDRESS = re.compile(r"[A-Za-z0-9._:%\[\]-]+:([0-9]{1,5})")  # matched whole (fullmatch)
 
 
 def _what(value: object) -> str:
@@ -34,7 +34,7 @@ def _what(value: object) -> str:
 
 def address(value: object, what: str) -> str:
     """A node's ``HOST:PORT`` as other nodes name it."""
-    m = _ADDRESS.match(value) if isinstance(value, str) and len(value) <= MAX_ADDRESS else None
+    m = _ADDRESS.fullmatch(value) if isinstance(value, str) and len(value) <= MAX_ADDRESS else None
     if m is None or not 0 < int(m.group(1)) < 65536:
         raise BadMessage(f"{what} must be a HOST:PORT address of at most {MAX_ADDRESS} characters, "
                          f"not {_what(value)}")
@@ -157,7 +157,7 @@ def report_answer(reply: Message, max_down: int) -> tuple[dict, list[str]]:
 
 def number_key(value: str, what: str) -> int:
     """A step or rank that keys a JSON object (``"12"``)."""
-    if not (isinstance(value, str) and _NUMBER.match(value)):
+    if not (isinstance(value, str) and _NUMBER.fullmatch(value)):
         raise BadMessage(f"{what} must be keyed by numbers, not {_what(value)}")
     return int(value)
 

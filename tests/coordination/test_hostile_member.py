@@ -36,7 +36,6 @@ BAD_REPORTS = {
     "a rank that is not an integer": report(rank="1"),
     "a negative rank": report(rank=-1),
     "a rank beyond the job's nodes": report(rank=N),
-    "a replica of a rank beyond the job's nodes": report(replicas=[[N + 5, 20]]),
     "a negative step": report(steps=[-1]),
     "a step past the bound": report(steps=[MAX_STEP + 1]),
     "a step that is a boolean": report(steps=[True]),
@@ -94,6 +93,11 @@ async def test_malformed_reports_and_questions_are_refused_and_the_coordinator_k
         # It goes on answering: the same member's well-formed question is answered from the view.
         answer = await hostile.request(target, decide(), 1.0)
         assert answer["ok"] and answer["ranks"]["1"]["choice"] == 20
+        # Replicas it claims of a rank beyond the job are left out: that rank would hold every step back.
+        answer = await hostile.request(target, {"op": "coord_report", "report": report(
+            replicas=[[0, 10], [0, 20], [N + 5, 20]], inc=1 << 40)}, 1.0)
+        assert answer["ok"] and answer["summary"]["newest"] == 20
+        assert coordinator.view.steps_of(N + 5) is None and coordinator.view.holds(c.addresses[1], 0, 20)
         nursery.cancel_scope.cancel()
 
 

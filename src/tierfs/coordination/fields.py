@@ -14,7 +14,7 @@ rather than where the values are used; the logic past this boundary trusts the t
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tierfs.coordination.transport import BadMessage, Message
 from tierfs.coordination.view import GCS, MAX_DECISIONS, MAX_STEP, Holdings
@@ -93,11 +93,16 @@ def obj(value: object, what: str) -> dict:
 
 
 def report(value: object, nodes: int) -> Holdings:
-    """A member's holdings (``coord_report``, ``coord_decide``, a pull's answer), its ranks in the job."""
+    """A member's holdings (``coord_report``, ``coord_decide``, a pull's answer), for ranks of the job only.
+
+    Its own rank must be one of the job's. Replicas of ranks beyond the job are left out
+    rather than refused: a job that shrank leaves them in replica stores for a while. Left
+    in, one such rank would count as a writing rank, and no step would be complete.
+    """
     h = Holdings.from_wire(value)
     rank(h.rank, "a report's rank", nodes)
-    for r, _ in h.replicas:
-        rank(r, "a replica's rank", nodes)
+    if any(r >= nodes for r, _ in h.replicas):
+        h = replace(h, replicas=tuple(p for p in h.replicas if p[0] < nodes))
     return h
 
 

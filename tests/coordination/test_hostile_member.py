@@ -253,3 +253,18 @@ async def test_a_malformed_await_chunk_answer_fails_that_source_and_the_next_one
         nursery.cancel_scope.cancel()
     assert read == ["gcs"], "nothing was read from the source whose answer was malformed"
     assert "malformed await_chunk answer" in fetch.failed.get(h, "") or fetch.fallbacks == 1
+
+
+async def test_when_the_job_grows_the_reports_of_its_new_ranks_are_taken(autojump_clock):
+    c = Cluster(N, honest())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(c.net.run)
+        await c.start(nursery)
+        node = c.nodes[c.coordinator(0)]
+        sender = c.net.transport(c.addresses[1])
+        grown = {"op": "coord_report", "report": report(rank=N, inc=1 << 40)}
+        assert "error" in await sender.request(c.addresses[c.coordinator(0)], grown, 1.0)
+        node.coordinator.view.set_nodes(N + 2)  # replicator.yaml says so (NodeCoordination.resize)
+        assert (await sender.request(c.addresses[c.coordinator(0)], grown, 1.0))["ok"]
+        assert node.coordinator.view.steps_of(N) == {10: [c.addresses[1]], 20: [c.addresses[1]]}
+        nursery.cancel_scope.cancel()

@@ -101,6 +101,11 @@ class NodeCoordination:
             if set(members) != self.coordination.coordinator.members:
                 self.coordination.set_order(candidates(self.d.cfg.job, members))
 
+    def resize(self, nodes: int) -> None:
+        """The job's size changed (replicator.yaml): reports are checked, and the floor counted, over ``nodes``."""
+        if self.coordination is not None:
+            self.coordination.coordinator.view.set_nodes(nodes)
+
     async def handle(self, source: str, message: Message) -> Message:
         """The peer service's coordination requests (``source``: the sender's listen address)."""
         self._heard(source, message)

@@ -168,9 +168,23 @@ class Daemon:
             self.coordinating.follow()
 
     def retention_floor(self) -> int | None:
-        """The newest step every rank holds somewhere: retention on every tier keeps it and newer ones."""
+        """The newest step every rank holds somewhere: retention on every tier keeps it and newer ones.
+
+        Other nodes tell it (the coordinators' summary, checked as it arrived, or a survey of
+        the peers), and a member holding the job's secret could name any step. So it never
+        passes the newest step this node holds complete itself, and is unknown (everything
+        is kept) while it holds none: another node's word alone deletes no step this node
+        could still restore from.
+        """
         summary = self.coordinating.summary() if self.coordinating is not None else None
-        return summary.get("floor") if summary is not None else self.view.retention_floor()
+        floor = summary.get("floor") if summary is not None else self.view.retention_floor()
+        here = self.newest_complete_here()
+        return None if floor is None or here is None else min(floor, here)
+
+    def newest_complete_here(self) -> int | None:
+        """This rank's newest step held complete on this node: in RAM with its manifest, or on a spill tier."""
+        spilled = (s for t in self.tiers if t.spill for r, s in t.held() if r == self.cfg.rank)
+        return max([*self.steps.verifiable(), *spilled], default=None)
 
     def _choose_data_path(self) -> None:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""

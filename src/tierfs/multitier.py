@@ -64,6 +64,8 @@ class MultiTier:
             warnings.append("this volume has no --gcs: nothing is backed up, whatever the interval")
         d.cfg = new
         d.view.nodes = new.nodes
+        if d.coordinating is not None:
+            d.coordinating.resize(new.nodes)
         if d.network is not None:
             d.network.cfg = new
         d.replicator.reconfigure(new)  # and every tier's configuration

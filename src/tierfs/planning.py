@@ -120,12 +120,19 @@ class RestorePlanner:
         newer step, the start is refused rather than run from nothing or from an older step
         (``--start-fresh`` overrides). Jobs larger than SELF_CHECK_NODES skip the survey of
         every peer, which is what the coordinators exist to avoid.
+
+        Then, whatever the job's size, an answer older than a step this node holds complete
+        itself is not followed on one coordinator's word (:meth:`keep_newer_here`).
         """
+        own = await self.d.view.survey() if self.d.cfg.nodes <= SELF_CHECK_NODES else None
+        mine = own.choose(self.d.cfg.rank) if own is not None else None  # before the answer's claims count
+        if own is not None:
+            survey, step = await self._check_seen(own, survey, step)
+        return await self.keep_newer_here(survey, step, mine)
+
+    async def _check_seen(self, own: Survey, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
         d, cfg = self.d, self.d.cfg
-        if cfg.nodes > SELF_CHECK_NODES:
-            return survey, step
         first = d.coordinating.decision
-        own = await d.view.survey()
         seen = self._seen(own, first.summary)
         if seen is None or (step is not None and step >= seen):
             return survey, step
@@ -148,6 +155,42 @@ class RestorePlanner:
             f"coordinators chose {'no step' if step is None else f'step {step}'}: not starting "
             f"{'empty' if step is None else 'from the older step'}; mount again to retry, "
             "or pass --start-fresh to start from what the coordinators chose")
+
+    async def keep_newer_here(self, survey: Survey, step: int | None, mine: int | None) -> tuple[Survey, int | None]:
+        """Follow an answer older than a step this node holds complete only once it is confirmed.
+
+        Following such an answer moves this rank's newer step out of the volume, so one
+        coordinator (which a member holding the job's secret may be) must not decide it
+        alone. The answer stands if this node's own survey gives the same step (``mine``,
+        before any claim of the answer counts); else a second coordinator is asked, and
+        the newer of the two answers is followed: a coordinator can never take the node
+        further back than another one's answer. With no confirmation the start is refused
+        (``--start-fresh`` overrides). The newer step is never deleted on the way: its files
+        go to ``aside/``, its snapshot stays until retention, which keeps the newest step
+        this node holds complete (:meth:`tierfs.daemon.Daemon.retention_floor`).
+        """
+        d, cfg = self.d, self.d.cfg
+        here = max(d.steps.verifiable(), default=None)
+        if here is None or step is None or step >= here or mine == step:
+            return survey, step
+        first = d.coordinating.decision.coordinator
+        log.warning("coordinator %s chose step %d, older than step %d that rank %d holds complete here: "
+                    "asking another coordinator before setting it aside", first, step, here, cfg.rank)
+        second = await d.coordinating.decide(exclude=(first,))
+        if second is not None and second[1] is not None:
+            if second[1] > step:
+                log.warning("coordinators disagree: %s chose step %d, %s chose step %d: following %s", first, step,
+                            d.coordinating.decision.coordinator, second[1], d.coordinating.decision.coordinator)
+                return second
+            return survey, step
+        if cfg.start_fresh:
+            log.warning("coordinator %s chose step %d, older than step %d held complete here, and no other "
+                        "confirmed it: starting from step %d, as --start-fresh asks", first, step, here, step)
+            return survey, step
+        raise UserError(
+            f"coordinator {first} chose step {step} for job {cfg.job}, older than step {here} that rank "
+            f"{cfg.rank} holds complete here, and no other coordinator confirmed it: not setting step {here} "
+            "aside; mount again to retry, or pass --start-fresh to start from the coordinator's step")
 
     def _seen(self, own: Survey, summary: dict) -> int | None:
         """The step this node's own survey gives its rank, counting the steps nodes run from as the coordinator knows them."""

@@ -133,6 +133,16 @@ class Steps:
     def newest(self) -> StepState | None:
         return self.states[max(self.states)] if self.states else None
 
+    def verifiable(self) -> list[int]:
+        """Committed steps whose manifest is beside their snapshot, oldest first.
+
+        This node vouches for these itself, with no other node's word: committed here and
+        hashed into a manifest (the replicator writes it once the step's writes settle; a
+        restore, before its first byte, and the step commits only once every chunk matched
+        it). What another node says about the job never removes the newest of them.
+        """
+        return sorted(s for s in self.states if (self.snapshots.step_dir(s) / "manifest.json").is_file())
+
     def drop(self, step: int) -> Path | None:
         """Forget a step; returns what is left to delete (see :meth:`Snapshots.drop`)."""
         self.states.pop(step, None)

@@ -48,12 +48,15 @@ def survey_of(holdings: dict[tuple[int, int], str], decisions: dict[str, int] | 
     return s
 
 
-def planner(coordinators: Coordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2) -> RestorePlanner:
+def planner(coordinators: Coordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2,
+            steps=None) -> RestorePlanner:
+    """``steps``: this node's own committed steps (:class:`tierfs.steps.Steps`), none by default."""
     async def survey(wait: float = 0.0) -> Survey:
         return seen
 
     d = SimpleNamespace(cfg=SimpleNamespace(rank=0, nodes=nodes, job="job", start_fresh=start_fresh),
-                        coordinating=coordinators, view=SimpleNamespace(survey=survey))
+                        coordinating=coordinators, view=SimpleNamespace(survey=survey),
+                        steps=steps if steps is not None else SimpleNamespace(verifiable=list))
     return RestorePlanner(d)
 
 

@@ -64,7 +64,8 @@ from dataclasses import dataclass, field
 
 import trio
 
-from tierfs.coordination.transport import Message, Transport, Unreachable
+from tierfs.coordination import fields
+from tierfs.coordination.transport import BadMessage, Message, Transport, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -422,18 +423,20 @@ class PlannedFetch:
                 reply = await self.transport.request(source, {"op": "await_chunk", "hash": h, "wait": wait},
                                                      wait + self.rpc_timeout)
                 if "error" in reply:
-                    raise SourceFailed(str(reply["error"]))
-                if reply.get("have"):
+                    raise SourceFailed(str(reply["error"])[:200])
+                try:
+                    have, pending, fetching, seen, via = fields.chunk_status(reply, MAX_VIA)
+                except BadMessage as e:
+                    raise SourceFailed(f"malformed await_chunk answer: {e}") from None
+                if have:
                     return True
-                seen = reply.get("progress")
                 now = trio.current_time()
-                if reply.get("fetching") is True or (isinstance(seen, int) and progress is not None and seen > progress):
+                if fetching or (seen is not None and progress is not None and seen > progress):
                     deadline = min(now + self.wait, last)  # it is on its way, only slowly
-                progress = seen if isinstance(seen, int) else progress
-                if not reply.get("pending") or now >= deadline:
+                progress = seen if seen is not None else progress
+                if not pending or now >= deadline:
                     return False
-                via = reply.get("via")
-                chain = [source, *(a for a in via[:MAX_VIA] if isinstance(a, str))] if isinstance(via, list) else [source]
+                chain = [source, *via]
                 self.board.waiting_on(h, chain)
                 if me in chain:
                     cycle = [*chain[: chain.index(me)], me]

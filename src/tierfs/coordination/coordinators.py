@@ -70,6 +70,8 @@ seconds (at most 30) with what it has; a stand-in answers at once (``coordinatin
 false) and the member asks the next candidate. Answers list at most 16 steps per rank
 (the newest), 16 holders per step and 64 down members; ``choice`` is computed over
 everything, so it is exact where the lists are cut. Errors are ``{"error": one line}``.
+Every field of a message or an answer is checked where it arrives (:mod:`.fields`): a
+member that holds the job's secret is trusted to authenticate, not to tell the truth.
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable, int_field, int_list
+from tierfs.coordination import fields
+from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable
 from tierfs.coordination.view import GCS, Holdings, HoldingsView
 
 log = logging.getLogger(__name__)
@@ -355,8 +358,9 @@ class Coordinator:
         op = message.get("op")
         try:
             if op == "coord_report":
-                self._note_push(source, message)
-                self.accept(source, Holdings.from_wire(message.get("report")))
+                report = fields.report(message.get("report"), self.view.nodes)
+                self._note_push(source, fields.suspects(message, MAX_SUSPECTS))
+                self.accept(source, report)
                 return {"ok": True, "summary": self.view.summary(), "down": self.down_candidates()}
             if op == "coord_decide":
                 return await self._decide(source, message)
@@ -365,25 +369,17 @@ class Coordinator:
         return {"error": f"unknown op {op!r}"}
 
     async def _decide(self, source: str, message: Message) -> Message:
-        rank = int_field(message, "rank", hi=(1 << 31) - 1)
-        group = int_list(message.get("group", []), "group", MAX_GROUP)
-        wait = message.get("wait", 0)
-        if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
-            raise BadMessage(f"wait must be a number of seconds in [0, {MAX_WAIT:g}]")
-        question = message.get("q", "")
-        if not isinstance(question, str) or len(question) > 64:
-            raise BadMessage("q must be a string of at most 64 characters")
-        report = message.get("report")
-        if report is not None:
-            self._note_push(source, message)
-            self.accept(source, Holdings.from_wire(report))
-        asked = self._asked(source, question)
+        q = fields.Question.parse(message, self.view.nodes, MAX_GROUP, MAX_WAIT)
+        if q.report is not None:
+            self._note_push(source, fields.suspects(message, MAX_SUSPECTS))
+            self.accept(source, q.report)
+        asked = self._asked(source, q.question)
         if self.active_since is not None and self.coordinating():
             self._ask_round(asked)
-            with trio.move_on_after(wait):
+            with trio.move_on_after(q.wait):
                 while not self.answered(asked):
                     await self._round_done.wait()
-        return self.answer(rank, group, source, asked)
+        return self.answer(q.rank, q.group, source, asked)
 
     def _asked(self, source: str, question: str) -> float:
         """When ``source`` first asked ``question``: its later polls of it need no newer round."""
@@ -398,16 +394,14 @@ class Coordinator:
             self._questions[key] = now
         return self._questions[key]
 
-    def _note_push(self, source: str, message: Message) -> None:
+    def _note_push(self, source: str, suspects: list[str]) -> None:
         """A member sent its own report: it counts toward this node being a coordinator."""
         if source in self.members:
             self._pushed.pop(source, None)
             self._pushed[source] = self.clock()
-        suspects = message.get("suspects")
-        if isinstance(suspects, list):
-            for a in suspects[:MAX_SUSPECTS]:
-                if isinstance(a, str) and a in self.members and a not in self._down:
-                    self._suspects.add(a)
+        for a in suspects:
+            if a in self.members and a not in self._down:
+                self._suspects.add(a)
 
     def down_members(self) -> list[str]:
         return sorted(self._down)
@@ -521,8 +515,8 @@ class Coordinator:
         async with self._pulls:
             reply = await self.transport.request(member, {"op": "coord_pull"}, self.rpc_timeout)
         if "error" in reply:
-            raise BadMessage(str(reply["error"]))
-        return Holdings.from_wire(reply.get("report"))
+            raise BadMessage(str(reply["error"])[:200])
+        return fields.report(reply.get("report"), self.view.nodes)
 
     async def _pull(self, member: str) -> None:
         try:
@@ -575,17 +569,40 @@ class Decision:
     down: list[str] = field(default_factory=list)
     at: float = 0.0
     silent: list[str] = field(default_factory=list)  # members that had not reported (when not ready)
+    you: bool = False  # the coordinator holds the asker's report
+    coordinating: bool = False  # it is a coordinator (it waited for its view), not a stand-in
 
     @classmethod
-    def from_answer(cls, rank: int, answer: Message, coordinator: str, at: float) -> Decision:
+    def from_answer(cls, rank: int, group: Collection[int], answer: Message, coordinator: str, at: float) -> Decision:
+        """A ``coord_decide`` answer about ``rank`` and its ``group``, every field checked (BadMessage)."""
         try:
-            ranks = {int(r): RankView(v["choice"], {int(s): list(h) for s, h in v["steps"].items()}, list(v["nodes"]))
-                     for r, v in answer["ranks"].items()}
-            return cls(ranks[rank].choice, bool(answer["ready"]), coordinator, dict(answer["summary"]), ranks,
-                       int(answer["reported"]), int(answer["members"]), list(answer["down"]), at,
-                       [a for a in answer.get("silent", [])[:MAX_LISTED_DOWN] if isinstance(a, str)])
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise BadMessage(f"malformed coord_decide answer from {coordinator}: {e!r}") from None
+            return cls._parse(rank, group, answer, coordinator, at)
+        except BadMessage as e:
+            raise BadMessage(f"malformed coord_decide answer from {coordinator}: {e}") from None
+
+    @classmethod
+    def _parse(cls, rank: int, group: Collection[int], answer: Message, coordinator: str, at: float) -> Decision:
+        listed = fields.obj(answer.get("ranks"), "ranks")
+        ranks = {}
+        for key, value in listed.items():
+            r = fields.number_key(key, "ranks")
+            if r != rank and r not in group:
+                raise BadMessage(f"ranks names rank {r}, which was not asked about")
+            ranks[r] = RankView(*fields.rank_answer(value, f"rank {r}", MAX_LISTED_STEPS, MAX_LISTED_HOLDERS))
+        if rank not in ranks:
+            raise BadMessage(f"ranks does not answer for rank {rank}")
+        gcs = fields.obj(answer.get("gcs", {}), "gcs")
+        fields.flag(gcs.get("listed", False), "gcs listed")
+        if not (gcs.get("error") is None or isinstance(gcs.get("error"), str)):
+            raise BadMessage("gcs error must be a string or null")
+        fields.count(answer.get("down_count", 0), "down_count")
+        return cls(ranks[rank].choice, fields.flag(answer.get("ready"), "ready"), coordinator,
+                   fields.summary(answer.get("summary")), ranks,
+                   fields.count(answer.get("reported"), "reported"), fields.count(answer.get("members"), "members"),
+                   fields.addresses(answer.get("down", []), "down", MAX_LISTED_DOWN), at,
+                   fields.addresses(answer.get("silent", []), "silent", MAX_LISTED_DOWN),
+                   fields.flag(answer.get("you", False), "you"),
+                   fields.flag(answer.get("coordinating", False), "coordinating"))
 
     def holders(self, rank: int, step: int) -> list[str]:
         view = self.ranks.get(rank)
@@ -660,8 +677,10 @@ class Member:
             reply = await self.local.handle(self.address, message)
         else:
             reply = await self.transport.request(address, message, timeout)
-        if not isinstance(reply, dict) or "error" in reply:
-            raise Unreachable(f"{address} refused {message.get('op')}: {reply.get('error') if isinstance(reply, dict) else reply!r}")
+        if not isinstance(reply, dict):
+            raise BadMessage(f"{address} answered {message.get('op')} with {type(reply).__name__}, not an object")
+        if "error" in reply:
+            raise Unreachable(f"{address} refused {message.get('op')}: {str(reply['error'])[:200]}")
         return reply
 
     async def handle_pull(self, source: str, message: Message) -> Message:
@@ -695,11 +714,14 @@ class Member:
                 if suspects:  # the coordinators check them at once, and tell everyone who is down
                     message["suspects"] = suspects
                 try:
-                    reply = await self._ask(address, message, self.rpc_timeout)
-                except (Unreachable, BadMessage) as e:
+                    answers[address] = fields.report_answer(await self._ask(address, message, self.rpc_timeout),
+                                                            MAX_LISTED_DOWN)
+                except BadMessage as e:
+                    self.suspect(address, BadMessage(f"malformed coord_report answer: {e}"))
+                    continue
+                except Unreachable as e:
                     self.suspect(address, e)
                     continue
-                answers[address] = reply
                 return
 
         async with trio.open_nursery() as nursery:
@@ -710,15 +732,11 @@ class Member:
             log.info("no coordinator took this node's report yet (%d candidates skipped)", len(self._suspect))
             return None
         first = self.reported_to[0]
-        summary = answers[first].get("summary")
-        if isinstance(summary, dict):
-            self.summary, self.summary_from = summary, first
-        for answer in answers.values():
-            down = answer.get("down")
-            if isinstance(down, list):  # skipped until the round after next, without a timeout each round
-                for address in down[:MAX_LISTED_DOWN]:
-                    if isinstance(address, str) and address not in answers:
-                        self.suspect(address, until=self.clock() + max(self.suspect_for, 2 * self.interval))
+        self.summary, self.summary_from = answers[first][0], first
+        for _, down in answers.values():  # skipped until the round after next, without a timeout each round
+            for address in down:
+                if address not in answers:
+                    self.suspect(address, until=self.clock() + max(self.suspect_for, 2 * self.interval))
         return self.summary
 
     def _unresponsive(self) -> list[str]:
@@ -750,17 +768,17 @@ class Member:
                            "q": question, "report": self.report_now().to_wire()}
                 try:
                     answer = await self._ask(address, message, min(poll, left) + self.rpc_timeout)
-                    decision = Decision.from_answer(rank, answer, address, self.clock())
+                    decision = Decision.from_answer(rank, group, answer, address, self.clock())
                 except (Unreachable, BadMessage) as e:
                     self.suspect(address, e)
                     continue
-                if answer.get("you") and address not in self.reported_to:
+                if decision.you and address not in self.reported_to:
                     self.reported_to.append(address)
                 if decision.ready:
                     return decision
                 if best is None or decision.reported > best.reported:
                     best = decision
-                if answer.get("coordinating"):
+                if decision.coordinating:
                     polled = True
                     break  # it waited for its view: ask again from the top
                 # a stand-in that does not wait: the next candidate may be the coordinator

@@ -131,5 +131,6 @@ def test_another_users_file_under_a_name_being_created_is_never_handed_over(volu
 def test_a_directory_swapped_in_for_one_just_made_is_never_chowned(volume):
     result, put, backing = race(volume, "dir")
     assert result["tries"] >= 1000 and result["made"] > 0, result
-    swapped = [p for p in backing.iterdir() if p.stat().st_ino in set(put) and p.stat().st_uid != 0]
+    victims = set(put)
+    swapped = [p for p in backing.iterdir() if (st := p.stat()).st_ino in victims and st.st_uid != 0]
     assert not swapped, f"{len(swapped)} root directories given to uid {ALICE} ({result})"

@@ -17,6 +17,7 @@ pkg-config --exists fuse3 2>/dev/null || need+=(libfuse3-dev)
 command -v fio >/dev/null || need+=(fio)
 command -v nft >/dev/null || need+=(nftables)  # the fault-schedule tests cut nodes off the network
 command -v gcc >/dev/null || need+=(gcc)
+command -v setfacl >/dev/null || need+=(acl)  # the ACL conformance tests set ACLs as users would
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
     || need+=(python3-dev)

@@ -11,7 +11,10 @@
   (``--engine pyfuse3``).
 
 Both engines call the same :class:`~tierfs.fs.operations.Operations`, so the volume's
-semantics do not depend on the choice; only its speed does.
+semantics do not depend on the choice, with one exception: POSIX ACLs. The own session
+negotiates ``FUSE_POSIX_ACL`` with ``FUSE_DONT_MASK``; pyfuse3 can ask for the first but not
+the second, and without it the kernel would apply the umask where a default ACL should
+decide, so on pyfuse3 the volume refuses ACLs as a file system without them does.
 """
 
 from __future__ import annotations

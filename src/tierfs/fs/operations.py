@@ -4,8 +4,13 @@ Every handler is a handful of ``*at()`` system calls relative to the ``O_PATH`` 
 in :class:`~tierfs.fs.inodes.InodeTable`; POSIX semantics (errno values, rename rules,
 sticky directories, link counts, timestamps) are tmpfs' own. Permission checks are the
 kernel's (``default_permissions``), made against the attributes returned here, which are
-the backing file's. The daemon runs as root, so files are created as root and then given
-the caller's ownership, with the group a setgid directory imposes, as tmpfs would.
+the backing file's, and against its POSIX ACLs where the engine negotiated them (``acl``).
+The daemon runs as root; what it does on a caller's behalf beyond what the kernel checked
+is done as the caller (:mod:`tierfs.fs.caller`): names are made by mknod, mkdir, symlink
+and link with the caller's credentials, so tmpfs gives them their owner and group, and a
+create that finds its name taken opens it only as the caller may. A plain create is an
+exclusive create as root and a chown of the new descriptor, the one path hot enough to
+matter, and as safe: nothing it touches was there before.
 
 Handlers never await, with one exception: a file of a step still being restored
 (``restoring``) makes a read wait for the chunks it covers, and anything that would change
@@ -41,6 +46,7 @@ from typing import Callable, Protocol
 import pyfuse3
 
 from tierfs import linux
+from tierfs.fs.caller import Caller, acting_as
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
 from tierfs.fs.session import BackingFiles, DirBuffer
 from tierfs.fs.writebehind import WriteBehind
@@ -53,6 +59,8 @@ log = logging.getLogger(__name__)
 # writes, renames and unlinks invalidate what they touch in the kernel itself.
 ATTR_TIMEOUT = 1.0
 _NS = 1_000_000_000
+ACL_ACCESS, ACL_DEFAULT = b"system.posix_acl_access", b"system.posix_acl_default"
+ACL_NAMES = (ACL_ACCESS, ACL_DEFAULT)
 # Flags that the kernel has already acted on, or that the backing open must not see.
 # O_APPEND among them: the kernel gives every write its offset (for an O_APPEND open, the
 # end of the file as it knows it), and writes mapped pages back through any handle open
@@ -128,6 +136,7 @@ class Operations(pyfuse3.Operations):
         self.events = events
         self.restoring: Restoring | None = None
         self.backing: BackingFiles | None = None  # kernel passthrough, when the engine has it
+        self.acl = False  # the kernel enforces POSIX ACLs (and leaves the umask to us): set by the engine
         self.writes = WriteBehind()  # applies writes only while its worker runs (``with``)
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
         self._proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -192,25 +201,38 @@ class Operations(pyfuse3.Operations):
         a.st_ctime_ns = st.st_ctime_ns
         return a
 
-    def _give_to_caller(self, fd: int, parent: Inode, ctx: pyfuse3.RequestContext, mode: int) -> None:
-        """Make a file just created (as root) belong to the caller, as tmpfs would have."""
+    def _give_to_caller(self, fd: int, parent: Inode, ctx: pyfuse3.RequestContext) -> None:
+        """Make the file just created as root, open as ``fd``, the caller's, as tmpfs would
+        have: the descriptor itself is changed, never a name someone could swap meanwhile."""
         setgid_parent = os.fstat(parent.fd).st_mode & stat.S_ISGID
         gid = -1 if setgid_parent else ctx.gid  # setgid dirs impose their group
         if ctx.uid != 0 or gid not in (-1, 0):
+            mode = os.fstat(fd).st_mode  # as created: a default ACL of the parent may have shaped it
             linux.chown_fd(fd, ctx.uid, gid)
             # chown() clears set-id bits; the kernel already decided the caller may keep them.
-            if mode & (stat.S_ISUID | stat.S_ISGID) and not stat.S_ISLNK(mode):
-                os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(mode))
+            if mode & (stat.S_ISUID | stat.S_ISGID):
+                os.fchmod(fd, stat.S_IMODE(mode))
 
-    def _new_entry(self, parent: Inode, name: bytes, ctx, mode: int) -> pyfuse3.EntryAttributes:
-        """Adopt a name just created in ``parent`` and hand it to the caller."""
-        fd = os.open(name, O_PATH_FLAGS, dir_fd=parent.fd)
+    def _creation_mode(self, parent: Inode, mode: int, ctx) -> int:
+        """``mode`` as the caller's umask leaves it, unless ``parent`` has a default ACL,
+        which then decides instead (tmpfs applies it; the daemon's own umask is 0).
+
+        With POSIX ACLs the kernel leaves the umask to the daemon (``FUSE_DONT_MASK``);
+        otherwise the mode arrives masked already and nothing is left to do."""
+        umask = getattr(ctx, "umask", 0)
+        if not mode & umask & 0o777:
+            return mode
         try:
-            self._give_to_caller(fd, parent, ctx, mode)
-        except OSError:
-            os.close(fd)
-            raise
-        return self._attrs(*self.inodes.adopt(fd))
+            os.getxattr(parent.proc_path, ACL_DEFAULT)
+        except OSError as e:
+            if e.errno not in (errno.ENODATA, errno.EOPNOTSUPP):
+                raise
+            return mode & ~umask
+        return mode
+
+    def _new_entry(self, parent: Inode, name: bytes) -> pyfuse3.EntryAttributes:
+        """Adopt a name just created in ``parent`` (already the caller's)."""
+        return self._attrs(*self.inodes.lookup(parent.fd, name))
 
     def link_removed(self, st: os.stat_result) -> None:
         """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its space is free (at last close)."""
@@ -393,27 +415,32 @@ class Operations(pyfuse3.Operations):
     @_errors_to_fuse
     async def mknod(self, parent_inode, name, mode, rdev, ctx):
         parent = self.inodes[parent_inode]
-        os.mknod(name, mode, rdev, dir_fd=parent.fd)
-        return self._new_entry(parent, name, ctx, mode)
+        mode = self._creation_mode(parent, mode, ctx)
+        with acting_as(ctx):
+            os.mknod(name, mode, rdev, dir_fd=parent.fd)
+        return self._new_entry(parent, name)
 
     @_errors_to_fuse
     async def mkdir(self, parent_inode, name, mode, ctx):
         parent = self.inodes[parent_inode]
-        os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
-        return self._new_entry(parent, name, ctx, mode | stat.S_IFDIR)
+        mode = self._creation_mode(parent, mode, ctx)
+        with acting_as(ctx):
+            os.mkdir(name, stat.S_IMODE(mode), dir_fd=parent.fd)
+        return self._new_entry(parent, name)
 
     @_errors_to_fuse
     async def symlink(self, parent_inode, name, target, ctx):
         parent = self.inodes[parent_inode]
-        os.symlink(target, name, dir_fd=parent.fd)
-        return self._new_entry(parent, name, ctx, stat.S_IFLNK)
+        with acting_as(ctx):
+            os.symlink(target, name, dir_fd=parent.fd)
+        return self._new_entry(parent, name)
 
     @_errors_to_fuse
     async def link(self, inode, new_parent_inode, new_name, ctx):
         node, parent = self.inodes[inode], self.inodes[new_parent_inode]
-        os.link(node.proc_path, new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
-        ino, st = self.inodes.lookup(parent.fd, new_name)
-        return self._attrs(ino, st)
+        with acting_as(ctx):  # protected_hardlinks is the caller's to pass
+            os.link(node.proc_path, new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
+        return self._new_entry(parent, new_name)
 
     @_errors_to_fuse
     async def unlink(self, parent_inode, name, ctx):
@@ -462,20 +489,27 @@ class Operations(pyfuse3.Operations):
 
     def create_sync(self, parent_inode: int, name: bytes, mode: int, flags: int,
                     ctx) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
+        """Create ``name``, or open it if another creator made it after the kernel's lookup.
+
+        The common case, a name still free, is an exclusive create as root and a chown of
+        the new descriptor (no name is looked at twice). A name that turned out to be taken
+        is opened with the caller's credentials (:func:`~tierfs.fs.caller.acting_as`), so
+        tmpfs makes the checks the kernel would have made on it."""
         parent = self.inodes[parent_inode]
         bflags = (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC
+        mode = stat.S_IMODE(self._creation_mode(parent, mode, ctx))
         try:
-            fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, stat.S_IMODE(mode), dir_fd=parent.fd)
+            fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, mode, dir_fd=parent.fd)
             created = True
         except FileExistsError:
             if flags & os.O_EXCL:
                 raise
             self.writes_done()  # O_TRUNC must come after writes still queued for it
-            fd = self._open_raced(parent, name, bflags)
+            fd = self._open_raced(parent, name, bflags, mode, ctx)
             created = False
         try:
             if created:
-                self._give_to_caller(fd, parent, ctx, mode)
+                self._give_to_caller(fd, parent, ctx)
             ino, st = self.inodes.adopt(*self._path_fd(fd, parent, name))
         except OSError:
             os.close(fd)
@@ -508,17 +542,22 @@ class Operations(pyfuse3.Operations):
         fi, ino, st = self.create_sync(parent_inode, name, mode, flags, ctx)
         return fi, self._attrs(ino, st)
 
-    @staticmethod
-    def _open_raced(parent: Inode, name: bytes, bflags: int) -> int:
+    def _open_raced(self, parent: Inode, name: bytes, bflags: int, mode: int, ctx) -> int:
         """Open a name another creator made between the kernel's lookup and our create.
 
-        Only a regular file is opened here, never through a symlink: anything else makes
-        the kernel look the name up again (ESTALE) and resolve it as the caller would.
+        As the caller, with ``O_CREAT``: tmpfs checks its permissions (``protected_regular``
+        included) and, if the name is gone again, creates it for the caller. Only a regular
+        file is opened, never through a symlink: anything else makes the kernel look the
+        name up again (ESTALE) and resolve it as the caller would.
         """
         try:
-            fd = os.open(name, bflags | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent.fd)
+            with acting_as(ctx):
+                fd = os.open(name, bflags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=parent.fd)
         except OSError as e:
             if e.errno == errno.ELOOP:
+                raise pyfuse3.FUSEError(errno.ESTALE) from None
+            st = None if isinstance(e, Caller) else self._lstat_at(parent.fd, name)
+            if st is not None and not stat.S_ISREG(st.st_mode):
                 raise pyfuse3.FUSEError(errno.ESTALE) from None
             raise
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -783,7 +822,7 @@ class Operations(pyfuse3.Operations):
         s.f_namemax = backing.f_namemax
         return s
 
-    # -- extended attributes (tmpfs keeps user.*; symlinks take none) --------------------
+    # -- extended attributes (tmpfs keeps user.* and POSIX ACLs; symlinks take none) ------
 
     def _xattr_path(self, inode: int, missing: int) -> str:
         node = self.inodes[inode]
@@ -791,13 +830,29 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(missing)
         return node.proc_path
 
+    def _acl_name(self, name: bytes) -> bool:
+        """Whether ``name`` is a POSIX ACL; refused (EOPNOTSUPP, as by a file system without
+        ACLs) unless the kernel enforces them on this mount: stored but not enforced, an
+        ACL would only turn its mask into group bits."""
+        if name not in ACL_NAMES:
+            return False
+        if not self.acl:
+            raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        return True
+
     @_errors_to_fuse
     async def setxattr(self, inode, name, value, ctx):
-        os.setxattr(self._xattr_path(inode, errno.EPERM), name, value)
+        path = self._xattr_path(inode, errno.EPERM)
+        if self._acl_name(name):
+            with acting_as(ctx):  # tmpfs drops set-gid as the caller's setfacl would
+                os.setxattr(path, name, value)
+            return
+        os.setxattr(path, name, value)
 
     def getxattr_sync(self, inode: int, name: bytes) -> bytes:
         # Asked at the first write of every new file (for security.capability): through the
         # open file when there is one, which spares the kernel a walk of /proc.
+        self._acl_name(name)
         node = self.inodes[inode]
         if node.open_fd >= 0:
             return os.getxattr(node.open_fd, name)
@@ -812,11 +867,17 @@ class Operations(pyfuse3.Operations):
         node = self.inodes[inode]
         if node.kind == stat.S_IFLNK:
             return []
-        return [os.fsencode(n) for n in os.listxattr(node.proc_path)]
+        names = [os.fsencode(n) for n in os.listxattr(node.proc_path)]
+        return names if self.acl else [n for n in names if n not in ACL_NAMES]
 
     @_errors_to_fuse
     async def removexattr(self, inode, name, ctx):
-        os.removexattr(self._xattr_path(inode, pyfuse3.ENOATTR), name)
+        path = self._xattr_path(inode, pyfuse3.ENOATTR)
+        if self._acl_name(name):
+            with acting_as(ctx):
+                os.removexattr(path, name)
+            return
+        os.removexattr(path, name)
 
     def close(self) -> None:
         """Close every descriptor still held (after the kernel let go of the mount)."""

@@ -74,6 +74,11 @@ _WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES
 # such (SB_NOSEC); without it every passthrough write first asks the daemon for the
 # file's security.capability. In exchange the daemon drops set-id bits itself: files
 # that have them stay on the daemon path for their non-root writers (Operations).
+_ACL = abi.POSIX_ACL | abi.DONT_MASK
+# POSIX_ACL makes the kernel enforce the ACLs it reads as system.posix_acl_* xattrs, as
+# tmpfs does; a new object's mode then comes from the parent's default ACL if it has one,
+# else from the umask, which only the daemon can tell apart: DONT_MASK leaves the umask to
+# it (Operations). One without the other is not tmpfs' behaviour: both or neither.
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
 # A file's close is followed at once by the next open's path walk and create, which should
@@ -595,7 +600,10 @@ class KernelSession:
             # write makes stale itself; before, only this catches it in the other opens. On
             # the daemon path it would also drop what a write just put in the page cache.
             want |= abi.AUTO_INVAL_DATA
+        if offered & _ACL == _ACL:
+            want |= _ACL
         granted = offered & want
+        self.ops.acl = bool(granted & abi.POSIX_ACL)
         if granted & abi.PASSTHROUGH:
             self.backing = BackingFiles(self.fd)
         elif self.want_passthrough:

@@ -1,0 +1,131 @@
+"""File-system calls made with the credentials of the FUSE request's caller.
+
+The daemon runs as root, and root passes every permission check tmpfs makes. A name the
+kernel looked up as missing may exist by the time the daemon creates it: the kernel's
+directory lock keeps other callers of this mount out of that window, but not a restore,
+the daemon's own work or a second mount of the tree. Opening or chowning what is found
+there as root would hand the caller a file it may not open, or give it someone else's.
+So the calls that create a name, or open one that turned out to exist, are made with the
+caller's fsuid, fsgid and supplementary groups: tmpfs itself then checks them (modes,
+ACLs, sticky directories, ``protected_regular``) and gives the new object its owner and
+group atomically, as it would for the caller directly.
+
+fsuid, fsgid and the supplementary groups are per-thread credentials in Linux, but glibc's
+``setgroups`` (and ``os.setgroups``) changes every thread of the process; so the raw
+system calls are used, on the calling thread only, and root's credentials are restored
+before anything else runs on it (the handlers calling :func:`acting_as` never await
+inside it). Changing the fsuid away from 0 also drops the file-system capabilities
+(``CAP_DAC_OVERRIDE``, ``CAP_FOWNER``, ``CAP_FSETID``...) of this thread until it is set
+back, which is exactly what the check needs.
+
+The request names the caller's fsuid, fsgid and thread id, not its supplementary groups:
+those are read from ``/proc/<tid>/status``, and used only if that thread still has the
+fsuid and fsgid of the request. A caller the daemon cannot see (pid 0: another pid
+namespace) acts with no supplementary groups, the smaller set of rights.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import platform
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from tierfs.linux import _libc
+
+log = logging.getLogger(__name__)
+
+# (setgroups, setfsuid, setfsgid) system call numbers
+_SYSCALLS = {"x86_64": (116, 122, 123), "aarch64": (159, 151, 152)}
+SYS_SETGROUPS, SYS_SETFSUID, SYS_SETFSGID = _SYSCALLS.get(platform.machine(), (116, 122, 123))
+NGROUPS_MAX = 65536
+STATUS_MAX = 1 << 20  # /proc/<pid>/status with NGROUPS_MAX groups of 10 digits stays below
+_GidArray = ctypes.c_uint * NGROUPS_MAX
+
+
+class Caller(OSError):
+    """The caller's credentials cannot be taken on (it exited, or changed them meanwhile)."""
+
+
+def supplementary_groups(pid: int, uid: int, gid: int) -> list[int]:
+    """The supplementary groups of thread ``pid``, which must have fsuid ``uid`` and fsgid ``gid``.
+
+    Read without following a link and at most :data:`STATUS_MAX` bytes; a thread that is
+    gone raises ``ESRCH``, one whose credentials are not the request's ``EACCES``.
+    """
+    if pid <= 0:
+        return []
+    try:
+        fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except (FileNotFoundError, ProcessLookupError):
+        raise Caller(errno.ESRCH, f"the caller (pid {pid}) has exited") from None
+    try:
+        text = b""
+        while len(text) < STATUS_MAX and (chunk := os.read(fd, STATUS_MAX - len(text))):
+            text += chunk
+    except ProcessLookupError:
+        raise Caller(errno.ESRCH, f"the caller (pid {pid}) has exited") from None
+    finally:
+        os.close(fd)
+    fields = {}
+    for line in text.split(b"\n"):
+        key, _, value = line.partition(b":")
+        if key in (b"Uid", b"Gid", b"Groups"):
+            fields[key] = value.split()
+    try:
+        fsuid, fsgid = int(fields[b"Uid"][3]), int(fields[b"Gid"][3])
+        groups = [int(g) for g in fields[b"Groups"][:NGROUPS_MAX]]
+    except (KeyError, IndexError, ValueError):
+        raise Caller(errno.EACCES, f"cannot read the groups of the caller (pid {pid})") from None
+    if (fsuid, fsgid) != (uid, gid):
+        raise Caller(errno.EACCES, f"the caller (pid {pid}) changed its credentials meanwhile")
+    return groups
+
+
+def _syscall(number: int, *args) -> int:
+    return _libc.syscall(ctypes.c_long(number), *args)
+
+
+def _set_groups(groups: list[int]) -> None:
+    array = _GidArray(*groups) if groups else None
+    if _syscall(SYS_SETGROUPS, ctypes.c_size_t(len(groups)), array) < 0:
+        err = ctypes.get_errno()
+        raise Caller(err, f"cannot take on the caller's groups: {os.strerror(err)}")
+
+
+def _set_fs_ids(uid: int, gid: int) -> None:
+    """setfsgid then setfsuid; neither reports failure, so each is asked back (-1 changes nothing)."""
+    _syscall(SYS_SETFSGID, ctypes.c_uint(gid))
+    _syscall(SYS_SETFSUID, ctypes.c_uint(uid))
+    if _syscall(SYS_SETFSUID, ctypes.c_uint(0xFFFFFFFF)) != uid or \
+            _syscall(SYS_SETFSGID, ctypes.c_uint(0xFFFFFFFF)) != gid:
+        raise Caller(errno.EPERM, "cannot take on the caller's fsuid and fsgid (the daemon is not root)")
+
+
+_OWN = (os.geteuid(), os.getegid(), os.getgroups())
+
+
+def _restore() -> None:
+    uid, gid, groups = _OWN
+    try:
+        _set_fs_ids(uid, gid)
+        _set_groups(groups)
+    except OSError as e:  # this thread would go on serving with the caller's rights
+        log.critical("could not take back the daemon's own credentials (%s): stopping", e)
+        os._exit(70)
+
+
+@contextmanager
+def acting_as(ctx) -> Iterator[None]:
+    """File-system calls inside are made as ``ctx.uid``/``ctx.gid`` (and the groups of
+    ``ctx.pid``) on this thread, which must not run anything else until it ends."""
+    groups = supplementary_groups(ctx.pid, ctx.uid, ctx.gid) if ctx.uid != 0 else _OWN[2]
+    try:
+        _set_groups(groups)
+        _set_fs_ids(ctx.uid, ctx.gid)
+        yield
+    finally:
+        _restore()

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from tierfs.atomic import UnsafeFile, private_dir
 from tierfs.errors import UserError
+from tierfs.holes import copy_data
 from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)
@@ -176,13 +177,7 @@ class Snapshots:
             raise OSError(errno.EINVAL, f"{dst.name} is not a regular file")
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            n, offset = st.st_size, 0
-            while n > 0:
-                copied = os.copy_file_range(src_fd, out, min(n, 1 << 30), offset, offset)
-                if copied == 0:
-                    break
-                n -= copied
-                offset += copied
+            copy_data(src_fd, out, st.st_size)  # holes stay holes: a sparse file's copy costs what it holds
             st = os.fstat(src_fd)
         finally:
             os.close(out)

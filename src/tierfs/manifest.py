@@ -161,6 +161,21 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries if e.kind == "file")
 
+    def nonzero_bytes(self) -> int:
+        """The bytes of every chunk place that is not all zeros: the most a restore writes.
+
+        A chunk of zeros stays a hole of its placeholder, so a sparse file restores into the
+        RAM its data takes, not its size.
+        """
+        cs, zero = self.chunk_size, chunks.zero_hash(self.chunk_size)
+        total = 0
+        for e in self.entries:
+            if e.chunks:
+                last = e.size - (len(e.chunks) - 1) * cs  # the last chunk may be short
+                total += cs * sum(h != zero for h in e.chunks[:-1])
+                total += 0 if e.chunks[-1] == chunks.zero_hash(last) else last
+        return total
+
     @property
     def unique_chunk_count(self) -> int:
         return len(self.chunk_set())

@@ -373,3 +373,15 @@ def test_a_manifest_whose_json_would_be_too_large_is_refused(snap, monkeypatch, 
     with pytest.raises(ManifestError, match=f"would be larger than {limit} bytes"):
         build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)
     assert bool(hash_calls) == (paths == "known only once built")
+
+
+def test_nonzero_bytes_leaves_out_chunks_of_zeros_whole_and_short():
+    z, zs = chunks.zero_hash(4), chunks.zero_hash(1)
+    m = Manifest(job="j", rank=0, step=1, chunk_size=4, roots=["a"], created=0.0, entries=[
+        Entry("a", "dir", 0o755, 0, 0, 0, 0),
+        Entry("a/data", "file", 0o644, 0, 0, 9, 0, chunks=[H("0"), z, H("2")]),  # 4 + 0 + 1
+        Entry("a/hole", "file", 0o644, 0, 0, 9, 0, chunks=[z, z, zs]),  # all hole
+        Entry("a/short", "file", 0o644, 0, 0, 6, 0, chunks=[z, H("3")]),  # 0 + 2
+        Entry("a/empty", "file", 0o644, 0, 0, 0, 0),
+    ])
+    assert m.nonzero_bytes() == 7 and m.total_bytes == 24

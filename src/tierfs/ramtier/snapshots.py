@@ -12,7 +12,9 @@ cache stay what they were; readers of a snapshot recheck the path's inode after 
 notice a detach that raced with them.
 
 Files still open for writing when their step commits are copied instead of linked, since
-a write through an earlier descriptor could otherwise land in the snapshot.
+a write through an earlier descriptor could otherwise land in the snapshot. Every copy
+keeps the file's holes (:func:`tierfs.holes.copy_data`): the job sets a file's size for
+free, and a copy of its holes would fill the RAM with zeros.
 
 The committed path is the job's: it is walked from the tree's descriptor without following
 symbolic links (:mod:`tierfs.ramtier.beneath`), so a link the job put in its place can

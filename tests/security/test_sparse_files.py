@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import tierfs
+from tests.fuse.conftest import SERVINGS
 from tests.gcs.test_backup_restore import step_state, wait_backed_up, wait_restored, wipe
 from tests.helpers import wait_for
 from tests.multinode.conftest import cluster  # noqa: F401 (the fixture)
@@ -137,7 +138,17 @@ def same_bytes(a: Path, b: Path) -> bool:
     return True
 
 
-def test_a_sparse_file_within_the_limits_is_backed_up_and_restored_at_the_cost_of_its_data(volumes, gcs_url, shm_dir):
+@pytest.fixture(params=list(SERVINGS))
+def serving(request, monkeypatch) -> str:
+    """Each way the mount can carry the job's writes into the RAM tier, as tests/fuse runs them."""
+    path, engine = SERVINGS[request.param]
+    monkeypatch.setenv("TIERFS_DATA_PATH", path)
+    monkeypatch.setenv("TIERFS_ENGINE", engine)
+    return request.param
+
+
+def test_a_sparse_file_within_the_limits_is_backed_up_and_restored_at_the_cost_of_its_data(
+        volumes, gcs_url, shm_dir, serving):
     vol = volumes(job="sparse", capacity="1G", gcs=gcs_url)
     pid = vol.pid
     before = bytes_moved(pid)

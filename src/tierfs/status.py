@@ -2,8 +2,9 @@
 
 Every tier reports itself (``Tier.report``) under ``tiers`` (the RAM tier as ``ram``), and
 every replicator lane its state, lag and progress under its own name (``peers``, ``gcs``,
-``disk``). Each step lists where its copies went, or why no tier can take it (``refused``); ``backup`` and ``replicas`` give the GCS
-and peer copies in the shape ``tierfs status`` has always shown (:func:`legacy_copies`).
+``disk``). Each step lists where its copies went, or why no tier can take it (``refused``);
+``backup`` and ``replicas`` give the GCS and peer copies in the shape ``tierfs status`` has
+always shown (:func:`legacy_copies`).
 """
 
 from __future__ import annotations

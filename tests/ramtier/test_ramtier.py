@@ -9,7 +9,6 @@ import pytest
 
 from tierfs import holes
 from tierfs.errors import UserError
-from tierfs.holes import copy_data
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 
@@ -100,7 +99,7 @@ def test_copy_data_keeps_holes_and_bytes(shm_dir):
     sparse(d / "src", 1 << 40, data)
     src, dst = os.open(d / "src", os.O_RDONLY), os.open(d / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        copy_data(src, dst, 1 << 40)
+        holes.copy_data(src, dst, 1 << 40)
     finally:
         os.close(src)
         os.close(dst)

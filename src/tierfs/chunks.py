@@ -22,11 +22,15 @@ one naming more than the caller's bound is refused before any memory is set asid
 
 from __future__ import annotations
 
+import functools
 import os
+import stat
 import threading
 
 import xxhash
 import zstandard
+
+from tierfs import holes
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 MIN_CHUNK_SIZE = 64 << 10  # the smallest --chunk-size
@@ -155,18 +159,60 @@ def _decompress(body: memoryview, max_size: int, tag: bytes) -> bytes:
     return _codecs()[1].decompress(body, allow_extra_data=False)
 
 
+def zero_hash(length: int) -> str:
+    """The name of a chunk of ``length`` zero bytes: what a hole of that length hashes to."""
+    return _zero_hashes(length)
+
+
+@functools.lru_cache(maxsize=16)  # a step's chunk size, and the lengths of a few short last chunks
+def _zero_hashes(length: int) -> str:
+    return chunk_hash(bytes(length))
+
+
 def hash_file(path: str | os.PathLike, chunk_size: int) -> list[str]:
     """The names of a file's chunks, in order; ``[]`` for an empty file.
 
-    One buffer is reused for the whole file, so hashing many GiB allocates no buffer per chunk.
+    A chunk that lies wholly in a hole is named without reading it (:func:`zero_hash`), so
+    a sparse file costs what it holds, not its size; a chunk that touches data is read
+    whole, holes and all. One buffer is reused for the whole file, so hashing many GiB
+    allocates no buffer per chunk.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk size must be positive, not {chunk_size}")
     view = memoryview(bytearray(chunk_size))
-    hashes = []
     with open(path, "rb", buffering=0) as f:
-        while filled := _fill(f, view):
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return [chunk_hash(view[:filled]) for filled in iter(lambda: _fill(f, view), 0)]
+        return _hash_sparse(f, st.st_size, view)
+
+
+def _hash_sparse(f, size: int, view: memoryview) -> list[str]:
+    """A regular file's chunk names: runs of whole chunks in a hole named at once, the rest read."""
+    chunk_size = len(view)
+    hashes: list[str] = []
+    extents = holes.data_extents(f.fileno(), 0, size)
+    data = next(extents, None)
+    offset = 0
+    while offset < size:
+        while data is not None and data[1] <= offset:
+            data = next(extents, None)
+        hole_end = size if data is None else max(offset, data[0])
+        if whole := (hole_end - offset) // chunk_size:
+            hashes += [zero_hash(chunk_size)] * whole
+            offset += whole * chunk_size
+            continue
+        if hole_end == size:  # a short last chunk, all hole
+            hashes.append(zero_hash(size - offset))
+            break
+        want = min(chunk_size, size - offset)
+        f.seek(offset)
+        filled = _fill(f, view[:want])
+        if filled:
             hashes.append(chunk_hash(view[:filled]))
+        if filled < want:
+            break  # shorter than it was: the caller compares the count with the size
+        offset += want
     return hashes
 
 

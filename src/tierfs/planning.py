@@ -82,7 +82,7 @@ class RestorePlanner:
             log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
             return None
         manifest = await fetch_manifest(cfg, step, holders)
-        needed = manifest.total_bytes - self.already_restored(step)
+        needed = manifest.nonzero_bytes() - self.already_restored(step)
         if cfg.capacity is not None and d.space.used + needed > cfg.capacity:
             raise UserError(
                 f"step {step} of rank {cfg.rank} needs {format_size(needed)} more, but only "

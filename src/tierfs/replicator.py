@@ -17,6 +17,12 @@ pending marker the garbage collector respects) and applies its retention after.
 
 Which tiers of a lane get the step is the tier's own choice (``Tier.order``: placement
 among peers), and so is how often (``Tier.schedule``: GCS's backup interval).
+
+A step no manifest can describe (a file of a size no manifest can name, ``truncate -s 1P``
+costs the job nothing) is *refused*: found out from sizes alone, before any byte is hashed,
+logged once, recorded in the step's state (so ``tierfs status`` shows it) and never tried
+again in that version. It stays on this node only; the lanes go on with the newest step
+that is not refused, so it never holds back the next one.
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
 class SnapshotChanged(Exception):
     """A snapshot file was detached while it was being read: read it again."""
+
+
+class StepRefused(Exception):
+    """No manifest can describe the step's current version, so no tier can take it."""
 
 
 class Lane:
@@ -184,6 +194,7 @@ class Replicator:
                 await trio.sleep(wait)
                 continue  # the newest step may have changed meanwhile
             lane.busy = newest.step
+            before = dict(lane.status)
             lane.set("working")
             try:
                 await self._put(lane, newest)
@@ -192,6 +203,9 @@ class Replicator:
                 failures = 0
             except Exception as group:  # a tier's trouble must never take the mount down
                 e = _first_leaf(group)
+                if isinstance(e, StepRefused):
+                    lane.status = before  # the step is refused (logged, in its state), not the lane
+                    continue
                 delay = BACKOFF[min(failures, len(BACKOFF) - 1)]
                 failures += 1
                 if isinstance(e, (SnapshotChanged, SourceChanged)):
@@ -281,13 +295,27 @@ class Replicator:
     # -- manifests -----------------------------------------------------------------------
 
     async def manifest_for(self, state: StepState) -> Manifest:
-        """The manifest of the step's current version, built once and shared by the lanes."""
+        """The manifest of the step's current version, built once and shared by the lanes.
+
+        Raises :class:`StepRefused` if no manifest can describe that version; the first
+        lane to find out records and logs it, the others only skip the step.
+        """
         async with self._build_lock:
             cached = self._manifests.get(state.step)
             if cached is not None and cached[0] == state.version:
                 return cached[1]
             version = state.version
-            manifest = await self._build_manifest(state)
+            if (refusal := state.refusal()) is not None:
+                raise StepRefused(refusal)
+            try:
+                manifest = await self._build_manifest(state)
+            except ManifestError as e:
+                if state.version == version:  # not a newer commit into the step meanwhile: it stays refused
+                    state.refused = {"version": version, "error": str(e), "at": time.time()}
+                    self._save(state)
+                    log.error("step %d cannot be replicated or backed up, it stays on this node only: %s",
+                              state.step, e)
+                raise StepRefused(str(e)) from None
             self._manifests[state.step] = (version, manifest)
             self._index_local()
             return manifest
@@ -394,7 +422,7 @@ class Replicator:
         now = time.time()
         out = {}
         for name, lane in self.lanes.items():
-            pending = [s for s in self.steps.states.values() if not lane.done(s)]
+            pending = [s for s in self.steps.states.values() if not lane.done(s) and s.refusal() is None]
             lag = now - min(s.committed_at for s in pending) if pending else 0.0
             out[name] = {**lane.status, "working_on": lane.busy, "lag_s": round(lag, 3), "last_at": lane.last_at,
                          "progress": lane.progress.as_dict() if lane.busy and lane.progress else None,

@@ -12,7 +12,9 @@ are hard-linked into the volume. From then on:
 - anything that would change a placeholder waits for the whole file first, so the
   snapshot the job's change detaches from is complete, never a half-filled file.
 
-Every chunk is verified against its name before it is written. A chunk's name is appended
+A chunk of zeros is never fetched: the placeholder's hole already reads as it, so a sparse
+file is restored sparse, at the cost of what it holds. Every other chunk is verified
+against its name before it is written. A chunk's name is appended
 to ``restored-chunks`` once all its places are written, so a daemon killed mid-restore
 resumes from that journal without refetching what it verified, and its placeholders are
 still placeholders, served the same way. Only when every chunk is in does the step get its
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import trio
 
+from tierfs import chunks
 from tierfs.atomic import UnsafeFile, private_dir, read_state, write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
@@ -158,6 +161,8 @@ class Restore:
             raise UnsafeFile(f"unsafe ramdisk: {e}") from None
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         self._journal = open(fd, "a", buffering=1)
+        # A placeholder is all hole, so a chunk of zeros is in place already: never fetched, nor written.
+        self._done |= {h for h, length in self.manifest.chunk_sizes().items() if h == chunks.zero_hash(length)}
         cs, snap = self.manifest.chunk_size, str(self.snap)
         for e in self.manifest.entries:
             if e.kind != "file":

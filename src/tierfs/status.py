@@ -2,8 +2,9 @@
 
 Every tier reports itself (``Tier.report``) under ``tiers`` (the RAM tier as ``ram``), and
 every replicator lane its state, lag and progress under its own name (``peers``, ``gcs``,
-``disk``). Each step lists where its copies went; ``backup`` and ``replicas`` give the GCS
-and peer copies in the shape ``tierfs status`` has always shown (:func:`legacy_copies`).
+``disk``). Each step lists where its copies went, or why no tier can take it (``refused``);
+``backup`` and ``replicas`` give the GCS and peer copies in the shape ``tierfs status`` has
+always shown (:func:`legacy_copies`).
 """
 
 from __future__ import annotations
@@ -61,8 +62,10 @@ def _cluster(d: Daemon) -> dict | None:
 
 
 def step_report(state: StepState) -> dict:
+    """A step's state; ``refused`` is why no tier can take its current version (None if one can)."""
     backup, replicas = legacy_copies(state)
-    return {**asdict(state), "backup": backup, "replicas": replicas, "backed_up": state.held_by("gcs")}
+    return {**asdict(state), "backup": backup, "replicas": replicas, "backed_up": state.held_by("gcs"),
+            "refused": state.refusal()}
 
 
 def legacy_copies(state: StepState) -> tuple[dict, dict]:

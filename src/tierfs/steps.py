@@ -36,10 +36,17 @@ class StepState:
     source: str = "local"  # where the data came from: local writes, or the kind of tier it was restored from
     # Where the step went, by replicator lane ("peers", "gcs", "disk"): version, tiers, at, bytes sent...
     copies: dict[str, dict] = field(default_factory=dict)
+    # Why no tier can take a version of the step (no manifest can describe it): {"version", "error"}
+    refused: dict | None = None
 
     def held_by(self, lane: str) -> bool:
         """Whether the lane's tiers hold the current version."""
         return self.copies.get(lane, {}).get("version") == self.version
+
+    def refusal(self) -> str | None:
+        """Why the current version can go to no tier, if it cannot; a later commit into the step may fix it."""
+        refused = self.refused or {}
+        return refused.get("error") if refused.get("version") == self.version else None
 
     @classmethod
     def from_dict(cls, d: dict) -> StepState:
@@ -131,7 +138,9 @@ class Steps:
     # -- queries and retention ---------------------------------------------------------
 
     def newest(self) -> StepState | None:
-        return self.states[max(self.states)] if self.states else None
+        """The newest step a tier can take: one whose current version is refused is passed over."""
+        fit = [step for step, state in self.states.items() if state.refusal() is None]
+        return self.states[max(fit)] if fit else None
 
     def verifiable(self) -> list[int]:
         """Committed steps whose manifest is beside their snapshot, oldest first.

@@ -7,8 +7,10 @@ import os
 
 import pytest
 
+from tierfs import holes
 from tierfs.errors import UserError
 from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier.snapshots import Snapshots
 
 MiB = 1 << 20
 
@@ -79,3 +81,63 @@ def test_update_and_drop(shm_dir):
     space.drop(os.stat(p).st_ino)
     assert space.used == 0
     assert space.capacity == os.statvfs(root).f_blocks * os.statvfs(root).f_frsize
+
+
+# -- copies of sparse files keep their holes ------------------------------------------------
+
+
+def sparse(path, size: int, data: dict[int, bytes]) -> None:
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for offset, chunk in data.items():
+            os.pwrite(f.fileno(), chunk, offset)
+
+
+def test_copy_data_keeps_holes_and_bytes(shm_dir):
+    d = shm_dir()
+    data = {0: b"head", 5 * MiB + 3: os.urandom(MiB), (1 << 40) - 3: b"end"}
+    sparse(d / "src", 1 << 40, data)
+    src, dst = os.open(d / "src", os.O_RDONLY), os.open(d / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        holes.copy_data(src, dst, 1 << 40)
+    finally:
+        os.close(src)
+        os.close(dst)
+    st = os.stat(d / "dst")
+    assert st.st_size == 1 << 40 and st.st_blocks * 512 <= 4 * MiB
+    with open(d / "dst", "rb") as f:
+        for offset, chunk in data.items():
+            f.seek(offset)
+            assert f.read(len(chunk)) == chunk
+        f.seek(4 << 30)
+        assert f.read(MiB) == bytes(MiB)
+        extents = list(holes.data_extents(f.fileno(), 0, 1 << 40))
+    assert sum(end - start for start, end in extents) <= 4 * MiB and extents[0][0] == 0
+
+
+@pytest.mark.parametrize("how", ["frozen while open for writing", "detached before a write"])
+def test_a_snapshot_copy_of_a_sparse_file_costs_what_it_holds(small_tmpfs, how):
+    """A job may make a file a petabyte long for free; the snapshot's copy must be as cheap."""
+    rank = RankDir(small_tmpfs(64 * MiB) / "job" / "rank-0")
+    rank.prepare()
+    snapshots = Snapshots(rank.path, rank.tree, lambda st: None)
+    snapshots.load()
+    (rank.tree / "ckpt").mkdir()
+    huge = rank.tree / "ckpt" / "huge"
+    sparse(huge, 1 << 50, {1 << 40: b"weights"})
+    ino = os.stat(huge).st_ino
+    fd = os.open(huge, os.O_RDWR)
+    try:
+        if how == "frozen while open for writing":
+            assert snapshots.freeze(1, "ckpt", writing={ino})
+        else:
+            assert snapshots.freeze(1, "ckpt", writing=set())
+            assert snapshots.detach(ino, f"/proc/self/fd/{fd}") is not None
+    finally:
+        os.close(fd)
+    copy = snapshots.step_tree(1) / "ckpt" / "huge"
+    st = os.stat(copy)
+    assert st.st_ino != ino and st.st_size == 1 << 50 and st.st_blocks * 512 <= MiB
+    with open(copy, "rb") as f:
+        f.seek(1 << 40)
+        assert f.read(7) == b"weights"

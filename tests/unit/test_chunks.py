@@ -200,3 +200,87 @@ def test_read_chunk(tmp_path):
         assert read_chunk(path, index, 4096) == data[index * 4096 : (index + 1) * 4096]
     assert len(read_chunk(path, 3, 4096)) == 10
     assert read_chunk(path, 4, 4096) == b""
+
+
+# -- sparse files: holes are named, never read --------------------------------------------
+
+CS = 64 << 10  # the smallest --chunk-size: a tmpfs page is 4 KiB, so holes fit inside chunks
+PAGE = 4096
+
+
+def sparse_file(path, size: int, data: list[tuple[int, bytes]]):
+    """A file of ``size`` bytes that holds ``data`` at its offsets and holes everywhere else."""
+    with open(path, "wb") as f:
+        f.truncate(size)
+        for offset, chunk in data:
+            os.pwrite(f.fileno(), chunk, offset)
+    return path
+
+
+def hashed_by_reading(path) -> list[str]:
+    data = open(path, "rb").read()
+    return [chunk_hash(data[i : i + CS]) for i in range(0, len(data), CS)]
+
+
+LAYOUTS = {
+    "all hole": (5 * CS, []),
+    "all hole, short last chunk": (5 * CS + 3 * PAGE + 17, []),
+    "hole at chunk boundaries": (6 * CS, [(0, b"a" * CS), (3 * CS, b"b" * CS)]),
+    "hole inside a chunk": (3 * CS, [(CS, b"c" * PAGE), (2 * CS - PAGE, b"d" * PAGE)]),
+    "hole at the end": (8 * CS + 100, [(0, b"e" * (CS + PAGE))]),
+    "hole at the end of a short last chunk": (4 * CS + 3 * PAGE, [(4 * CS, b"f" * PAGE)]),
+    "data at the end only": (7 * CS + 5, [(7 * CS, b"g" * 5)]),
+    "data across a chunk boundary": (4 * CS, [(CS - PAGE, b"h" * 2 * PAGE)]),
+    "zeros written as data": (4 * CS, [(CS, bytes(CS)), (3 * CS, bytes(PAGE))]),
+    "one byte per chunk": (6 * CS, [(i * CS + 7 * i, b"i") for i in range(6)]),
+}
+
+
+@pytest.mark.parametrize("where", ["tmpfs", "disk"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hash_file_of_a_sparse_file_equals_hashing_every_byte(shm_dir, tmp_path, where, layout):
+    size, data = LAYOUTS[layout]
+    path = sparse_file((shm_dir() if where == "tmpfs" else tmp_path) / "f", size, data)
+    assert hash_file(path, CS) == hashed_by_reading(path)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hash_file_equals_hashing_every_byte_for_random_holes(shm_dir, seed):
+    rng = random.Random(seed)
+    size = rng.randrange(1, 40 * CS)
+    data = []
+    for _ in range(rng.randrange(0, 12)):
+        offset = rng.randrange(0, size)
+        length = min(size - offset, rng.choice([1, PAGE, CS, 3 * CS, rng.randrange(1, 2 * CS)]))
+        data.append((offset, rng.choice([bytes(length), rng.randbytes(length)])))
+    path = sparse_file(shm_dir() / "f", size, data)
+    assert hash_file(path, CS) == hashed_by_reading(path)
+
+
+def test_zero_hash_is_the_hash_of_zeros():
+    for length in (1, PAGE, CS, chunks.MAX_CHUNK_SIZE):
+        assert chunks.zero_hash(length) == chunk_hash(bytes(length))
+
+
+def bytes_read() -> int:
+    """What this process has read with read(2) and its kind so far (the kernel's count)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def test_hash_file_reads_only_the_chunks_that_hold_data(shm_dir):
+    size = 64 << 40  # 64 TiB: reading its holes would take hours
+    cs = chunks.MAX_CHUNK_SIZE
+    data = [(0, b"head"), (cs * 1000 + 12345, os.urandom(3 * PAGE)), (size - 10, b"tail" * 2)]
+    path = sparse_file(shm_dir() / "huge", size, data)
+    before = bytes_read()
+    hashes = hash_file(path, cs)
+    read = bytes_read() - before
+    assert read <= 3 * cs + (1 << 20), f"read {read} bytes of a file holding {sum(len(d) for _, d in data)}"
+    assert len(hashes) == size // cs
+    holding = {0: 0, 1000: 1, size // cs - 1: 2}
+    for index, h in enumerate(hashes):
+        if index in holding:
+            assert h == chunk_hash(read_chunk(path, index, cs))
+        else:
+            assert h == chunks.zero_hash(cs)

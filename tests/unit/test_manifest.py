@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 from pathlib import Path
 
 import pytest
 
-from tierfs import chunks
+from tierfs import chunks, manifest
 from tierfs.chunks import chunk_hash
 from tierfs.manifest import FORMAT_VERSION, Entry, Manifest, ManifestError, build
 
@@ -307,3 +308,81 @@ def test_without_a_cache_every_file_is_hashed(snap, hash_calls):
     build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)
     build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)
     assert len(hash_calls) == 10
+
+
+# -- limits, checked before any byte is hashed ----------------------------------------------
+
+
+@pytest.fixture
+def shm_snap(shm_dir, snap) -> Path:
+    """``snap`` on tmpfs, where a file may have any size up to 8 EiB (ext4 stops at 16 TiB)."""
+    root = shm_dir() / "snap"
+    shutil.copytree(snap, root, symlinks=True, ignore=lambda d, names: ["progress.fifo"])
+    return root
+
+
+def test_a_step_larger_than_a_manifest_can_name_is_refused_before_hashing(shm_snap, hash_calls):
+    big = shm_snap / "checkpoints" / "500" / "optimizer" / "huge"
+    with open(big, "wb") as f:
+        f.truncate(1 << 50)  # truncate -s 1P: no byte is stored, the size is the job's to set
+    with pytest.raises(ManifestError) as err:
+        build(shm_snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=4 << 20)
+    assert hash_calls == [], "nothing may be hashed before the step's size is checked"
+    message = str(err.value)
+    assert "'checkpoints/500/optimizer/huge'" in message and f"{1 << 50} bytes" in message
+    assert "more than a manifest can name" in message and "\n" not in message
+
+
+def test_the_chunk_limit_counts_every_file_of_the_step(shm_snap, hash_calls):
+    per_file = (manifest.MAX_BYTES // 35) // 4 + 1  # four of them are one chunk name too many
+    for i in range(4):
+        with open(shm_snap / "checkpoints" / "500" / f"part-{i}", "wb") as f:
+            f.truncate(per_file * CS)
+    with pytest.raises(ManifestError, match="more than a manifest can name"):
+        build(shm_snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)
+    assert hash_calls == []
+
+
+def test_a_sparse_file_within_the_limits_is_described_without_reading_its_holes(shm_snap):
+    big = shm_snap / "model.ckpt"
+    size = 1 << 40  # 1 TiB apparent, 2^18 chunks of 4 MiB
+    with open(big, "wb") as f:
+        f.truncate(size)
+        os.pwrite(f.fileno(), b"weights", 5 << 30)
+    m = build(shm_snap, ["model.ckpt"], job="j", rank=0, step=1, chunk_size=4 << 20)
+    (entry,) = m.entries
+    assert entry.size == size and len(entry.chunks) == size >> 22
+    data_chunk = (5 << 30) >> 22
+    assert entry.chunks[data_chunk] == chunk_hash(chunks.read_chunk(big, data_chunk, 4 << 20))
+    assert set(entry.chunks[:data_chunk] + entry.chunks[data_chunk + 1:]) == {chunks.zero_hash(4 << 20)}
+    assert Manifest.from_json(m.to_json()) == m  # what is backed up can be restored
+    assert m.chunk_sizes() == {chunks.zero_hash(4 << 20): 4 << 20, entry.chunks[data_chunk]: 4 << 20}
+
+
+@pytest.mark.parametrize("paths", ["counted before hashing", "known only once built"])
+def test_a_manifest_whose_json_would_be_too_large_is_refused(snap, monkeypatch, hash_calls, paths):
+    deep = snap / "checkpoints" / "500" / ("d" * 200)
+    deep.mkdir()
+    for i in range(8):
+        (deep / (f"{i}" * 200)).write_bytes(b"x")
+    m = build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)
+    lower_bound = sum(len(e.path) + 35 * len(e.chunks) for e in m.entries if e.path != "checkpoints")
+    # Between the two: the JSON's other fields (and its creation time) make up the difference.
+    limit = lower_bound - 1 if paths == "counted before hashing" else (lower_bound + len(m.to_json())) // 2
+    monkeypatch.setattr(manifest, "MAX_BYTES", limit)
+    hash_calls.clear()
+    with pytest.raises(ManifestError, match=f"would be larger than {limit} bytes"):
+        build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)
+    assert bool(hash_calls) == (paths == "known only once built")
+
+
+def test_nonzero_bytes_leaves_out_chunks_of_zeros_whole_and_short():
+    z, zs = chunks.zero_hash(4), chunks.zero_hash(1)
+    m = Manifest(job="j", rank=0, step=1, chunk_size=4, roots=["a"], created=0.0, entries=[
+        Entry("a", "dir", 0o755, 0, 0, 0, 0),
+        Entry("a/data", "file", 0o644, 0, 0, 9, 0, chunks=[H("0"), z, H("2")]),  # 4 + 0 + 1
+        Entry("a/hole", "file", 0o644, 0, 0, 9, 0, chunks=[z, z, zs]),  # all hole
+        Entry("a/short", "file", 0o644, 0, 0, 6, 0, chunks=[z, H("3")]),  # 0 + 2
+        Entry("a/empty", "file", 0o644, 0, 0, 0, 0),
+    ])
+    assert m.nonzero_bytes() == 7 and m.total_bytes == 24

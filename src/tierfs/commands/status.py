@@ -79,6 +79,10 @@ def render(s: dict) -> str:
     for st in s.get("steps", []):
         b, r = st["backup"], st["replicas"]
         where = [f"from {st['source']}" if st["source"] != "local" else "committed"]
+        if st.get("refused"):
+            lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {where[0]}; on this node only, "
+                         f"no tier can take it: {st['refused']}")
+            continue
         if r.get("peers"):
             where.append(f"on {', '.join(r['peers'])} ({format_size(r['sent_bytes'])} sent)")
         elif s.get("peers"):

@@ -12,7 +12,9 @@ cache stay what they were; readers of a snapshot recheck the path's inode after 
 notice a detach that raced with them.
 
 Files still open for writing when their step commits are copied instead of linked, since
-a write through an earlier descriptor could otherwise land in the snapshot.
+a write through an earlier descriptor could otherwise land in the snapshot. Every copy
+keeps the file's holes (:func:`tierfs.holes.copy_data`): the job sets a file's size for
+free, and a copy of its holes would fill the RAM with zeros.
 
 The committed path is the job's: it is walked from the tree's descriptor without following
 symbolic links (:mod:`tierfs.ramtier.beneath`), so a link the job put in its place can
@@ -32,6 +34,7 @@ from pathlib import Path
 
 from tierfs.atomic import UnsafeFile, private_dir
 from tierfs.errors import UserError
+from tierfs.holes import copy_data
 from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)
@@ -176,13 +179,7 @@ class Snapshots:
             raise OSError(errno.EINVAL, f"{dst.name} is not a regular file")
         out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
-            n, offset = st.st_size, 0
-            while n > 0:
-                copied = os.copy_file_range(src_fd, out, min(n, 1 << 30), offset, offset)
-                if copied == 0:
-                    break
-                n -= copied
-                offset += copied
+            copy_data(src_fd, out, st.st_size)  # holes stay holes: a sparse file's copy costs what it holds
             st = os.fstat(src_fd)
         finally:
             os.close(out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import secrets
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +15,6 @@ from google.cloud import storage
 
 from tests.conftest import tierfs
 from tests.helpers import tree_digest, wait_for, write_orbax_step
-from tierfs.keys import new_secret
 from tierfs.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
 
@@ -57,7 +57,7 @@ def gcs_url(gcs_bucket) -> str:
 @pytest.fixture(autouse=True)
 def job_secret(monkeypatch) -> str:
     """Backups as they should be run: with the job's secret, so every manifest is sealed."""
-    secret = new_secret()
+    secret = secrets.token_hex(32)  # as `tierfs secret` makes them
     monkeypatch.setenv("TIERFS_SECRET", secret)
     return secret
 

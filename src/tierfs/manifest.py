@@ -122,7 +122,7 @@ class Manifest:
         A seal's MAC line is taken off, not checked: a reader that has not trusted the
         bytes yet asks :func:`authenticate` first.
         """
-        data = _split(data)[0]
+        data = split_seal(data)[0]
         if len(data) > MAX_BYTES:
             raise ManifestError(f"manifest of {len(data)} bytes is larger than {MAX_BYTES} bytes")
         try:
@@ -238,7 +238,7 @@ def authenticate(data: bytes, keys: ManifestKeys | None, rank: int, step: int) -
     Checked before a byte of it is parsed. Without keys (a node without a secret) nothing
     can be checked: the JSON is returned, sealed or not. Raises :class:`Unauthenticated`.
     """
-    body, mac = _split(data)
+    body, mac = split_seal(data)
     if keys is None:
         return body
     if mac is None:
@@ -249,8 +249,8 @@ def authenticate(data: bytes, keys: ManifestKeys | None, rank: int, step: int) -
     return body
 
 
-def _split(data: bytes) -> tuple[bytes, str | None]:
-    """(JSON, MAC in hex or ``None``): a seal is one line after the JSON, which holds no newline."""
+def split_seal(data: bytes) -> tuple[bytes, str | None]:
+    """(JSON, MAC in hex or ``None``), nothing checked: a seal is one line after the JSON, which holds no newline."""
     m = _MAC_RE.search(data, max(0, len(data) - MAC_LINE))
     return (data[:m.start()], m[1].decode()) if m else (data, None)
 

@@ -9,6 +9,7 @@ checked the same way, through real restores.
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import uuid
@@ -83,6 +84,31 @@ def test_a_planted_newer_manifest_is_neither_restored_nor_a_reason_to_delete(vol
     assert (again.mountpoint / "ckpt" / "3" / "a").read_bytes() == real[3]
     assert not (again.mountpoint / "ckpt" / str(PLANTED)).exists()
     assert not (again.mountpoint / "ckpt" / str(FORGED)).exists()
+
+
+def test_the_store_reads_each_manifest_once_and_logs_each_unsealed_one_once(gcs_bucket, caplog):
+    from tierfs.keys import manifest_keys
+    from tierfs.tiers.gcs_store import GcsStore
+
+    keys = manifest_keys("job1", secrets.token_hex(32).encode())
+    store = GcsStore(f"gs://{gcs_bucket}/p", "job1", keys=keys)
+    for step in (1, 2, 3):
+        m = planted_manifest("job1", step, b"real %d" % step, 1 << 20)
+        store.put_manifest(0, step, m.sealed(keys))
+    m = planted_manifest("job1", PLANTED, b"planted", 1 << 20)
+    plant(gcs_bucket, manifest_name("job1", 0, PLANTED).replace("b/", "p/", 1), m.to_json())
+    reads = []
+    read = store.get_manifest
+    store.get_manifest = lambda *a: reads.append(a[:2]) or read(*a)  # counts reads, changes nothing
+    caplog.set_level(logging.WARNING, logger="tierfs.tiers.gcs_store")
+    for _ in range(3):
+        assert store.list_steps(0) == [1, 2, 3]
+    assert sorted(reads) == [(0, 1), (0, 2), (0, 3), (0, PLANTED)], "each object read once to check its seal"
+    result = store.collect_garbage(keep_newest=2, grace=0)
+    assert result["manifests_deleted"] == 1 and store.list_manifests() == {0: [2, 3]}
+    assert manifest_name("job1", 0, PLANTED).replace("b/", "p/", 1) in objects(gcs_bucket, "p/job1/manifests/")
+    (warned,) = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert f"step-{PLANTED:012d}.json" in warned and "not sealed" in warned and "\n" not in warned
 
 
 @pytest.mark.expect_log("WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*1\\.json: its MAC does not verify")

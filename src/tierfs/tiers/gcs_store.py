@@ -524,26 +524,38 @@ class GcsStore:
 
     def _list_manifests(self, prefix: str) -> dict[int, list[int]]:
         found = [(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix) if kind == "json"]
-        if self.keys is not None and found:
-            with ThreadPoolExecutor(min(GC_THREADS, len(found)), thread_name_prefix="tierfs-seal") as pool:
-                sealed = list(pool.map(lambda f: self._is_sealed(*f), found))
-            found = [f for f, ok in zip(found, sealed) if ok]
+        if self.keys is not None:
+            sealed = self._known_seals(found)
+            unknown = [f for f in found if f[2].name not in sealed]
+            if len(unknown) > 1:
+                with ThreadPoolExecutor(min(GC_THREADS, len(unknown)), thread_name_prefix="tierfs-seal") as pool:
+                    checked = list(pool.map(lambda f: self._check_seal(*f), unknown))
+            else:
+                checked = [self._check_seal(*f) for f in unknown]
+            sealed.update((blob.name, ok) for (_, _, blob), ok in zip(unknown, checked))
+            found = [f for f in found if sealed[f[2].name]]
         steps: dict[int, list[int]] = {}
         for rank, step, _ in found:
             steps.setdefault(rank, []).append(step)
         return {rank: sorted(s) for rank, s in sorted(steps.items())}
 
-    def _is_sealed(self, rank: int, step: int, blob: storage.Blob) -> bool:
+    def _known_seals(self, found: list[tuple[int, int, storage.Blob]]) -> dict[str, bool]:
+        """What earlier listings learned of these objects' seals (of the same generation only)."""
+        known = {}
+        with self._lock:
+            for _, _, blob in found:
+                seen = self._sealed.get(blob.name)
+                if seen is not None and seen[0] == (blob.generation or 0):
+                    known[blob.name] = seen[1]
+        return known
+
+    def _check_seal(self, rank: int, step: int, blob: storage.Blob) -> bool:
         """Whether the listed manifest object carries this job's seal for (rank, step).
 
-        Answered once per object generation: a listing reads only manifests it has not
-        checked yet. A failure is logged once.
+        Remembered per object generation, so a listing reads only manifests it has not
+        checked yet; a failure is logged once.
         """
         name, generation = blob.name, blob.generation or 0
-        with self._lock:
-            known = self._sealed.get(name)
-        if known is not None and known[0] == generation:
-            return known[1]
         try:
             data = self.get_manifest(rank, step, generation or None)
             manifest_format.authenticate(data, self.keys, rank, step)

@@ -203,7 +203,7 @@ class Daemon:
         from tierfs.tiers.gcs_store import GcsUnavailable
 
         cfg = self.cfg
-        sealing = keys.for_config(cfg)  # the one slow derivation of the daemon's keys, at start
+        sealing = keys.for_config(cfg)
         if sealing is None:
             self._warn(f"GCS manifests in {cfg.gcs} are not authenticated without the job's secret: whoever can "
                        "write to the bucket can choose what restores; set TIERFS_SECRET or --secret-file")

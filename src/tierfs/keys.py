@@ -22,6 +22,10 @@ import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierfs.config import Config
 
 # scrypt's cost: 128 * R * N bytes of memory, about 50 ms on one core of a current server.
 SCRYPT_N = 1 << 14
@@ -80,7 +84,7 @@ def manifest_keys(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -
     return ManifestKeys(job, seal, (seal, *(derive(job, s).manifest for s in older if s and s != secret)))
 
 
-def for_config(cfg) -> ManifestKeys | None:
+def for_config(cfg: Config) -> ManifestKeys | None:
     """The manifest keys of a node's configuration (its secret and the older ones)."""
     return manifest_keys(cfg.job, cfg.secret, cfg.older_secrets)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from tierfs import chunks
 from tierfs.commit import CommitRules, parse_rules
 from tierfs.errors import UserError
+from tierfs.keys import split_secrets
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
 DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
@@ -173,6 +174,7 @@ class Config:
     peer_dns: tuple = ()  # tierfs.discovery.DnsSource: names the daemon resolves (and re-resolves)
     replicas: int = 1  # peers that hold a copy of each committed step
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
+    older_secrets: tuple[bytes, ...] = field(default=(), repr=False)  # only verify manifests made under them
     # Peer traffic: TLS 1.3 keyed from the secret, or from these mounted files (all three or none).
     peer_tls: bool = True
     tls_cert: Path | None = None
@@ -232,11 +234,14 @@ class Config:
         secret_file = v.pop("secret_file", None)
         if secret_file is not None:
             try:
-                v["secret"] = Path(secret_file).read_bytes().strip()
+                v["secret"] = Path(secret_file).read_bytes()
             except OSError as e:
                 raise UserError(f"cannot read --secret-file {secret_file}: {e.strerror}") from None
         if isinstance(v.get("secret"), str):
             v["secret"] = v["secret"].encode()
+        if isinstance(v.get("secret"), bytes) and "older_secrets" not in v:
+            v["secret"], v["older_secrets"] = split_secrets(v["secret"])
+            v["secret"] = v["secret"] or None
         for key in ("log_level", "data_path", "engine"):
             if key in v:
                 v[key] = str(v[key]).strip().lower()
@@ -274,8 +279,9 @@ class Config:
         parse_rules(self.commit_rule)  # a bad rule is a start-up error, not a later surprise
         if (self.peers or self.peer_dns or self.listen) and not self.secret:
             raise UserError("the peer service needs the job's secret: set TIERFS_SECRET or --secret-file")
-        if self.secret is not None and len(self.secret) < 16:
-            raise UserError("the job secret is too short: use at least 16 characters")
+        if any(len(s) < 16 for s in (self.secret or b"x" * 16, *self.older_secrets)):
+            raise UserError("the job secret is too short: use at least 16 characters "
+                            "(tierfs secret makes a good one)")
         _check_peer_tls(self)
         if self.peers and not self.peer_dns and not 1 <= self.replicas <= len(self.peers):
             raise UserError(

@@ -22,7 +22,7 @@ import time
 
 import trio
 
-from tierfs import control, linux, mounts, status
+from tierfs import control, keys, linux, mounts, status
 from tierfs.atomic import read_state
 from tierfs.cluster import ClusterView
 from tierfs.config import Config, format_size
@@ -117,6 +117,7 @@ class Daemon:
         if not self.rank.is_tmpfs():
             log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
         self.steps.load()
+        keys.for_config(cfg)  # stretch the secret once, before any peer or manifest needs its keys
         if cfg.listen:
             _check_listen(cfg.listen)
             self.replica_store = self.local.store = ReplicaStore(
@@ -216,7 +217,11 @@ class Daemon:
         from tierfs.tiers.gcs_store import GcsUnavailable
 
         cfg = self.cfg
-        tier = GcsTier(cfg.gcs, cfg.job)
+        sealing = keys.for_config(cfg)
+        if sealing is None:
+            self._warn(f"GCS manifests in {cfg.gcs} are not authenticated without the job's secret: whoever can "
+                       "write to the bucket can choose what restores; set TIERFS_SECRET or --secret-file")
+        tier = GcsTier(cfg.gcs, cfg.job, keys=sealing)
         try:
             tier.check()
         except GcsUnavailable as e:

@@ -14,10 +14,18 @@ costing the daemon its memory, and one with a number no system call accepts. Sym
 targets are relative and never climb (no ``..``), so a restored link only ever points
 below its own directory. Restoring never sets set-uid, set-gid, or sticky on a file
 (:func:`restorable_mode`): the daemon is root, the manifest's author may not be.
+
+A node with the job's secret stores every manifest *sealed* (:func:`seal`): the JSON, then
+one line ``hmac-sha256 <64 hex>`` whose MAC binds the job, rank and step to the exact
+bytes. Anyone who can write to a bucket can write well-formed manifests; only holders of
+the secret can seal them, and :func:`authenticate` is what a reader asks before it uses
+one (docs/formats.md, "Sealed manifests").
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -30,6 +38,7 @@ from pathlib import Path
 from tierfs import chunks
 from tierfs.config import check_job_id, format_size
 from tierfs.errors import UserError
+from tierfs.keys import ManifestKeys
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +56,20 @@ MAX_ID = (1 << 32) - 2  # uid/gid: 2**32 - 1 is chown's "leave as it is"
 MAX_NS = (1 << 63) - 1  # mtime_ns: what utime takes
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
+_MAC_PREFIX = b"\nhmac-sha256 "
+_MAC_RE = re.compile(rb"\nhmac-sha256 ([0-9a-f]{64})\n\Z")
+MAC_LINE = len(_MAC_PREFIX) + 64 + 1  # the bytes a seal adds
+_MAC_LABEL = b"tierfs manifest v1\0"
 
 FileKey = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
 
 
 class ManifestError(Exception):
     """A manifest that is malformed, inconsistent, unsafe, or from a newer tierfs."""
+
+
+class Unauthenticated(ManifestError):
+    """A manifest that this job's secrets did not seal for the (rank, step) it is read as."""
 
 
 @dataclass
@@ -94,9 +111,18 @@ class Manifest:
         obj = {**vars(self), "entries": [vars(e) for e in self.entries]}
         return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
+    def sealed(self, keys: ManifestKeys | None) -> bytes:
+        """The bytes every tier stores: :meth:`to_json`, sealed when the node has a secret."""
+        return seal(self.to_json(), keys, self.rank, self.step)
+
     @classmethod
     def from_json(cls, data: bytes) -> Manifest:
-        """Parse a manifest from another machine: nothing in it is used before it is checked."""
+        """Parse a manifest from another machine: nothing in it is used before it is checked.
+
+        A seal's MAC line is taken off, not checked: a reader that has not trusted the
+        bytes yet asks :func:`authenticate` first.
+        """
+        data = split_seal(data)[0]
         if len(data) > MAX_BYTES:
             raise ManifestError(f"manifest of {len(data)} bytes is larger than {MAX_BYTES} bytes")
         try:
@@ -211,6 +237,46 @@ class Manifest:
             _check_path(root, "root")
             if root not in kinds:
                 raise ManifestError(f"root {root!r} has no entry")
+
+
+def seal(body: bytes, keys: ManifestKeys | None, rank: int, step: int) -> bytes:
+    """A manifest's JSON as stored: followed by its MAC line, or as it is without keys."""
+    if keys is None:
+        return body
+    data = b"%s%s%s\n" % (body, _MAC_PREFIX, _mac(keys.seal, keys.job, rank, step, body).encode())
+    if len(data) > MAX_BYTES:
+        raise ManifestError(f"manifest of rank {rank} step {step} is larger than {MAX_BYTES} bytes once sealed")
+    return data
+
+
+def authenticate(data: bytes, keys: ManifestKeys | None, rank: int, step: int) -> bytes:
+    """The JSON of a stored manifest if one of ``keys`` sealed it as ``keys.job``'s (rank, step).
+
+    Checked before a byte of it is parsed. Without keys (a node without a secret) nothing
+    can be checked: the JSON is returned, sealed or not. Raises :class:`Unauthenticated`.
+    """
+    body, mac = split_seal(data)
+    if keys is None:
+        return body
+    if mac is None:
+        raise Unauthenticated("it is not sealed (no MAC line): it was not written by a node with this job's secret")
+    if not any(hmac.compare_digest(_mac(key, keys.job, rank, step, body), mac) for key in keys.accept):
+        raise Unauthenticated(f"its MAC does not verify: it was not sealed with this job's secret "
+                              f"as rank {rank} step {step}")
+    return body
+
+
+def split_seal(data: bytes) -> tuple[bytes, str | None]:
+    """(JSON, MAC in hex or ``None``), nothing checked: a seal is one line after the JSON, which holds no newline."""
+    m = _MAC_RE.search(data, max(0, len(data) - MAC_LINE))
+    return (data[:m.start()], m[1].decode()) if m else (data, None)
+
+
+def _mac(key: bytes, job: str, rank: int, step: int, body: bytes) -> str:
+    """HMAC-SHA256 over the label, the job, rank and step the manifest is stored as, and its JSON."""
+    mac = hmac.new(key, b"%s%s\0%d\0%d\0" % (_MAC_LABEL, job.encode(), rank, step), hashlib.sha256)
+    mac.update(body)
+    return mac.hexdigest()
 
 
 def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str):

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import trio
 
+from tierfs import keys
 from tierfs.atomic import write_atomically
 from tierfs.config import Config
 from tierfs.manifest import Manifest, ManifestError, build
@@ -236,7 +237,8 @@ class Replicator:
             if len(placed) == wanted:
                 break
             try:
-                pushed += await put_step(tier, manifest, where, self.yield_to_writers, lane.progress)
+                pushed += await put_step(tier, manifest, where, self.yield_to_writers, lane.progress,
+                                         seal_with=keys.for_config(self.cfg))
             except TierError as e:
                 if isinstance(e, SourceChanged):
                     raise
@@ -338,7 +340,8 @@ class Replicator:
                     raise
                 continue  # a file changed under the hashing: it was detached, hash the copy
             if snapshots.detaches == detaches:
-                write_atomically(snapshots.step_dir(state.step) / "manifest.json", manifest.to_json())
+                write_atomically(snapshots.step_dir(state.step) / "manifest.json",
+                                 manifest.sealed(keys.for_config(self.cfg)))
                 return manifest
         raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
 

@@ -39,11 +39,12 @@ from pathlib import Path
 import trio
 
 from tierfs import chunks
+from tierfs import keys
 from tierfs.atomic import UnsafeFile, private_dir, read_state, write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError
 from tierfs.fetch import ChunkSources
-from tierfs.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, restorable_mode
+from tierfs.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, Unauthenticated, authenticate, restorable_mode
 from tierfs.ramtier import RankDir, SpaceAccount, beneath
 from tierfs.steps import StepState, Steps
 from tierfs.tiers.base import Tier, TierError, by_cost, first_line
@@ -111,7 +112,7 @@ class Restore:
         if state is None or state.get("step") != self.step:
             shutil.rmtree(self.dir, ignore_errors=True)
             os.mkdir(self.dir, 0o700)  # steps/ exists (Snapshots.load) and is root-only too
-            write_atomically(self.dir / "manifest.json", self.manifest.to_json())
+            write_atomically(self.dir / "manifest.json", self.manifest.sealed(keys.for_config(self.cfg)))
             state = {"step": self.step, "prepared": False, "linked": False, "tiers": self.origin.names}
             self._write_state(state)
         if not state["prepared"]:
@@ -523,7 +524,8 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
     """This rank's manifest of ``step`` from the first of ``tiers`` (in order) that gives a valid one.
 
     A manifest that is not this job's, this rank's and this step's is refused like a
-    malformed one, and the next tier is asked.
+    malformed one, and the next tier is asked; so is one the job's secret did not seal (a
+    node with a secret uses no other).
     """
     errors = []
     for tier in tiers:
@@ -541,8 +543,12 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
 
 def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
     try:
-        manifest = Manifest.from_json(data)
+        body = authenticate(data, keys.for_config(cfg), cfg.rank, step)
+        manifest = Manifest.from_json(body)
         manifest.check_identity(cfg.job, cfg.rank, step)
+    except Unauthenticated as e:
+        log.warning("ignoring the manifest of rank %d step %d from %s: %s", cfg.rank, step, where, e)
+        raise UserError(f"the manifest from {where} is not this job's: {e}") from None
     except ManifestError as e:
         raise UserError(f"the manifest from {where} is unusable: {e}") from None
     return manifest

@@ -12,11 +12,12 @@ import trio
 
 from tests import helpers
 from tierfs.chunks import chunk_hash
-from tierfs.manifest import Manifest
+from tierfs.keys import manifest_keys
+from tierfs.manifest import Manifest, authenticate
 from tierfs.tiers.base import (MAX_CHUNK, MAX_MANIFEST, Holdings, NotHeld, Progress, Tier, TierError, by_cost,
                                put_step)
 
-from tests.tiers.conftest import JOB
+from tests.tiers.conftest import JOB, SECRET
 
 CS = 64 << 10
 
@@ -172,3 +173,14 @@ async def test_a_tier_is_a_value_with_a_name_kind_and_cost(subject):
     assert tier.cost.read_gib_s > 0 and tier.cost.dollars_per_gib >= 0
     assert by_cost([tier]) == [tier]
     await tier.aclose()
+
+
+async def test_a_sealed_manifest_comes_back_with_its_seal(subject, tmp_path):
+    """Every tier keeps a manifest's seal: a restoring node checks it, whichever tier answers."""
+    keys = manifest_keys(JOB, SECRET)
+    manifest, where = make_step(tmp_path, 0, 6, {"s": randbytes(CS + 3, 12)})
+    await put_step(subject.tier, manifest, where, seal_with=keys)
+    data = await subject.tier.get_manifest(0, 6)
+    assert data == manifest.sealed(keys)
+    assert Manifest.from_json(authenticate(data, keys, 0, 6)) == manifest
+    assert (0, 6) in (await subject.tier.holdings()).manifests

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import shutil
 import signal
 import subprocess
@@ -19,6 +18,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from tierfs.keys import new_secret
 from tierfs.local import TIERFS, free_port, unmount_all_beneath, wait_gone
 
 
@@ -39,7 +39,7 @@ class Node:
 class LocalCluster:
     def __init__(self, base: Path, nodes: int, job: str = "job", **options):
         self.base, self.job, self.options = base, job, options
-        self.secret = secrets.token_hex(16)
+        self.secret = new_secret()
         self.nodes = []
         for i in range(nodes):
             host = f"127.0.0.{2 + i}"

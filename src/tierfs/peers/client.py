@@ -20,6 +20,7 @@ from typing import Any, Iterator, Sequence
 import trio
 import xxhash
 
+from tierfs.manifest import split_seal
 from tierfs.peers import wire
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import (HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerRefused, PeerUnavailable,
@@ -155,7 +156,7 @@ class PeerClient:
             data = await self._body(reply, MAX_MANIFEST)
         self._check(reply)
         try:
-            wire.parse_json(data, "manifest", MANIFEST_MAX_DEPTH)
+            wire.parse_json(split_seal(data)[0], "manifest", MANIFEST_MAX_DEPTH)
         except ProtocolError as e:
             raise PeerError(f"peer {_name(self.address)}: get_manifest: {e}") from None
         return data

@@ -5,8 +5,9 @@ an operator turns it off (``--peer-tls off``) for a network they trust.
 
 **Keyed from the secret (the default).** Every node of a job already holds the job's
 secret, so nothing else has to be distributed. Python's ``ssl`` has no TLS 1.3 pre-shared
-keys, so each node derives the same Ed25519 key from the secret and the job id
-(HKDF-SHA256), makes the same self-signed certificate from it, presents it, and trusts
+keys, so each node derives the same Ed25519 key from the secret and the job id (the
+stretched secret of :mod:`tierfs.keys`: the certificate is public, and a guess of the
+secret checked against it costs a scrypt), makes the same self-signed certificate from it, presents it, and trusts
 exactly that certificate from the other side (mutual TLS: both sides verify). A node
 without the secret, or of another job, cannot finish the TLS handshake; a network observer
 sees neither the data nor the requests, and cannot alter them.
@@ -42,10 +43,10 @@ from typing import Any
 
 import trio
 
+from tierfs import keys
 from tierfs.errors import UserError
 from tierfs.peers.wire import PIECE, AuthFailed, PeerUnavailable, ProtocolError
 
-_HKDF_SALT = b"tierfs peer TLS key v1"
 # Reasons OpenSSL gives when the other side does not speak TLS at all.
 _NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE",
             "UNSUPPORTED_PROTOCOL", "RECORD_LENGTH_MISMATCH", "UNKNOWN_PROTOCOL"}
@@ -119,13 +120,11 @@ def _context(purpose: int) -> ssl.SSLContext:
 def _certificate_from_secret(job: str, secret: bytes) -> tuple[bytes, bytes]:
     """The job's certificate and key (PEM): the same bytes on every node that holds the secret."""
     from cryptography import x509  # noqa: PLC0415 (slow to import; only daemons with peers need it)
-    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ed25519
-    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
     from cryptography.x509.oid import NameOID
 
-    seed = HKDF(hashes.SHA256(), 32, salt=_HKDF_SALT, info=job.encode()).derive(secret)
-    key = ed25519.Ed25519PrivateKey.from_private_bytes(seed)
+    key = ed25519.Ed25519PrivateKey.from_private_bytes(keys.derive(job, secret).tls_seed)
     public = key.public_key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tierfs peer")])
     raw_public = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)

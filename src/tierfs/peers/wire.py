@@ -36,6 +36,7 @@ from typing import Any
 
 import trio
 
+from tierfs import keys
 from tierfs.chunks import MAX_CHUNK_SIZE
 from tierfs.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
@@ -342,14 +343,17 @@ def new_nonce() -> str:
 
 
 def proof(secret: bytes, role: str, job: str, client_nonce: str, server_nonce: str) -> str:
-    """HMAC-SHA256(secret, role|job|client_nonce|server_nonce) in hex.
+    """HMAC-SHA256(handshake key, role|job|client_nonce|server_nonce) in hex.
 
-    The role (``server`` or ``client``) keeps one side's proof from ever serving as the
-    other's, so a proof cannot be reflected back at its sender. Nonces have a fixed length,
-    so the message is unambiguous even if a job name contained ``|``.
+    The key is the job's handshake key (:func:`tierfs.keys.derive`), not the secret: a
+    stranger's connection gets the server's proof, and testing a guess of the secret
+    against it must cost the scrypt stretch, not one HMAC. The role (``server`` or
+    ``client``) keeps one side's proof from ever serving as the other's, so a proof cannot
+    be reflected back at its sender. Nonces have a fixed length, so the message is
+    unambiguous even if a job name contained ``|``.
     """
     message = b"|".join((role.encode(), job.encode(), client_nonce.encode(), server_nonce.encode()))
-    return hmac.new(secret, message, hashlib.sha256).hexdigest()
+    return hmac.new(keys.derive(job, secret).handshake, message, hashlib.sha256).hexdigest()
 
 
 async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) -> None:

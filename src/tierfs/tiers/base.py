@@ -38,6 +38,7 @@ from tierfs.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     from tierfs.config import Config
+    from tierfs.keys import ManifestKeys
     from tierfs.manifest import Manifest
 
 log = logging.getLogger(__name__)
@@ -243,14 +244,16 @@ class Tier(ABC):
 
 
 async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
-                   pace: Callable[[], Awaitable[None]] = _no_pause, progress: Progress | None = None) -> Pushed:
+                   pace: Callable[[], Awaitable[None]] = _no_pause, progress: Progress | None = None,
+                   seal_with: ManifestKeys | None = None) -> Pushed:
     """Put a step on ``tier``: the chunks it lacks, then the manifest (its commit point there).
 
     ``where`` locates every distinct chunk of the step in local files; ``pace`` is awaited
-    before each chunk is sent (the job's writes go first).
+    before each chunk is sent (the job's writes go first). The manifest goes sealed with
+    ``seal_with``, the node's manifest keys (``None``: a node without a secret).
     """
     hashes = list(where)
-    data = manifest.to_json()
+    data = manifest.sealed(seal_with)
     pushed = Pushed(chunks=len(hashes))
     await tier.begin_step(manifest.rank, manifest.step, hashes)
     have = await tier.has_chunks(hashes) if hashes else []

@@ -23,6 +23,7 @@ import trio
 
 from tierfs import chunks
 from tierfs.errors import UserError
+from tierfs.keys import ManifestKeys
 from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, SourceChanged, Tier, TierError, TierUnavailable,
                                check_chunk, check_manifest)
 from tierfs.tiers.gcs_store import GcsError, GcsStore, GcsUnavailable, MissingObject
@@ -40,10 +41,10 @@ class GcsTier(Tier):
     cost = Cost(read_gib_s=0.2, dollars_per_gib=0.12)  # slower than any node, and reads are paid for
     concurrency = THREADS
 
-    def __init__(self, url: str, job: str, store: GcsStore | None = None):
+    def __init__(self, url: str, job: str, store: GcsStore | None = None, keys: ManifestKeys | None = None):
         super().__init__()
         self.url = url
-        self.store = store or GcsStore(url, job)
+        self.store = store or GcsStore(url, job, keys=keys)
         self._limiter = trio.CapacityLimiter(THREADS)
 
     @property

@@ -16,7 +16,10 @@ Nothing read from the bucket is trusted: anyone who can write to it can plant ob
 Every read is bounded by the size the object can have (a chunk frame, a manifest), names
 that are not exactly the ones this module writes are ignored, and an existing chunk
 object is decoded and checked against its name before an upload relies on it; one that
-fails is replaced (``ifGenerationMatch=<its generation>``), not trusted forever.
+fails is replaced (``ifGenerationMatch=<its generation>``), not trusted forever. With the
+job's manifest keys, a manifest counts only once its seal verifies (:meth:`GcsStore.list_manifests`):
+a well-formed, correctly named manifest someone else wrote is not a step, for a restore or
+for retention.
 
 Everything is synchronous, for worker threads; one store (and its HTTP connection pool)
 serves all of them. Transient failures are retried here for about a second, then raised
@@ -49,6 +52,7 @@ from google.cloud.storage.exceptions import DataCorruption
 from tierfs import chunks
 from tierfs import manifest as manifest_format
 from tierfs.errors import UserError
+from tierfs.keys import ManifestKeys
 
 T = TypeVar("T")
 _VANISHED = "it was deleted meanwhile"
@@ -154,7 +158,8 @@ class GcsStore:
     """One job's objects in one bucket; safe to share between threads."""
 
     def __init__(
-        self, url: str, job: str, client: storage.Client | None = None, timeout: float = 30
+        self, url: str, job: str, client: storage.Client | None = None, timeout: float = 30,
+        keys: ManifestKeys | None = None,
     ):
         self.bucket, self.prefix = parse_gcs_url(url)
         if not job or "/" in job:
@@ -168,6 +173,8 @@ class GcsStore:
         self._sound: dict[str, str] = {}  # chunk -> md5 (or generation) of the object found to hold it
         self._replace: dict[str, int] = {}  # chunk -> generation of an object that does not hold it
         self._ignored: set[str] = set()  # names under manifests/ already logged as not ours
+        self.keys = keys  # None: no secret, so manifests cannot be authenticated
+        self._sealed: dict[str, tuple[int, bool]] = {}  # manifest name -> (generation, its seal verifies)
 
     @property
     def client(self) -> storage.Client:
@@ -326,19 +333,26 @@ class GcsStore:
     def put_manifest(self, rank: int, step: int, data: bytes) -> None:
         self._upload(self._manifest_name(rank, step, "json"), data)
 
-    def get_manifest(self, rank: int, step: int) -> bytes:
-        """The manifest's bytes, read with the bound of the largest manifest (:class:`CorruptObject` past it)."""
-        return self._download(self._manifest_name(rank, step, "json"), manifest_format.MAX_BYTES)
+    def get_manifest(self, rank: int, step: int, generation: int | None = None) -> bytes:
+        """The manifest's bytes as stored, read with the bound of the largest manifest
+        (:class:`CorruptObject` past it); the reader authenticates them."""
+        return self._download(self._manifest_name(rank, step, "json"), manifest_format.MAX_BYTES, generation)
 
     def delete_manifest(self, rank: int, step: int) -> None:
         self._delete(self._manifest_name(rank, step, "json"))
 
     def list_steps(self, rank: int) -> list[int]:
-        """Committed steps of one rank, oldest first."""
+        """Committed steps of one rank, oldest first (with keys: only those whose seal verifies)."""
         return self._list_manifests(f"{self._base}manifests/rank-{rank}/").get(rank, [])
 
     def list_manifests(self, prefix: str = "") -> dict[int, list[int]]:
-        """Committed steps of every rank that has any (under ``manifests/<prefix>``), oldest first."""
+        """Committed steps of every rank that has any (under ``manifests/<prefix>``), oldest first.
+
+        With keys, a manifest counts only if its seal verifies: each object is read once
+        (per generation) to check it, and one that fails is logged once and left alone. So a
+        planted manifest is never the newest step, and never pushes a real one out of
+        retention.
+        """
         return self._list_manifests(f"{self._base}manifests/{prefix}")
 
     def put_pending(self, rank: int, step: int, hashes: Iterable[str]) -> None:
@@ -449,11 +463,17 @@ class GcsStore:
 
     def _manifest_chunks(self, rank_step: tuple[int, int]) -> set[str]:
         rank, step = rank_step
+        url = self.manifest_url(rank, step)
         try:
             data = self.get_manifest(rank, step)
         except MissingObject:
             return set()  # deleted by another collector since it was listed: nothing to keep
-        return _parse_manifest_chunks(data, self.url_of(self._manifest_name(rank, step, "json")))
+        try:
+            data = manifest_format.authenticate(data, self.keys, rank, step)
+        except manifest_format.Unauthenticated as e:
+            # Replaced since the listing verified it: which chunks the step needs is unknown.
+            raise CorruptObject(f"{url} was replaced by a manifest that is not this job's ({e})") from None
+        return _parse_manifest_chunks(data, url)
 
     def _collect(self, info: ChunkInfo, cutoff: float) -> bool:
         """Delete one unreferenced chunk unless it has been used since it was listed."""
@@ -487,7 +507,7 @@ class GcsStore:
         once each.
         """
         start = len(f"{self._base}manifests/")
-        for blob in self._list(prefix, "items(name,updated)"):
+        for blob in self._list(prefix, "items(name,updated,generation)"):
             m = _MANIFEST_RE.fullmatch(blob.name, start)
             if m and blob.name == self._manifest_name(int(m[1]), int(m[2]), m[3]):
                 yield int(m[1]), int(m[2]), m[3], blob
@@ -503,11 +523,54 @@ class GcsStore:
                     "(manifests/rank-<R>/step-<S, 12 digits>.json or .pending)", self.url_of(name))
 
     def _list_manifests(self, prefix: str) -> dict[int, list[int]]:
+        found = [(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix) if kind == "json"]
+        if self.keys is not None:
+            sealed = self._known_seals(found)
+            unknown = [f for f in found if f[2].name not in sealed]
+            if len(unknown) > 1:
+                with ThreadPoolExecutor(min(GC_THREADS, len(unknown)), thread_name_prefix="tierfs-seal") as pool:
+                    checked = list(pool.map(lambda f: self._check_seal(*f), unknown))
+            else:
+                checked = [self._check_seal(*f) for f in unknown]
+            sealed.update((blob.name, ok) for (_, _, blob), ok in zip(unknown, checked))
+            found = [f for f in found if sealed[f[2].name]]
         steps: dict[int, list[int]] = {}
-        for rank, step, kind, _ in self._manifest_objects(prefix):
-            if kind == "json":
-                steps.setdefault(rank, []).append(step)
+        for rank, step, _ in found:
+            steps.setdefault(rank, []).append(step)
         return {rank: sorted(s) for rank, s in sorted(steps.items())}
+
+    def _known_seals(self, found: list[tuple[int, int, storage.Blob]]) -> dict[str, bool]:
+        """What earlier listings learned of these objects' seals (of the same generation only)."""
+        known = {}
+        with self._lock:
+            for _, _, blob in found:
+                seen = self._sealed.get(blob.name)
+                if seen is not None and seen[0] == (blob.generation or 0):
+                    known[blob.name] = seen[1]
+        return known
+
+    def _check_seal(self, rank: int, step: int, blob: storage.Blob) -> bool:
+        """Whether the listed manifest object carries this job's seal for (rank, step).
+
+        Remembered per object generation, so a listing reads only manifests it has not
+        checked yet; a failure is logged once.
+        """
+        name, generation = blob.name, blob.generation or 0
+        try:
+            data = self.get_manifest(rank, step, generation or None)
+            manifest_format.authenticate(data, self.keys, rank, step)
+            problem = None
+        except MissingObject:
+            return False  # deleted (or replaced) since the listing: not a step any more
+        except (CorruptObject, manifest_format.Unauthenticated) as e:
+            problem = str(e)
+        with self._lock:
+            if len(self._sealed) >= REMEMBERED:
+                self._sealed.clear()  # checking again is only slower
+            self._sealed[name] = (generation, problem is None)
+        if problem is not None:
+            log.warning("ignoring %s: %s", self.url_of(name), problem)
+        return problem is None
 
     # -- requests -------------------------------------------------------------------------
 
@@ -682,7 +745,7 @@ def _parse_pending(data: bytes, url: str) -> set[str]:
 
 
 def _parse_manifest_chunks(data: bytes, url: str) -> set[str]:
-    """The chunks a manifest names; only ``entries[].chunks`` matters to the collector."""
+    """The chunks a manifest's JSON names; only ``entries[].chunks`` matters to the collector."""
     try:
         entries = json.loads(data)["entries"]
         hashes = {h for entry in entries for h in entry.get("chunks", ())}

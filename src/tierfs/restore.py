@@ -38,8 +38,7 @@ from pathlib import Path
 
 import trio
 
-from tierfs import chunks
-from tierfs import keys
+from tierfs import chunks, keys
 from tierfs.atomic import UnsafeFile, private_dir, read_state, write_atomically
 from tierfs.config import Config, format_size
 from tierfs.errors import UserError

@@ -9,7 +9,7 @@ import pytest
 
 from tierfs import holes
 from tierfs.errors import UserError
-from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier import RankDir, SpaceAccount, layout
 from tierfs.ramtier.snapshots import Snapshots
 
 MiB = 1 << 20
@@ -25,7 +25,9 @@ def test_prepare_creates_tree_with_tmpfs_root_mode(shm_dir):
     assert os.stat(rank.tree).st_mode & 0o7777 == 0o755
 
 
-def test_claim_is_exclusive_and_names_the_holder(shm_dir):
+def test_claim_is_exclusive_and_names_the_holder(shm_dir, monkeypatch):
+    # The holder's mountpoint serves nothing, so the claim first waits for it as for a dying daemon.
+    monkeypatch.setattr(layout, "DYING_HOLDER_WAIT", 0.5)
     path = shm_dir() / "job" / "rank-0"
     first, second = RankDir(path), RankDir(path)
     first.prepare()

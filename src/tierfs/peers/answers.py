@@ -19,7 +19,7 @@ from tierfs.coordination.transport import BadMessage
 from tierfs.coordination.view import MAX_RANK, MAX_REPLICAS, MAX_STEPS, topology_labels
 from tierfs.peers.wire import PeerError
 
-MAX_NODE = 512  # characters of the node name an info answer gives (what claim.Identity keeps)
+MAX_NODE = 255 + 1 + 4096  # characters of a node's name: its host name, ":", its RAM tier's path
 MAX_INSTANCE = 64  # characters of its instance (a daemon's is 16)
 
 

@@ -34,7 +34,8 @@ def info(answer: dict[str, Any], nodes: int | None) -> dict[str, Any]:
     that a field this node does not check is never read. Without ``nodes``, any rank a
     report may carry.
     """
-    checked: dict[str, Any] = {"rank": fields.rank(answer.get("rank"), "rank", MAX_RANK + 1 if nodes is None else nodes)}
+    ranks = MAX_RANK + 1 if nodes is None else nodes
+    checked: dict[str, Any] = {"rank": fields.rank(answer.get("rank"), "rank", ranks)}
     if "steps" in answer:
         checked["steps"] = fields.steps(answer["steps"], "steps", MAX_STEPS)
     if "restore_step" in answer:

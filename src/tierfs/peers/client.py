@@ -259,7 +259,7 @@ class PeerClient:
 
     def _parse(self, op: str, parse: Callable[[dict[str, Any], int | None], T], reply: dict[str, Any],
                nodes: int | None) -> T:
-        """``parse(reply, nodes)``; a malformed answer is a refusal of sorts: read whole, the connection in step."""
+        """The answer checked by ``parse``; a malformed one was read whole, so the connection stays in step."""
         try:
             return parse(reply, nodes)
         except BadMessage as e:

@@ -92,20 +92,25 @@ class Holdings:
             if r > MAX_RANK or s > MAX_STEP:
                 raise BadMessage("a replica's rank or step is out of range")
             pairs.append((r, s))
-        topology = data.get("topology", [])
-        if not isinstance(topology, list) or len(topology) > MAX_TOPOLOGY:
-            raise BadMessage(f"topology must be a list of at most {MAX_TOPOLOGY} [key, value] pairs")
-        labels = []
-        for t in topology:
-            if not (isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) and len(x) <= MAX_LABEL for x in t)):
-                raise BadMessage(f"each topology label must be a [key, value] pair of strings of at most {MAX_LABEL}")
-            labels.append((t[0], t[1]))
+        labels = topology_labels(data.get("topology", []))
         backed = int_list(data.get("backed", []), "backed", MAX_STEPS)
         if any(s > MAX_STEP for s in steps + backed):
             raise BadMessage("a step is out of range")
         return cls(rank, tuple(steps), tuple(pairs), int_field(data, "restore", hi=MAX_STEP, optional=True),
-                   tuple(labels), int_field(data, "inc", hi=1 << 62), int_field(data, "seq", hi=1 << 62),
+                   labels, int_field(data, "inc", hi=1 << 62), int_field(data, "seq", hi=1 << 62),
                    tuple(backed))
+
+
+def topology_labels(value: object) -> tuple[tuple[str, str], ...]:
+    """A node's topology labels as another node sent them (a report, a peer's ``info``)."""
+    if not isinstance(value, list) or len(value) > MAX_TOPOLOGY:
+        raise BadMessage(f"topology must be a list of at most {MAX_TOPOLOGY} [key, value] pairs")
+    labels = []
+    for t in value:
+        if not (isinstance(t, list) and len(t) == 2 and all(isinstance(x, str) and len(x) <= MAX_LABEL for x in t)):
+            raise BadMessage(f"each topology label must be a [key, value] pair of strings of at most {MAX_LABEL}")
+        labels.append((t[0], t[1]))
+    return tuple(labels)
 
 
 def choose_step(newest: int | None, decisions: Iterable[int], mine: Iterable[int] | None) -> int | None:

@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import trio
 import xxhash
 
+from tierfs.coordination.transport import BadMessage
 from tierfs.manifest import split_seal
-from tierfs.peers import wire
+from tierfs.peers import answers, wire
+from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import (HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerRefused, PeerUnavailable,
                                ProtocolError)
+
+T = TypeVar("T")
 
 MANIFEST_MAX_DEPTH = 16  # a manifest nests 3 levels (formats.md); a deeper one is a hostile peer's
 
@@ -90,13 +94,16 @@ class PeerClient:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def info(self) -> dict[str, Any]:
-        """What the peer says about itself (rank, topology, free bytes...), ``ok`` removed."""
+    async def info(self, nodes: int | None = None) -> dict[str, Any]:
+        """What the peer says about itself (rank, topology, free bytes...), checked (:func:`answers.info`).
+
+        Its rank must be one of the job's ``nodes`` (if given). A malformed answer raises
+        :class:`MalformedAnswer`; the connection is still in step.
+        """
         with self._request("info"):
             reply = await self._call({"op": "info"})
         self._check(reply)
-        reply.pop("ok")
-        return reply
+        return self._parse("info", answers.info, reply, nodes)
 
     async def have(self, hashes: Sequence[str]) -> list[bool]:
         """For each hash: does the peer hold that chunk (or can it make it locally)?"""
@@ -138,16 +145,12 @@ class PeerClient:
             reply = await self._call({"op": "put_manifest", "rank": rank, "step": step}, data)
         self._check(reply)
 
-    async def list(self) -> list[tuple[int, int]]:
-        """The (rank, step) of every manifest the peer holds."""
+    async def list(self, nodes: int | None = None) -> list[tuple[int, int]]:
+        """The (rank, step) of every manifest the peer holds (for a rank of the job's ``nodes``, if given), checked."""
         with self._request("list"):
             reply = await self._call({"op": "list"})
         self._check(reply)
-        try:
-            return [(int(r), int(s)) for r, s in reply["manifests"]]
-        except (KeyError, TypeError, ValueError):
-            self._broken = "malformed list"
-            raise ProtocolError(f"peer {_name(self.address)}: malformed list answer") from None
+        return self._parse("list", answers.listing, reply, nodes)
 
     async def get_manifest(self, rank: int, step: int) -> bytes:
         """The manifest's bytes, checked to be JSON of a sane depth (the caller parses it)."""
@@ -253,6 +256,14 @@ class PeerClient:
         data = await wire.recv_body(self._stream, wire.body_length(reply), max_n)
         self.bytes_received += len(data)
         return data
+
+    def _parse(self, op: str, parse: Callable[[dict[str, Any], int | None], T], reply: dict[str, Any],
+               nodes: int | None) -> T:
+        """The answer checked by ``parse``; a malformed one was read whole, so the connection stays in step."""
+        try:
+            return parse(reply, nodes)
+        except BadMessage as e:
+            raise MalformedAnswer(f"peer {_name(self.address)} sent a malformed {op} answer: {e}") from None
 
     def _check(self, reply: dict[str, Any]) -> None:
         """Raise the peer's refusal; the connection is still in step."""

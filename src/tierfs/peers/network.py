@@ -21,6 +21,7 @@ import trio
 from tierfs.config import Config
 from tierfs.discovery import RETRY_EMPTY, PeerDirectory, PeerSpec
 from tierfs.peers import claim, tls
+from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.client import PeerClient
 from tierfs.peers.placement import PeerInfo
 from tierfs.peers.wire import PeerError
@@ -104,9 +105,7 @@ class PeerNetwork:
 
     async def _info(self, address: tuple[str, int]) -> dict:
         async with await self.connect(address, INFO_TIMEOUT) as client:
-            answer = await client.info()
-        if not isinstance(answer.get("rank"), int):
-            raise PeerError(f"peer {address[0]}:{address[1]} sent a malformed info answer")
+            answer = await client.info(self.cfg.nodes)
         self._inspect(address, answer)
         self.mark(address, "up", rank=answer["rank"])
         self._known[address] = PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
@@ -155,7 +154,10 @@ class PeerNetwork:
             except _Itself:
                 pass
             except (PeerError, OSError, trio.TooSlowError) as e:
-                self.mark(address, "down", f"{type(e).__name__}: {e}")
+                error = f"{type(e).__name__}: {e}"
+                if isinstance(e, MalformedAnswer) and self._seen.get(address, {}).get("error") != error:
+                    log.warning("%s; it counts as not answering", e)  # once, not at every survey
+                self.mark(address, "down", error)
 
         async with trio.open_nursery() as nursery:
             for address in self.cfg.peers if addresses is None else addresses:
@@ -175,17 +177,12 @@ class PeerNetwork:
         """What each reachable peer (of ``addresses``, default all) holds: one connection each."""
         async def report(address):
             async with await self.connect(address, INFO_TIMEOUT) as client:
-                info = await client.info()
+                info = await client.info(self.cfg.nodes)
                 self._inspect(address, info)
-                held = await client.list()
+                held = await client.list(self.cfg.nodes)
             self.mark(address, "up", rank=info["rank"])
-            try:
-                restore_step = info.get("restore_step")
-                return PeerReport(int(info["rank"]), tuple(int(s) for s in info.get("steps", ())), tuple(held),
-                                  None if restore_step is None else int(restore_step),
-                                  tuple(tuple(t) for t in info.get("topology", ())))
-            except (KeyError, TypeError, ValueError):
-                raise PeerError(f"peer {address[0]}:{address[1]} sent a malformed info answer") from None
+            return PeerReport(info["rank"], tuple(info.get("steps", ())), tuple(held), info.get("restore_step"),
+                              tuple(tuple(t) for t in info.get("topology", ())))
 
         return await self._each(report, addresses)
 

@@ -100,7 +100,7 @@ class PeerTier(Tier):
                                    lambda client: client.get_manifest(rank, step))
 
     async def list_manifests(self) -> list[tuple[int, int]]:
-        return sorted(await self._request("list", lambda client: client.list()))
+        return sorted(await self._request("list", lambda client: client.list(self.network.cfg.nodes)))
 
     async def holdings(self) -> Holdings:
         """The peer's own committed steps, the replicas it keeps, its restore decision."""

@@ -1,0 +1,83 @@
+"""Every field of a peer's ``info`` and ``list`` answers, checked once where it arrives.
+
+A node surveys its peers itself with these two requests (:func:`tierfs.cluster.survey`),
+and places replicas and claims its rank from ``info``. A peer holding the job's secret is
+trusted to authenticate, not to tell the truth, and what it answers here decides which
+step a restart restores, the retention floor and where replicas go. So, as coordination
+messages are (:mod:`tierfs.coordination.fields`, whose checkers these are), nothing is
+used as it came: the client parses both answers into checked values and anything else is
+:class:`MalformedAnswer`, which makes that peer count as unanswered, never a value used.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tierfs.coordination import fields
+from tierfs.coordination.transport import BadMessage
+from tierfs.coordination.view import MAX_RANK, MAX_REPLICAS, MAX_STEPS, topology_labels
+from tierfs.peers.wire import PeerError
+
+MAX_NODE = 255 + 1 + 4096  # characters of a node's name: its host name, ":", its RAM tier's path
+MAX_INSTANCE = 64  # characters of its instance (a daemon's is 16)
+
+
+class MalformedAnswer(PeerError):
+    """A peer's answer read whole but of the wrong shape, types or sizes: the connection is still in step."""
+
+
+def info(answer: dict[str, Any], nodes: int | None) -> dict[str, Any]:
+    """The fields of an ``info`` answer this node uses, checked; the rank must be one of the job's ``nodes``.
+
+    Returned as a new dict of the fields the peer sent, as the wire has them (JSON), so
+    that a field this node does not check is never read. Without ``nodes``, any rank a
+    report may carry.
+    """
+    ranks = MAX_RANK + 1 if nodes is None else nodes
+    checked: dict[str, Any] = {"rank": fields.rank(answer.get("rank"), "rank", ranks)}
+    if "steps" in answer:
+        checked["steps"] = fields.steps(answer["steps"], "steps", MAX_STEPS)
+    if "restore_step" in answer:
+        checked["restore_step"] = fields.step(answer["restore_step"], "restore_step", optional=True)
+    if "topology" in answer:
+        checked["topology"] = [list(t) for t in topology_labels(answer["topology"])]
+    for key in ("free", "data_parallel"):
+        if answer.get(key) is not None:
+            checked[key] = fields.count(answer[key], key)
+    checked.update(_identity(answer))
+    return checked
+
+
+def _identity(answer: dict[str, Any]) -> dict[str, Any]:
+    """Who the peer says it is (:mod:`tierfs.peers.claim`): all three fields, or none (an older version)."""
+    if all(answer.get(key) is None for key in ("node", "instance", "started")):
+        return {}
+    node, instance, started = answer.get("node"), answer.get("instance"), answer.get("started")
+    if not (isinstance(node, str) and 0 < len(node) <= MAX_NODE and node.isprintable()):
+        raise BadMessage(f"node must be a printable name of at most {MAX_NODE} characters")
+    if not (isinstance(instance, str) and 0 < len(instance) <= MAX_INSTANCE and instance.isprintable()):
+        raise BadMessage(f"instance must be a printable name of at most {MAX_INSTANCE} characters")
+    if type(started) not in (int, float) or not (math.isfinite(started) and started >= 0):
+        raise BadMessage("started must be a time in seconds since the epoch")
+    return {"node": node, "instance": instance, "started": float(started)}
+
+
+def listing(answer: dict[str, Any], nodes: int | None) -> list[tuple[int, int]]:
+    """The (rank, step) manifests of a ``list`` answer: at most MAX_REPLICAS, as a report may carry.
+
+    Manifests of ranks beyond the job are left out rather than refused, as in a report
+    (:func:`tierfs.coordination.fields.report`): a job that shrank leaves them in replica
+    stores for a while, and one such rank would otherwise count as a writing rank.
+    """
+    pairs = answer.get("manifests")
+    if not isinstance(pairs, list) or len(pairs) > MAX_REPLICAS:
+        raise BadMessage(f"manifests must be a list of at most {MAX_REPLICAS} [rank, step] pairs")
+    out = []
+    for p in pairs:
+        if not (isinstance(p, list) and len(p) == 2):
+            raise BadMessage("each manifest must be a [rank, step] pair")
+        r, s = fields.count(p[0], "a manifest's rank"), fields.step(p[1], "a manifest's step")
+        if nodes is None or r < nodes:
+            out.append((r, s))
+    return out

@@ -81,7 +81,6 @@ HOSTILE = [  # (what, its info answer, its list answer, the field the one line n
     ("a bool step", {**HONEST, "steps": [True, 2]}, [], "steps must be a step"),
     ("a negative step", HONEST, [[1, -1], [1, 2]], "a manifest's step must be a step"),
     ("a step past 2^62", {**HONEST, "restore_step": 2**62 + 1}, [[1, 2]], "restore_step must be a step"),
-    ("a rank outside the job", {**HONEST, "rank": 2, "steps": [2]}, [], "rank must be a rank of the job's 2 nodes"),
     ("a negative rank", HONEST, [[-1, 2], [1, 2]], "a manifest's rank must be a non-negative integer"),
     ("a bool rank", HONEST, [[True, 2]], "a manifest's rank must be a non-negative integer"),
     ("an oversized list", HONEST, [[1, 2]] * (MAX_REPLICAS + 1), f"at most {MAX_REPLICAS} [rank, step] pairs"),
@@ -89,6 +88,7 @@ HOSTILE = [  # (what, its info answer, its list answer, the field the one line n
     ("manifests of strings", HONEST, ["12"], "a manifest's rank must be a non-negative integer"),  # ["1", "2"]
     ("manifests that are no pairs", HONEST, ["123", [1, 2]], "each manifest must be a [rank, step] pair"),
     ("a rank of the wrong type", {**HONEST, "rank": "1", "steps": ["2"]}, [], "rank must be a rank"),
+    ("a rank past any job", {**HONEST, "rank": 2**40, "steps": [2]}, [], "rank must be a rank"),
     ("a huge topology label", {**HONEST, "steps": [1, 2], "topology": [["zone", "x" * 100_000]]}, [],
      "topology label must be a [key, value] pair"),
     ("free bytes of the wrong type", {**HONEST, "steps": [1, 2], "free": "lots"}, [], "free must be"),
@@ -118,6 +118,20 @@ async def test_replicas_of_ranks_beyond_the_job_are_left_out_and_the_peer_still_
     survey = await view.survey()
     assert survey.missing == [] and survey.errors == {}
     assert 7 not in survey.holders and f"peer {peer}" in survey.tiers(1, 1)
+    assert survey.choose(0) == 1 and view.retention_floor() == 1
+    assert refusals(caplog, peer) == []
+
+
+async def test_a_peer_beyond_the_job_answers_but_its_own_steps_and_decision_do_not_count(nursery, shm_dir, caplog):
+    # A spare node that only keeps replicas (or one left from before the job shrank): it may
+    # hold this job's replicas, but its own steps and restore step are no rank's of the job.
+    caplog.set_level(logging.INFO, "tierfs")
+    view, peer = await view_with(nursery, shm_dir("tierfs-survey"),
+                                 {**HONEST, "rank": 2, "steps": [2], "restore_step": 2}, [[1, 1]])
+    survey = await view.survey()
+    assert survey.missing == [] and survey.errors == {}
+    assert 2 not in survey.holders and f"peer {peer}" not in survey.decisions
+    assert f"peer {peer}" in survey.tiers(1, 1)
     assert survey.choose(0) == 1 and view.retention_floor() == 1
     assert refusals(caplog, peer) == []
 

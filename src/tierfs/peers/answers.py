@@ -28,18 +28,25 @@ class MalformedAnswer(PeerError):
 
 
 def info(answer: dict[str, Any], nodes: int | None) -> dict[str, Any]:
-    """The fields of an ``info`` answer this node uses, checked; the rank must be one of the job's ``nodes``.
+    """The fields of an ``info`` answer this node uses, checked.
 
     Returned as a new dict of the fields the peer sent, as the wire has them (JSON), so
-    that a field this node does not check is never read. Without ``nodes``, any rank a
-    report may carry.
+    that a field this node does not check is never read. A peer whose rank lies beyond
+    the job's ``nodes`` (a spare node that only keeps replicas, or one left from before the
+    job shrank) still answers, but its own steps and restore step are left out, as a
+    report's replicas of such ranks are: no rank outside the job counts as a writing rank
+    or has a say in the step the job restores.
     """
-    ranks = MAX_RANK + 1 if nodes is None else nodes
-    checked: dict[str, Any] = {"rank": fields.rank(answer.get("rank"), "rank", ranks)}
+    checked: dict[str, Any] = {"rank": fields.rank(answer.get("rank"), "rank", MAX_RANK + 1)}
+    member = nodes is None or checked["rank"] < nodes
     if "steps" in answer:
-        checked["steps"] = fields.steps(answer["steps"], "steps", MAX_STEPS)
+        steps = fields.steps(answer["steps"], "steps", MAX_STEPS)
+        if member:
+            checked["steps"] = steps
     if "restore_step" in answer:
-        checked["restore_step"] = fields.step(answer["restore_step"], "restore_step", optional=True)
+        restore_step = fields.step(answer["restore_step"], "restore_step", optional=True)
+        if member:
+            checked["restore_step"] = restore_step
     if "topology" in answer:
         checked["topology"] = [list(t) for t in topology_labels(answer["topology"])]
     for key in ("free", "data_parallel"):

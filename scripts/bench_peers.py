@@ -2,7 +2,7 @@
 """Peer tier benchmark: replication and restore against a plain socket copy, and writes
 with and without a replication running.
 
-A 3-node LocalCluster (tierfs.local.cluster: 127.0.0.2-4, ``--replicas 1``, no GCS); each step
+A 3-node LocalCluster (tierfs.testing.cluster: 127.0.0.2-4, ``--replicas 1``, no GCS); each step
 is ``--size`` bytes of fresh random data in ``--files`` files. Per round:
 
 1. Replication: the step, written into node 0's mount untimed, is committed by renaming
@@ -295,7 +295,7 @@ def render_tls(summary: dict) -> str:
 
 def run_tls(args, settings: dict) -> dict:
     """Two 2-node clusters, one in clear and one with TLS: replication and restore, ``args.rounds`` rounds."""
-    from tierfs.local.cluster import LocalCluster
+    from tierfs.testing.cluster import LocalCluster
     clusters = {}
     try:
         for side in TLS_SIDES:
@@ -429,7 +429,7 @@ def main() -> int:
             if args.json:
                 write_json(args.json, {"settings": settings, **result})
             return 0
-        from tierfs.local.cluster import LocalCluster
+        from tierfs.testing.cluster import LocalCluster
         cluster = LocalCluster(Path("/dev/shm") / f"bench-peers-cluster-{uuid.uuid4().hex[:8]}", 3, "bench",
                                replicas=1, capacity=f"{8 * args.size // MiB}M")
         cluster.start_all()

@@ -14,7 +14,7 @@ arrive on demand (a read waits for the chunks it covers) and by a background pre
   no Python start-up per poll) says ``restored.state`` is "done"; then every file's sha256 is
   checked (untimed).
 
-Each round builds a fresh 3-node LocalCluster (tierfs.local.cluster: 127.0.0.2-4, ``--replicas 1``,
+Each round builds a fresh 3-node LocalCluster (tierfs.testing.cluster: 127.0.0.2-4, ``--replicas 1``,
 ``--gcs`` on a fresh bucket of a fake-gcs-server with the memory backend, default chunk size
 and prefetch) and:
 
@@ -130,7 +130,7 @@ class Bench:
     def __init__(self, args, emu, client):
         from tierfs.commands.status import fetch  # the control socket from this process: no
         self.fetch = fetch                        # Python start-up per poll on a 2-core VM
-        from tierfs.local.cluster import LocalCluster
+        from tierfs.testing.cluster import LocalCluster
         self.LocalCluster = LocalCluster
         self.args, self.emu, self.client = args, emu, client
         self.buf = aligned(MiB)
@@ -273,7 +273,7 @@ class Bench:
 
     def restore(self, c, src: Path, sums: dict[str, str], tier: str, others: list[int] = (), **extra) -> dict:
         """Start node 0 (killed and wiped) and time mount, first 4 KiB and full restore."""
-        from tierfs import mounts  # noqa: PLC0415
+        from tierfs.core import mounts  # noqa: PLC0415
 
         mnt, names = c.nodes[0].mountpoint, sorted(sums)
         first = mnt / "ckpt" / str(STEP) / names[0]
@@ -390,7 +390,7 @@ class Bench:
         return c, bucket, expected
 
     def listing(self, c, expected: dict[str, int], prefetch: int) -> dict:
-        from tierfs import mounts  # noqa: PLC0415
+        from tierfs.core import mounts  # noqa: PLC0415
 
         mnt = c.nodes[0].mountpoint
         root = mnt / "ckpt" / str(LIST_STEP)
@@ -551,8 +551,8 @@ def main() -> int:
                 "--list-files between 1 and --size bytes")
 
     interrupt_on_signals()
-    from tierfs.local import wait_gone
-    from tierfs.local.gcs_emulator import GcsEmulator
+    from tierfs.testing import wait_gone
+    from tierfs.testing.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))
     args.shm = tempfile.mkdtemp(prefix="bench-restore-data-", dir="/dev/shm")

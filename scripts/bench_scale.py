@@ -3,7 +3,7 @@
 
 The real code of tierfs.coordination (coordinators, the holdings view, the restore planner
 and the planned fetches) and the real replica placement (tierfs.peers.placement) run in
-one process over a simulated network and GCS (tierfs.coordination.sim) on trio's
+one process over a simulated network and GCS (tierfs.testing.sim) on trio's
 MockClock: times are those of the model (0.25-0.35 ms one way, 50 us of CPU per message
 at the receiver, 25 Gb/s NICs, GCS reads at 50 ms to the first byte, 100 MB/s per stream
 and 25 GB/s for the whole bucket, listings at 100 ms a page of 1000 objects), not of this
@@ -12,14 +12,14 @@ machine. Per job size N:
 a. Report rounds of a running job (2 rounds counted with every node up; then the first
    coordinator and 0.1% of the nodes go down and 3 more rounds are counted): requests and
    messages (requests + answers) per node per round, the busiest coordinator's requests,
-   GCS listing requests. "Today" is what tierfs.cluster's survey costs: a connection to
+   GCS listing requests. "Today" is what tierfs.pipeline.survey's survey costs: a connection to
    every peer with 4 requests (hello, auth, info, list) per node per round, and every node
    listing GCS (pages of 1000 manifests).
 b. A restart decision: every node starts within 0.5 s and asks for its step; the first
    coordinator and 0.1% of the nodes are down for good, GCS is 4x slow, and one node starts
    10 s late (its host appears then). Time from a node's start to its decision (the
    slowest node; target under 5 s), and whether all nodes agree and match the rules of
-   tierfs.cluster on the live nodes' holdings.
+   tierfs.pipeline.survey on the live nodes' holdings.
 c. A restore from GCS after every RAM is lost, D = 4 data-parallel twins per shard, 8
    chunks of 16 MiB per rank: GCS bytes read per unique byte (target <= 1.1; today every
    twin reads everything: 4.0), and the time from a node's decision to its last chunk
@@ -61,8 +61,8 @@ def progress(msg: str) -> None:
 
 
 def measure(n: int) -> dict:
-    from tierfs.coordination import scenarios  # noqa: PLC0415 (--replot needs no tierfs)
-    from tierfs.coordination.sim import GcsModel
+    from tierfs.testing import scenarios  # noqa: PLC0415 (--replot needs no tierfs)
+    from tierfs.testing.sim import GcsModel
 
     out: dict = {}
     t0 = time.time()
@@ -177,7 +177,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("bench_scale: interrupted", file=sys.stderr)
         return 130
-    from tierfs.coordination.scenarios import Settings  # noqa: PLC0415
+    from tierfs.testing.scenarios import Settings  # noqa: PLC0415
 
     s = Settings()
     settings["model"] = {"net": vars(s.net), "gcs": vars(s.gcs), "k": s.k, "interval_s": s.interval,

@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierfs.local.cluster import LocalCluster
-from tierfs.local.gcs_emulator import GcsEmulator
+from tierfs.testing.cluster import LocalCluster
+from tierfs.testing.gcs_emulator import GcsEmulator
 
 MiB = 1 << 20
 NODES, SHARDS, SHARD = 3, 8, 16 * MiB

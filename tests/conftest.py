@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from tierfs import mounts
-from tierfs.local import TIERFS, cleanup_mount, unmount_all_beneath
-from tierfs.local.gcs_emulator import GcsEmulator
+from tierfs.core import mounts
+from tierfs.testing import TIERFS, cleanup_mount, unmount_all_beneath
+from tierfs.testing.gcs_emulator import GcsEmulator
 
 SHM = Path("/dev/shm")
 

@@ -1,3 +1,3 @@
-from tierfs.cli import main
+from tierfs.commands.cli import main
 
 raise SystemExit(main())

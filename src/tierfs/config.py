@@ -12,10 +12,10 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tierfs import chunks
-from tierfs.commit import CommitRules, parse_rules
-from tierfs.errors import UserError
-from tierfs.keys import split_secrets
+from tierfs.core import chunks
+from tierfs.core.commit import CommitRules, parse_rules
+from tierfs.core.errors import UserError
+from tierfs.core.keys import split_secrets
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
 DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
@@ -171,7 +171,7 @@ class Config:
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
     listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
     peers: tuple[tuple[str, int], ...] = ()  # fixed addresses, brace patterns expanded
-    peer_dns: tuple = ()  # tierfs.discovery.DnsSource: names the daemon resolves (and re-resolves)
+    peer_dns: tuple = ()  # tierfs.discovery.directory.DnsSource: names the daemon resolves (and re-resolves)
     replicas: int = 1  # peers that hold a copy of each committed step
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
     older_secrets: tuple[bytes, ...] = field(default=(), repr=False)  # only verify manifests made under them
@@ -223,7 +223,7 @@ class Config:
         if "peers" in v:
             peers = v["peers"]
             if isinstance(peers, str):
-                from tierfs.discovery import parse_peers  # noqa: PLC0415 (it needs parse_address, below)
+                from tierfs.discovery.directory import parse_peers  # noqa: PLC0415 (it needs parse_address, below)
 
                 spec = parse_peers(peers)
                 peers = spec.addresses

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.commands.status import fetch
-from tierfs.local.cluster import LocalCluster
-from tierfs.local.gcs_emulator import GcsEmulator
+from tierfs.testing.cluster import LocalCluster
+from tierfs.testing.gcs_emulator import GcsEmulator
 
 from tests.helpers import write_orbax_step
 

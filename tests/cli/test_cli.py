@@ -15,9 +15,9 @@ import pytest
 
 from tests.conftest import tierfs
 from tests.helpers import tree_digest
-from tierfs import mounts
+from tierfs.core import mounts
 from tierfs.fs.engine import WRITERS
-from tierfs.local import cleanup_mount, wait_gone
+from tierfs.testing import cleanup_mount, wait_gone
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -1,7 +1,7 @@
 """A small job on the simulated network, for the coordination tests.
 
 Every node runs the real :class:`~tierfs.coordination.coordinators.Coordination` behind
-a :class:`~tierfs.coordination.sim.SimNetwork`; what it holds is set by the test. Run it
+a :class:`~tierfs.testing.sim.SimNetwork`; what it holds is set by the test. Run it
 on trio's MockClock (the ``autojump_clock`` fixture) so seconds of protocol pass at once.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import trio
 
 from tierfs.coordination.coordinators import Coordination, candidates, list_sharded, listing_prefixes
-from tierfs.coordination.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 from tierfs.coordination.view import Holdings, HoldingsView
 
 JOB = "test"

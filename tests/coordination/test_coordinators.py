@@ -15,7 +15,7 @@ import trio.testing
 from tierfs.coordination.coordinators import (
     DECIDE_POLL, MAX_LISTED_HOLDERS, MAX_LISTED_STEPS, REFUSED_GRACE, RPC_TIMEOUT, Coordinator, list_sharded,
     listing_prefixes)
-from tierfs.coordination.sim import GcsModel, SimGcs, SimNetwork
+from tierfs.testing.sim import GcsModel, SimGcs, SimNetwork
 from tierfs.coordination.transport import MAX_MESSAGE, encoded
 from tierfs.coordination.view import Holdings
 

@@ -1,4 +1,4 @@
-"""The coordinators' view gives the answers of tierfs.cluster.Survey, on any holdings.
+"""The coordinators' view gives the answers of tierfs.pipeline.survey.Survey, on any holdings.
 
 A Survey is built exactly as ClusterView builds one on some node X (X's own holdings as
 "local", every other node's report as "peer <address>", the GCS listing as "gcs"); the
@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierfs.cluster import Survey
+from tierfs.pipeline.survey import Survey
 from tierfs.coordination.transport import MAX_MESSAGE, BadMessage, encoded
 from tierfs.coordination.view import GCS, MAX_REPLICAS, Holdings, HoldingsView, choose_step
 
@@ -39,7 +39,7 @@ def clusters(draw):
 
 
 def survey_of(me: str, reports: dict[str, Holdings], gcs: dict[int, list[int]]) -> Survey:
-    """What ClusterView.survey() returns on node ``me`` (tierfs/cluster.py, step by step)."""
+    """What ClusterView.survey() returns on node ``me`` (tierfs/pipeline/survey.py, step by step)."""
     survey = Survey()
     here = reports[me]
     for step in here.steps:  # ClusterView._add_local

@@ -308,7 +308,7 @@ def test_plugin_command_is_the_contract_and_the_cli_accepts_it():
         "ramdisk": "/dev/shm/tierfs",
         "config": "/etc/tierfs/config.yaml",
     }
-    from tierfs.cli import build_parser
+    from tierfs.commands.cli import build_parser
 
     args = build_parser().parse_args(c["args"])  # exits (fails the test) on a flag it does not know
     assert args.command == "csi" and args.endpoint == got["endpoint"] and args.state_dir == got["state-dir"]

@@ -13,11 +13,11 @@ import pytest
 
 from tests.conftest import tierfs
 from tests.helpers import wait_for
-from tierfs import mounts
+from tierfs.core import mounts
 from tierfs.csi import DRIVER_NAME
 from tierfs.csi import csi_pb2 as pb
-from tierfs.local import TIERFS
-from tierfs.local.csi import Mode, publish_request
+from tierfs.testing import TIERFS
+from tierfs.testing.csi import Mode, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 from tierfs.peers.claim import Identity, check, rivals
 
 A = ("127.0.0.2", 7000)

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from tests.helpers import wait_for, write_orbax_step
-from tierfs import mounts
-from tierfs.local import TIERFS
+from tierfs.core import mounts
+from tierfs.testing import TIERFS
 
 # Nodes start one at a time here: the first ones warn of peers not up yet.
 pytestmark = pytest.mark.expect_log(r"not answer yet", r"peer discovery: dns\+srv:\S+ failed", r"also serves rank", r"is already served by node")

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.discovery.dns_server import DnsServer
-from tierfs import dns
-from tierfs.discovery import DnsSource, PeerDirectory, PeerSpec, parse_peers
+from tierfs.discovery import dns
+from tierfs.discovery.directory import DnsSource, PeerDirectory, PeerSpec, parse_peers
 
 
 def nodes(n: int, port: int = 7420) -> list[tuple[str, str, int]]:
@@ -84,7 +84,7 @@ def test_a_silent_server_costs_the_deadline_and_the_last_answer_stays(dns_server
         silent.bind(("127.0.0.252", 0))
         source = DnsSource("dns+srv", "_tierfs._tcp.train.test", None, silent.getsockname())
         directory.spec = PeerSpec((("127.0.0.9", 1),), directory.spec.sources + (source,))
-        caplog.set_level(logging.INFO, logger="tierfs.discovery")
+        caplog.set_level(logging.INFO, logger="tierfs.discovery.directory")
         for _ in range(2):
             found = trio.run(directory.resolve)
         assert found == [("127.0.0.9", 1), ("127.0.0.10", 7420), ("127.0.0.11", 7420)]
@@ -98,7 +98,7 @@ def test_a_failing_source_keeps_the_peers_it_gave(dns_server, caplog):
     trio.run(directory.resolve)
     dns_server.udp.shutdown()
     dns_server.udp.server_close()  # nothing listens: every query is refused
-    caplog.set_level(logging.WARNING, logger="tierfs.discovery")
+    caplog.set_level(logging.WARNING, logger="tierfs.discovery.directory")
     assert trio.run(directory.resolve) == [("127.0.0.10", 7420), ("127.0.0.11", 7420)]
     (line,) = [r.getMessage() for r in caplog.records]
     assert "failed (DNS server" in line and line.endswith("keeping its 2 peer(s) from before")

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierfs.config import Config
-from tierfs.discovery import MAX_PEERS, DnsSource, expand, parse_peers, unanswered
-from tierfs.errors import UserError
+from tierfs.discovery.directory import MAX_PEERS, DnsSource, expand, parse_peers, unanswered
+from tierfs.core.errors import UserError
 
 SECRET = "s" * 16
 

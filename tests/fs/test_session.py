@@ -23,7 +23,7 @@ import pytest
 import trio
 
 from tests.helpers import cpu_latency_limit
-from tierfs import linux
+from tierfs.core import linux
 from tierfs.fs import Operations, abi, engine, poller
 from tierfs.fs.session import KernelSession
 from tierfs.ramtier import SpaceAccount

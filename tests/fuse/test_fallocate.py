@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from tests.helpers import write_orbax_step
-from tierfs import linux
+from tierfs.core import linux
 
 MiB = 1 << 20
 USER = 1000

@@ -136,7 +136,7 @@ def handshake_inspecting(mnt: Path, text: str, entry: Path) -> tuple[int, str | 
     (YAML.format(job="run", rank=0, nodes=1) + "\nbackup-interval-steps: 5", "(both given)"),
     (YAML.format(job="run", rank=1, nodes=2), "'node-rank' is 1 but this volume holds rank 0's data"),
 ])
-@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 def test_a_malformed_spec_fails_the_job_with_its_reason(volumes, text, message):
     vol = volumes(job="run")
     with pytest.raises(RuntimeError, match=re.escape(message)):
@@ -148,7 +148,7 @@ def test_a_malformed_spec_fails_the_job_with_its_reason(volumes, text, message):
     assert mtc_status(vol)["error"] is None
 
 
-@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 def test_a_new_pod_does_not_read_the_answers_meant_for_a_pod_that_died(volumes):
     vol = volumes(job="run")
     mnt = vol.mountpoint
@@ -185,7 +185,7 @@ def test_without_the_protocol_old_steps_are_left_to_the_job(volume):
     assert sorted(p.name for p in (volume.mountpoint / "ckpt").iterdir()) == ["1", "2"]
 
 
-@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 def test_a_job_running_as_another_user_consumes_the_answers(volumes):
     """Pods often run as uid 1000: the volume's root is sticky (1777), so the job can delete
     the node's answers only if they are its own."""

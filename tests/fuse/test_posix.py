@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs import linux
+from tierfs.core import linux
 
 
 def attempt(fn, *args, **kwargs):

@@ -15,7 +15,7 @@ from google.cloud import storage
 
 from tests.conftest import tierfs
 from tests.helpers import tree_digest, wait_for, write_orbax_step
-from tierfs.manifest import Manifest
+from tierfs.core.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
 
 MiB = 1 << 20

@@ -13,9 +13,9 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from tierfs.tiers import gcs_store as gcs
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 from tierfs.tiers.gcs_store import CorruptObject, GcsStore, GcsUnavailable, MissingObject, parse_gcs_url
-from tierfs.local.gcs_emulator import GcsEmulator
+from tierfs.testing.gcs_emulator import GcsEmulator
 
 
 def h(n: int) -> str:

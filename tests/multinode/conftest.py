@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.local.cluster import LocalCluster
+from tierfs.testing.cluster import LocalCluster
 
 
 @pytest.fixture

@@ -12,8 +12,8 @@ from tests.helpers import free_port
 from tierfs.coordination.transport import Refused, Unreachable
 from tierfs.peers.client import PeerClient
 from tierfs.peers.messages import STARTING, PeerTransport
-from tierfs.peers.server import Timeouts, serve
-from tierfs.peers.store import ReplicaStore
+from tierfs.store.server import Timeouts, serve
+from tierfs.store.replicas import ReplicaStore
 from tierfs.ramtier.space import SpaceAccount
 
 JOB = "coord"

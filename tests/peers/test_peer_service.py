@@ -19,12 +19,12 @@ import pytest
 import trio
 
 from tests import helpers
-from tierfs.chunks import chunk_hash
-from tierfs.manifest import Manifest
+from tierfs.core.chunks import chunk_hash
+from tierfs.core.manifest import Manifest
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
-from tierfs.peers.server import Timeouts, serve
-from tierfs.peers.store import ReplicaStore
+from tierfs.store.server import Timeouts, serve
+from tierfs.store.replicas import ReplicaStore
 from tierfs.peers.wire import AuthFailed, NoSpace, PeerError, PeerUnavailable
 from tierfs.ramtier.space import SpaceAccount
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from tierfs import holes
-from tierfs.errors import UserError
+from tierfs.core import holes
+from tierfs.core.errors import UserError
 from tierfs.ramtier import RankDir, SpaceAccount, layout
 from tierfs.ramtier.snapshots import Snapshots
 

@@ -26,21 +26,21 @@ import pytest
 import trio
 
 from tests.helpers import free_port
-from tierfs.atomic import write_atomically
-from tierfs.cluster import Survey
+from tierfs.core.atomic import write_atomically
+from tierfs.pipeline.survey import Survey
 from tierfs.config import Config
 from tierfs.coordination.coordinators import candidates
-from tierfs.daemon import Daemon
-from tierfs.errors import UserError
-from tierfs.manifest import build
-from tierfs.peers.server import Timeouts, serve
-from tierfs.peers.store import ReplicaStore
-from tierfs.planning import RestorePlanner
+from tierfs.daemon.daemon import Daemon
+from tierfs.core.errors import UserError
+from tierfs.core.manifest import build
+from tierfs.store.server import Timeouts, serve
+from tierfs.store.replicas import ReplicaStore
+from tierfs.pipeline.planning import RestorePlanner
 from tierfs.ramtier.layout import RankDir
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import SpaceAccount
-from tierfs.replicator import Replicator
-from tierfs.steps import Steps
+from tierfs.pipeline.replicator import Replicator
+from tierfs.ramtier.steps import Steps
 
 SECRET = b"the-jobs-secret-0123456789"
 
@@ -209,7 +209,7 @@ async def daemon_told(base: Path, nursery: trio.Nursery, summary: dict) -> Daemo
     d.replicator = Replicator(cfg, d.steps, d.tiers, lambda: 0.0, d.retention_floor)
     for step in (1, 2, 3):
         commit(d.rank.tree, d.steps, step, cfg, manifest=step < 3)
-    from tierfs.coordinating import NodeCoordination  # noqa: PLC0415
+    from tierfs.pipeline.coordinating import NodeCoordination  # noqa: PLC0415
 
     d.coordinating = NodeCoordination(d)
     await d.coordinating.join(nursery)

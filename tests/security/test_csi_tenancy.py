@@ -28,10 +28,10 @@ from hypothesis import strategies as st
 from tests.conftest import tierfs
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fixtures)
 from tests.helpers import wait_for
-from tierfs import linux, mounts
+from tierfs.core import linux, mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.volumes import ATTRIBUTES, POD_INFO
-from tierfs.local.csi import Plugin, publish_request
+from tierfs.testing.csi import Plugin, publish_request
 from tierfs.ramtier import tmpfs
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}

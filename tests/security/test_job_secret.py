@@ -72,7 +72,7 @@ def test_the_handshake_proof_a_stranger_gets_costs_a_scrypt_per_guess(tmp_path):
 
 
 def test_the_stretch_costs_at_least_what_is_documented():
-    from tierfs import keys
+    from tierfs.core import keys
 
     assert keys.SCRYPT_N >= SCRYPT["n"] and keys.SCRYPT_R >= SCRYPT["r"] and keys.SCRYPT_P >= SCRYPT["p"]
     assert keys.SCRYPT_MEMORY == 128 * keys.SCRYPT_R * keys.SCRYPT_N >= 16 << 20
@@ -85,8 +85,8 @@ def test_the_stretch_costs_at_least_what_is_documented():
 
 def test_older_secrets_only_verify_manifests():
     from tierfs.config import Config
-    from tierfs.keys import for_config, manifest_keys
-    from tierfs.manifest import Unauthenticated, authenticate, seal
+    from tierfs.core.keys import for_config, manifest_keys
+    from tierfs.core.manifest import Unauthenticated, authenticate, seal
 
     old, new = b"o" * 32, b"n" * 32
     cfg = Config.build(mountpoint="/mnt/x", job=JOB, secret=b"\n" + new + b"\n  " + old + b"  \n\n")

@@ -15,11 +15,11 @@ import subprocess
 import pytest
 
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (the fixtures)
-from tierfs import chunks, mounts
+from tierfs.core import chunks, mounts
 from tierfs.config import Config
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 from tierfs.fs.engine import passthrough_obstacle
-from tierfs.local import TIERFS
+from tierfs.testing import TIERFS
 from tierfs.peers import wire
 from tierfs.ramtier.tmpfs import SOURCE, own_tmpfs, unmount_beneath
 

@@ -38,14 +38,14 @@ from hypothesis import strategies as st
 
 from tests.helpers import wait_for, write_orbax_step
 from tests.peers.test_peer_service import JOB, SECRET, frame, make_step, push, randbytes, read_until_closed, start_node
-from tierfs.chunks import chunk_hash
+from tierfs.core.chunks import chunk_hash
 from tierfs.config import Config
-from tierfs.errors import UserError
-from tierfs.peers import store as store_module
+from tierfs.core.errors import UserError
+from tierfs.store import replicas as store_module
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
-from tierfs.peers.server import Timeouts, serve
-from tierfs.peers.store import ReplicaStore
+from tierfs.store.server import Timeouts, serve
+from tierfs.store.replicas import ReplicaStore
 from tierfs.peers.wire import AuthFailed, PeerError, PeerUnavailable
 from tierfs.ramtier.space import SpaceAccount
 
@@ -543,7 +543,7 @@ async def test_mounted_certificates_and_the_secret_are_both_required(nursery, tm
 @pytest.mark.expect_log('not answer yet')
 def test_daemons_encrypt_peer_traffic_by_default():
     """Two real daemons; node 0 reaches its peer only through a wiretap: it sees no checkpoint byte."""
-    from tierfs.local.cluster import LocalCluster
+    from tierfs.testing.cluster import LocalCluster
 
     c = LocalCluster(Path("/dev/shm") / f"tierfs-sec-{uuid.uuid4().hex[:10]}", 2, "wiretap",
                      replicas=1, capacity="256M", restore_wait="1s")

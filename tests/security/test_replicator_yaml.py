@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests.conftest import tierfs
 from tests.fuse.test_mtc import YAML, handshake
 from tests.helpers import wait_for
-from tierfs.mtc import EXPANDABLE, MAX_SPEC_BYTES, SpecError, parse_spec
+from tierfs.mtc.protocol import EXPANDABLE, MAX_SPEC_BYTES, SpecError, parse_spec
 
 MARK = "S3CR3T-VALUE-7f1c9e"  # every environment value below contains it: it must never come back
 ENV = {"TIERFS_SECRET": MARK, "HOME": f"/home/{MARK}", **{name: f"{MARK}-{name}" for name in EXPANDABLE}}
@@ -177,7 +177,7 @@ def assert_clean_answer(vol, failed: str) -> None:
         assert value not in failed, "replicator.failed repeats a value of the daemon's environment"
 
 
-@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 def test_a_hostile_replicator_yaml_leaves_the_mount_serving(volumes, hostile_env, shm_dir):
     vol = volumes(job="run")
     mnt = vol.mountpoint
@@ -196,7 +196,7 @@ def test_a_hostile_replicator_yaml_leaves_the_mount_serving(volumes, hostile_env
     assert handshake(mnt, GOOD)[0] == 0, "a good spec is still taken"
 
 
-@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 @pytest.mark.parametrize("kind", ["deep", "link", "fifo"])
 def test_a_hostile_replicator_yaml_left_for_the_next_start(volumes, hostile_env, shm_dir, kind):
     """Found at start-up (written while no daemon served, or in a form that wakes nobody):
@@ -229,7 +229,7 @@ def one_mount(volumes, hostile_env):
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                 HealthCheck.too_slow])
-@pytest.mark.expect_log('ERROR tierfs.mtc: replicator.yaml: ')
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 @given(st.one_of(st.text(max_size=300), documents.map(yaml.safe_dump)))
 def test_fuzz_through_the_mount(one_mount, text):
     mnt = one_mount.mountpoint

@@ -21,8 +21,8 @@ from tests.conftest import tierfs
 from tests.gcs.test_backup_restore import objects, wait_backed_up, wipe
 from tests.helpers import write_orbax_step
 from tests.security.test_untrusted_bytes import manifest_name, plant, read_object
-from tierfs.chunks import chunk_hash, encode
-from tierfs.manifest import Entry, Manifest
+from tierfs.core.chunks import chunk_hash, encode
+from tierfs.core.manifest import Entry, Manifest
 
 PLANTED = 50  # a newer step than any the job commits here
 FORGED = 60  # the same, with a MAC line the planter made up
@@ -87,7 +87,7 @@ def test_a_planted_newer_manifest_is_neither_restored_nor_a_reason_to_delete(vol
 
 
 def test_the_store_reads_each_manifest_once_and_logs_each_unsealed_one_once(gcs_bucket, caplog):
-    from tierfs.keys import manifest_keys
+    from tierfs.core.keys import manifest_keys
     from tierfs.tiers.gcs_store import GcsStore
 
     keys = manifest_keys("job1", secrets.token_hex(32).encode())
@@ -113,8 +113,8 @@ def test_the_store_reads_each_manifest_once_and_logs_each_unsealed_one_once(gcs_
 
 @pytest.mark.expect_log("WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*1\\.json: its MAC does not verify")
 def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, gcs_bucket, shm_dir):
-    from tierfs.keys import manifest_keys
-    from tierfs.manifest import Unauthenticated, authenticate
+    from tierfs.core.keys import manifest_keys
+    from tierfs.core.manifest import Unauthenticated, authenticate
 
     job = f"rot-{uuid.uuid4().hex[:6]}"
     url = f"gs://{gcs_bucket}/b"

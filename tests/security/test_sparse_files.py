@@ -16,7 +16,7 @@ from tests.gcs.test_backup_restore import job_secret, objects, wait_backed_up, w
 from tests.helpers import wait_for
 from tests.multinode.conftest import cluster  # noqa: F401 (the fixture)
 from tests.multinode.test_peers import replicated
-from tierfs import mounts
+from tierfs.core import mounts
 
 MiB, GiB = 1 << 20, 1 << 30
 PETABYTE = "1P"
@@ -64,7 +64,7 @@ def write_step(mnt: Path, step: int, files: dict[str, bytes], sparse: dict[str, 
     return final
 
 
-@pytest.mark.expect_log("ERROR tierfs.replicator: step 2 cannot be replicated or backed up")
+@pytest.mark.expect_log("ERROR tierfs.pipeline.replicator: step 2 cannot be replicated or backed up")
 def test_a_petabyte_sparse_file_is_refused_at_once_and_never_holds_back_the_next_step(cluster, gcs_bucket):
     c = cluster(2, replicas=1, capacity="512M", gcs=f"gs://{gcs_bucket}/sparse")
     c.start_all()

@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from tierfs import chunks
+from tierfs.core import chunks
 from tierfs.config import Config
 from tierfs.peers import tls
 from tierfs.peers.network import PeerNetwork
-from tierfs.peers.server import Timeouts, serve
-from tierfs.peers.store import ReplicaStore
+from tierfs.store.server import Timeouts, serve
+from tierfs.store.replicas import ReplicaStore
 from tierfs.ramtier.space import SpaceAccount
 from tierfs.tiers.base import Tier
 

@@ -11,9 +11,9 @@ import pytest
 import trio
 
 from tests import helpers
-from tierfs.chunks import chunk_hash
-from tierfs.keys import manifest_keys
-from tierfs.manifest import Manifest, authenticate
+from tierfs.core.chunks import chunk_hash
+from tierfs.core.keys import manifest_keys
+from tierfs.core.manifest import Manifest, authenticate
 from tierfs.tiers.base import (MAX_CHUNK, MAX_MANIFEST, Holdings, NotHeld, Progress, Tier, TierError, by_cost,
                                put_step)
 

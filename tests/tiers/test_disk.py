@@ -16,8 +16,8 @@ import trio
 
 from tests.conftest import tierfs
 from tests.helpers import wait_for, write_orbax_step
-from tierfs.local.cluster import LocalCluster
-from tierfs.manifest import Manifest
+from tierfs.testing.cluster import LocalCluster
+from tierfs.core.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
 from tierfs.tiers.disk import DiskTier
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from tierfs.commit import CommitRules, Rule, parse_rules, step_of
-from tierfs.errors import UserError
+from tierfs.core.commit import CommitRules, Rule, parse_rules, step_of
+from tierfs.core.errors import UserError
 
 DEFAULT = CommitRules(parse_rules("default"))
 

@@ -9,7 +9,7 @@ import pytest
 
 from tierfs.commands import mount
 from tierfs.config import Config, format_size, parse_duration, parse_size
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 
 @pytest.mark.parametrize("text, expected", [

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierfs.cluster import Survey
-from tierfs.errors import UserError
-from tierfs.planning import RestorePlanner
+from tierfs.pipeline.survey import Survey
+from tierfs.core.errors import UserError
+from tierfs.pipeline.planning import RestorePlanner
 
 
 @dataclass
@@ -50,7 +50,7 @@ def survey_of(holdings: dict[tuple[int, int], str], decisions: dict[str, int] | 
 
 def planner(coordinators: Coordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2,
             steps=None) -> RestorePlanner:
-    """``steps``: this node's own committed steps (:class:`tierfs.steps.Steps`), none by default."""
+    """``steps``: this node's own committed steps (:class:`tierfs.ramtier.steps.Steps`), none by default."""
     async def survey(wait: float = 0.0) -> Survey:
         return seen
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tierfs import chunks, manifest
-from tierfs.chunks import chunk_hash
-from tierfs.manifest import FORMAT_VERSION, Entry, Manifest, ManifestError, build
+from tierfs.core import chunks, manifest
+from tierfs.core.chunks import chunk_hash
+from tierfs.core.manifest import FORMAT_VERSION, Entry, Manifest, ManifestError, build
 
 CS = 1024  # a small chunk size keeps the trees small
 

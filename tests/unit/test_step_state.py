@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict
 
-from tierfs.steps import StepState
+from tierfs.ramtier.steps import StepState
 
 
 def test_a_refusal_is_saved_and_read_back_for_its_version_only():

@@ -10,8 +10,10 @@ import argparse
 import os
 from pathlib import Path
 
-from tierfs import control, mounts
-from tierfs.errors import UserError
+from tierfs.core import mounts
+
+from tierfs.daemon import control
+from tierfs.core.errors import UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from tierfs.csi import server  # grpc and the generated messages: only this command needs them
     from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_settings
-    from tierfs.errors import UserError
+    from tierfs.core.errors import UserError
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -13,9 +13,9 @@ import sys
 import traceback
 from typing import NoReturn
 
-from tierfs import mounts
+from tierfs.core import mounts
 from tierfs.config import HOST_PATH_OPTIONS, OPTIONS, TLS_FILE_OPTIONS, Config, env_name, env_value
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 _FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
@@ -51,7 +51,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.foreground:
-        from tierfs import daemon  # the daemon's imports (GCS client) are slow for the CLI
+        from tierfs.daemon import daemon  # the daemon's imports (GCS client) are slow for the CLI
 
         return daemon.run(cfg)
     return spawn(cfg)
@@ -142,7 +142,7 @@ def _run_detached(cfg: Config, log_fd: int, ready_fd: int) -> NoReturn:
         os.dup2(log_fd, 2)
         os.close(null)
         os.close(log_fd)
-        from tierfs import daemon  # noqa: PLC0415 (the CLI's other commands do not need it)
+        from tierfs.daemon import daemon  # noqa: PLC0415 (the CLI's other commands do not need it)
 
         code = daemon.run(cfg, ready_fd)
     except UserError as e:  # after the mount was ready: the log is the only place left to say it

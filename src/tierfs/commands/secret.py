@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from tierfs.keys import new_secret
+from tierfs.core.keys import new_secret
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -6,9 +6,11 @@ import argparse
 import json
 from pathlib import Path
 
-from tierfs import control, mounts
+from tierfs.core import mounts
+
+from tierfs.daemon import control
 from tierfs.config import format_size
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tierfs import mounts
+from tierfs.core import mounts
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,7 +1,7 @@
 """Coordination at scale: a few coordinators instead of every node asking every node, and
 broadcast restores in which each chunk leaves GCS once.
 
-- :mod:`.view`: the holdings of the whole job and the rules of :mod:`tierfs.cluster`
+- :mod:`.view`: the holdings of the whole job and the rules of :mod:`tierfs.pipeline.survey`
   (newest complete step, adoption, retention floor), kept up to date by difference;
 - :mod:`.coordinators`: who coordinates, reporting, answering, taking over;
 - :mod:`.broadcast`: the restore planner and the "wait for a peer to have it" fetch;
@@ -10,10 +10,10 @@ broadcast restores in which each chunk leaves GCS once.
 - :mod:`.sim` and :mod:`.scenarios`: a simulated network and GCS, and whole jobs on them
   (``scripts/bench_scale.py``, docs/benchmarks.md "Scale").
 
-The daemon runs it through :mod:`tierfs.coordinating` (reports, decisions, the twins'
+The daemon runs it through :mod:`tierfs.pipeline.coordinating` (reports, decisions, the twins'
 shared plan) and :mod:`tierfs.peers.messages` (these messages on peer connections, the
 sender's listen address as ``from``); the peer service answers them
-(:data:`tierfs.peers.server.MESSAGE_OPS`) and serves the chunks of a running restore once
+(:data:`tierfs.store.server.MESSAGE_OPS`) and serves the chunks of a running restore once
 they are written. A node without a peer service, or whose coordinators all fail to
-answer, surveys every tier itself (:mod:`tierfs.cluster`).
+answer, surveys every tier itself (:mod:`tierfs.pipeline.survey`).
 """

@@ -4,7 +4,7 @@ Why. Today every node asks every other node what it holds, at start and every
 ``--survey-interval``: N(N-1) connections a round, 10^8 at 10,000 nodes, and N listings
 of GCS. Here each node sends one report to each of ``k`` coordinators a round (k = 3: 3N
 requests in all), the coordinators list GCS (k listings), and a starting node asks one
-coordinator for its step. The coordinators apply the rules of :mod:`tierfs.cluster` (see
+coordinator for its step. The coordinators apply the rules of :mod:`tierfs.pipeline.survey` (see
 :mod:`tierfs.coordination.view`) to what they received, so the answer is the one a
 survey of every node would give.
 

@@ -1,6 +1,6 @@
 """The cluster's holdings as one coordinator keeps them, and the rules that pick a step from them.
 
-The rules are those of :class:`tierfs.cluster.Survey`, unchanged; only the bookkeeping
+The rules are those of :class:`tierfs.pipeline.survey.Survey`, unchanged; only the bookkeeping
 differs. A survey is rebuilt from scratch each time one node asks every other; a
 coordinator receives one report per node per round and must answer thousands of
 questions in between, so :class:`HoldingsView` is updated by the difference each report
@@ -114,7 +114,7 @@ def topology_labels(value: object) -> tuple[tuple[str, str], ...]:
 
 
 def choose_step(newest: int | None, decisions: Iterable[int], mine: Iterable[int] | None) -> int | None:
-    """The step a rank restores: :meth:`tierfs.cluster.Survey.choose` on a summary.
+    """The step a rank restores: :meth:`tierfs.pipeline.survey.Survey.choose` on a summary.
 
     ``decisions``: the steps nodes restored and still run from; ``mine``: the steps the
     rank's manifest is held for anywhere, None if it holds none.
@@ -270,8 +270,8 @@ class HoldingsView:
                 "ranks": len(self._holders)}
 
     def to_survey(self):
-        """The same holdings as a :class:`tierfs.cluster.Survey` (for status output and checks)."""
-        from tierfs.cluster import Survey  # noqa: PLC0415 (cluster imports trio and the GCS glue)
+        """The same holdings as a :class:`tierfs.pipeline.survey.Survey` (for status output and checks)."""
+        from tierfs.pipeline.survey import Survey  # noqa: PLC0415 (cluster imports trio and the GCS glue)
 
         survey = Survey()
         for rank, by_step in self._holders.items():

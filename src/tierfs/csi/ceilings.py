@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tierfs.config import format_size, parse_size
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 WHERE = "ConfigMap tierfs-config"  # where the admin changes a ceiling, as messages name it
 MEMINFO = Path("/proc/meminfo")

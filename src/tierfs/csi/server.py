@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from tierfs.csi import identity, node
 from tierfs.csi.volumes import PluginConfig, Volumes
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 log = logging.getLogger("tierfs.csi")
 GC_CHECK_INTERVAL = 60.0

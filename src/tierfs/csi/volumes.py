@@ -49,12 +49,12 @@ from typing import Iterator
 
 import yaml
 
-from tierfs.atomic import write_atomically
-from tierfs import linux, mounts
+from tierfs.core.atomic import write_atomically
+from tierfs.core import linux, mounts
 from tierfs.config import OPTIONS, Config, check_job_id, env_name, parse_address, parse_size
 from tierfs.csi import ceilings, kube
 from tierfs.csi.ceilings import Ceilings, OverCeiling
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 from tierfs.ramtier.tmpfs import unmount_beneath
 
 log = logging.getLogger("tierfs.csi")

@@ -34,7 +34,7 @@ import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from tierfs.linux import _libc
+from tierfs.core.linux import _libc
 
 log = logging.getLogger(__name__)
 

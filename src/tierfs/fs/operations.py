@@ -45,7 +45,7 @@ from typing import Callable, Protocol
 
 import pyfuse3
 
-from tierfs import linux
+from tierfs.core import linux
 from tierfs.fs.caller import Caller, acting_as
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
 from tierfs.fs.session import BackingFiles, DirBuffer

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from tierfs import linux
+from tierfs.core import linux
 from tierfs.fs import abi, splicing
 from tierfs.fs.splicing import Pipe, PipePool
 from tierfs.fs.poller import Poller, WakeLatency

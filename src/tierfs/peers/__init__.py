@@ -1,16 +1,8 @@
-"""The node-to-node peer protocol: replicas of other ranks' steps, held in this node's RAM.
+"""The node-to-node peer protocol: framing, authentication, and the client of one peer.
 
-``wire`` frames messages and authenticates connections, ``store`` holds replicas on the
-RAM tier, ``server`` serves them to peers and ``client`` talks to one peer. The protocol
-is described in docs/peer-protocol.md.
+``wire`` frames messages and authenticates connections, ``tls`` encrypts them, ``client``
+talks to one peer and ``pool`` keeps its connections; ``network`` is this node's view of
+its peers and ``claim`` the one-node-per-rank check. This node's side of the protocol, the
+service that holds and serves replicas, is :mod:`tierfs.store`. The protocol is described
+in docs/peer-protocol.md.
 """
-
-from tierfs.peers.client import PeerClient
-from tierfs.peers.server import Timeouts, serve
-from tierfs.peers.store import LocalChunks, ReplicaStore
-from tierfs.peers.wire import AuthFailed, NoSpace, PeerError, PeerUnavailable, ProtocolError
-
-__all__ = [
-    "AuthFailed", "LocalChunks", "NoSpace", "PeerClient", "PeerError", "PeerUnavailable",
-    "ProtocolError", "ReplicaStore", "Timeouts", "serve",
-]

@@ -1,6 +1,6 @@
 """Every field of a peer's ``info`` and ``list`` answers, checked once where it arrives.
 
-A node surveys its peers itself with these two requests (:func:`tierfs.cluster.survey`),
+A node surveys its peers itself with these two requests (:func:`tierfs.pipeline.survey.survey`),
 and places replicas and claims its rank from ``info``. A peer holding the job's secret is
 trusted to authenticate, not to tell the truth, and what it answers here decides which
 step a restart restores, the retention floor and where replicas go. So, as coordination

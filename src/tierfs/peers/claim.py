@@ -25,7 +25,7 @@ import socket
 import time
 from dataclasses import dataclass
 
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 
 @dataclass

@@ -21,7 +21,7 @@ import trio
 import xxhash
 
 from tierfs.coordination.transport import BadMessage
-from tierfs.manifest import split_seal
+from tierfs.core.manifest import split_seal
 from tierfs.peers import answers, wire
 from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.tls import PeerTLS, TLSStream

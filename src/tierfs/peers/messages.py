@@ -20,7 +20,7 @@ import trio
 
 from tierfs.coordination.transport import Message, Refused, Unreachable, encoded
 from tierfs.config import parse_address
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 from tierfs.peers.client import PeerClient
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError, PeerRefused

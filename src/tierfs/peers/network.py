@@ -4,7 +4,7 @@ Every operation talks to peers concurrently and with timeouts, so one slow or de
 costs at most a timeout, never a hang. Putting steps on peers is the peer tier's
 (:mod:`tierfs.tiers.peer`); it records here how each peer did, for ``tierfs status``.
 
-The peers are whatever :class:`tierfs.discovery.PeerDirectory` knows now (DNS names are
+The peers are whatever :class:`tierfs.discovery.directory.PeerDirectory` knows now (DNS names are
 looked up again every ``--survey-interval``), less this node itself: a pattern or a DNS
 name usually covers it, and an ``info`` answer carrying this daemon's own instance gives
 it away. ``cfg.peers`` always holds the current list.
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import trio
 
 from tierfs.config import Config
-from tierfs.discovery import RETRY_EMPTY, PeerDirectory, PeerSpec
+from tierfs.discovery.directory import RETRY_EMPTY, PeerDirectory, PeerSpec
 from tierfs.peers import claim, tls
 from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.client import PeerClient

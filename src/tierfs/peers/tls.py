@@ -6,7 +6,7 @@ an operator turns it off (``--peer-tls off``) for a network they trust.
 **Keyed from the secret (the default).** Every node of a job already holds the job's
 secret, so nothing else has to be distributed. Python's ``ssl`` has no TLS 1.3 pre-shared
 keys, so each node derives the same Ed25519 key from the secret and the job id (the
-stretched secret of :mod:`tierfs.keys`: the certificate is public, and a guess of the
+stretched secret of :mod:`tierfs.core.keys`: the certificate is public, and a guess of the
 secret checked against it costs a scrypt), makes the same self-signed certificate from it, presents it, and trusts
 exactly that certificate from the other side (mutual TLS: both sides verify). A node
 without the secret, or of another job, cannot finish the TLS handshake; a network observer
@@ -43,8 +43,8 @@ from typing import Any
 
 import trio
 
-from tierfs import keys
-from tierfs.errors import UserError
+from tierfs.core import keys
+from tierfs.core.errors import UserError
 from tierfs.peers.wire import PIECE, AuthFailed, PeerUnavailable, ProtocolError
 
 # Reasons OpenSSL gives when the other side does not speak TLS at all.

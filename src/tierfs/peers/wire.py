@@ -36,9 +36,9 @@ from typing import Any
 
 import trio
 
-from tierfs import keys
-from tierfs.chunks import MAX_CHUNK_SIZE
-from tierfs.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
+from tierfs.core import keys
+from tierfs.core.chunks import MAX_CHUNK_SIZE
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
 VERSION = 1
 MAX_HEADER = 1 << 20  # an authenticated peer's header
@@ -345,7 +345,7 @@ def new_nonce() -> str:
 def proof(secret: bytes, role: str, job: str, client_nonce: str, server_nonce: str) -> str:
     """HMAC-SHA256(handshake key, role|job|client_nonce|server_nonce) in hex.
 
-    The key is the job's handshake key (:func:`tierfs.keys.derive`), not the secret: a
+    The key is the job's handshake key (:func:`tierfs.core.keys.derive`), not the secret: a
     stranger's connection gets the server's proof, and testing a guess of the secret
     against it must cost the scrypt stretch, not one HMAC. The role (``server`` or
     ``client``) keeps one side's proof from ever serving as the other's, so a proof cannot

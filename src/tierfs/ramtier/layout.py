@@ -24,9 +24,9 @@ import stat
 import time
 from pathlib import Path
 
-from tierfs import linux, mounts
-from tierfs.atomic import UnsafeFile, check_private, private_dir, read_small
-from tierfs.errors import UserError
+from tierfs.core import linux, mounts
+from tierfs.core.atomic import UnsafeFile, check_private, private_dir, read_small
+from tierfs.core.errors import UserError
 
 DYING_HOLDER_WAIT = 15.0  # seconds a killed daemon may take to let go of its rank
 

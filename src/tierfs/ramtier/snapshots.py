@@ -13,7 +13,7 @@ notice a detach that raced with them.
 
 Files still open for writing when their step commits are copied instead of linked, since
 a write through an earlier descriptor could otherwise land in the snapshot. Every copy
-keeps the file's holes (:func:`tierfs.holes.copy_data`): the job sets a file's size for
+keeps the file's holes (:func:`tierfs.core.holes.copy_data`): the job sets a file's size for
 free, and a copy of its holes would fill the RAM with zeros.
 
 The committed path is the job's: it is walked from the tree's descriptor without following
@@ -32,9 +32,9 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from tierfs.atomic import UnsafeFile, private_dir
-from tierfs.errors import UserError
-from tierfs.holes import copy_data
+from tierfs.core.atomic import UnsafeFile, private_dir
+from tierfs.core.errors import UserError
+from tierfs.core.holes import copy_data
 from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)

@@ -15,9 +15,9 @@ import errno
 import os
 from pathlib import Path
 
-from tierfs import linux, mounts
+from tierfs.core import linux, mounts
 from tierfs.config import format_size
-from tierfs.errors import UserError
+from tierfs.core.errors import UserError
 
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
 SOURCE = "tierfs-ram"

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import trio
 
-from tierfs.chunks import MAX_CHUNK_SIZE
-from tierfs.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
+from tierfs.core.chunks import MAX_CHUNK_SIZE
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
 if TYPE_CHECKING:
     from tierfs.config import Config
-    from tierfs.keys import ManifestKeys
-    from tierfs.manifest import Manifest
+    from tierfs.core.keys import ManifestKeys
+    from tierfs.core.manifest import Manifest
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Every committed step is written here in the background, like a fast backup, and a restore
 reads from here before it asks any peer. When RAM is short (``--capacity``), committed steps
-that are safely here leave the RAM tier (:mod:`tierfs.replicator` decides) and stay
+that are safely here leave the RAM tier (:mod:`tierfs.pipeline.replicator` decides) and stay
 restorable from the disk.
 
 Layout under ``DIR/<job>/rank-<N>/`` (root-only, as the peer replica store, whose code keeps
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import trio
 
-from tierfs.atomic import UnsafeFile, private_dir
-from tierfs.errors import UserError
-from tierfs.peers.store import ReplicaStore
+from tierfs.core.atomic import UnsafeFile, private_dir
+from tierfs.core.errors import UserError
+from tierfs.store.replicas import ReplicaStore
 from tierfs.tiers.base import Cost
 from tierfs.tiers.stored import StoredTier
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import trio
 
-from tierfs import chunks
-from tierfs.errors import UserError
-from tierfs.keys import ManifestKeys
+from tierfs.core import chunks
+from tierfs.core.errors import UserError
+from tierfs.core.keys import ManifestKeys
 from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, SourceChanged, Tier, TierError, TierUnavailable,
                                check_chunk, check_manifest)
 from tierfs.tiers.gcs_store import GcsError, GcsStore, GcsUnavailable, MissingObject

@@ -49,10 +49,10 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption
 
-from tierfs import chunks
-from tierfs import manifest as manifest_format
-from tierfs.errors import UserError
-from tierfs.keys import ManifestKeys
+from tierfs.core import chunks
+from tierfs.core import manifest as manifest_format
+from tierfs.core.errors import UserError
+from tierfs.core.keys import ManifestKeys
 
 T = TypeVar("T")
 _VANISHED = "it was deleted meanwhile"

@@ -1,7 +1,7 @@
 """This node's RAM as a tier: its own committed steps, and the replicas it keeps for others.
 
 The job's files, snapshots and space account are :mod:`tierfs.ramtier`; the replicas other
-nodes put here are a :class:`~tierfs.peers.store.ReplicaStore` in the rank's directory.
+nodes put here are a :class:`~tierfs.store.replicas.ReplicaStore` in the rank's directory.
 As a tier, the RAM is what a restore reads first (an older step of this rank, or a
 data-parallel twin's replica, with the same chunk) and what the cluster survey counts as
 "local". Nothing puts steps on it from here: the job writes them, peers replicate into its
@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tierfs.peers.store import ReplicaStore
+from tierfs.store.replicas import ReplicaStore
 from tierfs.tiers.base import Cost, Holdings, Location, NotHeld, TierError
 from tierfs.tiers.stored import StoredTier
 

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 import trio
 
-from tierfs import chunks
+from tierfs.core import chunks
 from tierfs.peers.client import PeerClient
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.placement import choose

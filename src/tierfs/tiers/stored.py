@@ -1,7 +1,7 @@
 """Tiers on this node's own file systems, kept by the replica store's code.
 
 The RAM tier's replicas and the disk tier hold chunks and manifests the same way: one
-:class:`~tierfs.peers.store.ReplicaStore` each (root-only directories, a chunk file only
+:class:`~tierfs.store.replicas.ReplicaStore` each (root-only directories, a chunk file only
 under its verified name, manifests written atomically and only once every chunk they name
 is there). :class:`StoredTier` is what both share; subclasses say on which thread the
 store's work runs (:meth:`StoredTier._do`).
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import trio
 
-from tierfs import chunks
-from tierfs.peers.store import Corrupt, NotFound, ReplicaStore
+from tierfs.core import chunks
+from tierfs.store.replicas import Corrupt, NotFound, ReplicaStore
 from tierfs.peers.wire import NoSpace, PeerError
 from tierfs.tiers.base import (MAX_MANIFEST, Holdings, Location, NotHeld, Put, SourceChanged, Tier, TierError,
                                check_chunk, check_manifest)

@@ -1,0 +1,1 @@
+"""The bottom layer: formats, parsers and system calls every other layer builds on."""

@@ -1,0 +1,542 @@
+"""Manifests: what one rank committed at one step.
+
+A manifest lists every path of one (job, rank, step) checkpoint with all it takes to
+recreate it exactly: type, permission bits, owner, size, mtime, symlink target, and the
+names of each file's chunks. It is written last on every tier, after every chunk it names,
+so its presence on a tier is the commit point there: whoever finds a manifest can fetch
+the whole checkpoint.
+
+Manifests come back from peers and buckets and restoring one creates files, so parsing
+trusts nothing: a manifest that could write outside the volume root, through a symlink,
+or that disagrees with itself is refused before any of it is used. So is one larger than
+the limits below, which are far beyond any real checkpoint and keep a hostile one from
+costing the daemon its memory, and one with a number no system call accepts. Symlink
+targets are relative and never climb (no ``..``), so a restored link only ever points
+below its own directory. Restoring never sets set-uid, set-gid, or sticky on a file
+(:func:`restorable_mode`): the daemon is root, the manifest's author may not be.
+
+A node with the job's secret stores every manifest *sealed* (:func:`seal`): the JSON, then
+one line ``hmac-sha256 <64 hex>`` whose MAC binds the job, rank and step to the exact
+bytes. Anyone who can write to a bucket can write well-formed manifests; only holders of
+the secret can seal them, and :func:`authenticate` is what a reader asks before it uses
+one (docs/formats.md, "Sealed manifests").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import os
+import re
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tierfs.core import chunks
+from tierfs.config import check_job_id, format_size
+from tierfs.core.errors import UserError
+from tierfs.core.keys import ManifestKeys
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KINDS = ("file", "dir", "symlink")
+
+MAX_BYTES = 64 << 20  # a manifest's JSON (the peer protocol carries no larger one either)
+MAX_ENTRIES = 1 << 20  # paths in one manifest
+MAX_CHUNKS = 1 << 21  # chunk names in one manifest: 8 TiB of 4 MiB chunks per rank
+MAX_PATH = 4096  # bytes in a path or symlink target (Linux PATH_MAX)
+MAX_NAME = 255  # bytes in one path component (Linux NAME_MAX)
+MAX_RANK = (1 << 31) - 1
+MAX_STEP = (1 << 63) - 1
+MAX_ID = (1 << 32) - 2  # uid/gid: 2**32 - 1 is chown's "leave as it is"
+MAX_NS = (1 << 63) - 1  # mtime_ns: what utime takes
+
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_MAC_PREFIX = b"\nhmac-sha256 "
+_MAC_RE = re.compile(rb"\nhmac-sha256 ([0-9a-f]{64})\n\Z")
+MAC_LINE = len(_MAC_PREFIX) + 64 + 1  # the bytes a seal adds
+_MAC_LABEL = b"tierfs manifest v1\0"
+
+FileKey = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
+
+
+class ManifestError(Exception):
+    """A manifest that is malformed, inconsistent, unsafe, or from a newer tierfs."""
+
+
+class Unauthenticated(ManifestError):
+    """A manifest that this job's secrets did not seal for the (rank, step) it is read as."""
+
+
+@dataclass
+class Entry:
+    """One path of the checkpoint, relative to the volume root."""
+
+    path: str
+    kind: str  # one of KINDS
+    mode: int  # stat.S_IMODE: permissions with setuid, setgid and sticky
+    uid: int
+    gid: int
+    size: int  # 0 unless a file
+    mtime_ns: int
+    target: str | None = None  # symlinks only
+    chunks: list[str] = field(default_factory=list)  # files only, in order
+
+
+@dataclass
+class Manifest:
+    """One rank's checkpoint at one step, as committed."""
+
+    job: str
+    rank: int
+    step: int
+    chunk_size: int
+    roots: list[str]  # the committed paths the step consists of
+    entries: list[Entry]  # sorted by path, so parents come before their children
+    created: float
+    format: int = FORMAT_VERSION
+
+    def to_json(self) -> bytes:
+        """Equal manifests give equal bytes, so they can be compared and hashed as stored.
+
+        Output is ASCII: names that are not UTF-8 travel as escaped surrogates and come
+        back from ``os.fsencode`` as the original bytes.
+        """
+        # vars(), not asdict(): the same fields without asdict's deep copy, which costs more
+        # than the encoding itself for a step of thousands of files.
+        obj = {**vars(self), "entries": [vars(e) for e in self.entries]}
+        return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+    def sealed(self, keys: ManifestKeys | None) -> bytes:
+        """The bytes every tier stores: :meth:`to_json`, sealed when the node has a secret."""
+        return seal(self.to_json(), keys, self.rank, self.step)
+
+    @classmethod
+    def from_json(cls, data: bytes) -> Manifest:
+        """Parse a manifest from another machine: nothing in it is used before it is checked.
+
+        A seal's MAC line is taken off, not checked: a reader that has not trusted the
+        bytes yet asks :func:`authenticate` first.
+        """
+        data = split_seal(data)[0]
+        if len(data) > MAX_BYTES:
+            raise ManifestError(f"manifest of {len(data)} bytes is larger than {MAX_BYTES} bytes")
+        try:
+            obj = json.loads(data)
+        except ValueError as e:
+            raise ManifestError(f"manifest is not valid JSON: {e}") from None
+        except RecursionError:
+            raise ManifestError("manifest is not a manifest: its JSON is nested too deeply") from None
+        if not isinstance(obj, dict):
+            raise ManifestError("manifest is not a JSON object")
+        version = _get(obj, "format", int, "manifest")
+        if version > FORMAT_VERSION:
+            raise ManifestError(f"manifest format {version} is newer than this tierfs "
+                                f"supports ({FORMAT_VERSION}): upgrade tierfs")
+        if version < 1:
+            raise ManifestError(f"manifest format {version} does not exist")
+        entries = _get(obj, "entries", list, "manifest")
+        roots = _get(obj, "roots", list, "manifest")
+        if max(len(entries), len(roots)) > MAX_ENTRIES:
+            raise ManifestError(f"manifest has more than {MAX_ENTRIES} entries or roots")
+        manifest = cls(
+            job=_get(obj, "job", str, "manifest"),
+            rank=_get(obj, "rank", int, "manifest"),
+            step=_get(obj, "step", int, "manifest"),
+            chunk_size=_get(obj, "chunk_size", int, "manifest"),
+            roots=roots,
+            entries=[_parse_entry(e) for e in entries],
+            created=_get(obj, "created", (int, float), "manifest"),
+            format=version,
+        )
+        manifest._validate()
+        return manifest
+
+    def check_identity(self, job: str, rank: int, step: int) -> None:
+        """Refuse a manifest that is not the one asked for.
+
+        Tiers file manifests by name, and a name is only a claim: a hostile bucket writer
+        or peer could otherwise serve rank 2's files as rank 3's, or step 5 as step 9.
+        """
+        if (self.job, self.rank, self.step) != (job, rank, step):
+            raise ManifestError(f"it is job {self.job!r} rank {self.rank} step {self.step}, "
+                                f"not job {job!r} rank {rank} step {step} as asked")
+
+    def chunk_set(self) -> set[str]:
+        """Every chunk the checkpoint needs: what must be on a tier before the manifest."""
+        return {h for e in self.entries for h in e.chunks}
+
+    def chunk_places(self) -> dict[str, tuple[str, int, int]]:
+        """Every distinct chunk's first place, (file path, offset, length), in the order the files need them."""
+        cs, places = self.chunk_size, {}
+        for e in self.entries:
+            for i, h in enumerate(e.chunks):
+                if h not in places:
+                    places[h] = (e.path, i * cs, min(cs, e.size - i * cs))
+        return places
+
+    def chunk_sizes(self) -> dict[str, int]:
+        """Every chunk's length, in the order the files need them."""
+        return {h: length for h, (_, _, length) in self.chunk_places().items()}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(e.size for e in self.entries if e.kind == "file")
+
+    def nonzero_bytes(self) -> int:
+        """The bytes of every chunk place that is not all zeros: the most a restore writes.
+
+        A chunk of zeros stays a hole of its placeholder, so a sparse file restores into the
+        RAM its data takes, not its size.
+        """
+        cs, zero = self.chunk_size, chunks.zero_hash(self.chunk_size)
+        total = 0
+        for e in self.entries:
+            if e.chunks:
+                last = e.size - (len(e.chunks) - 1) * cs  # the last chunk may be short
+                total += cs * sum(h != zero for h in e.chunks[:-1])
+                total += 0 if e.chunks[-1] == chunks.zero_hash(last) else last
+        return total
+
+    @property
+    def unique_chunk_count(self) -> int:
+        return len(self.chunk_set())
+
+    def _validate(self) -> None:
+        try:
+            check_job_id(self.job)
+        except UserError:
+            raise ManifestError(f"manifest: invalid job id {self.job[:200]!r}") from None
+        if not (0 <= self.rank <= MAX_RANK and 0 <= self.step <= MAX_STEP
+                and 0 < self.chunk_size <= chunks.MAX_CHUNK_SIZE):
+            raise ManifestError(f"manifest: invalid rank {self.rank}, step {self.step} "
+                                f"or chunk size {self.chunk_size}")
+        if max(len(self.entries), len(self.roots)) > MAX_ENTRIES:
+            raise ManifestError(f"manifest has more than {MAX_ENTRIES} entries or roots")
+        if sum(len(e.chunks) for e in self.entries) > MAX_CHUNKS:
+            raise ManifestError(f"manifest names more than {MAX_CHUNKS} chunks")
+        kinds: dict[str, str] = {}
+        previous = ""
+        for e in self.entries:
+            _check_path(e.path, "entry")
+            if e.path in kinds:
+                raise ManifestError(f"duplicate path {e.path!r}")
+            if e.path < previous:
+                raise ManifestError(f"entries are not sorted by path: {e.path!r} after {previous!r}")
+            # An entry below a symlink would be restored through it, outside the volume root.
+            parent = e.path.rpartition("/")[0]
+            if parent and kinds.get(parent) != "dir":
+                raise ManifestError(f"entry {e.path!r}: parent {parent!r} is not a directory entry")
+            _check_entry(e, self.chunk_size)
+            kinds[e.path], previous = e.kind, e.path
+        for root in self.roots:
+            _check_path(root, "root")
+            if root not in kinds:
+                raise ManifestError(f"root {root!r} has no entry")
+
+
+def seal(body: bytes, keys: ManifestKeys | None, rank: int, step: int) -> bytes:
+    """A manifest's JSON as stored: followed by its MAC line, or as it is without keys."""
+    if keys is None:
+        return body
+    data = b"%s%s%s\n" % (body, _MAC_PREFIX, _mac(keys.seal, keys.job, rank, step, body).encode())
+    if len(data) > MAX_BYTES:
+        raise ManifestError(f"manifest of rank {rank} step {step} is larger than {MAX_BYTES} bytes once sealed")
+    return data
+
+
+def authenticate(data: bytes, keys: ManifestKeys | None, rank: int, step: int) -> bytes:
+    """The JSON of a stored manifest if one of ``keys`` sealed it as ``keys.job``'s (rank, step).
+
+    Checked before a byte of it is parsed. Without keys (a node without a secret) nothing
+    can be checked: the JSON is returned, sealed or not. Raises :class:`Unauthenticated`.
+    """
+    body, mac = split_seal(data)
+    if keys is None:
+        return body
+    if mac is None:
+        raise Unauthenticated("it is not sealed (no MAC line): it was not written by a node with this job's secret")
+    if not any(hmac.compare_digest(_mac(key, keys.job, rank, step, body), mac) for key in keys.accept):
+        raise Unauthenticated(f"its MAC does not verify: it was not sealed with this job's secret "
+                              f"as rank {rank} step {step}")
+    return body
+
+
+def split_seal(data: bytes) -> tuple[bytes, str | None]:
+    """(JSON, MAC in hex or ``None``), nothing checked: a seal is one line after the JSON, which holds no newline."""
+    m = _MAC_RE.search(data, max(0, len(data) - MAC_LINE))
+    return (data[:m.start()], m[1].decode()) if m else (data, None)
+
+
+def _mac(key: bytes, job: str, rank: int, step: int, body: bytes) -> str:
+    """HMAC-SHA256 over the label, the job, rank and step the manifest is stored as, and its JSON."""
+    mac = hmac.new(key, b"%s%s\0%d\0%d\0" % (_MAC_LABEL, job.encode(), rank, step), hashlib.sha256)
+    mac.update(body)
+    return mac.hexdigest()
+
+
+def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str):
+    if key not in obj:
+        raise ManifestError(f"{where}: missing field {key!r}")
+    value = obj[key]
+    # bool is an int to isinstance, never to a manifest.
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ManifestError(f"{where}: field {key!r} has the wrong type ({type(value).__name__})")
+    return value
+
+
+def _parse_entry(obj: object) -> Entry:
+    if not isinstance(obj, dict):
+        raise ManifestError("manifest: an entry is not a JSON object")
+    path = _get(obj, "path", str, "entry")
+    where = f"entry {_short(path)}"
+    return Entry(
+        path=path,
+        kind=_get(obj, "kind", str, where),
+        mode=_get(obj, "mode", int, where),
+        uid=_get(obj, "uid", int, where),
+        gid=_get(obj, "gid", int, where),
+        size=_get(obj, "size", int, where),
+        mtime_ns=_get(obj, "mtime_ns", int, where),
+        target=_get(obj, "target", (str, type(None)), where),
+        chunks=_get(obj, "chunks", list, where),
+    )
+
+
+def _check_path(path: object, what: str) -> None:
+    """Refuse a path that could leave the volume root or name one file two ways."""
+    if not isinstance(path, str):
+        raise ManifestError(f"{what} {path!r} is not a string")
+    parts = path.split("/")
+    problem = _name_problem(path)
+    if problem is None:
+        if "" in parts or "." in parts:
+            problem = "is not normalized"
+        else:
+            return
+    raise ManifestError(f"{what} path {_short(path)} {problem}")
+
+
+def check_target(target: str) -> None:
+    """Refuse a symlink target that is absolute or climbs: a restored link stays below its directory.
+
+    Links that obey this can only lead to other paths below the volume root, however they
+    chain, so nothing that follows a restored link (the job, a later backup) is led out.
+    """
+    problem = _name_problem(target)
+    if problem is not None:
+        raise ManifestError(f"symlink target {_short(target)} {problem}")
+
+
+def _name_problem(path: str) -> str | None:
+    """What makes ``path`` unfit to name something below the volume root, if anything."""
+    if not path:
+        return "is empty"
+    if "\0" in path:
+        return "contains NUL"
+    try:
+        encoded = os.fsencode(path)
+    except UnicodeEncodeError:
+        return "is not a file name (it has unpaired surrogates)"
+    if len(encoded) > MAX_PATH:
+        return f"is longer than {MAX_PATH} bytes"
+    if path.startswith("/"):
+        return "is absolute"
+    parts = encoded.split(b"/")
+    if b".." in parts:
+        return "has a '..' component"
+    if max(map(len, parts)) > MAX_NAME:
+        return f"has a component longer than {MAX_NAME} bytes"
+    return None
+
+
+def _short(text: str) -> str:
+    """A value for a one-line message: quoted, and cut if long."""
+    return repr(text) if len(text) <= 100 else f"{text[:100]!r}... ({len(text)} characters)"
+
+
+def restorable_mode(e: Entry) -> int:
+    """The permission bits a restore gives ``e``: set-uid and set-gid never, sticky on directories only.
+
+    The daemon restores as root with the manifest's owner, so honouring these bits would
+    let anyone who can write to the bucket, or speak for a peer, plant a set-uid-root file.
+    """
+    mode = stat.S_IMODE(e.mode) & ~(stat.S_ISUID | stat.S_ISGID)
+    return mode if e.kind == "dir" else mode & ~stat.S_ISVTX
+
+
+def _check_entry(e: Entry, chunk_size: int) -> None:
+    where = f"entry {_short(e.path)}"
+    if e.kind not in KINDS:
+        raise ManifestError(f"{where}: unknown kind {e.kind!r}")
+    if not 0 <= e.mode <= 0o7777:
+        raise ManifestError(f"{where}: mode {e.mode:#o} is not permission bits")
+    if not (0 <= e.uid <= MAX_ID and 0 <= e.gid <= MAX_ID):
+        raise ManifestError(f"{where}: uid {e.uid} or gid {e.gid} is not between 0 and {MAX_ID}")
+    if e.size < 0:
+        raise ManifestError(f"{where}: negative size")
+    if not -MAX_NS <= e.mtime_ns <= MAX_NS:
+        raise ManifestError(f"{where}: mtime_ns {e.mtime_ns} is out of range")
+    if (e.target is not None) != (e.kind == "symlink"):
+        raise ManifestError(f"{where}: a symlink needs a target and nothing else has one")
+    if e.target is not None:
+        check_target(e.target)
+    if e.kind != "file" and e.size:
+        raise ManifestError(f"{where}: a {e.kind} has no size")
+    expected = -(-e.size // chunk_size)
+    if len(e.chunks) != expected:
+        raise ManifestError(f"{where}: {len(e.chunks)} chunks for {e.size} bytes, "
+                            f"expected {expected} of {chunk_size} bytes")
+    for h in e.chunks:
+        if not isinstance(h, str) or not _HASH_RE.fullmatch(h):
+            raise ManifestError(f"{where}: {h!r} is not a chunk hash")
+
+
+def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: int,
+          chunk_size: int, known: dict[FileKey, list[str]] | None = None) -> Manifest:
+    """Describe the committed ``roots`` of a snapshot tree that nothing writes to any more.
+
+    Symlinks are recorded, never followed; fifos, sockets and devices are skipped, since no
+    checkpoint format writes them, and so are symlinks that are absolute or climb out of
+    their directory, which no restore would recreate (:func:`check_target`). Hard links
+    become separate files: their chunks are the same, so they cost nothing extra. The
+    ancestors of each root are recorded too, so a restore recreates their modes and owners
+    as well. The result is checked as a manifest from elsewhere would be: what is backed
+    up can be restored.
+
+    The whole tree is described before any byte is hashed, and a step larger than a
+    manifest can describe is refused then (:class:`_Tally`): a file's size is a number
+    its owner sets (``truncate -s 1P`` costs no RAM), and hashing it first would cost the
+    daemon time in proportion to that number. Holes are never read (:func:`chunks.hash_file`).
+
+    ``known`` caches chunk lists by ``(st_ino, st_size, st_mtime_ns)``. Passing the same
+    dict for every step of one volume hashes a file that outlives several steps once, not
+    once per step, as long as it keeps its inode (the same file, or hard links to it); hard
+    links within one step are hashed once too. It is filled in as files are hashed. Keep one
+    per filesystem and chunk size: the key holds neither.
+    """
+    top = Path(snapshot_root)
+    ancestors: dict[str, Entry] = {}
+    found: dict[str, Entry] = {}
+    files: dict[str, os.stat_result] = {}  # regular files to hash, by path
+    tally = _Tally(chunk_size)
+    for root in roots:
+        _check_path(root, "root")
+        parts = root.split("/")
+        for depth in range(1, len(parts)):
+            path = "/".join(parts[:depth])
+            if path not in ancestors:
+                st = os.lstat(top / path)
+                if not stat.S_ISDIR(st.st_mode):
+                    raise ManifestError(f"root {root!r}: {path!r} is not a directory")
+                ancestors[path] = _describe(top, path, st)
+        _walk(top, root, found, files, tally)
+        if root not in found:
+            raise ManifestError(f"root {root!r} is not a file, directory or symlink "
+                                "(or is a symlink no restore could recreate)")
+    for rel, st in files.items():
+        found[rel].chunks = _file_chunks(top / rel, st, chunk_size, known)
+    entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)
+    manifest = Manifest(job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots),
+                        entries=entries, created=time.time())
+    manifest._validate()
+    if len(manifest.to_json()) > MAX_BYTES:  # the tally counted a lower bound
+        raise _too_large()
+    return manifest
+
+
+_JSON_PER_CHUNK = 35  # bytes a chunk name takes in a manifest's JSON: 32 digits, quotes, a comma
+
+
+def _too_large() -> ManifestError:
+    return ManifestError(f"the step's manifest would be larger than {MAX_BYTES} bytes, which no tier "
+                         "stores: commit fewer or smaller files in one step")
+
+
+class _Tally:
+    """What the paths described so far will cost the step's manifest, refused as soon as it is too much.
+
+    Counting needs only sizes, so a step no manifest could describe is refused before any
+    byte is hashed. The refusal names the step's largest file, the usual reason (a sparse
+    file of a huge apparent size).
+    """
+
+    def __init__(self, chunk_size: int):
+        self.chunk_size = chunk_size
+        self.entries = self.chunks = self.json_bytes = 0
+        self.largest: Entry | None = None
+
+    def add(self, e: Entry) -> None:
+        n = -(-e.size // self.chunk_size)
+        self.entries += 1
+        self.chunks += n
+        self.json_bytes += len(e.path) + _JSON_PER_CHUNK * n  # a lower bound of what the entry adds
+        if self.largest is None or e.size > self.largest.size:
+            self.largest = e
+        if self.entries > MAX_ENTRIES:
+            raise ManifestError(f"the step has more than {MAX_ENTRIES} paths, more than a manifest may "
+                                "list: commit fewer files in one step")
+        if self.chunks > min(MAX_CHUNKS, MAX_BYTES // _JSON_PER_CHUNK):
+            big = self.largest
+            raise ManifestError(
+                f"the step needs at least {self.chunks} chunks of {format_size(self.chunk_size)}, more than "
+                f"a manifest can name ({min(MAX_CHUNKS, MAX_BYTES // _JSON_PER_CHUNK)}); its largest file "
+                f"{_short(big.path)} has a size of {big.size} bytes ({format_size(big.size)}, holes "
+                "included): shrink it or leave it out of the step")
+        if self.json_bytes > MAX_BYTES:
+            raise _too_large()
+
+
+def _walk(top: Path, root: str, found: dict[str, Entry], files: dict[str, os.stat_result],
+          tally: _Tally) -> None:
+    pending = [root]
+    while pending:
+        rel = pending.pop()
+        if rel in found:
+            continue  # inside a root walked before: that walk covered its whole subtree
+        st = os.lstat(top / rel)
+        entry = _describe(top, rel, st)
+        if entry is None:
+            continue
+        found[rel] = entry
+        tally.add(entry)
+        if entry.kind == "file":
+            files[rel] = st
+        elif entry.kind == "dir":
+            pending.extend(f"{rel}/{name}" for name in os.listdir(top / rel))
+
+
+def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
+    """The entry of one path, a file's chunks not hashed yet."""
+    common = dict(path=rel, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
+                  mtime_ns=st.st_mtime_ns)
+    if stat.S_ISDIR(st.st_mode):
+        return Entry(kind="dir", size=0, **common)
+    if stat.S_ISLNK(st.st_mode):
+        target = os.readlink(top / rel)
+        try:
+            check_target(target)
+        except ManifestError as e:
+            log.warning("not backing up symlink %r: its %s, and no restore would recreate it", rel, e)
+            return None
+        return Entry(kind="symlink", size=0, target=target, **common)
+    if stat.S_ISREG(st.st_mode):
+        return Entry(kind="file", size=st.st_size, **common)
+    return None
+
+
+def _file_chunks(path: Path, st: os.stat_result, chunk_size: int,
+                 known: dict[FileKey, list[str]] | None) -> list[str]:
+    key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    if known is not None and key in known:
+        return list(known[key])
+    hashes = chunks.hash_file(path, chunk_size)
+    if len(hashes) != -(-st.st_size // chunk_size) or os.lstat(path).st_size != st.st_size:
+        raise ManifestError(f"{path} changed size while it was hashed: the snapshot is not frozen")
+    if known is not None:
+        known[key] = hashes
+    return list(hashes)

@@ -1,0 +1,177 @@
+"""The host's view of tierfs mounts: the kernel mount table and the daemons' registry.
+
+Each daemon registers under the runtime directory (``/run/tierfs`` by default) by a key
+derived from its mountpoint: ``<key>.json`` (pid, job, rank, ...), ``<key>.sock`` (its
+control socket) and ``<key>.log``. The kernel's mount table stays the authority on
+whether something is mounted; the registry only says who serves it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierfs.core import linux
+from tierfs.core.atomic import UnsafeFile, private_dir, read_small, write_atomically
+from tierfs.config import runtime_dir
+from tierfs.core.errors import UserError
+
+FSTYPE = "fuse.tierfs"
+
+
+@dataclass(frozen=True)
+class MountEntry:
+    mountpoint: str
+    fstype: str
+    source: str
+    minor: int
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "surrogateescape")
+
+
+def mount_table() -> list[MountEntry]:
+    """Every mount in /proc/self/mountinfo, in its order (a mount comes after the one it covers)."""
+    entries = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            fstype, source = right.split()[:2]
+            entries.append(MountEntry(_unescape(fields[4]), fstype, _unescape(source),
+                                      int(fields[2].split(":")[1])))
+    return entries
+
+
+def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
+    """The topmost mount at ``mountpoint`` in /proc/self/mountinfo, if any."""
+    target = os.path.abspath(mountpoint)
+    found = None
+    for entry in mount_table():
+        if entry.mountpoint == target:
+            found = entry
+    return found
+
+
+def is_dead(mountpoint: str | os.PathLike) -> bool:
+    """A FUSE mount whose daemon died answers ENOTCONN to every request that reaches it.
+
+    statfs() always reaches the daemon; stat() may be answered from the kernel's cache.
+    """
+    try:
+        os.statvfs(mountpoint)
+    except OSError as e:
+        return e.errno == errno.ENOTCONN
+    return False
+
+
+class Registration:
+    """The runtime files of the daemon serving one mountpoint."""
+
+    def __init__(self, mountpoint: str | os.PathLike):
+        self.mountpoint = os.path.abspath(mountpoint)
+        key = hashlib.sha256(os.fsencode(self.mountpoint)).hexdigest()[:20]
+        base = runtime_dir()
+        self.info_path = base / f"{key}.json"
+        self.socket_path = base / f"{key}.sock"
+        self.log_path = base / f"{key}.log"
+
+    def prepare(self) -> None:
+        """Create the runtime directory (root-only), or check the one there: raises UserError if
+        others could replace the control socket or the registration in it."""
+        try:
+            private_dir(self.info_path.parent, own=False)
+        except UnsafeFile as e:
+            raise UserError(f"unsafe runtime directory (TIERFS_RUNTIME_DIR): {e}") from None
+
+    def write(self, info: dict) -> None:
+        private_dir(self.info_path.parent, own=False)
+        write_atomically(self.info_path, json.dumps(info), 0o600)
+
+    def read(self) -> dict | None:
+        """The registration, if there is one that the daemon's user wrote (it names a pid)."""
+        try:
+            return json.loads(read_small(self.info_path, 1 << 16, private=True))
+        except (OSError, ValueError, UnsafeFile):
+            return None
+
+    def remove(self) -> None:
+        for p in (self.info_path, self.socket_path):
+            try:
+                p.unlink()
+            except FileNotFoundError:
+                pass
+
+
+def process_alive(pid: int) -> bool:
+    """True while any thread of ``pid`` runs.
+
+    The thread-group leader turns zombie as soon as it exits, while its other threads
+    may still be tearing down and holding /dev/fuse open; only when every thread is a
+    zombie (or gone) has the kernel released the process's files.
+    """
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                if f.read().rpartition(")")[2].split()[0] != "Z":
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def prepare_mountpoint(mountpoint: Path) -> None:
+    """Check the mountpoint; clear a dead tierfs mount left by a killed daemon."""
+    entry = find_mount(mountpoint)
+    if entry is not None and entry.fstype.startswith("fuse"):
+        if is_dead(mountpoint):
+            linux.umount(str(mountpoint), linux.MNT_DETACH)
+            entry = None
+        else:
+            info = Registration(mountpoint).read() or {}
+            raise UserError(
+                f"mountpoint {mountpoint} is busy: {entry.fstype} is already mounted there"
+                + (f" (tierfs pid {info['pid']})" if "pid" in info else "")
+                + f"; unmount it first (tierfs unmount {mountpoint})"
+            )
+    if not os.path.lexists(mountpoint):
+        raise UserError(f"mountpoint {mountpoint} does not exist: create it first (mkdir -p {mountpoint})")
+    if not mountpoint.is_dir():
+        raise UserError(f"mountpoint {mountpoint} is not a directory")
+
+
+def unmount(mountpoint: Path, timeout: float = 30.0) -> None:
+    """Unmount and wait until the daemon has finished, so its state is on the ramdisk."""
+    entry = find_mount(mountpoint)
+    if entry is None:
+        raise UserError(f"{mountpoint} is not mounted")
+    if entry.fstype != FSTYPE:
+        raise UserError(f"{mountpoint} is not a tierfs mount (it is {entry.fstype}): use umount")
+    reg = Registration(mountpoint)
+    pid = (reg.read() or {}).get("pid")
+    try:
+        linux.umount(str(mountpoint), linux.MNT_DETACH if is_dead(mountpoint) else 0)
+    except OSError as e:
+        if e.errno == errno.EBUSY:
+            raise UserError(
+                f"{mountpoint} is busy: a process still has files open there or works in it "
+                f"(see: fuser -m {mountpoint}); close them and retry"
+            ) from None
+        raise UserError(f"could not unmount {mountpoint}: {e.strerror}") from None
+    if pid:
+        deadline = time.monotonic() + timeout
+        while process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if process_alive(pid):
+            raise UserError(f"{mountpoint} is unmounted but daemon pid {pid} has not exited after {timeout:.0f}s")
+    reg.remove()

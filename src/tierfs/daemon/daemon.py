@@ -1,0 +1,498 @@
+"""The mount daemon: one process per mountpoint, serving one (job, rank); it assembles and runs.
+
+It builds the RAM tier, the FUSE engine and the other tiers (one line each, in
+:meth:`Daemon._assemble_tiers`), then runs them in one trio nursery.
+
+Start-up order matters: everything that can fail with a user error (ramdisk, lock,
+capacity, mountpoint, the step to restore) is settled before the kernel mount exists, so a
+failed start never leaves a mount behind; readiness is reported only once the mount
+answers. The peer service starts before the restore is planned, so nodes that start
+together can see each other's holdings while they choose the step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import signal
+import socket
+import sys
+import time
+
+import trio
+
+from tierfs.core import keys, linux, mounts
+
+from tierfs.daemon import control, status
+from tierfs.core.atomic import read_state
+from tierfs.pipeline.survey import ClusterView
+from tierfs.config import Config, format_size
+from tierfs.pipeline.coordinating import NodeCoordination
+from tierfs.core.errors import UserError
+from tierfs.fs import Operations
+from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
+from tierfs.mtc.multitier import MultiTier
+from tierfs.pipeline.planning import RestorePlanner
+from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier.snapshots import Snapshots
+from tierfs.ramtier.tmpfs import own_tmpfs
+from tierfs.discovery.directory import unanswered
+from tierfs.store import server as peer_server
+from tierfs.peers.claim import Identity
+from tierfs.peers.network import PeerNetwork
+from tierfs.store.replicas import ReplicaStore
+from tierfs.pipeline.replicator import Replicator
+from tierfs.pipeline.restore import Restore
+from tierfs.ramtier.steps import Steps
+from tierfs.tiers.base import Tier
+from tierfs.tiers.disk import DiskTier
+from tierfs.tiers.local import LocalTier, OwnSteps
+from tierfs.tiers.base import by_cost
+from tierfs.tiers.peer import PeerTier, peer_tiers
+
+log = logging.getLogger("tierfs")
+
+READ_AHEAD_KB = 1024  # the kernel's default of 128 KiB halves sequential read speed
+SPILL_AT = 0.75  # RAM is short past this share of the capacity: steps on --disk may leave it
+
+
+class Daemon:
+    """One mount: the RAM tier, the FUSE engine, the tiers, and the tasks that run them.
+
+    What it assembles is used by modules of their own: :mod:`tierfs.pipeline.planning` chooses and
+    prepares the step to restore, :mod:`tierfs.mtc.multitier` follows the job's
+    ``replicator.yaml``, :mod:`tierfs.daemon.status` and :mod:`tierfs.daemon.control` answer the control
+    socket.
+    """
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.rank = RankDir(cfg.rank_dir)
+        self.registration = mounts.Registration(cfg.mountpoint)
+        self.space = SpaceAccount(cfg.capacity, self.rank.tree)
+        self.ops: Operations | None = None
+        self.engine = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
+        self.data_path = "daemon"
+        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked,
+                                   lambda st: self.space.update(st))  # the account may be replaced at start
+        self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
+        self.identity = Identity.create(cfg.ramdisk)  # who serves this rank, in the peer service's info
+        self.network: PeerNetwork | None = (PeerNetwork(cfg, identity=self.identity)
+                                            if cfg.peers or cfg.peer_dns else None)
+        self.replica_store: ReplicaStore | None = None
+        self.coordinating: NodeCoordination | None = None  # with a peer service and peers (start)
+        self.local = LocalTier(None, OwnSteps(
+            cfg.rank, steps=lambda: sorted(self.steps.states), find=self.find, manifest=self._own_manifest,
+            restore_step=lambda: self.planner.announced_step(), report=self._ram_report))
+        self.tiers: list[Tier] = []  # every tier but this node's RAM, cheapest first (start)
+        self.view = ClusterView(cfg.nodes, self.tiers, self.local)
+        self.planner = RestorePlanner(self)
+        self.multitier = MultiTier(self)
+        self.replicator: Replicator | None = None
+        self.restore: Restore | None = None
+        self.mounted = False
+        self.ready = False
+        self._warnings: list[str] = []
+        self.started = time.time()
+        self._signalled = False
+
+    @property
+    def mtc(self):
+        return self.multitier.node
+
+    def start(self) -> None:
+        """Validate and claim the rank; raises UserError, with nothing mounted yet."""
+        cfg = self.cfg
+        _raise_fd_limit()
+        linux.keep_heap_memory()
+        # Modes of the job's files arrive from the kernel with the caller's umask applied, so
+        # the daemon's own umask is 0 and everything it creates for itself passes an explicit,
+        # root-only mode (tierfs.core.atomic); RankDir and Registration check what is already there.
+        os.umask(0)
+        self.registration.prepare()
+        self.rank.prepare_home()
+        self._choose_data_path()  # may put the rank's home on a tmpfs of its own
+        self.rank.prepare()
+        self.rank.claim(cfg.mountpoint)
+        if not self.rank.is_tmpfs():
+            log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
+        self.steps.load()
+        keys.for_config(cfg)  # stretch the secret once, before any peer or manifest needs its keys
+        if cfg.listen:
+            _check_listen(cfg.listen)
+            self.replica_store = self.local.store = ReplicaStore(
+                self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self,
+                keep_from=self.retention_floor,
+            )
+            if self.network is not None:
+                self.coordinating = NodeCoordination(self)
+        self.tiers = self.view.tiers = self._assemble_tiers()
+        # Snapshots and what a restore set aside pin RAM too.
+        self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
+        if self.replica_store is not None:
+            self.replica_store.load()  # accounts the replicas it holds
+        if cfg.capacity is not None and self.space.used > cfg.capacity:
+            raise UserError(
+                f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
+                f"already stored in {self.rank.tree}: raise --capacity or remove files"
+            )
+        mounts.prepare_mountpoint(cfg.mountpoint)
+        self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
+        self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
+        self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
+                                     self.retention_floor if self.tiers or self.network else None,
+                                     self._ram_short)
+        if not cfg.read_only:
+            self.multitier.start()
+
+    def _assemble_tiers(self) -> list[Tier]:
+        """Every tier of the mount but its RAM, one line each; the policy code loops over them."""
+        cfg, tiers = self.cfg, []
+        if cfg.disk is not None:
+            tiers.append(DiskTier.open_for(cfg, keep_from=self.retention_floor))
+        if self.network is not None:
+            tiers += peer_tiers(self.network)
+        if cfg.gcs is not None:
+            tiers.append(self._open_gcs())
+        for tier in tiers:
+            tier.configure(cfg)
+        return tiers
+
+    def _follow_peers(self) -> None:
+        """Give each peer the network knows a tier: a DNS name can add peers after the start."""
+        known = {t.address for t in self.tiers if isinstance(t, PeerTier)}
+        new = [PeerTier(self.network, a) for a in self.network.cfg.peers if a not in known]
+        if new:
+            self.tiers[:] = by_cost(self.tiers + new)  # in place: the cluster view shares the list
+            self.replicator.add_tiers(new)
+        if self.coordinating is not None:
+            self.coordinating.follow()
+
+    def retention_floor(self) -> int | None:
+        """The newest step every rank holds somewhere: retention on every tier keeps it and newer ones.
+
+        Other nodes tell it (the coordinators' summary, checked as it arrived, or a survey of
+        the peers), and a member holding the job's secret could name any step. So it never
+        passes the newest step this node holds complete itself, and is unknown (everything
+        is kept) while it holds none: another node's word alone deletes no step this node
+        could still restore from.
+        """
+        summary = self.coordinating.summary() if self.coordinating is not None else None
+        floor = summary.get("floor") if summary is not None else self.view.retention_floor()
+        here = self.newest_complete_here()
+        return None if floor is None or here is None else min(floor, here)
+
+    def newest_complete_here(self) -> int | None:
+        """This rank's newest step held complete on this node: in RAM with its manifest, or on a spill tier."""
+        spilled = (s for t in self.tiers if t.spill for r, s in t.held() if r == self.cfg.rank)
+        return max([*self.steps.verifiable(), *spilled], default=None)
+
+    def _choose_data_path(self) -> None:
+        """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
+        cfg = self.cfg
+        try:
+            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != "pyfuse3" else "daemon")
+        except ValueError as e:
+            raise UserError(f"--data-path passthrough is impossible here: {e}; "
+                            "use --data-path auto or daemon") from None
+        if self.data_path == "passthrough" and cfg.capacity is not None:
+            if own_tmpfs(self.rank.path, cfg.capacity):
+                # The kernel enforces the capacity; the account follows that file system.
+                self.space = SpaceAccount(None, self.rank.tree)
+            elif cfg.data_path == "passthrough":
+                raise UserError(f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
+                                "cannot bind passthrough writes: use --data-path daemon, or move the data")
+            else:
+                self.data_path = "daemon"
+                why = (f"{self.rank.path} already holds data outside a tmpfs of its own, "
+                       "so --capacity is enforced by the daemon")
+        if why is None:
+            log.info("data path: passthrough (the kernel reads and writes the RAM tier directly)")
+        else:
+            log.info("data path: daemon (%s)", why)
+
+    def _open_gcs(self) -> Tier:
+        """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
+        from tierfs.tiers.gcs import GcsTier  # slow import: only when used
+        from tierfs.tiers.gcs_store import GcsUnavailable
+
+        cfg = self.cfg
+        sealing = keys.for_config(cfg)
+        if sealing is None:
+            self._warn(f"GCS manifests in {cfg.gcs} are not authenticated without the job's secret: whoever can "
+                       "write to the bucket can choose what restores; set TIERFS_SECRET or --secret-file")
+        tier = GcsTier(cfg.gcs, cfg.job, keys=sealing)
+        try:
+            tier.check()
+        except GcsUnavailable as e:
+            if not self.steps.states and not self.network and cfg.disk is None:
+                raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
+                                "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
+            self._warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
+        return tier
+
+    def _warn(self, message: str) -> None:
+        log.warning("%s", message)
+        self._warnings.append(message)
+
+    # -- what the mount and the tiers ask of the RAM tier ---------------------------------
+
+    def file_done(self, path: str) -> None:
+        self.steps.file_done(path)
+        if self.mtc is not None:
+            self.mtc.file_done(path)
+
+    def dir_renamed(self, path: str) -> None:
+        if self.mtc is None or not self.mtc.owns_rename(path):
+            self.steps.dir_renamed(path)
+
+    def find(self, h: str) -> tuple[str, int, int] | None:
+        """This node's own copy of chunk ``h``: in a committed step, or written by the running restore."""
+        found = self.replicator.find_local(h) if self.replicator is not None else None
+        if found is None and self.restore is not None:
+            found = self.restore.location(h)
+        return found
+
+    def _own_manifest(self, step: int) -> bytes | None:
+        """The manifest built for a committed step's first copy on a tier, if one was built."""
+        try:
+            return read_state(self.snapshots.step_dir(step) / "manifest.json", MAX_MANIFEST)
+        except (OSError, UserError):
+            return None
+
+    def _ram_report(self) -> dict:
+        return {"path": str(self.rank.tree), "tmpfs": self.rank.is_tmpfs(), "capacity": self.space.capacity,
+                "capacity_bounded": self.cfg.capacity is not None, "used": self.space.used}
+
+    def _ram_short(self) -> bool:
+        """Whether the volume uses more than SPILL_AT of its RAM (its tmpfs, where the kernel keeps count)."""
+        used = self.space.used
+        if not self.space.bounded:
+            st = os.statvfs(self.rank.tree)
+            used = (st.f_blocks - st.f_bfree) * st.f_frsize
+        return used > self.space.capacity * SPILL_AT
+
+    def _peer_info(self) -> dict:
+        return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
+                "data_parallel": self.cfg.data_parallel,
+                "free": max(0, self.space.capacity - self.space.used),
+                "steps": sorted(self.steps.states), "restore_step": self.planner.announced_step(),
+                **self.identity.info()}
+
+    def _unlinked(self, st: os.stat_result) -> None:
+        if self.ops is not None:
+            self.ops.link_removed(st)
+        elif st.st_nlink <= 1:
+            self.space.drop(st.st_ino)
+
+    def _writing_inodes(self) -> set[int]:
+        return self.ops.writing_inodes() if self.ops is not None else set()
+
+    # -- running ----------------------------------------------------------------------
+
+    def _mount(self) -> None:
+        cfg = self.cfg
+        try:
+            try:
+                self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+            except OSError as e:
+                if (fallback := fallback_engine(self.engine, cfg.engine, e)) is None:
+                    raise
+                self.engine = fallback
+                self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+        except OSError as e:
+            raise UserError(f"could not mount {cfg.mountpoint}: {e.strerror or e} (see the log)") from None
+        self.mounted = True
+        self.registration.write(
+            {
+                "pid": os.getpid(),
+                "mountpoint": str(cfg.mountpoint),
+                "job": cfg.job,
+                "rank": cfg.rank,
+                "rank_dir": str(self.rank.path),
+                "log": str(self.registration.log_path),
+            }
+        )
+        log.info(
+            "mounted %s: job %s rank %d on %s (%s used)",
+            cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
+        )
+
+    async def serve(self, ready_fd: int | None = None) -> None:
+        failure: Exception | None = None
+        async with trio.open_nursery() as nursery:
+            if self.cfg.listen:
+                await nursery.start(self._serve_peers)
+            try:
+                if self.network is not None:  # resolves the peers; refuses a rank another node serves
+                    await self.network.join(nursery)
+                    self._follow_peers()
+                if self.coordinating is not None:
+                    await self.coordinating.join(nursery)
+                if self.tiers:
+                    self.restore = await self.planner.plan()
+                    if self.restore is not None:
+                        self.ops.restoring = self.restore
+                if self.coordinating is not None:
+                    self.coordinating.settled(nursery)
+                self._mount()
+            except Exception as e:  # raised below, outside the nursery: one error, not a group
+                failure = e
+                nursery.cancel_scope.cancel()
+            else:
+                await self._run_mounted(nursery, ready_fd)
+        if failure is not None:
+            raise failure
+
+    async def _run_mounted(self, nursery: trio.Nursery, ready_fd: int | None) -> None:
+        nursery.start_soon(self._watch_signals)
+        nursery.start_soon(self.replicator.run)
+        if self.mtc is not None:
+            nursery.start_soon(self.mtc.run)
+        if self.tiers or self.network:
+            nursery.start_soon(self._watch_cluster)
+        if self.restore is not None:
+            await nursery.start(self.restore.run)
+        answers = control.Answers(lambda: status.report(self), self._commit)
+        await nursery.start(control.serve, self.registration.socket_path, answers)
+        nursery.start_soon(self._fuse_main, nursery.cancel_scope)
+        # The first request through the mount completes the kernel's INIT handshake,
+        # which resets the read-ahead; set it after, and only then call the mount ready.
+        await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
+        _set_read_ahead(self.cfg.mountpoint)
+        for warning in unanswered([name.removeprefix("peer ") for name in self.planner.missing]):
+            self._warn(warning)
+        self.ready = True
+        _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
+        if self.restore is not None:
+            self.restore.mounted.set()
+
+    def _commit(self, path: str, step: int | None) -> dict:
+        """``tierfs commit``: what was written before the command is part of the step."""
+        self.ops.writes_done()
+        return control.commit(self.steps, path, step)
+
+    async def _watch_cluster(self) -> None:
+        """Keep the view of the newest complete step fresh: retention on every tier depends on it."""
+        while True:
+            await trio.sleep(self.cfg.survey_interval)
+            try:
+                if self.coordinating is None:  # else the coordinators keep the view, from reports
+                    await self.view.survey()
+            except Exception as e:  # a survey is advisory; the next one may work
+                log.warning("cluster survey failed: %s", e)
+                continue
+            if self.network is not None:
+                self._follow_peers()
+            self.replicator.retain_local()
+            if self.replica_store is not None:
+                self.replica_store.retain()
+
+    async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
+                                store=self.replica_store, info=self._peer_info, task_status=task_status,
+                                tls=peer_server.tls.for_config(self.cfg),
+                                messages=self.coordinating.handle if self.coordinating is not None else None,
+                                # a coordinator keeps one pooled connection per member, and long polls
+                                max_connections=max(peer_server.MAX_CONNECTIONS, 2 * self.cfg.nodes + 64))
+
+    async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
+        with self.ops.writes:  # the write-behind worker lives as long as the request loop
+            await self.engine.run()
+        cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("signal %d: unmounting", signum)
+                self._signalled = True
+                self.engine.terminate()
+
+    def stop(self) -> None:
+        if self.mounted:
+            # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
+            self.engine.close(unmount=self._signalled)
+            self.registration.remove()  # only ours once mounted: a busy mountpoint is someone else's
+        if self.ops is not None:
+            self.ops.close()
+        self.rank.release()
+        log.info("stopped")
+
+
+def run(cfg: Config, ready_fd: int | None = None) -> int:
+    """Run a daemon in this process until unmounted; report readiness on ``ready_fd``."""
+    _setup_logging(cfg)
+    daemon = Daemon(cfg)
+    try:
+        daemon.start()
+        trio.run(daemon.serve, ready_fd)
+    except UserError as e:
+        if daemon.ready:
+            raise
+        if ready_fd is None:
+            raise
+        log.error("%s", e)  # before the report, so the log is complete when the caller looks
+        _report(ready_fd, f"error: {e}")
+        return 1
+    except Exception as e:
+        if daemon.ready:
+            raise
+        log.exception("start-up failed")
+        _report(ready_fd, f"error: daemon failed to start: {e} (log: {daemon.registration.log_path})")
+        if ready_fd is None:
+            raise UserError(f"daemon failed to start: {e}") from None
+        return 1
+    finally:
+        daemon.stop()
+    return 0
+
+
+def _report(fd: int | None, message: str) -> None:
+    if fd is not None:
+        try:
+            os.write(fd, message.encode() + b"\n")
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _setup_logging(cfg: Config) -> None:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=cfg.log_level.upper(),
+        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def _raise_fd_limit() -> None:
+    """One O_PATH descriptor per inode the kernel caches: allow as many as the host does."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
+    except (ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _check_listen(address: tuple[str, int]) -> None:
+    """Fail before mounting if the peer service could not listen (the server binds it later)."""
+    try:
+        with socket.create_server(address, reuse_port=False) as _:
+            pass
+    except OSError as e:
+        raise UserError(f"cannot listen on {address[0]}:{address[1]} for peers "
+                        f"({e.strerror or e}): pick a free --listen address") from None
+
+
+def _set_read_ahead(mountpoint) -> None:
+    # Never stat() the mountpoint here: the request would wait for this very daemon.
+    entry = mounts.find_mount(mountpoint)
+    try:
+        if entry is None:
+            raise OSError("not in the mount table")
+        minor = entry.minor
+        with open(f"/sys/class/bdi/0:{minor}/read_ahead_kb", "w") as f:
+            f.write(str(READ_AHEAD_KB))
+    except OSError as e:  # not fatal: only slower reads
+        log.warning("could not raise read-ahead of %s: %s", mountpoint, e)

@@ -1,0 +1,238 @@
+"""Restore planning: which step the whole job restores at start, and from which tiers.
+
+At start (before the mount exists) the daemon surveys every tier, chooses the step every
+rank can restore (:mod:`tierfs.pipeline.survey`), and then either presents a step this node
+already holds, or fetches this rank's manifest of it from the cheapest tier that holds it
+and prepares a :class:`~tierfs.pipeline.restore.Restore` that reads the chunks from those tiers,
+cheapest and closest first. Local steps newer than the chosen one are set aside, and an
+interrupted restore of a step no longer chosen is taken out of the volume.
+
+The per-chunk source order is :func:`tierfs.tiers.fetch.sources_for`; the tiers a restore may
+read from are chosen once, here (:meth:`RestorePlanner.holders`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from typing import TYPE_CHECKING
+
+from tierfs.core.atomic import UnsafeFile, read_state
+from tierfs.pipeline.survey import Survey
+from tierfs.config import format_size
+from tierfs.core.errors import UserError
+from tierfs.tiers.fetch import ChunkSources
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST, Manifest, ManifestError
+from tierfs.pipeline.restore import Origin, Restore, fetch_manifest, link_into_tree, restoring_steps, set_aside
+from tierfs.tiers.base import Tier
+
+if TYPE_CHECKING:
+    from tierfs.daemon.daemon import Daemon
+
+log = logging.getLogger("tierfs")
+
+SELF_CHECK_NODES = 64  # up to this many nodes, a start holds the coordinators' answer against its own survey
+
+
+class RestorePlanner:
+    def __init__(self, daemon: Daemon):
+        self.d = daemon
+        self.restore_step: int | None = None  # the step chosen at start, announced to peers
+        self.missing: list[str] = []  # the nodes' tiers that had not answered when the step was chosen
+
+    def announced_step(self) -> int | None:
+        """The step chosen at start, until the job commits a newer one (then it has moved on)."""
+        chosen = self.restore_step
+        if chosen is None or any(s.step > chosen and s.committed_at > self.d.started
+                                 for s in self.d.steps.states.values()):
+            return None
+        return chosen
+
+    def survey_wait(self) -> float:
+        """How long a survey waits for silent nodes: ``--restore-wait`` when other nodes are tiers."""
+        return self.d.cfg.restore_wait if any(t.awaited for t in self.d.tiers) else 0.0
+
+    async def plan(self) -> Restore | None:
+        """Choose the step the whole job restores, and present this rank's files of it.
+
+        Returns the restore to run once mounted, or None when the step is here already (or
+        there is none). Raises UserError when the step cannot be restored here.
+        """
+        d, cfg = self.d, self.d.cfg
+        survey, step = await self.choose()
+        self.restore_step, self.missing = step, survey.missing
+        for unfinished in restoring_steps(d.steps):
+            if unfinished != step:
+                self.abandon(unfinished)
+        if step is None:
+            log.info("no tier holds a step complete for every rank of %s: starting from what is here", cfg.job)
+            return None
+        for newer in sorted(s for s in d.steps.states if s > step):
+            for root in d.steps.states[newer].roots:  # other ranks cannot restore it: hide it
+                set_aside(d.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
+        if step in d.steps.states:
+            for root in d.steps.states[step].roots:
+                link_into_tree(d.rank, d.snapshots.step_tree(step), root,
+                               f"it is in the way of step {step}", keep=True)
+            log.info("step %d, the newest complete for every rank, is here already", step)
+            return None
+        holders = self.holders(survey, step)
+        if not holders:
+            log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
+            return None
+        manifest = await fetch_manifest(cfg, step, holders)
+        needed = manifest.nonzero_bytes() - self.already_restored(step)
+        if cfg.capacity is not None and d.space.used + needed > cfg.capacity:
+            raise UserError(
+                f"step {step} of rank {cfg.rank} needs {format_size(needed)} more, but only "
+                f"{format_size(max(0, cfg.capacity - d.space.used))} of --capacity {format_size(cfg.capacity)} "
+                "is free: raise the capacity"
+            )
+        if d.coordinating is not None:  # with twins restoring it from GCS too, a shared plan
+            sources = d.coordinating.sources(step, manifest, holders, d.local)
+        else:
+            sources = ChunkSources([d.local, *holders])  # this node's own copies of a chunk come first
+        restore = Restore(cfg, d.rank, d.steps, d.space, manifest, sources, Origin(holders))
+        restore.prepare()
+        for h in restore.done_chunks():  # written before a restart: twins may take them from here
+            sources.arrived(h)
+        return restore
+
+    async def choose(self) -> tuple[Survey, int | None]:
+        """Who holds what, and the step to restore: the coordinators' answer, else a survey of every tier."""
+        d = self.d
+        if d.coordinating is not None:
+            answered = await d.coordinating.decide()
+            if answered is not None:
+                return await self.cross_check(*answered)
+            log.warning("no coordinator answered: surveying every node instead")
+        survey = await d.view.survey(wait=self.survey_wait())
+        return survey, survey.choose(d.cfg.rank)
+
+    async def cross_check(self, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
+        """Hold the coordinators' answer against what this node sees itself before following it.
+
+        The node asks the tiers it reaches (its disk and replica store, its peers, GCS) and
+        applies the same rules, with the steps the coordinator says nodes run from. If that
+        finds a newer step than the answer, the answer is not followed silently: a second
+        coordinator is asked, and the disagreement logged. If no answer accounts for the
+        newer step, the start is refused rather than run from nothing or from an older step
+        (``--start-fresh`` overrides). Jobs larger than SELF_CHECK_NODES skip the survey of
+        every peer, which is what the coordinators exist to avoid.
+
+        Then, whatever the job's size, an answer older than a step this node holds complete
+        itself is not followed on one coordinator's word (:meth:`keep_newer_here`).
+        """
+        own = await self.d.view.survey() if self.d.cfg.nodes <= SELF_CHECK_NODES else None
+        mine = own.choose(self.d.cfg.rank) if own is not None else None  # before the answer's claims count
+        if own is not None:
+            survey, step = await self._check_seen(own, survey, step)
+        return await self.keep_newer_here(survey, step, mine)
+
+    async def _check_seen(self, own: Survey, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
+        d, cfg = self.d, self.d.cfg
+        first = d.coordinating.decision
+        seen = self._seen(own, first.summary)
+        if seen is None or (step is not None and step >= seen):
+            return survey, step
+        where = ", ".join(own.tiers(cfg.rank, seen)) or "no tier (this rank wrote nothing)"
+        log.warning("coordinator %s chose step %s, but step %d is complete for every rank on the tiers this "
+                    "node reaches (rank %d's on %s): asking another coordinator",
+                    first.coordinator, step, seen, cfg.rank, where)
+        second = await d.coordinating.decide(exclude=(first.coordinator,))
+        if second is not None and second[1] is not None and second[1] >= seen:
+            log.warning("coordinators disagree: %s chose step %s, %s chose step %s: following %s",
+                        first.coordinator, step, d.coordinating.decision.coordinator, second[1],
+                        d.coordinating.decision.coordinator)
+            return second
+        if cfg.start_fresh:
+            log.warning("step %d is complete for every rank (rank %d's on %s), but the coordinators chose "
+                        "step %s: starting from that, as --start-fresh asks", seen, cfg.rank, where, step)
+            return survey, step
+        raise UserError(
+            f"step {seen} is complete for every rank of job {cfg.job} (rank {cfg.rank}'s on {where}), but the "
+            f"coordinators chose {'no step' if step is None else f'step {step}'}: not starting "
+            f"{'empty' if step is None else 'from the older step'}; mount again to retry, "
+            "or pass --start-fresh to start from what the coordinators chose")
+
+    async def keep_newer_here(self, survey: Survey, step: int | None, mine: int | None) -> tuple[Survey, int | None]:
+        """Follow an answer older than a step this node holds complete only once it is confirmed.
+
+        Following such an answer moves this rank's newer step out of the volume, so one
+        coordinator (which a member holding the job's secret may be) must not decide it
+        alone. The answer stands if this node's own survey gives the same step (``mine``,
+        before any claim of the answer counts); else a second coordinator is asked, and
+        the newer of the two answers is followed: a coordinator can never take the node
+        further back than another one's answer. With no confirmation the start is refused
+        (``--start-fresh`` overrides). The newer step is never deleted on the way: its files
+        go to ``aside/``, its snapshot stays until retention, which keeps the newest step
+        this node holds complete (:meth:`tierfs.daemon.daemon.Daemon.retention_floor`).
+        """
+        d, cfg = self.d, self.d.cfg
+        here = max(d.steps.verifiable(), default=None)
+        if here is None or step is None or step >= here or mine == step:
+            return survey, step
+        first = d.coordinating.decision.coordinator
+        log.warning("coordinator %s chose step %d, older than step %d that rank %d holds complete here: "
+                    "asking another coordinator before setting it aside", first, step, here, cfg.rank)
+        second = await d.coordinating.decide(exclude=(first,))
+        if second is not None and second[1] is not None:
+            if second[1] > step:
+                log.warning("coordinators disagree: %s chose step %d, %s chose step %d: following %s", first, step,
+                            d.coordinating.decision.coordinator, second[1], d.coordinating.decision.coordinator)
+                return second
+            return survey, step
+        if cfg.start_fresh:
+            log.warning("coordinator %s chose step %d, older than step %d held complete here, and no other "
+                        "confirmed it: starting from step %d, as --start-fresh asks", first, step, here, step)
+            return survey, step
+        raise UserError(
+            f"coordinator {first} chose step {step} for job {cfg.job}, older than step {here} that rank "
+            f"{cfg.rank} holds complete here, and no other coordinator confirmed it: not setting step {here} "
+            "aside; mount again to retry, or pass --start-fresh to start from the coordinator's step")
+
+    def _seen(self, own: Survey, summary: dict) -> int | None:
+        """The step this node's own survey gives its rank, counting the steps nodes run from as the coordinator knows them."""
+        decisions = summary.get("decisions") if isinstance(summary, dict) else None
+        for s in decisions if isinstance(decisions, list) else ():
+            if type(s) is int:
+                own.decisions.setdefault(f"a node running step {s}", s)
+        return own.choose(self.d.cfg.rank)
+
+    def holders(self, survey: Survey, step: int) -> list[Tier]:
+        """The tiers holding this rank's ``step``, in the order to read them: cheapest, then closest."""
+        d = self.d
+        by_name = {t.name: t for t in d.tiers}
+        held = [by_name[name] for name in survey.tiers(d.cfg.rank, step) if name in by_name]
+        return sorted(held, key=lambda t: (t.cost.key(), -survey.closeness(t.name, d.cfg.topology)))
+
+    def already_restored(self, step: int) -> int:
+        """Bytes of ``step`` a previous, interrupted restore already wrote."""
+        tree = self.d.snapshots.step_tree(step)
+        return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
+                   for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
+
+    def abandon(self, step: int) -> None:
+        """An interrupted restore of a step no longer chosen: take its placeholders away.
+
+        Its manifest says what to take out of the volume, so it is read like every state
+        file: at most a manifest's size, never through a link, and only if the daemon wrote
+        it (UnsafeFile, a one-line refusal, otherwise).
+        """
+        d = self.d
+        path = d.snapshots.step_dir(step) / "manifest.json"
+        try:
+            roots = Manifest.from_json(read_state(path, MAX_MANIFEST)).roots
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
+        except (OSError, ManifestError) as e:
+            log.warning("the unfinished restore of step %d has no usable manifest (%s): "
+                        "nothing of it is taken out of the volume", step, e)
+            roots = []
+        for root in roots:
+            set_aside(d.rank, root, f"the restore of step {step} was abandoned")
+        trash = d.snapshots.drop(step)
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        log.warning("abandoned the unfinished restore of step %d", step)

@@ -1,0 +1,440 @@
+"""The policy loop: commit -> put the step on every tier -> retain.
+
+One trio task owns it, started in the daemon's nursery. The tiers it is given are values
+(:mod:`tierfs.tiers`); tiers that share a *lane* (``Tier.lane``: every peer is in the
+"peers" lane) are alternatives, of which each step must reach ``copies()``. One task per
+lane, cheapest lane first, always works on the newest committed step its tiers lack. Steps
+superseded before their turn are skipped, never queued without bound, and a slow or absent
+tier only delays its own lane. Blocking work (hashing, compression, HTTP, disk writes) runs
+in worker threads; peer transfers are trio sockets with zero-copy sends, so the FUSE loop
+never waits for either.
+
+Every lane shares the step's manifest, built once per committed version from the frozen
+snapshot. Putting a step on one tier (:func:`tierfs.tiers.base.put_step`) asks the tier
+which chunks it holds, sends the others straight from the snapshot's files, then the
+manifest (the commit point there); each tier brackets it with what it needs (GCS: a
+pending marker the garbage collector respects) and applies its retention after.
+
+Which tiers of a lane get the step is the tier's own choice (``Tier.order``: placement
+among peers), and so is how often (``Tier.schedule``: GCS's backup interval).
+
+A step no manifest can describe (a file of a size no manifest can name, ``truncate -s 1P``
+costs the job nothing) is *refused*: found out from sizes alone, before any byte is hashed,
+logged once, recorded in the step's state (so ``tierfs status`` shows it) and never tried
+again in that version. It stays on this node only; the lanes go on with the newest step
+that is not refused, so it never holds back the next one.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import trio
+
+from tierfs.core import keys
+from tierfs.core.atomic import write_atomically
+from tierfs.config import Config
+from tierfs.core.manifest import Manifest, ManifestError, build
+from tierfs.ramtier.steps import StepState, Steps
+from tierfs.tiers.base import (Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
+                               by_cost, first_line, put_step)
+
+log = logging.getLogger(__name__)
+
+BUILD_THREADS = 8
+# While the job writes, background transfers wait for a pause in its writes, up to this
+# long per chunk: a checkpoint being written gets the CPU, replication still progresses.
+WRITER_QUIET = 0.05
+MAX_DEFER = 1.0
+RECHECK = 10.0  # seconds between checks that volatile tiers (peers) still hold the newest step
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
+
+
+class SnapshotChanged(Exception):
+    """A snapshot file was detached while it was being read: read it again."""
+
+
+class StepRefused(Exception):
+    """No manifest can describe the step's current version, so no tier can take it."""
+
+
+class Lane:
+    """The tiers that share one lane, and how putting steps on them is going."""
+
+    def __init__(self, name: str, tiers: list[Tier]):
+        self.name, self.tiers = name, tiers
+        self.lead = tiers[0]  # speaks for the lane: copies, schedule, order, status
+        self.interval, self.every_steps = self.lead.schedule()
+        self.volatile = any(t.volatile for t in tiers)  # when idle: is the newest step still where we put it?
+        self.last_step: int | None = None
+        self.wake = trio.Event()
+        self.busy: int | None = None
+        self.last_at: float | None = None
+        self.progress: Progress | None = None
+        self.status: dict = {"state": "idle", "error": None, "since": time.time()}
+
+    def copies(self) -> int:
+        return self.lead.copies()
+
+    def done(self, state: StepState) -> bool:
+        """Whether the step's current version is on enough of this lane's tiers."""
+        record = state.copies.get(self.name, {})
+        return record.get("version") == state.version and len(record.get("tiers", ())) >= self.copies()
+
+    def set(self, state: str, error: str | None = None) -> None:
+        if self.status["state"] != state:
+            self.status["since"] = time.time()
+        self.status.update(state=state, error=error)
+
+
+def lanes_of(tiers: list[Tier]) -> dict[str, Lane]:
+    """The lanes of ``tiers``, cheapest first; tiers without a lane (this node's RAM) get none."""
+    grouped: dict[str, list[Tier]] = {}
+    for tier in by_cost(tiers):
+        if tier.lane is not None:
+            grouped.setdefault(tier.lane, []).append(tier)
+    return {name: Lane(name, members) for name, members in grouped.items()}
+
+
+class Replicator:
+    def __init__(self, cfg: Config, steps: Steps, tiers: list[Tier],
+                 last_write: Callable[[], float] = lambda: 0.0,
+                 retention_floor: Callable[[], int | None] | None = None,
+                 ram_short: Callable[[], bool] = lambda: False):
+        self.cfg = cfg
+        # The newest step complete on every rank; alone, that is simply our newest.
+        self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
+        self.ram_short = ram_short  # RAM is short: steps a spill tier holds may leave it
+        self._last_write = last_write
+        self.steps = steps
+        self.tiers = list(tiers)
+        self._limiter = trio.CapacityLimiter(BUILD_THREADS)
+        self._hashed: dict = {}  # (ino, size, mtime_ns) -> chunk hashes: unchanged files are not rehashed
+        self._manifests: dict[int, tuple[int, Manifest]] = {}  # step -> (version, manifest)
+        self._local: dict[str, tuple[str, int, int]] = {}  # chunk -> where this node holds it
+        self._build_lock = trio.Lock()
+        self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
+        self._trash_wake = trio.Event()
+        self.lanes = lanes_of(self.tiers)
+        self._nursery: trio.Nursery | None = None  # runs the lanes, once started
+        self.dropped: Callable[[list[str]], None] = lambda roots: None  # a step left the RAM tier
+        self.reconfigure(cfg)
+        steps.on_commit = self._committed
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Follow a changed job shape (the multi-tier checkpointing protocol's replicator.yaml)."""
+        self.cfg = cfg
+        for tier in self.tiers:
+            tier.configure(cfg)
+        for lane in self.lanes.values():
+            lane.interval, lane.every_steps = lane.lead.schedule()
+            lane.wake.set()
+
+    def add_tiers(self, tiers: list[Tier]) -> None:
+        """Tiers found after the start (peers a DNS name gave later) join their lanes."""
+        for tier in tiers:
+            tier.configure(self.cfg)
+            self.tiers.append(tier)
+            lane = self.lanes.get(tier.lane)
+            if lane is not None:
+                lane.tiers.append(tier)
+            elif tier.lane is not None:
+                lane = self.lanes[tier.lane] = Lane(tier.lane, [tier])
+                lane.interval, lane.every_steps = lane.lead.schedule()
+                if self._nursery is not None:
+                    self._nursery.start_soon(self._run_lane, lane)
+            if lane is not None:
+                lane.wake.set()
+
+    def _committed(self, state: StepState) -> None:
+        self.retain_local()
+        for lane in self.lanes.values():
+            lane.wake.set()
+
+    # -- the lanes -----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self.retain_local()
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._empty_trash)
+            for lane in self.lanes.values():
+                nursery.start_soon(self._run_lane, lane)
+
+    async def _empty_trash(self) -> None:
+        while True:
+            await self._trash_wake.wait()
+            self._trash_wake = trio.Event()
+            while self._trash:
+                await trio.to_thread.run_sync(shutil.rmtree, self._trash.pop(), True)
+
+    async def _run_lane(self, lane: Lane) -> None:
+        failures = 0
+        while True:
+            newest = self.steps.newest()
+            early = (newest is not None and lane.every_steps and lane.last_step is not None
+                     and newest.step < lane.last_step + lane.every_steps)
+            if newest is None or lane.done(newest) or early:
+                with trio.move_on_after(RECHECK if lane.volatile else math.inf):
+                    await lane.wake.wait()
+                    lane.wake = trio.Event()
+                    continue
+                if newest is not None:
+                    try:
+                        await self._recheck(lane, newest)
+                    except Exception as e:
+                        log.warning("%s: could not recheck step %d: %s", lane.name, newest.step, e)
+                continue
+            wait = lane.last_at + lane.interval - time.time() if lane.interval and lane.last_at else 0.0
+            if wait > 0:
+                await trio.sleep(wait)
+                continue  # the newest step may have changed meanwhile
+            lane.busy = newest.step
+            before = dict(lane.status)
+            lane.set("working")
+            try:
+                await self._put(lane, newest)
+                lane.last_at, lane.last_step = time.time(), newest.step
+                lane.set("ok")
+                failures = 0
+            except Exception as group:  # a tier's trouble must never take the mount down
+                e = _first_leaf(group)
+                if isinstance(e, StepRefused):
+                    lane.status = before  # the step is refused (logged, in its state), not the lane
+                    continue
+                delay = BACKOFF[min(failures, len(BACKOFF) - 1)]
+                failures += 1
+                if isinstance(e, (SnapshotChanged, SourceChanged)):
+                    log.info("step %d changed while read for %s; again", newest.step, lane.name)
+                else:
+                    transient = isinstance(e, TierUnavailable)
+                    lane.set("unavailable" if transient else "failing", f"{type(e).__name__}: {e}")
+                    log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, newest.step, delay, e,
+                                exc_info=not isinstance(e, TierError))
+                    await trio.sleep(delay)
+            finally:
+                lane.busy = None
+                lane.progress = None
+                self.retain_local()
+
+    async def _put(self, lane: Lane, state: StepState) -> None:
+        """Put the step on ``copies()`` of the lane's tiers, in the order the lane prefers."""
+        version, started = state.version, time.time()
+        manifest = await self.manifest_for(state)
+        where = self.chunk_locations(manifest)
+        lane.progress = Progress(state.step, len(where))
+        wanted = lane.copies()
+        candidates = await lane.lead.order(lane.tiers)
+        placed: list[Tier] = []
+        errors: list[TierError] = []
+        pushed = Pushed(chunks=len(where))
+        for tier in candidates:
+            if len(placed) == wanted:
+                break
+            try:
+                pushed += await put_step(tier, manifest, where, self.yield_to_writers, lane.progress,
+                                         seal_with=keys.for_config(self.cfg))
+            except TierError as e:
+                if isinstance(e, SourceChanged):
+                    raise
+                errors.append(e)
+                log.warning("%s: step %d did not reach %s: %s", lane.name, state.step, tier.name, e)
+                continue
+            placed.append(tier)
+        if len(placed) < wanted:
+            if len(errors) == 1 and not placed:
+                raise errors[0]  # its kind (unavailable or refused) is the lane's state
+            refused = any(not isinstance(e, TierUnavailable) for e in errors)
+            reason = f": {errors[-1]}" if errors else ""
+            raise (TierError if refused else TierUnavailable)(
+                f"step {state.step} reached {len(placed)} of {wanted} of {lane.name} ({len(candidates)} answering){reason}")
+        for tier in placed:
+            await tier.retain()
+        if state.version == version:
+            now = time.time()
+            state.copies[lane.name] = {
+                "version": version, "at": now, "seconds": round(now - started, 3),
+                "lag_s": round(now - state.committed_at, 3), "tiers": [t.name for t in placed],
+                "bytes": manifest.total_bytes, "chunks": pushed.chunks, "sent_bytes": pushed.sent_bytes,
+                "skipped_bytes": pushed.skipped_bytes, "stored_bytes": pushed.stored_bytes,
+            }
+            self._save(state)
+        log.info("%s: step %d on %s in %.2fs: %d bytes sent, %d already there", lane.name, state.step,
+                 ", ".join(t.name for t in placed), time.time() - started, pushed.sent_bytes, pushed.skipped_bytes)
+
+    async def _recheck(self, lane: Lane, state: StepState) -> None:
+        """A tier that lost what it held (a peer's RAM, a replaced node) no longer has our step: put it again."""
+        record = state.copies.get(lane.name, {})
+        held = list(record.get("tiers", ()))
+        by_name = {t.name: t for t in lane.tiers}
+        kept, silent = [], {}  # silent: tier name -> why it did not answer
+        for name in held:
+            tier = by_name.get(name)
+            if tier is None or not tier.volatile:
+                kept.append(name)
+                continue
+            try:
+                listed = await tier.list_manifests()
+            except TierError as e:  # down, or too busy to answer: the step goes to another tier meanwhile
+                silent[name] = first_line(e)
+                continue
+            if (self.cfg.rank, state.step) in listed:
+                kept.append(name)
+        if kept != held:
+            lost = sorted(set(held) - set(kept) - silent.keys())
+            log.warning("step %d is %s: putting it on %s again", state.step,
+                        "; ".join([*(f"no longer on {n}" for n in lost),
+                                   *(f"not confirmed by {n} ({why})" for n, why in silent.items())]),
+                        lane.name)
+            state.copies[lane.name] = {**record, "tiers": kept}
+            self._save(state)
+
+    # -- manifests -----------------------------------------------------------------------
+
+    async def manifest_for(self, state: StepState) -> Manifest:
+        """The manifest of the step's current version, built once and shared by the lanes.
+
+        Raises :class:`StepRefused` if no manifest can describe that version; the first
+        lane to find out records and logs it, the others only skip the step.
+        """
+        async with self._build_lock:
+            cached = self._manifests.get(state.step)
+            if cached is not None and cached[0] == state.version:
+                return cached[1]
+            version = state.version
+            if (refusal := state.refusal()) is not None:
+                raise StepRefused(refusal)
+            try:
+                manifest = await self._build_manifest(state)
+            except ManifestError as e:
+                if state.version == version:  # not a newer commit into the step meanwhile: it stays refused
+                    state.refused = {"version": version, "error": str(e), "at": time.time()}
+                    self._save(state)
+                    log.error("step %d cannot be replicated or backed up, it stays on this node only: %s",
+                              state.step, e)
+                raise StepRefused(str(e)) from None
+            self._manifests[state.step] = (version, manifest)
+            self._index_local()
+            return manifest
+
+    async def _build_manifest(self, state: StepState) -> Manifest:
+        """Hash the snapshot; if a file was detached meanwhile, some hash may be of new bytes."""
+        snapshots = self.steps.snapshots
+        for _ in range(5):
+            detaches = snapshots.detaches
+            try:
+                manifest = await self._io(
+                    lambda: build(
+                        snapshots.step_tree(state.step), list(state.roots), job=self.cfg.job,
+                        rank=self.cfg.rank, step=state.step, chunk_size=self.cfg.chunk_size,
+                        known=self._hashed,
+                    )
+                )
+            except ManifestError:
+                if snapshots.detaches == detaches:
+                    raise
+                continue  # a file changed under the hashing: it was detached, hash the copy
+            if snapshots.detaches == detaches:
+                write_atomically(snapshots.step_dir(state.step) / "manifest.json",
+                                 manifest.sealed(keys.for_config(self.cfg)))
+                return manifest
+        raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
+
+    def chunk_locations(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
+        """Where each distinct chunk of a step lives in its snapshot: (path, offset, length)."""
+        snap = self.steps.snapshots.step_tree(manifest.step)
+        return {h: (snap / path, offset, length) for h, (path, offset, length) in manifest.chunk_places().items()}
+
+    def find_local(self, h: str) -> tuple[str, int, int] | None:
+        """This node's own committed copy of chunk ``h`` (lets twins replicate with no transfer)."""
+        return self._local.get(h)
+
+    def _index_local(self) -> None:
+        self._local = {
+            h: (str(path), offset, length)
+            for _, manifest in self._manifests.values()
+            for h, (path, offset, length) in self.chunk_locations(manifest).items()
+        }
+
+    async def yield_to_writers(self) -> None:
+        """Wait (at most MAX_DEFER) until the job has not written for WRITER_QUIET seconds."""
+        deadline = trio.current_time() + MAX_DEFER
+        while trio.current_time() < deadline:
+            quiet_for = time.monotonic() - self._last_write()
+            if quiet_for >= WRITER_QUIET:
+                return
+            await trio.sleep(WRITER_QUIET - quiet_for)
+
+    async def _io(self, fn, *args):
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+
+    # -- local retention -------------------------------------------------------------------
+
+    def _save(self, state: StepState) -> None:
+        if self.steps.states.get(state.step) is state:
+            self.steps.save(state)
+
+    def retain_local(self) -> None:
+        """Drop local snapshots that no tier needs any more.
+
+        Kept: the ``--keep-local`` newest committed steps, the steps a lane is sending, and
+        every step from the newest one complete on every rank on (``retention_floor``;
+        everything while that is unknown): that step may exist nowhere else. When RAM is
+        short, a step a *spill* tier (``--disk``) holds in its current version may go too:
+        it is restored from there first.
+        """
+        floor = self.retention_floor()
+        keep = set(sorted(self.steps.states)[-self.cfg.keep_local:])
+        keep |= {lane.busy for lane in self.lanes.values()}
+        spill = [lane for lane in self.lanes.values() if lane.lead.spill]
+        short = None  # asked only when a step could spill
+        for step in list(self.steps.states):
+            if step in keep:
+                continue
+            state = self.steps.states[step]
+            if not (floor is not None and step < floor):
+                if not any(lane.done(state) for lane in spill):
+                    continue
+                if short is None:
+                    short = self.ram_short()
+                if not short:
+                    continue
+                log.info("RAM is short: step %d leaves it, %s holds it", step,
+                         ", ".join(lane.name for lane in spill if lane.done(state)))
+            self._drop(step)
+
+    def _drop(self, step: int) -> None:
+        roots = list(self.steps.states[step].roots)
+        trash = self.steps.drop(step)
+        self.dropped(roots)
+        if trash is not None:
+            self._trash.append(trash)
+            self._trash_wake.set()
+        if self._manifests.pop(step, None) is not None:
+            self._index_local()
+
+    # -- status ---------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """Each lane's state, lag and progress, with what its tiers say of themselves."""
+        now = time.time()
+        out = {}
+        for name, lane in self.lanes.items():
+            pending = [s for s in self.steps.states.values() if not lane.done(s) and s.refusal() is None]
+            lag = now - min(s.committed_at for s in pending) if pending else 0.0
+            out[name] = {**lane.status, "working_on": lane.busy, "lag_s": round(lag, 3), "last_at": lane.last_at,
+                         "progress": lane.progress.as_dict() if lane.busy and lane.progress else None,
+                         "tiers": [t.name for t in lane.tiers], **lane.lead.lane_report()}
+        return out
+
+
+def _first_leaf(e: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups from a nursery of workers."""
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e

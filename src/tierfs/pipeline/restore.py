@@ -1,0 +1,555 @@
+"""Restore: the chosen step's files appear at once; their bytes follow, on demand and in the background.
+
+The step is rebuilt as a snapshot (``steps/<step>/tree``) of placeholder files that have
+their final names, sizes, modes and owners but no data yet (holes cost no RAM), and those
+are hard-linked into the volume. From then on:
+
+- a read of a placeholder waits only for the chunks it covers (``wait_range``); a chunk
+  two readers want is fetched once;
+- background workers fetch the rest in manifest order, each starting at a different peer
+  so the peers holding the step work in parallel, the disk before them, GCS only for
+  what no node can give (``--prefetch`` of them, 0 for on-demand only);
+- anything that would change a placeholder waits for the whole file first, so the
+  snapshot the job's change detaches from is complete, never a half-filled file.
+
+A chunk of zeros is never fetched: the placeholder's hole already reads as it, so a sparse
+file is restored sparse, at the cost of what it holds. Every other chunk is verified
+against its name before it is written. A chunk's name is appended
+to ``restored-chunks`` once all its places are written, so a daemon killed mid-restore
+resumes from that journal without refetching what it verified, and its placeholders are
+still placeholders, served the same way. Only when every chunk is in does the step get its
+``state.json``: until then it is neither replicated, backed up, nor reported to peers as
+held.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import stat
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from tierfs.core import chunks, keys
+from tierfs.core.atomic import UnsafeFile, private_dir, read_state, write_atomically
+from tierfs.config import Config, format_size
+from tierfs.core.errors import UserError
+from tierfs.tiers.fetch import ChunkSources
+from tierfs.core.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, Unauthenticated, authenticate, restorable_mode
+from tierfs.ramtier import RankDir, SpaceAccount, beneath
+from tierfs.ramtier.steps import StepState, Steps
+from tierfs.tiers.base import Tier, TierError, by_cost, first_line
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "restore.json"  # present while the step is being restored
+JOURNAL = "restored-chunks"  # names of the chunks written and verified, one per line
+RETRY = 5.0  # seconds before chunks that no tier could give are tried again
+STATE_LIMIT = 1 << 20  # restore.json: a step number, two flags and the peers it came from
+JOURNAL_LIMIT = MAX_CHUNKS * 33  # one 32-digit name and a newline per chunk of the largest manifest
+
+
+@dataclass
+class _File:
+    entry: Entry
+    path: str  # the placeholder, in the step's snapshot
+    missing: set[int]  # chunk indexes not written yet
+    fd: int | None = None  # opened by the first chunk that arrives
+
+
+@dataclass
+class Origin:
+    """The tiers that hold the step's manifest (so, its whole step), for the step's record."""
+
+    tiers: list[Tier] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tiers]
+
+
+class Restore:
+    """One step of this rank, arriving into the RAM tier while the volume is in use."""
+
+    def __init__(self, cfg: Config, rank: RankDir, steps: Steps, space: SpaceAccount,
+                 manifest: Manifest, sources: ChunkSources, origin: Origin):
+        self.cfg, self.rank, self.steps, self.space = cfg, rank, steps, space
+        self.manifest, self.sources, self.origin = manifest, sources, origin
+        self.step = manifest.step
+        self.dir = steps.snapshots.step_dir(self.step)
+        self.snap = steps.snapshots.step_tree(self.step)
+        self._files: dict[int, _File] = {}  # FUSE inode -> file still missing chunks
+        self._users: dict[str, list[tuple[_File, int]]] = {}  # chunk -> (file, index) it fills
+        self._done: set[str] = set()
+        self._places: dict[str, tuple[str, int, int]] | None = None  # chunk -> its first place, once asked
+        self._inflight: dict[str, trio.Event] = {}
+        self._failed: dict[str, str] = {}  # chunk -> why no tier gave it (cleared on retry)
+        self.last_error: str | None = None
+        self._progress = trio.Event()
+        self._journal = None
+        self._nursery: trio.Nursery | None = None
+        self.mounted = trio.Event()  # prefetch waits for it: the mount's start-up goes first
+        self.total = len(manifest.chunk_set())
+        self.started = time.time()
+        self.first_byte_s: float | None = None
+        self.finished_at: float | None = None
+        self.demand_fetches = 0
+
+    # -- preparing the namespace ---------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Create the placeholders (or find them again after a crash) and link them into the volume."""
+        state = self._read_state()
+        if state is None or state.get("step") != self.step:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            os.mkdir(self.dir, 0o700)  # steps/ exists (Snapshots.load) and is root-only too
+            write_atomically(self.dir / "manifest.json", self.manifest.sealed(keys.for_config(self.cfg)))
+            state = {"step": self.step, "prepared": False, "linked": False, "tiers": self.origin.names}
+            self._write_state(state)
+        if not state["prepared"]:
+            shutil.rmtree(self.snap, ignore_errors=True)
+            _journal_path(self.dir).unlink(missing_ok=True)
+            self._create_placeholders()
+            state["prepared"] = True
+            self._write_state(state)
+        self.steps.snapshots.pin_step(self.step)
+        self.steps.restoring.add(self.step)
+        if not state["linked"]:
+            for root in self.manifest.roots:
+                self._link_into_tree(root)
+            state["linked"] = True
+            self._write_state(state)
+        self._load_journal()
+
+    def _create_placeholders(self) -> None:
+        os.mkdir(self.snap, 0o700)
+        snap = str(self.snap)  # plain strings: pathlib costs more than the syscalls here
+        for e in self.manifest.entries:
+            path = os.path.join(snap, e.path)
+            if e.kind == "dir":
+                os.mkdir(path, 0o700)  # its own mode once its children are in (_apply_attrs)
+            elif e.kind == "symlink":
+                os.symlink(e.target, path)
+            else:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+                try:
+                    os.ftruncate(fd, e.size)
+                finally:
+                    os.close(fd)
+        for e in reversed(self.manifest.entries):  # children first: directory mtimes stick
+            _apply_attrs(os.path.join(snap, e.path), e)
+
+    def _link_into_tree(self, root: str) -> None:
+        """Put the step's ``root`` into the volume; whatever was in its way is set aside."""
+        link_into_tree(self.rank, self.snap, root, f"it is in the way of restored step {self.step}")
+
+    def _load_journal(self) -> None:
+        path = _journal_path(self.dir)
+        try:
+            self._done = set(read_state(path, JOURNAL_LIMIT).decode("ascii", "replace").split())
+        except FileNotFoundError:
+            pass
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._journal = open(fd, "a", buffering=1)
+        # A placeholder is all hole, so a chunk of zeros is in place already: never fetched, nor written.
+        self._done |= {h for h, length in self.manifest.chunk_sizes().items() if h == chunks.zero_hash(length)}
+        cs, snap = self.manifest.chunk_size, str(self.snap)
+        for e in self.manifest.entries:
+            if e.kind != "file":
+                continue
+            missing = {i for i, h in enumerate(e.chunks) if h not in self._done}
+            if not missing:
+                continue
+            f = _File(e, os.path.join(snap, e.path), missing)
+            st = os.lstat(f.path)
+            self._files[st.st_ino] = f
+            self.space.update(st)
+            for i in missing:
+                self._users.setdefault(e.chunks[i], []).append((f, i))
+        log.info("restoring step %d: %d of %d chunks to fetch (%s), %d already here",
+                 self.step, len(self._users), self.total,
+                 format_size(sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)),
+                 len(self._done))
+
+    # -- serving the mount ---------------------------------------------------------------
+
+    def pending(self, ino: int) -> bool:
+        return ino in self._files
+
+    async def wait_range(self, ino: int, offset: int, size: int) -> None:
+        f = self._files.get(ino)
+        if f is None:
+            return
+        cs = self.manifest.chunk_size
+        last = min(len(f.entry.chunks), -(-(offset + size) // cs))
+        wanted = [f.entry.chunks[i] for i in range(offset // cs, last) if i in f.missing]
+        await self._wait_chunks(wanted)
+
+    async def wait_file(self, ino: int) -> None:
+        f = self._files.get(ino)
+        if f is not None:
+            await self._wait_chunks([f.entry.chunks[i] for i in sorted(f.missing)])
+
+    async def _wait_chunks(self, hashes: list[str]) -> None:
+        for h in hashes:
+            if h in self._done:
+                continue
+            event = self._inflight.get(h)
+            if event is None:
+                self.demand_fetches += 1
+                event = self._start(h, prefer=0)
+            await event.wait()
+            if h not in self._done:
+                log.error("read of restoring step %d failed: %s", self.step, self._failed.get(h, self.last_error))
+                raise OSError(errno.EIO, f"chunk {h} unavailable")
+
+    def _start(self, h: str, prefer: int) -> trio.Event:
+        event = self._inflight[h] = trio.Event()
+        self._nursery.start_soon(self._fetch, h, prefer, event)
+        return event
+
+    # -- fetching ------------------------------------------------------------------------
+
+    async def run(self, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:
+        """Prefetch until every chunk is in, then record the step as committed here.
+
+        Also hosts the fetches that reads start, so it must run as long as the mount does.
+        """
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await self.mounted.wait()
+                while self._users.keys() - self._done:
+                    if self.cfg.prefetch:
+                        await self._prefetch_pass()
+                    if not self._users.keys() - self._done:
+                        break
+                    with trio.move_on_after(RETRY if self._failed else float("inf")):
+                        await self._progress.wait()
+                    self._progress = trio.Event()
+                    self._failed.clear()
+                self._finish()
+        finally:
+            self._close_files()
+
+    async def _prefetch_pass(self) -> None:
+        order = iter(self.sources.order([h for e in self.manifest.entries for h in e.chunks]))
+
+        async def worker(n: int) -> None:
+            for h in order:
+                if h in self._done or h in self._failed:
+                    continue
+                event = self._inflight.get(h)
+                await (event if event is not None else self._start(h, prefer=n)).wait()
+
+        async with trio.open_nursery() as nursery:
+            for n in range(self.cfg.prefetch):
+                nursery.start_soon(worker, n)
+
+    async def _fetch(self, h: str, prefer: int, event: trio.Event) -> None:
+        f0, index0 = self._users[h][0]
+        cs = self.manifest.chunk_size
+        try:
+            data = await self.sources.fetch(h, min(cs, f0.entry.size - index0 * cs), prefer)
+            await self._write(h, data)
+        except UserError as e:
+            self._failed[h] = self.last_error = str(e)
+            log.warning("restore of step %d: %s", self.step, e)
+        finally:
+            del self._inflight[h]
+            event.set()
+            self._progress.set()
+
+    async def _write(self, h: str, data: bytes) -> None:
+        """Put a verified chunk everywhere the step has it, then record it as here.
+
+        The copy runs in a worker thread: filling fresh tmpfs pages is the slowest part of
+        a fetch, and the FUSE requests (a listing right after mount) must not queue behind it.
+        Only one fetch per chunk is in flight, and a file's descriptor closes only once all
+        its chunks are recorded, so no two copies race for one range.
+        """
+        cs = self.manifest.chunk_size
+        targets = [(f, i) for f, i in self._users[h] if i in f.missing]
+        for f, _ in targets:
+            if f.fd is None:
+                f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
+        await trio.to_thread.run_sync(_pwrite_all, data, [(f.fd, i * cs) for f, i in targets])
+        for f, i in targets:
+            os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
+            st = os.fstat(f.fd)
+            self.space.update(st)
+            f.missing.discard(i)
+            if not f.missing:
+                os.close(f.fd)
+                f.fd = None
+                self._files.pop(st.st_ino, None)
+        self._done.add(h)
+        self._journal.write(h + "\n")
+        self.sources.arrived(h)
+        if self.first_byte_s is None:
+            self.first_byte_s = round(time.time() - self.started, 3)
+
+    def location(self, h: str) -> tuple[str, int, int] | None:
+        """Where a chunk this restore wrote is (its first place), for the peer service; None if not in yet."""
+        if h not in self._done:
+            return None
+        if self._places is None:
+            snap = str(self.snap)
+            self._places = {c: (os.path.join(snap, path), offset, length)
+                            for c, (path, offset, length) in self.manifest.chunk_places().items()}
+        return self._places.get(h)
+
+    def done_chunks(self) -> set[str]:
+        return set(self._done)
+
+    def _close_files(self) -> None:
+        for f in self._files.values():
+            if f.fd is not None:
+                os.close(f.fd)
+                f.fd = None
+        if self._journal is not None:
+            self._journal.close()
+
+    def _finish(self) -> None:
+        """Every chunk is in: the step is committed here, and already where it came from."""
+        self._close_files()
+        now = time.time()
+        held = by_cost([t for t in self.origin.tiers if t.lane is not None])
+        state = StepState(self.step, sorted(self.manifest.roots), now, source=held[0].kind if held else "local")
+        for tier in held:  # the step is already on every tier it came from: no lane sends it back
+            record = state.copies.setdefault(tier.lane, {
+                "version": state.version, "at": now, "tiers": [], "bytes": self.manifest.total_bytes,
+                "chunks": self.total, "sent_bytes": 0, "skipped_bytes": 0, "stored_bytes": 0, "restored": True})
+            record["tiers"].append(tier.name)
+        self.steps.states[self.step] = state
+        self.steps.save(state)
+        (self.dir / STATE_FILE).unlink()
+        _journal_path(self.dir).unlink(missing_ok=True)
+        self.steps.restoring.discard(self.step)
+        self.finished_at = now
+        took = now - self.started
+        sources = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(self.sources.bytes_from.items()))
+        log.info("restored step %d: %s in %.2fs from %s", self.step,
+                 format_size(self.manifest.total_bytes), took, sources or "this node")
+        self.steps.on_commit(state)
+
+    def status(self) -> dict:
+        cs = self.manifest.chunk_size
+        missing = sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)
+        gave = self.sources.bytes_from
+        # The tier the bytes came from: the cheapest of the step's holders that gave any, the one
+        # that gave most among equals (a restore from peers and GCS is "from a peer").
+        came = sorted((t for t in self.origin.tiers if gave.get(t.name)), key=lambda t: (t.cost.key(), -gave[t.name]))
+        return {
+            "step": self.step,
+            "state": "done" if self.finished_at else ("prefetching" if self.cfg.prefetch else "on demand"),
+            "tier": came[0].kind if came else "local",
+            "from": came[0].where if came else None,
+            "bytes": self.manifest.total_bytes,
+            "bytes_missing": missing,
+            "bytes_from": dict(self.sources.bytes_from),
+            "chunks_total": self.total,
+            "chunks_done": len(self._done & self.manifest.chunk_set()),
+            "chunks_failing": len(self._failed),
+            "error": self.last_error,
+            "files": sum(e.kind == "file" for e in self.manifest.entries),
+            "files_pending": len(self._files),
+            "demand_fetches": self.demand_fetches,
+            "first_byte_s": self.first_byte_s,
+            "seconds": round((self.finished_at or time.time()) - self.started, 3),
+            "at": self.started,
+        }
+
+    # -- state file ------------------------------------------------------------------------
+
+    def _read_state(self) -> dict | None:
+        """The progress of an interrupted restore of this step; None if there is none to resume.
+
+        Raises UnsafeFile (a UserError) if the file is not the daemon's own: it decides what
+        this start deletes and links into the volume.
+        """
+        try:
+            state = json.loads(read_state(self.dir / STATE_FILE, STATE_LIMIT))
+        except UnsafeFile as e:
+            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
+        except (OSError, ValueError):
+            return None
+        if not (isinstance(state, dict) and isinstance(state.get("prepared"), bool)
+                and isinstance(state.get("linked"), bool)):
+            return None  # not what _write_state writes: start the step over
+        return state
+
+    def _write_state(self, state: dict) -> None:
+        write_atomically(self.dir / STATE_FILE, json.dumps(state))
+
+
+def _journal_path(step_dir: Path) -> Path:
+    return step_dir / JOURNAL
+
+
+def restoring_steps(steps: Steps) -> list[int]:
+    """Steps a previous run began to restore and did not finish."""
+    return [s for s in steps.snapshots.steps() if (steps.snapshots.step_dir(s) / STATE_FILE).exists()]
+
+
+def set_aside(rank: RankDir, rel: str, why: str) -> None:
+    """Move ``rel`` out of the volume into ``<rank dir>/aside/``, where nothing is lost.
+
+    ``rel`` is the job's path: it is reached from the tree's descriptor without following
+    links (:mod:`tierfs.ramtier.beneath`). If the job made a directory above it a symbolic
+    link, ``rel`` is not in the volume and nothing moves: root never moves what the link
+    leads to (another job's data, say).
+    """
+    with _tree_fd(rank) as tree_fd:
+        try:
+            with beneath.parent_of(tree_fd, rel) as (src_fd, name):
+                try:
+                    os.lstat(name, dir_fd=src_fd)
+                except FileNotFoundError:
+                    return
+                aside = rank.path / "aside" / f"{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}" / rel
+                dst_fd = os.open(private_dir(aside.parent), _DIR_FLAGS)
+                try:
+                    os.rename(name, aside.name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+                finally:
+                    os.close(dst_fd)
+        except beneath.NotBeneath as e:
+            log.warning("left %s where it is (%s): %s", rel, why, e)
+            return
+    log.warning("moved %s out of the volume to %s: %s", rel, aside, why)
+
+
+def link_into_tree(rank: RankDir, snap: Path, root: str, why: str, *, keep: bool = False) -> None:
+    """Put the snapshot's ``snap/root`` into the volume at ``root``.
+
+    A directory above ``root`` that is not a real directory (a file, or a symbolic link
+    the job made) is set aside and recreated from the snapshot, so the step lands in the
+    job's tree and nowhere else; so is whatever is at ``root`` itself, unless ``keep``
+    (then an existing ``root`` stays as the job left it).
+    """
+    parts = root.split("/")
+    for depth in range(1, len(parts) + 1):
+        rel = "/".join(parts[:depth])
+        with _tree_fd(rank) as tree_fd:
+            try:
+                st = beneath.lstat(tree_fd, rel)
+            except FileNotFoundError:
+                st = None
+        if depth < len(parts):
+            if st is None or not stat.S_ISDIR(st.st_mode):
+                set_aside(rank, rel, why)
+                link_copy(snap, rank, rel, recurse=False)
+        elif st is None or not keep:
+            set_aside(rank, rel, why)
+            link_copy(snap, rank, rel)
+
+
+def _pwrite_all(data: bytes, places: list[tuple[int, int]]) -> None:
+    for fd, offset in places:
+        os.pwrite(fd, data, offset)
+
+
+def _apply_attrs(path: str, e: Entry) -> None:
+    os.chown(path, e.uid, e.gid, follow_symlinks=False)
+    if e.kind != "symlink":
+        os.chmod(path, restorable_mode(e))
+    os.utime(path, ns=(e.mtime_ns, e.mtime_ns), follow_symlinks=False)
+
+
+def link_copy(snap: Path, rank: RankDir, rel: str, recurse: bool = True) -> None:
+    """Recreate ``snap/rel`` at ``rel`` in the volume: directories as new ones with the
+    same attributes, everything else as hard links (no byte copied).
+
+    ``snap`` is the daemon's own snapshot; the volume's side is the job's, so it is reached
+    from the tree's descriptor and every directory made is entered by its descriptor:
+    a symbolic link the job puts in the way stops the copy (NotBeneath), never redirects it.
+    """
+    with _tree_fd(rank) as tree_fd, beneath.parent_of(tree_fd, rel) as (dst_fd, name):
+        _link_copy_at(os.path.join(snap, rel), dst_fd, name, recurse)
+
+
+def _link_copy_at(src: str, dir_fd: int, name: str, recurse: bool) -> None:
+    st = os.lstat(src)
+    if not stat.S_ISDIR(st.st_mode):
+        os.link(src, name, dst_dir_fd=dir_fd, follow_symlinks=False)
+        return
+    os.mkdir(name, 0o700, dir_fd=dir_fd)  # nobody else's until its attributes are set
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise beneath.NotBeneath(e.errno, f"{name} was replaced while it was being restored") from None
+        raise
+    try:
+        if recurse:
+            with os.scandir(src) as it:
+                for entry in it:
+                    _link_copy_at(entry.path, fd, entry.name, True)
+        os.fchown(fd, st.st_uid, st.st_gid)
+        os.fchmod(fd, stat.S_IMODE(st.st_mode))
+        os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))
+    finally:
+        os.close(fd)
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@contextmanager
+def _tree_fd(rank: RankDir) -> Iterator[int]:
+    """A descriptor of the rank's tree, the root every path of the job's is walked from."""
+    fd = os.open(rank.tree, _DIR_FLAGS)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+# -- planning ----------------------------------------------------------------------------
+
+
+async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
+    """This rank's manifest of ``step`` from the first of ``tiers`` (in order) that gives a valid one.
+
+    A manifest that is not this job's, this rank's and this step's is refused like a
+    malformed one, and the next tier is asked; so is one the job's secret did not seal (a
+    node with a secret uses no other).
+    """
+    errors = []
+    for tier in tiers:
+        try:
+            data = await tier.get_manifest(cfg.rank, step)
+            return _parse(data, tier.where, cfg, step)
+        except Exception as e:  # whatever one tier does, the next one is asked
+            if not isinstance(e, (TierError, UserError)):
+                log.error("manifest of step %d from %s: unexpected %s", step, tier.name, type(e).__name__,
+                          exc_info=True)
+            errors.append(f"{tier.name}: {first_line(e)}")
+    raise UserError(f"no tier could send the manifest of step {step} of rank {cfg.rank}: "
+                    f"{'; '.join(errors) or 'none holds it'}")
+
+
+def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
+    try:
+        body = authenticate(data, keys.for_config(cfg), cfg.rank, step)
+        manifest = Manifest.from_json(body)
+        manifest.check_identity(cfg.job, cfg.rank, step)
+    except Unauthenticated as e:
+        log.warning("ignoring the manifest of rank %d step %d from %s: %s", cfg.rank, step, where, e)
+        raise UserError(f"the manifest from {where} is not this job's: {e}") from None
+    except ManifestError as e:
+        raise UserError(f"the manifest from {where} is unusable: {e}") from None
+    return manifest
+
+

@@ -1,0 +1,1 @@
+"""This node's chunk and replica store, and the peer service that serves it."""

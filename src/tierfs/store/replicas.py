@@ -1,0 +1,659 @@
+"""Other ranks' replicas, held in this node's RAM tier.
+
+Layout under ``root`` (the daemon passes a directory on the same tmpfs as the RAM tier)::
+
+    chunks/<h[0:2]>/<h>                       the raw bytes of chunk h (xxh3-128, 32 hex digits)
+    chunks/.tmp-*                             a chunk being received or copied; removed by load()
+    manifests/rank-<R>/step-<S:012d>.json     the newest manifest received for rank R
+
+A chunk file appears under its name only after its bytes were hashed and matched the
+name, so every file the store lists is one it verified. That check is remembered against the
+file's identity (device, inode, size, mtime and ctime, and the range): a read of any range,
+even one byte, serves without hashing again while the file is unchanged, so a reader cannot
+make this node hash 64 MiB per request. A file that changed, a chunk of this node's own
+steps never checked before, and every chunk after a restart are hashed once on their next
+read. Readers verify what they receive themselves (whole chunks against their names), which
+is what catches memory that rots after the check. A manifest is written only when every
+chunk it names is held, so its presence is the commit point, as on every tier.
+
+Data-parallel twins commit identical bytes. When a manifest names a chunk this node already
+holds in its *own* committed steps (``local``), the replica gets a private copy made with
+``copy_file_range`` instead of a network transfer: the twin's own step may be retained away
+long before the replica is.
+
+Everything runs on the trio thread. Work that touches bytes is bounded per chunk (one
+copy and one hash of at most :data:`MAX_CHUNK` bytes), and loops over many chunks yield
+between them, so a big manifest never stalls the other connections or the FUSE handlers.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Protocol
+
+import trio
+import xxhash
+
+from tierfs.core.atomic import private_dir
+from tierfs.core.manifest import Manifest, ManifestError
+from tierfs.peers.wire import MAX_CHUNK, PIECE, NoSpace, PeerError, brief, clip
+from tierfs.ramtier.space import PAGE, SpaceAccount
+
+log = logging.getLogger(__name__)
+
+# Chunks a connected sender was told about or sent are kept until it disconnects (its
+# manifest is on its way); after that, an unreferenced chunk is kept this long, for a
+# sender that lost its connection mid-push and comes back.
+GRACE = 60.0
+
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
+_RANK_RE = re.compile(r"rank-(\d+)")
+_STEP_RE = re.compile(r"step-(\d{12})\.json")
+_TMP = ".tmp-"
+VERIFIED_CACHE = 65536  # file ranges remembered as verified: 256 GiB of 4 MiB chunks, ~10 MB of memory
+
+Location = tuple[str, int, int]  # (path, offset, length) of a chunk's bytes
+
+
+class LocalChunks(Protocol):
+    """This node's own committed chunks, which a replica may copy instead of receiving."""
+
+    def find(self, h: str) -> Location | None:
+        """Where chunk ``h`` lies in one of this node's frozen steps, or ``None``."""
+
+
+class HashMismatch(PeerError):
+    def __init__(self, message: str = "hash mismatch"):
+        super().__init__(message)
+
+
+class NotFound(PeerError):
+    def __init__(self, message: str = "not found"):
+        super().__init__(message)
+
+
+class Corrupt(PeerError):
+    def __init__(self, message: str = "corrupt"):
+        super().__init__(message)
+
+
+class MissingChunks(PeerError):
+    """A manifest names chunks that are neither held nor available locally."""
+
+    def __init__(self, missing: int, total: int):
+        super().__init__(f"{missing} of the manifest's {total} chunks are missing: send them first")
+        self.missing = missing
+
+
+@dataclass(slots=True)
+class _Held:
+    ino: int
+    size: int
+    used: float  # unix time it was last received, re-sent or reported held
+
+
+def is_hash(value: object) -> bool:
+    return isinstance(value, str) and _HASH_RE.fullmatch(value) is not None
+
+
+class ChunkWriter:
+    """One chunk being received: a temp file, its running hash, the space it reserved.
+
+    Use as a context manager: leaving it without :meth:`commit` removes the temp file and
+    returns the reservation, whatever happened (hash mismatch, timeout, cancellation).
+    ``fd`` is ``None`` when the chunk is already held: the body is then only hashed, so a
+    duplicate costs no RAM and a sender with bad bytes still hears about it.
+    """
+
+    def __init__(self, store: ReplicaStore, h: str, length: int, fd: int | None,
+                 tmp: Path | None, reserved: int):
+        self.h, self.length, self.fd = h, length, fd
+        self.hasher = xxhash.xxh3_128()
+        self._store, self._tmp, self._reserved = store, tmp, reserved
+        self._open = True
+
+    def commit(self) -> None:
+        """Check the hash of what was received and move it into place."""
+        if self.hasher.hexdigest() != self.h:
+            raise HashMismatch()
+        if self.fd is not None:
+            self._store._install(self.h, self.fd, self._tmp)
+        else:
+            self._store._touch(self.h)
+        self._close(remove=False)
+
+    def abort(self) -> None:
+        self._close(remove=True)
+
+    def _close(self, *, remove: bool) -> None:
+        if not self._open:
+            return
+        self._open = False
+        self._store._reserved -= self._reserved
+        if self.fd is not None:
+            os.close(self.fd)
+            if remove:
+                _unlink(self._tmp)
+
+    def __enter__(self) -> ChunkWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+class ChunkSource:
+    """An open, just-verified chunk: serve ``length`` bytes of ``fd`` from ``offset``.
+
+    Serving from the descriptor that was hashed means a rename or a GC between the check
+    and the send cannot swap in other bytes.
+    """
+
+    def __init__(self, fd: int, offset: int, length: int):
+        self.fd, self.offset, self.length = fd, offset, length
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> ChunkSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class ReplicaStore:
+    """The replicas this node holds for other ranks of ``job``; call :meth:`load` first.
+
+    ``space`` is the RAM tier's account (replicas share its capacity with the job's own
+    files); ``None`` means unbounded. ``grace`` is how long a chunk nobody references is
+    kept after it was last received or asked about. ``keep_from()`` is the newest step the
+    whole job can restore (None while unknown): replicas of that step or newer are never
+    dropped, even when a newer replica of the same rank arrives.
+    """
+
+    def __init__(self, root: Path, space: SpaceAccount | None, local: LocalChunks | None = None,
+                 *, job: str, grace: float = GRACE, keep_from: Callable[[], int | None] = lambda: None,
+                 keep_newest: int = 1):
+        self.root = Path(root)
+        self.keep_newest = keep_newest  # replicas kept per rank besides those from keep_from() on
+        self.keep_from = keep_from
+        self.job = job
+        self.space = space
+        self.local = local
+        self.grace = grace
+        self._chunk_dir = self.root / "chunks"
+        self._manifest_dir = self.root / "manifests"
+        self._chunks: dict[str, _Held] = {}
+        self._manifests: dict[tuple[int, int], frozenset[str]] = {}  # (rank, step) -> its chunks
+        self._reserved = 0  # bytes promised to chunks being received
+        self._sessions: dict[object, set[str]] = {}  # connection -> chunks it relies on
+        self._verified: OrderedDict[tuple, str] = OrderedDict()  # file identity + range -> its hash
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Index what a previous daemon left: drop half-written files, account the rest.
+
+        Call after ``space.scan`` (which recounts only the trees it is given) or include
+        ``root`` in that scan; accounting is by inode, so counting twice is harmless.
+        """
+        self._chunks.clear()
+        self._manifests.clear()
+        private_dir(self._chunk_dir)  # root-only, like every directory of the daemon's (umask 0)
+        private_dir(self._manifest_dir)
+        for sub in _scan(self._chunk_dir):
+            if sub.name.startswith(_TMP):
+                _unlink(Path(sub.path))
+            elif sub.is_dir(follow_symlinks=False):
+                for f in _scan(Path(sub.path)):
+                    self._load_chunk(sub.name, f)
+        for rank_dir in _scan(self._manifest_dir):
+            m = _RANK_RE.fullmatch(rank_dir.name)
+            if m and rank_dir.is_dir(follow_symlinks=False):
+                for f in _scan(Path(rank_dir.path)):
+                    self._load_manifest(int(m.group(1)), f)
+        removed = self.collect_garbage()
+        log.info("replica store %s: %d manifests, %d chunks (%d bytes) held; %d unreferenced chunks removed",
+                 self.root, len(self._manifests), len(self._chunks), self.stats()["bytes"], removed)
+
+    def _load_chunk(self, prefix: str, f: os.DirEntry) -> None:
+        path = Path(f.path)
+        if f.name.startswith(_TMP):
+            _unlink(path)
+            return
+        st = f.stat(follow_symlinks=False)
+        if not (is_hash(f.name) and f.name[:2] == prefix and f.is_file(follow_symlinks=False)):
+            log.warning("replica store: ignoring unexpected %s", path)
+            return
+        self._account(st)
+        self._chunks[f.name] = _Held(st.st_ino, st.st_size, st.st_mtime)
+
+    def _load_manifest(self, rank: int, f: os.DirEntry) -> None:
+        path = Path(f.path)
+        if f.name.startswith(_TMP):
+            _unlink(path)
+            return
+        m = _STEP_RE.fullmatch(f.name)
+        if not m:
+            log.warning("replica store: ignoring unexpected %s", path)
+            return
+        step = int(m.group(1))
+        try:
+            manifest = Manifest.from_json(path.read_bytes())
+            if (manifest.job, manifest.rank, manifest.step) != (self.job, rank, step):
+                raise ManifestError(f"holds job {manifest.job!r} rank {manifest.rank} step {manifest.step}")
+        except ManifestError as e:
+            log.warning("replica store: removing unusable manifest %s: %s", path, e)
+            self._remove_file(path)
+            return
+        self._account(f.stat(follow_symlinks=False))
+        self._manifests[(rank, step)] = frozenset(manifest.chunk_set())
+
+    # -- queries -------------------------------------------------------------------------
+
+    def has(self, h: str) -> bool:
+        """Stored here, or available from this node's own steps.
+
+        A stored chunk's grace period restarts, so a sender told "yes" may rely on it for
+        ``grace`` seconds while it sends the rest and then the manifest.
+        """
+        if h in self._chunks:
+            self._touch(h)
+            return True
+        return self.local is not None and is_hash(h) and self.local.find(h) is not None
+
+    def manifests(self) -> list[tuple[int, int]]:
+        """Every (rank, step) held, sorted."""
+        return sorted(self._manifests)
+
+    def get_manifest(self, rank: int, step: int) -> bytes:
+        if (rank, step) not in self._manifests:
+            raise NotFound()
+        return self._manifest_path(rank, step).read_bytes()
+
+    def chunk_file(self, h: str) -> Location | None:
+        """Where chunk ``h``'s bytes are (not verified: :meth:`open_chunk` verifies)."""
+        held = self._chunks.get(h)
+        if held is not None:
+            return str(self._chunk_path(h)), 0, held.size
+        return self.local.find(h) if self.local is not None and is_hash(h) else None
+
+    def stats(self) -> dict:
+        return {"chunks": len(self._chunks), "bytes": sum(c.size for c in self._chunks.values()),
+                "manifests": len(self._manifests)}
+
+    # -- chunks --------------------------------------------------------------------------
+
+    def begin_chunk(self, h: str, length: int) -> ChunkWriter:
+        """Get ready to receive chunk ``h`` of ``length`` bytes, or refuse with :class:`NoSpace`.
+
+        The space is checked (and reserved, so concurrent receives cannot overcommit
+        together) before a single byte is accepted.
+        """
+        if not is_hash(h) or not 0 <= length <= MAX_CHUNK:
+            raise PeerError(f"invalid chunk {brief(h)} of {length} bytes")
+        if h in self._chunks:
+            self._touch(h)  # held through the transfer: the body is only hashed
+            return ChunkWriter(self, h, length, None, None, 0)
+        need = _pages(length)
+        self._check_space(need)
+        tmp = self._chunk_dir / f"{_TMP}{h}-{secrets.token_hex(4)}"
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            # The pages are taken now, so a full tmpfs (or an unbounded account on a shared
+            # ramdisk) refuses here, not halfway through the body.
+            if length:
+                os.posix_fallocate(fd, 0, length)
+        except OSError as e:
+            os.close(fd)
+            _unlink(tmp)
+            if e.errno == errno.ENOSPC:
+                raise NoSpace() from None
+            raise
+        self._reserved += need
+        return ChunkWriter(self, h, length, fd, tmp, need)
+
+    def open_chunk(self, h: str) -> ChunkSource:
+        """Chunk ``h``, verified (when stored, or now); raises :class:`NotFound` or :class:`Corrupt`.
+
+        A stored chunk that fails the check is deleted (a sender will put it again) and the
+        node's own copy, if any, is tried; a bad own copy is reported, never deleted: it is
+        not the store's.
+        """
+        source = None
+        if h in self._chunks:
+            source = self._open_verified(str(self._chunk_path(h)), 0, None, h)
+            if isinstance(source, ChunkSource):
+                return source
+            log.warning("replica chunk %s in %s is unusable (%s): removed", h, self.root, source)
+            self._remove_chunk(h)
+        location = self.chunk_file(h)
+        if location is None:
+            raise Corrupt() if source is not None else NotFound()
+        path, offset, length = location
+        source = self._open_verified(path, offset, length, h)
+        if not isinstance(source, ChunkSource):
+            log.warning("own chunk %s at %s+%d is unusable (%s)", h, path, offset, source)
+            raise Corrupt()
+        return source
+
+    def hold_for(self, session: object, h: str) -> None:
+        """Keep chunk ``h`` while ``session`` (a connected sender) may still name it."""
+        self._sessions.setdefault(session, set()).add(h)
+
+    def end_session(self, session: object) -> None:
+        self._sessions.pop(session, None)
+
+    def collect_garbage(self, now: float | None = None) -> int:
+        """Delete chunks no held manifest names, no connected sender relies on, none sent lately."""
+        now = time.time() if now is None else now
+        referenced = set().union(*self._manifests.values(), *self._sessions.values())
+        stale = [h for h, held in self._chunks.items()
+                 if h not in referenced and now - held.used >= self.grace]
+        for h in stale:
+            self._remove_chunk(h)
+        if stale:
+            log.debug("replica store %s: collected %d chunks", self.root, len(stale))
+        return len(stale)
+
+    # -- manifests -----------------------------------------------------------------------
+
+    async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
+        """Commit a replica of (rank, step): every chunk must be held or locally available.
+
+        Chunks available locally are copied in first, yielding to other tasks between
+        chunks. Then the manifest
+        is written atomically, older steps of the rank are dropped and unreferenced chunks
+        collected. Raises :class:`MissingChunks` (nothing written, nothing copied) when some
+        chunk is nowhere on this node, :class:`NoSpace`, or :class:`PeerError` for a
+        manifest that is unusable or is not the one it claims to be.
+        """
+        needed = self._check_manifest(rank, step, data)
+        copies = {}
+        for h in needed - self._chunks.keys():
+            location = self.local.find(h) if self.local is not None else None
+            if location is not None:
+                copies[h] = location
+        missing = len(needed - self._chunks.keys()) - len(copies)
+        if missing:
+            raise MissingChunks(missing, len(needed))
+        for h, location in copies.items():
+            if h not in self._chunks:  # another connection may have stored it meanwhile
+                self._copy_local(h, location)
+            await trio.lowlevel.checkpoint()
+        # From here on nothing awaits: the check, the write and the index update are atomic
+        # with respect to every other connection, including their garbage collections.
+        self._commit_manifest(rank, step, data, needed)
+        log.info("replica of job %s rank %d step %d stored (%d chunks, %d copied locally)",
+                 self.job, rank, step, len(needed), len(copies))
+
+    def put_manifest_now(self, rank: int, step: int, data: bytes) -> None:
+        """:meth:`put_manifest` for a caller that put every chunk itself (no local copies, no await)."""
+        self._commit_manifest(rank, step, data, self._check_manifest(rank, step, data))
+
+    def _check_manifest(self, rank: int, step: int, data: bytes) -> frozenset[str]:
+        """The chunks of a manifest that is this job's and the (rank, step) it claims to be."""
+        try:
+            manifest = Manifest.from_json(data)
+        except ManifestError as e:
+            raise PeerError(f"unusable manifest: {clip(str(e))}") from None
+        except RecursionError:  # json's parser guards its own depth; a nesting bomb ends here
+            raise PeerError("unusable manifest: it nests too deep to be one") from None
+        if manifest.job != self.job:
+            raise PeerError(f"manifest is for job {brief(manifest.job)}, this store holds {self.job!r}")
+        if (manifest.rank, manifest.step) != (rank, step):
+            raise PeerError(f"manifest is for rank {manifest.rank} step {manifest.step}, "
+                            f"not rank {rank} step {step}")
+        return frozenset(manifest.chunk_set())
+
+    def _commit_manifest(self, rank: int, step: int, data: bytes, needed: frozenset[str]) -> None:
+        missing = len(needed - self._chunks.keys())
+        if missing:
+            raise MissingChunks(missing, len(needed))
+        self._write_manifest(rank, step, data)
+        self._manifests[(rank, step)] = needed
+        self.retain()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _chunk_path(self, h: str) -> Path:
+        return self._chunk_dir / h[:2] / h
+
+    def _manifest_path(self, rank: int, step: int) -> Path:
+        return self._manifest_dir / f"rank-{rank}" / f"step-{step:012d}.json"
+
+    def _check_space(self, nbytes: int) -> None:
+        if self.space is None:
+            return
+        try:
+            self.space.check_growth(self._reserved + nbytes)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise NoSpace() from None
+            raise
+
+    def _account(self, st: os.stat_result) -> None:
+        if self.space is not None:
+            self.space.update(st)
+
+    def _install(self, h: str, fd: int, tmp: Path) -> None:
+        """Move a verified temp file into place (or drop it if the chunk arrived meanwhile)."""
+        if h in self._chunks:
+            _unlink(tmp)
+            self._touch(h)
+            return
+        path = self._chunk_path(h)
+        _mkdir_private(path.parent)
+        os.rename(tmp, path)
+        st = os.fstat(fd)  # after the rename, which changes the ctime
+        self._account(st)
+        self._chunks[h] = _Held(st.st_ino, st.st_size, time.time())
+        self._remember(_identity(st, 0, st.st_size), h)  # its bytes were hashed as they arrived
+
+    def _touch(self, h: str) -> None:
+        if (held := self._chunks.get(h)) is not None:
+            held.used = time.time()
+
+    def _copy_local(self, h: str, location: Location) -> None:
+        """Copy this node's own copy of ``h`` in, verified; zero bytes cross the network."""
+        problem = self.copy_in(h, location)
+        if problem is not None:
+            log.warning("own chunk %s at %s+%d %s: not copied", h, location[0], location[1], problem)
+
+    def copy_in(self, h: str, location: Location) -> str | None:
+        """Store chunk ``h`` from a local file range, verified; what is wrong with the range, or None.
+
+        Raises :class:`NoSpace` (nothing kept) when there is no room for it.
+        """
+        path, offset, length = location
+        if h in self._chunks:  # held already: nothing to copy
+            self._touch(h)
+            return None
+        with self.begin_chunk(h, length) as writer:
+            try:
+                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as e:  # the step it was in was retained away meanwhile
+                return f"is gone ({e.strerror})"
+            try:
+                _copy_range(src, offset, writer.fd, length)
+            finally:
+                os.close(src)
+            hasher = _hash_range(writer.fd, 0, length)
+            if hasher is None or hasher.hexdigest() != h:
+                return "does not match its name"
+            writer.hasher = hasher
+            writer.commit()
+        return None
+
+    def _write_manifest(self, rank: int, step: int, data: bytes) -> None:
+        path = self._manifest_path(rank, step)
+        self._check_space(_pages(len(data)))
+        _mkdir_private(path.parent)
+        tmp = path.with_name(f"{_TMP}{path.name}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink(tmp)
+            raise
+        os.close(fd)
+        try:
+            old = os.stat(path)
+        except FileNotFoundError:
+            old = None
+        os.rename(tmp, path)
+        if old is not None and self.space is not None:
+            self.space.drop(old.st_ino)
+        self._account(st)
+
+    def retain(self) -> None:
+        """Drop replicas superseded by ``keep_newest`` newer ones of their rank that the job no longer needs.
+
+        A superseded replica stays while it is at or after the newest step the whole job
+        can restore (or while that is unknown): it may be the only copy of that step.
+        """
+        floor = self.keep_from()
+        steps: dict[int, list[int]] = {}
+        for r, s in self._manifests:
+            steps.setdefault(r, []).append(s)
+        newest = {r: sorted(ss)[-min(self.keep_newest, len(ss))] for r, ss in steps.items()}
+        for r, s in [k for k in self._manifests if k[1] < newest[k[0]]]:
+            if floor is not None and s < floor:
+                del self._manifests[(r, s)]
+                self._remove_file(self._manifest_path(r, s))
+                log.debug("replica of rank %d step %d dropped: superseded by step %d", r, s, newest[r])
+        self.collect_garbage()
+
+    def _remove_chunk(self, h: str) -> None:
+        held = self._chunks.pop(h)
+        _unlink(self._chunk_path(h))
+        if self.space is not None:
+            self.space.drop(held.ino)
+
+    def _remove_file(self, path: Path) -> None:
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return
+        _unlink(path)
+        if self.space is not None:
+            self.space.drop(st.st_ino)
+
+    def _open_verified(self, path: str, offset: int, length: int | None, h: str) -> ChunkSource | str:
+        """Open a chunk's bytes, hashing them unless this very file range was verified before.
+
+        The open source, or why the bytes are not chunk ``h``. The identity is taken from
+        the open descriptor, which is also what is served: a rename or a GC between the
+        check and the send cannot swap in other bytes.
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "file is gone"
+        try:
+            st = os.fstat(fd)
+            if length is None:
+                length = st.st_size - offset
+            key = _identity(st, offset, length)
+            if self._verified.get(key) == h:
+                self._verified.move_to_end(key)
+                return ChunkSource(fd, offset, length)
+            hasher = _hash_range(fd, offset, length)
+        except BaseException:
+            os.close(fd)
+            raise
+        if hasher is None or hasher.hexdigest() != h:
+            os.close(fd)
+            return "short read" if hasher is None else f"hashes to {hasher.hexdigest()}"
+        self._remember(key, h)
+        return ChunkSource(fd, offset, length)
+
+    def _remember(self, key: tuple, h: str) -> None:
+        self._verified[key] = h
+        self._verified.move_to_end(key)
+        while len(self._verified) > VERIFIED_CACHE:
+            self._verified.popitem(last=False)
+
+
+def _identity(st: os.stat_result, offset: int, length: int) -> tuple:
+    """A file range as it is now: any write to the file changes its mtime and ctime.
+
+    tmpfs gives a fine-grained ctime to a file whose times were just looked at, so a change
+    right after a check still shows. A new file that reuses the inode gets a new ctime.
+    """
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset, length
+
+
+def _hash_range(fd: int, offset: int, length: int) -> xxhash.xxh3_128 | None:
+    """An xxh3-128 hasher fed ``length`` bytes of ``fd`` at ``offset``; ``None`` if the file is short."""
+    hasher = xxhash.xxh3_128()
+    view = memoryview(bytearray(min(length, PIECE)))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
+        if n == 0:
+            return None
+        hasher.update(view[:n])
+        done += n
+    return hasher
+
+
+def _copy_range(src: int, offset: int, dst: int, length: int) -> None:
+    """Copy in the kernel (``copy_file_range``), or with pread/pwrite where that is refused."""
+    done = 0
+    try:
+        while done < length:
+            n = os.copy_file_range(src, dst, length - done, offset + done, done)
+            if n == 0:
+                return  # short source: the hash check reports it
+            done += n
+        return
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+            raise
+    while done < length:
+        piece = os.pread(src, min(PIECE, length - done), offset + done)
+        if not piece:
+            return
+        os.pwrite(dst, piece, done)
+        done += len(piece)
+
+
+def _pages(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+def _scan(path: Path) -> Iterable[os.DirEntry]:
+    with os.scandir(path) as it:
+        return list(it)
+
+
+def _mkdir_private(path: Path) -> None:
+    """A directory of the store's, root-only from its creation: the daemon's umask is 0."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+
+
+def _unlink(path: Path | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

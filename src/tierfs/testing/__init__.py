@@ -1,0 +1,65 @@
+"""Running tierfs on one machine: the demo, the benchmarks and the tests use these.
+
+A cluster of real daemons on loopback addresses (:mod:`tierfs.testing.cluster`), a real GCS
+API on loopback (:mod:`tierfs.testing.gcs_emulator`), and a real CSI plugin on a unix socket
+driven as kubelet drives it (:mod:`tierfs.testing.csi`). Nothing here is imported by the
+daemon, the CLI or the plugin. What it needs beyond tierfs' own dependencies (the
+fake-gcs-server binary) is looked up only when it is used.
+
+Below: the few process and mount chores they share.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tierfs.core import mounts
+
+TIERFS = [sys.executable, "-m", "tierfs"]
+LOOPBACK = "127.0.0.1"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nobody listens on at ``host`` right now (the caller takes it a moment later)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_gone(pid: int, timeout: float = 10) -> None:
+    """Wait until process ``pid`` has exited, at most ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while mounts.process_alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def unmount_all_beneath(path: Path) -> None:
+    """Lazily unmount whatever is mounted under ``path`` (e.g. a rank's tmpfs of its own), deepest first."""
+    prefix = str(path) + "/"
+    points = {entry.mountpoint for entry in mounts.mount_table()}
+    for point in sorted((p for p in points if p.startswith(prefix)), key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True)
+
+
+def cleanup_mount(mountpoint: Path) -> None:
+    """Unmount whatever is left at ``mountpoint`` and stop its daemon."""
+    info = mounts.Registration(mountpoint).read() or {}
+    for _ in range(50):
+        if mounts.find_mount(mountpoint) is None:
+            break
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
+        time.sleep(0.1)
+    pid = info.get("pid")
+    if pid and mounts.process_alive(pid):
+        deadline = time.monotonic() + 10
+        while mounts.process_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if mounts.process_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+    mounts.Registration(mountpoint).remove()

@@ -1,0 +1,431 @@
+"""Whole jobs on the simulated network: report rounds, a restart decision, a broadcast restore.
+
+Every node runs the real :class:`~tierfs.coordination.coordinators.Coordination`, asks
+for its step with :meth:`~tierfs.coordination.coordinators.Member.decide`, places
+replicas with :func:`tierfs.peers.placement.choose`, plans a restore with
+:func:`~tierfs.coordination.broadcast.plan` and fetches with
+:class:`~tierfs.coordination.broadcast.PlannedFetch`. Only the wire (and GCS) is simulated
+(:mod:`tierfs.testing.sim`). Each scenario is one ``trio.run`` on a MockClock and
+returns what it measured as a JSON-able dict; ``scripts/bench_scale.py`` prints and plots
+them.
+
+The job: ``nodes`` ranks, ``data_parallel`` (D) twins per shard (ranks nodes/D apart hold
+the same data), each rank's steps replicated to ``replicas`` peers. Twins come first in
+placement, so a rank's replicas sit on its twins, as the placement policy wants.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+import trio.testing
+
+from tierfs.coordination import broadcast
+from tierfs.coordination.coordinators import Coordination, candidates, list_sharded, listing_prefixes
+from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs.coordination.transport import Message
+from tierfs.coordination.view import GCS, Holdings, HoldingsView
+from tierfs.peers.placement import PeerInfo, choose
+
+JOB = "sim"
+MiB = 1 << 20
+COORD_OPS = ("coord_report", "coord_decide", "coord_pull")
+
+
+@dataclass
+class JobModel:
+    nodes: int
+    data_parallel: int = 4
+    replicas: int = 2
+    ram_steps: tuple[int, ...] = (200, 300)  # each node's own committed steps (--keep-local 2)
+    gcs_steps: tuple[int, ...] = (100, 200, 300)  # backed up for every rank
+    chunks: int = 8  # per rank and step
+    chunk_size: int = 16 * MiB
+    _placement: dict[int, list[int]] | None = field(default=None, repr=False)
+
+    def address(self, rank: int) -> str:
+        return f"10.{rank >> 16 & 255}.{rank >> 8 & 255}.{rank & 255}:7070"
+
+    @property
+    def group(self) -> int:
+        return self.nodes // self.data_parallel
+
+    def twins(self, rank: int) -> list[int]:
+        g = self.group
+        return [rank % g + j * g for j in range(self.data_parallel) if rank % g + j * g != rank]
+
+    def topology(self, rank: int) -> tuple[tuple[str, str], ...]:
+        return (("slice", str(rank // 256)), ("rack", str(rank // 16)))
+
+    def replica_holders(self, rank: int) -> list[int]:
+        """The peers ``rank``'s steps are replicated to, by the real placement policy.
+
+        Candidates are the rank's twins, its 8 ring neighbours and 8 ranks across the
+        ring: a node configured with all 10,000 peers would sort them all for nothing,
+        since twins come first.
+        """
+        n = self.nodes
+        near = [(rank + d) % n for d in range(1, 9)]
+        far = [(rank + n // 2 + d) % n for d in range(8)]
+        pool = dict.fromkeys(self.twins(rank) + near + far)
+        pool.pop(rank, None)
+        infos = [PeerInfo(("10.0.0.0", 7070 + r), r, self.topology(r)) for r in pool]
+        return [p.rank for p in choose(rank, self.topology(rank), infos, self.replicas, n, self.data_parallel)]
+
+    def placement(self) -> dict[int, list[int]]:
+        """holder rank -> ranks whose replicas it keeps."""
+        if self._placement is None:
+            held: dict[int, list[int]] = {}
+            for r in range(self.nodes):
+                for holder in self.replica_holders(r):
+                    held.setdefault(holder, []).append(r)
+            self._placement = held
+        return self._placement
+
+    def holdings(self, rank: int, ram: bool = True) -> Holdings:
+        """What ``rank``'s node holds: its own steps and its replicas (nothing once its RAM is lost)."""
+        if not ram:
+            return Holdings(rank, topology=self.topology(rank))
+        replicas = tuple((r, s) for r in self.placement().get(rank, []) for s in self.ram_steps)
+        return Holdings(rank, self.ram_steps, replicas, None, self.topology(rank))
+
+    def gcs_listing(self) -> dict[int, list[int]]:
+        return {r: list(self.gcs_steps) for r in range(self.nodes)}
+
+    def chunks_of(self, rank: int, step: int) -> list[str]:
+        """The chunk names of ``rank``'s manifest of ``step``: the same for every twin."""
+        g = rank % self.group
+        return [hashlib.blake2b(f"{g}/{step}/{i}".encode(), digest_size=16).hexdigest() for i in range(self.chunks)]
+
+
+@dataclass
+class Settings:
+    net: NetModel = field(default_factory=NetModel)
+    gcs: GcsModel = field(default_factory=GcsModel)
+    k: int = 3
+    interval: float = 30.0
+    restore_wait: float = 15.0
+    fan_out: int = broadcast.FAN_OUT
+    workers: int = 8  # concurrent chunk fetches per node
+    seed: int = 0
+
+
+class SimNode:
+    """One node: its coordination, its restore board, and the handler the network calls."""
+
+    def __init__(self, job: JobModel, rank: int, net: SimNetwork, gcs: SimGcs, s: Settings, ram: bool,
+                 order: list[str], members: frozenset[str], start: float = 0.0):
+        self.job, self.rank, self.net, self.gcs = job, rank, net, gcs
+        self.address = job.address(rank)
+        self.transport = net.transport(self.address)
+        self.held = job.holdings(rank, ram)
+        prefixes = listing_prefixes(job.nodes)
+        self.coordination = Coordination(
+            self.address, order, self.transport, lambda: self.held, nodes=job.nodes, members=members,
+            list_gcs=lambda: list_sharded(gcs.list_prefix, prefixes), interval=s.interval, k=s.k,
+            inc=int(start * 1e6) + 1)
+        self.board = broadcast.ChunkBoard()
+        self.decision = None
+        self.decided_at: float | None = None  # seconds from its start to its decision
+        self.decided_abs: float | None = None
+        self.restored_at: float | None = None
+        self.fetch: broadcast.PlannedFetch | None = None
+        net.listen(self.address, self.handle)
+
+    async def handle(self, source: str, message: Message) -> Message:
+        op = message.get("op")
+        if op in Coordination.OPS:
+            return await self.coordination.handle(source, message)
+        if op == "await_chunk":
+            return await self.board.handle(source, message)
+        if op == "get_chunk":
+            h, n = message.get("hash"), message.get("length")
+            return {"ok": True, "len": n} if self.board.has(h) else {"error": "not found"}
+        return {"error": f"unknown op {op!r}"}
+
+    async def read_peer(self, address: str, h: str, length: int) -> int:
+        reply = await self.transport.request(address, {"op": "get_chunk", "hash": h, "length": length},
+                                             broadcast.RPC_TIMEOUT + length / self.net.model.bandwidth * 4)
+        if "error" in reply:
+            raise broadcast.SourceFailed(reply["error"])
+        return length
+
+    async def read_gcs(self, h: str, length: int) -> int:
+        try:
+            return await self.gcs.read(self.address, h, length)
+        except OSError as e:
+            raise broadcast.SourceFailed(str(e)) from None
+
+
+class Job:
+    """A simulated job: a network, GCS, and one :class:`SimNode` per rank."""
+
+    def __init__(self, job: JobModel, s: Settings, ram: bool = True, gcs_listing: dict | None = None):
+        self.model, self.s = job, s
+        self.net = SimNetwork(s.net, seed=s.seed)
+        self.gcs = SimGcs(self.net, s.gcs, job.gcs_listing() if gcs_listing is None else gcs_listing)
+        self.rng = random.Random(s.seed)
+        self.ram = ram
+        self.nodes: dict[int, SimNode] = {}
+        self.order = candidates(JOB, [job.address(r) for r in range(job.nodes)])
+        self.members = frozenset(self.order)
+        self.rank_of = {job.address(r): r for r in range(job.nodes)}
+
+    def add(self, rank: int, start: float = 0.0) -> SimNode:
+        node = self.nodes[rank] = SimNode(self.model, rank, self.net, self.gcs, self.s, self.ram,
+                                          self.order, self.members, start)
+        return node
+
+    def coordinator_ranks(self, n: int) -> list[int]:
+        return [self.rank_of[a] for a in self.order[:n]]
+
+    def kill(self, rank: int) -> None:
+        self.net.down(self.model.address(rank))
+
+    async def run_node(self, node: SimNode, at: float, script: Callable | None, before: str = "refused",
+                       task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Start ``node`` at time ``at`` (its coordination, then ``script(node)``); stops when it goes down.
+
+        ``before``: what others see until then: "refused" (its host is up, the daemon is
+        starting) or "timeout" (its host is not there yet: a replacement node).
+        """
+        host = self.net.hosts[node.address]
+        with trio.CancelScope() as host.scope:
+            task_status.started()
+            if host.down:
+                return
+            if at > trio.current_time():
+                host.down = before
+                await trio.sleep_until(at)
+                host.down = None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(node.coordination.run)
+                if script is not None:
+                    await script(node)
+
+    def truth(self, live: list[int]) -> HoldingsView:
+        """The view every coordinator should reach: the live nodes' holdings and the GCS listing."""
+        view = HoldingsView(self.model.nodes)
+        for r in live:
+            view.put_holdings(self.model.address(r), self.nodes[r].held)
+        view.put_listing(self.gcs_listing_now())
+        return view
+
+    def gcs_listing_now(self) -> dict[int, list[int]]:
+        out: dict[int, list[int]] = {}
+        for name in self.gcs._names:
+            rank, step = name.split("/")
+            out.setdefault(int(rank[5:]), []).append(int(step[5:17]))
+        return out
+
+
+def _run(fn, *args):
+    """Run a scenario on a MockClock; returns (its result, CPU seconds it took here)."""
+    t0 = time.process_time()
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    result = trio.run(fn, *args, clock=clock)
+    result["cpu_s"] = round(time.process_time() - t0, 2)
+    return result
+
+
+def _per_node(stats, ops, nodes: int, rounds: float = 1.0) -> dict:
+    requests = sum(stats.requests[o] for o in ops)
+    answers = sum(stats.answers[o] for o in ops)
+    size = sum(stats.request_bytes[o] + stats.answer_bytes[o] for o in ops)
+    return {"requests_per_node": round(requests / nodes / rounds, 3),
+            "messages_per_node": round((requests + answers) / nodes / rounds, 3),
+            "bytes_per_node": round(size / nodes / rounds)}
+
+
+# -- scenario 1: report rounds in a running job -----------------------------------------
+
+
+def rounds(nodes: int, s: Settings | None = None, steady: int = 2, after: int = 3, lost: float = 0.001) -> dict:
+    """A running job's report rounds: requests, messages and bytes per node per round.
+
+    ``steady`` rounds with every node up, then the first coordinator and a ``lost`` share
+    of the nodes go down and ``after`` rounds more are counted; by then every view must
+    have dropped what the lost nodes held.
+    """
+    return _run(_rounds, JobModel(nodes), s or Settings(), steady, after, lost)
+
+
+async def _rounds(model: JobModel, s: Settings, steady: int, after: int, lost: float) -> dict:
+    job = Job(model, s)
+    for r in range(model.nodes):
+        job.add(r)
+    first = job.coordinator_ranks(1)[0]
+    others = [r for r in range(model.nodes) if r != first]
+    dead = {first, *job.rng.sample(others, int(lost * model.nodes))}
+    live = [r for r in range(model.nodes) if r not in dead]
+    out = {"nodes": model.nodes, "lost_nodes": len(dead) - 1}
+    async with trio.open_nursery() as nursery:
+        await nursery.start(job.net.run)
+        for r, node in job.nodes.items():
+            nursery.start_soon(job.run_node, node, job.rng.uniform(0, 5.0), None)
+        await trio.sleep(2 * s.interval)  # everyone reported twice: the coordinators are settled
+        coords = [model.address(r) for r in job.coordinator_ranks(s.k)]
+        for phase, n_rounds in (("steady", steady), ("after_failures", after)):
+            if phase == "after_failures":
+                for r in dead:
+                    job.kill(r)
+                coords = [model.address(r) for r in job.coordinator_ranks(s.k + 1) if r != first]
+            job.net.stats.reset()
+            listings = job.gcs.list_requests
+            await trio.sleep(n_rounds * s.interval)
+            stats = job.net.stats
+            out[phase] = {**_per_node(stats, COORD_OPS, model.nodes, n_rounds),
+                          "coordinator_requests_per_round": round(max(stats.received[a] for a in coords) / n_rounds),
+                          "gcs_list_requests_per_round": round((job.gcs.list_requests - listings) / n_rounds, 1),
+                          "timeouts_per_round": round(sum(stats.timeouts.values()) / n_rounds, 1)}
+        truth = job.truth(live)
+        summaries = [job.nodes[r].coordination.member.summary for r in live]
+        out["views_agree"] = all(x is not None and x["newest"] == truth.newest_complete()
+                                 and x["floor"] == truth.retention_floor() for x in summaries)
+        nursery.cancel_scope.cancel()
+    pages = max(1, -(-model.nodes * len(model.gcs_steps) // s.gcs.page_objects))
+    out["today"] = {"requests_per_node": 4 * (model.nodes - 1),  # hello, auth, info, list to every peer
+                    "gcs_list_requests_per_round": model.nodes * pages}
+    return out
+
+
+# -- scenario 2: a restart decision with a coordinator lost --------------------------------
+
+
+def decision(nodes: int, s: Settings | None = None, coordinators_lost: int = 1, nodes_lost: int = 0,
+             late: int = 1, late_at: float = 10.0) -> dict:
+    """Every node asks for its step at once; ``coordinators_lost`` of the first coordinators
+    and ``nodes_lost`` other nodes are down for good; ``late`` nodes start ``late_at`` s later."""
+    return _run(_decision, JobModel(nodes), s or Settings(), coordinators_lost, nodes_lost, late, late_at)
+
+
+async def _decide_and_announce(node: SimNode, wait: float) -> None:
+    t0 = trio.current_time()
+    member = node.coordination.member
+    d = await member.decide(node.rank, node.job.twins(node.rank), wait=wait)
+    node.decision, node.decided_at = d, trio.current_time() - t0
+    held = node.held
+    node.held = Holdings(held.rank, held.steps, held.replicas, d.step, held.topology)
+    await member.report()  # announce the step it runs from: nodes that come later adopt it
+
+
+async def _decision(model: JobModel, s: Settings, c_lost: int, n_lost: int, late: int, late_at: float) -> dict:
+    job = Job(model, s)
+    for r in range(model.nodes):
+        job.add(r)
+    coords = job.coordinator_ranks(c_lost)
+    others = [r for r in range(model.nodes) if r not in coords]
+    dead = set(coords) | set(job.rng.sample(others, n_lost))
+    late_ranks = set(job.rng.sample([r for r in others if r not in dead], late))
+    live = [r for r in range(model.nodes) if r not in dead]
+    truth = job.truth(live)
+    starts = {r: (late_at if r in late_ranks else job.rng.uniform(0, 0.5)) for r in live}
+    for r in late_ranks:
+        job.nodes[r].coordination.member.inc = int(late_at * 1e6)
+    script = lambda node: _decide_and_announce(node, s.restore_wait)  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        await nursery.start(job.net.run)
+        for r in dead:
+            job.kill(r)
+        for r in live:
+            nursery.start_soon(job.run_node, job.nodes[r], starts[r], script, "timeout" if r in late_ranks else "refused")
+        while any(job.nodes[r].decided_at is None for r in live):
+            await trio.sleep(0.25)
+        nursery.cancel_scope.cancel()
+    on_time = [r for r in live if r not in late_ranks]
+    times = [starts[r] + job.nodes[r].decided_at for r in on_time]
+    steps = {job.nodes[r].decision.step for r in live}
+    expected = {truth.choose(r) for r in live}
+    stats = job.net.stats
+    return {"nodes": model.nodes, "coordinators_lost": c_lost, "nodes_lost": n_lost, "gcs_slow": s.gcs.slow,
+            "decision_s_max": round(max(times), 3), "decision_s_median": round(statistics.median(times), 3),
+            "late_decision_s": round(max((job.nodes[r].decided_at for r in late_ranks), default=0.0), 3),
+            "all_ready": all(job.nodes[r].decision.ready for r in live),
+            "agree": len(steps) == 1, "step": sorted(steps, key=lambda x: (x is None, x))[0],
+            "matches_rules": steps == expected,
+            **_per_node(stats, COORD_OPS, len(live)), "timeouts": sum(stats.timeouts.values())}
+
+
+# -- scenario 3: D twins restore from GCS together ----------------------------------------
+
+
+def restore(nodes: int, s: Settings | None = None, mode: str = "broadcast", fail: float = 0.0,
+            chunks: int = 8, chunk_size: int = 16 * MiB) -> dict:
+    """Every RAM is lost; every rank restores the newest step from GCS, its twins at the same time.
+
+    ``mode``: "broadcast" (planned) or "today" (every node reads all its chunks from GCS).
+    ``fail``: the share of nodes that go down once the restores are under way.
+    """
+    model = JobModel(nodes, chunks=chunks, chunk_size=chunk_size)
+    return _run(_restore, model, s or Settings(), mode, fail)
+
+
+async def _restore_node(node: SimNode, job: Job, mode: str) -> None:
+    t0 = trio.current_time()
+    model, s = job.model, job.s
+    member = node.coordination.member
+    group = model.twins(node.rank)
+    d = await member.decide(node.rank, group, wait=s.restore_wait)
+    node.decision, node.decided_at = d, trio.current_time() - t0
+    node.decided_abs = trio.current_time()
+    if d.step is None:
+        return
+    chunks = model.chunks_of(node.rank, d.step)
+    sizes = dict.fromkeys(chunks, model.chunk_size)
+    ranks = [node.rank, *group]
+    if mode == "today":
+        plan = broadcast.NodePlan(node.address, list(chunks), {h: (broadcast.GCS_SOURCE,) for h in chunks})
+    else:
+        needing = d.needing(ranks, d.step)
+        needs = {a: chunks for addrs in needing.values() for a in addrs}
+        holders = [a for r in ranks for a in d.holders(r, d.step) if a != GCS]
+        in_gcs = any(GCS in d.holders(r, d.step) for r in ranks)
+        plan = broadcast.plan(needs, sizes, dict.fromkeys(chunks, holders), in_gcs, fan_out=s.fan_out)[node.address]
+    node.fetch = broadcast.PlannedFetch(plan, node.transport, node.read_peer, node.read_gcs, node.board,
+                                        dead=d.down)
+    await node.fetch.prefetch(sizes, s.workers)
+    node.restored_at = trio.current_time()
+
+
+async def _restore(model: JobModel, s: Settings, mode: str, fail: float) -> dict:
+    job = Job(model, s, ram=False)
+    for r in range(model.nodes):
+        job.add(r)
+    coordinators = set(job.coordinator_ranks(s.k + 1))
+    victims = job.rng.sample([r for r in range(model.nodes) if r not in coordinators], int(fail * model.nodes))
+    script = lambda node: _restore_node(node, job, mode)  # noqa: E731
+    async with trio.open_nursery() as nursery:
+        await nursery.start(job.net.run)
+        for r, node in job.nodes.items():
+            nursery.start_soon(job.run_node, node, job.rng.uniform(0, 0.5), script)
+        if victims:
+            while not all(job.nodes[r].decided_at is not None for r in victims):
+                await trio.sleep(0.05)
+            await trio.sleep(0.03)  # mid-restore: before their first chunk is in
+            for r in victims:
+                job.kill(r)
+        live = [r for r in range(model.nodes) if r not in victims]
+        while any(job.nodes[r].restored_at is None for r in live):
+            await trio.sleep(0.25)
+        nursery.cancel_scope.cancel()
+    unique = model.group * model.chunks * model.chunk_size
+    decided = [job.nodes[r].decided_at for r in live]
+    done = [job.nodes[r].restored_at for r in live]
+    transfer = [job.nodes[r].restored_at - job.nodes[r].decided_abs for r in live]
+    failed = sum(len(job.nodes[r].fetch.failed) for r in live)
+    peer_bytes = sum(v for r in live for a, v in job.nodes[r].fetch.bytes_from.items() if a != GCS)
+    return {"nodes": model.nodes, "mode": mode, "fail": fail, "victims": len(victims), "gcs_slow": s.gcs.slow,
+            "data_parallel": model.data_parallel, "rank_bytes": model.chunks * model.chunk_size,
+            "unique_bytes": unique, "gcs_bytes": job.gcs.bytes_read,
+            "gcs_per_unique": round(job.gcs.bytes_read / unique, 3),
+            "peer_bytes": peer_bytes, "decision_s_max": round(max(decided), 3),
+            "restore_s_max": round(max(done), 3), "restore_s_median": round(statistics.median(done), 3),
+            "transfer_s_max": round(max(transfer), 3), "transfer_s_median": round(statistics.median(transfer), 3),
+            "fallbacks": sum(job.nodes[r].fetch.fallbacks for r in live), "failed_chunks": failed,
+            "messages_per_node": round(job.net.stats.messages() / model.nodes, 2)}

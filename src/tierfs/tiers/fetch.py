@@ -1,0 +1,81 @@
+"""Where a restore gets a chunk from: the tiers that hold the step, cheapest first.
+
+The tiers come as values (:mod:`tierfs.tiers`), already in the order to try: this node's
+RAM, then the disk, the peers holding the step (closest first), GCS. Every tier verifies
+what it gives (:meth:`~tierfs.tiers.base.Tier.get_chunk`), whichever it is. A tier that is
+one of several holders of the same data (a peer) and fails (down, too slow, wrong bytes)
+is not asked again during this restore; the chunk goes to the next tier.
+
+Which tier a chunk is read from is one small function, :func:`sources_for`; when twins
+restore a step from GCS together, :class:`tierfs.pipeline.coordinating.PlannedSources` makes a
+per-chunk choice instead (one twin reads each chunk from GCS, the others from it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from tierfs.core.errors import UserError
+from tierfs.tiers.base import NotHeld, Tier, TierError, first_line, rotate_equals
+
+log = logging.getLogger(__name__)
+
+
+def sources_for(tiers: Sequence[Tier], h: str, prefer: int) -> list[Tier]:
+    """The tiers to ask for chunk ``h``, in order: ``tiers`` with equals rotated by ``prefer``.
+
+    Restore workers pass different ``prefer`` values, so the peers holding a step serve
+    them in parallel, each worker starting at another peer.
+    """
+    return rotate_equals(tiers, prefer)
+
+
+class ChunkSources:
+    """The tiers one restore draws from, in the order to try them; what each gave."""
+
+    def __init__(self, tiers: Sequence[Tier] = ()):
+        self.tiers = list(tiers)
+        self.alive: list[Tier] = list(tiers)
+        self.bytes_from: dict[str, int] = {}  # tier name -> bytes it gave
+
+    async def fetch(self, h: str, length: int, prefer: int = 0) -> bytes:
+        """Chunk ``h`` (``length`` bytes), verified; ``prefer`` rotates which of equal tiers goes first.
+
+        Raises UserError (one line naming the chunk) when no tier can give it.
+        """
+        errors: list[str] = []
+        for tier in sources_for(self.alive, h, prefer):
+            if tier not in self.alive:
+                continue  # set aside by a concurrent fetch
+            try:
+                data = await tier.get_chunk(h, length)
+            except Exception as e:  # a tier's trouble (or a bug in one) must not end the restore
+                if not isinstance(e, TierError):
+                    log.error("chunk %s from %s: unexpected %s", h, tier.name, type(e).__name__, exc_info=True)
+                if isinstance(e, NotHeld) and not tier.skip_after_failure:
+                    log.debug("chunk %s: %s", h, e)
+                    errors.append(first_line(e))
+                    continue
+                errors.append(f"{tier.name}: {first_line(e)}")
+                if tier.skip_after_failure:
+                    if tier in self.alive:  # down or untrustworthy: not asked again in this restore
+                        self.alive.remove(tier)
+                    log.warning("chunk %s from %s failed (%s); it is not asked again in this restore", h, tier.name, e)
+                else:
+                    log.warning("chunk %s from %s failed (%s); trying the next tier", h, tier.name, e)
+                continue
+            self.bytes_from[tier.name] = self.bytes_from.get(tier.name, 0) + len(data)
+            return data
+        raise UserError(f"chunk {h} is on no reachable tier: {'; '.join(errors) or 'no tier holds it'}")
+
+    def order(self, hashes: list[str]) -> list[str]:
+        """The order in which a restore's workers fetch ``hashes`` (a plan may change it)."""
+        return hashes
+
+    def arrived(self, h: str) -> None:
+        """Chunk ``h`` is written where this node's peer service can read it (a plan tells its twins)."""
+
+    async def aclose(self) -> None:
+        for tier in self.tiers:
+            await tier.aclose()

@@ -11,8 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierfs.testing import free_port  # noqa: F401 (the package's runners need it too)
 from tierfs.core.manifest import Manifest, build
+from tierfs.testing import free_port  # noqa: F401 (the package's runners need it too)
 
 
 def wait_for(predicate: Callable, timeout: float = 60, what: str = "condition", interval: float = 0.1):

@@ -8,26 +8,28 @@ here and are checked once.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.core import chunks
 from tierfs.core.commit import CommitRules, parse_rules
 from tierfs.core.errors import UserError
-from tierfs.core.keys import split_secrets
+from tierfs.core.keys import ManifestKeys, manifest_keys, split_secrets
+from tierfs.core.parse import (
+    COORDINATOR_PORT,
+    check_job_id,
+    parse_address,
+    parse_duration,
+    parse_gcs_url,
+    parse_size,
+)
+from tierfs.discovery.spec import parse_peers
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
-DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
 LOG_LEVELS = ("debug", "info", "warning", "error")
 DATA_PATHS = ("auto", "passthrough", "daemon")
 ENGINES = ("auto", "tierfs", "pyfuse3")
 
-_JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtp]?)(i?b?)\s*$", re.IGNORECASE)
-_DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)", re.IGNORECASE)
-_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40, "p": 1 << 50}
-_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 # Every option of a mount (flag name -> help text). Each is a `tierfs mount --FLAG`, a
 # ``-o key=value`` of the mount helper, the Config field of the same name with '_' for '-',
@@ -91,55 +93,6 @@ def env_value(option: str) -> str | None:
     return os.environ.get(env_name(option))
 
 
-def check_job_id(job: str) -> None:
-    """Job ids name directories on the host: no separators, nothing that starts with a dot."""
-    if not _JOB_RE.match(job):
-        raise UserError(
-            f"invalid job id {job!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-
-
-MAX_SIZE = float(1 << 62)
-
-
-def parse_size(text: str, what: str = "size") -> int:
-    """Parse ``4G``, ``512MiB``, ``1.5T`` or plain bytes; suffixes are binary, as tmpfs' ``size=``."""
-    m = _SIZE_RE.match(str(text))
-    if not m:
-        raise UserError(f"invalid {what} {str(text)[:40]!r}: use bytes or a number with K/M/G/T, e.g. 64G")
-    n = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if not n < MAX_SIZE:
-        raise UserError(f"invalid {what} {str(text)[:40]!r}: larger than any machine's memory or disk")
-    return int(n)
-
-
-def parse_duration(text: str, what: str = "duration") -> float:
-    """Parse ``90``, ``30s``, ``5m``, ``1h30m`` into seconds (a bare number is seconds)."""
-    s = str(text).strip()
-    try:
-        return float(s)
-    except ValueError:
-        pass
-    parts = _DURATION_RE.findall(s)
-    if not parts or "".join(n + u for n, u in parts).lower() != s.lower():
-        raise UserError(f"invalid {what} {text!r}: use seconds or e.g. 30s, 5m, 1h30m")
-    return sum(float(n) * _SECONDS[u.lower()] for n, u in parts)
-
-
-def format_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def runtime_dir() -> Path:
-    """Where mounted daemons register themselves (control socket, pid): one per host."""
-    return Path(os.environ.get("TIERFS_RUNTIME_DIR", DEFAULT_RUNTIME_DIR))
-
-
 @dataclass(frozen=True)
 class Config:
     """Everything one mount needs; built by :meth:`build`, which validates it."""
@@ -171,7 +124,7 @@ class Config:
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
     listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
     peers: tuple[tuple[str, int], ...] = ()  # fixed addresses, brace patterns expanded
-    peer_dns: tuple = ()  # tierfs.discovery.directory.DnsSource: names the daemon resolves (and re-resolves)
+    peer_dns: tuple = ()  # tierfs.discovery.spec.DnsSource: names the daemon resolves (and re-resolves)
     replicas: int = 1  # peers that hold a copy of each committed step
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
     older_secrets: tuple[bytes, ...] = field(default=(), repr=False)  # only verify manifests made under them
@@ -223,8 +176,6 @@ class Config:
         if "peers" in v:
             peers = v["peers"]
             if isinstance(peers, str):
-                from tierfs.discovery.directory import parse_peers  # noqa: PLC0415 (it needs parse_address, below)
-
                 spec = parse_peers(peers)
                 peers = spec.addresses
                 v["peer_dns"] = spec.sources
@@ -294,8 +245,6 @@ class Config:
                 f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}"
             )
         if self.gcs is not None:
-            from tierfs.tiers.gcs_store import parse_gcs_url  # google-cloud-storage is slow to import
-
             parse_gcs_url(self.gcs)
         if self.data_path not in DATA_PATHS:
             raise UserError(f"invalid --data-path {self.data_path!r}: use auto, passthrough or daemon")
@@ -311,21 +260,14 @@ class Config:
         return CommitRules(parse_rules(self.commit_rule))
 
     @property
+    def manifest_keys(self) -> ManifestKeys | None:
+        """The keys that seal and check this job's manifests: its secret and the older ones."""
+        return manifest_keys(self.job, self.secret, self.older_secrets)
+
+    @property
     def rank_dir(self) -> Path:
         """This (job, rank)'s own directory on the RAM tier."""
         return self.ramdisk / self.job / f"rank-{self.rank}"
-
-
-COORDINATOR_PORT = 8476  # JAX's default coordinator port, as GKE's replicator assumes
-
-
-def parse_address(text: str, what: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv6 as ``[::1]:PORT``) into a (host, port) pair."""
-    host, sep, port = str(text).strip().rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"invalid {what} address {text!r}: use HOST:PORT, e.g. 10.0.0.2:7420")
-    return host, int(port)
 
 
 _ON, _OFF = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
@@ -350,7 +292,7 @@ def _parse_peer_tls(v: dict) -> None:
 
 
 def _check_peer_tls(cfg: Config) -> None:
-    """TLS files go together and load, or are absent; checked here so a bad one fails the mount."""
+    """TLS files go together and can be read, or are absent."""
     given = [key for key in _TLS_FILES if getattr(cfg, key) is not None]
     if not given:
         return
@@ -359,9 +301,12 @@ def _check_peer_tls(cfg: Config) -> None:
     if len(given) < len(_TLS_FILES):
         raise UserError("--tls-cert, --tls-key and --tls-ca go together: give all three, or none to key "
                         "TLS from the job's secret")
-    from tierfs.peers import tls  # noqa: PLC0415 (ssl only where it is used)
-
-    tls.from_files(cfg.tls_cert, cfg.tls_key, cfg.tls_ca)
+    for key in _TLS_FILES:  # whether they hold PEM is checked where TLS is set up (tierfs.peers.tls)
+        try:
+            with open(getattr(cfg, key), "rb"):
+                pass
+        except OSError as e:
+            raise UserError(f"cannot read --{key.replace('_', '-')} {getattr(cfg, key)}: {e.strerror}") from None
 
 
 def _parse_labels(text: str) -> tuple[tuple[str, str], ...]:

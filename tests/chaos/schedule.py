@@ -31,11 +31,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.helpers import write_orbax_step
 from tierfs.commands.status import fetch
 from tierfs.testing.cluster import LocalCluster
 from tierfs.testing.gcs_emulator import GcsEmulator
-
-from tests.helpers import write_orbax_step
 
 KILL_DELAY = 0.5  # a kill comes 0-KILL_DELAY s after the event that triggers it
 CONFIRM_WAIT = 15.0  # the longest a trigger (replica confirmed, backed up) is waited for

@@ -9,9 +9,14 @@ from __future__ import annotations
 
 import trio
 
-from tierfs.coordination.coordinators import Coordination, candidates, list_sharded, listing_prefixes
-from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs.coordination.coordinators import (
+    Coordination,
+    candidates,
+    list_sharded,
+    listing_prefixes,
+)
 from tierfs.coordination.view import Holdings, HoldingsView
+from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 JOB = "test"
 

@@ -14,9 +14,19 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierfs.testing import scenarios
 from tierfs.coordination.broadcast import (
-    GCS, GCS_SOURCE, POLL, ChunkBoard, NodePlan, NoSource, PlannedFetch, Source, plan, plan_stats)
+    GCS,
+    GCS_SOURCE,
+    POLL,
+    ChunkBoard,
+    NodePlan,
+    NoSource,
+    PlannedFetch,
+    Source,
+    plan,
+    plan_stats,
+)
+from tierfs.testing import scenarios
 from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 MiB = 1 << 20

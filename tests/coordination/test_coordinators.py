@@ -13,11 +13,18 @@ import trio
 import trio.testing
 
 from tierfs.coordination.coordinators import (
-    DECIDE_POLL, MAX_LISTED_HOLDERS, MAX_LISTED_STEPS, REFUSED_GRACE, RPC_TIMEOUT, Coordinator, list_sharded,
-    listing_prefixes)
-from tierfs.testing.sim import GcsModel, SimGcs, SimNetwork
+    DECIDE_POLL,
+    MAX_LISTED_HOLDERS,
+    MAX_LISTED_STEPS,
+    REFUSED_GRACE,
+    RPC_TIMEOUT,
+    Coordinator,
+    list_sharded,
+    listing_prefixes,
+)
 from tierfs.coordination.transport import MAX_MESSAGE, encoded
 from tierfs.coordination.view import Holdings
+from tierfs.testing.sim import GcsModel, SimGcs, SimNetwork
 
 from .harness import Cluster
 

@@ -16,9 +16,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierfs.pipeline.survey import Survey
 from tierfs.coordination.transport import MAX_MESSAGE, BadMessage, encoded
-from tierfs.coordination.view import GCS, MAX_REPLICAS, Holdings, HoldingsView, choose_step
+from tierfs.coordination.view import (
+    GCS,
+    MAX_REPLICAS,
+    Holdings,
+    HoldingsView,
+    choose_step,
+)
+from tierfs.pipeline.survey import Survey
 
 STEPS = st.integers(0, 6).map(lambda s: s * 10)
 

@@ -35,7 +35,8 @@ import yaml
 from packaging.version import Version
 
 import tierfs
-from tierfs.config import OPTIONS, Config, parse_address, parse_size
+from tierfs.config import OPTIONS, Config
+from tierfs.core.parse import parse_address, parse_size
 from tierfs.csi import ceilings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -584,7 +585,9 @@ def test_example_ranks_peers_and_coordinator_name_the_pods(workload):
     assert sorted(ranks) == list(range(nodes)), f"ranks {ranks} are not 0..{nodes - 1}"
     # The plugin resolves these from its own namespace: they must be qualified with the pods'.
     fqdn = {rank: f"{p['hostname']}.{p['subdomain']}.{p['namespace']}.svc" for rank, p in zip(ranks, pods)}
-    from tierfs.csi.volumes import PEER_PORT  # where the plugin listens when `listen` is not set
+    from tierfs.csi.volumes import (
+        PEER_PORT,  # where the plugin listens when `listen` is not set
+    )
 
     peers = [parse_address(a, "peers") for a in attrs["peers"].split(",")]
     assert sorted(peers) == sorted((host, PEER_PORT) for host in fqdn.values())

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from tests.discovery.dns_server import DnsServer
 from tierfs.discovery import dns
-from tierfs.discovery.directory import DnsSource, PeerDirectory, PeerSpec, parse_peers
+from tierfs.discovery.directory import PeerDirectory
+from tierfs.discovery.spec import DnsSource, PeerSpec, parse_peers
 
 
 def nodes(n: int, port: int = 7420) -> list[tuple[str, str, int]]:

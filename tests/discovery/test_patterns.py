@@ -7,8 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierfs.config import Config
-from tierfs.discovery.directory import MAX_PEERS, DnsSource, expand, parse_peers, unanswered
 from tierfs.core.errors import UserError
+from tierfs.discovery.directory import unanswered
+from tierfs.discovery.spec import MAX_PEERS, DnsSource, expand, parse_peers
 
 SECRET = "s" * 16
 

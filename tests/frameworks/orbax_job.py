@@ -17,7 +17,9 @@ from absl import flags
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint.experimental.emergency import replicator_checkpoint_manager as rcm
-from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import initialization
+from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
+    initialization,
+)
 
 
 def state_at(step: int) -> dict:

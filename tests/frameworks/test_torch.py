@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-
 JOB = Path(__file__).with_name("torch_job.py")
 STEPS = 2
 

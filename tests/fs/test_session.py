@@ -13,7 +13,6 @@ import logging
 import os
 import random
 import stat
-import subprocess
 import sys
 import textwrap
 from pathlib import Path

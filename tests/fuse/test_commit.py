@@ -12,7 +12,6 @@ import pytest
 from tests.conftest import tierfs
 from tests.helpers import write_orbax_step
 
-
 METADATA = {"_CHECKPOINT_METADATA": b"{}"}  # Orbax's marker, inside a temporary dir: no commit yet
 
 

@@ -46,6 +46,7 @@ def handshake(mnt: Path, text: str, timeout: float = 15) -> tuple[int, str | Non
         fatal = (mnt / "replicator.failed").read_text()
         (mnt / "replicator.failed").unlink()
         raise RuntimeError(f"Replicator fatal errors: {fatal}")
+    deadline = time.monotonic() + timeout
     while True:
         markers = sorted(mnt.glob("*.restore"))
         steps = [(int(re.search(r"-s(\d+)-n\d+-w\d+\.restore$", p.name).group(1)), p) for p in markers]

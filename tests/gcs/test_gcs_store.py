@@ -12,10 +12,16 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from tierfs.tiers import gcs_store as gcs
 from tierfs.core.errors import UserError
-from tierfs.tiers.gcs_store import CorruptObject, GcsStore, GcsUnavailable, MissingObject, parse_gcs_url
+from tierfs.core.parse import parse_gcs_url
 from tierfs.testing.gcs_emulator import GcsEmulator
+from tierfs.tiers import gcs_store as gcs
+from tierfs.tiers.gcs_store import (
+    CorruptObject,
+    GcsStore,
+    GcsUnavailable,
+    MissingObject,
+)
 
 
 def h(n: int) -> str:

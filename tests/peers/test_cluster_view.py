@@ -13,13 +13,13 @@ from pathlib import Path
 
 import trio
 
-from tierfs.pipeline.survey import ClusterView
 from tierfs.config import Config
 from tierfs.core.manifest import Entry, Manifest
 from tierfs.peers import tls
 from tierfs.peers.network import PeerNetwork
-from tierfs.store.server import Timeouts, serve
+from tierfs.pipeline.survey import ClusterView
 from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 from tierfs.tiers.local import LocalTier, OwnSteps
 from tierfs.tiers.peer import peer_tiers
 

@@ -12,9 +12,9 @@ from tests.helpers import free_port
 from tierfs.coordination.transport import Refused, Unreachable
 from tierfs.peers.client import PeerClient
 from tierfs.peers.messages import STARTING, PeerTransport
-from tierfs.store.server import Timeouts, serve
-from tierfs.store.replicas import ReplicaStore
 from tierfs.ramtier.space import SpaceAccount
+from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 
 JOB = "coord"
 SECRET = b"a-secret-of-the-job-0123"

@@ -23,10 +23,10 @@ from tierfs.core.chunks import chunk_hash
 from tierfs.core.manifest import Manifest
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
-from tierfs.store.server import Timeouts, serve
-from tierfs.store.replicas import ReplicaStore
 from tierfs.peers.wire import AuthFailed, NoSpace, PeerError, PeerUnavailable
 from tierfs.ramtier.space import SpaceAccount
+from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 
 JOB = "llama"
 SECRET = b"a-secret-of-the-job-0123"

@@ -26,21 +26,21 @@ import pytest
 import trio
 
 from tests.helpers import free_port
-from tierfs.core.atomic import write_atomically
-from tierfs.pipeline.survey import Survey
 from tierfs.config import Config
 from tierfs.coordination.coordinators import candidates
-from tierfs.daemon.daemon import Daemon
+from tierfs.core.atomic import write_atomically
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import build
-from tierfs.store.server import Timeouts, serve
-from tierfs.store.replicas import ReplicaStore
+from tierfs.daemon.daemon import Daemon
 from tierfs.pipeline.planning import RestorePlanner
+from tierfs.pipeline.replicator import Replicator
+from tierfs.pipeline.survey import Survey
 from tierfs.ramtier.layout import RankDir
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import SpaceAccount
-from tierfs.pipeline.replicator import Replicator
 from tierfs.ramtier.steps import Steps
+from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 
 SECRET = b"the-jobs-secret-0123456789"
 

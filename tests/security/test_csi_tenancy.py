@@ -31,8 +31,8 @@ from tests.helpers import wait_for
 from tierfs.core import linux, mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.volumes import ATTRIBUTES, POD_INFO
-from tierfs.testing.csi import Plugin, publish_request
 from tierfs.ramtier import tmpfs
+from tierfs.testing.csi import Plugin, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 SECRET = "a-peer-secret-of-the-job-0123456789"

@@ -85,7 +85,7 @@ def test_the_stretch_costs_at_least_what_is_documented():
 
 def test_older_secrets_only_verify_manifests():
     from tierfs.config import Config
-    from tierfs.core.keys import for_config, manifest_keys
+    from tierfs.core.keys import manifest_keys
     from tierfs.core.manifest import Unauthenticated, authenticate, seal
 
     old, new = b"o" * 32, b"n" * 32
@@ -93,15 +93,15 @@ def test_older_secrets_only_verify_manifests():
     assert (cfg.secret, cfg.older_secrets) == (new, (old,))
     body = b'{"a manifest":1}'
     made_before = seal(body, manifest_keys(JOB, old), 3, 7)
-    assert authenticate(made_before, for_config(cfg), 3, 7) == body
+    assert authenticate(made_before, cfg.manifest_keys, 3, 7) == body
     with pytest.raises(Unauthenticated):  # bound to its rank and step
-        authenticate(made_before, for_config(cfg), 3, 8)
+        authenticate(made_before, cfg.manifest_keys, 3, 8)
     with pytest.raises(Unauthenticated):  # the old line gone: no longer accepted
         authenticate(made_before, manifest_keys(JOB, new), 3, 7)
-    made_now = seal(body, for_config(cfg), 3, 7)
+    made_now = seal(body, cfg.manifest_keys, 3, 7)
     assert made_now == seal(body, manifest_keys(JOB, new), 3, 7), "new manifests are sealed with the first secret"
     with pytest.raises(Unauthenticated):
-        authenticate(body, for_config(cfg), 3, 7)  # unsealed: never used with a secret
+        authenticate(body, cfg.manifest_keys, 3, 7)  # unsealed: never used with a secret
 
 
 def test_tierfs_secret_prints_a_new_256_bit_secret_each_time():

@@ -15,13 +15,13 @@ import subprocess
 import pytest
 
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (the fixtures)
-from tierfs.core import chunks, mounts
 from tierfs.config import Config
+from tierfs.core import chunks, mounts
 from tierfs.core.errors import UserError
 from tierfs.fs.engine import passthrough_obstacle
-from tierfs.testing import TIERFS
 from tierfs.peers import wire
 from tierfs.ramtier.tmpfs import SOURCE, own_tmpfs, unmount_beneath
+from tierfs.testing import TIERFS
 
 
 def mounts_under(path) -> list[mounts.MountEntry]:

@@ -29,12 +29,21 @@ from tests.gcs.test_backup_restore import wait_backed_up
 from tests.helpers import free_port, wait_for
 from tests.multinode.conftest import cluster  # noqa: F401 (the fixture)
 from tests.multinode.test_peers import commit_step, replicated
-from tests.security.test_untrusted_bytes import JSON, H, Sandbox, check_restored_tree, hostile_manifests, one_line, sample
+from tests.security.test_untrusted_bytes import (
+    JSON,
+    H,
+    Sandbox,
+    check_restored_tree,
+    hostile_manifests,
+    one_line,
+    sample,
+)
 from tierfs.core import mounts
+from tierfs.core.errors import UserError
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
+from tierfs.core.manifest import Entry, Manifest
 from tierfs.daemon import control
 from tierfs.daemon.daemon import Daemon
-from tierfs.core.errors import UserError
-from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST, Entry, Manifest
 from tierfs.pipeline.restore import set_aside
 
 USER = 1000

@@ -37,17 +37,26 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import wait_for, write_orbax_step
-from tests.peers.test_peer_service import JOB, SECRET, frame, make_step, push, randbytes, read_until_closed, start_node
-from tierfs.core.chunks import chunk_hash
+from tests.peers.test_peer_service import (
+    JOB,
+    SECRET,
+    frame,
+    make_step,
+    push,
+    randbytes,
+    read_until_closed,
+    start_node,
+)
 from tierfs.config import Config
+from tierfs.core.chunks import chunk_hash
 from tierfs.core.errors import UserError
-from tierfs.store import replicas as store_module
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
-from tierfs.store.server import Timeouts, serve
-from tierfs.store.replicas import ReplicaStore
 from tierfs.peers.wire import AuthFailed, PeerError, PeerUnavailable
 from tierfs.ramtier.space import SpaceAccount
+from tierfs.store import replicas as store_module
+from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 
 INFO = {"rank": 1, "topology": [["zone", "a"]], "free": 123}
 MiB = 1 << 20
@@ -77,15 +86,18 @@ class LogRecorder(logging.Handler):
 
 
 def _recording_peer_log():
-    logger = logging.getLogger("tierfs.peers")
-    recorder, old_level = LogRecorder(), logger.level
-    logger.addHandler(recorder)
-    logger.setLevel(logging.INFO)
+    """The peer protocol's log and the peer service's (:mod:`tierfs.store.server`)."""
+    loggers = [logging.getLogger(name) for name in ("tierfs.peers", "tierfs.store")]
+    recorder, old_levels = LogRecorder(), [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.addHandler(recorder)
+        logger.setLevel(logging.INFO)
     try:
         yield recorder
     finally:
-        logger.removeHandler(recorder)
-        logger.setLevel(old_level)
+        for logger, level in zip(loggers, old_levels):
+            logger.removeHandler(recorder)
+            logger.setLevel(level)
 
 
 @pytest.fixture
@@ -448,6 +460,8 @@ def test_tls_is_on_by_default_and_can_be_turned_off(tmp_path):
 
 
 def test_tls_options_are_checked_with_one_clear_line(tmp_path):
+    from tierfs.peers import tls
+
     files = make_certificates(tmp_path)
     base = dict(mountpoint=tmp_path, job=JOB, listen="127.0.0.2:7420", secret=SECRET.decode())
     pem = dict(tls_cert=files["node-a.crt"], tls_key=files["node-a.key"], tls_ca=files["cluster-ca.crt"])
@@ -460,9 +474,9 @@ def test_tls_options_are_checked_with_one_clear_line(tmp_path):
         (dict(pem, tls_key=files["node-b.key"]), "--tls-key"),  # not the certificate's key
         (dict(pem, tls_ca=files["node-a.key"]), "--tls-ca"),
     ]
-    for extra, mentions in bad:
+    for extra, mentions in bad:  # refused when the options are read, or at the latest when TLS is set up
         with pytest.raises(UserError, match=mentions) as e:
-            Config.build(**base, **extra)
+            tls.for_config(Config.build(**base, **extra))
         assert "\n" not in str(e.value) and len(str(e.value)) < 300
 
 

@@ -22,13 +22,13 @@ import pytest
 import trio
 
 from tests.helpers import free_port
-from tierfs.pipeline.survey import ClusterView
 from tierfs.config import Config
 from tierfs.coordination.view import MAX_REPLICAS
 from tierfs.peers import tls
 from tierfs.peers.network import PeerNetwork
-from tierfs.store.server import Timeouts, serve
+from tierfs.pipeline.survey import ClusterView
 from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 from tierfs.tiers.local import LocalTier, OwnSteps
 from tierfs.tiers.peer import peer_tiers
 

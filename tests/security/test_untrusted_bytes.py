@@ -28,19 +28,19 @@ from hypothesis import strategies as st
 from tests.conftest import tierfs
 from tests.gcs.test_backup_restore import client, objects, wait_backed_up, wipe
 from tests.helpers import write_orbax_step
-from tierfs.core import manifest as manifest_mod
-from tierfs.tiers import gcs_store as gcs
-from tierfs.core.chunks import CorruptChunk, chunk_hash, decode, encode
 from tierfs.config import Config
+from tierfs.core import manifest as manifest_mod
+from tierfs.core.chunks import CorruptChunk, chunk_hash, decode, encode
 from tierfs.core.errors import UserError
-from tierfs.tiers.fetch import ChunkSources
-from tierfs.tiers.gcs_store import CorruptObject, GcsStore
 from tierfs.core.manifest import Entry, Manifest, ManifestError
+from tierfs.pipeline.restore import Origin, Restore, fetch_manifest
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
-from tierfs.pipeline.restore import Origin, Restore, fetch_manifest
-from tierfs.tiers.base import Cost, Tier
 from tierfs.ramtier.steps import Steps
+from tierfs.tiers import gcs_store as gcs
+from tierfs.tiers.base import Cost, Tier
+from tierfs.tiers.fetch import ChunkSources
+from tierfs.tiers.gcs_store import CorruptObject, GcsStore
 
 MiB = 1 << 20
 # The daemons here have no secret, so the bucket decides what they restore (they say so):

@@ -20,13 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.core import chunks
 from tierfs.config import Config
+from tierfs.core import chunks
 from tierfs.peers import tls
 from tierfs.peers.network import PeerNetwork
-from tierfs.store.server import Timeouts, serve
-from tierfs.store.replicas import ReplicaStore
 from tierfs.ramtier.space import SpaceAccount
+from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
 from tierfs.tiers.base import Tier
 
 JOB = "conform"

@@ -11,13 +11,21 @@ import pytest
 import trio
 
 from tests import helpers
+from tests.tiers.conftest import JOB, SECRET
 from tierfs.core.chunks import chunk_hash
 from tierfs.core.keys import manifest_keys
 from tierfs.core.manifest import Manifest, authenticate
-from tierfs.tiers.base import (MAX_CHUNK, MAX_MANIFEST, Holdings, NotHeld, Progress, Tier, TierError, by_cost,
-                               put_step)
-
-from tests.tiers.conftest import JOB, SECRET
+from tierfs.tiers.base import (
+    MAX_CHUNK,
+    MAX_MANIFEST,
+    Holdings,
+    NotHeld,
+    Progress,
+    Tier,
+    TierError,
+    by_cost,
+    put_step,
+)
 
 CS = 64 << 10
 

@@ -16,9 +16,9 @@ import trio
 
 from tests.conftest import tierfs
 from tests.helpers import wait_for, write_orbax_step
-from tierfs.testing.cluster import LocalCluster
 from tierfs.core.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
+from tierfs.testing.cluster import LocalCluster
 from tierfs.tiers.disk import DiskTier
 
 MiB = 1 << 20

@@ -14,7 +14,14 @@ import xxhash
 import zstandard
 
 from tierfs.core import chunks
-from tierfs.core.chunks import CorruptChunk, chunk_hash, decode, encode, hash_file, read_chunk
+from tierfs.core.chunks import (
+    CorruptChunk,
+    chunk_hash,
+    decode,
+    encode,
+    hash_file,
+    read_chunk,
+)
 
 TEXT = b"".join(b'{"name": "layers.%d.attention.wq.weight", "shape": [4096, 4096], "dtype": "bfloat16", '
                 b'"offset": %d}\n' % (i, i << 25) for i in range(2000))

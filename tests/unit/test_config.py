@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from tierfs.commands import mount
-from tierfs.config import Config, format_size, parse_duration, parse_size
+from tierfs.config import Config
 from tierfs.core.errors import UserError
+from tierfs.core.parse import format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize("text, expected", [

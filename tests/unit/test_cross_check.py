@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierfs.pipeline.survey import Survey
 from tierfs.core.errors import UserError
 from tierfs.pipeline.planning import RestorePlanner
+from tierfs.pipeline.survey import Survey
 
 
 @dataclass

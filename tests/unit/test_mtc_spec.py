@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tierfs.mtc.protocol import SpecError, parse_spec, restore_entry_name, restore_entry_step
+from tierfs.mtc.protocol import (
+    SpecError,
+    parse_spec,
+    restore_entry_name,
+    restore_entry_step,
+)
 
 ORBAX = """job-name: run-7
 framework: orbax

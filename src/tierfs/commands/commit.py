@@ -11,9 +11,8 @@ import os
 from pathlib import Path
 
 from tierfs.core import mounts
-
-from tierfs.daemon import control
 from tierfs.core.errors import UserError
+from tierfs.daemon import control
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from tierfs.config import DEFAULT_RAMDISK, parse_duration
+from tierfs.config import DEFAULT_RAMDISK
+from tierfs.core.parse import parse_duration
 
 DEFAULT_STATE_DIR = "/var/lib/kubelet/plugins/csi.tierfs.dev"
 
@@ -44,9 +45,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierfs.csi import server  # grpc and the generated messages: only this command needs them
-    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_settings
     from tierfs.core.errors import UserError
+    from tierfs.csi import (
+        server,  # grpc and the generated messages: only this command needs them
+    )
+    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_settings
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

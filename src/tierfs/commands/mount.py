@@ -13,9 +13,17 @@ import sys
 import traceback
 from typing import NoReturn
 
+from tierfs.config import (
+    HOST_PATH_OPTIONS,
+    OPTIONS,
+    TLS_FILE_OPTIONS,
+    Config,
+    env_name,
+    env_value,
+)
 from tierfs.core import mounts
-from tierfs.config import HOST_PATH_OPTIONS, OPTIONS, TLS_FILE_OPTIONS, Config, env_name, env_value
 from tierfs.core.errors import UserError
+from tierfs.peers import tls
 
 _FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
@@ -51,7 +59,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.foreground:
-        from tierfs.daemon import daemon  # the daemon's imports (GCS client) are slow for the CLI
+        from tierfs.daemon import (
+            daemon,  # the daemon's imports (GCS client) are slow for the CLI
+        )
 
         return daemon.run(cfg)
     return spawn(cfg)
@@ -98,6 +108,7 @@ def spawn(cfg: Config) -> int:
     already imported, which is a good part of the time a restored step takes to appear.
     """
     mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
+    tls.for_config(cfg)  # TLS files that hold no certificate and key, too (built once: the child inherits it)
     reg = mounts.Registration(cfg.mountpoint)
     log_path = cfg.log_file or reg.log_path
     if cfg.log_file is None:

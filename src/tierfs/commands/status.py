@@ -7,10 +7,9 @@ import json
 from pathlib import Path
 
 from tierfs.core import mounts
-
-from tierfs.daemon import control
-from tierfs.config import format_size
 from tierfs.core.errors import UserError
+from tierfs.core.parse import format_size
+from tierfs.daemon import control
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -86,7 +86,13 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from tierfs.coordination import fields
-from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable
+from tierfs.coordination.transport import (
+    BadMessage,
+    Message,
+    Refused,
+    Transport,
+    Unreachable,
+)
 from tierfs.coordination.view import GCS, Holdings, HoldingsView
 
 log = logging.getLogger(__name__)

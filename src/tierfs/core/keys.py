@@ -22,10 +22,6 @@ import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tierfs.config import Config
 
 # scrypt's cost: 128 * R * N bytes of memory, about 50 ms on one core of a current server.
 SCRYPT_N = 1 << 14
@@ -82,11 +78,6 @@ def manifest_keys(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -
         return None
     seal = derive(job, secret).manifest
     return ManifestKeys(job, seal, (seal, *(derive(job, s).manifest for s in older if s and s != secret)))
-
-
-def for_config(cfg: Config) -> ManifestKeys | None:
-    """The manifest keys of a node's configuration (its secret and the older ones)."""
-    return manifest_keys(cfg.job, cfg.secret, cfg.older_secrets)
 
 
 def split_secrets(text: bytes) -> tuple[bytes, tuple[bytes, ...]]:

@@ -36,9 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.core import chunks
-from tierfs.config import check_job_id, format_size
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
+from tierfs.core.parse import check_job_id, format_size
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,15 @@ from pathlib import Path
 
 from tierfs.core import linux
 from tierfs.core.atomic import UnsafeFile, private_dir, read_small, write_atomically
-from tierfs.config import runtime_dir
 from tierfs.core.errors import UserError
 
 FSTYPE = "fuse.tierfs"
+DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
+
+
+def runtime_dir() -> Path:
+    """Where mounted daemons register themselves (control socket, pid): one per host."""
+    return Path(os.environ.get("TIERFS_RUNTIME_DIR", DEFAULT_RUNTIME_DIR))
 
 
 @dataclass(frozen=True)

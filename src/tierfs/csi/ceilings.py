@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from tierfs.config import format_size, parse_size
 from tierfs.core.errors import UserError
+from tierfs.core.parse import format_size, parse_size
 
 WHERE = "ConfigMap tierfs-config"  # where the admin changes a ceiling, as messages name it
 MEMINFO = Path("/proc/meminfo")

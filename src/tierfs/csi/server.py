@@ -16,9 +16,10 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+
+from tierfs.core.errors import UserError
 from tierfs.csi import identity, node
 from tierfs.csi.volumes import PluginConfig, Volumes
-from tierfs.core.errors import UserError
 
 log = logging.getLogger("tierfs.csi")
 GC_CHECK_INTERVAL = 60.0

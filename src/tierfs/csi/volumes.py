@@ -49,12 +49,13 @@ from typing import Iterator
 
 import yaml
 
-from tierfs.core.atomic import write_atomically
+from tierfs.config import OPTIONS, Config, env_name
 from tierfs.core import linux, mounts
-from tierfs.config import OPTIONS, Config, check_job_id, env_name, parse_address, parse_size
+from tierfs.core.atomic import write_atomically
+from tierfs.core.errors import UserError
+from tierfs.core.parse import check_job_id, parse_address, parse_size
 from tierfs.csi import ceilings, kube
 from tierfs.csi.ceilings import Ceilings, OverCeiling
-from tierfs.core.errors import UserError
 from tierfs.ramtier.tmpfs import unmount_beneath
 
 log = logging.getLogger("tierfs.csi")

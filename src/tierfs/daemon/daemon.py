@@ -22,34 +22,33 @@ import time
 
 import trio
 
-from tierfs.core import keys, linux, mounts
-
-from tierfs.daemon import control, status
+from tierfs.config import Config
+from tierfs.core import linux, mounts
 from tierfs.core.atomic import read_state
-from tierfs.pipeline.survey import ClusterView
-from tierfs.config import Config, format_size
-from tierfs.pipeline.coordinating import NodeCoordination
 from tierfs.core.errors import UserError
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
+from tierfs.core.parse import format_size
+from tierfs.daemon import control, status
+from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
-from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.mtc.multitier import MultiTier
-from tierfs.pipeline.planning import RestorePlanner
-from tierfs.ramtier import RankDir, SpaceAccount
-from tierfs.ramtier.snapshots import Snapshots
-from tierfs.ramtier.tmpfs import own_tmpfs
-from tierfs.discovery.directory import unanswered
-from tierfs.store import server as peer_server
 from tierfs.peers.claim import Identity
 from tierfs.peers.network import PeerNetwork
-from tierfs.store.replicas import ReplicaStore
+from tierfs.pipeline.coordinating import NodeCoordination
+from tierfs.pipeline.planning import RestorePlanner
 from tierfs.pipeline.replicator import Replicator
 from tierfs.pipeline.restore import Restore
+from tierfs.pipeline.survey import ClusterView
+from tierfs.ramtier import RankDir, SpaceAccount
+from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.steps import Steps
-from tierfs.tiers.base import Tier
+from tierfs.ramtier.tmpfs import own_tmpfs
+from tierfs.store import server as peer_server
+from tierfs.store.replicas import ReplicaStore
+from tierfs.tiers.base import Tier, by_cost
 from tierfs.tiers.disk import DiskTier
 from tierfs.tiers.local import LocalTier, OwnSteps
-from tierfs.tiers.base import by_cost
 from tierfs.tiers.peer import PeerTier, peer_tiers
 
 log = logging.getLogger("tierfs")
@@ -119,7 +118,7 @@ class Daemon:
         if not self.rank.is_tmpfs():
             log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
         self.steps.load()
-        keys.for_config(cfg)  # stretch the secret once, before any peer or manifest needs its keys
+        cfg.manifest_keys  # stretch the secret once, before any peer or manifest needs its keys
         if cfg.listen:
             _check_listen(cfg.listen)
             self.replica_store = self.local.store = ReplicaStore(
@@ -219,7 +218,7 @@ class Daemon:
         from tierfs.tiers.gcs_store import GcsUnavailable
 
         cfg = self.cfg
-        sealing = keys.for_config(cfg)
+        sealing = cfg.manifest_keys
         if sealing is None:
             self._warn(f"GCS manifests in {cfg.gcs} are not authenticated without the job's secret: whoever can "
                        "write to the bucket can choose what restores; set TIERFS_SECRET or --secret-file")

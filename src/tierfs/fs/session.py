@@ -57,8 +57,8 @@ import trio
 
 from tierfs.core import linux
 from tierfs.fs import abi, splicing
-from tierfs.fs.splicing import Pipe, PipePool
 from tierfs.fs.poller import Poller, WakeLatency
+from tierfs.fs.splicing import Pipe, PipePool
 
 log = logging.getLogger(__name__)
 

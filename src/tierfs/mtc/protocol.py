@@ -50,7 +50,13 @@ from pathlib import Path
 import trio
 import yaml
 
-from tierfs.core.atomic import UnsafeFile, read_small, read_state, temporary_name, write_atomically
+from tierfs.core.atomic import (
+    UnsafeFile,
+    read_small,
+    read_state,
+    temporary_name,
+    write_atomically,
+)
 from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)

@@ -25,8 +25,16 @@ from tierfs.core.manifest import split_seal
 from tierfs.peers import answers, wire
 from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.tls import PeerTLS, TLSStream
-from tierfs.peers.wire import (HAVE_BATCH, MAX_CHUNK, MAX_MANIFEST, NoSpace, PeerError, PeerRefused, PeerUnavailable,
-                               ProtocolError)
+from tierfs.peers.wire import (
+    HAVE_BATCH,
+    MAX_CHUNK,
+    MAX_MANIFEST,
+    NoSpace,
+    PeerError,
+    PeerRefused,
+    PeerUnavailable,
+    ProtocolError,
+)
 
 T = TypeVar("T")
 

@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 import trio
 
 from tierfs.coordination.transport import Message, Refused, Unreachable, encoded
-from tierfs.config import parse_address
 from tierfs.core.errors import UserError
+from tierfs.core.parse import parse_address
 from tierfs.peers.client import PeerClient
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError, PeerRefused

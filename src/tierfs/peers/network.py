@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 import trio
 
 from tierfs.config import Config
-from tierfs.discovery.directory import RETRY_EMPTY, PeerDirectory, PeerSpec
+from tierfs.discovery.directory import RETRY_EMPTY, PeerDirectory
+from tierfs.discovery.spec import PeerSpec
 from tierfs.peers import claim, tls
 from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.client import PeerClient

@@ -24,17 +24,23 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from tierfs.pipeline.survey import Survey
 from tierfs.coordination import broadcast
-from tierfs.coordination.coordinators import Coordination, Decision, candidates, list_sharded, listing_prefixes
+from tierfs.coordination.coordinators import (
+    Coordination,
+    Decision,
+    candidates,
+    list_sharded,
+    listing_prefixes,
+)
 from tierfs.coordination.transport import Message, Unreachable
 from tierfs.coordination.view import GCS, Holdings
 from tierfs.core.errors import UserError
-from tierfs.tiers.fetch import ChunkSources
 from tierfs.core.manifest import Manifest
 from tierfs.peers.messages import STARTING, PeerTransport
 from tierfs.peers.placement import twins
+from tierfs.pipeline.survey import Survey
 from tierfs.tiers.base import Tier, TierError, TierUnavailable
+from tierfs.tiers.fetch import ChunkSources
 from tierfs.tiers.peer import PeerTier, peer_name
 
 if TYPE_CHECKING:

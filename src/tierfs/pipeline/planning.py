@@ -19,13 +19,21 @@ import shutil
 from typing import TYPE_CHECKING
 
 from tierfs.core.atomic import UnsafeFile, read_state
-from tierfs.pipeline.survey import Survey
-from tierfs.config import format_size
 from tierfs.core.errors import UserError
-from tierfs.tiers.fetch import ChunkSources
-from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST, Manifest, ManifestError
-from tierfs.pipeline.restore import Origin, Restore, fetch_manifest, link_into_tree, restoring_steps, set_aside
+from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
+from tierfs.core.manifest import Manifest, ManifestError
+from tierfs.core.parse import format_size
+from tierfs.pipeline.restore import (
+    Origin,
+    Restore,
+    fetch_manifest,
+    link_into_tree,
+    restoring_steps,
+    set_aside,
+)
+from tierfs.pipeline.survey import Survey
 from tierfs.tiers.base import Tier
+from tierfs.tiers.fetch import ChunkSources
 
 if TYPE_CHECKING:
     from tierfs.daemon.daemon import Daemon

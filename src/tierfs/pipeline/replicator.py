@@ -36,13 +36,21 @@ from pathlib import Path
 
 import trio
 
-from tierfs.core import keys
-from tierfs.core.atomic import write_atomically
 from tierfs.config import Config
+from tierfs.core.atomic import write_atomically
 from tierfs.core.manifest import Manifest, ManifestError, build
-from tierfs.ramtier.steps import StepState, Steps
-from tierfs.tiers.base import (Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
-                               by_cost, first_line, put_step)
+from tierfs.ramtier.steps import Steps, StepState
+from tierfs.tiers.base import (
+    Progress,
+    Pushed,
+    SourceChanged,
+    Tier,
+    TierError,
+    TierUnavailable,
+    by_cost,
+    first_line,
+    put_step,
+)
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +246,7 @@ class Replicator:
                 break
             try:
                 pushed += await put_step(tier, manifest, where, self.yield_to_writers, lane.progress,
-                                         seal_with=keys.for_config(self.cfg))
+                                         seal_with=self.cfg.manifest_keys)
             except TierError as e:
                 if isinstance(e, SourceChanged):
                     raise
@@ -341,7 +349,7 @@ class Replicator:
                 continue  # a file changed under the hashing: it was detached, hash the copy
             if snapshots.detaches == detaches:
                 write_atomically(snapshots.step_dir(state.step) / "manifest.json",
-                                 manifest.sealed(keys.for_config(self.cfg)))
+                                 manifest.sealed(self.cfg.manifest_keys))
                 return manifest
         raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
 

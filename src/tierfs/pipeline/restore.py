@@ -38,15 +38,24 @@ from pathlib import Path
 
 import trio
 
-from tierfs.core import chunks, keys
+from tierfs.config import Config
+from tierfs.core import chunks
 from tierfs.core.atomic import UnsafeFile, private_dir, read_state, write_atomically
-from tierfs.config import Config, format_size
 from tierfs.core.errors import UserError
-from tierfs.tiers.fetch import ChunkSources
-from tierfs.core.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, Unauthenticated, authenticate, restorable_mode
+from tierfs.core.manifest import (
+    MAX_CHUNKS,
+    Entry,
+    Manifest,
+    ManifestError,
+    Unauthenticated,
+    authenticate,
+    restorable_mode,
+)
+from tierfs.core.parse import format_size
 from tierfs.ramtier import RankDir, SpaceAccount, beneath
-from tierfs.ramtier.steps import StepState, Steps
+from tierfs.ramtier.steps import Steps, StepState
 from tierfs.tiers.base import Tier, TierError, by_cost, first_line
+from tierfs.tiers.fetch import ChunkSources
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +120,7 @@ class Restore:
         if state is None or state.get("step") != self.step:
             shutil.rmtree(self.dir, ignore_errors=True)
             os.mkdir(self.dir, 0o700)  # steps/ exists (Snapshots.load) and is root-only too
-            write_atomically(self.dir / "manifest.json", self.manifest.sealed(keys.for_config(self.cfg)))
+            write_atomically(self.dir / "manifest.json", self.manifest.sealed(self.cfg.manifest_keys))
             state = {"step": self.step, "prepared": False, "linked": False, "tiers": self.origin.names}
             self._write_state(state)
         if not state["prepared"]:
@@ -542,7 +551,7 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
 
 def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
     try:
-        body = authenticate(data, keys.for_config(cfg), cfg.rank, step)
+        body = authenticate(data, cfg.manifest_keys, cfg.rank, step)
         manifest = Manifest.from_json(body)
         manifest.check_identity(cfg.job, cfg.rank, step)
     except Unauthenticated as e:

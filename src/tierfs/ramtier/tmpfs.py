@@ -16,8 +16,8 @@ import os
 from pathlib import Path
 
 from tierfs.core import linux, mounts
-from tierfs.config import format_size
 from tierfs.core.errors import UserError
+from tierfs.core.parse import format_size
 
 MS_NOSUID, MS_NODEV, MS_REMOUNT = 2, 4, 32
 SOURCE = "tierfs-ram"

@@ -30,10 +30,18 @@ from typing import Any, Awaitable, Callable
 import trio
 
 from tierfs.peers import tls, wire  # noqa: F401 (tls: the daemon reaches for_config() here)
-from tierfs.store.replicas import MissingChunks, ReplicaStore, is_hash
 from tierfs.peers.tls import PeerTLS, TLSStream
-from tierfs.peers.wire import (MAX_CHUNK, MAX_HAVE, MAX_MANIFEST, AuthFailed, NoSpace, PeerError, PeerUnavailable,
-                               ProtocolError)
+from tierfs.peers.wire import (
+    MAX_CHUNK,
+    MAX_HAVE,
+    MAX_MANIFEST,
+    AuthFailed,
+    NoSpace,
+    PeerError,
+    PeerUnavailable,
+    ProtocolError,
+)
+from tierfs.store.replicas import MissingChunks, ReplicaStore, is_hash
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,16 @@ import trio
 import trio.testing
 
 from tierfs.coordination import broadcast
-from tierfs.coordination.coordinators import Coordination, candidates, list_sharded, listing_prefixes
-from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs.coordination.coordinators import (
+    Coordination,
+    candidates,
+    list_sharded,
+    listing_prefixes,
+)
 from tierfs.coordination.transport import Message
 from tierfs.coordination.view import GCS, Holdings, HoldingsView
 from tierfs.peers.placement import PeerInfo, choose
+from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 JOB = "sim"
 MiB = 1 << 20

@@ -24,8 +24,18 @@ import trio
 from tierfs.core import chunks
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
-from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, SourceChanged, Tier, TierError, TierUnavailable,
-                               check_chunk, check_manifest)
+from tierfs.tiers.base import (
+    Cost,
+    Holdings,
+    NotHeld,
+    Put,
+    SourceChanged,
+    Tier,
+    TierError,
+    TierUnavailable,
+    check_chunk,
+    check_manifest,
+)
 from tierfs.tiers.gcs_store import GcsError, GcsStore, GcsUnavailable, MissingObject
 
 log = logging.getLogger(__name__)

@@ -53,6 +53,7 @@ from tierfs.core import chunks
 from tierfs.core import manifest as manifest_format
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
+from tierfs.core.parse import parse_gcs_url
 
 T = TypeVar("T")
 _VANISHED = "it was deleted meanwhile"
@@ -70,7 +71,6 @@ MAX_CHUNK_FRAME = chunks.max_frame_size(chunks.MAX_CHUNK_SIZE)
 REMEMBERED = 1 << 20  # chunks remembered as checked (about 100 MB at most), and names as ignored
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
-_BUCKET_RE = re.compile(r"[a-z0-9][a-z0-9._-]*[a-z0-9]")
 # Candidates only (digit counts keep int() cheap); a name counts once it is exactly the one
 # _manifest_name gives for its numbers.
 _MANIFEST_RE = re.compile(r"rank-([0-9]{1,10})/step-([0-9]{1,19})\.(json|pending)")
@@ -129,29 +129,6 @@ class ChunkInfo(NamedTuple):
     size: int
     updated: float  # unix time the chunk was last written or touched
     metageneration: int
-
-
-def parse_gcs_url(url: str) -> tuple[str, str]:
-    """``gs://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; the prefix may be empty."""
-    if not url.startswith("gs://"):
-        raise UserError(f"invalid GCS URL {url!r}: use gs://BUCKET or gs://BUCKET/PREFIX")
-    bucket, _, prefix = url[len("gs://"):].partition("/")
-    parts = bucket.split(".")
-    if not (
-        3 <= len(bucket) <= 222
-        and _BUCKET_RE.fullmatch(bucket)
-        and all(0 < len(p) <= 63 for p in parts)
-    ):
-        raise UserError(
-            f"invalid GCS bucket name {bucket!r} in {url!r}: use 3-63 lowercase letters, "
-            "digits, '-', '_' or '.', starting and ending with a letter or digit"
-        )
-    prefix = prefix.rstrip("/")
-    if prefix and ("" in prefix.split("/") or any(ord(c) < 0x20 for c in prefix)):
-        raise UserError(
-            f"invalid GCS prefix {prefix!r} in {url!r}: no empty path segments or control characters"
-        )
-    return bucket, prefix
 
 
 class GcsStore:

@@ -23,8 +23,17 @@ from tierfs.peers.network import PeerNetwork
 from tierfs.peers.placement import choose
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError, PeerUnavailable
-from tierfs.tiers.base import (Cost, Holdings, NotHeld, Put, Tier, TierError, TierUnavailable, check_chunk,
-                               check_manifest)
+from tierfs.tiers.base import (
+    Cost,
+    Holdings,
+    NotHeld,
+    Put,
+    Tier,
+    TierError,
+    TierUnavailable,
+    check_chunk,
+    check_manifest,
+)
 
 Address = tuple[str, int]
 T = TypeVar("T")

@@ -16,10 +16,20 @@ from pathlib import Path
 import trio
 
 from tierfs.core import chunks
-from tierfs.store.replicas import Corrupt, NotFound, ReplicaStore
 from tierfs.peers.wire import NoSpace, PeerError
-from tierfs.tiers.base import (MAX_MANIFEST, Holdings, Location, NotHeld, Put, SourceChanged, Tier, TierError,
-                               check_chunk, check_manifest)
+from tierfs.store.replicas import Corrupt, NotFound, ReplicaStore
+from tierfs.tiers.base import (
+    MAX_MANIFEST,
+    Holdings,
+    Location,
+    NotHeld,
+    Put,
+    SourceChanged,
+    Tier,
+    TierError,
+    check_chunk,
+    check_manifest,
+)
 
 
 class StoredTier(Tier):

@@ -1,6 +1,6 @@
 """A small job on the simulated network, for the coordination tests.
 
-Every node runs the real :class:`~tierfs.coordination.coordinators.Coordination` behind
+Every node runs the real :class:`~tierfs.coordination.coordinator.Coordination` behind
 a :class:`~tierfs.testing.sim.SimNetwork`; what it holds is set by the test. Run it
 on trio's MockClock (the ``autojump_clock`` fixture) so seconds of protocol pass at once.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import trio
 
-from tierfs.coordination.coordinators import (
+from tierfs.coordination.coordinator import (
     Coordination,
     candidates,
     list_sharded,

@@ -12,7 +12,7 @@ import json
 import trio
 import trio.testing
 
-from tierfs.coordination.coordinators import (
+from tierfs.coordination.coordinator import (
     DECIDE_POLL,
     MAX_LISTED_HOLDERS,
     MAX_LISTED_STEPS,

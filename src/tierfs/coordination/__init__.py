@@ -3,7 +3,7 @@ broadcast restores in which each chunk leaves GCS once.
 
 - :mod:`.view`: the holdings of the whole job and the rules of :mod:`tierfs.pipeline.survey`
   (newest complete step, adoption, retention floor), kept up to date by difference;
-- :mod:`.coordinators`: who coordinates, reporting, answering, taking over;
+- :mod:`.coordinator`: who coordinates, reporting, answering, taking over;
 - :mod:`.broadcast`: the restore planner and the "wait for a peer to have it" fetch;
 - :mod:`.transport`: the one request/answer interface all of it uses;
 - :mod:`.fields`: every field of these messages and answers, checked where it arrives;

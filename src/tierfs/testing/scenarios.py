@@ -1,7 +1,7 @@
 """Whole jobs on the simulated network: report rounds, a restart decision, a broadcast restore.
 
-Every node runs the real :class:`~tierfs.coordination.coordinators.Coordination`, asks
-for its step with :meth:`~tierfs.coordination.coordinators.Member.decide`, places
+Every node runs the real :class:`~tierfs.coordination.coordinator.Coordination`, asks
+for its step with :meth:`~tierfs.coordination.coordinator.Member.decide`, places
 replicas with :func:`tierfs.peers.placement.choose`, plans a restore with
 :func:`~tierfs.coordination.broadcast.plan` and fetches with
 :class:`~tierfs.coordination.broadcast.PlannedFetch`. Only the wire (and GCS) is simulated
@@ -27,7 +27,7 @@ import trio
 import trio.testing
 
 from tierfs.coordination import broadcast
-from tierfs.coordination.coordinators import (
+from tierfs.coordination.coordinator import (
     Coordination,
     candidates,
     list_sharded,

@@ -1,6 +1,6 @@
 """A small job on the simulated network, for the coordination tests.
 
-Every node runs the real :class:`~tierfs.coordination.coordinator.Coordination` behind
+Every node runs the real :class:`~tierfs.coordination.node.Coordination` behind
 a :class:`~tierfs.testing.sim.SimNetwork`; what it holds is set by the test. Run it
 on trio's MockClock (the ``autojump_clock`` fixture) so seconds of protocol pass at once.
 """
@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import trio
 
-from tierfs.coordination.coordinator import (
-    Coordination,
-    candidates,
-    list_sharded,
-    listing_prefixes,
-)
+from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
+from tierfs.coordination.node import Coordination
+from tierfs.coordination.protocol import candidates
 from tierfs.coordination.view import Holdings, HoldingsView
 from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 

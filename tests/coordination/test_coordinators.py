@@ -12,16 +12,9 @@ import json
 import trio
 import trio.testing
 
-from tierfs.coordination.coordinator import (
-    DECIDE_POLL,
-    MAX_LISTED_HOLDERS,
-    MAX_LISTED_STEPS,
-    REFUSED_GRACE,
-    RPC_TIMEOUT,
-    Coordinator,
-    list_sharded,
-    listing_prefixes,
-)
+from tierfs.coordination.coordinator import REFUSED_GRACE, Coordinator
+from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
+from tierfs.coordination.protocol import DECIDE_POLL, MAX_LISTED_HOLDERS, MAX_LISTED_STEPS, RPC_TIMEOUT
 from tierfs.coordination.transport import MAX_MESSAGE, encoded
 from tierfs.coordination.view import Holdings
 from tierfs.testing.sim import GcsModel, SimGcs, SimNetwork

@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from tierfs.coordination.broadcast import GCS_SOURCE, NodePlan, PlannedFetch, Source
-from tierfs.coordination.coordinator import MAX_GROUP, MAX_LISTED_STEPS, MAX_SUSPECTS
+from tierfs.coordination.protocol import MAX_GROUP, MAX_LISTED_STEPS, MAX_SUSPECTS
 from tierfs.coordination.view import MAX_REPLICAS, MAX_STEP, MAX_STEPS, Holdings
 
 from .harness import Cluster

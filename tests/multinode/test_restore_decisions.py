@@ -17,7 +17,7 @@ import pytest
 from tests.helpers import wait_for
 from tests.multinode.test_peers import commit_step, replicated, sums
 from tests.multinode.test_restore import files_of
-from tierfs.coordination.coordinator import candidates
+from tierfs.coordination.protocol import candidates
 
 ROUNDS = int(os.environ.get("TIERFS_TEST_ROUNDS", "20"))
 SEED = int(os.environ.get("TIERFS_TEST_SEED", str(random.randrange(1 << 32))))

@@ -27,7 +27,7 @@ import trio
 
 from tests.helpers import free_port
 from tierfs.config import Config
-from tierfs.coordination.coordinator import candidates
+from tierfs.coordination.protocol import candidates
 from tierfs.core.atomic import write_atomically
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import build

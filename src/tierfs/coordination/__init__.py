@@ -3,7 +3,11 @@ broadcast restores in which each chunk leaves GCS once.
 
 - :mod:`.view`: the holdings of the whole job and the rules of :mod:`tierfs.pipeline.survey`
   (newest complete step, adoption, retention floor), kept up to date by difference;
-- :mod:`.coordinator`: who coordinates, reporting, answering, taking over;
+- :mod:`.protocol`: why a few coordinators, their messages, who coordinates (:func:`~.protocol.candidates`);
+- :mod:`.coordinator` and :mod:`.reports`: the coordinator side, its rounds, answers and
+  the reports it holds; :mod:`.member`: reporting, taking over from a silent coordinator,
+  asking for a decision; :mod:`.decision`: an answer as the asker reads it; :mod:`.node`:
+  both sides of one node; :mod:`.gcs_listing`: GCS listed in parallel prefix shards;
 - :mod:`.broadcast`: the restore planner and the "wait for a peer to have it" fetch;
 - :mod:`.transport`: the one request/answer interface all of it uses;
 - :mod:`.fields`: every field of these messages and answers, checked where it arrives;

@@ -107,7 +107,7 @@ def report(value: object, nodes: int) -> Holdings:
 
 
 def summary(value: object) -> dict:
-    """SUMMARY of :mod:`tierfs.coordination.coordinator`: the floor and newest step every node acts on."""
+    """SUMMARY of :mod:`tierfs.coordination.protocol`: the floor and newest step every node acts on."""
     data = obj(value, "summary")
     return {"newest": step(data.get("newest"), "summary newest", optional=True),
             "floor": step(data.get("floor"), "summary floor", optional=True),

@@ -4,7 +4,7 @@ With a peer service (``--listen``) and peers, a node no longer asks every other 
 it holds. It reports its holdings to a few coordinators every ``--survey-interval`` and,
 at start, asks them which step to restore (:meth:`NodeCoordination.decide`); it is itself
 a coordinator when the job's hash order puts it first (see
-:mod:`tierfs.coordination.coordinator`). The answer becomes the same
+:mod:`tierfs.coordination.protocol`). The answer becomes the same
 :class:`~tierfs.pipeline.survey.Survey` of holders the restore planner used before, so the choice
 of tiers and the restore itself do not change.
 
@@ -25,13 +25,10 @@ from typing import TYPE_CHECKING
 import trio
 
 from tierfs.coordination import broadcast
-from tierfs.coordination.coordinator import (
-    Coordination,
-    Decision,
-    candidates,
-    list_sharded,
-    listing_prefixes,
-)
+from tierfs.coordination.decision import Decision
+from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
+from tierfs.coordination.node import Coordination
+from tierfs.coordination.protocol import candidates
 from tierfs.coordination.transport import Message, Unreachable
 from tierfs.coordination.view import GCS, Holdings
 from tierfs.core.errors import UserError

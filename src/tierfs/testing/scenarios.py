@@ -1,7 +1,7 @@
 """Whole jobs on the simulated network: report rounds, a restart decision, a broadcast restore.
 
-Every node runs the real :class:`~tierfs.coordination.coordinator.Coordination`, asks
-for its step with :meth:`~tierfs.coordination.coordinator.Member.decide`, places
+Every node runs the real :class:`~tierfs.coordination.node.Coordination`, asks
+for its step with :meth:`~tierfs.coordination.member.Member.decide`, places
 replicas with :func:`tierfs.peers.placement.choose`, plans a restore with
 :func:`~tierfs.coordination.broadcast.plan` and fetches with
 :class:`~tierfs.coordination.broadcast.PlannedFetch`. Only the wire (and GCS) is simulated
@@ -27,12 +27,9 @@ import trio
 import trio.testing
 
 from tierfs.coordination import broadcast
-from tierfs.coordination.coordinator import (
-    Coordination,
-    candidates,
-    list_sharded,
-    listing_prefixes,
-)
+from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
+from tierfs.coordination.node import Coordination
+from tierfs.coordination.protocol import candidates
 from tierfs.coordination.transport import Message
 from tierfs.coordination.view import GCS, Holdings, HoldingsView
 from tierfs.peers.placement import PeerInfo, choose

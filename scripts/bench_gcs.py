@@ -4,7 +4,7 @@
 Runs fake-gcs-server (memory backend: no disk speed enters) on 127.0.0.1. Per round:
 
 1. Backup. Baseline: ``transfer_manager.upload_many_from_filenames`` (8 threads, a pool of
-   32 connections as in ``tierfs.tiers.gcs_store``) of the checkpoint files into a fresh bucket. tierfs:
+   32 connections as in ``tierfs.tiers.gcs_http``) of the checkpoint files into a fresh bucket. tierfs:
    a fresh volume with ``--gcs``; the files are copied into ``ckpt/1.orbax-checkpoint-tmp``
    (untimed), renamed to ``ckpt/1`` (t0: the commit) and the status is polled every 50 ms
    until step 1 is backed up. Throughput = bytes / ``backup.seconds`` (the daemon's timing)

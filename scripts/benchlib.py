@@ -451,7 +451,7 @@ def plain_copy(src: str, dest: str, paths: list[str], out_dir: str, warm) -> dic
 
 # ----------------------------------------------------------------------------- google-cloud-storage
 
-GCS_WORKERS, GCS_POOL = 8, 32  # threads of a transfer, and its connection pool (as in tierfs.tiers.gcs_store)
+GCS_WORKERS, GCS_POOL = 8, 32  # threads of a transfer, and its connection pool (as in tierfs.tiers.gcs_http)
 
 
 def gcs_client():

@@ -15,13 +15,9 @@ from google.cloud import storage
 from tierfs.core.errors import UserError
 from tierfs.core.parse import parse_gcs_url
 from tierfs.testing.gcs_emulator import GcsEmulator
-from tierfs.tiers import gcs_store as gcs
-from tierfs.tiers.gcs_store import (
-    CorruptObject,
-    GcsStore,
-    GcsUnavailable,
-    MissingObject,
-)
+from tierfs.tiers import gcs_http
+from tierfs.tiers.gcs_http import CorruptObject, GcsUnavailable, MissingObject
+from tierfs.tiers.gcs_store import GcsStore
 
 
 def h(n: int) -> str:
@@ -173,7 +169,7 @@ def test_chunk_names_must_be_hashes(store):
 
 
 def test_manifests_are_listed_per_rank_in_numeric_step_order(store, monkeypatch):
-    monkeypatch.setattr(gcs, "LIST_PAGE", 2)  # several pages per listing
+    monkeypatch.setattr(gcs_http, "LIST_PAGE", 2)  # several pages per listing
     for rank, step in [(0, 100), (0, 2), (0, 10), (1, 10), (12, 1)]:
         store.put_manifest(rank, step, f"{rank}:{step}".encode())
     store.put_pending(0, 101, [h(1)])  # an upload in progress is not a committed step

@@ -37,10 +37,11 @@ from tierfs.pipeline.restore import Origin, Restore, fetch_manifest
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.steps import Steps
-from tierfs.tiers import gcs_store as gcs
 from tierfs.tiers.base import Cost, Tier
 from tierfs.tiers.fetch import ChunkSources
-from tierfs.tiers.gcs_store import CorruptObject, GcsStore
+from tierfs.tiers.gcs_http import CorruptObject
+from tierfs.tiers.gcs_layout import parse_manifest_chunks, parse_pending
+from tierfs.tiers.gcs_store import GcsStore
 
 MiB = 1 << 20
 # The daemons here have no secret, so the bucket decides what they restore (they say so):
@@ -393,7 +394,7 @@ def test_whatever_a_manifest_says_a_restore_stays_in_the_jobs_tree(shm_dir, data
 @given(st.one_of(st.binary(max_size=300), JSON.map(lambda v: json.dumps(v).encode()), hostile_manifests(),
                  st.integers(1000, 100_000).map(lambda n: b"[" * n)))
 def test_the_collector_reads_any_object_as_chunk_names_or_corrupt_object(data):
-    for parse in (gcs._parse_manifest_chunks, gcs._parse_pending):
+    for parse in (parse_manifest_chunks, parse_pending):
         try:
             names = parse(data, "gs://b/x")
         except CorruptObject as e:

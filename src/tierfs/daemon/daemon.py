@@ -215,7 +215,7 @@ class Daemon:
     def _open_gcs(self) -> Tier:
         """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
         from tierfs.tiers.gcs import GcsTier  # slow import: only when used
-        from tierfs.tiers.gcs_store import GcsUnavailable
+        from tierfs.tiers.gcs_http import GcsUnavailable
 
         cfg = self.cfg
         sealing = cfg.manifest_keys

@@ -36,7 +36,8 @@ from tierfs.tiers.base import (
     check_chunk,
     check_manifest,
 )
-from tierfs.tiers.gcs_store import GcsError, GcsStore, GcsUnavailable, MissingObject
+from tierfs.tiers.gcs_http import GcsError, GcsUnavailable, MissingObject
+from tierfs.tiers.gcs_store import GcsStore
 
 log = logging.getLogger(__name__)
 

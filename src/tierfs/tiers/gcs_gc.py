@@ -1,0 +1,118 @@
+"""Retention and garbage collection of one job's objects in GCS: which manifests go, which chunks nothing needs.
+
+Apart from the store because it is the one part that deletes what others may be using,
+and its argument (why a concurrent upload never loses a chunk) reads best on its own.
+:class:`GarbageCollection` is a part of :class:`~tierfs.tiers.gcs_store.GcsStore` and runs
+on the store's own operations: its listings, reads and conditional deletes.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tierfs.core import manifest as manifest_format
+from tierfs.tiers.gcs_http import CorruptObject, MissingObject
+from tierfs.tiers.gcs_layout import ChunkInfo, last_used, parse_manifest_chunks
+
+GC_THREADS = 16
+PENDING_MAX_AGE = 24 * 3600.0  # an upload marker older than this belongs to a dead upload
+
+
+class GarbageCollection:
+    """The collector of :class:`~tierfs.tiers.gcs_store.GcsStore`, which it is a part of."""
+
+    def collect_garbage(
+        self, keep_newest: int, grace: float, nodes: int = 1, pending_max_age: float = PENDING_MAX_AGE
+    ) -> dict[str, int]:
+        """Apply retention to every rank of the job, then delete the chunks nothing needs.
+
+        Each rank keeps its newest ``keep_newest`` manifests, and every manifest at or after
+        the newest step that GCS holds for every one of the job's ``nodes`` ranks: retention
+        never removes the newest step the whole job can restore from GCS. A chunk is deleted only if
+        no remaining manifest and no live pending marker names it, and it has not been
+        written or touched since ``t0 - grace``, ``t0`` being taken before any listing.
+
+        Why a concurrent upload never loses a chunk. An upload (1) puts its pending
+        marker, (2) touches or puts every chunk, (3) puts its manifest, (4) deletes the
+        marker. Markers are listed before manifests, so for any upload either
+
+        - its marker was listed, and the marker names its chunks; or
+        - its marker was already gone, so its manifest was in place before manifests
+          were listed and names its chunks; or
+        - its marker was not listed because it came later, hence every touch and put
+          of (2) came after ``t0``. A touch before the chunk listing makes the chunk recent; a
+          touch after it bumps the metageneration, which the conditional delete requires
+          unchanged; a touch after the delete finds no chunk, and the upload puts it.
+
+        ``grace`` must exceed the clock skew between this host and GCS, since
+        ``updated`` is GCS's time and ``t0`` ours. An upload must finish, or put its
+        marker again, within ``pending_max_age``.
+
+        Each candidate is read again right before its conditional delete. On GCS the
+        precondition alone is enough; the read costs one request per deleted chunk and
+        keeps the guarantee on servers that ignore delete preconditions (fake-gcs-server).
+
+        Returns counts: manifests and chunks deleted, bytes freed, chunks kept, and
+        chunks named by a kept manifest that GCS does not have (which means damage).
+        """
+        if keep_newest < 1:
+            raise ValueError(f"keep_newest must be at least 1, not {keep_newest}")
+        t0 = time.time()
+        cutoff = t0 - grace
+        pending = self.list_pending(pending_max_age)
+        kept: list[tuple[int, int]] = []
+        dropped: list[tuple[int, int]] = []
+        listing = self.list_manifests()
+        complete = set.intersection(*(set(listing.get(r, ())) for r in range(nodes)))
+        protect = max(complete, default=None)
+        for rank, steps in listing.items():
+            for step in steps[:-keep_newest]:
+                (kept if protect is not None and step >= protect else dropped).append((rank, step))
+            kept += [(rank, step) for step in steps[-keep_newest:]]
+
+        with ThreadPoolExecutor(GC_THREADS, thread_name_prefix="tierfs-gc") as pool:
+            list(pool.map(lambda rs: self.delete_manifest(*rs), dropped))
+            needed: set[str] = set().union(*pool.map(self._manifest_chunks, kept))
+            referenced = needed.union(*pending.values())
+            present: set[str] = set()
+            candidates: list[ChunkInfo] = []
+            for info in self.list_chunks():
+                present.add(info.hash)
+                if info.hash not in referenced and info.updated < cutoff:
+                    candidates.append(info)
+            collected = pool.map(functools.partial(self._collect, cutoff=cutoff), candidates)
+            deleted = [info for info, gone in zip(candidates, collected) if gone]
+
+        return {
+            "manifests_deleted": len(dropped),
+            "chunks_deleted": len(deleted),
+            "bytes_deleted": sum(info.size for info in deleted),
+            "chunks_kept": len(present) - len(deleted),
+            "chunks_missing": len(needed - present),
+        }
+
+    def _manifest_chunks(self, rank_step: tuple[int, int]) -> set[str]:
+        rank, step = rank_step
+        url = self.manifest_url(rank, step)
+        try:
+            data = self.get_manifest(rank, step)
+        except MissingObject:
+            return set()  # deleted by another collector since it was listed: nothing to keep
+        try:
+            data = manifest_format.authenticate(data, self.keys, rank, step)
+        except manifest_format.Unauthenticated as e:
+            # Replaced since the listing verified it: which chunks the step needs is unknown.
+            raise CorruptObject(f"{url} was replaced by a manifest that is not this job's ({e})") from None
+        return parse_manifest_chunks(data, url)
+
+    def _collect(self, info: ChunkInfo, cutoff: float) -> bool:
+        """Delete one unreferenced chunk unless it has been used since it was listed."""
+        name = self._chunk_name(info.hash)
+        blob = self._call(
+            "read", name, lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout)
+        )
+        if blob is None or blob.metageneration != info.metageneration or last_used(blob) >= cutoff:
+            return False
+        return self.delete_chunk(info.hash, info.metageneration)

@@ -11,6 +11,7 @@ broadcast restores in which each chunk leaves GCS once.
 - :mod:`.broadcast`: the restore planner and the "wait for a peer to have it" fetch;
 - :mod:`.transport`: the one request/answer interface all of it uses;
 - :mod:`.fields`: every field of these messages and answers, checked where it arrives;
+- :mod:`.pairs`: the ``[rank, step]`` lists of reports and of peers' ``list`` answers;
 - :mod:`.sim` and :mod:`.scenarios`: a simulated network and GCS, and whole jobs on them
   (``scripts/bench_scale.py``, docs/benchmarks.md "Scale").
 

@@ -36,6 +36,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from tierfs.coordination.pairs import rank_step_pairs
 from tierfs.coordination.transport import BadMessage, int_field, int_list
 
 GCS = "gcs"  # the source name of what the GCS listing holds
@@ -81,17 +82,7 @@ class Holdings:
             raise BadMessage("a report must be a JSON object")
         rank = int_field(data, "rank", hi=MAX_RANK)
         steps = int_list(data.get("steps", []), "steps", MAX_STEPS)
-        replicas = data.get("replicas", [])
-        if not isinstance(replicas, list) or len(replicas) > MAX_REPLICAS:
-            raise BadMessage(f"replicas must be a list of at most {MAX_REPLICAS} [rank, step] pairs")
-        pairs = []
-        for p in replicas:
-            if not (isinstance(p, list) and len(p) == 2):
-                raise BadMessage("each replica must be a [rank, step] pair")
-            r, s = int_list(p, "a replica", 2)
-            if r > MAX_RANK or s > MAX_STEP:
-                raise BadMessage("a replica's rank or step is out of range")
-            pairs.append((r, s))
+        pairs = rank_step_pairs(data.get("replicas", []), "replica", MAX_REPLICAS, MAX_RANK, MAX_STEP)
         labels = topology_labels(data.get("topology", []))
         backed = int_list(data.get("backed", []), "backed", MAX_STEPS)
         if any(s > MAX_STEP for s in steps + backed):

@@ -16,7 +16,8 @@ from typing import Any
 
 from tierfs.coordination import fields
 from tierfs.coordination.transport import BadMessage
-from tierfs.coordination.view import MAX_RANK, MAX_REPLICAS, MAX_STEPS, topology_labels
+from tierfs.coordination.pairs import rank_step_pairs
+from tierfs.coordination.view import MAX_RANK, MAX_REPLICAS, MAX_STEP, MAX_STEPS, topology_labels
 from tierfs.peers.wire import PeerError
 
 MAX_NODE = 255 + 1 + 4096  # characters of a node's name: its host name, ":", its RAM tier's path
@@ -77,14 +78,5 @@ def listing(answer: dict[str, Any], nodes: int | None) -> list[tuple[int, int]]:
     (:func:`tierfs.coordination.fields.report`): a job that shrank leaves them in replica
     stores for a while, and one such rank would otherwise count as a writing rank.
     """
-    pairs = answer.get("manifests")
-    if not isinstance(pairs, list) or len(pairs) > MAX_REPLICAS:
-        raise BadMessage(f"manifests must be a list of at most {MAX_REPLICAS} [rank, step] pairs")
-    out = []
-    for p in pairs:
-        if not (isinstance(p, list) and len(p) == 2):
-            raise BadMessage("each manifest must be a [rank, step] pair")
-        r, s = fields.count(p[0], "a manifest's rank"), fields.step(p[1], "a manifest's step")
-        if nodes is None or r < nodes:
-            out.append((r, s))
-    return out
+    pairs = rank_step_pairs(answer.get("manifests"), "manifest", MAX_REPLICAS, MAX_RANK, MAX_STEP)
+    return [(r, s) for r, s in pairs if nodes is None or r < nodes]

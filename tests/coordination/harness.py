@@ -1,11 +1,17 @@
-"""A small job on the simulated network, for the coordination tests.
+"""A small job on the simulated network, for the coordination tests, and coordinators that answer as told.
 
-Every node runs the real :class:`~tierfs.coordination.node.Coordination` behind
-a :class:`~tierfs.testing.sim.SimNetwork`; what it holds is set by the test. Run it
+Every node of a :class:`Cluster` runs the real :class:`~tierfs.coordination.node.Coordination`
+behind a :class:`~tierfs.testing.sim.SimNetwork`; what it holds is set by the test. Run it
 on trio's MockClock (the ``autojump_clock`` fixture) so seconds of protocol pass at once.
+
+:class:`StandInCoordinators` answer a restarting node's questions with what the test
+says, for the checks a node makes of an answer (:class:`tierfs.pipeline.planning.RestorePlanner`):
+a stale or hostile answer is a fault the real coordinators do not produce.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import trio
 
@@ -13,6 +19,7 @@ from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
 from tierfs.coordination.node import Coordination
 from tierfs.coordination.protocol import candidates
 from tierfs.coordination.view import Holdings, HoldingsView
+from tierfs.pipeline.survey import Survey
 from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 JOB = "test"
@@ -77,3 +84,32 @@ class Cluster:
         if self.gcs_listing is not None:
             view.put_listing(self.gcs_listing)
         return view
+
+
+@dataclass
+class Answer:
+    coordinator: str
+    step: int | None
+    summary: dict = field(default_factory=dict)
+
+
+class StandInCoordinators:
+    """Answers in turn, and records which coordinators each question excluded.
+
+    ``given``: the first answer was already given (the one the check under test is
+    about), so questions get the answers after it; then None, as when no coordinator is left.
+    """
+
+    def __init__(self, *answers: Answer, given: bool = False):
+        self.answers, self.asked = list(answers), []
+        self._next = 0
+        if given:
+            self.decision, self._next = self.answers[0], 1
+
+    async def decide(self, exclude=()) -> tuple[Survey, int | None] | None:
+        self.asked.append(tuple(exclude))
+        if self._next >= len(self.answers):
+            return None
+        self.decision = self.answers[self._next]
+        self._next += 1
+        return Survey(), self.decision.step

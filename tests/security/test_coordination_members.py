@@ -18,13 +18,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import trio
 
+from tests.coordination.harness import Answer, StandInCoordinators
 from tests.helpers import free_port
 from tierfs.config import Config
 from tierfs.coordination.protocol import candidates
@@ -81,28 +81,7 @@ class RamTier:
         return sorted(name for d in (os.listdir(top) if top.exists() else ()) for name in os.listdir(top / d / "ckpt"))
 
 
-@dataclass
-class Answer:
-    coordinator: str
-    step: int | None
-    summary: dict = field(default_factory=dict)
-
-
-class Coordinators:
-    """The first answer is the hostile coordinator's; each later question gets the next answer, or None."""
-
-    def __init__(self, *answers: Answer):
-        self.answers, self.asked = list(answers), []
-
-    async def decide(self, exclude=()):
-        self.asked.append(tuple(exclude))
-        if len(self.asked) > len(self.answers):
-            return None
-        self.decision = self.answers[len(self.asked) - 1]
-        return Survey(), self.decision.step
-
-
-def planner(ram: RamTier, coordinators: Coordinators, seen: dict[tuple[int, int], str]) -> RestorePlanner:
+def planner(ram: RamTier, coordinators: StandInCoordinators, seen: dict[tuple[int, int], str]) -> RestorePlanner:
     """The restore planner of a node with ``ram``; its own survey of the tiers it reaches shows ``seen``."""
     async def survey(wait: float = 0.0) -> Survey:
         s = Survey()
@@ -125,7 +104,7 @@ async def test_one_coordinator_naming_an_older_step_does_not_move_the_newer_comp
     ram = RamTier(shm_dir("tierfs-coord"))
     ram.commit(1)
     ram.commit(2)
-    c = Coordinators(Answer("10.9.9.9:7070", 1, CLAIM))  # and no other coordinator answers
+    c = StandInCoordinators(Answer("10.9.9.9:7070", 1, CLAIM))  # and no other coordinator answers
     with pytest.raises(UserError) as e:
         await planner(ram, c, BOTH_COMPLETE).plan()
     line = str(e.value)
@@ -139,7 +118,7 @@ async def test_with_a_larger_job_the_second_coordinator_is_asked_and_the_newer_a
     ram = RamTier(shm_dir("tierfs-coord"), nodes=100)  # no survey of every peer: the coordinators alone
     ram.commit(1)
     ram.commit(2)
-    c = Coordinators(Answer("10.9.9.9:7070", 1, CLAIM), Answer("10.0.0.7:7070", 2))
+    c = StandInCoordinators(Answer("10.9.9.9:7070", 1, CLAIM), Answer("10.0.0.7:7070", 2))
     assert await planner(ram, c, {}).plan() is None  # step 2 is here
     assert c.asked == [(), ("10.9.9.9:7070",)]
     assert ram.in_volume() == ["1", "2"] and ram.aside() == []
@@ -150,7 +129,7 @@ async def test_a_second_coordinator_cannot_take_the_node_further_back_than_the_f
     ram.commit(1)
     ram.commit(2)
     ram.commit(3)
-    c = Coordinators(Answer("10.0.0.7:7070", 2), Answer("10.9.9.9:7070", 1, CLAIM))
+    c = StandInCoordinators(Answer("10.0.0.7:7070", 2), Answer("10.9.9.9:7070", 1, CLAIM))
     assert await planner(ram, c, {}).plan() is None
     assert ram.in_volume() == ["1", "2"] and ram.aside() == ["3"]  # the newer of the two answers
 
@@ -160,7 +139,7 @@ async def test_an_older_answer_the_nodes_own_survey_confirms_is_followed_and_the
     ram = RamTier(shm_dir("tierfs-coord"))
     ram.commit(1)
     ram.commit(2)
-    c = Coordinators(Answer("10.0.0.7:7070", 1))
+    c = StandInCoordinators(Answer("10.0.0.7:7070", 1))
     assert await planner(ram, c, {(0, 1): "local", (0, 2): "local", (1, 1): "peer 127.0.0.3:7070"}).plan() is None
     assert c.asked == [()]
     assert ram.in_volume() == ["1"] and ram.aside() == ["2"]

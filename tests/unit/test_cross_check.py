@@ -7,37 +7,14 @@ checking it at the node as well.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
 
+from tests.coordination.harness import Answer, StandInCoordinators
 from tierfs.core.errors import UserError
 from tierfs.pipeline.planning import RestorePlanner
 from tierfs.pipeline.survey import Survey
-
-
-@dataclass
-class Answer:
-    coordinator: str
-    step: int | None
-    summary: dict = field(default_factory=dict)
-
-
-class Coordinators:
-    """Answers in turn; records which coordinators each question excluded."""
-
-    def __init__(self, *answers: Answer):
-        self.answers, self.asked = list(answers), []
-        self.decision = self.answers[0]
-
-    async def decide(self, exclude=()):
-        """The next answer (the first was the question the check is about); None when none is left."""
-        self.asked.append(tuple(exclude))
-        if len(self.asked) >= len(self.answers):
-            return None
-        self.decision = self.answers[len(self.asked)]
-        return Survey(), self.decision.step
 
 
 def survey_of(holdings: dict[tuple[int, int], str], decisions: dict[str, int] | None = None) -> Survey:
@@ -48,7 +25,7 @@ def survey_of(holdings: dict[tuple[int, int], str], decisions: dict[str, int] | 
     return s
 
 
-def planner(coordinators: Coordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2,
+def planner(coordinators: StandInCoordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2,
             steps=None) -> RestorePlanner:
     """``steps``: this node's own committed steps (:class:`tierfs.ramtier.steps.Steps`), none by default."""
     async def survey(wait: float = 0.0) -> Survey:
@@ -65,20 +42,20 @@ ON_PEER = {(0, 3): "peer 127.0.0.3:7070", (1, 3): "peer 127.0.0.3:7070", (0, 2):
 
 
 async def test_an_answer_that_agrees_is_followed_without_a_second_question():
-    c = Coordinators(Answer("a", 3))
+    c = StandInCoordinators(Answer("a", 3), given=True)
     assert (await planner(c, survey_of(ON_PEER)).cross_check(Survey(), 3))[1] == 3
     assert c.asked == []
 
 
 async def test_a_stale_answer_is_checked_with_a_second_coordinator_and_its_newer_answer_followed(caplog):
-    c = Coordinators(Answer("a", None), Answer("b", 3))
+    c = StandInCoordinators(Answer("a", None), Answer("b", 3), given=True)
     _, step = await planner(c, survey_of(ON_PEER)).cross_check(Survey(), None)
     assert step == 3 and c.asked == [("a",)]
     assert "coordinators disagree: a chose step None, b chose step 3" in caplog.text
 
 
 async def test_a_start_behind_a_complete_step_is_refused_with_one_line_naming_step_and_tier():
-    c = Coordinators(Answer("a", None), Answer("b", 2))
+    c = StandInCoordinators(Answer("a", None), Answer("b", 2), given=True)
     with pytest.raises(UserError) as e:
         await planner(c, survey_of(ON_PEER)).cross_check(Survey(), None)
     message = str(e.value)
@@ -88,20 +65,20 @@ async def test_a_start_behind_a_complete_step_is_refused_with_one_line_naming_st
 
 
 async def test_start_fresh_follows_the_answer_anyway(caplog):
-    c = Coordinators(Answer("a", 2), Answer("b", 2))
+    c = StandInCoordinators(Answer("a", 2), Answer("b", 2), given=True)
     assert (await planner(c, survey_of(ON_PEER), start_fresh=True).cross_check(Survey(), 2))[1] == 2
     assert "as --start-fresh asks" in caplog.text
 
 
 async def test_a_step_nodes_already_run_from_explains_an_older_answer():
     # The coordinator knows nodes that restored step 2 and run from it: rank 0 adopts it.
-    c = Coordinators(Answer("a", 2, {"decisions": [2]}))
+    c = StandInCoordinators(Answer("a", 2, {"decisions": [2]}), given=True)
     assert (await planner(c, survey_of(ON_PEER)).cross_check(Survey(), 2))[1] == 2
     assert c.asked == []
 
 
 async def test_a_step_only_some_ranks_hold_is_no_contradiction():
-    c = Coordinators(Answer("a", 2))
+    c = StandInCoordinators(Answer("a", 2), given=True)
     seen = survey_of({(0, 3): "peer 127.0.0.3:7070", (0, 2): "gcs", (1, 2): "gcs"})
     assert (await planner(c, seen).cross_check(Survey(), 2))[1] == 2
     assert c.asked == []

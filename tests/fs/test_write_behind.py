@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import wait_for
 from tierfs.fs import abi
 from tierfs.fs.operations import Operations
-from tierfs.fs.session import SetattrFields
+from tierfs.fs.messages import SetattrFields
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier import SpaceAccount
 

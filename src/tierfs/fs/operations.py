@@ -48,7 +48,8 @@ import pyfuse3
 from tierfs.core import linux
 from tierfs.fs.caller import Caller, acting_as
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
-from tierfs.fs.session import BackingFiles, DirBuffer
+from tierfs.fs.messages import DirBuffer
+from tierfs.fs.backing import BackingFiles
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import PAGE, SpaceAccount

@@ -136,8 +136,7 @@ class Requests:
         self.ops.forget_sync(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
 
     def _getattr(self, nodeid, body, ctx):
-        st = self.ops.getattr_sync(nodeid)
-        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(nodeid, st))]
+        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr_sync(nodeid)))]
 
     async def _setattr(self, nodeid, body, ctx):
         (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _

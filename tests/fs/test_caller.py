@@ -22,7 +22,7 @@ import pytest
 
 from tierfs.fs import Operations
 from tierfs.fs.caller import acting_as, supplementary_groups
-from tierfs.fs.session import Context
+from tierfs.fs.messages import Context
 from tierfs.ramtier import SpaceAccount
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acting as other users needs root")

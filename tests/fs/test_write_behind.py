@@ -14,7 +14,7 @@ import pytest
 from tests.helpers import wait_for
 from tierfs.fs import abi
 from tierfs.fs.operations import Operations
-from tierfs.fs.session import SetattrFields
+from tierfs.fs.messages import SetattrFields
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier import SpaceAccount
 
@@ -221,7 +221,7 @@ async def test_attributes_taken_before_the_last_write_was_applied_are_taken_agai
     await ops.write(fh, 0, b"a" * 70_000)
     await ops.setattr(ino, attrs_of_size(30_000), size_only(), fh, pyfuse3.RequestContext())
     await ops.write(fh, 250_000, b"b" * 3_000)  # past the end: the size is this write's
-    st = ops.getattr_sync(ino)  # GETATTR's fstat, taken while the write is queued
+    _, st = ops.getattr_sync(ino)  # GETATTR's fstat, taken while the write is queued
     wait_for(lambda: not ops.writes.pending(ino), 10, "the worker to apply the write", interval=0.001)
     assert ops.fuse_attr(ino, st)[1] == 253_000  # what the kernel session replies
     await ops.write(fh, 260_000, b"c")

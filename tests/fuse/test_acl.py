@@ -14,7 +14,6 @@ without ACL support, never stored and ignored.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -22,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.fuse.users import PYTHON, differences, run_script
+
 ALICE, BOB, SUPP = 1000, 1001, 2000
-PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 SETFACL, GETFACL = shutil.which("setfacl"), shutil.which("getfacl")
 
 pytestmark = [
@@ -31,38 +31,15 @@ pytestmark = [
     pytest.mark.skipif(None in (PYTHON, SETFACL, GETFACL), reason="needs python3 and the acl tools"),
 ]
 
+# Run after tests.fuse.users.PRELUDE, as each user, on tmpfs and on the mount.
 SCRIPT = r'''
-import errno, json, os, stat, subprocess, sys
-root, who = sys.argv[1], sys.argv[2]
-out = {}
-def P(*a): return os.path.join(root, *a)
-def t(key, fn, *a, **k):
-    try:
-        r = fn(*a, **k)
-        out[key] = "ok" if r is None or isinstance(r, int) else r
-    except OSError as e:
-        out[key] = errno.errorcode[e.errno]
-def s(key, path):
-    try:
-        st = os.lstat(path)
-        out[key] = [stat.filemode(st.st_mode), st.st_uid, st.st_gid]
-    except OSError as e:
-        out[key] = errno.errorcode[e.errno]
+who = sys.argv[2]
 def acl(key, path):
     p = subprocess.run(["getfacl", "-n", "-p", "--omit-header", path], capture_output=True, text=True)
     out[key] = [p.returncode, p.stdout.strip()]
 def setfacl(key, *args):
     p = subprocess.run(["setfacl", *args], capture_output=True, text=True)
     out[key] = [p.returncode, "Operation not permitted" in p.stderr]
-def write(path, data=b"x", flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=0o666):
-    fd = os.open(path, flags, mode)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-def read(path):
-    with open(path, "rb") as f:
-        return f.read().decode()
 
 t("read_named", read, P("named"))
 t("write_named", write, P("named"), b"w", os.O_WRONLY)
@@ -99,7 +76,6 @@ acl("named_acl", P("named"))
 acl("masked_acl", P("masked"))
 acl("chmodded_acl", P("chmodded"))
 acl("inherit_acl", P("inherit"))
-print(json.dumps(out, sort_keys=True))
 '''
 
 
@@ -130,10 +106,7 @@ def prepare(root: Path) -> None:
 def run_as(root: Path, who: str) -> dict:
     users = {"root": {}, "alice": dict(user=ALICE, group=ALICE, extra_groups=[SUPP]),
              "bob": dict(user=BOB, group=BOB, extra_groups=[])}
-    proc = subprocess.run([PYTHON, "-c", SCRIPT, str(root), who], capture_output=True, text=True,
-                          timeout=60, umask=0o022, **users[who])
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return run_script(SCRIPT, root, who, **users[who])
 
 
 def test_acls_are_enforced_and_inherited_as_on_tmpfs(volume, ref_dir, engine):
@@ -152,7 +125,7 @@ def test_acls_are_enforced_and_inherited_as_on_tmpfs(volume, ref_dir, engine):
             assert expected["create_inherit_st"][0] == "-rw-rw-r--"  # umask 077 ignored
         if who == "bob":
             assert expected["read_named"] == "data" and expected["write_masked"] == "EACCES"
-        diff = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}
+        diff = differences(got, expected)
         assert not diff, f"{who}: differs from tmpfs (tierfs, tmpfs): {diff}"
 
 

@@ -7,44 +7,18 @@ files, umask, sticky directories, group access, setgid inheritance, chmod/chown/
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.fuse.users import PYTHON, differences, run_script
+
 USER, GROUP, SUPP = 1000, 1000, 2000
-PYTHON = shutil.which("python3", path="/usr/bin:/bin")  # readable by every user, unlike a venv under /root
 
+# Run after tests.fuse.users.PRELUDE, as each user, on tmpfs and on the mount.
 SCRIPT = r'''
-import errno, json, os, stat, sys
-root = sys.argv[1]
-out = {}
-def P(*a): return os.path.join(root, *a)
-def t(key, fn, *a, **k):
-    try:
-        r = fn(*a, **k)
-        out[key] = "ok" if r is None or isinstance(r, int) else r
-    except OSError as e:
-        out[key] = errno.errorcode[e.errno]
-def s(key, path):
-    try:
-        st = os.lstat(path)
-        out[key] = [stat.filemode(st.st_mode), st.st_uid, st.st_gid]
-    except OSError as e:
-        out[key] = errno.errorcode[e.errno]
-def write(path, data=b"x", flags=os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode=0o666):
-    fd = os.open(path, flags, mode)
-    try:
-        os.write(fd, data)
-    finally:
-        os.close(fd)
-def read(path):
-    with open(path, "rb") as f:
-        return f.read().decode()
-
 t("create_root", write, P("mine"))
 s("create_root_st", P("mine"))
 os.umask(0o027)
@@ -98,7 +72,6 @@ t("setxattr_own", os.setxattr, P("mydir"), "user.x", b"1")
 t("link_other", os.link, P("readonly", "pub"), P("linked"))
 t("rmdir_private", os.rmdir, P("private"))
 t("exec_noexec", os.access, P("mine"), os.X_OK)
-print(json.dumps(out, sort_keys=True))
 '''
 
 
@@ -125,12 +98,7 @@ def prepare(root: Path) -> None:
 
 
 def run_as_user(root: Path) -> dict:
-    proc = subprocess.run(
-        [PYTHON, "-c", SCRIPT, str(root)], capture_output=True, text=True, timeout=60,
-        user=USER, group=GROUP, extra_groups=[SUPP], umask=0o022,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return json.loads(proc.stdout)
+    return run_script(SCRIPT, root, user=USER, group=GROUP, extra_groups=[SUPP])
 
 
 @pytest.mark.skipif(PYTHON is None, reason="needs a system python3 that any user can run")
@@ -142,7 +110,7 @@ def test_non_root_user_sees_tmpfs_permissions(volume, ref_dir):
     # The scenario really exercises refusals and ownership (guards against a vacuous run).
     assert expected["open_private"] == "EACCES" and expected["unlink_sticky_other"] == "EPERM"
     assert expected["create_setgid_st"][2] == 3000
-    diff = {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v}
+    diff = differences(got, expected)
     assert not diff, f"differs from tmpfs (tierfs, tmpfs): {diff}"
 
 

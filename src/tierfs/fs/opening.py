@@ -1,0 +1,181 @@
+"""Opening files: the create that gives a new file to its caller, and the choice, at every
+open, of how the kernel will read and write it.
+
+Apart from the data path because an open decides what the data path is: kernel passthrough
+for a whole file when the engine has it and nothing forbids it, else the daemon, with
+direct I/O or the page cache according to the kind of open. A create is also the one place
+a file is made as root and handed to its caller after, the hot path of every checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+
+import pyfuse3
+
+from tierfs.core import linux
+from tierfs.fs.caller import Caller, acting_as
+from tierfs.fs.inodes import O_PATH_FLAGS, Inode
+from tierfs.fs.volume import Volume, errors_to_fuse, has_privs
+
+# Flags that the kernel has already acted on, or that the backing open must not see.
+# O_APPEND among them: the kernel gives every write its offset (for an O_APPEND open, the
+# end of the file as it knows it), and writes mapped pages back through any handle open
+# for writing; a backing descriptor opened O_APPEND would move all of those to its end.
+_STRIP_OPEN_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW | os.O_DIRECT | os.O_APPEND
+
+
+class Opening(Volume):
+    """Handlers that open files."""
+
+    @errors_to_fuse
+    async def open(self, inode, flags, ctx):
+        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
+            await self._settle(inode)
+            self.writes_done(inode)
+            self._detach(self.inodes[inode])
+        node = self.inodes[inode]
+        fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
+        return self._open_backing(inode, node, fd, flags, ctx)
+
+    def create_sync(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                    ctx) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
+        """Create ``name``, or open it if another creator made it after the kernel's lookup.
+
+        The common case, a name still free, is an exclusive create as root and a chown of
+        the new descriptor (no name is looked at twice). A name that turned out to be taken
+        is opened with the caller's credentials (:func:`~tierfs.fs.caller.acting_as`), so
+        tmpfs makes the checks the kernel would have made on it."""
+        parent = self.inodes[parent_inode]
+        bflags = (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC
+        mode = stat.S_IMODE(self._creation_mode(parent, mode, ctx))
+        try:
+            fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, mode, dir_fd=parent.fd)
+            created = True
+        except FileExistsError:
+            if flags & os.O_EXCL:
+                raise
+            self.writes_done()  # O_TRUNC must come after writes still queued for it
+            fd = self._open_raced(parent, name, bflags, mode, ctx)
+            created = False
+        try:
+            if created:
+                self._give_to_caller(fd, parent, ctx)
+            ino, st = self.inodes.adopt(*self._path_fd(fd, parent, name))
+        except OSError:
+            os.close(fd)
+            raise
+        fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx, st)
+        return fi, ino, st
+
+    @staticmethod
+    def _path_fd(fd: int, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
+        """An O_PATH descriptor of the file open as ``fd`` (just opened as ``name`` in
+        ``parent``), and the file's status.
+
+        The name is opened again, which is cheaper than reopening ``fd`` through /proc,
+        but only kept if it still is that file.
+        """
+        st = os.fstat(fd)
+        path_fd = os.open(name, O_PATH_FLAGS, dir_fd=parent.fd)
+        try:
+            again = os.fstat(path_fd)
+        except OSError:
+            os.close(path_fd)
+            raise
+        if (again.st_ino, again.st_dev) != (st.st_ino, st.st_dev):
+            os.close(path_fd)
+            path_fd = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
+        return path_fd, st
+
+
+    def _open_raced(self, parent: Inode, name: bytes, bflags: int, mode: int, ctx) -> int:
+        """Open a name another creator made between the kernel's lookup and our create.
+
+        As the caller, with ``O_CREAT``: tmpfs checks its permissions (``protected_regular``
+        included) and, if the name is gone again, creates it for the caller. Only a regular
+        file is opened, never through a symlink: anything else makes the kernel look the
+        name up again (ESTALE) and resolve it as the caller would.
+        """
+        try:
+            with acting_as(ctx):
+                fd = os.open(name, bflags | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, mode, dir_fd=parent.fd)
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise pyfuse3.FUSEError(errno.ESTALE) from None
+            st = None if isinstance(e, Caller) else self._lstat_at(parent.fd, name)
+            if st is not None and not stat.S_ISREG(st.st_mode):
+                raise pyfuse3.FUSEError(errno.ESTALE) from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise pyfuse3.FUSEError(errno.ESTALE)
+        return fd
+
+    def _give_to_caller(self, fd: int, parent: Inode, ctx: pyfuse3.RequestContext) -> None:
+        """Make the file just created as root, open as ``fd``, the caller's, as tmpfs would
+        have: the descriptor itself is changed, never a name someone could swap meanwhile."""
+        setgid_parent = os.fstat(parent.fd).st_mode & stat.S_ISGID
+        gid = -1 if setgid_parent else ctx.gid  # setgid dirs impose their group
+        if ctx.uid != 0 or gid not in (-1, 0):
+            mode = os.fstat(fd).st_mode  # as created: a default ACL of the parent may have shaped it
+            linux.chown_fd(fd, ctx.uid, gid)
+            # chown() clears set-id bits; the kernel already decided the caller may keep them.
+            if mode & (stat.S_ISUID | stat.S_ISGID):
+                os.fchmod(fd, stat.S_IMODE(mode))
+
+    def _passes_through(self, ino: int, node: Inode, fd: int, writer_drops_privs: bool) -> bool:
+        """Whether the kernel may serve this open from the backing file itself."""
+        backing = self.backing
+        if backing is None or backing.failed is not None or node.kind != stat.S_IFREG:
+            return False
+        if self.restoring is not None and self.restoring.pending(ino):
+            return False  # its reads must wait for chunks
+        if writer_drops_privs:
+            return False  # its first write must drop set-id bits, which only the daemon sees
+        if node.opens - 1 > backing.opens(ino):
+            return False  # an earlier open is served by the daemon: the kernel allows no mix
+        return backing.attach(ino, fd)
+
+    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx,
+                      st: os.stat_result | None = None) -> pyfuse3.FileInfo:
+        """Register an open backing descriptor and choose how the kernel reads and writes it.
+
+        Passthrough when the engine and the file allow it. Otherwise, through the daemon:
+        write-only opens use direct I/O (no copy into the page cache, 1 MiB requests);
+        read-only opens keep the page cache between opens unless the file changed since;
+        read-write opens use the page cache (so shared mmap works), dropping stale pages.
+        Under a passthrough engine every daemon open is direct I/O, since the kernel refuses
+        passthrough for an inode it caches. ``st``: the file's status, if taken since the open.
+        """
+        node.opens += 1
+        node.open_fd = fd
+        self._files[fd] = ino
+        self.counters["opens"] += 1
+        fi = pyfuse3.FileInfo(fh=fd)
+        accmode = flags & os.O_ACCMODE
+        if accmode != os.O_RDONLY:
+            self._writable.add(fd)
+        if flags & os.O_TRUNC:
+            node.cache_valid = False
+            st = st or os.fstat(fd)
+            self.space.update(st)
+        drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and has_privs((st or os.fstat(fd)).st_mode)
+        if self._passes_through(ino, node, fd, drops_privs):
+            self.counters["passthrough_opens"] += 1
+            if accmode != os.O_RDONLY:
+                self._passthrough_writers.add(fd)
+            return fi
+        if drops_privs:
+            # A write by anyone but root drops set-id bits; the kernel does it only for
+            # page-cache writes, so direct writes do it here, as tmpfs would.
+            self._kill_privs.add(fd)
+        if accmode == os.O_WRONLY or flags & os.O_DIRECT or self.backing is not None:
+            fi.direct_io = True
+            self._direct.add(fd)
+        else:
+            fi.keep_cache = node.cache_valid
+            node.cache_valid = True
+        return fi

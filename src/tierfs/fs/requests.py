@@ -1,0 +1,301 @@
+"""Each FUSE request decoded into the :class:`~tierfs.fs.operations.Operations` call it asks
+for, and that call's answer packed as the kernel's reply.
+
+Apart from the serving loop (:mod:`tierfs.fs.session`), which needs to know of a request
+only whether it can be served where it was read (a handler of ``_now``) or must be awaited
+(one of ``_later``); what each request means is written here, one handler per opcode, and
+so is the handshake that decides which of the kernel's features the session uses.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import pyfuse3
+
+from tierfs.fs import abi
+from tierfs.fs.backing import BackingFiles
+from tierfs.fs.messages import DirBuffer, SetattrFields, attr_out, entry_out, split_names, timeout
+
+if TYPE_CHECKING:
+    from tierfs.fs.operations import Operations
+
+log = logging.getLogger(__name__)
+
+MAX_BACKGROUND = 64
+_WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES
+         | abi.DO_READDIRPLUS | abi.ASYNC_DIO | abi.PARALLEL_DIROPS | abi.MAX_PAGES
+         | abi.INIT_EXT | abi.DIRECT_IO_ALLOW_MMAP | abi.HANDLE_KILLPRIV_V2)
+# HANDLE_KILLPRIV_V2 lets the kernel mark inodes without set-id bits or capabilities as
+# such (SB_NOSEC); without it every passthrough write first asks the daemon for the
+# file's security.capability. In exchange the daemon drops set-id bits itself: files
+# that have them stay on the daemon path for their non-root writers (Operations).
+_ACL = abi.POSIX_ACL | abi.DONT_MASK
+# POSIX_ACL makes the kernel enforce the ACLs it reads as system.posix_acl_* xattrs, as
+# tmpfs does; a new object's mode then comes from the parent's default ACL if it has one,
+# else from the umask, which only the daemon can tell apart: DONT_MASK leaves the umask to
+# it (Operations). One without the other is not tmpfs' behaviour: both or neither.
+
+LATER = object()  # a handler of ``_now`` that must wait after all: serve it as a coroutine
+
+
+class Requests:
+    """The kernel session's handlers, by opcode: ``(nodeid, body, ctx)`` to the parts of the
+    reply (None: no reply). A release is the serving loop's to schedule (its ``_release``)."""
+
+    # Kept by the kernel session.
+    fd: int | None
+    want_passthrough: bool
+    max_write: int
+    backing: BackingFiles | None
+    refused: str | None
+
+    def __init__(self, ops: Operations):
+        self.ops = ops
+        valid = timeout(ops.attr_timeout)
+        self._entry_valid = (0, valid[0], valid[0], valid[1], valid[1])  # generation, entry and attr timeouts
+        self._attr_valid = (valid[0], valid[1], 0)
+        # Handlers that never wait, served where the request was read: no coroutine, no
+        # pyfuse3 objects. These are the requests of creating and writing a file, where
+        # the daemon's Python is most of each request's cost.
+        self._now = {
+            abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
+            abi.GETATTR: self._getattr, abi.CREATE: self._create, abi.RELEASE: self._release,
+            abi.GETXATTR: self._getxattr, abi.READ: self._read_now,
+        }
+        self._later = {
+            abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
+            abi.SYMLINK: self._symlink, abi.MKNOD: self._mknod, abi.MKDIR: self._mkdir,
+            abi.UNLINK: self._unlink, abi.RMDIR: self._rmdir, abi.RENAME: self._rename,
+            abi.RENAME2: self._rename2, abi.LINK: self._link, abi.OPEN: self._open,
+            abi.READ: self._read, abi.WRITE: self._write,
+            abi.FLUSH: self._flush, abi.FSYNC: self._fsync,
+            abi.FALLOCATE: self._fallocate, abi.LSEEK: self._lseek,
+            abi.OPENDIR: self._opendir, abi.READDIRPLUS: self._readdirplus,
+            abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
+            abi.SETXATTR: self._setxattr,
+            abi.LISTXATTR: self._listxattr, abi.REMOVEXATTR: self._removexattr,
+            abi.INIT: self._init, abi.INTERRUPT: self._interrupt, abi.DESTROY: self._destroy,
+        }
+
+    # -- the handshake -----------------------------------------------------------------------
+
+    async def _init(self, nodeid, body, ctx):
+        major, minor, max_readahead, flags, flags2 = abi.INIT_IN.unpack_from(body)
+        if major != abi.KERNEL_MAJOR or minor < 31:
+            log.error("kernel FUSE protocol %d.%d is too old for this engine", major, minor)
+            raise pyfuse3.FUSEError(errno.EPROTO)
+        offered = flags | (flags2 << 32 if flags & abi.INIT_EXT else 0)
+        want = _WANT | (abi.PASSTHROUGH if self.want_passthrough else 0)
+        if self.want_passthrough or not offered & abi.DIRECT_IO_ALLOW_MMAP:
+            # Drop cached pages whenever a file's mtime changed. Every change goes through
+            # the kernel, and since Linux 6.6 (DIRECT_IO_ALLOW_MMAP) it drops what a direct
+            # write makes stale itself; before, only this catches it in the other opens. On
+            # the daemon path it would also drop what a write just put in the page cache.
+            want |= abi.AUTO_INVAL_DATA
+        if offered & _ACL == _ACL:
+            want |= _ACL
+        granted = offered & want
+        self.ops.acl = bool(granted & abi.POSIX_ACL)
+        if granted & abi.PASSTHROUGH:
+            self.backing = BackingFiles(self.fd)
+        elif self.want_passthrough:
+            self.refused = f"the kernel does not offer FUSE passthrough (protocol {major}.{minor})"
+            log.warning("%s: files are served by the daemon", self.refused)
+        self.ops.backing = self.backing
+        reply = abi.INIT_OUT.pack(
+            abi.KERNEL_MAJOR, min(minor, abi.KERNEL_MINOR), max_readahead,
+            granted & 0xFFFFFFFF, MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, self.max_write, 1,
+            self.max_write // 4096, 0, granted >> 32, 1 if self.backing is not None else 0,
+        )
+        return [reply]
+
+    async def _interrupt(self, nodeid, body, ctx):
+        return None  # handlers run to completion; the kernel retries nothing
+
+    async def _destroy(self, nodeid, body, ctx):
+        return []
+
+    # -- names ---------------------------------------------------------------------------
+
+    def _entry_now(self, ino: int, st: os.stat_result) -> bytes:
+        return abi.ENTRY_OUT.pack(ino, *self._entry_valid, *self.ops.fuse_attr(ino, st))
+
+    def _lookup(self, nodeid, body, ctx):
+        return [self._entry_now(*self.ops.lookup_sync(nodeid, bytes(body[:-1])))]
+
+    def _forget(self, nodeid, body, ctx):
+        self.ops.forget_sync([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
+
+    def _batch_forget(self, nodeid, body, ctx):
+        count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
+        self.ops.forget_sync(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
+
+    def _getattr(self, nodeid, body, ctx):
+        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr_sync(nodeid)))]
+
+    async def _setattr(self, nodeid, body, ctx):
+        (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _
+         ) = abi.SETATTR_IN.unpack_from(body)
+        attr = pyfuse3.EntryAttributes()
+        now = time.time_ns()
+        attr.st_mode, attr.st_uid, attr.st_gid, attr.st_size = mode, uid, gid, size
+        attr.st_atime_ns = now if valid & abi.FATTR_ATIME_NOW else atime * 1_000_000_000 + atimensec
+        attr.st_mtime_ns = now if valid & abi.FATTR_MTIME_NOW else mtime * 1_000_000_000 + mtimensec
+        handle = fh if valid & abi.FATTR_FH else None
+        return [attr_out(await self.ops.setattr(nodeid, attr, SetattrFields(valid), handle, ctx))]
+
+    async def _readlink(self, nodeid, body, ctx):
+        return [await self.ops.readlink(nodeid, ctx)]
+
+    async def _symlink(self, nodeid, body, ctx):
+        name, target = split_names(body, 2)
+        return [entry_out(await self.ops.symlink(nodeid, name, target, ctx))]
+
+    async def _mknod(self, nodeid, body, ctx):
+        mode, rdev, ctx.umask, _ = abi.MKNOD_IN.unpack_from(body)
+        name = bytes(body[abi.MKNOD_IN.size:-1])
+        return [entry_out(await self.ops.mknod(nodeid, name, mode, rdev, ctx))]
+
+    async def _mkdir(self, nodeid, body, ctx):
+        mode, ctx.umask = abi.MKDIR_IN.unpack_from(body)
+        name = bytes(body[abi.MKDIR_IN.size:-1])
+        return [entry_out(await self.ops.mkdir(nodeid, name, mode, ctx))]
+
+    async def _unlink(self, nodeid, body, ctx):
+        await self.ops.unlink(nodeid, bytes(body[:-1]), ctx)
+        return []
+
+    async def _rmdir(self, nodeid, body, ctx):
+        await self.ops.rmdir(nodeid, bytes(body[:-1]), ctx)
+        return []
+
+    async def _rename(self, nodeid, body, ctx):
+        (newdir,) = abi.RENAME_IN.unpack_from(body)
+        old, new = split_names(body[abi.RENAME_IN.size:], 2)
+        await self.ops.rename(nodeid, old, newdir, new, 0, ctx)
+        return []
+
+    async def _rename2(self, nodeid, body, ctx):
+        newdir, flags, _ = abi.RENAME2_IN.unpack_from(body)
+        old, new = split_names(body[abi.RENAME2_IN.size:], 2)
+        await self.ops.rename(nodeid, old, newdir, new, flags, ctx)
+        return []
+
+    async def _link(self, nodeid, body, ctx):
+        (old,) = abi.LINK_IN.unpack_from(body)
+        name = bytes(body[abi.LINK_IN.size:-1])
+        return [entry_out(await self.ops.link(old, nodeid, name, ctx))]
+
+    # -- files -----------------------------------------------------------------------------
+
+    def _open_out(self, fi: pyfuse3.FileInfo) -> bytes:
+        backing_id = self.backing.backing_id(fi.fh) if self.backing is not None else None
+        if backing_id is not None:  # no FLUSH at close: the kernel wrote the bytes itself
+            return abi.OPEN_OUT.pack(fi.fh, abi.FOPEN_PASSTHROUGH | abi.FOPEN_NOFLUSH, backing_id)
+        flags = (abi.FOPEN_DIRECT_IO if fi.direct_io else 0) | (abi.FOPEN_KEEP_CACHE if fi.keep_cache else 0)
+        return abi.OPEN_OUT.pack(fi.fh, flags, 0)
+
+    async def _open(self, nodeid, body, ctx):
+        flags, _ = abi.OPEN_IN.unpack_from(body)
+        return [self._open_out(await self.ops.open(nodeid, flags, ctx))]
+
+    def _create(self, nodeid, body, ctx):
+        flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
+        name = bytes(body[abi.CREATE_IN.size:-1])
+        fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx)
+        return [self._entry_now(ino, st), self._open_out(fi)]
+
+    def _read_now(self, nodeid, body, ctx):
+        fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
+        if not self.ops.read_ready(fh):
+            return LATER  # waits for chunks of a file being restored
+        return [self.ops.read_sync(fh, offset, size)]
+
+    async def _read(self, nodeid, body, ctx):
+        fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
+        return [await self.ops.read(fh, offset, size)]
+
+    async def _write(self, nodeid, body, ctx):
+        fh, offset, size, *_ = abi.WRITE_IN.unpack_from(body)
+        # A copy: the write may be applied after this worker reads its next request.
+        data = bytes(body[abi.WRITE_IN.size:abi.WRITE_IN.size + size])
+        return [abi.WRITE_OUT.pack(await self.ops.write(fh, offset, data), 0)]
+
+    async def _flush(self, nodeid, body, ctx):
+        await self.ops.flush(abi.FLUSH_IN.unpack_from(body)[0])
+        return []
+
+    async def _fsync(self, nodeid, body, ctx):
+        fh, flags, _ = abi.FSYNC_IN.unpack_from(body)
+        await self.ops.fsync(fh, bool(flags & abi.FSYNC_FDATASYNC))
+        return []
+
+    async def _fallocate(self, nodeid, body, ctx):
+        fh, offset, length, mode, _ = abi.FALLOCATE_IN.unpack_from(body)
+        await self.ops.fallocate(fh, mode, offset, length, ctx)
+        return []
+
+    async def _lseek(self, nodeid, body, ctx):
+        fh, offset, whence, _ = abi.LSEEK_IN.unpack_from(body)
+        return [abi.LSEEK_OUT.pack(await self.ops.lseek(fh, offset, whence))]
+
+    # -- directories -----------------------------------------------------------------------
+
+    async def _opendir(self, nodeid, body, ctx):
+        fh = await self.ops.opendir(nodeid, ctx)
+        return [abi.OPEN_OUT.pack(fh, 0, 0)]
+
+    async def _readdirplus(self, nodeid, body, ctx):
+        fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
+        token = DirBuffer(size)
+        await self.ops.readdir(fh, offset, token)
+        return token.parts
+
+    async def _releasedir(self, nodeid, body, ctx):
+        await self.ops.releasedir(abi.RELEASE_IN.unpack_from(body)[0])
+        return []
+
+    async def _fsyncdir(self, nodeid, body, ctx):
+        fh, flags, _ = abi.FSYNC_IN.unpack_from(body)
+        await self.ops.fsyncdir(fh, bool(flags & abi.FSYNC_FDATASYNC))
+        return []
+
+    async def _statfs(self, nodeid, body, ctx):
+        s = await self.ops.statfs(ctx)
+        return [abi.STATFS_OUT.pack(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree,
+                                    s.f_bsize, s.f_namemax, s.f_frsize)]
+
+    # -- extended attributes ---------------------------------------------------------------
+
+    async def _setxattr(self, nodeid, body, ctx):
+        size, _ = abi.SETXATTR_IN.unpack_from(body)
+        rest = body[abi.SETXATTR_IN.size:]
+        end = bytes(rest).index(b"\0")
+        await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1:end + 1 + size]), ctx)
+        return []
+
+    def _getxattr(self, nodeid, body, ctx):
+        size, _ = abi.GETXATTR_IN.unpack_from(body)
+        return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size:-1])), size)
+
+    async def _listxattr(self, nodeid, body, ctx):
+        size, _ = abi.GETXATTR_IN.unpack_from(body)
+        names = await self.ops.listxattr(nodeid, ctx)
+        return self._sized(b"".join(n + b"\0" for n in names), size)
+
+    @staticmethod
+    def _sized(value: bytes, size: int) -> list:
+        if size == 0:
+            return [abi.GETXATTR_OUT.pack(len(value), 0)]
+        if len(value) > size:
+            raise pyfuse3.FUSEError(errno.ERANGE)
+        return [value]
+
+    async def _removexattr(self, nodeid, body, ctx):
+        await self.ops.removexattr(nodeid, bytes(body[:-1]), ctx)
+        return []

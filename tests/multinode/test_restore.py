@@ -222,7 +222,8 @@ def test_a_write_to_a_file_being_restored_waits_for_its_bytes(cluster):
     assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(snap).st_mode)
 
 
-@pytest.mark.expect_log('not answer yet', 'peers: step \\d+ delayed, retrying')
+@pytest.mark.expect_log('not answer yet', 'peers: step \\d+ delayed, retrying',
+                        'step \\d+ is not confirmed by peer')  # node 2 starts before the peers it replicated to
 def test_a_replacement_node_given_another_rank_gets_that_ranks_data(cluster):
     c = cluster(3, replicas=2, capacity="256M", restore_wait="3s")  # started one by one below
     c.start_all()

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tierfs.core.manifest import Manifest, build
+from tierfs.core.describe import build
+from tierfs.core.manifest import Manifest
 from tierfs.testing import free_port  # noqa: F401 (the package's runners need it too)
 
 

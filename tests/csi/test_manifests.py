@@ -585,7 +585,7 @@ def test_example_ranks_peers_and_coordinator_name_the_pods(workload):
     assert sorted(ranks) == list(range(nodes)), f"ranks {ranks} are not 0..{nodes - 1}"
     # The plugin resolves these from its own namespace: they must be qualified with the pods'.
     fqdn = {rank: f"{p['hostname']}.{p['subdomain']}.{p['namespace']}.svc" for rank, p in zip(ranks, pods)}
-    from tierfs.csi.volumes import (
+    from tierfs.csi.settings import (
         PEER_PORT,  # where the plugin listens when `listen` is not set
     )
 

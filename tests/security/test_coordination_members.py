@@ -29,8 +29,8 @@ from tests.helpers import free_port
 from tierfs.config import Config
 from tierfs.coordination.protocol import candidates
 from tierfs.core.atomic import write_atomically
+from tierfs.core.describe import build
 from tierfs.core.errors import UserError
-from tierfs.core.manifest import build
 from tierfs.daemon.daemon import Daemon
 from tierfs.pipeline.planning import RestorePlanner
 from tierfs.pipeline.replicator import Replicator

@@ -30,7 +30,7 @@ from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fi
 from tests.helpers import wait_for
 from tierfs.core import linux, mounts
 from tierfs.csi import csi_pb2 as pb
-from tierfs.csi.volumes import ATTRIBUTES, POD_INFO
+from tierfs.csi.settings import ATTRIBUTES, POD_INFO
 from tierfs.ramtier import tmpfs
 from tierfs.testing.csi import Plugin, publish_request
 

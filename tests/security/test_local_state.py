@@ -44,7 +44,7 @@ from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.manifest import Entry, Manifest
 from tierfs.daemon import control
 from tierfs.daemon.daemon import Daemon
-from tierfs.pipeline.restore import set_aside
+from tierfs.pipeline.namespace import set_aside
 
 USER = 1000
 PYTHON = shutil.which("python3", path="/usr/bin:/bin")

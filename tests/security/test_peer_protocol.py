@@ -54,7 +54,7 @@ from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
 from tierfs.peers.wire import AuthFailed, PeerError, PeerUnavailable
 from tierfs.ramtier.space import SpaceAccount
-from tierfs.store import replicas as store_module
+from tierfs.store import chunkfiles
 from tierfs.store.replicas import ReplicaStore
 from tierfs.store.server import Timeouts, serve
 
@@ -374,13 +374,13 @@ async def test_silent_and_stalled_handshakes_are_dropped_at_the_deadline(nursery
 def hashed(monkeypatch):
     """Bytes the replica store hashes, counted."""
     count = {"bytes": 0}
-    real = store_module._hash_range
+    real = chunkfiles.hash_range
 
     def counting(fd, offset, length):
         count["bytes"] += length
         return real(fd, offset, length)
 
-    monkeypatch.setattr(store_module, "_hash_range", counting)
+    monkeypatch.setattr(chunkfiles, "hash_range", counting)
     return count
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from tests.conftest import tierfs
 from tests.fuse.test_mtc import YAML, handshake
 from tests.helpers import wait_for
-from tierfs.mtc.protocol import EXPANDABLE, MAX_SPEC_BYTES, SpecError, parse_spec
+from tierfs.mtc.spec import EXPANDABLE, MAX_SPEC_BYTES, SpecError, parse_spec
 
 MARK = "S3CR3T-VALUE-7f1c9e"  # every environment value below contains it: it must never come back
 ENV = {"TIERFS_SECRET": MARK, "HOME": f"/home/{MARK}", **{name: f"{MARK}-{name}" for name in EXPANDABLE}}

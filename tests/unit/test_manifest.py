@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.core import chunks, manifest
+from tierfs.core import chunks, describe, manifest
 from tierfs.core.chunks import chunk_hash
-from tierfs.core.manifest import FORMAT_VERSION, Entry, Manifest, ManifestError, build
+from tierfs.core.describe import build
+from tierfs.core.manifest import FORMAT_VERSION, Entry, Manifest, ManifestError
 
 CS = 1024  # a small chunk size keeps the trees small
 
@@ -369,7 +370,7 @@ def test_a_manifest_whose_json_would_be_too_large_is_refused(snap, monkeypatch, 
     lower_bound = sum(len(e.path) + 35 * len(e.chunks) for e in m.entries if e.path != "checkpoints")
     # Between the two: the JSON's other fields (and its creation time) make up the difference.
     limit = lower_bound - 1 if paths == "counted before hashing" else (lower_bound + len(m.to_json())) // 2
-    monkeypatch.setattr(manifest, "MAX_BYTES", limit)
+    monkeypatch.setattr(describe, "MAX_BYTES", limit)
     hash_calls.clear()
     with pytest.raises(ManifestError, match=f"would be larger than {limit} bytes"):
         build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS)

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from tierfs.mtc.protocol import (
-    SpecError,
-    parse_spec,
-    restore_entry_name,
-    restore_entry_step,
-)
+from tierfs.mtc.protocol import restore_entry_name, restore_entry_step
+from tierfs.mtc.spec import SpecError, parse_spec
 
 ORBAX = """job-name: run-7
 framework: orbax

@@ -49,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     from tierfs.csi import (
         server,  # grpc and the generated messages: only this command needs them
     )
-    from tierfs.csi.volumes import PluginConfig, VolumeError, Volumes, load_settings
+    from tierfs.csi.errors import VolumeError
+    from tierfs.csi.settings import PluginConfig, load_settings
+    from tierfs.csi.volumes import Volumes
 
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

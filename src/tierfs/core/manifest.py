@@ -27,20 +27,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import logging
 import os
 import re
 import stat
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from tierfs.core import chunks
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
-from tierfs.core.parse import check_job_id, format_size
-
-log = logging.getLogger(__name__)
+from tierfs.core.parse import check_job_id
 
 FORMAT_VERSION = 1
 KINDS = ("file", "dir", "symlink")
@@ -60,9 +55,6 @@ _MAC_PREFIX = b"\nhmac-sha256 "
 _MAC_RE = re.compile(rb"\nhmac-sha256 ([0-9a-f]{64})\n\Z")
 MAC_LINE = len(_MAC_PREFIX) + 64 + 1  # the bytes a seal adds
 _MAC_LABEL = b"tierfs manifest v1\0"
-
-FileKey = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
-
 
 class ManifestError(Exception):
     """A manifest that is malformed, inconsistent, unsafe, or from a newer tierfs."""
@@ -153,7 +145,7 @@ class Manifest:
             created=_get(obj, "created", (int, float), "manifest"),
             format=version,
         )
-        manifest._validate()
+        manifest.validate()
         return manifest
 
     def check_identity(self, job: str, rank: int, step: int) -> None:
@@ -206,7 +198,8 @@ class Manifest:
     def unique_chunk_count(self) -> int:
         return len(self.chunk_set())
 
-    def _validate(self) -> None:
+    def validate(self) -> None:
+        """Refuse a manifest that could write outside the volume root, or that disagrees with itself."""
         try:
             check_job_id(self.job)
         except UserError:
@@ -222,7 +215,7 @@ class Manifest:
         kinds: dict[str, str] = {}
         previous = ""
         for e in self.entries:
-            _check_path(e.path, "entry")
+            check_path(e.path, "entry")
             if e.path in kinds:
                 raise ManifestError(f"duplicate path {e.path!r}")
             if e.path < previous:
@@ -234,7 +227,7 @@ class Manifest:
             _check_entry(e, self.chunk_size)
             kinds[e.path], previous = e.kind, e.path
         for root in self.roots:
-            _check_path(root, "root")
+            check_path(root, "root")
             if root not in kinds:
                 raise ManifestError(f"root {root!r} has no entry")
 
@@ -293,7 +286,7 @@ def _parse_entry(obj: object) -> Entry:
     if not isinstance(obj, dict):
         raise ManifestError("manifest: an entry is not a JSON object")
     path = _get(obj, "path", str, "entry")
-    where = f"entry {_short(path)}"
+    where = f"entry {short(path)}"
     return Entry(
         path=path,
         kind=_get(obj, "kind", str, where),
@@ -307,7 +300,7 @@ def _parse_entry(obj: object) -> Entry:
     )
 
 
-def _check_path(path: object, what: str) -> None:
+def check_path(path: object, what: str) -> None:
     """Refuse a path that could leave the volume root or name one file two ways."""
     if not isinstance(path, str):
         raise ManifestError(f"{what} {path!r} is not a string")
@@ -318,7 +311,7 @@ def _check_path(path: object, what: str) -> None:
             problem = "is not normalized"
         else:
             return
-    raise ManifestError(f"{what} path {_short(path)} {problem}")
+    raise ManifestError(f"{what} path {short(path)} {problem}")
 
 
 def check_target(target: str) -> None:
@@ -329,7 +322,7 @@ def check_target(target: str) -> None:
     """
     problem = _name_problem(target)
     if problem is not None:
-        raise ManifestError(f"symlink target {_short(target)} {problem}")
+        raise ManifestError(f"symlink target {short(target)} {problem}")
 
 
 def _name_problem(path: str) -> str | None:
@@ -354,7 +347,7 @@ def _name_problem(path: str) -> str | None:
     return None
 
 
-def _short(text: str) -> str:
+def short(text: str) -> str:
     """A value for a one-line message: quoted, and cut if long."""
     return repr(text) if len(text) <= 100 else f"{text[:100]!r}... ({len(text)} characters)"
 
@@ -370,7 +363,7 @@ def restorable_mode(e: Entry) -> int:
 
 
 def _check_entry(e: Entry, chunk_size: int) -> None:
-    where = f"entry {_short(e.path)}"
+    where = f"entry {short(e.path)}"
     if e.kind not in KINDS:
         raise ManifestError(f"{where}: unknown kind {e.kind!r}")
     if not 0 <= e.mode <= 0o7777:
@@ -394,149 +387,3 @@ def _check_entry(e: Entry, chunk_size: int) -> None:
     for h in e.chunks:
         if not isinstance(h, str) or not _HASH_RE.fullmatch(h):
             raise ManifestError(f"{where}: {h!r} is not a chunk hash")
-
-
-def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: int,
-          chunk_size: int, known: dict[FileKey, list[str]] | None = None) -> Manifest:
-    """Describe the committed ``roots`` of a snapshot tree that nothing writes to any more.
-
-    Symlinks are recorded, never followed; fifos, sockets and devices are skipped, since no
-    checkpoint format writes them, and so are symlinks that are absolute or climb out of
-    their directory, which no restore would recreate (:func:`check_target`). Hard links
-    become separate files: their chunks are the same, so they cost nothing extra. The
-    ancestors of each root are recorded too, so a restore recreates their modes and owners
-    as well. The result is checked as a manifest from elsewhere would be: what is backed
-    up can be restored.
-
-    The whole tree is described before any byte is hashed, and a step larger than a
-    manifest can describe is refused then (:class:`_Tally`): a file's size is a number
-    its owner sets (``truncate -s 1P`` costs no RAM), and hashing it first would cost the
-    daemon time in proportion to that number. Holes are never read (:func:`chunks.hash_file`).
-
-    ``known`` caches chunk lists by ``(st_ino, st_size, st_mtime_ns)``. Passing the same
-    dict for every step of one volume hashes a file that outlives several steps once, not
-    once per step, as long as it keeps its inode (the same file, or hard links to it); hard
-    links within one step are hashed once too. It is filled in as files are hashed. Keep one
-    per filesystem and chunk size: the key holds neither.
-    """
-    top = Path(snapshot_root)
-    ancestors: dict[str, Entry] = {}
-    found: dict[str, Entry] = {}
-    files: dict[str, os.stat_result] = {}  # regular files to hash, by path
-    tally = _Tally(chunk_size)
-    for root in roots:
-        _check_path(root, "root")
-        parts = root.split("/")
-        for depth in range(1, len(parts)):
-            path = "/".join(parts[:depth])
-            if path not in ancestors:
-                st = os.lstat(top / path)
-                if not stat.S_ISDIR(st.st_mode):
-                    raise ManifestError(f"root {root!r}: {path!r} is not a directory")
-                ancestors[path] = _describe(top, path, st)
-        _walk(top, root, found, files, tally)
-        if root not in found:
-            raise ManifestError(f"root {root!r} is not a file, directory or symlink "
-                                "(or is a symlink no restore could recreate)")
-    for rel, st in files.items():
-        found[rel].chunks = _file_chunks(top / rel, st, chunk_size, known)
-    entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)
-    manifest = Manifest(job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots),
-                        entries=entries, created=time.time())
-    manifest._validate()
-    if len(manifest.to_json()) > MAX_BYTES:  # the tally counted a lower bound
-        raise _too_large()
-    return manifest
-
-
-_JSON_PER_CHUNK = 35  # bytes a chunk name takes in a manifest's JSON: 32 digits, quotes, a comma
-
-
-def _too_large() -> ManifestError:
-    return ManifestError(f"the step's manifest would be larger than {MAX_BYTES} bytes, which no tier "
-                         "stores: commit fewer or smaller files in one step")
-
-
-class _Tally:
-    """What the paths described so far will cost the step's manifest, refused as soon as it is too much.
-
-    Counting needs only sizes, so a step no manifest could describe is refused before any
-    byte is hashed. The refusal names the step's largest file, the usual reason (a sparse
-    file of a huge apparent size).
-    """
-
-    def __init__(self, chunk_size: int):
-        self.chunk_size = chunk_size
-        self.entries = self.chunks = self.json_bytes = 0
-        self.largest: Entry | None = None
-
-    def add(self, e: Entry) -> None:
-        n = -(-e.size // self.chunk_size)
-        self.entries += 1
-        self.chunks += n
-        self.json_bytes += len(e.path) + _JSON_PER_CHUNK * n  # a lower bound of what the entry adds
-        if self.largest is None or e.size > self.largest.size:
-            self.largest = e
-        if self.entries > MAX_ENTRIES:
-            raise ManifestError(f"the step has more than {MAX_ENTRIES} paths, more than a manifest may "
-                                "list: commit fewer files in one step")
-        if self.chunks > min(MAX_CHUNKS, MAX_BYTES // _JSON_PER_CHUNK):
-            big = self.largest
-            raise ManifestError(
-                f"the step needs at least {self.chunks} chunks of {format_size(self.chunk_size)}, more than "
-                f"a manifest can name ({min(MAX_CHUNKS, MAX_BYTES // _JSON_PER_CHUNK)}); its largest file "
-                f"{_short(big.path)} has a size of {big.size} bytes ({format_size(big.size)}, holes "
-                "included): shrink it or leave it out of the step")
-        if self.json_bytes > MAX_BYTES:
-            raise _too_large()
-
-
-def _walk(top: Path, root: str, found: dict[str, Entry], files: dict[str, os.stat_result],
-          tally: _Tally) -> None:
-    pending = [root]
-    while pending:
-        rel = pending.pop()
-        if rel in found:
-            continue  # inside a root walked before: that walk covered its whole subtree
-        st = os.lstat(top / rel)
-        entry = _describe(top, rel, st)
-        if entry is None:
-            continue
-        found[rel] = entry
-        tally.add(entry)
-        if entry.kind == "file":
-            files[rel] = st
-        elif entry.kind == "dir":
-            pending.extend(f"{rel}/{name}" for name in os.listdir(top / rel))
-
-
-def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
-    """The entry of one path, a file's chunks not hashed yet."""
-    common = dict(path=rel, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
-                  mtime_ns=st.st_mtime_ns)
-    if stat.S_ISDIR(st.st_mode):
-        return Entry(kind="dir", size=0, **common)
-    if stat.S_ISLNK(st.st_mode):
-        target = os.readlink(top / rel)
-        try:
-            check_target(target)
-        except ManifestError as e:
-            log.warning("not backing up symlink %r: its %s, and no restore would recreate it", rel, e)
-            return None
-        return Entry(kind="symlink", size=0, target=target, **common)
-    if stat.S_ISREG(st.st_mode):
-        return Entry(kind="file", size=st.st_size, **common)
-    return None
-
-
-def _file_chunks(path: Path, st: os.stat_result, chunk_size: int,
-                 known: dict[FileKey, list[str]] | None) -> list[str]:
-    key = (st.st_ino, st.st_size, st.st_mtime_ns)
-    if known is not None and key in known:
-        return list(known[key])
-    hashes = chunks.hash_file(path, chunk_size)
-    if len(hashes) != -(-st.st_size // chunk_size) or os.lstat(path).st_size != st.st_size:
-        raise ManifestError(f"{path} changed size while it was hashed: the snapshot is not frozen")
-    if known is not None:
-        known[key] = hashes
-    return list(hashes)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import grpc
 
 from tierfs.csi import csi_pb2 as pb
+from tierfs.csi.errors import InvalidArgument, VolumeError
 from tierfs.csi.rpc import service
-from tierfs.csi.volumes import InvalidArgument, PublishRequest, VolumeError, Volumes
+from tierfs.csi.settings import PublishRequest
+from tierfs.csi.volumes import Volumes
 
 Mode = pb.VolumeCapability.AccessMode.Mode
 # One node uses a tierfs volume; read-only modes are served by a read-only bind mount.

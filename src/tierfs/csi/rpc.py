@@ -13,7 +13,7 @@ from typing import Callable
 import grpc
 
 from tierfs.csi import csi_pb2 as pb
-from tierfs.csi.volumes import VolumeError
+from tierfs.csi.errors import VolumeError
 
 log = logging.getLogger("tierfs.csi")
 PACKAGE = "csi.v1"

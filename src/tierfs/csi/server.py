@@ -19,7 +19,8 @@ import grpc
 
 from tierfs.core.errors import UserError
 from tierfs.csi import identity, node
-from tierfs.csi.volumes import PluginConfig, Volumes
+from tierfs.csi.settings import PluginConfig
+from tierfs.csi.volumes import Volumes
 
 log = logging.getLogger("tierfs.csi")
 GC_CHECK_INTERVAL = 60.0

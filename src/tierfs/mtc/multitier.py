@@ -14,7 +14,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from tierfs.core.errors import UserError
-from tierfs.mtc.protocol import REPLICATOR, MtcNode, ReplicatorSpec, SpecError
+from tierfs.mtc.protocol import MtcNode
+from tierfs.mtc.spec import REPLICATOR, ReplicatorSpec, SpecError
 
 if TYPE_CHECKING:
     from tierfs.daemon.daemon import Daemon

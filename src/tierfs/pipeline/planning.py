@@ -23,14 +23,8 @@ from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.parse import format_size
-from tierfs.pipeline.restore import (
-    Origin,
-    Restore,
-    fetch_manifest,
-    link_into_tree,
-    restoring_steps,
-    set_aside,
-)
+from tierfs.pipeline.namespace import link_into_tree, set_aside
+from tierfs.pipeline.restore import Origin, Restore, fetch_manifest, restoring_steps
 from tierfs.pipeline.survey import Survey
 from tierfs.tiers.base import Tier
 from tierfs.tiers.fetch import ChunkSources

@@ -38,7 +38,8 @@ import trio
 
 from tierfs.config import Config
 from tierfs.core.atomic import write_atomically
-from tierfs.core.manifest import Manifest, ManifestError, build
+from tierfs.core.describe import build
+from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.ramtier.steps import Steps, StepState
 from tierfs.tiers.base import (
     Progress,

@@ -7,14 +7,13 @@ Layout under ``root`` (the daemon passes a directory on the same tmpfs as the RA
     manifests/rank-<R>/step-<S:012d>.json     the newest manifest received for rank R
 
 A chunk file appears under its name only after its bytes were hashed and matched the
-name, so every file the store lists is one it verified. That check is remembered against the
-file's identity (device, inode, size, mtime and ctime, and the range): a read of any range,
-even one byte, serves without hashing again while the file is unchanged, so a reader cannot
-make this node hash 64 MiB per request. A file that changed, a chunk of this node's own
-steps never checked before, and every chunk after a restart are hashed once on their next
-read. Readers verify what they receive themselves (whole chunks against their names), which
-is what catches memory that rots after the check. A manifest is written only when every
-chunk it names is held, so its presence is the commit point, as on every tier.
+name, so every file the store lists is one it verified. That check is remembered
+(:class:`~tierfs.store.chunkfiles.VerifiedRanges`): a read of any range, even one byte,
+serves without hashing again while the file is unchanged. A file that changed, a chunk of
+this node's own steps never checked before, and every chunk after a restart are hashed once
+on their next read. Readers verify what they receive themselves (whole chunks against their
+names), which is what catches memory that rots after the check. A manifest is written only
+when every chunk it names is held, so its presence is the commit point, as on every tier.
 
 Data-parallel twins commit identical bytes. When a manifest names a chunk this node already
 holds in its *own* committed steps (``local``), the replica gets a private copy made with
@@ -34,18 +33,27 @@ import os
 import re
 import secrets
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
 
 import trio
-import xxhash
 
 from tierfs.core.atomic import private_dir
 from tierfs.core.manifest import Manifest, ManifestError
-from tierfs.peers.wire import MAX_CHUNK, PIECE, NoSpace, PeerError, brief, clip
+from tierfs.peers.wire import MAX_CHUNK, NoSpace, PeerError, brief, clip
 from tierfs.ramtier.space import PAGE, SpaceAccount
+from tierfs.store.chunkfiles import (
+    ChunkSource,
+    ChunkWriter,
+    Corrupt,
+    Location,
+    NotFound,
+    VerifiedRanges,
+    create_filled,
+    discard_file,
+    is_hash,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +62,9 @@ log = logging.getLogger(__name__)
 # sender that lost its connection mid-push and comes back.
 GRACE = 60.0
 
-_HASH_RE = re.compile(r"[0-9a-f]{32}")
 _RANK_RE = re.compile(r"rank-(\d+)")
 _STEP_RE = re.compile(r"step-(\d{12})\.json")
 _TMP = ".tmp-"
-VERIFIED_CACHE = 65536  # file ranges remembered as verified: 256 GiB of 4 MiB chunks, ~10 MB of memory
-
-Location = tuple[str, int, int]  # (path, offset, length) of a chunk's bytes
 
 
 class LocalChunks(Protocol):
@@ -68,21 +72,6 @@ class LocalChunks(Protocol):
 
     def find(self, h: str) -> Location | None:
         """Where chunk ``h`` lies in one of this node's frozen steps, or ``None``."""
-
-
-class HashMismatch(PeerError):
-    def __init__(self, message: str = "hash mismatch"):
-        super().__init__(message)
-
-
-class NotFound(PeerError):
-    def __init__(self, message: str = "not found"):
-        super().__init__(message)
-
-
-class Corrupt(PeerError):
-    def __init__(self, message: str = "corrupt"):
-        super().__init__(message)
 
 
 class MissingChunks(PeerError):
@@ -98,78 +87,6 @@ class _Held:
     ino: int
     size: int
     used: float  # unix time it was last received, re-sent or reported held
-
-
-def is_hash(value: object) -> bool:
-    return isinstance(value, str) and _HASH_RE.fullmatch(value) is not None
-
-
-class ChunkWriter:
-    """One chunk being received: a temp file, its running hash, the space it reserved.
-
-    Use as a context manager: leaving it without :meth:`commit` removes the temp file and
-    returns the reservation, whatever happened (hash mismatch, timeout, cancellation).
-    ``fd`` is ``None`` when the chunk is already held: the body is then only hashed, so a
-    duplicate costs no RAM and a sender with bad bytes still hears about it.
-    """
-
-    def __init__(self, store: ReplicaStore, h: str, length: int, fd: int | None,
-                 tmp: Path | None, reserved: int):
-        self.h, self.length, self.fd = h, length, fd
-        self.hasher = xxhash.xxh3_128()
-        self._store, self._tmp, self._reserved = store, tmp, reserved
-        self._open = True
-
-    def commit(self) -> None:
-        """Check the hash of what was received and move it into place."""
-        if self.hasher.hexdigest() != self.h:
-            raise HashMismatch()
-        if self.fd is not None:
-            self._store._install(self.h, self.fd, self._tmp)
-        else:
-            self._store._touch(self.h)
-        self._close(remove=False)
-
-    def abort(self) -> None:
-        self._close(remove=True)
-
-    def _close(self, *, remove: bool) -> None:
-        if not self._open:
-            return
-        self._open = False
-        self._store._reserved -= self._reserved
-        if self.fd is not None:
-            os.close(self.fd)
-            if remove:
-                _unlink(self._tmp)
-
-    def __enter__(self) -> ChunkWriter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.abort()
-
-
-class ChunkSource:
-    """An open, just-verified chunk: serve ``length`` bytes of ``fd`` from ``offset``.
-
-    Serving from the descriptor that was hashed means a rename or a GC between the check
-    and the send cannot swap in other bytes.
-    """
-
-    def __init__(self, fd: int, offset: int, length: int):
-        self.fd, self.offset, self.length = fd, offset, length
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> ChunkSource:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class ReplicaStore:
@@ -198,7 +115,7 @@ class ReplicaStore:
         self._manifests: dict[tuple[int, int], frozenset[str]] = {}  # (rank, step) -> its chunks
         self._reserved = 0  # bytes promised to chunks being received
         self._sessions: dict[object, set[str]] = {}  # connection -> chunks it relies on
-        self._verified: OrderedDict[tuple, str] = OrderedDict()  # file identity + range -> its hash
+        self._verified = VerifiedRanges()
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -214,7 +131,7 @@ class ReplicaStore:
         private_dir(self._manifest_dir)
         for sub in _scan(self._chunk_dir):
             if sub.name.startswith(_TMP):
-                _unlink(Path(sub.path))
+                discard_file(Path(sub.path))
             elif sub.is_dir(follow_symlinks=False):
                 for f in _scan(Path(sub.path)):
                     self._load_chunk(sub.name, f)
@@ -230,7 +147,7 @@ class ReplicaStore:
     def _load_chunk(self, prefix: str, f: os.DirEntry) -> None:
         path = Path(f.path)
         if f.name.startswith(_TMP):
-            _unlink(path)
+            discard_file(path)
             return
         st = f.stat(follow_symlinks=False)
         if not (is_hash(f.name) and f.name[:2] == prefix and f.is_file(follow_symlinks=False)):
@@ -242,7 +159,7 @@ class ReplicaStore:
     def _load_manifest(self, rank: int, f: os.DirEntry) -> None:
         path = Path(f.path)
         if f.name.startswith(_TMP):
-            _unlink(path)
+            discard_file(path)
             return
         m = _STEP_RE.fullmatch(f.name)
         if not m:
@@ -305,24 +222,13 @@ class ReplicaStore:
             raise PeerError(f"invalid chunk {brief(h)} of {length} bytes")
         if h in self._chunks:
             self._touch(h)  # held through the transfer: the body is only hashed
-            return ChunkWriter(self, h, length, None, None, 0)
+            return ChunkWriter(h, length, None, None, install=self._received, release=lambda: None)
         need = _pages(length)
         self._check_space(need)
         tmp = self._chunk_dir / f"{_TMP}{h}-{secrets.token_hex(4)}"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            # The pages are taken now, so a full tmpfs (or an unbounded account on a shared
-            # ramdisk) refuses here, not halfway through the body.
-            if length:
-                os.posix_fallocate(fd, 0, length)
-        except OSError as e:
-            os.close(fd)
-            _unlink(tmp)
-            if e.errno == errno.ENOSPC:
-                raise NoSpace() from None
-            raise
+        fd = create_filled(tmp, length)
         self._reserved += need
-        return ChunkWriter(self, h, length, fd, tmp, need)
+        return ChunkWriter(h, length, fd, tmp, install=self._received, release=lambda: self._unreserve(need))
 
     def open_chunk(self, h: str) -> ChunkSource:
         """Chunk ``h``, verified (when stored, or now); raises :class:`NotFound` or :class:`Corrupt`.
@@ -333,7 +239,7 @@ class ReplicaStore:
         """
         source = None
         if h in self._chunks:
-            source = self._open_verified(str(self._chunk_path(h)), 0, None, h)
+            source = self._verified.open(str(self._chunk_path(h)), 0, None, h)
             if isinstance(source, ChunkSource):
                 return source
             log.warning("replica chunk %s in %s is unusable (%s): removed", h, self.root, source)
@@ -342,7 +248,7 @@ class ReplicaStore:
         if location is None:
             raise Corrupt() if source is not None else NotFound()
         path, offset, length = location
-        source = self._open_verified(path, offset, length, h)
+        source = self._verified.open(path, offset, length, h)
         if not isinstance(source, ChunkSource):
             log.warning("own chunk %s at %s+%d is unusable (%s)", h, path, offset, source)
             raise Corrupt()
@@ -447,10 +353,19 @@ class ReplicaStore:
         if self.space is not None:
             self.space.update(st)
 
-    def _install(self, h: str, fd: int, tmp: Path) -> None:
-        """Move a verified temp file into place (or drop it if the chunk arrived meanwhile)."""
+    def _unreserve(self, nbytes: int) -> None:
+        self._reserved -= nbytes
+
+    def _received(self, h: str, fd: int | None, tmp: Path | None) -> None:
+        """Move a verified temp file into place (or drop it if the chunk arrived meanwhile).
+
+        ``fd`` is ``None`` for a chunk that was held already: only its grace period restarts.
+        """
+        if fd is None:
+            self._touch(h)
+            return
         if h in self._chunks:
-            _unlink(tmp)
+            discard_file(tmp)
             self._touch(h)
             return
         path = self._chunk_path(h)
@@ -459,7 +374,7 @@ class ReplicaStore:
         st = os.fstat(fd)  # after the rename, which changes the ctime
         self._account(st)
         self._chunks[h] = _Held(st.st_ino, st.st_size, time.time())
-        self._remember(_identity(st, 0, st.st_size), h)  # its bytes were hashed as they arrived
+        self._verified.remember(st, 0, st.st_size, h)  # its bytes were hashed as they arrived
 
     def _touch(self, h: str) -> None:
         if (held := self._chunks.get(h)) is not None:
@@ -481,20 +396,10 @@ class ReplicaStore:
             self._touch(h)
             return None
         with self.begin_chunk(h, length) as writer:
-            try:
-                src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError as e:  # the step it was in was retained away meanwhile
-                return f"is gone ({e.strerror})"
-            try:
-                _copy_range(src, offset, writer.fd, length)
-            finally:
-                os.close(src)
-            hasher = _hash_range(writer.fd, 0, length)
-            if hasher is None or hasher.hexdigest() != h:
-                return "does not match its name"
-            writer.hasher = hasher
-            writer.commit()
-        return None
+            problem = writer.fill_from(path, offset)
+            if problem is None:
+                writer.commit()
+        return problem
 
     def _write_manifest(self, rank: int, step: int, data: bytes) -> None:
         path = self._manifest_path(rank, step)
@@ -509,7 +414,7 @@ class ReplicaStore:
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
-            _unlink(tmp)
+            discard_file(tmp)
             raise
         os.close(fd)
         try:
@@ -541,7 +446,7 @@ class ReplicaStore:
 
     def _remove_chunk(self, h: str) -> None:
         held = self._chunks.pop(h)
-        _unlink(self._chunk_path(h))
+        discard_file(self._chunk_path(h))
         if self.space is not None:
             self.space.drop(held.ino)
 
@@ -550,88 +455,9 @@ class ReplicaStore:
             st = os.lstat(path)
         except FileNotFoundError:
             return
-        _unlink(path)
+        discard_file(path)
         if self.space is not None:
             self.space.drop(st.st_ino)
-
-    def _open_verified(self, path: str, offset: int, length: int | None, h: str) -> ChunkSource | str:
-        """Open a chunk's bytes, hashing them unless this very file range was verified before.
-
-        The open source, or why the bytes are not chunk ``h``. The identity is taken from
-        the open descriptor, which is also what is served: a rename or a GC between the
-        check and the send cannot swap in other bytes.
-        """
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return "file is gone"
-        try:
-            st = os.fstat(fd)
-            if length is None:
-                length = st.st_size - offset
-            key = _identity(st, offset, length)
-            if self._verified.get(key) == h:
-                self._verified.move_to_end(key)
-                return ChunkSource(fd, offset, length)
-            hasher = _hash_range(fd, offset, length)
-        except BaseException:
-            os.close(fd)
-            raise
-        if hasher is None or hasher.hexdigest() != h:
-            os.close(fd)
-            return "short read" if hasher is None else f"hashes to {hasher.hexdigest()}"
-        self._remember(key, h)
-        return ChunkSource(fd, offset, length)
-
-    def _remember(self, key: tuple, h: str) -> None:
-        self._verified[key] = h
-        self._verified.move_to_end(key)
-        while len(self._verified) > VERIFIED_CACHE:
-            self._verified.popitem(last=False)
-
-
-def _identity(st: os.stat_result, offset: int, length: int) -> tuple:
-    """A file range as it is now: any write to the file changes its mtime and ctime.
-
-    tmpfs gives a fine-grained ctime to a file whose times were just looked at, so a change
-    right after a check still shows. A new file that reuses the inode gets a new ctime.
-    """
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset, length
-
-
-def _hash_range(fd: int, offset: int, length: int) -> xxhash.xxh3_128 | None:
-    """An xxh3-128 hasher fed ``length`` bytes of ``fd`` at ``offset``; ``None`` if the file is short."""
-    hasher = xxhash.xxh3_128()
-    view = memoryview(bytearray(min(length, PIECE)))
-    done = 0
-    while done < length:
-        n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
-        if n == 0:
-            return None
-        hasher.update(view[:n])
-        done += n
-    return hasher
-
-
-def _copy_range(src: int, offset: int, dst: int, length: int) -> None:
-    """Copy in the kernel (``copy_file_range``), or with pread/pwrite where that is refused."""
-    done = 0
-    try:
-        while done < length:
-            n = os.copy_file_range(src, dst, length - done, offset + done, done)
-            if n == 0:
-                return  # short source: the hash check reports it
-            done += n
-        return
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-            raise
-    while done < length:
-        piece = os.pread(src, min(PIECE, length - done), offset + done)
-        if not piece:
-            return
-        os.pwrite(dst, piece, done)
-        done += len(piece)
 
 
 def _pages(nbytes: int) -> int:
@@ -649,11 +475,3 @@ def _mkdir_private(path: Path) -> None:
         os.mkdir(path, 0o700)
     except FileExistsError:
         pass
-
-
-def _unlink(path: Path | None) -> None:
-    if path is not None:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

@@ -41,7 +41,8 @@ from tierfs.peers.wire import (
     PeerUnavailable,
     ProtocolError,
 )
-from tierfs.store.replicas import MissingChunks, ReplicaStore, is_hash
+from tierfs.store.chunkfiles import is_hash
+from tierfs.store.replicas import MissingChunks, ReplicaStore
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import trio
 
 from tierfs.core import chunks
 from tierfs.peers.wire import NoSpace, PeerError
-from tierfs.store.replicas import Corrupt, NotFound, ReplicaStore
+from tierfs.store.chunkfiles import Corrupt, NotFound
+from tierfs.store.replicas import ReplicaStore
 from tierfs.tiers.base import (
     MAX_MANIFEST,
     Holdings,

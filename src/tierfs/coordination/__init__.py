@@ -12,8 +12,11 @@ broadcast restores in which each chunk leaves GCS once.
 - :mod:`.transport`: the one request/answer interface all of it uses;
 - :mod:`.fields`: every field of these messages and answers, checked where it arrives;
 - :mod:`.pairs`: the ``[rank, step]`` lists of reports and of peers' ``list`` answers;
-- :mod:`.sim` and :mod:`.scenarios`: a simulated network and GCS, and whole jobs on them
-  (``scripts/bench_scale.py``, docs/benchmarks.md "Scale").
+
+It is pure: other nodes are reached only through the :class:`~.transport.Transport` it is
+given, so the same code runs in the daemon and on the simulated network and GCS of
+:mod:`tierfs.testing.sim` and :mod:`tierfs.testing.scenarios` (``scripts/bench_scale.py``,
+docs/benchmarks.md "Scale").
 
 The daemon runs it through :mod:`tierfs.pipeline.coordinating` (reports, decisions, the twins'
 shared plan) and :mod:`tierfs.peers.messages` (these messages on peer connections, the

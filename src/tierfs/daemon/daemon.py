@@ -22,7 +22,7 @@ import time
 
 import trio
 
-from tierfs.config import Config
+from tierfs.config import Config, DataPath, Engine
 from tierfs.core import linux, mounts
 from tierfs.core.atomic import read_state
 from tierfs.core.errors import UserError
@@ -73,7 +73,7 @@ class Daemon:
         self.space = SpaceAccount(cfg.capacity, self.rank.tree)
         self.ops: Operations | None = None
         self.engine = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
-        self.data_path = "daemon"
+        self.data_path: DataPath | None = None  # chosen at start
         self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked,
                                    lambda st: self.space.update(st))  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
@@ -192,19 +192,19 @@ class Daemon:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
         cfg = self.cfg
         try:
-            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != "pyfuse3" else "daemon")
+            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != Engine.PYFUSE3 else DataPath.DAEMON)
         except ValueError as e:
             raise UserError(f"--data-path passthrough is impossible here: {e}; "
                             "use --data-path auto or daemon") from None
-        if self.data_path == "passthrough" and cfg.capacity is not None:
+        if self.data_path == DataPath.PASSTHROUGH and cfg.capacity is not None:
             if own_tmpfs(self.rank.path, cfg.capacity):
                 # The kernel enforces the capacity; the account follows that file system.
                 self.space = SpaceAccount(None, self.rank.tree)
-            elif cfg.data_path == "passthrough":
+            elif cfg.data_path == DataPath.PASSTHROUGH:
                 raise UserError(f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
                                 "cannot bind passthrough writes: use --data-path daemon, or move the data")
             else:
-                self.data_path = "daemon"
+                self.data_path = DataPath.DAEMON
                 why = (f"{self.rank.path} already holds data outside a tmpfs of its own, "
                        "so --capacity is enforced by the daemon")
         if why is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 from tierfs.core import chunks
@@ -27,8 +28,22 @@ from tierfs.discovery.spec import parse_peers
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
 LOG_LEVELS = ("debug", "info", "warning", "error")
-DATA_PATHS = ("auto", "passthrough", "daemon")
-ENGINES = ("auto", "tierfs", "pyfuse3")
+
+
+class DataPath(StrEnum):
+    """How file bytes travel: str-valued, so flags, status and CSI attributes keep their words."""
+
+    AUTO = "auto"  # passthrough where the kernel allows it, else daemon
+    PASSTHROUGH = "passthrough"  # the kernel reads and writes the RAM tier's files itself
+    DAEMON = "daemon"  # every byte through the daemon
+
+
+class Engine(StrEnum):
+    """Which FUSE request loop serves the mount: str-valued, as ``--engine`` and status spell it."""
+
+    AUTO = "auto"  # tierfs' own, pyfuse3 where the own one cannot mount
+    TIERFS = "tierfs"
+    PYFUSE3 = "pyfuse3"  # libfuse: the daemon data path only
 
 
 # Every option of a mount (flag name -> help text). Each is a `tierfs mount --FLAG`, a
@@ -103,8 +118,8 @@ class Config:
     rank: int = 0
     nodes: int = 1
     capacity: int | None = None  # bytes; None = whatever the ramdisk's filesystem holds
-    data_path: str = "auto"  # passthrough (kernel FUSE passthrough), daemon (every byte through it), or auto
-    engine: str = "auto"  # the FUSE engine: tierfs' own, pyfuse3, or auto (own, pyfuse3 where it cannot mount)
+    data_path: DataPath = DataPath.AUTO
+    engine: Engine = Engine.AUTO
     wake_cpus: bool = True  # hold a 0 µs CPU wake-up latency request while requests come in bursts
     foreground: bool = False
     log_level: str = "info"
@@ -196,6 +211,9 @@ class Config:
         for key in ("log_level", "data_path", "engine"):
             if key in v:
                 v[key] = str(v[key]).strip().lower()
+        for key, choice in (("data_path", DataPath), ("engine", Engine)):
+            if v.get(key) in set(choice):  # anything else stays a string, refused by _validate
+                v[key] = choice(v[key])
         _parse_peer_tls(v)
         _parse_switch(v, "wake_cpus", "on (the default) or off")
         cfg = cls(**v)
@@ -246,11 +264,11 @@ class Config:
             )
         if self.gcs is not None:
             parse_gcs_url(self.gcs)
-        if self.data_path not in DATA_PATHS:
+        if not isinstance(self.data_path, DataPath):
             raise UserError(f"invalid --data-path {self.data_path!r}: use auto, passthrough or daemon")
-        if self.engine not in ENGINES:
+        if not isinstance(self.engine, Engine):
             raise UserError(f"invalid --engine {self.engine!r}: use auto, tierfs or pyfuse3")
-        if self.engine == "pyfuse3" and self.data_path == "passthrough":
+        if self.engine == Engine.PYFUSE3 and self.data_path == DataPath.PASSTHROUGH:
             raise UserError("--engine pyfuse3 cannot pass files through: use --data-path daemon or auto")
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"invalid log level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")

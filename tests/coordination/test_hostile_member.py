@@ -264,7 +264,7 @@ async def test_when_the_job_grows_the_reports_of_its_new_ranks_are_taken(autojum
         sender = c.net.transport(c.addresses[1])
         grown = {"op": "coord_report", "report": report(rank=N, inc=1 << 40)}
         assert "error" in await sender.request(c.addresses[c.coordinator(0)], grown, 1.0)
-        node.coordinator.view.set_nodes(N + 2)  # replicator.yaml says so (NodeCoordination.resize)
+        node.coordinator.view.set_nodes(N + 2)  # replicator.yaml says so (NodeCoordination.reconfigure)
         assert (await sender.request(c.addresses[c.coordinator(0)], grown, 1.0))["ok"]
         assert node.coordinator.view.steps_of(N) == {10: [c.addresses[1]], 20: [c.addresses[1]]}
         nursery.cancel_scope.cancel()

@@ -22,6 +22,7 @@ import pytest
 import trio
 
 from tests.helpers import cpu_latency_limit
+from tierfs.config import DataPath, Engine
 from tierfs.core import linux
 from tierfs.fs import Operations, abi, engine, poller
 from tierfs.fs.session import KernelSession
@@ -71,11 +72,11 @@ async def mounted(shm_dir, nursery):
 
 def test_auto_falls_back_to_the_daemon_path_with_the_reason(monkeypatch):
     monkeypatch.setattr(engine.platform, "release", lambda: "6.8.12-generic")
-    path, why = engine.choose_data_path("auto")
-    assert path == "daemon" and "6.8.12" in why and "6.9" in why
+    path, why = engine.choose_data_path(DataPath.AUTO)
+    assert path == DataPath.DAEMON and "6.8.12" in why and "6.9" in why
     with pytest.raises(ValueError, match="6.9"):
-        engine.choose_data_path("passthrough")
-    assert engine.choose_data_path("daemon")[0] == "daemon"
+        engine.choose_data_path(DataPath.PASSTHROUGH)
+    assert engine.choose_data_path(DataPath.DAEMON)[0] == DataPath.DAEMON
     assert engine.kernel_version("6.18.0-rc1") == (6, 18)
 
 
@@ -84,22 +85,22 @@ def test_pyfuse3_takes_over_the_daemon_path_only_where_the_own_engine_may_not_mo
     ops = Operations(tree, SpaceAccount(None, tree))
     refused = OSError(errno.EPERM, os.strerror(errno.EPERM))
     try:
-        own = engine.make_engine(ops, "daemon")
+        own = engine.make_engine(ops, DataPath.DAEMON, Engine.AUTO)
         assert isinstance(own, KernelSession) and not own.want_passthrough
-        assert isinstance(engine.fallback_engine(own, "auto", refused), engine.Pyfuse3Engine)
-        assert engine.fallback_engine(own, "tierfs", refused) is None  # asked for by name: the error stands
-        assert engine.fallback_engine(own, "auto", OSError(errno.ENODEV, "no /dev/fuse")) is None
-        passthrough = engine.make_engine(ops, "passthrough")
-        assert engine.fallback_engine(passthrough, "auto", refused) is None  # pyfuse3 cannot pass through
+        assert isinstance(engine.fallback_engine(own, Engine.AUTO, refused), engine.Pyfuse3Engine)
+        assert engine.fallback_engine(own, Engine.TIERFS, refused) is None  # asked for by name: the error stands
+        assert engine.fallback_engine(own, Engine.AUTO, OSError(errno.ENODEV, "no /dev/fuse")) is None
+        passthrough = engine.make_engine(ops, DataPath.PASSTHROUGH, Engine.AUTO)
+        assert engine.fallback_engine(passthrough, Engine.AUTO, refused) is None  # pyfuse3 cannot pass through
         passthrough.close(unmount=False)
-        assert isinstance(engine.make_engine(ops, "daemon", "pyfuse3"), engine.Pyfuse3Engine)
+        assert isinstance(engine.make_engine(ops, DataPath.DAEMON, Engine.PYFUSE3), engine.Pyfuse3Engine)
     finally:
         ops.close()
 
 
 def test_this_machine_can_pass_through():
     assert engine.passthrough_obstacle() is None
-    assert engine.choose_data_path("auto") == ("passthrough", None)
+    assert engine.choose_data_path(DataPath.AUTO) == (DataPath.PASSTHROUGH, None)
 
 
 def test_the_daemon_engine_logs_a_reply_the_kernel_dropped_only_at_debug(caplog):

@@ -89,9 +89,8 @@ def planner(ram: RamTier, coordinators: StandInCoordinators, seen: dict[tuple[in
             s.add(rank, step, tier)
         return s
 
-    d = SimpleNamespace(cfg=ram.cfg, rank=ram.rank, steps=ram.steps, snapshots=ram.snapshots,
-                        coordinating=coordinators, view=SimpleNamespace(survey=survey))
-    return RestorePlanner(d)
+    return RestorePlanner(ram.cfg, rank=ram.rank, steps=ram.steps, snapshots=ram.snapshots, space=None, tiers=[],
+                          local=None, view=SimpleNamespace(survey=survey), coordinating=coordinators, started=0.0)
 
 
 # Both ranks hold steps 1 and 2 complete: rank 0 here, rank 1 on its own node.
@@ -188,9 +187,6 @@ async def daemon_told(base: Path, nursery: trio.Nursery, summary: dict) -> Daemo
     d.replicator = Replicator(cfg, d.steps, d.tiers, lambda: 0.0, d.retention_floor)
     for step in (1, 2, 3):
         commit(d.rank.tree, d.steps, step, cfg, manifest=step < 3)
-    from tierfs.pipeline.coordinating import NodeCoordination  # noqa: PLC0415
-
-    d.coordinating = NodeCoordination(d)
     await d.coordinating.join(nursery)
     member = d.coordinating.coordination.member
     for _ in range(5):  # a report that never reached it (a loaded machine): ask the hostile one again

@@ -31,10 +31,10 @@ def planner(coordinators: StandInCoordinators, seen: Survey, start_fresh: bool =
     async def survey(wait: float = 0.0) -> Survey:
         return seen
 
-    d = SimpleNamespace(cfg=SimpleNamespace(rank=0, nodes=nodes, job="job", start_fresh=start_fresh),
-                        coordinating=coordinators, view=SimpleNamespace(survey=survey),
-                        steps=steps if steps is not None else SimpleNamespace(verifiable=list))
-    return RestorePlanner(d)
+    return RestorePlanner(SimpleNamespace(rank=0, nodes=nodes, job="job", start_fresh=start_fresh),
+                          rank=None, steps=steps if steps is not None else SimpleNamespace(verifiable=list),
+                          snapshots=None, space=None, tiers=[], local=None, view=SimpleNamespace(survey=survey),
+                          coordinating=coordinators, started=0.0)
 
 
 # Step 3 of both ranks is on node 1: its own and rank 0's replica.

@@ -66,10 +66,10 @@ import trio
 
 from tierfs.coordination import fields
 from tierfs.coordination.transport import BadMessage, Message, Transport, Unreachable
+from tierfs.coordination.view import GCS
 
 log = logging.getLogger(__name__)
 
-GCS = "gcs"
 FAN_OUT = 4  # nodes one source serves per chunk
 FALLBACKS = 3  # sources tried after the planned one before GCS
 WAIT = 30.0  # longest wait without progress for a node that will have a chunk

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from tierfs.coordination.pairs import rank_step_pairs
 from tierfs.coordination.transport import BadMessage, int_field, int_list
 
-GCS = "gcs"  # the source name of what the GCS listing holds
+GCS = "gcs"  # the source name of what the GCS listing holds, in reports, answers and broadcast plans
 
 MAX_STEPS = 256  # own committed steps in one report
 MAX_REPLICAS = 4096  # (rank, step) replicas in one report
@@ -260,13 +260,11 @@ class HoldingsView:
                 "decisions": self.decisions()[-MAX_DECISIONS:], "complete": self.complete_steps()[-5:],
                 "ranks": len(self._holders)}
 
-    def to_survey(self):
-        """The same holdings as a :class:`tierfs.pipeline.survey.Survey` (for status output and checks)."""
-        from tierfs.pipeline.survey import Survey  # noqa: PLC0415 (cluster imports trio and the GCS glue)
+    def holders_by_rank(self) -> dict[int, dict[int, list[str]]]:
+        """Rank -> step -> sources holding its manifest: what a survey of every source would record."""
+        return {rank: {step: sorted(sources) for step, sources in by_step.items()}
+                for rank, by_step in self._holders.items()}
 
-        survey = Survey()
-        for rank, by_step in self._holders.items():
-            for step, sources in by_step.items():
-                survey.holders.setdefault(rank, {})[step] = sorted(sources)
-        survey.decisions = dict(self._decision)
-        return survey
+    def decision_by_source(self) -> dict[str, int]:
+        """Source -> the step it restored and still runs from."""
+        return dict(self._decision)

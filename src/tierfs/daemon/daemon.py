@@ -1,7 +1,11 @@
-"""The mount daemon: one process per mountpoint, serving one (job, rank); it assembles and runs.
+"""The mount daemon: one process per mountpoint, serving one (job, rank); the composition root.
 
-It builds the RAM tier, the FUSE engine and the other tiers (one line each, in
-:meth:`Daemon._assemble_tiers`), then runs them in one trio nursery.
+It builds the parts of a mount, wires each to the few others it needs (constructor
+arguments and callbacks, in :meth:`Daemon.__init__` and :meth:`Daemon.start`), and runs
+them in one trio nursery (:meth:`Daemon.serve`). No part is handed the daemon itself: the
+RAM tier's pieces, the tiers (:func:`tierfs.daemon.tiers.node_tiers`), the restore
+planner, the job's coordination, the replicator and the multi-tier checkpointing node each
+get what they use.
 
 Start-up order matters: everything that can fail with a user error (ramdisk, lock,
 capacity, mountpoint, the step to restore) is settled before the kernel mount exists, so a
@@ -14,25 +18,24 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import signal
-import socket
-import sys
 import time
 
 import trio
 
-from tierfs.config import Config
+from tierfs.config import Config, DataPath, Engine
 from tierfs.core import linux, mounts
 from tierfs.core.atomic import read_state
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.parse import format_size
-from tierfs.daemon import control, status
+from tierfs.daemon import control, host, status
+from tierfs.daemon.tiers import node_tiers
 from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
 from tierfs.mtc.multitier import MultiTier
+from tierfs.mtc.protocol import MtcNode
 from tierfs.peers.claim import Identity
 from tierfs.peers.network import PeerNetwork
 from tierfs.pipeline.coordinating import NodeCoordination
@@ -47,64 +50,58 @@ from tierfs.ramtier.tmpfs import own_tmpfs
 from tierfs.store import server as peer_server
 from tierfs.store.replicas import ReplicaStore
 from tierfs.tiers.base import Tier, by_cost
-from tierfs.tiers.disk import DiskTier
 from tierfs.tiers.local import LocalTier, OwnSteps
-from tierfs.tiers.peer import PeerTier, peer_tiers
+from tierfs.tiers.peer import PeerTier
 
 log = logging.getLogger("tierfs")
 
-READ_AHEAD_KB = 1024  # the kernel's default of 128 KiB halves sequential read speed
 SPILL_AT = 0.75  # RAM is short past this share of the capacity: steps on --disk may leave it
 
 
 class Daemon:
-    """One mount: the RAM tier, the FUSE engine, the tiers, and the tasks that run them.
-
-    What it assembles is used by modules of their own: :mod:`tierfs.pipeline.planning` chooses and
-    prepares the step to restore, :mod:`tierfs.mtc.multitier` follows the job's
-    ``replicator.yaml``, :mod:`tierfs.daemon.status` and :mod:`tierfs.daemon.control` answer the control
-    socket.
-    """
+    """One mount: the RAM tier, the FUSE engine, the tiers, and the tasks that run them."""
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
+        self.started = time.time()
         self.rank = RankDir(cfg.rank_dir)
         self.registration = mounts.Registration(cfg.mountpoint)
         self.space = SpaceAccount(cfg.capacity, self.rank.tree)
         self.ops: Operations | None = None
         self.engine = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
-        self.data_path = "daemon"
+        self.data_path: DataPath | None = None  # chosen at start
         self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked,
                                    lambda st: self.space.update(st))  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
         self.identity = Identity.create(cfg.ramdisk)  # who serves this rank, in the peer service's info
         self.network: PeerNetwork | None = (PeerNetwork(cfg, identity=self.identity)
                                             if cfg.peers or cfg.peer_dns else None)
-        self.replica_store: ReplicaStore | None = None
-        self.coordinating: NodeCoordination | None = None  # with a peer service and peers (start)
+        self.replica_store: ReplicaStore | None = None  # with a peer service (start)
         self.local = LocalTier(None, OwnSteps(
             cfg.rank, steps=lambda: sorted(self.steps.states), find=self.find, manifest=self._own_manifest,
-            restore_step=lambda: self.planner.announced_step(), report=self._ram_report))
-        self.tiers: list[Tier] = []  # every tier but this node's RAM, cheapest first (start)
+            restore_step=self._restore_step, report=self._ram_report))
+        self.tiers: list[Tier] = [self.local]  # every tier of this node, cheapest first; the rest at start
         self.view = ClusterView(cfg.nodes, self.tiers, self.local)
-        self.planner = RestorePlanner(self)
-        self.multitier = MultiTier(self)
+        self.coordinating = (NodeCoordination(cfg, self.network, self.steps, self.tiers, self._replicas,
+                                              self._restore_step)
+                             if cfg.listen and self.network is not None else None)
+        self.planner = RestorePlanner(cfg, rank=self.rank, steps=self.steps, snapshots=self.snapshots,
+                                      space=self.space, tiers=self.tiers, local=self.local, view=self.view,
+                                      coordinating=self.coordinating, started=self.started)
+        self.multitier = MultiTier(cfg, self.rank, self.steps, self.planner, self.view,
+                                   restore=lambda: self.restore, reconfigure=self._reconfigure)
+        self.mtc: MtcNode | None = None  # the job's multi-tier checkpointing files, unless read-only (start)
         self.replicator: Replicator | None = None
         self.restore: Restore | None = None
         self.mounted = False
         self.ready = False
         self._warnings: list[str] = []
-        self.started = time.time()
         self._signalled = False
-
-    @property
-    def mtc(self):
-        return self.multitier.node
 
     def start(self) -> None:
         """Validate and claim the rank; raises UserError, with nothing mounted yet."""
         cfg = self.cfg
-        _raise_fd_limit()
+        host.raise_fd_limit()
         linux.keep_heap_memory()
         # Modes of the job's files arrive from the kernel with the caller's umask applied, so
         # the daemon's own umask is 0 and everything it creates for itself passes an explicit,
@@ -120,14 +117,14 @@ class Daemon:
         self.steps.load()
         cfg.manifest_keys  # stretch the secret once, before any peer or manifest needs its keys
         if cfg.listen:
-            _check_listen(cfg.listen)
+            host.check_listen(cfg.listen)
             self.replica_store = self.local.store = ReplicaStore(
-                self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self,
+                self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self.local.own,
                 keep_from=self.retention_floor,
             )
-            if self.network is not None:
-                self.coordinating = NodeCoordination(self)
-        self.tiers = self.view.tiers = self._assemble_tiers()
+        self.tiers[:] = node_tiers(  # in place: the parts built above hold this list
+            cfg, self.local, self.network, keep_from=self.retention_floor, warn=self._warn,
+            restorable_without_gcs=bool(self.steps.states) or self.network is not None or cfg.disk is not None)
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
         if self.replica_store is not None:
@@ -141,30 +138,32 @@ class Daemon:
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
-                                     self.retention_floor if self.tiers or self.network else None,
+                                     self.retention_floor if self._beyond_ram() or self.network else None,
                                      self._ram_short)
         if not cfg.read_only:
-            self.multitier.start()
+            self.mtc = self.multitier.start()
+            self.replicator.dropped = self.mtc.forget
 
-    def _assemble_tiers(self) -> list[Tier]:
-        """Every tier of the mount but its RAM, one line each; the policy code loops over them."""
-        cfg, tiers = self.cfg, []
-        if cfg.disk is not None:
-            tiers.append(DiskTier.open_for(cfg, keep_from=self.retention_floor))
+    def _beyond_ram(self) -> bool:
+        """Whether this node has a tier besides its RAM: something to restore from and put steps on."""
+        return any(t is not self.local for t in self.tiers)
+
+    def _reconfigure(self, cfg: Config) -> None:
+        """The job changed its shape (its replicator.yaml): every part follows the new configuration."""
+        self.cfg = self.planner.cfg = cfg
+        self.view.nodes = cfg.nodes
+        if self.coordinating is not None:
+            self.coordinating.reconfigure(cfg)
         if self.network is not None:
-            tiers += peer_tiers(self.network)
-        if cfg.gcs is not None:
-            tiers.append(self._open_gcs())
-        for tier in tiers:
-            tier.configure(cfg)
-        return tiers
+            self.network.cfg = cfg
+        self.replicator.reconfigure(cfg)  # and every tier's configuration
 
     def _follow_peers(self) -> None:
         """Give each peer the network knows a tier: a DNS name can add peers after the start."""
-        known = {t.address for t in self.tiers if isinstance(t, PeerTier)}
+        known = {t.address for t in self.tiers if t.address is not None}
         new = [PeerTier(self.network, a) for a in self.network.cfg.peers if a not in known]
         if new:
-            self.tiers[:] = by_cost(self.tiers + new)  # in place: the cluster view shares the list
+            self.tiers[:] = by_cost(self.tiers + new)  # in place: the parts built at start share the list
             self.replicator.add_tiers(new)
         if self.coordinating is not None:
             self.coordinating.follow()
@@ -192,45 +191,25 @@ class Daemon:
         """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
         cfg = self.cfg
         try:
-            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != "pyfuse3" else "daemon")
+            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != Engine.PYFUSE3 else DataPath.DAEMON)
         except ValueError as e:
             raise UserError(f"--data-path passthrough is impossible here: {e}; "
                             "use --data-path auto or daemon") from None
-        if self.data_path == "passthrough" and cfg.capacity is not None:
+        if self.data_path == DataPath.PASSTHROUGH and cfg.capacity is not None:
             if own_tmpfs(self.rank.path, cfg.capacity):
                 # The kernel enforces the capacity; the account follows that file system.
-                self.space = SpaceAccount(None, self.rank.tree)
-            elif cfg.data_path == "passthrough":
+                self.space = self.planner.space = SpaceAccount(None, self.rank.tree)
+            elif cfg.data_path == DataPath.PASSTHROUGH:
                 raise UserError(f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
                                 "cannot bind passthrough writes: use --data-path daemon, or move the data")
             else:
-                self.data_path = "daemon"
+                self.data_path = DataPath.DAEMON
                 why = (f"{self.rank.path} already holds data outside a tmpfs of its own, "
                        "so --capacity is enforced by the daemon")
         if why is None:
             log.info("data path: passthrough (the kernel reads and writes the RAM tier directly)")
         else:
             log.info("data path: daemon (%s)", why)
-
-    def _open_gcs(self) -> Tier:
-        """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
-        from tierfs.tiers.gcs import GcsTier  # slow import: only when used
-        from tierfs.tiers.gcs_http import GcsUnavailable
-
-        cfg = self.cfg
-        sealing = cfg.manifest_keys
-        if sealing is None:
-            self._warn(f"GCS manifests in {cfg.gcs} are not authenticated without the job's secret: whoever can "
-                       "write to the bucket can choose what restores; set TIERFS_SECRET or --secret-file")
-        tier = GcsTier(cfg.gcs, cfg.job, keys=sealing)
-        try:
-            tier.check()
-        except GcsUnavailable as e:
-            if not self.steps.states and not self.network and cfg.disk is None:
-                raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
-                                "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
-            self._warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
-        return tier
 
     def _warn(self, message: str) -> None:
         log.warning("%s", message)
@@ -261,6 +240,13 @@ class Daemon:
         except (OSError, UserError):
             return None
 
+    def _restore_step(self) -> int | None:
+        return self.planner.announced_step()
+
+    def _replicas(self) -> list[tuple[int, int]]:
+        """The (rank, step) manifests this node keeps for others."""
+        return self.replica_store.manifests() if self.replica_store is not None else []
+
     def _ram_report(self) -> dict:
         return {"path": str(self.rank.tree), "tmpfs": self.rank.is_tmpfs(), "capacity": self.space.capacity,
                 "capacity_bounded": self.cfg.capacity is not None, "used": self.space.used}
@@ -277,7 +263,7 @@ class Daemon:
         return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
                 "data_parallel": self.cfg.data_parallel,
                 "free": max(0, self.space.capacity - self.space.used),
-                "steps": sorted(self.steps.states), "restore_step": self.planner.announced_step(),
+                "steps": sorted(self.steps.states), "restore_step": self._restore_step(),
                 **self.identity.info()}
 
     def _unlinked(self, st: os.stat_result) -> None:
@@ -330,7 +316,7 @@ class Daemon:
                     self._follow_peers()
                 if self.coordinating is not None:
                     await self.coordinating.join(nursery)
-                if self.tiers:
+                if self._beyond_ram():
                     self.restore = await self.planner.plan()
                     if self.restore is not None:
                         self.ops.restoring = self.restore
@@ -350,23 +336,29 @@ class Daemon:
         nursery.start_soon(self.replicator.run)
         if self.mtc is not None:
             nursery.start_soon(self.mtc.run)
-        if self.tiers or self.network:
+        if self._beyond_ram() or self.network:
             nursery.start_soon(self._watch_cluster)
         if self.restore is not None:
             await nursery.start(self.restore.run)
-        answers = control.Answers(lambda: status.report(self), self._commit)
+        answers = control.Answers(self._status, self._commit)
         await nursery.start(control.serve, self.registration.socket_path, answers)
         nursery.start_soon(self._fuse_main, nursery.cancel_scope)
         # The first request through the mount completes the kernel's INIT handshake,
         # which resets the read-ahead; set it after, and only then call the mount ready.
         await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
-        _set_read_ahead(self.cfg.mountpoint)
+        host.set_read_ahead(self.cfg.mountpoint)
         for warning in unanswered([name.removeprefix("peer ") for name in self.planner.missing]):
             self._warn(warning)
         self.ready = True
-        _report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
+        host.report(ready_fd, "\n".join(["ok", *(f"warning: {w}" for w in self._warnings)]))
         if self.restore is not None:
             self.restore.mounted.set()
+
+    def _status(self) -> dict:
+        cluster = status.cluster(self.coordinating, self.view, self.planner.restore_step, self.retention_floor)
+        return status.report(self.cfg, started=self.started, ops=self.ops, engine=self.engine, steps=self.steps,
+                             local=self.local, tiers=self.tiers, replicator=self.replicator, network=self.network,
+                             restore=self.restore, mtc=self.mtc, cluster=cluster)
 
     def _commit(self, path: str, step: int | None) -> dict:
         """``tierfs commit``: what was written before the command is part of the step."""
@@ -422,7 +414,7 @@ class Daemon:
 
 def run(cfg: Config, ready_fd: int | None = None) -> int:
     """Run a daemon in this process until unmounted; report readiness on ``ready_fd``."""
-    _setup_logging(cfg)
+    host.setup_logging(cfg)
     daemon = Daemon(cfg)
     try:
         daemon.start()
@@ -433,65 +425,16 @@ def run(cfg: Config, ready_fd: int | None = None) -> int:
         if ready_fd is None:
             raise
         log.error("%s", e)  # before the report, so the log is complete when the caller looks
-        _report(ready_fd, f"error: {e}")
+        host.report(ready_fd, f"error: {e}")
         return 1
     except Exception as e:
         if daemon.ready:
             raise
         log.exception("start-up failed")
-        _report(ready_fd, f"error: daemon failed to start: {e} (log: {daemon.registration.log_path})")
+        host.report(ready_fd, f"error: daemon failed to start: {e} (log: {daemon.registration.log_path})")
         if ready_fd is None:
             raise UserError(f"daemon failed to start: {e}") from None
         return 1
     finally:
         daemon.stop()
     return 0
-
-
-def _report(fd: int | None, message: str) -> None:
-    if fd is not None:
-        try:
-            os.write(fd, message.encode() + b"\n")
-            os.close(fd)
-        except OSError:
-            pass
-
-
-def _setup_logging(cfg: Config) -> None:
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
-    )
-
-
-def _raise_fd_limit() -> None:
-    """One O_PATH descriptor per inode the kernel caches: allow as many as the host does."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
-    except (ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-
-
-def _check_listen(address: tuple[str, int]) -> None:
-    """Fail before mounting if the peer service could not listen (the server binds it later)."""
-    try:
-        with socket.create_server(address, reuse_port=False) as _:
-            pass
-    except OSError as e:
-        raise UserError(f"cannot listen on {address[0]}:{address[1]} for peers "
-                        f"({e.strerror or e}): pick a free --listen address") from None
-
-
-def _set_read_ahead(mountpoint) -> None:
-    # Never stat() the mountpoint here: the request would wait for this very daemon.
-    entry = mounts.find_mount(mountpoint)
-    try:
-        if entry is None:
-            raise OSError("not in the mount table")
-        minor = entry.minor
-        with open(f"/sys/class/bdi/0:{minor}/read_ahead_kb", "w") as f:
-            f.write(str(READ_AHEAD_KB))
-    except OSError as e:  # not fatal: only slower reads
-        log.warning("could not raise read-ahead of %s: %s", mountpoint, e)

@@ -11,71 +11,88 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from tierfs.tiers.base import Lane
+
 if TYPE_CHECKING:
-    from tierfs.daemon.daemon import Daemon
-    from tierfs.ramtier.steps import StepState
+    from tierfs.config import Config
+    from tierfs.fs import Operations
+    from tierfs.mtc.protocol import MtcNode
+    from tierfs.peers.network import PeerNetwork
+    from tierfs.pipeline.coordinating import NodeCoordination
+    from tierfs.pipeline.replicator import Replicator
+    from tierfs.pipeline.restore import Restore
+    from tierfs.pipeline.survey import ClusterView
+    from tierfs.ramtier.steps import Steps, StepState
+    from tierfs.tiers.base import Tier
+    from tierfs.tiers.local import LocalTier
 
-LEGACY_LANES = ("gcs", "peers")  # lanes ``tierfs status`` always names, None when absent
+# The lanes ``tierfs status`` has always shown, None when absent, and whose copies of a
+# step it shows as ``backup`` and ``replicas``.
+BACKUP, REPLICAS = Lane.GCS, Lane.PEERS
 
 
-def report(d: Daemon) -> dict:
-    cfg, ops = d.cfg, d.ops
+def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps, local: LocalTier,
+           tiers: Sequence[Tier], replicator: Replicator, network: PeerNetwork | None, restore: Restore | None,
+           mtc: MtcNode | None, cluster: dict | None) -> dict:
+    """The whole status: ``tiers`` is every tier of the node, ``local`` (its RAM, shown as ``ram``) among them."""
     ops.writes_done()  # what is written now is what is used
-    lanes = {lane: None for lane in LEGACY_LANES} | d.replicator.status()
-    if lanes["peers"] is None and d.network is not None:  # peers named by DNS, none found yet
-        lanes["peers"] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas,
-                          "known": d.network.status()}
+    lanes = {BACKUP: None, REPLICAS: None} | replicator.status()
+    if lanes[REPLICAS] is None and network is not None:  # peers named by DNS, none found yet
+        lanes[REPLICAS] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas,
+                           "known": network.status()}
     return {
         "mountpoint": str(cfg.mountpoint),
         "pid": os.getpid(),
         "job": cfg.job,
         "rank": cfg.rank,
         "nodes": cfg.nodes,
-        "uptime_s": round(time.time() - d.started, 1),
-        "tiers": {"ram": d.local.report(), **{t.name: t.report() for t in d.tiers}},
-        "fuse": {"engine": d.engine.name, "data_path": d.engine.data_path, "transfer": d.engine.transfer,
-                 "wake_cpus": d.engine.wake_cpus,
+        "uptime_s": round(time.time() - started, 1),
+        "tiers": {"ram": local.report(), **{t.name: t.report() for t in tiers if t is not local}},
+        "fuse": {"engine": engine.name, "data_path": engine.data_path, "transfer": engine.transfer,
+                 "wake_cpus": engine.wake_cpus,
                  "inodes": len(ops.inodes), **ops.counters},
-        "commit_rules": [str(r) for r in d.steps.rules.rules],
-        "steps": [step_report(s) for s in sorted(d.steps.states.values(), key=lambda s: s.step)],
-        "restored": d.restore.status() if d.restore is not None else None,
-        "mtc": d.mtc.status() if d.mtc is not None else None,
-        "cluster": _cluster(d),
-        "lanes": list(d.replicator.lanes),
+        "commit_rules": [str(r) for r in steps.rules.rules],
+        "steps": [step_report(s) for s in sorted(steps.states.values(), key=lambda s: s.step)],
+        "restored": restore.status() if restore is not None else None,
+        "mtc": mtc.status() if mtc is not None else None,
+        "cluster": cluster,
+        "lanes": list(replicator.lanes),
         **lanes,
-        "replicas_held": d.local.replicas_report(),
+        "replicas_held": local.replicas_report(),
     }
 
 
-def _cluster(d: Daemon) -> dict | None:
+def cluster(coordinating: NodeCoordination | None, view: ClusterView, restore_step: int | None,
+            retention_floor: Callable[[], int | None]) -> dict | None:
     """The job as this node knows it: from the coordinators, else from its last survey."""
-    if d.coordinating is not None and d.coordinating.coordination is not None:
-        view = d.coordinating.status()
-    elif d.view.last is not None:
-        view = d.view.last.summary()
+    if coordinating is not None and coordinating.coordination is not None:
+        known = coordinating.status()
+    elif view.last is not None:
+        known = view.last.summary()
     else:
         return None
-    return {**view, "restore_step": d.planner.restore_step, "retention_floor": d.retention_floor()}
+    return {**known, "restore_step": restore_step, "retention_floor": retention_floor()}
 
 
 def step_report(state: StepState) -> dict:
     """A step's state; ``refused`` is why no tier can take its current version (None if one can)."""
     backup, replicas = legacy_copies(state)
-    return {**asdict(state), "backup": backup, "replicas": replicas, "backed_up": state.held_by("gcs"),
+    return {**asdict(state), "backup": backup, "replicas": replicas, "backed_up": state.held_by(BACKUP),
             "refused": state.refusal()}
 
 
 def legacy_copies(state: StepState) -> tuple[dict, dict]:
     """The step's GCS and peer copies as ``backup`` and ``replicas`` (uploaded and deduplicated
     bytes; the peers' addresses)."""
-    backup = dict(state.copies.get("gcs", {}))
+    backup = dict(state.copies.get(BACKUP, {}))
     if backup:
         sent = backup.get("sent_bytes", 0)
         backup.update(uploaded_bytes=sent, dedup_bytes=backup.get("bytes", 0) - sent)
-    replicas = dict(state.copies.get("peers", {}))
+    replicas = dict(state.copies.get(REPLICAS, {}))
     if replicas:
         replicas["peers"] = [name.removeprefix("peer ") for name in replicas.get("tiers", ())]
     return backup, replicas

@@ -26,6 +26,7 @@ import platform
 
 import pyfuse3
 
+from tierfs.config import DataPath, Engine
 from tierfs.fs.session import KernelSession
 
 log = logging.getLogger(__name__)
@@ -61,8 +62,8 @@ class _GoneReplies(logging.Filter):
 class Pyfuse3Engine:
     """pyfuse3's request loop behind the same life cycle as :class:`KernelSession`."""
 
-    name = "pyfuse3"
-    data_path = "daemon"
+    name = Engine.PYFUSE3
+    data_path = DataPath.DAEMON
     wake_cpus = "off (daemon engine)"
     transfer = "writes copied by 1 thread"
     _gone_replies = _GoneReplies()
@@ -115,36 +116,35 @@ def passthrough_obstacle() -> str | None:
     return None
 
 
-def choose_data_path(requested: str) -> tuple[str, str | None]:
-    """The data path for ``requested`` (``auto``, ``passthrough`` or ``daemon``), and why
-    it is not passthrough when it is not.
+def choose_data_path(requested: DataPath) -> tuple[DataPath, str | None]:
+    """The data path for ``requested`` (never ``auto``), and why it is not passthrough when it is not.
 
     Raises ValueError when passthrough is demanded but impossible here.
     """
-    if requested == "daemon":
-        return "daemon", "--data-path daemon was asked for"
+    if requested == DataPath.DAEMON:
+        return DataPath.DAEMON, "--data-path daemon was asked for"
     obstacle = passthrough_obstacle()
     if obstacle is None:
-        return "passthrough", None
-    if requested == "passthrough":
+        return DataPath.PASSTHROUGH, None
+    if requested == DataPath.PASSTHROUGH:
         raise ValueError(obstacle)
-    return "daemon", obstacle
+    return DataPath.DAEMON, obstacle
 
 
-def make_engine(ops, data_path: str, engine: str = "auto", wake_cpus: bool = True):
-    """The engine serving ``ops`` on ``data_path`` (``engine``: auto, tierfs or pyfuse3)."""
-    if engine == "pyfuse3":
+def make_engine(ops, data_path: DataPath, engine: Engine, wake_cpus: bool = True):
+    """The engine serving ``ops`` on ``data_path``, as ``engine`` asks."""
+    if engine == Engine.PYFUSE3:
         return Pyfuse3Engine(ops)
-    if data_path == "passthrough":
+    if data_path == DataPath.PASSTHROUGH:
         return KernelSession(ops, wake_cpus=wake_cpus)
     return KernelSession(ops, want_passthrough=False, wake_cpus=wake_cpus, writers=WRITERS)
 
 
-def fallback_engine(engine, requested: str, error: OSError):
+def fallback_engine(engine, requested: Engine, error: OSError):
     """pyfuse3 in place of ``engine``, the own session, when its ``mount(2)`` was refused
     (no ``CAP_SYS_ADMIN``: pyfuse3 mounts with the setuid helper ``fusermount3``); None when
     that does not apply."""
-    if requested != "auto" or not isinstance(engine, KernelSession) or engine.want_passthrough:
+    if requested != Engine.AUTO or not isinstance(engine, KernelSession) or engine.want_passthrough:
         return None
     if error.errno not in (errno.EPERM, errno.EACCES):
         return None

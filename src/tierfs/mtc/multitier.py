@@ -10,6 +10,7 @@ restore and where it is in the volume (:meth:`MultiTier.restore_target`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -18,20 +19,34 @@ from tierfs.mtc.protocol import MtcNode
 from tierfs.mtc.spec import REPLICATOR, ReplicatorSpec, SpecError
 
 if TYPE_CHECKING:
-    from tierfs.daemon.daemon import Daemon
+    from tierfs.config import Config
+    from tierfs.pipeline.planning import RestorePlanner
+    from tierfs.pipeline.restore import Restore
+    from tierfs.pipeline.survey import ClusterView
+    from tierfs.ramtier import RankDir
+    from tierfs.ramtier.steps import Steps
 
 log = logging.getLogger("tierfs")
 
 
 class MultiTier:
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    """The protocol's node, and what following the job asks of the rest of the daemon.
+
+    ``reconfigure`` makes every part follow a new shape of the job; ``restore`` is the
+    running restore, if any; the ``planner`` and the cluster ``view`` say which step the
+    job should take.
+    """
+
+    def __init__(self, cfg: Config, rank: RankDir, steps: Steps, planner: RestorePlanner, view: ClusterView,
+                 restore: Callable[[], Restore | None], reconfigure: Callable[[Config], None]):
+        self.cfg, self.rank, self.steps, self.planner, self.view = cfg, rank, steps, planner, view
+        self.restore, self.reconfigure = restore, reconfigure
         self.node: MtcNode | None = None
 
-    def start(self) -> None:
+    def start(self) -> MtcNode:
         """Before the mount: clear an earlier pod's protocol files, and follow the spec it left."""
-        d, cfg = self.d, self.d.cfg
-        self.node = MtcNode(d.rank.tree, d.rank.path / "mtc.json", cfg.mountpoint, cfg.rank,
+        cfg = self.cfg
+        self.node = MtcNode(self.rank.tree, self.rank.path / "mtc.json", cfg.mountpoint, cfg.rank,
                             cfg.coordinator, self.apply_spec, self.restore_target)
         spec = self.node.prepare()
         if spec is not None:  # what the job said before this daemon started still holds
@@ -40,11 +55,11 @@ class MultiTier:
             except SpecError as e:
                 log.warning("the job's earlier %s no longer applies: %s", REPLICATOR, e)
                 self.node.spec = None
-        d.replicator.dropped = self.node.forget
+        return self.node
 
     def apply_spec(self, spec: ReplicatorSpec) -> list[str]:
         """Follow the job's replicator.yaml: its shape drives placement, dedup and backups."""
-        d, cfg, warnings = self.d, self.d.cfg, []
+        cfg, warnings = self.cfg, []
         if spec.node_rank != cfg.rank:
             raise SpecError(f"'node-rank' is {spec.node_rank} but this volume holds rank {cfg.rank}'s data "
                             "(tierfs --rank): give the pod the volume of its rank")
@@ -63,29 +78,24 @@ class MultiTier:
             raise SpecError(str(e)) from None
         if cfg.gcs is None:
             warnings.append("this volume has no --gcs: nothing is backed up, whatever the interval")
-        d.cfg = new
-        d.view.nodes = new.nodes
-        if d.coordinating is not None:
-            d.coordinating.resize(new.nodes)
-        if d.network is not None:
-            d.network.cfg = new
-        d.replicator.reconfigure(new)  # and every tier's configuration
+        self.cfg = new
+        self.reconfigure(new)
         return warnings
 
     async def restore_target(self) -> tuple[int, str] | None:
         """The step the job should take, and its root in the volume."""
-        d = self.d
-        step = d.planner.announced_step()
-        if step is None and d.steps.states:
+        step = self.planner.announced_step()
+        if step is None and self.steps.states:
             # The job moved on since this daemon started: the newest step every rank can restore.
-            survey = await d.view.survey(wait=d.planner.survey_wait())
-            step = survey.choose(d.cfg.rank)
+            survey = await self.view.survey(wait=self.planner.survey_wait())
+            step = survey.choose(self.cfg.rank)
         if step is None:
             return None
-        if d.restore is not None and d.restore.step == step:
-            roots = d.restore.manifest.roots
-        elif step in d.steps.states:
-            roots = d.steps.states[step].roots
+        restore = self.restore()
+        if restore is not None and restore.step == step:
+            roots = restore.manifest.roots
+        elif step in self.steps.states:
+            roots = self.steps.states[step].roots
         else:
             raise SpecError(f"step {step}, the newest every rank can restore, is not on this node; "
                             "restart the volume (tierfs mount) to restore it")

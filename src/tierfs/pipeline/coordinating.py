@@ -20,6 +20,7 @@ they are written and verified.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -38,10 +39,12 @@ from tierfs.peers.placement import twins
 from tierfs.pipeline.survey import Survey
 from tierfs.tiers.base import Tier, TierError, TierUnavailable
 from tierfs.tiers.fetch import ChunkSources
-from tierfs.tiers.peer import PeerTier, peer_name
+from tierfs.tiers.peer import peer_name
 
 if TYPE_CHECKING:
-    from tierfs.daemon.daemon import Daemon
+    from tierfs.config import Config
+    from tierfs.peers.network import PeerNetwork
+    from tierfs.ramtier.steps import Steps
 
 log = logging.getLogger("tierfs")
 
@@ -50,12 +53,19 @@ CHANGES = 0.5  # seconds between looks at this node's holdings: a change is repo
 
 
 class NodeCoordination:
-    """Reporting, coordinating and broadcast restores for one daemon (built when it has a peer service)."""
+    """Reporting, coordinating and broadcast restores for one node (built when it has a peer service).
 
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
-        self.address = peer_name(daemon.cfg.listen)
-        self.transport = PeerTransport(self.address, daemon.network.connect)
+    What it reports comes from ``steps`` (this rank's committed steps), ``tiers`` (every tier
+    of this node, a list the daemon keeps current), ``replicas`` (the (rank, step) manifests
+    it keeps for others) and ``restore_step`` (the step it restored and runs from).
+    """
+
+    def __init__(self, cfg: Config, network: PeerNetwork, steps: Steps, tiers: Sequence[Tier],
+                 replicas: Callable[[], Iterable[tuple[int, int]]], restore_step: Callable[[], int | None]):
+        self.cfg, self.network, self.steps, self.tiers = cfg, network, steps, tiers
+        self.replicas, self.restore_step = replicas, restore_step
+        self.address = peer_name(cfg.listen)
+        self.transport = PeerTransport(self.address, network.connect)
         self.board = broadcast.ChunkBoard()  # the running restore's chunks, for twins that wait on them
         self.coordination: Coordination | None = None
         self.decision: Decision | None = None
@@ -66,12 +76,12 @@ class NodeCoordination:
 
     async def join(self, nursery: trio.Nursery) -> None:
         """Start reporting and coordinating, once the peers are known (after PeerNetwork.join)."""
-        cfg = self.d.cfg
-        gcs = next((t for t in self.d.tiers if t.name == GCS), None)
+        cfg = self.cfg
+        bucket = next((t for t in self.tiers if t.shared), None)
         list_gcs = None
-        if gcs is not None:
+        if bucket is not None:
             prefixes = listing_prefixes(cfg.nodes)
-            list_gcs = lambda: list_sharded(gcs.list_manifests_under, prefixes)  # noqa: E731
+            list_gcs = lambda: list_sharded(bucket.list_manifests_under, prefixes)  # noqa: E731
         self.coordination = Coordination(
             self.address, candidates(cfg.job, self.members()), self.transport, self.holdings,
             nodes=cfg.nodes, list_gcs=list_gcs, interval=cfg.survey_interval)
@@ -95,19 +105,20 @@ class NodeCoordination:
             last = now
 
     def members(self) -> list[str]:
-        return [peer_name(a) for a in self.d.network.cfg.peers] + [self.address]
+        return [peer_name(a) for a in self.network.cfg.peers] + [self.address]
 
     def follow(self) -> None:
         """The peers changed (a DNS name found more): every node orders the new set the same way."""
         if self.coordination is not None:
             members = self.members()
             if set(members) != self.coordination.coordinator.members:
-                self.coordination.set_order(candidates(self.d.cfg.job, members))
+                self.coordination.set_order(candidates(self.cfg.job, members))
 
-    def resize(self, nodes: int) -> None:
-        """The job's size changed (replicator.yaml): reports are checked, and the floor counted, over ``nodes``."""
+    def reconfigure(self, cfg: Config) -> None:
+        """The job's shape changed (replicator.yaml): reports are checked, and the floor counted, over its nodes."""
+        self.cfg = cfg
         if self.coordination is not None:
-            self.coordination.coordinator.view.set_nodes(nodes)
+            self.coordination.coordinator.view.set_nodes(cfg.nodes)
 
     async def handle(self, source: str, message: Message) -> Message:
         """The peer service's coordination requests (``source``: the sender's listen address)."""
@@ -122,37 +133,37 @@ class NodeCoordination:
 
     def _heard(self, source: str, message: Message) -> None:
         """A peer that sends requests is up (for ``tierfs status``; no survey asks it any more)."""
-        peers = self.d.network.cfg.peers
+        peers = self.network.cfg.peers
         if self._peers[0] is not peers:
             self._peers = (peers, {peer_name(a): a for a in peers})
         address = self._peers[1].get(source)
         if address is not None:
             report = message.get("report")
             rank = report.get("rank") if isinstance(report, dict) else None
-            self.d.network.mark(address, "up", rank=rank if type(rank) is int else None)
+            self.network.mark(address, "up", rank=rank if type(rank) is int else None)
 
     def holdings(self) -> Holdings:
         """What this node reports: its own steps (in RAM or on a tier beside it), replicas, the step it runs from."""
-        d, rank = self.d, self.d.cfg.rank
-        own = set(d.steps.states)
-        for tier in d.tiers:
+        rank, states = self.cfg.rank, self.steps.states
+        own = set(states)
+        for tier in self.tiers:
             if tier.spill:
                 own.update(s for r, s in tier.held() if r == rank)
-        replicas = tuple(d.replica_store.manifests()) if d.replica_store is not None else ()
-        backed = tuple(sorted(s for s, state in d.steps.states.items() if state.held_by(GCS)))
-        return Holdings(rank, tuple(sorted(own)), replicas, d.planner.announced_step(), tuple(d.cfg.topology),
-                        backed=backed)
+        shared = {t.lane for t in self.tiers if t.shared}  # a step there counts for the whole job at once
+        backed = tuple(sorted(s for s, state in states.items() if any(state.held_by(lane) for lane in shared)))
+        return Holdings(rank, tuple(sorted(own)), tuple(self.replicas()), self.restore_step(),
+                        tuple(self.cfg.topology), backed=backed)
 
     # -- the decision at start -------------------------------------------------------------
 
     def twins(self) -> list[int]:
-        cfg = self.d.cfg
+        cfg = self.cfg
         same = set(cfg.peer_ranks) if cfg.peer_ranks is not None else twins(cfg.rank, cfg.nodes, cfg.data_parallel)
         return sorted(same - {cfg.rank})
 
     async def decide(self, exclude: tuple[str, ...] = ()) -> tuple[Survey, int | None] | None:
         """The step to restore and who holds it, as a coordinator (not in ``exclude``) answers; None if none did."""
-        cfg = self.d.cfg
+        cfg = self.cfg
         decision = await self.coordination.member.decide(cfg.rank, self.twins(), wait=cfg.restore_wait,
                                                          exclude=exclude)
         if decision.coordinator is None:
@@ -172,11 +183,12 @@ class NodeCoordination:
         return survey, decision.step
 
     def _tier_names(self, holder: str) -> list[str]:
+        """The tiers of this node that reach what the coordinators say ``holder`` (a node, or GCS) holds."""
         if holder == GCS:
-            return [GCS]
+            return [t.name for t in self.tiers if t.shared]
         if holder == self.address:  # a step of this node's own: on a tier beside its RAM
-            return [t.name for t in self.d.tiers if t.spill]
-        return [f"peer {holder}"]
+            return [t.name for t in self.tiers if t.spill]
+        return [t.name for t in self.tiers if t.address is not None and peer_name(t.address) == holder]
 
     def settled(self, nursery: trio.Nursery) -> None:
         """The restore is planned: twins waiting for chunks this node does not plan to fetch stop
@@ -202,8 +214,8 @@ class NodeCoordination:
 
     def sources(self, step: int, manifest: Manifest, holders: list[Tier], local: Tier) -> ChunkSources:
         """Where the restore of ``step`` reads its chunks: planned with the twins when only GCS holds it."""
-        decision, rank = self.decision, self.d.cfg.rank
-        if decision is None or decision.step != step or any(t.name != GCS for t in holders):
+        decision, rank = self.decision, self.cfg.rank
+        if decision is None or decision.step != step or not all(t.shared for t in holders):
             return ChunkSources([local, *holders])
         group = [rank, *self.twins()]
         needing = decision.needing(group, step)
@@ -218,12 +230,12 @@ class NodeCoordination:
         mine = plan[self.address]
         log.info("step %d: restoring with %d twin(s); %d of %d chunks from GCS here, the rest from twins",
                  step, len(needs) - 1, len(mine.from_gcs()), len(mine.order))
-        gcs = next(t for t in holders if t.name == GCS)
-        return PlannedSources([local, *holders], self, mine, gcs)
+        bucket = next(t for t in holders if t.shared)
+        return PlannedSources([local, *holders], self, mine, bucket)
 
-    def peer_tier(self, address: str) -> PeerTier:
-        for tier in self.d.tiers:
-            if isinstance(tier, PeerTier) and peer_name(tier.address) == address:
+    def peer_tier(self, address: str) -> Tier:
+        for tier in self.tiers:
+            if tier.address is not None and peer_name(tier.address) == address:
                 return tier
         raise Unreachable(f"{address} is not a peer of this node")
 

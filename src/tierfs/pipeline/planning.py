@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from tierfs.core.atomic import UnsafeFile, read_state
@@ -25,12 +26,16 @@ from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.parse import format_size
 from tierfs.pipeline.namespace import link_into_tree, set_aside
 from tierfs.pipeline.restore import Origin, Restore, fetch_manifest, restoring_steps
-from tierfs.pipeline.survey import Survey
+from tierfs.pipeline.survey import ClusterView, Survey
 from tierfs.tiers.base import Tier
 from tierfs.tiers.fetch import ChunkSources
 
 if TYPE_CHECKING:
-    from tierfs.daemon.daemon import Daemon
+    from tierfs.config import Config
+    from tierfs.pipeline.coordinating import NodeCoordination
+    from tierfs.ramtier import RankDir, SpaceAccount
+    from tierfs.ramtier.snapshots import Snapshots
+    from tierfs.ramtier.steps import Steps
 
 log = logging.getLogger("tierfs")
 
@@ -38,22 +43,33 @@ SELF_CHECK_NODES = 64  # up to this many nodes, a start holds the coordinators' 
 
 
 class RestorePlanner:
-    def __init__(self, daemon: Daemon):
-        self.d = daemon
+    """The choice of the step to restore, and the restore that presents it.
+
+    ``tiers`` is every tier of this node (a list the daemon keeps current); ``local`` is the
+    one among them that is this node's RAM, where a restore looks for a chunk first.
+    ``coordinating`` asks the job's coordinators (None: survey ``view`` instead).
+    """
+
+    def __init__(self, cfg: Config, *, rank: RankDir, steps: Steps, snapshots: Snapshots, space: SpaceAccount,
+                 tiers: Sequence[Tier], local: Tier, view: ClusterView, coordinating: NodeCoordination | None,
+                 started: float):
+        self.cfg, self.rank, self.steps, self.snapshots, self.space = cfg, rank, steps, snapshots, space
+        self.tiers, self.local, self.view, self.coordinating = tiers, local, view, coordinating
+        self.started = started  # steps committed after this mean the job moved past the restored one
         self.restore_step: int | None = None  # the step chosen at start, announced to peers
         self.missing: list[str] = []  # the nodes' tiers that had not answered when the step was chosen
 
     def announced_step(self) -> int | None:
         """The step chosen at start, until the job commits a newer one (then it has moved on)."""
         chosen = self.restore_step
-        if chosen is None or any(s.step > chosen and s.committed_at > self.d.started
-                                 for s in self.d.steps.states.values()):
+        if chosen is None or any(s.step > chosen and s.committed_at > self.started
+                                 for s in self.steps.states.values()):
             return None
         return chosen
 
     def survey_wait(self) -> float:
         """How long a survey waits for silent nodes: ``--restore-wait`` when other nodes are tiers."""
-        return self.d.cfg.restore_wait if any(t.awaited for t in self.d.tiers) else 0.0
+        return self.cfg.restore_wait if any(t.awaited for t in self.tiers) else 0.0
 
     async def plan(self) -> Restore | None:
         """Choose the step the whole job restores, and present this rank's files of it.
@@ -61,21 +77,21 @@ class RestorePlanner:
         Returns the restore to run once mounted, or None when the step is here already (or
         there is none). Raises UserError when the step cannot be restored here.
         """
-        d, cfg = self.d, self.d.cfg
+        cfg, steps = self.cfg, self.steps
         survey, step = await self.choose()
         self.restore_step, self.missing = step, survey.missing
-        for unfinished in restoring_steps(d.steps):
+        for unfinished in restoring_steps(steps):
             if unfinished != step:
                 self.abandon(unfinished)
         if step is None:
             log.info("no tier holds a step complete for every rank of %s: starting from what is here", cfg.job)
             return None
-        for newer in sorted(s for s in d.steps.states if s > step):
-            for root in d.steps.states[newer].roots:  # other ranks cannot restore it: hide it
-                set_aside(d.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
-        if step in d.steps.states:
-            for root in d.steps.states[step].roots:
-                link_into_tree(d.rank, d.snapshots.step_tree(step), root,
+        for newer in sorted(s for s in steps.states if s > step):
+            for root in steps.states[newer].roots:  # other ranks cannot restore it: hide it
+                set_aside(self.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
+        if step in steps.states:
+            for root in steps.states[step].roots:
+                link_into_tree(self.rank, self.snapshots.step_tree(step), root,
                                f"it is in the way of step {step}", keep=True)
             log.info("step %d, the newest complete for every rank, is here already", step)
             return None
@@ -85,17 +101,17 @@ class RestorePlanner:
             return None
         manifest = await fetch_manifest(cfg, step, holders)
         needed = manifest.nonzero_bytes() - self.already_restored(step)
-        if cfg.capacity is not None and d.space.used + needed > cfg.capacity:
+        if cfg.capacity is not None and self.space.used + needed > cfg.capacity:
             raise UserError(
                 f"step {step} of rank {cfg.rank} needs {format_size(needed)} more, but only "
-                f"{format_size(max(0, cfg.capacity - d.space.used))} of --capacity {format_size(cfg.capacity)} "
+                f"{format_size(max(0, cfg.capacity - self.space.used))} of --capacity {format_size(cfg.capacity)} "
                 "is free: raise the capacity"
             )
-        if d.coordinating is not None:  # with twins restoring it from GCS too, a shared plan
-            sources = d.coordinating.sources(step, manifest, holders, d.local)
+        if self.coordinating is not None:  # with twins restoring it from GCS too, a shared plan
+            sources = self.coordinating.sources(step, manifest, holders, self.local)
         else:
-            sources = ChunkSources([d.local, *holders])  # this node's own copies of a chunk come first
-        restore = Restore(cfg, d.rank, d.steps, d.space, manifest, sources, Origin(holders))
+            sources = ChunkSources([self.local, *holders])  # this node's own copies of a chunk come first
+        restore = Restore(cfg, self.rank, steps, self.space, manifest, sources, Origin(holders))
         restore.prepare()
         for h in restore.done_chunks():  # written before a restart: twins may take them from here
             sources.arrived(h)
@@ -103,14 +119,13 @@ class RestorePlanner:
 
     async def choose(self) -> tuple[Survey, int | None]:
         """Who holds what, and the step to restore: the coordinators' answer, else a survey of every tier."""
-        d = self.d
-        if d.coordinating is not None:
-            answered = await d.coordinating.decide()
+        if self.coordinating is not None:
+            answered = await self.coordinating.decide()
             if answered is not None:
                 return await self.cross_check(*answered)
             log.warning("no coordinator answered: surveying every node instead")
-        survey = await d.view.survey(wait=self.survey_wait())
-        return survey, survey.choose(d.cfg.rank)
+        survey = await self.view.survey(wait=self.survey_wait())
+        return survey, survey.choose(self.cfg.rank)
 
     async def cross_check(self, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
         """Hold the coordinators' answer against what this node sees itself before following it.
@@ -126,15 +141,15 @@ class RestorePlanner:
         Then, whatever the job's size, an answer older than a step this node holds complete
         itself is not followed on one coordinator's word (:meth:`keep_newer_here`).
         """
-        own = await self.d.view.survey() if self.d.cfg.nodes <= SELF_CHECK_NODES else None
-        mine = own.choose(self.d.cfg.rank) if own is not None else None  # before the answer's claims count
+        own = await self.view.survey() if self.cfg.nodes <= SELF_CHECK_NODES else None
+        mine = own.choose(self.cfg.rank) if own is not None else None  # before the answer's claims count
         if own is not None:
             survey, step = await self._check_seen(own, survey, step)
         return await self.keep_newer_here(survey, step, mine)
 
     async def _check_seen(self, own: Survey, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
-        d, cfg = self.d, self.d.cfg
-        first = d.coordinating.decision
+        cfg, coordinating = self.cfg, self.coordinating
+        first = coordinating.decision
         seen = self._seen(own, first.summary)
         if seen is None or (step is not None and step >= seen):
             return survey, step
@@ -142,11 +157,11 @@ class RestorePlanner:
         log.warning("coordinator %s chose step %s, but step %d is complete for every rank on the tiers this "
                     "node reaches (rank %d's on %s): asking another coordinator",
                     first.coordinator, step, seen, cfg.rank, where)
-        second = await d.coordinating.decide(exclude=(first.coordinator,))
+        second = await coordinating.decide(exclude=(first.coordinator,))
         if second is not None and second[1] is not None and second[1] >= seen:
             log.warning("coordinators disagree: %s chose step %s, %s chose step %s: following %s",
-                        first.coordinator, step, d.coordinating.decision.coordinator, second[1],
-                        d.coordinating.decision.coordinator)
+                        first.coordinator, step, coordinating.decision.coordinator, second[1],
+                        coordinating.decision.coordinator)
             return second
         if cfg.start_fresh:
             log.warning("step %d is complete for every rank (rank %d's on %s), but the coordinators chose "
@@ -171,18 +186,18 @@ class RestorePlanner:
         go to ``aside/``, its snapshot stays until retention, which keeps the newest step
         this node holds complete (:meth:`tierfs.daemon.daemon.Daemon.retention_floor`).
         """
-        d, cfg = self.d, self.d.cfg
-        here = max(d.steps.verifiable(), default=None)
+        cfg, coordinating = self.cfg, self.coordinating
+        here = max(self.steps.verifiable(), default=None)
         if here is None or step is None or step >= here or mine == step:
             return survey, step
-        first = d.coordinating.decision.coordinator
+        first = coordinating.decision.coordinator
         log.warning("coordinator %s chose step %d, older than step %d that rank %d holds complete here: "
                     "asking another coordinator before setting it aside", first, step, here, cfg.rank)
-        second = await d.coordinating.decide(exclude=(first,))
+        second = await coordinating.decide(exclude=(first,))
         if second is not None and second[1] is not None:
             if second[1] > step:
                 log.warning("coordinators disagree: %s chose step %d, %s chose step %d: following %s", first, step,
-                            d.coordinating.decision.coordinator, second[1], d.coordinating.decision.coordinator)
+                            coordinating.decision.coordinator, second[1], coordinating.decision.coordinator)
                 return second
             return survey, step
         if cfg.start_fresh:
@@ -200,18 +215,17 @@ class RestorePlanner:
         for s in decisions if isinstance(decisions, list) else ():
             if type(s) is int:
                 own.decisions.setdefault(f"a node running step {s}", s)
-        return own.choose(self.d.cfg.rank)
+        return own.choose(self.cfg.rank)
 
     def holders(self, survey: Survey, step: int) -> list[Tier]:
         """The tiers holding this rank's ``step``, in the order to read them: cheapest, then closest."""
-        d = self.d
-        by_name = {t.name: t for t in d.tiers}
-        held = [by_name[name] for name in survey.tiers(d.cfg.rank, step) if name in by_name]
-        return sorted(held, key=lambda t: (t.cost.key(), -survey.closeness(t.name, d.cfg.topology)))
+        by_name = {t.name: t for t in self.tiers if t is not self.local}  # the local copies are read first anyway
+        held = [by_name[name] for name in survey.tiers(self.cfg.rank, step) if name in by_name]
+        return sorted(held, key=lambda t: (t.cost.key(), -survey.closeness(t.name, self.cfg.topology)))
 
     def already_restored(self, step: int) -> int:
         """Bytes of ``step`` a previous, interrupted restore already wrote."""
-        tree = self.d.snapshots.step_tree(step)
+        tree = self.snapshots.step_tree(step)
         return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
                    for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
 
@@ -222,8 +236,7 @@ class RestorePlanner:
         file: at most a manifest's size, never through a link, and only if the daemon wrote
         it (UnsafeFile, a one-line refusal, otherwise).
         """
-        d = self.d
-        path = d.snapshots.step_dir(step) / "manifest.json"
+        path = self.snapshots.step_dir(step) / "manifest.json"
         try:
             roots = Manifest.from_json(read_state(path, MAX_MANIFEST)).roots
         except UnsafeFile as e:
@@ -233,8 +246,8 @@ class RestorePlanner:
                         "nothing of it is taken out of the volume", step, e)
             roots = []
         for root in roots:
-            set_aside(d.rank, root, f"the restore of step {step} was abandoned")
-        trash = d.snapshots.drop(step)
+            set_aside(self.rank, root, f"the restore of step {step} was abandoned")
+        trash = self.snapshots.drop(step)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         log.warning("abandoned the unfinished restore of step %d", step)

@@ -49,6 +49,7 @@ class Survey:
     topology: dict[str, tuple] = field(default_factory=dict)  # tier (a node) -> its topology labels
     missing: list[str] = field(default_factory=list)  # nodes' tiers that did not answer
     errors: dict[str, str] = field(default_factory=dict)  # tier -> why it did not answer
+    shared: str | None = None  # the tier every rank shares (a bucket): its error is the status's gcs_error
     at: float = field(default_factory=time.time)
 
     def add(self, rank: int, step: int, tier: str) -> None:
@@ -104,7 +105,7 @@ class Survey:
             "ranks": len(self.holders),
             "complete_steps": self.complete_steps()[-5:],
             "unreachable_peers": list(self.missing),
-            "gcs_error": self.errors.get("gcs"),
+            "gcs_error": self.errors.get(self.shared) if self.shared is not None else None,
             "tier_errors": dict(self.errors),
         }
 
@@ -119,6 +120,7 @@ async def survey(tiers: Sequence[Tier], wait: float = 0.0) -> Survey:
     limiter = trio.CapacityLimiter(FAN_OUT)
     deadline = trio.current_time() + wait
     pending = list(tiers)
+    result.shared = next((t.name for t in tiers if t.shared), None)
     while True:
         answered: set[str] = set()
 
@@ -150,10 +152,15 @@ async def survey(tiers: Sequence[Tier], wait: float = 0.0) -> Survey:
 
 
 class ClusterView:
-    """The last survey of the job's tiers, with this node's own holdings kept current."""
+    """The last survey of the job's tiers, with this node's own holdings kept current.
+
+    ``tiers`` is the list of the node's tiers its owner keeps current (peers a DNS name adds
+    later join it); ``local``, if given, is this node's RAM: answered from memory, and again
+    each time the retention floor is asked.
+    """
 
     def __init__(self, nodes: int, tiers: Sequence[Tier], local=None):
-        self.nodes, self.tiers, self.local = nodes, list(tiers), local
+        self.nodes, self.tiers, self.local = nodes, tiers, local
         self.last: Survey | None = None
 
     def retention_floor(self) -> int | None:
@@ -175,7 +182,7 @@ class ClusterView:
 
     async def survey(self, wait: float = 0.0) -> Survey:
         """Ask every tier (this node's RAM first, as it is now); wait up to ``wait`` for silent nodes."""
-        result = await survey(self.tiers, wait)
+        result = await survey([t for t in self.tiers if t is not self.local], wait)
         self._add_local(result)
         self.last = result
         return result

@@ -4,8 +4,10 @@ This node's RAM, a local disk, another node's RAM and GCS are all a :class:`Tier
 policy code (the replicator's lanes, chunk fetching, manifest fetching, the cluster survey)
 takes tiers as values, orders them by :attr:`Tier.cost` and never asks which kind it holds;
 what differs between tiers (a pending marker in GCS, placement among peers, an upload
-interval) is a hook of the tier's own. Adding a tier is one module that implements this
-class and one line where the daemon assembles its tiers (:mod:`tierfs.assembly`).
+interval) is a hook of the tier's own, and what the rest of the node must know of a tier
+is a capability it declares (:attr:`Tier.shared`, :attr:`Tier.address`, :attr:`Tier.volatile`,
+...), never its class or its name. Adding a tier is one module that implements this class
+and one line where the daemon assembles its tiers (:mod:`tierfs.daemon.daemon`).
 
 The contract every tier keeps (``tests/tiers/`` runs one suite over all of them):
 
@@ -28,6 +30,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -47,6 +50,18 @@ MAX_CHUNK = MAX_CHUNK_SIZE  # no chunk any tier stores or gives is larger
 MAX_MANIFEST = MAX_MANIFEST_BYTES
 
 Location = tuple[str, int, int]  # (path, offset, length) of a chunk's bytes in a local file
+Address = tuple[str, int]  # (host, port) of a node's peer service
+
+
+class Lane(StrEnum):
+    """The replicator's lanes: each step's copies are recorded, and ``tierfs status`` shows them, by lane.
+
+    str-valued, so a step's state files and the status JSON keep the names they always had.
+    """
+
+    DISK = "disk"  # this node's --disk
+    PEERS = "peers"  # other nodes' RAM: alternatives, ``copies()`` of them per step
+    GCS = "gcs"  # the job's bucket
 
 
 class TierError(Exception):
@@ -140,13 +155,15 @@ class Tier(ABC):
 
     name: str
     kind: str
-    lane: str | None = None  # None: the replicator puts nothing here (this node's own RAM)
+    lane: Lane | None = None  # None: the replicator puts nothing here (this node's own RAM)
     cost: Cost
     concurrency: int = 1  # chunks put at once while a step goes to this tier
     skip_after_failure: bool = False  # one of several holders: after a failure a restore asks the others
     volatile: bool = False  # may lose what it holds (another node's RAM): the lane checks it again
     awaited: bool = False  # another node of the job, maybe starting now: a survey waits for it
     spill: bool = False  # on this node beside the RAM: when RAM is short, a step held here may leave RAM
+    shared: bool = False  # one store every rank of the job shares (a bucket): its listing answers for every rank
+    address: Address | None = None  # another node's peer service: the node the job's coordination names
 
     def __init__(self) -> None:
         self.cfg: Config | None = None
@@ -196,6 +213,11 @@ class Tier(ABC):
 
     async def list_manifests(self) -> list[tuple[int, int]]:
         return sorted((await self.holdings()).manifests)
+
+    async def list_manifests_under(self, prefix: str) -> dict[int, list[int]]:
+        """Committed steps by rank, of the manifests under ``prefix``: one shard of a ``shared``
+        tier's listing, so that coordinators list a large job's bucket in parallel."""
+        raise NotImplementedError(f"{self.name} is not listed in shards: only a shared tier is")
 
     def held(self) -> tuple[tuple[int, int], ...]:
         """The (rank, step) manifests held, known without asking: a ``spill`` tier's, which its

@@ -29,7 +29,7 @@ import trio
 from tierfs.core.atomic import UnsafeFile, private_dir
 from tierfs.core.errors import UserError
 from tierfs.store.replicas import ReplicaStore
-from tierfs.tiers.base import Cost
+from tierfs.tiers.base import Cost, Lane
 from tierfs.tiers.stored import StoredTier
 
 
@@ -41,7 +41,7 @@ def disk_root(disk: Path, job: str, rank: int) -> Path:
 class DiskTier(StoredTier):
     kind = "disk"
     name = "disk"
-    lane = "disk"
+    lane = Lane.DISK
     cost = Cost(read_gib_s=1.5)  # an NVMe drive: slower than RAM, faster than the network
     spill = True  # when RAM is short, steps held here leave it
 

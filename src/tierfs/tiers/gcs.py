@@ -27,6 +27,7 @@ from tierfs.core.keys import ManifestKeys
 from tierfs.tiers.base import (
     Cost,
     Holdings,
+    Lane,
     NotHeld,
     Put,
     SourceChanged,
@@ -47,8 +48,9 @@ THREADS = 8  # requests at once: uploads, touches
 
 class GcsTier(Tier):
     kind = "gcs"
-    lane = "gcs"
+    lane = Lane.GCS
     name = "gcs"
+    shared = True  # every rank's manifests in one bucket
     cost = Cost(read_gib_s=0.2, dollars_per_gib=0.12)  # slower than any node, and reads are paid for
     concurrency = THREADS
 

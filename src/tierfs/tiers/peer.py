@@ -24,8 +24,10 @@ from tierfs.peers.placement import choose
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError, PeerUnavailable
 from tierfs.tiers.base import (
+    Address,
     Cost,
     Holdings,
+    Lane,
     NotHeld,
     Put,
     Tier,
@@ -35,7 +37,6 @@ from tierfs.tiers.base import (
     check_manifest,
 )
 
-Address = tuple[str, int]
 T = TypeVar("T")
 
 
@@ -45,7 +46,7 @@ def peer_name(address: Address) -> str:
 
 class PeerTier(Tier):
     kind = "peer"
-    lane = "peers"
+    lane = Lane.PEERS
     cost = Cost(read_gib_s=1.0)
     skip_after_failure = True  # a down peer costs a timeout per request; the others hold the same
     volatile = True  # its RAM can be lost, or the node replaced

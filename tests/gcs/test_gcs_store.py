@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,12 +13,15 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
+from tierfs.core.chunks import RAW, chunk_hash, encode
 from tierfs.core.errors import UserError
 from tierfs.core.parse import parse_gcs_url
 from tierfs.testing.gcs_emulator import GcsEmulator
 from tierfs.tiers import gcs_http
 from tierfs.tiers.gcs_http import CorruptObject, GcsUnavailable, MissingObject
-from tierfs.tiers.gcs_store import GcsStore
+from tierfs.tiers.gcs_store import Found, GcsStore, frame_md5
+
+MiB = 1 << 20
 
 
 def h(n: int) -> str:
@@ -125,6 +129,52 @@ def test_touch_marks_an_existing_chunk_used_and_reports_a_missing_one(store):
     assert store.touch_chunk(h(2)) is False
     (info,) = store.list_chunks()
     assert info.updated >= before
+
+
+def spy(monkeypatch, store: GcsStore, name: str) -> list:
+    """Record every call of one of the store's request methods (its object names)."""
+    calls: list = []
+    real = getattr(store, name)
+    monkeypatch.setattr(store, name, lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    return calls
+
+
+def test_an_object_holding_the_frame_is_proven_by_its_md5_without_a_download(store, gcs_bucket, monkeypatch):
+    data = os.urandom(MiB)
+    c, frame = chunk_hash(data), encode(data)
+    assert GcsStore(f"gs://{gcs_bucket}/some/prefix", "job1").put_chunk(c, frame)  # a twin's upload
+    downloads, uploads = spy(monkeypatch, store, "_download"), spy(monkeypatch, store, "_upload")
+    assert store.touch(c) is Found.UNPROVEN, "touched, but this store never proved that content"
+    assert store.find_chunk(c, frame_md5(frame)) is Found.CHUNK
+    assert store.put_chunk(c, frame) is False
+    assert store.touch(c) is Found.CHUNK and store.touch_chunk(c)
+    assert downloads == [] and uploads == [], "not a byte of the chunk moved"
+
+
+def test_a_frame_another_encoder_made_is_downloaded_once_then_known(store, gcs_bucket, monkeypatch):
+    data = bytes(MiB)  # compresses: this node's frame is zstd, the one in the bucket is raw
+    c, frame = chunk_hash(data), encode(data)
+    assert frame[:1] != RAW
+    assert GcsStore(f"gs://{gcs_bucket}/some/prefix", "job1").put_chunk(c, RAW + data)
+    downloads = spy(monkeypatch, store, "_download")
+    assert store.find_chunk(c, frame_md5(frame)) is Found.CHUNK
+    assert store.put_chunk(c, frame) is False and store.touch_chunk(c)
+    assert len(downloads) == 1
+
+
+def test_a_planted_object_under_a_chunks_name_is_checked_once_and_replaced(store, gcs_bucket, monkeypatch):
+    data = os.urandom(MiB)
+    c, frame = chunk_hash(data), encode(data)
+    name = f"some/prefix/job1/chunks/{c[:2]}/{c}"
+    raw_client().bucket(gcs_bucket).blob(name).upload_from_string(RAW + os.urandom(MiB))
+    downloads = spy(monkeypatch, store, "_download")
+    assert store.touch(c) is Found.UNPROVEN and not downloads
+    for _ in range(3):  # a twin waiting for the chunk looks again and again: one download in all
+        assert store.find_chunk(c, frame_md5(frame)) is Found.UNPROVEN
+    assert len(downloads) == 1
+    assert store.put_chunk(c, frame) is True, "replaced, not trusted"
+    assert store.get_chunk_frame(c) == frame
+    assert store.find_chunk(c, frame_md5(frame)) is Found.CHUNK
 
 
 def test_get_missing_chunk_names_its_url(store, gcs_bucket):

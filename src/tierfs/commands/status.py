@@ -90,7 +90,7 @@ def render(s: dict) -> str:
             where.append("not replicated yet")
         if st["backed_up"] and not b.get("restored"):
             where.append(f"in GCS after {b['seconds']:.1f}s: {format_size(b['uploaded_bytes'])} uploaded, "
-                         f"{format_size(b['dedup_bytes'])} deduplicated")
+                         f"{format_size(b['dedup_bytes'])} deduplicated{shared_by_twins(b)}")
         elif st["backed_up"]:
             where.append("in GCS")
         elif s.get("gcs"):
@@ -106,3 +106,12 @@ def render(s: dict) -> str:
         lines.append(f"  holds {held.get('manifests', 0)} replica step(s) of other ranks, "
                      f"{format_size(held.get('bytes', 0))}")
     return "\n".join(lines)
+
+
+def shared_by_twins(backup: dict) -> str:
+    """How a backup was split with the step's data-parallel twins, when it was: " (12 chunks sent here, 36 by twins)"."""
+    twins, taken = backup.get("twin_chunks", 0), backup.get("taken_over", 0)
+    if not twins and not taken:
+        return ""
+    over = f", {taken} taken over from twins that did not send them" if taken else ""
+    return f" ({backup.get('sent_chunks', 0)} chunks sent here, {twins} by twins{over})"

@@ -15,6 +15,10 @@ order from this rank, which spreads the replicas of different ranks over differe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierfs.config import Config
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,12 @@ def twins(rank: int, nodes: int, data_parallel: int) -> set[int]:
     """Ranks that hold the same data as ``rank``."""
     group = nodes // data_parallel
     return {rank % group + k * group for k in range(data_parallel)} - {rank}
+
+
+def job_twins(cfg: Config) -> list[int]:
+    """This rank's twins as the job says now: replicator.yaml's peer-ranks if it names them, else from --data-parallel."""
+    same = set(cfg.peer_ranks) if cfg.peer_ranks is not None else twins(cfg.rank, cfg.nodes, cfg.data_parallel)
+    return sorted(same - {cfg.rank})
 
 
 def closeness(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) -> int:

@@ -35,7 +35,7 @@ from tierfs.coordination.view import GCS, Holdings
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import Manifest
 from tierfs.peers.messages import STARTING, PeerTransport
-from tierfs.peers.placement import twins
+from tierfs.peers.placement import job_twins
 from tierfs.pipeline.survey import Survey
 from tierfs.tiers.base import Tier, TierError, TierUnavailable
 from tierfs.tiers.fetch import ChunkSources
@@ -157,9 +157,7 @@ class NodeCoordination:
     # -- the decision at start -------------------------------------------------------------
 
     def twins(self) -> list[int]:
-        cfg = self.cfg
-        same = set(cfg.peer_ranks) if cfg.peer_ranks is not None else twins(cfg.rank, cfg.nodes, cfg.data_parallel)
-        return sorted(same - {cfg.rank})
+        return job_twins(self.cfg)
 
     async def decide(self, exclude: tuple[str, ...] = ()) -> tuple[Survey, int | None] | None:
         """The step to restore and who holds it, as a coordinator (not in ``exclude``) answers; None if none did."""

@@ -271,10 +271,14 @@ class Replicator:
                 "lag_s": round(now - state.committed_at, 3), "tiers": [t.name for t in placed],
                 "bytes": manifest.total_bytes, "chunks": pushed.chunks, "sent_bytes": pushed.sent_bytes,
                 "skipped_bytes": pushed.skipped_bytes, "stored_bytes": pushed.stored_bytes,
+                "sent_chunks": pushed.sent_chunks, "twin_chunks": pushed.twin_chunks,
+                "twin_bytes": pushed.twin_bytes, "taken_over": pushed.taken_over,
             }
             self._save(state)
-        log.info("%s: step %d on %s in %.2fs: %d bytes sent, %d already there", lane.name, state.step,
-                 ", ".join(t.name for t in placed), time.time() - started, pushed.sent_bytes, pushed.skipped_bytes)
+        log.info("%s: step %d on %s in %.2fs: %d bytes sent, %d already there%s", lane.name, state.step,
+                 ", ".join(t.name for t in placed), time.time() - started, pushed.sent_bytes, pushed.skipped_bytes,
+                 f" ({pushed.sent_chunks} chunks sent here, {pushed.twin_chunks} by twins, "
+                 f"{pushed.taken_over} taken over)" if pushed.twin_chunks or pushed.taken_over else "")
 
     async def _recheck(self, lane: Lane, state: StepState) -> None:
         """A tier that lost what it held (a peer's RAM, a replaced node) no longer has our step: put it again."""

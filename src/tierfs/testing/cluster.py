@@ -15,7 +15,7 @@ import shutil
 import signal
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.core.keys import new_secret
@@ -30,6 +30,7 @@ class Node:
     ramdisk: Path
     mountpoint: Path
     pid: int | None = None
+    environ: dict[str, str] = field(default_factory=dict)  # its own variables (a GCS endpoint of its own)
 
     @property
     def address(self) -> str:
@@ -48,12 +49,15 @@ class LocalCluster:
             node.ramdisk.mkdir(parents=True)
             self.nodes.append(node)
 
-    def env(self) -> dict:
-        return {**os.environ, "TIERFS_SECRET": self.secret}
+    def env(self, i: int | None = None) -> dict:
+        """The environment of a command; with ``i``, node i's daemon's (its own ``environ`` added)."""
+        own = self.nodes[i].environ if i is not None else {}
+        return {**os.environ, **own, "TIERFS_SECRET": self.secret}
 
-    def tierfs(self, *args, check: bool = True, timeout: float = 120) -> subprocess.CompletedProcess:
+    def tierfs(self, *args, check: bool = True, timeout: float = 120, node: int | None = None
+               ) -> subprocess.CompletedProcess:
         proc = subprocess.run([*TIERFS, *map(str, args)], capture_output=True, text=True,
-                              env=self.env(), timeout=timeout)
+                              env=self.env(node), timeout=timeout)
         if check and proc.returncode != 0:
             raise AssertionError(f"tierfs {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
         return proc
@@ -70,7 +74,7 @@ class LocalCluster:
         return args
 
     def start(self, i: int, rank: int | None = None, check: bool = True, **extra) -> subprocess.CompletedProcess:
-        proc = self.tierfs(*self.mount_args(i, rank, **extra), check=check)
+        proc = self.tierfs(*self.mount_args(i, rank, **extra), check=check, node=i)
         if proc.returncode == 0:
             self.nodes[i].pid = self.status(i)["pid"]
         return proc
@@ -82,7 +86,7 @@ class LocalCluster:
         chooses the step to restore.
         """
         todo = [i for i, n in enumerate(self.nodes) if n.pid is None]
-        procs = {i: subprocess.Popen([*TIERFS, *map(str, self.mount_args(i, **extra))], env=self.env(),
+        procs = {i: subprocess.Popen([*TIERFS, *map(str, self.mount_args(i, **extra))], env=self.env(i),
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i in todo}
         failures = []

@@ -34,10 +34,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
-import trio
-
 from tierfs.core.chunks import MAX_CHUNK_SIZE
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
+from tierfs.tiers.twins import share
 
 if TYPE_CHECKING:
     from tierfs.config import Config
@@ -115,15 +114,19 @@ class Put(NamedTuple):
 class Pushed:
     """What putting one step on one tier moved."""
 
-    sent_bytes: int = 0  # raw bytes of the chunks the tier lacked
-    skipped_bytes: int = 0  # raw bytes of the distinct chunks it already held
+    sent_bytes: int = 0  # raw bytes of the chunks the tier lacked and this node sent
+    skipped_bytes: int = 0  # raw bytes of the distinct chunks it held already, or that twins sent
     stored_bytes: int = 0  # what the tier stored for the chunks sent (after compression)
     chunks: int = 0  # distinct chunks of the step
+    sent_chunks: int = 0  # chunks this node sent
+    twin_chunks: int = 0  # chunks its data-parallel twins sent (of skipped_bytes: twin_bytes)
+    twin_bytes: int = 0
+    taken_over: int = 0  # of sent_chunks: chunks a twin was to send and had not after the wait
 
     def __iadd__(self, other: Pushed) -> Pushed:
-        self.sent_bytes += other.sent_bytes
-        self.skipped_bytes += other.skipped_bytes
-        self.stored_bytes += other.stored_bytes
+        for name in ("sent_bytes", "skipped_bytes", "stored_bytes", "sent_chunks", "twin_chunks", "twin_bytes",
+                     "taken_over"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
         self.chunks = max(self.chunks, other.chunks)
         return self
 
@@ -194,6 +197,10 @@ class Tier(ABC):
     async def get_chunk(self, h: str, length: int) -> bytes:
         """Chunk ``h`` of ``length`` bytes, verified; :class:`NotHeld` if the tier lacks it."""
 
+    async def present(self, h: str, path: str | Path, offset: int, length: int) -> bool:
+        """Whether the tier holds chunk ``h`` now (its local bytes are at ``path``, for tiers that compare them)."""
+        return (await self.has_chunks([h]))[0]
+
     # -- manifests ---------------------------------------------------------------------
 
     @abstractmethod
@@ -244,6 +251,14 @@ class Tier(ABC):
         """How many tiers of this one's lane must hold each step."""
         return 1
 
+    def twins(self) -> list[int]:
+        """The other ranks that put the same chunks here, and share the uploads (:mod:`tierfs.tiers.twins`).
+
+        Only a ``shared`` tier has them: its data-parallel twins, which back up the same
+        bytes into the same bucket. [] puts every chunk this node's step needs itself.
+        """
+        return []
+
     def schedule(self) -> tuple[float, int]:
         """(seconds, steps) to leave at least between two steps put here; (0, 0): every commit."""
         return 0.0, 0
@@ -272,37 +287,42 @@ async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
 
     ``where`` locates every distinct chunk of the step in local files; ``pace`` is awaited
     before each chunk is sent (the job's writes go first). The manifest goes sealed with
-    ``seal_with``, the node's manifest keys (``None``: a node without a secret).
+    ``seal_with``, the node's manifest keys (``None``: a node without a secret). With
+    twins on the tier (:meth:`Tier.twins`), the chunks it lacks are shared out among them
+    (:func:`tierfs.tiers.twins.share`): this node sends those it leads, and waits, within
+    a bound, for the others to be there before its manifest goes.
     """
     hashes = list(where)
     data = manifest.sealed(seal_with)
     pushed = Pushed(chunks=len(hashes))
     await tier.begin_step(manifest.rank, manifest.step, hashes)
     have = await tier.has_chunks(hashes) if hashes else []
-    missing = []
+    missing = {}
     for h, held in zip(hashes, have):
         if held:
             pushed.skipped_bytes += where[h][2]
         else:
-            missing.append(h)
+            missing[h] = where[h][2]
     if progress is not None:
         progress.chunks_done = len(hashes) - len(missing)
-    todo = iter(missing)
 
-    async def worker() -> None:
-        for h in todo:
-            path, offset, length = where[h]
-            await pace()
-            put = await tier.put_chunk(h, path, offset, length)
-            pushed.sent_bytes += put.sent
-            pushed.stored_bytes += put.stored
-            if progress is not None:
-                progress.chunks_done += 1
+    async def upload(h: str) -> bool:
+        await pace()
+        put = await tier.put_chunk(h, *where[h])
+        pushed.stored_bytes += put.stored
+        return put.sent > 0
 
-    async with trio.open_nursery() as nursery:
-        for _ in range(max(1, min(tier.concurrency, len(missing)))):
-            nursery.start_soon(worker)
-    await tier.put_manifest(manifest.rank, manifest.step, data)
+    def settled(h: str) -> None:
+        if progress is not None:
+            progress.chunks_done += 1
+
+    shared = await share(missing, manifest.rank, tier.twins(), exists=lambda h: tier.present(h, *where[h]),
+                         upload=upload, workers=tier.concurrency, settled=settled)
+    pushed.sent_bytes += shared.sent_bytes
+    pushed.skipped_bytes += shared.found_bytes + shared.twin_bytes
+    pushed.sent_chunks, pushed.twin_chunks = shared.sent_chunks, shared.twin_chunks
+    pushed.twin_bytes, pushed.taken_over = shared.twin_bytes, shared.taken_over
+    await tier.put_manifest(manifest.rank, manifest.step, data)  # only now: every chunk it names is there
     await tier.end_step(manifest.rank, manifest.step)
     return pushed
 

@@ -10,6 +10,11 @@ collector (:meth:`~tierfs.tiers.gcs_store.GcsStore.collect_garbage`): a pending 
 listing its chunks (:meth:`GcsTier.begin_step`), every chunk GCS lacks (a chunk it has is
 only touched), the manifest, then the marker goes. After a step, rank 0 applies retention
 to the whole job.
+
+The bucket is shared by the whole job, so a rank's data-parallel twins (:meth:`GcsTier.twins`)
+split a step's uploads between them (:mod:`tierfs.tiers.twins`); an object already in the
+bucket is proven to be the chunk by its MD5 against the frame this node would upload,
+without a download (:meth:`GcsTier.present`).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import trio
 from tierfs.core import chunks
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
+from tierfs.peers.placement import job_twins
 from tierfs.tiers.base import (
     Cost,
     Holdings,
@@ -38,7 +44,7 @@ from tierfs.tiers.base import (
     check_manifest,
 )
 from tierfs.tiers.gcs_http import GcsError, GcsUnavailable, MissingObject
-from tierfs.tiers.gcs_store import GcsStore
+from tierfs.tiers.gcs_store import REMEMBERED, Found, GcsStore, frame_md5
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +65,8 @@ class GcsTier(Tier):
         self.url = url
         self.store = store or GcsStore(url, job, keys=keys)
         self._limiter = trio.CapacityLimiter(THREADS)
+        self._md5: dict[str, str] = {}  # chunk -> MD5 of the frame this node makes of it
+        self._absent: set[str] = set()  # chunks the bucket lacked when last asked: the upload need not ask again
 
     @property
     def where(self) -> str:
@@ -81,16 +89,35 @@ class GcsTier(Tier):
     # -- chunks ------------------------------------------------------------------------
 
     async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
-        """Touches each chunk: one GCS has is kept from the collector; one that is not the chunk counts as absent."""
+        """Touches each chunk, which keeps it from the collector; held means known to be the chunk.
+
+        An object not yet proven to be the chunk counts as not held: :meth:`put_chunk` then
+        proves it by its MD5 (no upload), or replaces it.
+        """
         out = [False] * len(hashes)
 
         async def touch(i: int, h: str) -> None:
-            out[i] = await self._run(self.store.touch_chunk, h)
+            found = await self._run(self.store.touch, h)
+            out[i] = found is Found.CHUNK
+            if found is Found.MISSING:
+                self._absent.add(h)
 
         async with trio.open_nursery() as nursery:
             for i, h in enumerate(hashes):
                 nursery.start_soon(touch, i, h)
         return out
+
+    async def present(self, h: str, path: str | Path, offset: int, length: int) -> bool:
+        """Whether GCS holds chunk ``h`` now, proven by the MD5 of the frame this node would upload."""
+        check_chunk(self, h, length)
+        return await self._run(self._present, h, str(path), offset, length)
+
+    def _present(self, h: str, path: str, offset: int, length: int) -> bool:
+        md5 = self._md5.get(h) or frame_md5(self._frame(h, path, offset, length))
+        found = self.store.find_chunk(h, md5)
+        if found is Found.MISSING:
+            self._absent.add(h)
+        return found is Found.CHUNK
 
     async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
         check_chunk(self, h, length)
@@ -98,6 +125,15 @@ class GcsTier(Tier):
 
     def _put_chunk(self, h: str, path: str, offset: int, length: int) -> Put:
         """In a worker thread: read, check, compress if that pays, create if absent."""
+        frame = self._frame(h, path, offset, length)
+        look = h not in self._absent
+        self._absent.discard(h)
+        if not self.store.put_chunk(h, frame, look=look):
+            return Put(0, 0)  # another rank uploaded the same bytes
+        return Put(length, len(frame))
+
+    def _frame(self, h: str, path: str, offset: int, length: int) -> bytes:
+        """The frame of chunk ``h`` as this node stores it, from its local bytes (remembering its MD5)."""
         for _ in range(2):  # a detach can race with the read: the path then holds the copy
             data = _pread(path, offset, length)
             if chunks.chunk_hash(data) == h:
@@ -105,9 +141,10 @@ class GcsTier(Tier):
         else:
             raise SourceChanged(f"{path} at {offset} no longer holds chunk {h}")
         frame = chunks.encode(data)
-        if not self.store.put_chunk(h, frame):
-            return Put(0, 0)  # another rank uploaded the same bytes just now
-        return Put(len(data), len(frame))
+        if len(self._md5) >= REMEMBERED:
+            self._md5.clear()  # computing it again is only slower
+        self._md5[h] = frame_md5(frame)
+        return frame
 
     async def get_chunk(self, h: str, length: int) -> bytes:
         """Never more than ``length`` bytes read, nor decoded."""
@@ -155,7 +192,12 @@ class GcsTier(Tier):
 
     # -- a step's bracket and retention --------------------------------------------------
 
+    def twins(self) -> list[int]:
+        """The job's data-parallel twins of this rank, as its configuration says now (the shape may change)."""
+        return job_twins(self.cfg) if self.cfg is not None else []
+
     async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:
+        self._absent.clear()  # what a step before learned may be stale
         await self._run(self.store.put_pending, rank, step, hashes)
 
     async def end_step(self, rank: int, step: int) -> None:

@@ -9,9 +9,12 @@ wins and the other learns it can stop. Only :meth:`GcsStore.collect_garbage`
 
 Nothing read from the bucket is trusted: anyone who can write to it can plant objects.
 Every read is bounded by the size the object can have (a chunk frame, a manifest), names
-that are not exactly the ones tierfs writes are ignored, and an existing chunk
-object is decoded and checked against its name before an upload relies on it; one that
-fails is replaced (``ifGenerationMatch=<its generation>``), not trusted forever. With the
+that are not exactly the ones tierfs writes are ignored, and an existing chunk object
+counts only once it is proven to hold the chunk before an upload relies on it: by its MD5,
+which GCS computes from what it stores, being that of the frame this node would upload
+(no byte moves), or else by downloading and decoding it. One that fails is replaced
+(``ifGenerationMatch=<its generation>``), not trusted forever. CRC32C, which GCS keeps too,
+is not used as proof: anyone can make bytes with a given CRC32C. With the
 job's manifest keys, a manifest counts only once its seal verifies (:meth:`GcsStore.list_manifests`):
 a well-formed, correctly named manifest someone else wrote is not a step, for a restore or
 for retention.
@@ -22,6 +25,9 @@ serves all of them; requests and their quick retries are :mod:`tierfs.tiers.gcs_
 
 from __future__ import annotations
 
+import base64
+import enum
+import hashlib
 import logging
 import threading
 import time
@@ -56,6 +62,19 @@ MAX_CHUNK_FRAME = chunks.max_frame_size(chunks.MAX_CHUNK_SIZE)
 REMEMBERED = 1 << 20  # chunks remembered as checked (about 100 MB at most), and names as ignored
 
 
+class Found(enum.Enum):
+    """What the bucket holds under a chunk's name, as far as a metadata request tells."""
+
+    MISSING = "missing"  # no object
+    UNPROVEN = "unproven"  # an object not (yet) proven to hold the chunk
+    CHUNK = "chunk"  # an object proven to hold the chunk
+
+
+def frame_md5(frame: bytes) -> str:
+    """The MD5 GCS reports for an object holding ``frame`` (``md5Hash``: base64 of the digest)."""
+    return base64.b64encode(hashlib.md5(frame).digest()).decode()
+
+
 class GcsStore(GarbageCollection, GcsBucket):
     """One job's objects in one bucket; safe to share between threads."""
 
@@ -69,6 +88,7 @@ class GcsStore(GarbageCollection, GcsBucket):
         self._lock = threading.Lock()  # guards the three below; worker threads share the store
         self._sound: dict[str, str] = {}  # chunk -> md5 (or generation) of the object found to hold it
         self._replace: dict[str, int] = {}  # chunk -> generation of an object that does not hold it
+        self._unsound: dict[str, str] = {}  # chunk -> md5 (or generation) of an object found not to hold it
         self._ignored: set[str] = set()  # names under manifests/ already logged as not ours
         self.keys = keys  # None: no secret, so manifests cannot be authenticated
         self._sealed: dict[str, tuple[int, bool]] = {}  # manifest name -> (generation, its seal verifies)
@@ -89,40 +109,65 @@ class GcsStore(GarbageCollection, GcsBucket):
 
     # -- chunks ---------------------------------------------------------------------------
 
-    def put_chunk(self, h: str, frame: bytes) -> bool:
+    def put_chunk(self, h: str, frame: bytes, look: bool = True) -> bool:
         """Make the chunk's object hold ``frame``; False if it already held the chunk.
 
-        The create is conditional on nothing being there. If something is, it is checked:
-        the chunk (another rank uploaded the same bytes, or a retry after a lost response
-        finds the first attempt's) means there is nothing to do; anything else is replaced,
-        conditionally on its generation, so a concurrent fix by another rank is not undone.
+        First a metadata request (``look``; skip it only right after one found nothing):
+        an object already there whose MD5 is ``frame``'s is the chunk, and nothing is sent.
+        The create itself is conditional on nothing being there. If something is, it is
+        checked: the chunk (another rank uploaded the same bytes, or a retry after a lost
+        response finds the first attempt's) means there is nothing to do; anything else is
+        replaced, conditionally on its generation, so a concurrent fix by another rank is
+        not undone.
         """
         name = self._chunk_name(h)
+        md5 = frame_md5(frame)
+        if look and self.find_chunk(h, md5) is Found.CHUNK:
+            return False
         for _ in range(3):
             with self._lock:
                 generation = self._replace.pop(h, 0)
             try:
                 blob = self._upload(name, frame, if_generation_match=generation)
             except api.PreconditionFailed:
-                blob = self._call("read", name,
-                                  lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout))
-                if blob is not None and self._holds_chunk(h, blob):
+                if self.find_chunk(h, md5) is Found.CHUNK:
                     return False
                 continue  # gone meanwhile (create it), or bad (replace that generation)
             self._remember_sound(h, blob)
             return True
         raise GcsError(f"cannot put {self.url_of(name)}: the object under that name keeps changing")
 
+    def find_chunk(self, h: str, md5: str | None = None) -> Found:
+        """Whether the bucket holds chunk ``h``, by one metadata request.
+
+        ``md5``: that of the frame this node would upload (:func:`frame_md5`). An object
+        with that MD5, or with the one this store last proved, is the chunk; any other is
+        downloaded and decoded once (a frame another encoder made is still the chunk), and
+        one that is not the chunk is noted for :meth:`put_chunk` to replace.
+        """
+        name = self._chunk_name(h)
+        blob = self._call("read", name, lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout))
+        if blob is None:
+            return Found.MISSING
+        if md5 is not None and blob.md5_hash == md5:
+            self._remember_sound(h, blob)
+            return Found.CHUNK
+        return Found.CHUNK if self._holds_chunk(h, blob) else Found.UNPROVEN
+
     def touch_chunk(self, h: str) -> bool:
-        """Mark an existing chunk as in use now; False if it does not exist or is not the chunk.
+        """Mark an existing chunk as in use now; True if it is known to hold the chunk (:meth:`touch`)."""
+        return self.touch(h) is Found.CHUNK
+
+    def touch(self, h: str) -> Found:
+        """Mark an existing chunk object as in use now, and say what it is.
 
         The metadata patch moves the chunk's ``updated`` time and bumps its
         metageneration, which is what keeps :meth:`collect_garbage` away from it.
 
-        An object this store has not yet seen hold the chunk is downloaded and decoded
-        once: something planted or damaged under the chunk's name must not stand in for
-        the chunk in every later step. False then makes the uploader put the chunk, and
-        :meth:`put_chunk` replaces the object.
+        Nothing is downloaded: an object counts as the chunk only if this store proved
+        that content before (the same MD5). Any other is :attr:`Found.UNPROVEN`, which
+        makes the uploader put the chunk, and :meth:`put_chunk` then settles it by its
+        MD5 (no byte moves when it is the chunk) or replaces it.
         """
         name = self._chunk_name(h)
 
@@ -135,8 +180,10 @@ class GcsStore(GarbageCollection, GcsBucket):
         try:
             blob = self._call("touch", name, patch)
         except api.NotFound:
-            return False
-        return self._holds_chunk(h, blob)
+            return Found.MISSING
+        with self._lock:
+            known = self._sound.get(h) == _content_key(blob)
+        return Found.CHUNK if known else Found.UNPROVEN
 
     def get_chunk_frame(self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE) -> bytes:
         """The stored frame of a chunk of at most ``max_size`` bytes.
@@ -150,19 +197,27 @@ class GcsStore(GarbageCollection, GcsBucket):
         """Whether ``blob`` (as just listed, patched or read) is a frame of chunk ``h``.
 
         Checked by decoding it once per content (its MD5, which GCS computes, or else its
-        generation); the answer for sound content is remembered. An object that is not the
-        chunk is logged and noted for :meth:`put_chunk` to replace.
+        generation); the answer is remembered, so the same object is never downloaded
+        twice. An object that is not the chunk is logged and noted for :meth:`put_chunk`
+        to replace.
         """
-        key = blob.md5_hash or f"generation {blob.generation}"
+        key = _content_key(blob)
         with self._lock:
             if self._sound.get(h) == key:
                 return True
+            if self._unsound.get(h) == key:
+                self._replace[h] = blob.generation or 0
+                return False
         problem = self._chunk_problem(h, blob)
         if problem is None:
             self._remember_sound(h, blob)
             return True
         with self._lock:
             self._replace[h] = blob.generation or 0
+            if problem != _VANISHED:
+                if len(self._unsound) >= REMEMBERED:
+                    self._unsound.clear()
+                self._unsound[h] = key
         # Gone meanwhile: most often a twin uploading the same chunk replaced that generation.
         log.log(logging.INFO if problem == _VANISHED else logging.WARNING,
                 "%s does not hold chunk %s (%s): replacing it", self.url_of(blob.name), h, problem)
@@ -184,8 +239,9 @@ class GcsStore(GarbageCollection, GcsBucket):
         with self._lock:
             if len(self._sound) >= REMEMBERED:
                 self._sound.clear()  # checking again is only slower
-            self._sound[h] = blob.md5_hash or f"generation {blob.generation}"
+            self._sound[h] = _content_key(blob)
             self._replace.pop(h, None)
+            self._unsound.pop(h, None)
 
     def list_chunks(self) -> Iterator[ChunkInfo]:
         """Every chunk of the job; other objects are skipped, so the collector leaves them be."""
@@ -352,3 +408,8 @@ class GcsStore(GarbageCollection, GcsBucket):
         if problem is not None:
             log.warning("ignoring %s: %s", self.url_of(name), problem)
         return problem is None
+
+
+def _content_key(blob: storage.Blob) -> str:
+    """What names an object's content: its MD5, or else its generation."""
+    return blob.md5_hash or f"generation {blob.generation}"

@@ -227,7 +227,8 @@ def plot_backups(axes: list, results: dict, ns: list[str]) -> None:
     tx.set(xscale="log", xlabel="nodes", ylabel="seconds from the first commit", ylim=(0, None),
            title="backup: until every live rank is backed up")
     for ax in (bx, tx):
-        ax.xaxis.set_major_formatter(ScalarFormatter())
+        ax.minorticks_off()
+        ax.set_xticks(x, [f"{v:,}" for v in x])
         ax.legend(fontsize=7)
     bx.yaxis.set_major_formatter(ScalarFormatter())
 

@@ -32,6 +32,15 @@ would take CPU from the daemon under test). Usage (``--quick``: 256M, 2 rounds):
 
 Everything it creates (/dev/shm/bench-gcs-*, /tmp/bench-gcs-*, its mount, the emulator) is
 removed on exit, also on errors and Ctrl-C.
+
+``--twins 1,2,4 --reference DIR`` measures the twins row instead (``scripts/gcs_twins.py``):
+D data-parallel twins on D real daemons backing up one step of ``--size`` per rank
+(default 128M) through a byte-counting proxy, against the code before the twins shared
+the upload, run from the checkout DIR (e.g. ``git worktree add --detach DIR <commit>``);
+``--sim-twins 8`` adds D values from the scale simulation::
+
+    .venv/bin/python scripts/bench_gcs.py --twins 1,2,4 --sim-twins 8 --reference /tmp/tierfs-base \
+        [--json out.json] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -312,6 +321,62 @@ def plot(path: str, s: dict, title: str) -> str | None:
     save_figure(fig, path)
 
 
+def parse_int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: comma-separated integers, e.g. 1,2,4") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"invalid list {text!r}: every value at least 1")
+    return values
+
+
+def main_twins(args) -> int:
+    """The twins row (scripts/gcs_twins.py): D daemons through a counting proxy, against --reference."""
+    import gcs_twins  # noqa: PLC0415 (scripts/ is on sys.path)
+
+    interrupt_on_signals()
+    tmp = Path(tempfile.mkdtemp(prefix="bench-gcs-", dir="/tmp"))
+    emu = GcsEmulator(tmp / "emulator", backend="memory")
+    try:
+        args.reference_src = gcs_twins.reference_src(args.reference)
+        emu.start()
+        os.environ.update(emu.environ(), TIERFS_RUNTIME_DIR=str(tmp / "run"))  # for the daemons too
+        client = gcs_client()
+        now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+        cmd = shlex.join([sys.executable, *sys.argv])
+        print(f"# bench_gcs twins {now}  cores {os.cpu_count()}  command: {cmd}")
+        print(f"# {args.size / MiB:.0f} MiB per rank, D = {args.twins} on daemons, {args.sim_twins} simulated, "
+              f"{args.rounds} rounds; baseline: {args.reference}; medians", flush=True)
+        result = gcs_twins.run(args, emu, client)
+        print(gcs_twins.render(result))
+        if args.json:
+            settings = {"size": args.size, "rounds": args.rounds, "twins": args.twins, "sim_twins": args.sim_twins,
+                        "reference": args.reference, "capacity": args.capacity, "date": now, "command": cmd,
+                        "cores": os.cpu_count()}
+            write_json(args.json, {"settings": settings, **result})
+        if args.plot:
+            why = gcs_twins.plot(args.plot, result, f"tierfs backup of D twins through GCS (fake-gcs-server), "
+                                                    f"{args.size / MiB:.0f} MiB per rank, {now[:10]}",
+                                 pyplot, save_figure)
+            print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
+        return 0
+    except (BenchError, OSError, AssertionError) as e:
+        print(f"bench_gcs: error: {e}", file=sys.stderr)
+        for log in sorted((tmp / "run").glob("*.log")) + [emu.log_path]:  # they go with tmp below
+            if log.exists():
+                tail = log.read_text(errors="replace").splitlines()[-15:]
+                print(f"--- last lines of {log.name}:", *tail, sep="\n", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("bench_gcs: interrupted; cleaning up", file=sys.stderr)
+        return 130
+    finally:
+        with no_interruptions():
+            emu.stop()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description="tierfs GCS backup/restore against plain google-cloud-storage "
                                             "(fake-gcs-server, medians of alternating rounds)")
@@ -323,7 +388,21 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the throughputs (needs matplotlib)")
+    p.add_argument("--twins", type=parse_int_list, metavar="D,...",
+                   help="the twins row instead: D data-parallel twins on D daemons (e.g. 1,2,4); needs --reference")
+    p.add_argument("--sim-twins", type=parse_int_list, default=[], metavar="D,...",
+                   help="with --twins: D values taken from the scale simulation (e.g. 8)")
+    p.add_argument("--reference", metavar="DIR",
+                   help="with --twins: a checkout of the code before the twins shared the upload (the baseline)")
+    p.add_argument("--timeout", type=float, default=600, help="with --twins: seconds a backup may take (600)")
     args = p.parse_args()
+    if args.twins:
+        if not args.reference:
+            p.error("--twins needs --reference DIR, a checkout of the code to compare with")
+        args.size = args.size or (32 * MiB if args.quick else 128 * MiB)
+        args.rounds = args.rounds or (2 if args.quick else 3)
+        args.capacity = args.capacity or f"{max(GiB, 4 * args.size) // MiB}M"
+        return main_twins(args)
     args.size = args.size or (256 * MiB if args.quick else GiB)
     args.rounds = args.rounds or (2 if args.quick else 3)
     args.capacity = args.capacity or f"{max(4 * GiB, 3 * args.size) // MiB}M"

@@ -25,13 +25,22 @@ c. A restore from GCS after every RAM is lost, D = 4 data-parallel twins per sha
    twin reads everything: 4.0), and the time from a node's decision to its last chunk
    (the slowest node), for every node reading from GCS ("today"), for the broadcast plan,
    and for the broadcast plan with 1% of the nodes lost mid-restore and GCS 4x slow.
+d. A backup of one step to GCS, D = 16 data-parallel twins per shard (the job size rounded
+   down to a multiple of 16), 32 chunks of 4 MiB per rank, every rank committing within
+   0.5 s (tierfs.testing.backups): GCS bytes up and down per unique byte (target <= 1.05),
+   GCS requests, and the time from the first commit until every live rank's manifest is
+   in; for the twins sharing the upload (tierfs.tiers.twins), the same with one twin of
+   every group dead from the start (the others wait for it, then take its chunks over;
+   target <= 1.5), and for a model of the code before twins shared the upload (every twin
+   uploads every chunk it does not find, losers read the object back: up to 2D-1).
 
-    .venv/bin/python scripts/bench_scale.py [--nodes 1000,4000,10000] [--quick]
+    .venv/bin/python scripts/bench_scale.py [--nodes 1000,4000,10000] [--quick] [--backups-only]
         [--json docs/bench-scale.json] [--plot docs/bench-scale.png]
     .venv/bin/python scripts/bench_scale.py --replot docs/bench-scale.json --plot docs/bench-scale.png
 
-The full run takes about 25 minutes of one core (18 of them for 10,000 nodes); ``--quick``
-runs 100 and 400 nodes in a few seconds. ``--plot`` needs matplotlib (``scripts/setup.sh``
+The full run takes about 25 minutes of one core (18 of them for 10,000 nodes) and the
+backups a few minutes more; ``--backups-only`` runs d alone; ``--quick`` runs 100 and 400
+nodes in a few seconds. ``--plot`` needs matplotlib (``scripts/setup.sh``
 installs it, the ``bench`` extra); without it the JSON and the tables are written all the
 same, and ``--replot`` draws the plot from the JSON with any Python that has matplotlib (it
 imports nothing of tierfs).
@@ -54,18 +63,28 @@ RESTORES = (  # (key, label, mode, GCS slowness, share of nodes lost mid-restore
     ("broadcast", "broadcast plan", "broadcast", 1.0, 0.0),
     ("broadcast_lossy", "broadcast, 1% of nodes lost, GCS 4x slow", "broadcast", 4.0, 0.01),
 )
+BACKUP_TWINS = 16
+BACKUPS = (  # (key, label, mode, twins dead per group)
+    ("twins", "twins share the upload", "twins", 0),
+    ("twins_dead", "twins, one of each group dead", "twins", 1),
+    ("today", "model of the old code: every twin uploads", "today", 0),
+    ("today_dead", "model of the old code, one of each group dead", "today", 1),
+)
 
 
 def progress(msg: str) -> None:
     print(f"# {time.strftime('%H:%M:%S')} {msg}", flush=True)
 
 
-def measure(n: int) -> dict:
+def measure(n: int, backups_only: bool = False) -> dict:
     from tierfs.testing import scenarios  # noqa: PLC0415 (--replot needs no tierfs)
     from tierfs.testing.sim import GcsModel
 
-    out: dict = {}
     t0 = time.time()
+    out: dict = {"backup": measure_backups(n)}
+    if backups_only:
+        out["wall_s"] = round(time.time() - t0, 1)
+        return out
     out["rounds"] = scenarios.rounds(n)
     progress(f"{n} nodes: report rounds ({out['rounds']['cpu_s']:.0f} CPU-s)")
     slow = scenarios.Settings(gcs=GcsModel(slow=4.0))
@@ -82,8 +101,45 @@ def measure(n: int) -> dict:
     return out
 
 
+def measure_backups(n: int) -> dict:
+    from tierfs.testing.backups import backup  # noqa: PLC0415
+
+    out = {}
+    for key, _label, mode, dead in BACKUPS:
+        b = out[key] = backup(n - n % BACKUP_TWINS, BACKUP_TWINS, mode, dead)
+        progress(f"{b['nodes']} nodes: backup {key}: GCS {b['up_per_unique']:.3f}x up + {b['down_per_unique']:.3f}x "
+                 f"down, every rank backed up after {b['backed_up_s_max']:.2f} s ({b['cpu_s']:.0f} CPU-s)")
+    return out
+
+
+def backup_settings() -> dict:
+    """What every backup row shares: the job's shape per rank and the twins' patience."""
+    from tierfs.testing import backups  # noqa: PLC0415
+    from tierfs.tiers.twins import Patience  # noqa: PLC0415
+
+    return {"data_parallel": BACKUP_TWINS, "chunks_per_rank": backups.CHUNKS, "chunk_size": backups.CHUNK_SIZE,
+            "commit_spread_s": backups.COMMIT_SPREAD, "requests_at_once": backups.THREADS,
+            "patience": vars(Patience())}
+
+
+def render_backups(results: dict) -> list[str]:
+    lines = [f"### Backup of one step to GCS, {BACKUP_TWINS} data-parallel twins per shard", "",
+             "| nodes | backup | GCS up / unique | GCS down / unique | (up + down) / unique | GCS requests / rank | "
+             "every live rank backed up | every chunk and manifest in GCS |",
+             "|---:|---|---:|---:|---:|---:|---:|---|"]
+    for n in sorted(results, key=int):
+        for key, label, *_ in BACKUPS:
+            b = results[n]["backup"][key]
+            lines.append(f"| {b['nodes']:,} | {label} | {b['up_per_unique']:.3f} | {b['down_per_unique']:.3f} | "
+                         f"{b['gcs_per_unique']:.3f} | {b['requests_per_rank']:.1f} | {b['backed_up_s_max']:.2f} s | "
+                         f"{'yes' if b['complete'] else 'NO'} |")
+    return lines
+
+
 def render(results: dict) -> str:
     ns = sorted(results, key=int)
+    if not all("rounds" in results[n] for n in ns):
+        return "\n".join(render_backups(results))
     lines = ["### Coordination: messages per round and the restart decision", "",
              "| nodes | requests / node / round | messages / node / round | after losing a coordinator + 0.1% | "
              "busiest coordinator, requests / round | today: requests / node / round | GCS listings / round "
@@ -105,16 +161,34 @@ def render(results: dict) -> str:
         rs = results[n]["restore"]
         lines.append(f"| {int(n):,} | " + " | ".join(f"{rs[k]['gcs_per_unique']:.3f}" for k, *_ in RESTORES) + " | "
                      + " | ".join(f"{rs[k]['transfer_s_max']:.2f}" for k, *_ in RESTORES) + " |")
+    if all("backup" in results[n] for n in ns):
+        lines += ["", *render_backups(results)]
     return "\n".join(lines)
 
 
 def plot(path: str, results: dict, title: str) -> str | None:
+    """Three panels of coordination and restores, two of backups, whichever the results hold."""
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
     ns = sorted(results, key=int)
+    coordination = all("rounds" in results[n] for n in ns)
+    backups = all("backup" in results[n] for n in ns)
+    panels = 3 * coordination + 2 * backups
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.2), squeeze=False)
+    axes = list(axes[0])
+    if coordination:
+        plot_coordination(axes[:3], results, ns)
+    if backups:
+        plot_backups(axes[-2:], results, ns)
+    fig.suptitle(title, fontsize=9)
+    save_figure(fig, path)
+    return None
+
+
+def plot_coordination(axes: list, results: dict, ns: list[str]) -> None:
+    mx, dx, gx = axes
     x = [int(n) for n in ns]
-    fig, (mx, dx, gx) = plt.subplots(1, 3, figsize=(13, 4.2))
     mx.plot(x, [results[n]["rounds"]["steady"]["requests_per_node"] for n in ns], "o-", label="coordinators")
     mx.plot(x, [results[n]["rounds"]["after_failures"]["requests_per_node"] for n in ns], "s--",
             label="... after losing a coordinator + 0.1%")
@@ -135,9 +209,28 @@ def plot(path: str, results: dict, title: str) -> str | None:
     gx.set(xscale="log", xlabel="nodes", ylabel="GCS bytes read / unique bytes", ylim=(0, 4.5),
            title="restore from GCS, 4 twins per shard")
     gx.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    save_figure(fig, path)
-    return None
+
+
+def plot_backups(axes: list, results: dict, ns: list[str]) -> None:
+    from matplotlib.ticker import ScalarFormatter  # noqa: PLC0415
+
+    bx, tx = axes
+    x = [results[n]["backup"][BACKUPS[0][0]]["nodes"] for n in ns]
+    styles = ("o-", "s-", "^:", "v:")
+    for (key, label, *_), style in zip(BACKUPS, styles):
+        bx.plot(x, [results[n]["backup"][key]["gcs_per_unique"] for n in ns], style, label=label)
+        tx.plot(x, [results[n]["backup"][key]["backed_up_s_max"] for n in ns], style, label=label)
+    bx.axhline(1.05, color="tab:red", lw=0.8, ls="--", label="target 1.05 (1.5 with a twin dead)")
+    bx.axhline(1.5, color="tab:red", lw=0.8, ls=":")
+    bx.set(xscale="log", yscale="log", xlabel="nodes", ylabel="GCS bytes (up + down) / unique bytes",
+           title=f"backup to GCS, {BACKUP_TWINS} twins per shard")
+    tx.set(xscale="log", xlabel="nodes", ylabel="seconds from the first commit", ylim=(0, None),
+           title="backup: until every live rank is backed up")
+    for ax in (bx, tx):
+        ax.minorticks_off()
+        ax.set_xticks(x, [f"{v:,}" for v in x])
+        ax.legend(fontsize=7)
+    bx.yaxis.set_major_formatter(ScalarFormatter())
 
 
 def main() -> int:
@@ -145,7 +238,8 @@ def main() -> int:
     p.add_argument("--nodes", help="comma-separated job sizes (default 1000,4000,10000; --quick: 100,400)")
     p.add_argument("--quick", action="store_true", help="smoke run at 100 and 400 nodes")
     p.add_argument("--json", metavar="PATH", help="write the settings and every measurement")
-    p.add_argument("--plot", metavar="PATH.png", help="three panels of the results (needs matplotlib)")
+    p.add_argument("--plot", metavar="PATH.png", help="panels of the results (needs matplotlib)")
+    p.add_argument("--backups-only", action="store_true", help="measure the backups alone (d)")
     p.add_argument("--replot", metavar="JSON", help="print the tables and draw --plot from a saved --json")
     args = p.parse_args()
     if args.replot:
@@ -163,17 +257,18 @@ def main() -> int:
         sizes = [int(x) for x in (args.nodes or ("100,400" if args.quick else "1000,4000,10000")).split(",")]
     except ValueError:
         p.error("--nodes must be comma-separated integers, e.g. 1000,4000,10000")
-    if any(n < 8 or n % 4 for n in sizes):
-        p.error("every job size must be a multiple of 4 (the data-parallel twins) and at least 8")
+    if any(n < BACKUP_TWINS or n % 4 for n in sizes):
+        p.error(f"every job size must be a multiple of 4 (the data-parallel twins of a restore) and at least "
+                f"{BACKUP_TWINS} (those of a backup)")
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     cmd = shlex.join([sys.executable, *sys.argv])
-    settings = {"nodes": sizes, "date": now, "command": cmd, "cores": os.cpu_count()}
+    settings = {"nodes": sizes, "date": now, "command": cmd, "cores": os.cpu_count(), "backups_only": args.backups_only}
     print(f"# bench_scale {now}  command: {cmd}", flush=True)
     results = {}
     try:
         for n in sizes:
-            results[str(n)] = measure(n)
+            results[str(n)] = measure(n, args.backups_only)
     except KeyboardInterrupt:
         print("bench_scale: interrupted", file=sys.stderr)
         return 130
@@ -182,6 +277,7 @@ def main() -> int:
     s = Settings()
     settings["model"] = {"net": vars(s.net), "gcs": vars(s.gcs), "k": s.k, "interval_s": s.interval,
                          "restore_wait_s": s.restore_wait, "fan_out": s.fan_out, "workers": s.workers}
+    settings["backup"] = backup_settings()
     print(render(results))
     if args.json:
         write_json(args.json, {"settings": settings, "results": results})
@@ -192,7 +288,8 @@ def main() -> int:
 
 
 def title(settings: dict) -> str:
-    return f"tierfs coordination at scale, simulated (MockClock), {settings['date'][:10]}"
+    what = "backups" if settings.get("backups_only") else "coordination"
+    return f"tierfs {what} at scale, simulated (MockClock), {settings['date'][:10]}"
 
 
 if __name__ == "__main__":

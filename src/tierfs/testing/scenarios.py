@@ -227,7 +227,7 @@ class Job:
         return out
 
 
-def _run(fn, *args):
+def on_mock_clock(fn, *args):
     """Run a scenario on a MockClock; returns (its result, CPU seconds it took here)."""
     t0 = time.process_time()
     clock = trio.testing.MockClock(autojump_threshold=0)
@@ -255,7 +255,7 @@ def rounds(nodes: int, s: Settings | None = None, steady: int = 2, after: int = 
     of the nodes go down and ``after`` rounds more are counted; by then every view must
     have dropped what the lost nodes held.
     """
-    return _run(_rounds, JobModel(nodes), s or Settings(), steady, after, lost)
+    return on_mock_clock(_rounds, JobModel(nodes), s or Settings(), steady, after, lost)
 
 
 async def _rounds(model: JobModel, s: Settings, steady: int, after: int, lost: float) -> dict:
@@ -304,7 +304,7 @@ def decision(nodes: int, s: Settings | None = None, coordinators_lost: int = 1, 
              late: int = 1, late_at: float = 10.0) -> dict:
     """Every node asks for its step at once; ``coordinators_lost`` of the first coordinators
     and ``nodes_lost`` other nodes are down for good; ``late`` nodes start ``late_at`` s later."""
-    return _run(_decision, JobModel(nodes), s or Settings(), coordinators_lost, nodes_lost, late, late_at)
+    return on_mock_clock(_decision, JobModel(nodes), s or Settings(), coordinators_lost, nodes_lost, late, late_at)
 
 
 async def _decide_and_announce(node: SimNode, wait: float) -> None:
@@ -365,7 +365,7 @@ def restore(nodes: int, s: Settings | None = None, mode: str = "broadcast", fail
     ``fail``: the share of nodes that go down once the restores are under way.
     """
     model = JobModel(nodes, chunks=chunks, chunk_size=chunk_size)
-    return _run(_restore, model, s or Settings(), mode, fail)
+    return on_mock_clock(_restore, model, s or Settings(), mode, fail)
 
 
 async def _restore_node(node: SimNode, job: Job, mode: str) -> None:

@@ -17,7 +17,14 @@ The model, kept simple and stated (:class:`NetModel`, :class:`GcsModel`):
 - GCS: a read costs a first-byte latency and runs at a per-stream bandwidth, through the
   reading node's NIC and through the bucket's total bandwidth (a FIFO shared by every
   reader: what the job's project may read at once); a listing costs one request per page
-  of 1000 objects. ``slow`` multiplies latencies and divides bandwidths.
+  of 1000 objects. ``slow`` multiplies latencies and divides bandwidths;
+- GCS writes (a backup): a conditional create whose body always goes out, through the
+  writer's NIC at the per-stream bandwidth and through the bucket's total ingest (a FIFO
+  like the reads'); the object exists once its body is in, and a create of a name that
+  exists by then fails after sending the body, as GCS's ``ifGenerationMatch=0`` does. A
+  metadata request (does the object exist) costs the first-byte latency and no body.
+  Every byte up and down and every request is counted, so a backup's cost per unique
+  byte is measured, not assumed.
 
 Every message is encoded (:func:`tierfs.coordination.transport.encoded`), so the size cap
 holds here as on the wire, and counted, per sender and per op.
@@ -59,6 +66,7 @@ class GcsModel:
     first_byte: float = 0.05  # seconds to the first byte of a read
     stream: float = 100e6  # bytes/s of one read
     total: float = 25e9  # bytes/s the bucket serves to everyone at once (the project's egress quota)
+    ingest: float = 25e9  # bytes/s the bucket accepts from everyone at once (writes)
     page: float = 0.1  # seconds per listing page
     page_objects: int = 1000
     slow: float = 1.0  # a slow GCS: latencies times this, bandwidth divided by it
@@ -244,6 +252,13 @@ class SimNetwork:
         host.nic_in = max(now, host.nic_in) + n / self.model.bandwidth
         return max(host.nic_in, now + n / rate)
 
+    def nic_out(self, sender: str, n: int, rate: float) -> float:
+        """When ``n`` bytes sent now at ``rate`` to outside (GCS) have left through ``sender``'s NIC."""
+        host = self.hosts[sender]
+        now = trio.current_time()
+        host.nic_out = max(now, host.nic_out) + n / self.model.bandwidth
+        return max(host.nic_out, now + n / rate)
+
 
 class SimTransport:
     """One node's requests over a :class:`SimNetwork` (the :class:`Transport` protocol)."""
@@ -266,16 +281,25 @@ class SimTransport:
 
 
 class SimGcs:
-    """The job's bucket: manifests to list, chunks to read; counts what is read."""
+    """The job's bucket: manifests to list, chunks to read and write; counts bytes and requests."""
 
     def __init__(self, net: SimNetwork, model: GcsModel | None = None, listing: dict[int, Iterable[int]] | None = None):
         self.net, self.model = net, model or GcsModel()
         self.bytes_read = 0
         self.reads = 0
+        self.bytes_written = 0  # every body sent, also those of creates that failed
+        self.writes = 0
+        self.metadata_requests = 0
         self.list_requests = 0
+        self.objects: set[str] = set()  # names whose body is in
         self.down = False
         self._free = 0.0  # when the bucket's bandwidth is free for the next read
+        self._free_in = 0.0  # ... for the next write
         self.set_listing(listing or {})
+
+    @property
+    def requests(self) -> int:
+        return self.reads + self.writes + self.metadata_requests + self.list_requests
 
     def set_listing(self, listing: dict[int, Iterable[int]]) -> None:
         self._names = sorted(f"rank-{r}/step-{s:012d}.json" for r, steps in listing.items() for s in steps)
@@ -308,3 +332,35 @@ class SimGcs:
         self._free = max(now, self._free) + length / (m.total / m.slow)
         await self.net.sleep_until(max(self._free, self.net.nic_in(reader, length, m.stream / m.slow)))
         return length
+
+    async def exists(self, name: str) -> bool:
+        """A metadata request: whether ``name``'s body is in (no body moves)."""
+        m = self.model
+        if self.down:
+            await trio.sleep(m.first_byte * m.slow)
+            raise OSError("GCS is unreachable")
+        self.metadata_requests += 1
+        await self.net.sleep_until(trio.current_time() + m.first_byte * m.slow)
+        return name in self.objects
+
+    async def delete(self, name: str) -> None:
+        """A request without a body (a marker's delete)."""
+        await self.exists(name)
+        self.objects.discard(name)
+
+    async def write(self, writer: str, name: str, length: int) -> bool:
+        """Create ``name`` if absent; False if it existed when the body was in (the body went all the same)."""
+        m = self.model
+        if self.down:
+            await trio.sleep(m.first_byte * m.slow)
+            raise OSError("GCS is unreachable")
+        self.writes += 1
+        self.bytes_written += length
+        await self.net.sleep_until(trio.current_time() + m.first_byte * m.slow)
+        now = trio.current_time()
+        self._free_in = max(now, self._free_in) + length / (m.ingest / m.slow)
+        await self.net.sleep_until(max(self._free_in, self.net.nic_out(writer, length, m.stream / m.slow)))
+        if name in self.objects:
+            return False
+        self.objects.add(name)
+        return True

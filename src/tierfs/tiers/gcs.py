@@ -113,7 +113,12 @@ class GcsTier(Tier):
         return await self._run(self._present, h, str(path), offset, length)
 
     def _present(self, h: str, path: str, offset: int, length: int) -> bool:
-        md5 = self._md5.get(h) or frame_md5(self._frame(h, path, offset, length))
+        md5 = self._md5.get(h)
+        if md5 is None:
+            md5 = frame_md5(self._frame(h, path, offset, length))
+            if len(self._md5) >= REMEMBERED:
+                self._md5.clear()  # computing it again is only slower
+            self._md5[h] = md5
         found = self.store.find_chunk(h, md5)
         if found is Found.MISSING:
             self._absent.add(h)
@@ -128,23 +133,19 @@ class GcsTier(Tier):
         frame = self._frame(h, path, offset, length)
         look = h not in self._absent
         self._absent.discard(h)
-        if not self.store.put_chunk(h, frame, look=look):
+        if not self.store.put_chunk(h, frame, look=look, md5=self._md5.get(h)):
             return Put(0, 0)  # another rank uploaded the same bytes
         return Put(length, len(frame))
 
     def _frame(self, h: str, path: str, offset: int, length: int) -> bytes:
-        """The frame of chunk ``h`` as this node stores it, from its local bytes (remembering its MD5)."""
+        """The frame of chunk ``h`` as this node stores it, from its local bytes."""
         for _ in range(2):  # a detach can race with the read: the path then holds the copy
             data = _pread(path, offset, length)
             if chunks.chunk_hash(data) == h:
                 break
         else:
             raise SourceChanged(f"{path} at {offset} no longer holds chunk {h}")
-        frame = chunks.encode(data)
-        if len(self._md5) >= REMEMBERED:
-            self._md5.clear()  # computing it again is only slower
-        self._md5[h] = frame_md5(frame)
-        return frame
+        return chunks.encode(data)
 
     async def get_chunk(self, h: str, length: int) -> bytes:
         """Never more than ``length`` bytes read, nor decoded."""

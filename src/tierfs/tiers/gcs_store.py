@@ -109,7 +109,7 @@ class GcsStore(GarbageCollection, GcsBucket):
 
     # -- chunks ---------------------------------------------------------------------------
 
-    def put_chunk(self, h: str, frame: bytes, look: bool = True) -> bool:
+    def put_chunk(self, h: str, frame: bytes, look: bool = True, md5: str | None = None) -> bool:
         """Make the chunk's object hold ``frame``; False if it already held the chunk.
 
         First a metadata request (``look``; skip it only right after one found nothing):
@@ -118,18 +118,21 @@ class GcsStore(GarbageCollection, GcsBucket):
         checked: the chunk (another rank uploaded the same bytes, or a retry after a lost
         response finds the first attempt's) means there is nothing to do; anything else is
         replaced, conditionally on its generation, so a concurrent fix by another rank is
-        not undone.
+        not undone. ``md5`` is ``frame``'s if the caller has it: computed here only when needed,
+        it costs a pass over the frame that a lone uploader never needs.
         """
         name = self._chunk_name(h)
-        md5 = frame_md5(frame)
-        if look and self.find_chunk(h, md5) is Found.CHUNK:
-            return False
+        if look:
+            md5 = md5 or frame_md5(frame)
+            if self.find_chunk(h, md5) is Found.CHUNK:
+                return False
         for _ in range(3):
             with self._lock:
                 generation = self._replace.pop(h, 0)
             try:
                 blob = self._upload(name, frame, if_generation_match=generation)
             except api.PreconditionFailed:
+                md5 = md5 or frame_md5(frame)
                 if self.find_chunk(h, md5) is Found.CHUNK:
                     return False
                 continue  # gone meanwhile (create it), or bad (replace that generation)

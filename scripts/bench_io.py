@@ -15,6 +15,12 @@ Rows (defaults):
   ``mmap`` (``--ioengine=mmap``: the file is mapped shared and copied to or from). Writes
   end with an fsync (``--end_fsync=1``), inside fio's timing, so a side cannot finish early
   by leaving dirty pages behind; on tmpfs and with passthrough it costs nothing.
+- the same writes into a preallocated file (``--fallocate=native``, fio's default: before
+  its timing fio extends the file with ``fallocate(fd, 0, 0, size)``, so tmpfs allocates
+  the pages up front and the timed writes only copy); the rows above use
+  ``--fallocate=none``, where every write allocates its pages. A preallocated file is
+  written only (its read is the read above), then deleted. ``--fallocate none`` leaves
+  these rows out.
 - a 1,000-file checkpoint, in Python, the same code on every side: create ``<step>.tmp``,
   create 1,000 files (``O_WRONLY|O_CREAT|O_TRUNC``, as ``open(..., "wb")``), write 1 MiB
   into each from a page-aligned buffer, close each, then rename the directory to
@@ -43,10 +49,13 @@ Run it when the machine is quiet::
     .venv/bin/python scripts/bench_io.py --json docs/bench-io.json --plot docs/bench-io.png
     .venv/bin/python scripts/bench_io.py --quick         # smoke test: 128M, 2 rounds, 200 files
     .venv/bin/python scripts/bench_io.py --files-only --data-paths passthrough  # the checkpoint row alone
+    .venv/bin/python scripts/bench_io.py --modes psync --bs 1M --jobs 1,4 --files 0 --size 1G \
+        --segment 1G          # plain and preallocated 1 GiB writes, as fio writes them by default
     .venv/bin/python scripts/bench_io.py --replot docs/bench-io.json --plot out.png
 
-The default run (512 MiB per measurement, 5 rounds) takes about 11 minutes on 2 cores, most
-of it in the warm-ups.
+The default run (512 MiB per measurement, 5 rounds) takes about 16 minutes on 2 cores, most
+of it in the warm-ups (about 11 with ``--fallocate none``, which leaves the preallocated
+writes out).
 tierfs runs as ``python -m tierfs`` with this checkout's ``src`` first on PYTHONPATH, fio as
 a subprocess; matplotlib only for ``--plot``. Everything it creates lives under
 /dev/shm/bench-io-* and /tmp/bench-io-* and is removed (and the mounts unmounted) on exit,
@@ -93,6 +102,8 @@ VOLUMES = ("passthrough", "daemon")  # the data paths, each a volume of its own
 SIDES = ("tmpfs", *VOLUMES)
 OPS = ("write", "read")
 MODES = ("psync", "mmap")
+# fio's --fallocate: "none" (the writes allocate) and "native" (fio's default: preallocated).
+FALLOCATE = ("none", "native")
 FILES_ROW = "files"
 # What each row should reach with passthrough, as a fraction of tmpfs.
 TARGET_IO, TARGET_FILES = 0.9, 0.5
@@ -167,7 +178,7 @@ def remove(path: str) -> None:
 
 
 def row_key(r: dict) -> tuple:
-    return (r["mode"], r["op"], r["bs"], r["jobs"])
+    return (r["mode"], r["op"], r["bs"], r["jobs"], r.get("fallocate", "none"))
 
 
 def row_label(r: dict, short: bool = False) -> str:
@@ -175,9 +186,10 @@ def row_label(r: dict, short: bool = False) -> str:
         return (f"{r['files']} files\n{fmt_size(r['bs'])} each" if short
                 else f"checkpoint: {r['files']} files x {fmt_size(r['bs'])}, rename")
     jobs = f"{r['jobs']} job{'s' if r['jobs'] > 1 else ''}"
+    prealloc = r.get("fallocate", "none") != "none"
     if short:
-        return f"{r['mode']}\n{r['op']}\n{fmt_size(r['bs'])} {r['jobs']}j"
-    return f"{r['mode']} {r['op']} {fmt_size(r['bs'])}, {jobs}"
+        return f"{r['mode']}\n{r['op']}{' pre' if prealloc else ''}\n{fmt_size(r['bs'])} {r['jobs']}j"
+    return f"{r['mode']} {r['op']} {fmt_size(r['bs'])}, {jobs}{', preallocated' if prealloc else ''}"
 
 
 # ----------------------------------------------------------------------------- engines
@@ -195,7 +207,7 @@ class FioEngine:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
     def run(self, mode: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
-            offset: int = 0) -> dict:
+            offset: int = 0, fallocate: str = "none") -> dict:
         cmd = [
             self.fio, f"--name={tag}", f"--directory={directory}",
             f"--filename_format={tag}.$jobnum",
@@ -203,7 +215,7 @@ class FioEngine:
             f"--numjobs={jobs}", "--group_reporting", "--output-format=json",
             "--direct=0", *self.align_args,
             "--invalidate=0",    # drop nothing: reads see what the write left, on every side
-            "--fallocate=none",  # writes allocate their pages on every side alike
+            f"--fallocate={fallocate}",  # none: each write allocates its pages; native: fio's default
             *(["--end_fsync=1"] if op == "write" else []),  # the bytes are in the file when timing ends
         ]
         try:
@@ -258,7 +270,7 @@ class BuiltinEngine:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
     def run(self, mode: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
-            offset: int = 0) -> dict:
+            offset: int = 0, fallocate: str = "none") -> dict:
         if mode != "psync":
             raise BenchError(f"--engine builtin measures only psync rows, not {mode}")
         buf = self._buf(bs)
@@ -272,6 +284,8 @@ class BuiltinEngine:
             try:
                 if op == "write":
                     fd = os.open(paths[i], os.O_WRONLY | os.O_CREAT | (0 if offset else os.O_TRUNC), 0o644)
+                    if fallocate == "native":  # as fio lays the file out, before the timing
+                        os.posix_fallocate(fd, 0, offset + per_job)
                 else:
                     fd = os.open(paths[i], os.O_RDONLY)
                 os.lseek(fd, offset, os.SEEK_SET)
@@ -364,18 +378,22 @@ class Run:
         return ("tmpfs", *self.args.data_paths, *(name for name, _ in self.args.reference))
 
     def configs(self) -> list[dict]:
-        """What each round measures: every fio configuration (written, then read), then the checkpoint."""
-        configs = [{"mode": mode, "bs": bs, "jobs": jobs}
-                   for mode in self.args.modes for bs in self.args.bs for jobs in self.args.jobs]
+        """What each round measures: every fio configuration (written, then read; preallocated
+        and written), then the checkpoint."""
+        configs = [{"mode": mode, "bs": bs, "jobs": jobs, "fallocate": fa}
+                   for mode in self.args.modes for bs in self.args.bs for jobs in self.args.jobs
+                   for fa in self.args.fallocate]
         if self.args.files:
             configs.append({"mode": FILES_ROW, "op": "write", "bs": self.args.file_size, "jobs": 1,
                             "files": self.args.files})
         return configs
 
     def rows(self) -> list[dict]:
-        """The rows of the report: by mode, then operation, block size and jobs; the checkpoint last."""
-        rows = [{"mode": mode, "op": op, "bs": bs, "jobs": jobs}
-                for mode in self.args.modes for op in OPS for bs in self.args.bs for jobs in self.args.jobs]
+        """The rows of the report: by mode, then operation, block size and jobs, a preallocated
+        write right after its plain one; the checkpoint last."""
+        rows = [{"mode": mode, "op": op, "bs": bs, "jobs": jobs, "fallocate": fa}
+                for mode in self.args.modes for op in OPS for bs in self.args.bs for jobs in self.args.jobs
+                for fa in self.args.fallocate if op == "write" or fa == "none"]
         return rows + [c for c in self.configs() if c["mode"] == FILES_ROW]
 
     def _timed(self, side: str, fn) -> dict:
@@ -388,7 +406,8 @@ class Run:
             res["daemon_cpu_s"] = mount.daemon_cpu() - cpu0
         return res
 
-    def io(self, side: str, mode: str, op: str, tag: str, bs: int, per_job: int, jobs: int) -> dict:
+    def io(self, side: str, mode: str, op: str, tag: str, bs: int, per_job: int, jobs: int,
+           fallocate: str = "none") -> dict:
         directory = self.dirs[side]
         if op == "read":  # the read must hit exactly the files just written
             for p in self.engine.files(directory, tag, jobs):
@@ -402,7 +421,7 @@ class Run:
         seg = min(per_job, max(bs, self.args.segment // jobs // bs * bs))
         for offset in range(0, per_job, seg):
             part = self._timed(side, lambda: self.engine.run(mode, op, directory, tag, bs,
-                                                             min(seg, per_job - offset), jobs, offset))
+                                                             min(seg, per_job - offset), jobs, offset, fallocate))
             res["bytes"] += part["bytes"]
             res["seconds"] += part["seconds"]
             res["segments"] += 1
@@ -436,15 +455,18 @@ class Run:
         return self.raw
 
     def _io_rows(self, rnd: int, pos: int, side: str, row: dict) -> None:
-        mode, bs, jobs = row["mode"], row["bs"], row["jobs"]
+        mode, bs, jobs, fa = row["mode"], row["bs"], row["jobs"], row["fallocate"]
         per_job = (self.args.size // jobs) // bs * bs
         if per_job <= 0:
             raise BenchError(f"--size {fmt_size(self.args.size)} is too small for bs={fmt_size(bs)} jobs={jobs}")
-        tag = f"bench-r{rnd}-{mode}-bs{fmt_size(bs)}-j{jobs}"
+        tag = f"bench-r{rnd}-{mode}-bs{fmt_size(bs)}-j{jobs}-{fa}"
         try:
-            for op in OPS:  # the file is read right after it is written, then deleted
-                res = self.io(side, mode, op, tag, bs, per_job, jobs)
-                self.record(res, round=rnd, side=side, position=pos, mode=mode, op=op, bs=bs, jobs=jobs)
+            # the file is read right after it is written, then deleted; a preallocated one is
+            # only written (its read would be the same read)
+            for op in OPS if fa == "none" else ("write",):
+                res = self.io(side, mode, op, tag, bs, per_job, jobs, fa)
+                self.record(res, round=rnd, side=side, position=pos, mode=mode, op=op, bs=bs, jobs=jobs,
+                            fallocate=fa)
         finally:  # right after its measurement, or on any failure
             for p in self.engine.files(self.dirs[side], tag, jobs):
                 remove(p)
@@ -580,6 +602,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fio jobs in parallel, each with its own file (default 1,4,8)")
     p.add_argument("--modes", type=parse_choices(MODES), default=list(MODES),
                    help="psync (read/write from page-aligned buffers) and/or mmap (default psync,mmap)")
+    p.add_argument("--fallocate", type=parse_choices(FALLOCATE), default=list(FALLOCATE),
+                   help="fio --fallocate of the writes: none (each write allocates) and/or native "
+                        "(fio's default: the file preallocated before the timing; write rows only) "
+                        "(default none,native)")
     p.add_argument("--data-paths", type=parse_choices(VOLUMES), default=list(VOLUMES),
                    help="volumes to measure against tmpfs (default passthrough,daemon)")
     p.add_argument("--files", type=int, help="files of the checkpoint row; 0 leaves it out (default 1000)")
@@ -698,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = {
             "engine": engine.name, "engine_version": engine.version, "size": args.size,
             "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "modes": args.modes,
+            "fallocate": args.fallocate,
             "data_paths": args.data_paths, "references": dict(args.reference),
             "files": args.files, "file_size": args.file_size,
             "warmup": args.warmup, "segment": args.segment,

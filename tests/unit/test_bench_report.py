@@ -67,3 +67,17 @@ def test_a_reference_names_a_directory(tmp_path):
 def test_two_references_of_one_name_are_refused(tmp_path, capsys):
     assert bench_io.main(["--files-only", "--reference", f"hp={tmp_path}", "--reference", f"hp={tmp_path}"]) == 2
     assert "names must differ" in capsys.readouterr().err
+
+
+def test_a_preallocated_write_is_a_row_of_its_own_beside_the_plain_one():
+    args = bench_io.build_parser().parse_args(["--modes", "psync", "--bs", "1M", "--jobs", "1", "--files", "0"])
+    run = bench_io.Run.__new__(bench_io.Run)
+    run.args = args
+    rows = run.rows()
+    assert [(r["op"], r["fallocate"]) for r in rows] == [("write", "none"), ("write", "native"), ("read", "none")]
+    assert bench_io.row_label(rows[1]) == "psync write 1M, 1 job, preallocated"
+    plain, pre = (dict(r, side="tmpfs", round=0, gib_s=v) for r, v in ((rows[0], 2.0), (rows[1], 5.0)))
+    summary = bench_io.summarize(rows[:2], [plain, pre], ("tmpfs",))
+    assert [r["tmpfs_gib_s"] for r in summary] == [2.0, 5.0]
+    saved = {"mode": "psync", "op": "write", "bs": 1 << 20, "jobs": 1}  # a run saved before the rows existed
+    assert bench_io.row_key(saved) == bench_io.row_key(rows[0])

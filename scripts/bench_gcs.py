@@ -362,12 +362,7 @@ def main_twins(args) -> int:
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except (BenchError, OSError, AssertionError) as e:
-        print(f"bench_gcs: error: {e}", file=sys.stderr)
-        for log in sorted((tmp / "run").glob("*.log")) + [emu.log_path]:  # they go with tmp below
-            if log.exists():
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                print(f"--- last lines of {log.name}:", *tail, sep="\n", file=sys.stderr)
-        return 1
+        return _failed(e, tmp, emu)
     except KeyboardInterrupt:
         print("bench_gcs: interrupted; cleaning up", file=sys.stderr)
         return 130
@@ -375,6 +370,16 @@ def main_twins(args) -> int:
         with no_interruptions():
             emu.stop()
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _failed(e: BaseException, tmp: Path, emu: GcsEmulator) -> int:
+    """One line for the error, then the last lines of every daemon's log and the emulator's."""
+    print(f"bench_gcs: error: {e}", file=sys.stderr)
+    for log in sorted((tmp / "run").glob("*.log")) + [emu.log_path]:  # they go with tmp afterwards
+        if log.exists():
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            print(f"--- last lines of {log.name}:", *tail, sep="\n", file=sys.stderr)
+    return 1
 
 
 def main() -> int:
@@ -440,12 +445,7 @@ def main() -> int:
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except (BenchError, OSError) as e:
-        print(f"bench_gcs: error: {e}", file=sys.stderr)
-        for log in sorted((tmp / "run").glob("*.log")) + [emu.log_path]:  # they go with tmp below
-            if log.exists():
-                tail = log.read_text(errors="replace").splitlines()[-15:]
-                print(f"--- last lines of {log.name}:", *tail, sep="\n", file=sys.stderr)
-        return 1
+        return _failed(e, tmp, emu)
     except KeyboardInterrupt:
         print("bench_gcs: interrupted; cleaning up", file=sys.stderr)
         return 130

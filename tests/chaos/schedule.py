@@ -185,17 +185,37 @@ class Job:
             if low == high and step != low:
                 raise Violation(f"{where}: restored step {step}, expected {low}")
             if step is not None and step in self.committed.get(i, ()):  # else the rank wrote nothing in it
-                expected = files_of(i, step, self.seed)
-                base = self.cluster.nodes[i].mountpoint / "ckpt" / str(step)
-                for name, data in expected.items():
-                    if (base / name).read_bytes() != data:
-                        raise Violation(f"{where}: {base / name} differs from what rank {i} wrote at step {step}")
-                self.places.setdefault((i, step), set()).add(f"ram {i}")
+                if self.check_files(i, step, where):
+                    self.places.setdefault((i, step), set()).add(f"ram {i}")
                 for s in [s for s in self.committed.get(i, ()) if s > step]:
                     self.places.get((i, s), set()).discard(f"ram {i}")  # set aside: not complete on every rank
         if len(nodes) == self.n and len(set(chosen.values())) > 1:
             raise Violation(f"seed {self.seed}: after a whole-job restart the ranks run from different steps: {chosen}")
         self.log.append(f"{fault}: restored {chosen} (bounds {low}..{high})")
+
+    def check_files(self, i: int, step: int, where: str) -> bool:
+        """Whether node i presents its files of ``step``, byte-identical to what the writer wrote.
+
+        A rank whose every copy of the step was lost before any was confirmed (killed and
+        wiped right after its commit) left nothing a restore could know of: it counts as
+        not having written, so it may present no file of that step, but never some of them
+        or other bytes.
+        """
+        base = self.cluster.nodes[i].mountpoint / "ckpt" / str(step)
+        found = {}
+        for name in files_of(i, step, self.seed):
+            try:
+                found[name] = (base / name).read_bytes()
+            except FileNotFoundError:
+                pass
+        if not found and not self.places.get((i, step)):
+            return False
+        for name, data in files_of(i, step, self.seed).items():
+            if found.get(name) != data:
+                state = "missing" if name not in found else "different"
+                raise Violation(f"{where}: {base / name} is {state}, not what rank {i} wrote at step {step} "
+                                f"(held: {sorted(self.places.get((i, step), ()))})")
+        return True
 
     def summary(self, step: int) -> str:
         return "; ".join(f"rank {r}: {sorted(self.places.get((r, step), ()))}" for r in range(self.n))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import socket
 import struct
 import time
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from tierfs.core.chunks import chunk_hash
 from tierfs.core.manifest import Manifest
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
+from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import AuthFailed, NoSpace, PeerError, PeerUnavailable
 from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.replicas import ReplicaStore
@@ -57,13 +59,13 @@ class Node:
 
 async def start_node(nursery: trio.Nursery, host: str, root: Path, *, capacity: int | None = None,
                      local=None, grace: float = 0.0, timeouts: Timeouts = FAST,
-                     keep_from=lambda: 10**9) -> Node:
+                     keep_from=lambda: 10**9, tls=None) -> Node:
     root.mkdir(parents=True)
     space = SpaceAccount(capacity, root)
     store = ReplicaStore(root, space, local, job=JOB, grace=grace, keep_from=keep_from)
     store.load()
     port = await nursery.start(functools.partial(
-        serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts, tls=None,
+        serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts, tls=tls,
         info=lambda: {"rank": 1, "topology": [["zone", "a"]], "free": 123}))
     return Node(host, port, store, space, root)
 
@@ -130,7 +132,7 @@ async def test_wrong_secret_is_refused_and_nothing_is_stored(nursery, tmp_path):
     body = randbytes(CS, 1)
     async with await trio.open_tcp_stream(*node.address) as s:
         nonce = wire.new_nonce()
-        await s.send_all(frame({"op": "hello", "version": 1, "job": JOB, "nonce": nonce}))
+        await s.send_all(frame({"op": "hello", "version": wire.VERSION, "job": JOB, "nonce": nonce}))
         challenge = await wire.recv_msg(s)
         bad = wire.proof(b"not-the-secret-at-all", "client", JOB, nonce, challenge["nonce"])
         await s.send_all(frame({"op": "auth", "proof": bad})
@@ -147,7 +149,7 @@ async def test_job_mismatch_is_refused_by_both_sides(nursery, tmp_path):
     # With the right secret but another job, the server refuses the client's proof too.
     async with await trio.open_tcp_stream(*node.address) as s:
         nonce = wire.new_nonce()
-        await s.send_all(frame({"op": "hello", "version": 1, "job": "other-job", "nonce": nonce}))
+        await s.send_all(frame({"op": "hello", "version": wire.VERSION, "job": "other-job", "nonce": nonce}))
         challenge = await wire.recv_msg(s)
         proof = wire.proof(SECRET, "client", "other-job", nonce, challenge["nonce"])
         await s.send_all(frame({"op": "auth", "proof": proof}) + frame({"op": "list"}))
@@ -170,7 +172,7 @@ async def test_skipping_the_handshake_gets_nothing_in_and_nothing_out(nursery, t
         frame({"op": "get_chunk", "hash": secret_chunk, "offset": 0}),
         frame({"op": "get_manifest", "rank": 2, "step": 10}),
         frame({"op": "list"}),
-        frame({"op": "hello", "version": 1, "job": JOB, "nonce": wire.new_nonce()})  # then skips auth:
+        frame({"op": "hello", "version": wire.VERSION, "job": JOB, "nonce": wire.new_nonce()})  # then skips auth:
         + frame({"op": "list"}),
     ]
     for request in requests:
@@ -506,7 +508,7 @@ async def test_a_server_that_stalls_or_dies_mid_transfer_gives_peer_unavailable(
 
     async def half_server(stream: trio.SocketStream) -> None:
         async with stream:
-            assert await wire.authenticate(stream, job=JOB, secret=SECRET) is None
+            await wire.authenticate(stream, job=JOB, secret=SECRET)
             await wire.recv_msg(stream)
             await wire.send_msg(stream, {"ok": True, "len": len(data)})
             await stream.send_all(data[: 1 << 20])
@@ -541,3 +543,32 @@ async def test_a_real_server_shut_down_mid_session(tmp_path):
     with trio.fail_after(3), pytest.raises(PeerUnavailable):
         await client.list()
     await client.aclose()
+
+
+async def test_after_a_peer_restart_a_pool_drops_every_stale_connection_and_serves_from_a_fresh_one(nursery, tmp_path):
+    """Replication keeps several connections to a peer; a restart of that peer breaks them all at once."""
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "node", timeouts=Timeouts(handshake=2, idle=60, request=5))
+    made = []
+
+    async def connect(timeout):
+        made.append(await node.connect())
+        return made[-1]
+
+    pool = ConnectionPool(connect)
+    both = trio.Event()
+
+    async def hold(client):  # two requests at once: two connections, both idle afterwards
+        if len(made) == 2:
+            both.set()
+        await both.wait()
+        return await client.info()
+
+    async with trio.open_nursery() as requests:
+        for _ in range(2):
+            requests.start_soon(pool.request, hold)
+    assert len(pool) == 2
+    for client in made:  # the peer's service restarted: both connections are dead
+        client._stream.socket.shutdown(socket.SHUT_RDWR)
+    assert (await pool.request(lambda client: client.info()))["rank"] == 1
+    assert len(made) == 3 and len(pool) == 1
+    await pool.aclose()

@@ -13,7 +13,7 @@ import trio
 import trio.testing
 import xxhash
 
-from tierfs.peers import wire
+from tierfs.peers import bodies, wire
 from tierfs.peers.wire import AuthFailed, PeerError, PeerUnavailable, ProtocolError
 
 JOB = "llama"
@@ -85,7 +85,7 @@ async def test_end_of_stream_is_peer_unavailable_wherever_it_happens():
     await a.send_all(b"x" * 1000)
     await a.aclose()
     with pytest.raises(PeerUnavailable, match="mid-body"):
-        await wire.recv_exact_into_file(b, 2000, None)
+        await bodies.receive_into_file(b, 2000, None)
 
 
 async def test_body_limit_is_checked_before_reading():
@@ -102,7 +102,7 @@ async def test_receive_into_file_in_bounded_pieces_with_streaming_hash(tmp_path)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(a.send_all, body)
             hasher = xxhash.xxh3_128()
-            await wire.recv_exact_into_file(b, len(body), fd, hasher, offset=100)
+            await bodies.receive_into_file(b, len(body), fd, hasher, offset=100)
     finally:
         os.close(fd)
     assert hasher.hexdigest() == xxhash.xxh3_128_hexdigest(body)
@@ -145,7 +145,7 @@ async def test_send_file_sends_exactly_the_range_over_tcp(big_file):
 
             nursery.start_soon(receive)
             # Far more than the socket buffers: partial sends and waits for room happen.
-            assert await wire.send_file(client, fd, 12345, 5_000_000) == 5_000_000
+            assert await bodies.send_file(client, fd, 12345, 5_000_000) == 5_000_000
             await client.send_eof()
     assert got["data"] == expected
 
@@ -162,12 +162,12 @@ async def test_send_file_over_a_socketpair_and_without_a_socket(big_file):
             got["data"] = await _receive_all(b)
 
         nursery.start_soon(receive)
-        await wire.send_file(a, fd, 1 << 20, 2 << 20)
+        await bodies.send_file(a, fd, 1 << 20, 2 << 20)
         await a.send_eof()
     assert got["data"] == expected
     a, b = trio.testing.memory_stream_pair()  # no socket: pread + send_all
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(wire.send_file, a, fd, 1 << 20, 2 << 20)
+        nursery.start_soon(bodies.send_file, a, fd, 1 << 20, 2 << 20)
         assert await wire.recv_body(b, 2 << 20, 2 << 20) == expected
 
 
@@ -175,7 +175,7 @@ async def test_send_file_refuses_to_send_past_the_end_of_the_file(big_file):
     path, fd = big_file
     a, b = trio.testing.memory_stream_pair()
     with pytest.raises(EOFError, match="short"):
-        await wire.send_file(a, fd, (8 << 20) - 10, 20)
+        await bodies.send_file(a, fd, (8 << 20) - 10, 20)
 
 
 # -- handshake ----------------------------------------------------------------------------
@@ -189,14 +189,13 @@ async def _handshake(client_job: str, client_secret: bytes, server_job: str = JO
     async def server():
         try:
             result["server"] = await wire.authenticate(b, job=server_job, secret=server_secret)
-        except PeerUnavailable as e:
+        except (PeerUnavailable, AuthFailed) as e:
             result["server"] = e
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(server)
         try:
-            await wire.client_handshake(a, job=client_job, secret=client_secret)
-            result["client"] = None
+            result["client"] = await wire.client_handshake(a, job=client_job, secret=client_secret)
         except PeerError as e:
             result["client"] = e
         finally:
@@ -205,7 +204,9 @@ async def _handshake(client_job: str, client_secret: bytes, server_job: str = JO
 
 
 async def test_handshake_succeeds_with_the_same_job_and_secret():
-    assert await _handshake(JOB, SECRET) == {"client": None, "server": None}
+    result = await _handshake(JOB, SECRET)
+    assert isinstance(result["client"], wire.Nonces)
+    assert result["client"] == result["server"]  # both ends hold the same fresh nonces: they key the records
 
 
 @pytest.mark.parametrize("job, secret", [(JOB, b"another-secret-entirely"), ("other-job", SECRET)])

@@ -37,6 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import wait_for, write_orbax_step
+from tests.peers.sealing import Channel
 from tests.peers.test_peer_service import (
     JOB,
     SECRET,
@@ -308,7 +309,7 @@ async def test_a_hostile_peer_cannot_crash_a_restore_with_a_nested_manifest(nurs
 
     async def hostile(stream: trio.SocketStream) -> None:  # holds the secret, answers with a bomb
         async with stream:
-            assert await wire.authenticate(stream, job=JOB, secret=SECRET) is None
+            await wire.authenticate(stream, job=JOB, secret=SECRET)
             await wire.recv_msg(stream)
             await wire.send_msg(stream, {"ok": True, "len": len(bomb)}, bomb)
 
@@ -639,25 +640,51 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
     return buf
 
 
-def authenticate(sock: socket.socket) -> None:
+def authenticate(sock: socket.socket) -> wire.Nonces:
     nonce = wire.new_nonce()
     sock.sendall(wire.encode_header({"op": "hello", "version": wire.VERSION, "job": JOB, "nonce": nonce}))
     challenge = recv_frame(sock)
     sock.sendall(wire.encode_header({"op": "auth", "proof": wire.proof(SECRET, "client", JOB, nonce,
                                                                        challenge["nonce"])}))
     assert recv_frame(sock) == {"ok": True}
+    return wire.Nonces(nonce, challenge["nonce"])
 
 
 def still_serving(server: ThreadedServer) -> None:
     with server.open() as sock:
-        authenticate(sock)
-        sock.sendall(wire.encode_header({"op": "info"}))
-        assert recv_frame(sock) == {**INFO, "ok": True}
+        nonces = authenticate(sock)
+        request = wire.encode_header({"op": "info"})
+        if server.mode is None:
+            sock.sendall(request)
+            assert recv_frame(sock) == {**INFO, "ok": True}
+            return
+        channel = Channel(sock, nonces, JOB, SECRET)
+        try:
+            channel.send(request)
+            channel.sock.shutdown(socket.SHUT_WR)
+            assert answers(channel.receive()) == [{**INFO, "ok": True}]
+        finally:
+            channel.close()
 
 
 def exchange(server: ThreadedServer, payload: bytes, *, authenticated: bool = False) -> bytes:
-    """Send ``payload`` (then end the stream); everything the server answers until it closes."""
+    """Send ``payload`` (then end the stream); everything the server answers until it closes.
+
+    On a TLS server, ``payload`` goes after the handshake in sealed records, as a peer's
+    requests do.
+    """
     sock = server.open()
+    if authenticated and server.mode is not None:
+        channel = Channel(sock, authenticate(sock), JOB, SECRET)
+        try:
+            try:
+                channel.send(payload)
+                channel.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            return channel.receive()
+        finally:
+            channel.close()
     try:
         if authenticated:
             authenticate(sock)
@@ -841,7 +868,7 @@ def test_fuzz_a_tls_server_with_bytes_that_are_not_tls(tls_server, fuzz_base, fu
 
 @settings(FUZZ, max_examples=60)
 @given(payload=st.lists(frames, min_size=1, max_size=3).map(b"".join))
-def test_fuzz_requests_inside_tls_after_authentication(tls_server, fuzz_base, fuzz_log, payload):
+def test_fuzz_requests_in_sealed_records_after_authentication(tls_server, fuzz_base, fuzz_log, payload):
     before, mark = outside(fuzz_base, tls_server.root), len(fuzz_log)
     assert_clear_refusals(answers(exchange(tls_server, payload, authenticated=True)), authenticated=True)
     check_after(tls_server, fuzz_base, before, fuzz_log, mark)

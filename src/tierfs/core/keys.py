@@ -34,6 +34,7 @@ _STRETCH_LABEL = b"tierfs job secret v1\0"
 _TLS_LABEL = b"tierfs peer TLS key v2"
 _HANDSHAKE_LABEL = b"tierfs peer handshake v2"
 _MANIFEST_LABEL = b"tierfs manifest MAC v1"
+_CHANNEL_LABEL = b"tierfs peer channel v1"
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class JobKeys:
     tls_seed: bytes  # the Ed25519 private key of the job's peer certificate
     handshake: bytes  # the HMAC key of the peer handshake's proofs
     manifest: bytes  # the HMAC key of manifests
+    channel: bytes  # keys each peer connection's records, with the connection's handshake nonces
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def stretch(job: str, secret: bytes) -> bytes:
 def derive(job: str, secret: bytes) -> JobKeys:
     """Every key of ``secret`` for ``job`` (stretched once per process, then cached)."""
     root = stretch(job, secret)
-    return JobKeys(_expand(root, _TLS_LABEL), _expand(root, _HANDSHAKE_LABEL), _expand(root, _MANIFEST_LABEL))
+    return JobKeys(*(_expand(root, label) for label in (_TLS_LABEL, _HANDSHAKE_LABEL, _MANIFEST_LABEL, _CHANNEL_LABEL)))
 
 
 def manifest_keys(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -> ManifestKeys | None:

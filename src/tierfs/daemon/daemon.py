@@ -38,6 +38,7 @@ from tierfs.mtc.multitier import MultiTier
 from tierfs.mtc.protocol import MtcNode
 from tierfs.peers.claim import Identity
 from tierfs.peers.network import PeerNetwork
+from tierfs.peers.tls import for_config as peer_tls
 from tierfs.pipeline.coordinating import NodeCoordination
 from tierfs.pipeline.planning import RestorePlanner
 from tierfs.pipeline.replicator import Replicator
@@ -384,7 +385,7 @@ class Daemon:
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
         await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
                                 store=self.replica_store, info=self._peer_info, task_status=task_status,
-                                tls=peer_server.tls.for_config(self.cfg),
+                                tls=peer_tls(self.cfg),
                                 messages=self.coordinating.handle if self.coordinating is not None else None,
                                 # a coordinator keeps one pooled connection per member, and long polls
                                 max_connections=max(peer_server.MAX_CONNECTIONS, 2 * self.cfg.nodes + 64))

@@ -8,7 +8,8 @@ every later call raises :class:`PeerUnavailable`: reconnect to go on.
 
 One request at a time per client; open several clients for parallel transfers. With
 ``tls`` the connection is TLS 1.3 first (:mod:`tierfs.peers.tls`), then authenticated
-with the job's secret inside it, as in clear.
+with the job's secret inside it, as in clear, then sealed records keyed from that
+handshake (:mod:`tierfs.peers.sealed`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,10 @@ import xxhash
 
 from tierfs.coordination.transport import BadMessage
 from tierfs.core.manifest import split_seal
-from tierfs.peers import answers, wire
+from tierfs.peers import answers, bodies, wire
 from tierfs.peers.answers import MalformedAnswer
+from tierfs.peers.bodies import chunk_label
+from tierfs.peers.sealed import seal
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import (
     HAVE_BATCH,
@@ -68,7 +71,9 @@ class PeerClient:
                 try:
                     if tls is not None:
                         stream = await TLSStream.handshake(stream, tls, server_side=False)
-                    await wire.client_handshake(stream, job=job, secret=secret)
+                    nonces = await wire.client_handshake(stream, job=job, secret=secret)
+                    if tls is not None:
+                        stream = await seal(stream, job, secret, nonces, server_side=False)
                 except BaseException:
                     wire.abort(stream)
                     raise
@@ -139,7 +144,7 @@ class PeerClient:
         try:
             with self._request("put_chunk"):
                 await self._send({"op": "put_chunk", "hash": h, "len": length})
-                self.bytes_sent += await wire.send_file(self._stream, fd, offset, length)
+                self.bytes_sent += await bodies.send_file(self._stream, fd, offset, length, chunk_label(h, 0))
                 reply = await wire.recv_msg(self._stream)
         finally:
             os.close(fd)
@@ -176,16 +181,29 @@ class PeerClient:
         """Bytes ``offset`` to ``offset + length`` of chunk ``h`` (to its end without ``length``).
 
         The peer verified the whole chunk before sending; the bytes in transit are the
-        caller's to check (a whole chunk: ``chunk_hash(data) == h``).
+        caller's to check, or use :meth:`fetch_chunk`.
         """
+        return await self._get_chunk(h, offset, length, None)
+
+    async def fetch_chunk(self, h: str, length: int) -> bytes:
+        """The whole ``length``-byte chunk ``h``, hashed as it arrives: bytes that are not it raise :class:`PeerError`."""
+        hasher = xxhash.xxh3_128()
+        data = await self._get_chunk(h, 0, length, hasher)
+        if hasher.hexdigest() != h:
+            raise PeerError(f"peer {_name(self.address)} sent bytes that do not hash to chunk {h}")
+        return data
+
+    async def _get_chunk(self, h: str, offset: int, length: int | None, hasher: Any) -> bytes:
         request: dict[str, Any] = {"op": "get_chunk", "hash": h, "offset": offset}
         if length is not None:
             request["length"] = length
         with self._request("get_chunk"):
             reply = await self._call(request)
-            if length is not None and "error" not in reply and wire.body_length(reply) != length:
-                raise ProtocolError(f"asked for {length} bytes, the answer has {wire.body_length(reply)}")
-            data = await self._body(reply, MAX_CHUNK)
+            n = self._body_length(reply)
+            if length is not None and "error" not in reply and n != length:
+                raise ProtocolError(f"asked for {length} bytes, the answer has {n}")
+            data = await bodies.receive_bytes(self._stream, n, hasher, chunk_label(h, offset))
+            self.bytes_received += n
         self._check(reply)
         return data
 
@@ -211,12 +229,8 @@ class PeerClient:
         hasher = xxhash.xxh3_128()
         with self._request("get_chunk"):
             reply = await self._call({"op": "get_chunk", "hash": h, "offset": 0})
-            n = wire.body_length(reply)
-            if "error" in reply and "len" in reply:
-                raise ProtocolError("an error answer with a body")
-            if n > MAX_CHUNK:
-                raise ProtocolError(f"chunk of {n} bytes exceeds the {MAX_CHUNK}-byte limit")
-            await wire.recv_exact_into_file(self._stream, n, fd, hasher, file_offset)
+            n = self._body_length(reply)
+            await bodies.receive_into_file(self._stream, n, fd, hasher, file_offset, chunk_label(h, 0))
             self.bytes_received += n
         self._check(reply)
         if hasher.hexdigest() != h:
@@ -255,6 +269,16 @@ class PeerClient:
     async def _call(self, header: dict[str, Any], body: bytes = b"") -> dict[str, Any]:
         await self._send(header, body)
         return await wire.recv_msg(self._stream)
+
+    @staticmethod
+    def _body_length(reply: dict[str, Any]) -> int:
+        """A chunk answer's body length, refused before a byte of it is read if no chunk can be that long."""
+        n = wire.body_length(reply)
+        if "error" in reply and "len" in reply:
+            raise ProtocolError("an error answer with a body")
+        if n > MAX_CHUNK:
+            raise ProtocolError(f"chunk of {n} bytes exceeds the {MAX_CHUNK}-byte limit")
+        return n
 
     async def _body(self, reply: dict[str, Any], max_n: int) -> bytes:
         if "error" in reply:

@@ -33,7 +33,8 @@ class ConnectionPool:
 
         A pooled connection the peer dropped meanwhile (its service restarted, or idled it
         out) fails at once; the request is then made again once on a new connection, which
-        every caller here allows (a chunk or manifest sent twice is stored once).
+        every caller here allows (a chunk or manifest sent twice is stored once), and the
+        other idle connections are let go too.
         """
         for attempt in range(2):
             client, reused = await self._take(connect_timeout)
@@ -42,6 +43,7 @@ class ConnectionPool:
             except BaseException as e:
                 await self._give(client)  # kept if still in step (a refusal), else closed
                 if isinstance(e, PeerUnavailable) and reused and attempt == 0:
+                    await self.aclose()  # the other idle ones predate the same restart: not worth a try each
                     continue
                 raise
             await self._give(client)

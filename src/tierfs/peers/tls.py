@@ -24,8 +24,10 @@ The stream is the standard library's ``ssl.SSLSocket`` in non-blocking mode, dri
 trio's readiness waits. ``trio.SSLStream`` (memory BIOs) makes a Python round trip through
 trio's scheduler for every 16 KiB TLS record; on this machine that moved ~200 MiB/s on
 loopback against ~550 MiB/s this way. What TLS cannot keep is ``os.sendfile``: the kernel
-would send the file's bytes without encrypting them, so chunks are read and encrypted in
-user space (see docs/benchmarks.md for the cost).
+would send the file's bytes without encrypting them. And each 16 KiB record costs a Python
+call and a copy, which halved the peer tier's throughput: so TLS only authenticates and
+carries the handshake, and the connection then goes on in the large records of
+:mod:`tierfs.peers.sealed`.
 """
 
 from __future__ import annotations
@@ -221,6 +223,22 @@ class TLSStream(trio.abc.Stream):
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.wait_writable(self._sock)
+
+    async def unwrap(self) -> socket.socket:
+        """End TLS (``close_notify`` both ways) and give back the TCP socket, blocking, in step.
+
+        OpenSSL reads no further than the other side's ``close_notify``, so what follows it
+        on the socket is the first record of :mod:`tierfs.peers.sealed`.
+        """
+        try:
+            await self._retry(self._sock.unwrap)
+        except OSError as e:
+            self.abort()
+            raise PeerUnavailable(f"connection lost while ending TLS: {_reason(e)}") from None
+        except BaseException:
+            self.abort()
+            raise
+        return socket.socket(fileno=self._sock.detach())
 
     async def aclose(self) -> None:
         self.abort()

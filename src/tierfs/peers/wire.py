@@ -12,9 +12,9 @@ checked before a byte of it is read, a header nesting lists or objects deeper th
 :data:`MAX_DEPTH` is refused, and a body's announced length reserves at most
 :data:`BODY_RESERVE` bytes until the bytes actually arrive.
 
-The stream is a plain ``trio.SocketStream`` or a :class:`tierfs.peers.tls.TLSStream`; both
-receive straight into buffers. Only a plain socket may ``sendfile``: under TLS the kernel
-would send the file in clear.
+The stream is a plain ``trio.SocketStream``, a :class:`tierfs.peers.tls.TLSStream` (during
+the handshake) or a :class:`tierfs.peers.sealed.SealedStream`; all receive straight into
+buffers. Chunk bodies, the bulk of the traffic, go through :mod:`tierfs.peers.bodies`.
 
 Every function here raises :class:`PeerUnavailable` when the connection breaks or ends
 mid-message and :class:`ProtocolError` when the other side breaks the protocol. None of them
@@ -24,14 +24,13 @@ requests in ``trio.fail_after``. Every loop has a checkpoint, so cancellation is
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import hmac
 import json
-import os
 import re
 import secrets
 import struct
+from dataclasses import dataclass
 from typing import Any
 
 import trio
@@ -40,7 +39,7 @@ from tierfs.core import keys
 from tierfs.core.chunks import MAX_CHUNK_SIZE
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
-VERSION = 1
+VERSION = 2  # 2: after TLS, sealed records (tierfs.peers.sealed)
 MAX_HEADER = 1 << 20  # an authenticated peer's header
 HELLO_MAX_HEADER = 4096  # before authentication: a stranger gets no big allocation
 PIECE = 1 << 20  # the most body bytes held in memory at once
@@ -107,7 +106,7 @@ async def send_msg(stream: trio.abc.SendStream, header: dict[str, Any], body: by
             await stream.send_all(frame)
             await stream.send_all(body)
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-        raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
+        raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
     return len(frame) + len(body)
 
 
@@ -204,81 +203,10 @@ async def recv_body(stream: trio.abc.ReceiveStream, n: int, max_n: int) -> bytes
         if done == len(buf):
             buf.extend(bytes(min(len(buf), n - len(buf))))
         with memoryview(buf) as view:
-            done += await _recv_into(stream, view[done : min(done + PIECE, len(buf))])
+            done += await recv_into(stream, view[done : min(done + PIECE, len(buf))])
     if n == 0:
         await trio.lowlevel.checkpoint()
     return bytes(buf)
-
-
-async def recv_exact_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None,
-                               hasher: Any | None = None, offset: int = 0) -> None:
-    """Receive an ``n``-byte body into ``fd`` at ``offset``, feeding ``hasher`` on the way.
-
-    One reusable buffer of at most :data:`PIECE` bytes; each piece is hashed and written
-    before the next is received. ``fd=None`` discards the bytes (after hashing them), which
-    is how a refused body is drained to keep the connection in step.
-    """
-    if n == 0:
-        await trio.lowlevel.checkpoint()
-        return
-    view = memoryview(bytearray(min(n, PIECE)))
-    done = 0
-    while done < n:
-        got = await _recv_into(stream, view[: min(len(view), n - done)])
-        piece = view[:got]
-        if hasher is not None:
-            hasher.update(piece)
-        if fd is not None:
-            _pwrite_all(fd, piece, offset + done)
-        done += got
-
-
-async def drain(stream: trio.abc.ReceiveStream, n: int) -> None:
-    """Read and discard an ``n``-byte body that was refused."""
-    await recv_exact_into_file(stream, n, None)
-
-
-async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: int) -> int:
-    """Send ``count`` bytes of ``fd`` from ``offset`` as a body, zero-copy where possible.
-
-    ``os.sendfile`` moves tmpfs pages straight into the socket; on the non-blocking socket
-    it sends what fits and the loop waits for room. Only a plain ``trio.SocketStream`` may:
-    a TLS stream (which must encrypt), streams without a socket (tests' memory streams) and
-    kernels that refuse sendfile take ``pread`` + ``send_all`` in :data:`PIECE`-sized
-    pieces. A file shorter than ``offset + count`` raises ``EOFError``: a local fault,
-    after which the connection is out of step and must be dropped.
-    """
-    sent = 0
-    sock = stream.socket if isinstance(stream, trio.SocketStream) else None
-    if sock is not None:
-        out = sock.fileno()
-        while sent < count:
-            try:
-                n = os.sendfile(out, fd, offset + sent, count - sent)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
-                continue
-            except OSError as e:
-                if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and sent == 0:
-                    break  # not a file sendfile can read: copy it instead
-                raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
-            if n == 0:
-                raise EOFError(f"file ended {count - sent} bytes short of the promised body")
-            sent += n
-            await trio.lowlevel.checkpoint()  # a fast reader never blocks us: stay cancellable
-        else:
-            return sent
-    view = memoryview(bytearray(min(PIECE, count - sent))) if count > sent else memoryview(b"")
-    while sent < count:  # one buffer, reused: every send_all copies (or encrypts) it before returning
-        n = os.preadv(fd, [view[: min(len(view), count - sent)]], offset + sent)
-        if not n:
-            raise EOFError(f"file ended {count - sent} bytes short of the promised body")
-        try:
-            await stream.send_all(view[:n])
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            raise PeerUnavailable(f"connection lost while sending: {_reason(e)}") from None
-        sent += n
-    return sent
 
 
 async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int, *, at_boundary: bool) -> bytes:
@@ -287,7 +215,7 @@ async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int, *, at_boundary: 
         try:
             data = await stream.receive_some(n - got)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            raise PeerUnavailable(f"connection lost: {_reason(e)}") from None
+            raise PeerUnavailable(f"connection lost: {reason(e)}") from None
         if not data:
             if at_boundary and got == 0:
                 raise PeerUnavailable("connection closed by the peer")
@@ -297,7 +225,7 @@ async def _recv_exactly(stream: trio.abc.ReceiveStream, n: int, *, at_boundary: 
     return b"".join(parts)
 
 
-async def _recv_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
+async def recv_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
     """Fill some of ``view``; socket and TLS streams receive straight into it (no allocation)."""
     try:
         if isinstance(stream, trio.SocketStream):
@@ -309,7 +237,7 @@ async def _recv_into(stream: trio.abc.ReceiveStream, view: memoryview) -> int:
             got = len(data)
             view[:got] = data
     except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-        raise PeerUnavailable(f"connection lost mid-body: {_reason(e)}") from None
+        raise PeerUnavailable(f"connection lost mid-body: {reason(e)}") from None
     if not got:
         raise PeerUnavailable("connection closed mid-body")
     return got
@@ -323,18 +251,20 @@ def abort(stream: trio.abc.Stream) -> None:
         stream.abort()
 
 
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
-
-
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
     cause = e.__cause__ if isinstance(e, trio.BrokenResourceError) and e.__cause__ else e
     return getattr(cause, "strerror", None) or str(cause) or type(cause).__name__
 
 
 # -- authentication -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Nonces:
+    """The two fresh nonces of one connection's handshake: inside TLS, they key its records."""
+
+    client: str
+    server: str
 
 
 def new_nonce() -> str:
@@ -356,8 +286,8 @@ def proof(secret: bytes, role: str, job: str, client_nonce: str, server_nonce: s
     return hmac.new(keys.derive(job, secret).handshake, message, hashlib.sha256).hexdigest()
 
 
-async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) -> None:
-    """Prove to the server that we hold the job's secret, after it proves the same to us.
+async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) -> Nonces:
+    """Prove to the server that we hold the job's secret, after it proves the same to us; the nonces.
 
     Raises :class:`AuthFailed` if the server cannot prove it (wrong secret or wrong job:
     which of the two is not knowable, by design) or refuses our proof.
@@ -378,28 +308,28 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
     answer = await recv_msg(stream, HELLO_MAX_HEADER)
     if answer.get("ok") is not True:
         raise AuthFailed(f"peer refused our proof: {answer.get('error', 'no reason given')}")
+    return Nonces(client_nonce, server_nonce)
 
 
-async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> str | None:
-    """Server side of the handshake: ``None`` when the peer is in, else why it is not.
+async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> Nonces:
+    """Server side of the handshake: the nonces when the peer is in, else :class:`AuthFailed` saying why.
 
-    The refusal has already been sent when this returns a reason; the caller closes the
-    connection. Only the two small handshake headers are ever read: a body an
+    The refusal has already been sent when this raises; the caller closes the connection. Only the two small handshake headers are ever read: a body an
     unauthenticated peer sends along is never read, let alone stored. A wrong secret and a
     wrong job get the same answer, so a stranger learns nothing about either.
     """
     hello = await recv_msg(stream, HELLO_MAX_HEADER)
     if hello.get("op") != "hello":
         await send_msg(stream, {"error": "authentication required"})
-        return f"{brief(hello.get('op'))} before authenticating"
+        raise AuthFailed(f"{brief(hello.get('op'))} before authenticating")
     if hello.get("version") != VERSION:
         await send_msg(stream, {"error": f"unsupported protocol version {brief(hello.get('version'))}: "
                                          f"this peer speaks {VERSION}"})
-        return f"protocol version {brief(hello.get('version'))}"
+        raise AuthFailed(f"protocol version {brief(hello.get('version'))}")
     client_nonce = hello.get("nonce")
     if not isinstance(hello.get("job"), str) or not _valid(_NONCE_RE, client_nonce):
         await send_msg(stream, {"error": "malformed hello"})
-        return "malformed hello"
+        raise AuthFailed("malformed hello")
     server_nonce = new_nonce()
     await send_msg(stream, {"op": "challenge", "nonce": server_nonce,
                             "proof": proof(secret, "server", job, client_nonce, server_nonce)})
@@ -408,9 +338,9 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> s
     if auth.get("op") != "auth" or not _valid(_PROOF_RE, auth.get("proof")) \
             or not hmac.compare_digest(expected, auth["proof"]):
         await send_msg(stream, {"error": "authentication failed"})
-        return f"authentication failed (peer claims job {brief(hello['job'])})"
+        raise AuthFailed(f"authentication failed (peer claims job {brief(hello['job'])})")
     await send_msg(stream, {"ok": True})
-    return None
+    return Nonces(client_nonce, server_nonce)
 
 
 def _valid(pattern: re.Pattern[str], value: object) -> bool:

@@ -242,19 +242,28 @@ class Replicator:
         placed: list[Tier] = []
         errors: list[TierError] = []
         pushed = Pushed(chunks=len(where))
-        for tier in candidates:
-            if len(placed) == wanted:
-                break
+        queue = list(candidates)
+
+        async def place(tier: Tier, progress: Progress | None) -> None:
+            """Put the step on ``tier``; if it fails, the next candidate takes its place."""
+            nonlocal pushed
             try:
-                pushed += await put_step(tier, manifest, where, self.yield_to_writers, lane.progress,
+                pushed += await put_step(tier, manifest, where, self.yield_to_writers, progress,
                                          seal_with=self.cfg.manifest_keys)
             except TierError as e:
                 if isinstance(e, SourceChanged):
                     raise
                 errors.append(e)
                 log.warning("%s: step %d did not reach %s: %s", lane.name, state.step, tier.name, e)
-                continue
+                if queue:
+                    nursery.start_soon(place, queue.pop(0), progress)
+                return
             placed.append(tier)
+
+        async with trio.open_nursery() as nursery:  # the copies go out in parallel, each to its own peer
+            for i in range(min(wanted, len(queue))):
+                nursery.start_soon(place, queue.pop(0), lane.progress if i == 0 else None)
+        placed.sort(key=candidates.index)  # in the lane's order of preference, whichever finished first
         if len(placed) < wanted:
             if len(errors) == 1 and not placed:
                 raise errors[0]  # its kind (unavailable or refused) is the lane's state

@@ -3,7 +3,8 @@
 One task per connection, at most ``max_connections`` at once: past that, new connections
 wait in the kernel's accept queue until a slot frees. A connection first completes TLS (unless
 it is off) and the HMAC handshake, both within the handshake deadline, so a stranger holds a
-slot for a few seconds at most; then it serves requests one at a time, each answered. Every
+slot for a few seconds at most; then it goes on in sealed records (:mod:`tierfs.peers.sealed`)
+and serves requests one at a time, each answered. Every
 wait has a deadline (:class:`Timeouts`): a peer that stalls is dropped, never waited for.
 
 Two kinds of failure, two answers. A *refusal* (no space, hash mismatch, not found,
@@ -29,7 +30,9 @@ from typing import Any, Awaitable, Callable
 
 import trio
 
-from tierfs.peers import tls, wire  # noqa: F401 (tls: the daemon reaches for_config() here)
+from tierfs.peers import bodies, wire
+from tierfs.peers.bodies import chunk_label
+from tierfs.peers.sealed import seal
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import (
     MAX_CHUNK,
@@ -164,18 +167,18 @@ async def _connection(ctx: _Context, stream: trio.SocketStream, slots: trio.Sema
             if ctx.tls is not None:
                 await _expect_tls(stream)
                 conn = await TLSStream.handshake(stream, ctx.tls, server_side=True)
-            refused = await wire.authenticate(conn, job=ctx.job, secret=ctx.secret)
+            nonces = await wire.authenticate(conn, job=ctx.job, secret=ctx.secret)
+            if ctx.tls is not None:
+                conn = await seal(conn, ctx.job, ctx.secret, nonces, server_side=True)
         if deadline.cancelled_caught:
             ctx.say(logging.INFO, "peer %s did not complete the handshake within %gs: dropped",
                     peer, ctx.timeouts.handshake)
-        elif refused is not None:
-            ctx.say(logging.WARNING, "peer %s refused: %s", peer, refused)
         else:
             log.debug("peer %s authenticated", peer)
             await _session(ctx, conn, peer)
     except PeerUnavailable as e:
         log.debug("peer %s: %s", peer, e)
-    except AuthFailed as e:  # its TLS certificate, or ours, was refused
+    except AuthFailed as e:  # its TLS certificate, or ours, or its proof was refused
         ctx.say(logging.WARNING, "peer %s refused: %s", peer, e)
     except ProtocolError as e:
         ctx.say(logging.WARNING, "peer %s broke the protocol (%s): connection closed", peer, e)
@@ -264,10 +267,10 @@ async def _put_chunk(ctx: _Context, stream: trio.abc.Stream, request: dict) -> N
     try:
         writer = ctx.store.begin_chunk(h, n)
     except NoSpace:
-        await wire.drain(stream, n)  # keep in step; not a byte of it is kept
+        await bodies.drain(stream, n, chunk_label(h, 0))  # keep in step; not a byte of it is kept
         raise
     with writer:
-        await wire.recv_exact_into_file(stream, n, writer.fd, writer.hasher)
+        await bodies.receive_into_file(stream, n, writer.fd, writer.hasher, 0, chunk_label(h, 0))
         writer.commit()
     ctx.store.hold_for(stream, h)
     await wire.send_msg(stream, {"ok": True})
@@ -302,7 +305,7 @@ async def _get_chunk(ctx: _Context, stream: trio.abc.Stream, request: dict) -> N
         if offset + length > source.length:
             raise PeerError(f"range {offset}+{length} is outside the chunk's {source.length} bytes")
         await wire.send_msg(stream, {"ok": True, "len": length})
-        await wire.send_file(stream, source.fd, source.offset + offset, length)
+        await bodies.send_file(stream, source.fd, source.offset + offset, length, chunk_label(h, offset))
 
 
 async def _message(ctx: _Context, stream: trio.abc.Stream, request: dict, peer: str) -> None:

@@ -17,7 +17,6 @@ from typing import TypeVar
 
 import trio
 
-from tierfs.core import chunks
 from tierfs.peers.client import PeerClient
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.placement import choose
@@ -51,6 +50,7 @@ class PeerTier(Tier):
     skip_after_failure = True  # a down peer costs a timeout per request; the others hold the same
     volatile = True  # its RAM can be lost, or the node replaced
     awaited = True  # nodes of a job start together: a survey waits for the others
+    concurrency = 2  # chunks in flight per peer: one is received while the next is sent
 
     def __init__(self, network: PeerNetwork, address: Address):
         super().__init__()
@@ -93,11 +93,9 @@ class PeerTier(Tier):
         return Put(length, length)
 
     async def get_chunk(self, h: str, length: int) -> bytes:
+        """Hashed as it arrives, off the event loop; bytes that are not chunk ``h`` are refused."""
         check_chunk(self, h, length)
-        data = await self._request(f"chunk {h}", lambda client: client.get_chunk(h, 0, length))
-        if chunks.chunk_hash(data) != h:
-            raise TierError(f"{self.name} sent bytes that do not match chunk {h}")
-        return data
+        return await self._request(f"chunk {h}", lambda client: client.fetch_chunk(h, length))
 
     # -- manifests ---------------------------------------------------------------------
 

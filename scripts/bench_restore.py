@@ -14,33 +14,42 @@ arrive on demand (a read waits for the chunks it covers) and by a background pre
   no Python start-up per poll) says ``restored.state`` is "done"; then every file's sha256 is
   checked (untimed).
 
-Each round builds a fresh 3-node LocalCluster (tierfs.testing.cluster: 127.0.0.2-4, ``--replicas 1``,
-``--gcs`` on a fresh bucket of a fake-gcs-server with the memory backend, default chunk size
-and prefetch) and:
+For each size of ``--sizes`` (default 1G,4G: rank 0's step), ``--rounds`` rounds; the rounds
+of the smallest size (the "GCS size") run a to c, those of the others a and b only. Each round
+builds a fresh 3-node LocalCluster (tierfs.testing.cluster: 127.0.0.2-4, ``--replicas 1``,
+``--peer-tls`` as given, default on: TLS 1.3, the product's default; at the GCS size ``--gcs``
+on a fresh bucket of a fake-gcs-server with the memory backend; default chunk size and
+prefetch) and:
 
-a. Setup (untimed): every rank writes ``--size`` random bytes in ``--files`` files into
-   ``ckpt/100.orbax-checkpoint-tmp`` and renames it to ``ckpt/100``; waits until every rank's
-   step is replicated (``replicas.version == version``) and backed up; rank 0's files are kept
-   in a tmpfs staging directory and uploaded as plain objects to a second bucket.
+a. Setup (untimed): rank 0 writes the size's random bytes in ``--files`` files into
+   ``ckpt/100.orbax-checkpoint-tmp`` and renames it to ``ckpt/100``; ranks 1 and 2 do the
+   same with steps of their own (a start restores a step every rank has): as big as rank 0's
+   at the GCS size, ``--files`` MiB at the others, so that a 4 GiB row fits in RAM (rank 0's
+   step, its replica, the staged copy and the baseline's received files: 16 GiB of the VM's
+   24); waits until every rank's step is replicated (``replicas.version == version``) and, at
+   the GCS size, backed up; rank 0's files are kept in a tmpfs staging directory and, at the
+   GCS size, uploaded as plain objects to a second bucket.
 b. Restore from a peer: node 0 is killed (-9), wiped, and started again while its peers are
-   up; it restores from the peer holding rank 0's replica (127.0.0.3); GCS serves only what
-   no peer gives (the split is reported).
+   up; it restores from the peer holding rank 0's replica (127.0.0.3); at the GCS size, GCS
+   serves only what no peer gives (the split is reported).
    Baseline: the staged files copied from 127.0.0.3 to 127.0.0.2 over a plain TCP socket
    (``os.sendfile`` -> ``recv_into`` a page-aligned 1 MiB buffer -> fresh tmpfs files; two
    fresh processes, timed from connect to the last file closed: benchlib.plain_copy). After
    the tierfs side, when the plain copy follows, the script waits until the peer that had
    its replica on node 0 has replicated it again (it notices within 10 s), so that transfer
    does not run over the baseline.
-c. Restore from GCS: all three daemons are killed, node 0 is wiped and started alone with
-   ``--restore-wait 1s``, so its survey gives up on the two silent peers after that second
-   and it restores from GCS. That wait is taken out of the GCS figures:
+c. Restore from GCS (the GCS size only): all three daemons are killed, node 0 is wiped and
+   started alone with ``--restore-wait 1s``, so its survey gives up on the two silent peers
+   after that second and it restores from GCS. That wait is taken out of the GCS figures:
    they are reduced by the span from the survey's start (status ``cluster.at``) to the
    restore's start (``restored.at``), both on the daemon's clock, i.e. the survey (the wait
-   for silent peers) plus the manifest's GET; the raw figures are kept in the JSON and shown
-   below the table. Baseline: google-cloud-storage ``transfer_manager.download_many_to_path``
-   of the plain objects with 8 threads (the daemon's default prefetch) into fresh tmpfs files.
+   for silent peers) plus the manifest's GET; a coordinated start's status names no survey
+   start, and then by the 1 s wait alone (the survey polls until its deadline). The raw
+   figures are kept in the JSON and shown below the table. Baseline: google-cloud-storage
+   ``transfer_manager.download_many_to_path`` of the plain objects with 8 threads (the
+   daemon's default prefetch) into fresh tmpfs files.
 d. Listing: a separate job with one node (no peers, so no survey wait) holds one step of
-   ``--list-files`` files (default 1000, in directories of 100) totalling ``--size``, backed
+   ``--list-files`` files (default 1000, in directories of 100) totalling the GCS size, backed
    up to its own bucket once before the rounds; per round the node is wiped, so every byte
    is only in GCS, and the time from starting ``tierfs mount`` until ``os.walk`` of the step
    returned every name and ``os.stat`` every size (checked against the originals) is
@@ -50,21 +59,23 @@ d. Listing: a separate job with one node (no peers, so no survey wait) holds one
 
 Method as in docs/benchmarks.md (this VM's memory balloon returns freed pages to the host
 about 2 s after they are freed, and touching them again costs 3-4x): each timed part follows
-a tmpfs warm-up (``--warmup``, default 2x ``--size``) written and deleted right before it;
-test files are deleted right after their part; which side (tierfs or baseline; prefetch 0 or
+a tmpfs warm-up (``--warmup``, default twice the size, at most 4 GiB) written and deleted
+right before it; test files are deleted right after their part; which side (tierfs or baseline; prefetch 0 or
 8) goes first alternates per round; the table shows medians of ``--rounds`` and ratios of
 this run's medians, ratio = baseline seconds / tierfs seconds (higher is better, 1.0 = as
-fast as the plain copy). CPU seconds (/proc/PID/stat) per GiB restored: of the restoring
-daemon (its whole life until "done", start-up included), over the same span of both peers
-(the holder serves the restore; the other may re-replicate the replica node 0 lost, which
-it notices within 10 s) or of the emulator, and of the baselines' processes. The daemon's
+fast as the plain copy). CPU seconds (/proc/PID/stat) per GiB restored, on the sending and
+the receiving side: the peer holding the replica (GCS: the emulator) and the restoring
+daemon (its whole life until "done", start-up included); the plain copy's sender and
+receiver (GCS: the emulator and this process). Over the same span the other peer's is kept
+too (it may re-replicate the replica node 0 lost, which it notices within 10 s). The daemon's
 CPU by the time the mount returned (sampled then: the registration file and /proc/PID/stat,
 well under 1 ms before the TTFB read) is reported besides: with small steps start-up
 dominates.
 
-    .venv/bin/python scripts/bench_restore.py [--quick] [--json out.json] [--plot out.png]
+    .venv/bin/python scripts/bench_restore.py [--sizes 1G,4G] [--rounds 5] [--peer-tls on|off]
+                                              [--quick] [--json out.json] [--plot out.png]
 
-``--quick``: 64 MiB per rank, 2 rounds, 100 files for the listing. Everything it creates
+``--quick``: ``--sizes 64M,128M``, 2 rounds, 100 files for the listing. Everything it creates
 (/dev/shm/bench-restore-*, /tmp/bench-restore-*, daemons, mounts, the emulator and its
 buckets) is removed or stopped on exit, also on errors and Ctrl-C.
 """
@@ -77,7 +88,6 @@ import hashlib
 import os
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -86,39 +96,24 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (progress, GCS_WORKERS, BenchError, aligned, cpu_seconds, deferred_interruptions, drop_bucket,  # noqa: E402
-                      gcs_client, interrupt_on_signals, is_mounted, make_files, no_interruptions,
-                      parse_size, plain_copy, warm_tmpfs, write_all, write_json, pyplot, NO_MATPLOTLIB,
-                      save_figure)  # (scripts/ is on sys.path)
+from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, BenchError, aligned, close_cluster, cpu_seconds,  # noqa: E402
+                      default_warmup, deferred_interruptions, drop_bucket, gcs_client, interrupt_on_signals,
+                      make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
+                      render_table, save_figure, size_label, warm_up, write_all,
+                      write_json)  # (scripts/ is on sys.path)
 
 MiB, GiB = 1 << 20, 1 << 30
 NODE0 = "127.0.0.2"
 JOB, STEP = "bench", 100
 LIST_JOB, LIST_STEP, LIST_DIR = "bench-list", 200, 100  # files per directory of the listing step
 POLL = 0.02
-GCS_RESTORE_WAIT = "1s"
+GCS_RESTORE_WAIT, GCS_RESTORE_WAIT_S = "1s", 1.0
 TIMEOUT = 900.0  # for any one wait on the daemons
 
 
 def sha256(path: Path) -> str:
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
-
-
-def stray_processes(marker: str) -> list[int]:
-    """Processes of ours still running with ``marker`` (a directory this run created under a
-    random name) in their command line: daemons whose start was interrupted before their
-    cluster learnt their pid, and the ``tierfs mount`` commands waiting for them."""
-    pids = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                    if marker.encode() in f.read():
-                        pids.append(int(entry.name))
-            except OSError:
-                continue
-    return pids
 
 
 def one_line(e: BaseException) -> str:
@@ -139,8 +134,8 @@ class Bench:
 
     # -- helpers -------------------------------------------------------------------------
 
-    def warm(self) -> None:
-        warm_tmpfs(self.args.shm, self.args.warmup, self.buf)
+    def warm(self, size: int) -> None:
+        warm_up(os.path.join(self.args.shm, "warmup"), self.args.warmup or default_warmup(size), self.buf)
 
     @property
     def emu_pid(self) -> int:
@@ -166,8 +161,10 @@ class Bench:
 
     def close(self, c) -> None:
         with deferred_interruptions():
-            c.close()
+            left = close_cluster(c)
             self.clusters.remove(c)
+        if left:
+            progress(f"bench_restore: warning: still mounted: {', '.join(left)}")
 
     def wait(self, mnt: Path, what: str, pred, timeout: float = TIMEOUT) -> dict:
         """Poll the status every 20 ms until ``pred(status)``; returns that status."""
@@ -179,11 +176,12 @@ class Bench:
         return st
 
     @staticmethod
-    def safe(step: int, peers: bool = True):
-        """The step is committed, replicated (if there are peers) and backed up."""
+    def safe(step: int, peers: bool = True, backup: bool = True):
+        """The step is committed, replicated (if there are peers) and backed up (if there is GCS)."""
         def pred(st: dict) -> bool:
             s = next((s for s in st["steps"] if s["step"] == step), None)
-            return bool(s and s["backed_up"] and (not peers or s["replicas"].get("version") == s["version"]))
+            return bool(s and (not backup or s["backed_up"])
+                        and (not peers or s["replicas"].get("version") == s["version"]))
         return pred
 
     @staticmethod
@@ -199,37 +197,40 @@ class Bench:
 
     # -- a round ---------------------------------------------------------------------------
 
-    def round(self, rnd: int) -> dict:
-        args, tag = self.args, uuid.uuid4().hex[:8]
+    def round(self, rnd: int, size: int, gcs: bool) -> dict:
+        """One round at ``size``: the restore from a peer, and with ``gcs`` the one from GCS too."""
+        args, tag, label = self.args, uuid.uuid4().hex[:8], f"{size_label(size)} round {rnd + 1}"
         order = ("tierfs", "baseline") if rnd % 2 == 0 else ("baseline", "tierfs")
-        out: dict = {"round": rnd, "order": list(order), "bytes": args.size}
-        tier_bucket, base_bucket = self.bucket(f"br-{tag}"), self.bucket(f"br-{tag}-base")
+        others = size if gcs else args.files * MiB  # ranks 1 and 2's steps
+        out: dict = {"round": rnd, "order": list(order), "bytes": size, "others_bytes": others}
+        buckets = (self.bucket(f"br-{tag}"), self.bucket(f"br-{tag}-base")) if gcs else ()
         src = Path(args.shm) / f"src-{rnd}"
-        c = self.cluster(f"r{rnd}", 3, JOB, replicas=1, capacity=f"{4 * args.size // MiB + 256}M",
-                         gcs=f"gs://{tier_bucket}/ckpt")
+        c = self.cluster(f"r{rnd}", 3, JOB, replicas=1, capacity=f"{4 * size // MiB + 256}M",
+                         peer_tls=args.peer_tls, gcs=f"gs://{buckets[0]}/ckpt" if gcs else None)
         try:
             # a. setup, untimed
             c.start_all()
-            sums = make_files(src, args.size, args.files)
+            sums = make_files(src, size, args.files)
             names = sorted(sums)  # manifest order: sorted by path
             self.copy_in(src, names, c.nodes[0].mountpoint / "ckpt" / f"{STEP}.orbax-checkpoint-tmp")
             for node in c.nodes[1:]:
-                make_files(node.mountpoint / "ckpt" / f"{STEP}.orbax-checkpoint-tmp", args.size, args.files)
+                make_files(node.mountpoint / "ckpt" / f"{STEP}.orbax-checkpoint-tmp", others, args.files)
             for node in c.nodes:
                 self.commit(node.mountpoint, STEP)
             for i, node in enumerate(c.nodes):
-                st = self.wait(node.mountpoint, f"rank {i}'s step {STEP} to be replicated and backed up",
-                               self.safe(STEP))
+                st = self.wait(node.mountpoint, f"rank {i}'s step {STEP} to be replicated"
+                               + (" and backed up" if gcs else ""), self.safe(STEP, backup=gcs))
                 if i == 0:
                     rep = next(s for s in st["steps"] if s["step"] == STEP)["replicas"]
             holder = next(k for k, n in enumerate(c.nodes) if n.address == rep["peers"][0])
-            from google.cloud.storage import transfer_manager  # noqa: PLC0415 (slow import)
-            transfer_manager.upload_many_from_filenames(
-                self.client.bucket(base_bucket), names, source_directory=str(src), max_workers=GCS_WORKERS,
-                worker_type=transfer_manager.THREAD, raise_exception=True)
+            if gcs:
+                from google.cloud.storage import transfer_manager  # noqa: PLC0415 (slow import)
+                transfer_manager.upload_many_from_filenames(
+                    self.client.bucket(buckets[1]), names, source_directory=str(src), max_workers=GCS_WORKERS,
+                    worker_type=transfer_manager.THREAD, raise_exception=True)
             out["holder"] = c.nodes[holder].address
-            progress(f"round {rnd + 1}: 3 ranks x {args.size // MiB} MiB committed, replicated and backed up; "
-                     f"rank 0's replica is on {c.nodes[holder].address}")
+            progress(f"{label}: rank 0's {size_label(size)} and ranks 1-2's {size_label(others)} committed, "
+                     f"replicated{' and backed up' if gcs else ''}; rank 0's replica is on {out['holder']}")
 
             # b. restore from a peer
             c.kill(0)
@@ -237,32 +238,34 @@ class Bench:
             paths = [str(src / n) for n in names]
             for k, side in enumerate(order):
                 if side == "tierfs":
-                    out["peer"] = self.restore(c, src, sums, "peer", others=[1, 2])
+                    out["peer"] = self.restore(c, src, sums, "peer", size, sender=holder, others=[1, 2])
                     if k == 0:
-                        out["peer"]["settle_s"] = self.settle(c)
+                        out["peer"]["settle_s"] = self.settle(c, gcs)
                 else:
                     out["peer_base"] = plain_copy(c.nodes[holder].host, NODE0, paths,
-                                                  os.path.join(args.shm, "recv"), self.warm)
+                                                  os.path.join(args.shm, "recv"), lambda: self.warm(size))
             p, b = out["peer"], out["peer_base"]
-            progress(f"round {rnd + 1} peer: mount {p['mount_s']:.2f} s, TTFB {p['ttfb_s']:.2f} s, full "
+            progress(f"{label} peer: mount {p['mount_s']:.2f} s, TTFB {p['ttfb_s']:.2f} s, full "
                      f"{p['full_s']:.2f} s ({self.split(p)}) vs plain copy {b['seconds']:.2f} s")
+            if not gcs:
+                return out
 
             # c. restore from GCS: the peers are gone too
             c.kill_all()
             c.wipe(0)
             for side in order:
                 if side == "tierfs":
-                    out["gcs"] = self.restore(c, src, sums, "gcs", restore_wait=GCS_RESTORE_WAIT)
+                    out["gcs"] = self.restore(c, src, sums, "gcs", size, restore_wait=GCS_RESTORE_WAIT)
                 else:
-                    out["gcs_base"] = self.download(base_bucket, names, sums)
+                    out["gcs_base"] = self.download(buckets[1], names, sums, size)
             g, b = out["gcs"], out["gcs_base"]
-            progress(f"round {rnd + 1} gcs: mount {g['mount_s']:.2f} s, TTFB {g['ttfb_s']:.2f} s, full "
+            progress(f"{label} gcs: mount {g['mount_s']:.2f} s, TTFB {g['ttfb_s']:.2f} s, full "
                      f"{g['full_s']:.2f} s, each less the survey of {g['survey_s']:.2f} s "
                      f"({self.split(g)}) vs google-cloud-storage {b['seconds']:.2f} s")
         finally:
             self.close(c)
             shutil.rmtree(src, ignore_errors=True)
-            for name in (tier_bucket, base_bucket):
+            for name in buckets:
                 self.drop(name)
         return out
 
@@ -271,8 +274,11 @@ class Bench:
         total = sum(r["bytes_from"].values()) or 1
         return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(r["bytes_from"].items()))
 
-    def restore(self, c, src: Path, sums: dict[str, str], tier: str, others: list[int] = (), **extra) -> dict:
-        """Start node 0 (killed and wiped) and time mount, first 4 KiB and full restore."""
+    def restore(self, c, src: Path, sums: dict[str, str], tier: str, size: int, sender: int | None = None,
+                others: list[int] = (), **extra) -> dict:
+        """Start node 0 (killed and wiped) and time mount, first 4 KiB and full restore. CPU of
+        the restoring daemon (the receiver), of ``others`` nodes (``sender``: the one serving) or
+        of the emulator (the sender from GCS)."""
         from tierfs.core import mounts  # noqa: PLC0415
 
         mnt, names = c.nodes[0].mountpoint, sorted(sums)
@@ -282,7 +288,7 @@ class Bench:
         watched = {f"node {k}": c.nodes[k].pid for k in others}
         if tier == "gcs":
             watched["emulator"] = self.emu_pid
-        self.warm()
+        self.warm(size)
         cpu0 = {who: cpu_seconds(pid) for who, pid in watched.items()}
         start, t0 = time.time(), time.monotonic()
         try:
@@ -305,19 +311,26 @@ class Bench:
         # The restoring daemon: all of its life until "done", and how much of it was spent by the mount's return
         # (start-up, and whatever the restore did meanwhile).
         cpu = {"daemon": cpu_seconds(st["pid"]), **cpu, "daemon_at_mount": startup_cpu}
+        cpu.update(receiver=cpu["daemon"], sender=cpu["emulator" if tier == "gcs" else f"node {sender}"])
         r = st["restored"]
-        if r["step"] != STEP or r["bytes"] != self.args.size or r["tier"] != tier or r.get("error"):
-            raise BenchError(f"node 0 did not restore step {STEP} ({self.args.size} bytes) from {tier}: {r}")
+        if r["step"] != STEP or r["bytes"] != size or r["tier"] != tier or r.get("error"):
+            raise BenchError(f"node 0 did not restore step {STEP} ({size} bytes) from {tier}: {r}")
         if head != head_want:
             raise BenchError(f"the first 4 KiB of ckpt/{STEP}/{names[0]} differ from the original")
         bad = [n for n in names if sha256(mnt / "ckpt" / str(STEP) / n) != sums[n]]
         if bad:
             raise BenchError(f"restored ckpt/{STEP}/{bad[0]} (and {len(bad) - 1} more) differ from the original")
-        # The survey's start and the restore's start, both on the daemon's clock (wall time).
-        survey = r["at"] - view["at"] if view.get("at") and view["at"] <= r["at"] else None
-        res = {"bytes": self.args.size, "mount_s": mounted, "ttfb_s": ttfb, "full_s": full,
+        # The survey's start and the restore's start, both on the daemon's clock (wall time). A coordinated
+        # start's status names no survey start: then the wait for the silent peers alone is taken out of
+        # the GCS figures (the survey polls until that deadline), not the manifest's GET (milliseconds).
+        if view.get("at"):
+            survey = r["at"] - view["at"] if view["at"] <= r["at"] else None
+        else:
+            survey = GCS_RESTORE_WAIT_S if tier == "gcs" else None
+        res = {"bytes": size, "mount_s": mounted, "ttfb_s": ttfb, "full_s": full,
                "restored_s": r["seconds"], "first_byte_s": r["first_byte_s"], "start_to_restore_s": r["at"] - start,
-               "survey_s": survey, "demand_fetches": r["demand_fetches"],
+               "survey_s": survey, "survey_from": "survey" if view.get("at") else "restore-wait",
+               "demand_fetches": r["demand_fetches"],
                "bytes_from": {k.split()[0]: sum(v for n, v in r["bytes_from"].items() if n.split()[0] == k.split()[0])
                               for k in r["bytes_from"]},  # "peer HOST:PORT" -> "peer"
                "chunks": r["chunks_total"], "from": r["from"], "unreachable_peers": view.get("unreachable_peers"),
@@ -330,7 +343,7 @@ class Bench:
             res.update({k: v - survey for k, v in res["raw"].items()})
         return res
 
-    def settle(self, c) -> float | None:
+    def settle(self, c, backup: bool) -> float | None:
         """Wait until every rank's step has its replica again (node 0 lost the one it held)."""
         t0 = time.monotonic()
         deadline = t0 + 120
@@ -338,30 +351,30 @@ class Bench:
             sts = [self.fetch(n.mountpoint) for n in c.nodes]
             held = sum((s["replicas_held"] or {}).get("manifests", 0) for s in sts)
             busy = any((s.get("peers") or {}).get("working_on") is not None for s in sts)
-            if held >= len(c.nodes) and not busy and all(self.safe(STEP)(s) for s in sts):
+            if held >= len(c.nodes) and not busy and all(self.safe(STEP, backup=backup)(s) for s in sts):
                 return time.monotonic() - t0
             time.sleep(0.1)
         progress("bench_restore: warning: the lost replica was not replaced within 120 s; the plain copy "
                  "may overlap a replication")
         return None
 
-    def download(self, bucket: str, names: list[str], sums: dict[str, str]) -> dict:
+    def download(self, bucket: str, names: list[str], sums: dict[str, str], size: int) -> dict:
         from google.cloud.storage import transfer_manager  # noqa: PLC0415 (slow import)
 
         dl = Path(self.args.shm) / "dl"
         dl.mkdir()
         try:
-            self.warm()
+            self.warm(size)
             cpu0, t0 = (cpu_seconds(self.emu_pid), cpu_seconds()), time.monotonic()
             transfer_manager.download_many_to_path(
                 self.client.bucket(bucket), names, destination_directory=str(dl), max_workers=GCS_WORKERS,
                 worker_type=transfer_manager.THREAD, raise_exception=True)
             seconds = time.monotonic() - t0
-            cpu = {"client": cpu_seconds() - cpu0[1], "emulator": cpu_seconds(self.emu_pid) - cpu0[0]}
+            cpu = {"sender": cpu_seconds(self.emu_pid) - cpu0[0], "receiver": cpu_seconds() - cpu0[1]}
             bad = [n for n in names if sha256(dl / n) != sums[n]]
             if bad:
                 raise BenchError(f"the google-cloud-storage download of {bad[0]} differs from the original")
-            return {"bytes": self.args.size, "seconds": seconds, "cpu": cpu}
+            return {"bytes": size, "seconds": seconds, "cpu": cpu}
         finally:
             shutil.rmtree(dl, ignore_errors=True)  # right after the measurement
 
@@ -371,10 +384,10 @@ class Bench:
         """A one-node job whose one step of --list-files files is backed up, then wiped from RAM."""
         args = self.args
         bucket = self.bucket(f"br-list-{uuid.uuid4().hex[:8]}")
-        c = self.cluster("list", 1, LIST_JOB, capacity=f"{2 * args.size // MiB + 256}M", gcs=f"gs://{bucket}/ckpt")
+        c = self.cluster("list", 1, LIST_JOB, capacity=f"{2 * args.gcs_size // MiB + 256}M", gcs=f"gs://{bucket}/ckpt")
         c.start(0)
         mnt = c.nodes[0].mountpoint
-        per_file, tmp = args.size // args.list_files, mnt / "ckpt" / f"{LIST_STEP}.orbax-checkpoint-tmp"
+        per_file, tmp = args.gcs_size // args.list_files, mnt / "ckpt" / f"{LIST_STEP}.orbax-checkpoint-tmp"
         expected = {}
         for i in range(args.list_files):
             name = f"d{i // LIST_DIR:02d}/f{i:04d}.bin"
@@ -394,7 +407,7 @@ class Bench:
 
         mnt = c.nodes[0].mountpoint
         root = mnt / "ckpt" / str(LIST_STEP)
-        self.warm()
+        self.warm(self.args.gcs_size)
         start, t0 = time.time(), time.monotonic()
         try:
             c.tierfs(*c.mount_args(0, prefetch=prefetch))
@@ -424,29 +437,36 @@ class Bench:
 
 # ----------------------------------------------------------------------------- report
 
-def summarize(raw: list[dict], listing: list[dict]) -> dict:
+def summarize(raw: dict[int, list[dict]], listing: list[dict], gcs_size: int) -> dict:
+    """Medians per row (a peer row per size, the GCS row at ``gcs_size``), ratios of medians."""
     med = statistics.median
     rows = []
-    for tier, base in (("peer", "peer_base"), ("gcs", "gcs_base")):
-        m = {k: med(r[tier][k] for r in raw) for k in ("mount_s", "ttfb_s", "full_s", "restored_s")}
-        b = med(r[base]["seconds"] for r in raw)
-        rows.append({"tier": tier, **m, "baseline_s": b, "ratio": b / m["full_s"],
-                     "tierfs_mib_s": raw[0]["bytes"] / MiB / m["full_s"], "baseline_mib_s": raw[0]["bytes"] / MiB / b,
+    for tier, base, size in [*(("peer", "peer_base", n) for n in raw), ("gcs", "gcs_base", gcs_size)]:
+        rs = raw[size]
+        m = {k: med(r[tier][k] for r in rs) for k in ("mount_s", "ttfb_s", "full_s", "restored_s")}
+        b = med(r[base]["seconds"] for r in rs)
+        rows.append({"tier": tier, "size": size, **m, "baseline_s": b, "ratio": b / m["full_s"],
+                     "tierfs_mib_s": size / MiB / m["full_s"], "baseline_mib_s": size / MiB / b,
                      "ratio_daemon": b / m["restored_s"],
-                     "start_to_restore_s": med(r[tier]["start_to_restore_s"] for r in raw),
-                     "daemon_at_mount_cpu_s": med(r[tier]["cpu"]["daemon_at_mount"] for r in raw),
-                     "bytes_from": {k: med(r[tier]["bytes_from"].get(k, 0) / r[tier]["bytes"] for r in raw)
-                                    for k in sorted({k for r in raw for k in r[tier]["bytes_from"]})},
+                     "start_to_restore_s": med(r[tier]["start_to_restore_s"] for r in rs),
+                     "daemon_at_mount_cpu_s": med(r[tier]["cpu"]["daemon_at_mount"] for r in rs),
+                     "others_bytes": rs[0]["others_bytes"],
+                     "bytes_from": {k: med(r[tier]["bytes_from"].get(k, 0) / r[tier]["bytes"] for r in rs)
+                                    for k in sorted({k for r in rs for k in r[tier]["bytes_from"]})},
                      "cpu_s_per_gib": {
-                         "tierfs": {who: med(r[tier]["cpu"][who] / r[tier]["bytes"] * GiB for r in raw)
-                                    for who in raw[0][tier]["cpu"] if who != "daemon_at_mount"},
-                         "baseline": {who: med(r[base]["cpu"][who] / r[base]["bytes"] * GiB for r in raw)
-                                      for who in raw[0][base]["cpu"]}}})
-    gcs_raw = {k: med(r["gcs"]["raw"][k] for r in raw) for k in ("mount_s", "ttfb_s", "full_s")}
+                         "tierfs": {who: med(r[tier]["cpu"][who] / r[tier]["bytes"] * GiB for r in rs)
+                                    for who in rs[0][tier]["cpu"] if who != "daemon_at_mount"},
+                         "baseline": {who: med(r[base]["cpu"][who] / r[base]["bytes"] * GiB for r in rs)
+                                      for who in rs[0][base]["cpu"]}}})
+    gcs_rounds = raw[gcs_size]
+    gcs_raw = {k: med(r["gcs"]["raw"][k] for r in gcs_rounds) for k in ("mount_s", "ttfb_s", "full_s")}
     lists = {p: [x for x in listing if x["prefetch"] == p] for p in sorted({x["prefetch"] for x in listing})}
-    return {"rows": rows, "gcs_raw": gcs_raw, "gcs_survey_s": med(r["gcs"]["survey_s"] for r in raw),
-            "peer_survey_s": med(r["peer"]["survey_s"] or 0.0 for r in raw),
-            "settle_s": [r["peer"].get("settle_s") for r in raw if "settle_s" in r["peer"]],
+    return {"rows": rows, "gcs_raw": gcs_raw, "gcs_survey_s": med(r["gcs"]["survey_s"] for r in gcs_rounds),
+            "gcs_survey_from": " / ".join(sorted({r["gcs"]["survey_from"] for r in gcs_rounds})),
+            "peer_survey_s": {str(n): med(r["peer"]["survey_s"] for r in rs) if all(r["peer"]["survey_s"] is not None
+                                                                              for r in rs) else None
+                              for n, rs in raw.items()},
+            "settle_s": [r["peer"].get("settle_s") for rs in raw.values() for r in rs if "settle_s" in r["peer"]],
             "listing": {str(p): {"files": xs[0]["files"], "seconds": med(x["seconds"] for x in xs),
                                  "mount_s": med(x["mount_s"] for x in xs), "walk_s": med(x["walk_s"] for x in xs),
                                  "start_to_restore_s": med(x["start_to_restore_s"] for x in xs),
@@ -454,53 +474,68 @@ def summarize(raw: list[dict], listing: list[dict]) -> dict:
                         for p, xs in lists.items()}}
 
 
+def row_name(r: dict, args) -> str:
+    what = f"peer ({'TLS' if args.peer_tls == 'on' else 'in clear'})" if r["tier"] == "peer" else "GCS (less survey)"
+    return f"{what}, {size_label(r['size'])}"
+
+
 def render(s: dict, args) -> str:
-    head = ("restore from", "mount s", "TTFB s", "full s", "baseline s", "ratio", "tierfs MiB/s", "baseline MiB/s")
-    names = {"peer": "peer (127.0.0.3)", "gcs": "GCS (less survey)"}
-    body = [(names[r["tier"]], f"{r['mount_s']:.2f}", f"{r['ttfb_s']:.2f}", f"{r['full_s']:.2f}",
-             f"{r['baseline_s']:.2f}", f"{r['ratio']:.2f}", f"{r['tierfs_mib_s']:.0f}", f"{r['baseline_mib_s']:.0f}")
-            for r in s["rows"]]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-             for cells in [head, ["-" * w for w in widths], *body]]
-    peer, gcs = s["rows"]
+    head = ("restore from", "mount s", "TTFB s", "full s", "baseline s", "ratio", "tierfs MiB/s", "baseline MiB/s",
+            "CPU-s/GiB snd / rcv", "baseline snd / rcv")
+    cpu = lambda c: f"{c['sender']:.2f} / {c['receiver']:.2f}"
+    body = [(row_name(r, args), f"{r['mount_s']:.2f}", f"{r['ttfb_s']:.2f}", f"{r['full_s']:.2f}",
+             f"{r['baseline_s']:.2f}", f"{r['ratio']:.2f}", f"{r['tierfs_mib_s']:.0f}", f"{r['baseline_mib_s']:.0f}",
+             cpu(r["cpu_s_per_gib"]["tierfs"]), cpu(r["cpu_s_per_gib"]["baseline"])) for r in s["rows"]]
+    gcs = s["rows"][-1]
     raw = s["gcs_raw"]
+    lines = [render_table(head, body)]
     lines += [
         "# times from starting `tierfs mount`: mount = it returned (namespace ready), TTFB = first 4 KiB of the "
         "first file read, full = restored.state \"done\"; ratio = baseline s / full s (1.0 = as fast as the baseline)",
         "# baselines: peer = plain sendfile -> recv_into+write socket copy 127.0.0.3 -> 127.0.0.2; GCS = "
         f"google-cloud-storage download_many_to_path, {GCS_WORKERS} threads, from the same emulator",
+        "# CPU-s per GiB (medians), sender / receiver: peer = the peer serving the restore / the restoring daemon "
+        "(its whole life until done, start-up included); GCS = the emulator / the restoring daemon; baselines: the "
+        "plain copy's sender / receiver, the emulator / google-cloud-storage (this process)",
+        "# ranks 1-2 committed steps of their own (the start restores a step every rank has): " + ", ".join(
+            size_label(r["others_bytes"]) + " each beside the " + size_label(r["size"]) + " peer row"
+            for r in s["rows"] if r["tier"] == "peer"),
         f"# GCS figures less the start's survey ({GCS_RESTORE_WAIT} --restore-wait for the 2 silent peers + the "
-        f"manifest GET, daemon clock): median {s['gcs_survey_s']:.2f} s; raw: mount {raw['mount_s']:.2f}, "
-        f"TTFB {raw['ttfb_s']:.2f}, full {raw['full_s']:.2f} s (the peer case's survey: {s['peer_survey_s']:.2f} s)",
-        f"# daemon's own restored.seconds (restore start to done): peer {peer['restored_s']:.2f} s (ratio "
-        f"{peer['ratio_daemon']:.2f}), GCS {gcs['restored_s']:.2f} s (ratio {gcs['ratio_daemon']:.2f}); the restore "
-        f"started {peer['start_to_restore_s']:.2f} s (peer) and {gcs['start_to_restore_s']:.2f} s (GCS, survey "
-        "included) after `tierfs mount` was started (CLI and daemon start-up, survey, manifest)",
+        "manifest GET; "
+        + ("daemon clock, survey start to restore start" if s["gcs_survey_from"] == "survey" else
+           "the status names no survey start (a coordinated start): the wait alone")
+        + f"): median {s['gcs_survey_s']:.2f} s; raw: mount {raw['mount_s']:.2f}, "
+        f"TTFB {raw['ttfb_s']:.2f}, full {raw['full_s']:.2f} s (the peer rows' survey: "
+        + ", ".join(f"{size_label(int(n))} " + (f"{v:.2f} s" if v is not None else "n/a")
+                    for n, v in s["peer_survey_s"].items()) + ")",
+        "# daemon's own restored.seconds (restore start to done), and when the restore started after `tierfs mount` "
+        "was started (CLI and daemon start-up, survey, manifest): " + "; ".join(
+            f"{row_name(r, args)} {r['restored_s']:.2f} s (ratio {r['ratio_daemon']:.2f}), started after "
+            f"{r['start_to_restore_s']:.2f} s" for r in s["rows"]),
         "# bytes came from (medians): " + "; ".join(
-            f"{r['tier']} restore: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items())
+            f"{row_name(r, args)}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items())
             for r in s["rows"]),
-        "# CPU-s per GiB (medians): " + "; ".join(
-            f"{r['tier']} restore: tierfs " + ", ".join(f"{w} {v:.2f}" for w, v in
-                                                                  r["cpu_s_per_gib"]["tierfs"].items())
-            + " | baseline " + ", ".join(f"{w} {v:.2f}" for w, v in r["cpu_s_per_gib"]["baseline"].items())
-            for r in s["rows"]) + " (daemon: the restoring daemon's whole life until done, start-up included; "
-        f"by the mount's return it had used {peer['daemon_at_mount_cpu_s']:.2f} (peer) / "
-        f"{gcs['daemon_at_mount_cpu_s']:.2f} (GCS) CPU-s)",
+        "# CPU-s per GiB, every process watched (medians): " + "; ".join(
+            f"{row_name(r, args)}: " + ", ".join(f"{w} {v:.2f}" for w, v in r["cpu_s_per_gib"]["tierfs"].items()
+                                                  if w not in ("sender", "receiver"))
+            + f" (by the mount's return the daemon had used {r['daemon_at_mount_cpu_s']:.2f} CPU-s)"
+            for r in s["rows"]),
     ]
     for p, x in s["listing"].items():
-        lines.append(f"listing {x['files']} files: {x['seconds']:.2f} s (< 1 s: {'yes' if x['under_1s'] else 'NO'})"
+        lines.append(f"listing {x['files']} files ({size_label(gcs['size'])}): {x['seconds']:.2f} s "
+                     f"(< 1 s: {'yes' if x['under_1s'] else 'NO'})"
                      f"  [--prefetch {p}{' (no background fetches)' if p == '0' else ''}: restore began after "
                      f"{x['start_to_restore_s']:.2f} s, mount returned after {x['mount_s']:.2f} s, walk+stat "
                      f"{x['walk_s']:.2f} s; slowest round {x['max_s']:.2f} s]")
     return "\n".join(lines)
 
 
-def plot(path: str, s: dict, title: str) -> str | None:
+def plot(path: str, s: dict, title: str, args) -> str | None:
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    fig, (ax, lx) = plt.subplots(1, 2, figsize=(10, 4.2), gridspec_kw={"width_ratios": [3, 1]})
+    fig, (ax, lx) = plt.subplots(1, 2, figsize=(4 + 2.2 * len(s["rows"]), 4.2),
+                                 gridspec_kw={"width_ratios": [len(s["rows"]), 1]})
     parts = (("mount_s", "mount returned"), ("ttfb_s", "first 4 KiB"), ("full_s", "full restore"),
              ("baseline_s", "baseline copy"))
     for k, (key, label) in enumerate(parts):
@@ -510,8 +545,9 @@ def plot(path: str, s: dict, title: str) -> str | None:
     top = max(r[key] for r in s["rows"] for key, _ in parts)
     for i, r in enumerate(s["rows"]):
         ax.annotate(f"ratio {r['ratio']:.2f}", (i, top * 1.1), ha="center", fontsize=8)
-    ax.set_xticks(range(len(s["rows"])), ["from a peer\n(plain socket copy)", "from GCS, less survey\n"
-                                           "(google-cloud-storage)"])
+    ax.set_xticks(range(len(s["rows"])), [row_name(r, args).replace(", ", "\n") + "\n("
+                                          + ("plain socket copy)" if r["tier"] == "peer" else "google-cloud-storage)")
+                                          for r in s["rows"]], fontsize=8)
     ax.set(ylabel="seconds from `tierfs mount` (median)", ylim=(0, top * 1.4))
     ax.legend(fontsize=7, loc="upper center", ncol=4)
     items = sorted(s["listing"].items())
@@ -531,27 +567,32 @@ def main() -> int:
     p = argparse.ArgumentParser(description="Restore of a wiped node from a peer and from GCS against plain "
                                             "copies, and the listing of a restored step (medians of alternating "
                                             "rounds).")
-    p.add_argument("--size", type=parse_size, help="checkpoint bytes per rank, and of the listing step (default 1G)")
+    p.add_argument("--sizes", "--size", type=parse_sizes,
+                   help="rank 0's checkpoint bytes, comma-separated: a peer row per size; the smallest also gives "
+                        "the GCS row and the listing step's bytes (default 1G,4G)")
     p.add_argument("--files", type=int, default=16, help="files per rank's checkpoint (default 16)")
     p.add_argument("--list-files", type=int, help="files of the listing step (default 1000)")
-    p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 5)")
-    p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement (default 2x --size)")
-    p.add_argument("--quick", action="store_true", help="smoke run: --size 64M --rounds 2 --list-files 100 "
+    p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 5)")
+    p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
+                                                     "(default twice the size, at most 4G)")
+    p.add_argument("--peer-tls", choices=("on", "off"), default="on",
+                   help="peer traffic: on (TLS 1.3, the product's default) or off (in clear)")
+    p.add_argument("--quick", action="store_true", help="smoke run: --sizes 64M,128M --rounds 2 --list-files 100 "
                                                         "unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="bars of the medians (needs matplotlib)")
     args = p.parse_args()
-    args.size = args.size or (64 * MiB if args.quick else GiB)
+    args.sizes = args.sizes or ([64 * MiB, 128 * MiB] if args.quick else [GiB, 4 * GiB])
     args.rounds = args.rounds or (2 if args.quick else 5)
     args.list_files = args.list_files or (100 if args.quick else 1000)
-    args.warmup = args.warmup or 2 * args.size
-    args.size -= args.size % (args.files * MiB) if args.files > 0 else 0  # whole MiB per file
-    if args.size <= 0 or args.files < 1 or args.rounds < 1 or not 1 <= args.list_files <= args.size:
-        p.error("--size must be at least --files MiB, --files and --rounds at least 1, "
-                "--list-files between 1 and --size bytes")
+    if args.files < 1 or args.rounds < 1:
+        p.error("--files and --rounds must be at least 1")
+    args.sizes = sorted({n - n % (args.files * MiB) for n in args.sizes})  # whole MiB per file
+    args.gcs_size = args.sizes[0]
+    if args.gcs_size <= 0 or not 1 <= args.list_files <= args.gcs_size:
+        p.error("every size must be at least --files MiB, --list-files between 1 and the smallest size in bytes")
 
     interrupt_on_signals()
-    from tierfs.testing import wait_gone
     from tierfs.testing.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))
@@ -563,30 +604,39 @@ def main() -> int:
         bench = Bench(args, emu, gcs_client())
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         cmd = shlex.join([sys.executable, *sys.argv])
-        settings = {"size": args.size, "files": args.files, "list_files": args.list_files, "rounds": args.rounds,
-                    "warmup": args.warmup, "gcs_workers": GCS_WORKERS, "gcs_restore_wait": GCS_RESTORE_WAIT,
+        settings = {"sizes": args.sizes, "gcs_size": args.gcs_size, "files": args.files, "list_files": args.list_files,
+                    "rounds": args.rounds, "warmup": args.warmup or "min(2x size, 4 GiB)", "peer_tls": args.peer_tls,
+                    "gcs_workers": GCS_WORKERS, "gcs_restore_wait": GCS_RESTORE_WAIT,
                     "cores": os.cpu_count(), "kernel": os.uname().release, "date": now, "command": cmd}
+        gcs = size_label(args.gcs_size)
         print(f"# bench_restore {now}  {settings['cores']} cores  command: {cmd}\n"
-              f"# {args.size // MiB} MiB in {args.files} files per rank, 3 ranks, replicas=1, --gcs on fake-gcs-server "
-              f"(memory backend), default chunk size and prefetch; listing: {args.list_files} files, "
-              f"{args.size // MiB} MiB; {args.rounds} rounds, medians", flush=True)
+              f"# rank 0: {', '.join(map(size_label, args.sizes))} in {args.files} files, 3 ranks, replicas=1, "
+              f"--peer-tls {args.peer_tls}; at {gcs} --gcs on fake-gcs-server (memory backend), every rank {gcs}, "
+              f"default chunk size and prefetch; listing: {args.list_files} files, {gcs}; {args.rounds} rounds "
+              "per size, medians", flush=True)
         lc, list_bucket, expected = bench.listing_setup()
-        raw, listing = [], []
-        for rnd in range(args.rounds):
-            raw.append(bench.round(rnd))
-            for prefetch in (0, 8) if rnd % 2 == 0 else (8, 0):
-                listing.append(x := bench.listing(lc, expected, prefetch) | {"round": rnd})
-                progress(f"round {rnd + 1} listing, --prefetch {prefetch}: {x['files']} files in {x['seconds']:.2f} s "
-                         f"(mount {x['mount_s']:.2f} s + walk {x['walk_s']:.2f} s)")
-        bench.close(lc)
-        bench.drop(list_bucket)
-        summary = summarize(raw, listing)
+        raw: dict[int, list[dict]] = {}
+        listing = []
+        for size in args.sizes:
+            for rnd in range(args.rounds):
+                raw.setdefault(size, []).append(bench.round(rnd, size, gcs=size == args.gcs_size))
+                if size != args.gcs_size:
+                    continue
+                for prefetch in (0, 8) if rnd % 2 == 0 else (8, 0):
+                    listing.append(x := bench.listing(lc, expected, prefetch) | {"round": rnd})
+                    progress(f"round {rnd + 1} listing, --prefetch {prefetch}: {x['files']} files in "
+                             f"{x['seconds']:.2f} s (mount {x['mount_s']:.2f} s + walk {x['walk_s']:.2f} s)")
+            if size == args.gcs_size:
+                bench.close(lc)
+                bench.drop(list_bucket)
+        summary = summarize(raw, listing, args.gcs_size)
         print(render(summary, args))
         if args.json:
-            write_json(args.json, {"settings": settings, "raw": raw, "listing": listing, "medians": summary})
+            write_json(args.json, {"settings": settings, "raw": {str(k): v for k, v in raw.items()},
+                                   "listing": listing, "medians": summary})
         if args.plot:
-            why = plot(args.plot, summary, f"tierfs restore of {args.size // MiB} MiB per rank, {args.rounds} rounds, "
-                                           f"{now[:10]}")
+            why = plot(args.plot, summary, f"tierfs restore, rank 0 {' / '.join(map(size_label, args.sizes))}, "
+                                           f"{args.rounds} rounds, {now[:10]}", args)
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except KeyboardInterrupt:
@@ -600,29 +650,13 @@ def main() -> int:
         return 1
     finally:  # no more Ctrl-C: a half-done cleanup would leave daemons and mounts behind
         with no_interruptions():
-            left = []
             for c in list(bench.clusters if bench else []):
-                c.close()
-                for pid in stray_processes(str(c.base) + "/"):  # a start cut short by Ctrl-C
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
-                    wait_gone(pid)
-                for n in c.nodes:
-                    if is_mounted(n.mountpoint):
-                        subprocess.run(["umount", "-l", str(n.mountpoint)], capture_output=True)
-                    if is_mounted(n.mountpoint):
-                        left.append(n.mountpoint)
-                if not left:
-                    shutil.rmtree(c.base, ignore_errors=True)
+                bench.close(c)
             for name in list(bench.buckets if bench else []):
                 bench.drop(name)
             emu.stop()
             shutil.rmtree(args.shm, ignore_errors=True)
             shutil.rmtree(tmp, ignore_errors=True)
-            if left:
-                print(f"bench_restore: warning: still mounted: {', '.join(map(str, left))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

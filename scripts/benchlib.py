@@ -1,6 +1,6 @@
 """What the benchmark scripts share: sizes on the command line, CPU time, mounts, cleanup,
-random test files, the tmpfs warm-up, a tierfs volume mounted for a run, the plain socket copy
-and a google-cloud-storage client.
+random test files, the tmpfs warm-up, a tierfs volume mounted for a run, the cleanup of a
+local cluster, tables, the plain socket copy and a google-cloud-storage client.
 
 The plain copy runs as two processes of this file (``--_recv`` / ``--_send``), so it needs
 nothing from the script that asks for it.
@@ -73,6 +73,39 @@ def parse_size(text: str) -> int:
     if not m or float(m.group(1)) <= 0:
         raise argparse.ArgumentTypeError(f"invalid size {text!r}: use bytes or e.g. 256M, 2G (> 0)")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def parse_sizes(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of sizes (``1G,4G``), each as :func:`parse_size`."""
+    sizes = [parse_size(part) for part in str(text).split(",") if part.strip()]
+    if not sizes:
+        raise argparse.ArgumentTypeError(f"invalid sizes {text!r}: use e.g. 1G,4G")
+    return sizes
+
+
+def size_label(n: int) -> str:
+    """``4 GiB``, ``256 MiB``: a size as the tables name it."""
+    for unit, factor in (("GiB", 1 << 30), ("MiB", MiB), ("KiB", 1 << 10)):
+        if n >= factor and n % factor == 0:
+            return f"{n // factor} {unit}"
+    return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n} B"
+
+
+WARMUP_CAP = 4 << 30
+
+
+def default_warmup(size: int) -> int:
+    """Twice the bytes a part touches, at most 4 GiB: what one part needs warm, without a
+    4 GiB step's warm-up pushing the RAM a run already holds (step, replica, copies) past the VM's."""
+    return min(2 * size, WARMUP_CAP)
+
+
+def render_table(head: tuple[str, ...], body: list[tuple[str, ...]], left: int = 1) -> str:
+    """A plain-text table: the first ``left`` columns (the labels) left-aligned, the numbers
+    right-aligned, a rule under the head."""
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
+    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+                     for cells in [head, tuple("-" * w for w in widths), *body])
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -182,15 +215,29 @@ def write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
+def random_blocks():
+    """A function ``n -> n fresh random bytes``: an AES-256-CTR keystream under a key from
+    os.urandom where the cryptography package is there (~1.2 GB/s here), else os.urandom
+    itself (~0.3 GB/s, so a 4 GiB step took 14 s to make). Either way nothing repeats, so
+    no tier can deduplicate or compress it."""
+    try:
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # noqa: PLC0415
+    except ImportError:
+        return os.urandom
+    stream = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16))).encryptor()
+    zeros = bytes(4 * MiB)
+    return lambda n: stream.update(zeros[:n] if n <= len(zeros) else bytes(n))
+
+
 def make_files(directory: Path, size: int, nfiles: int) -> dict[str, str]:
     """Files of fresh random bytes (nothing for a peer to deduplicate): name -> sha256."""
-    sums = {}
+    sums, fresh = {}, random_blocks()
     for i in range(nfiles):
         name, h = f"layer-{i:02d}/shard", hashlib.sha256()
         (directory / name).parent.mkdir(parents=True, exist_ok=True)
         with open(directory / name, "wb") as f:
             for pos in range(0, size // nfiles, 4 * MiB):
-                f.write(block := os.urandom(min(4 * MiB, size // nfiles - pos)))
+                f.write(block := fresh(min(4 * MiB, size // nfiles - pos)))
                 h.update(block)
         sums[name] = h.hexdigest()
     return sums
@@ -370,6 +417,49 @@ class TierfsMount:
                     pass
         if is_mounted(self.mountpoint):
             print(f"warning: {self.mountpoint} is still mounted", file=sys.stderr)
+
+
+# ----------------------------------------------------------------------------- a local cluster
+
+def stray_processes(marker: str) -> list[int]:
+    """Processes of ours still running with ``marker`` (a directory this run created under a
+    random name) in their command line: daemons whose start was interrupted before their
+    cluster learnt their pid, and the ``tierfs mount`` commands waiting for them."""
+    pids = []
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+def close_cluster(cluster) -> list[str]:
+    """Close a ``tierfs.testing.cluster.LocalCluster`` for good: its own close, then any
+    daemon or ``tierfs mount`` of its directory still running (a start cut short by Ctrl-C),
+    then lazy unmounts. Removes its directory unless a mount stays; returns those left mounted."""
+    from tierfs.testing import wait_gone  # noqa: PLC0415 (scripts that need no cluster need no tierfs)
+
+    with no_interruptions():
+        cluster.close()
+        for pid in stray_processes(str(cluster.base) + "/"):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            wait_gone(pid)
+        left = []
+        for node in cluster.nodes:
+            if is_mounted(node.mountpoint):
+                subprocess.run(["umount", "-l", str(node.mountpoint)], capture_output=True)
+            if is_mounted(node.mountpoint):
+                left.append(str(node.mountpoint))
+        if not left:
+            shutil.rmtree(cluster.base, ignore_errors=True)
+    return left
 
 
 # ----------------------------------------------------------------------------- plain socket copy

@@ -126,3 +126,11 @@ def keep_heap_memory(threshold: int = 16 << 20, trim: int = 1 << 30) -> None:
 def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
     _check(_libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags),
                        data.encode()), target)
+
+
+def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """All of ``data`` at ``offset``: ``pwrite`` may write less than asked (a signal, a pipe)."""
+    with memoryview(data) as view:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n

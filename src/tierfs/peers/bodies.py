@@ -25,7 +25,8 @@ from typing import Any
 
 import trio
 
-from tierfs.peers.offload import relay
+from tierfs.core.linux import pwrite_all
+from tierfs.peers.offload import BUFFERS, relay
 from tierfs.peers.sealed import SealedStream
 from tierfs.peers.wire import PIECE, PeerUnavailable, reason, recv_into
 
@@ -42,8 +43,11 @@ async def receive(stream: trio.abc.ReceiveStream, n: int, sink: Sink, label: byt
     if isinstance(stream, SealedStream):
         await stream.receive_body(n, sink, label)
         return
+    if n == 0:
+        await trio.lowlevel.checkpoint()
+        return
     size = min(PIECE, n)
-    buffers = [bytearray(size), bytearray(size)]
+    buffers = [BUFFERS.take(), BUFFERS.take()]
     done = 0
 
     async def fill(slot: int) -> Callable[[], None] | None:
@@ -57,10 +61,10 @@ async def receive(stream: trio.abc.ReceiveStream, n: int, sink: Sink, label: byt
         at, done = done, done + got
         return lambda: sink(view, at)
 
-    if n == 0:
-        await trio.lowlevel.checkpoint()
-        return
-    await relay(fill, n)
+    try:
+        await relay(fill, n)
+    finally:
+        BUFFERS.give(*buffers)
 
 
 async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None, hasher: Any | None = None,
@@ -74,7 +78,7 @@ async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | No
         if hasher is not None:
             hasher.update(piece)
         if fd is not None:
-            _pwrite_all(fd, piece, offset + at)
+            pwrite_all(fd, piece, offset + at)
 
     await receive(stream, n, sink, label)
 
@@ -133,22 +137,21 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
             await trio.lowlevel.checkpoint()  # a fast reader never blocks us: stay cancellable
         else:
             return sent
-    view = memoryview(bytearray(min(PIECE, count - sent))) if count > sent else memoryview(b"")
-    while sent < count:  # one buffer, reused: every send_all copies it before returning
-        n = os.preadv(fd, [view[: min(len(view), count - sent)]], offset + sent)
-        if not n:
-            raise EOFError(f"file ended {count - sent} bytes short of the promised body")
-        try:
-            await stream.send_all(view[:n])
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
-        sent += n
+    buf = BUFFERS.take()
+    view = memoryview(buf)[:PIECE]
+    try:
+        while sent < count:  # one buffer, reused: every send_all copies it before returning
+            n = os.preadv(fd, [view[: min(len(view), count - sent)]], offset + sent)
+            if not n:
+                raise EOFError(f"file ended {count - sent} bytes short of the promised body")
+            try:
+                await stream.send_all(view[:n])
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
+            sent += n
+    finally:
+        view.release()
+        BUFFERS.give(buf)
     if not count:
         await trio.lowlevel.checkpoint()
     return sent
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n

@@ -219,17 +219,22 @@ class PeerClient:
                 raise ProtocolError(f"{wire.brief(header.get('op'))}: an answer with a body")
         return reply
 
-    async def get_chunk_into(self, h: str, fd: int, file_offset: int) -> int:
-        """Receive the whole chunk ``h`` into ``fd`` at ``file_offset``; returns its length.
+    async def get_chunk_into(self, h: str, fd: int, file_offset: int, length: int | None = None) -> int:
+        """Receive the whole chunk ``h`` (of ``length`` bytes, if given) into ``fd`` at ``file_offset``; its length.
 
         Written in pieces of at most 1 MiB as they arrive, hashed on the way; a chunk that
         does not match ``h`` raises :class:`PeerError` (its bytes are already in the file:
         the caller overwrites them from another source or discards the file).
         """
         hasher = xxhash.xxh3_128()
+        request: dict[str, Any] = {"op": "get_chunk", "hash": h, "offset": 0}
+        if length is not None:
+            request["length"] = length
         with self._request("get_chunk"):
-            reply = await self._call({"op": "get_chunk", "hash": h, "offset": 0})
+            reply = await self._call(request)
             n = self._body_length(reply)
+            if length is not None and "error" not in reply and n != length:
+                raise ProtocolError(f"asked for {length} bytes, the answer has {n}")
             await bodies.receive_into_file(self._stream, n, fd, hasher, file_offset, chunk_label(h, 0))
             self.bytes_received += n
         self._check(reply)

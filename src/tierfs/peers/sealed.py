@@ -41,7 +41,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierfs.core import keys
-from tierfs.peers.offload import INLINE, InThread, relay
+from tierfs.peers.offload import BUFFERS, INLINE, InThread, relay
 from tierfs.peers.tls import TLSStream
 from tierfs.peers.wire import PIECE, Nonces, PeerUnavailable, ProtocolError
 
@@ -124,14 +124,14 @@ class SealedStream(trio.abc.Stream):
         """
         self._at_boundary()
         size = min(RECORD, count)
-        plain = [bytearray(size), bytearray(size)]
-        out = [bytearray(_HEAD.size + size + TAG), bytearray(_HEAD.size + size + TAG)]
+        plain, out = [BUFFERS.take(), BUFFERS.take()], [BUFFERS.take(), BUFFERS.take()]
 
         def prepare(slot: int, at: int, n: int) -> Callable[[], None]:
-            seal = self._sealer(memoryview(plain[slot])[:n], out[slot], label + _OFFSET.pack(at))
+            piece = memoryview(plain[slot])[:n]
+            seal = self._sealer(piece, out[slot], label + _OFFSET.pack(at))
 
             def work() -> None:
-                if os.preadv(fd, [memoryview(plain[slot])[:n]], offset + at) != n:
+                if os.preadv(fd, [piece], offset + at) != n:
                     raise EOFError(f"file ended short of the promised {count}-byte body")
                 seal()
             return work
@@ -139,36 +139,37 @@ class SealedStream(trio.abc.Stream):
         def record(slot: int, n: int) -> memoryview:
             return memoryview(out[slot])[: _HEAD.size + n + TAG]
 
-        ready: tuple[int, int] | None = None  # (slot, plaintext bytes) of the record sealed, not yet sent
-        at, slot = 0, 0
-        while at < count:
-            n = min(size, count - at)
-            work = prepare(slot, at, n)
-            at += n
-            if count <= INLINE:
-                work()
-                await self._send(record(slot, n))
-                continue
-            job = InThread(work)
-            try:
-                if ready is not None:
-                    await self._send(record(*ready))
-            except BaseException:
-                await job.settle()  # it writes into a buffer of this frame
-                raise
-            await job.result()
-            ready, slot = (slot, n), slot ^ 1
-        if ready is not None:
-            await self._send(record(*ready))
+        try:
+            ready: tuple[int, int] | None = None  # (slot, plaintext bytes) of the record sealed, not yet sent
+            at, slot = 0, 0
+            while at < count:
+                n = min(size, count - at)
+                work = prepare(slot, at, n)
+                at += n
+                if count <= INLINE:
+                    work()
+                    await self._send(record(slot, n))
+                    continue
+                job = InThread(work)
+                try:
+                    if ready is not None:
+                        await self._send(record(*ready))
+                except BaseException:
+                    await job.settle()  # it writes into a buffer of this transfer
+                    raise
+                await job.result()
+                ready, slot = (slot, n), slot ^ 1
+            if ready is not None:
+                await self._send(record(*ready))
+        finally:
+            BUFFERS.give(*plain, *out)
         if not count:
             await trio.lowlevel.checkpoint()
 
     async def receive_body(self, n: int, sink: Sink, label: bytes) -> None:
         """Receive an ``n``-byte body labelled ``label``, each opened piece given to ``sink`` in order."""
         self._at_boundary()
-        size = min(RECORD, n)
-        records = [bytearray(size + TAG), bytearray(size + TAG)]
-        plain = [bytearray(size), bytearray(size)]
+        records, plain = [BUFFERS.take(), BUFFERS.take()], [BUFFERS.take(), BUFFERS.take()]
         done = 0
 
         async def fill(slot: int) -> Callable[[], None] | None:
@@ -187,7 +188,10 @@ class SealedStream(trio.abc.Stream):
                 sink(memoryview(plain[slot])[:k], at)
             return work
 
-        await relay(fill, n)
+        try:
+            await relay(fill, n)
+        finally:
+            BUFFERS.give(*records, *plain)
 
     # -- records ---------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ from tierfs.coordination import broadcast
 from tierfs.coordination.decision import Decision
 from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
 from tierfs.coordination.node import Coordination
+from tierfs.core.linux import pwrite_all
 from tierfs.coordination.protocol import candidates
 from tierfs.coordination.transport import Message, Unreachable
 from tierfs.coordination.view import GCS, Holdings
@@ -254,13 +255,15 @@ class PlannedSources(ChunkSources):
         planned = set(first)
         return first + [h for h in hashes if h not in planned]
 
-    async def fetch(self, h: str, length: int, prefer: int = 0) -> bytes:
+    async def fetch_into(self, h: str, length: int, fd: int, offset: int, prefer: int = 0) -> None:
         if h not in self.planned.plan.sources:
-            return await super().fetch(h, length, prefer)
+            await super().fetch_into(h, length, fd, offset, prefer)
+            return
         try:
-            return await self.planned.fetch(h, length)
+            data = await self.planned.fetch(h, length)
         except broadcast.NoSource as e:
             raise UserError(str(e)) from None
+        await trio.to_thread.run_sync(pwrite_all, fd, data, offset)
 
     def arrived(self, h: str) -> None:
         self.node.board.arrived(h)

@@ -39,6 +39,7 @@ from tierfs.config import Config
 from tierfs.core import chunks
 from tierfs.core.atomic import UnsafeFile, read_state, write_atomically
 from tierfs.core.errors import UserError
+from tierfs.core.linux import pwrite_all
 from tierfs.core.manifest import (
     MAX_CHUNKS,
     Entry,
@@ -246,11 +247,8 @@ class Restore:
                 nursery.start_soon(worker, n)
 
     async def _fetch(self, h: str, prefer: int, event: trio.Event) -> None:
-        f0, index0 = self._users[h][0]
-        cs = self.manifest.chunk_size
         try:
-            data = await self.sources.fetch(h, min(cs, f0.entry.size - index0 * cs), prefer)
-            await self._write(h, data)
+            await self._fetch_into_place(h, prefer)
         except UserError as e:
             self._failed[h] = self.last_error = str(e)
             log.warning("restore of step %d: %s", self.step, e)
@@ -259,20 +257,28 @@ class Restore:
             event.set()
             self._progress.set()
 
-    async def _write(self, h: str, data: bytes) -> None:
-        """Put a verified chunk everywhere the step has it, then record it as here.
+    async def _fetch_into_place(self, h: str, prefer: int) -> None:
+        """Fetch a chunk straight into its first place, copy it to the others, then record it as here.
 
-        The copy runs in a worker thread: filling fresh tmpfs pages is the slowest part of
-        a fetch, and the FUSE requests (a listing right after mount) must not queue behind it.
-        Only one fetch per chunk is in flight, and a file's descriptor closes only once all
-        its chunks are recorded, so no two copies race for one range.
+        The chunk lands in the placeholder before it is verified (a peer's bytes are hashed as
+        they arrive); until it is recorded here no read is served from that range, and a
+        chunk that fails is written again from the next tier. Copies and writes run in
+        worker threads: filling fresh tmpfs pages is the slowest part of a fetch, and the
+        FUSE requests (a listing right after mount) must not queue behind it. Only one fetch
+        per chunk is in flight, and a file's descriptor closes only once all its chunks are
+        recorded, so no two writes race for one range.
         """
         cs = self.manifest.chunk_size
         targets = [(f, i) for f, i in self._users[h] if i in f.missing]
         for f, _ in targets:
             if f.fd is None:
                 f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
-        await trio.to_thread.run_sync(_pwrite_all, data, [(f.fd, i * cs) for f, i in targets])
+        first, index = targets[0]
+        length = min(cs, first.entry.size - index * cs)
+        await self.sources.fetch_into(h, length, first.fd, index * cs, prefer)
+        if len(targets) > 1:
+            await trio.to_thread.run_sync(_copy_to, first.path, index * cs, length,
+                                          [(f.fd, i * cs) for f, i in targets[1:]])
         for f, i in targets:
             os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
             st = os.fstat(f.fd)
@@ -391,9 +397,15 @@ def restoring_steps(steps: Steps) -> list[int]:
     return [s for s in steps.snapshots.steps() if (steps.snapshots.step_dir(s) / STATE_FILE).exists()]
 
 
-def _pwrite_all(data: bytes, places: list[tuple[int, int]]) -> None:
-    for fd, offset in places:
-        os.pwrite(fd, data, offset)
+def _copy_to(path: str, offset: int, length: int, places: list[tuple[int, int]]) -> None:
+    """The verified chunk at ``offset`` of ``path`` into the other places of the step that hold it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.pread(fd, length, offset)
+    finally:
+        os.close(fd)
+    for out, at in places:
+        pwrite_all(out, data, at)
 
 
 # -- planning ----------------------------------------------------------------------------

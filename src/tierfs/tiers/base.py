@@ -34,7 +34,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
+import trio
+
 from tierfs.core.chunks import MAX_CHUNK_SIZE
+from tierfs.core.linux import pwrite_all
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 from tierfs.tiers.twins import share
 
@@ -196,6 +199,17 @@ class Tier(ABC):
     @abstractmethod
     async def get_chunk(self, h: str, length: int) -> bytes:
         """Chunk ``h`` of ``length`` bytes, verified; :class:`NotHeld` if the tier lacks it."""
+
+    async def get_chunk_into(self, h: str, length: int, fd: int, offset: int) -> None:
+        """Chunk ``h`` written into ``fd`` at ``offset``; raises as :meth:`get_chunk` does.
+
+        The range may hold other bytes when this raises (a tier that writes as bytes arrive
+        checks them at the end): the caller writes it again from another tier, and serves
+        none of it before it succeeds. A tier that can receive straight into the file (a
+        peer) overrides this and saves the copies through a buffer.
+        """
+        data = await self.get_chunk(h, length)
+        await trio.to_thread.run_sync(pwrite_all, fd, data, offset)
 
     async def present(self, h: str, path: str | Path, offset: int, length: int) -> bool:
         """Whether the tier holds chunk ``h`` now (its local bytes are at ``path``, for tiers that compare them)."""

@@ -39,17 +39,18 @@ class ChunkSources:
         self.alive: list[Tier] = list(tiers)
         self.bytes_from: dict[str, int] = {}  # tier name -> bytes it gave
 
-    async def fetch(self, h: str, length: int, prefer: int = 0) -> bytes:
-        """Chunk ``h`` (``length`` bytes), verified; ``prefer`` rotates which of equal tiers goes first.
+    async def fetch_into(self, h: str, length: int, fd: int, offset: int, prefer: int = 0) -> None:
+        """Chunk ``h`` (``length`` bytes) verified into ``fd`` at ``offset``; ``prefer`` rotates which of equal tiers goes first.
 
-        Raises UserError (one line naming the chunk) when no tier can give it.
+        Raises UserError (one line naming the chunk) when no tier can give it; the range
+        may then hold anything, and must not be served.
         """
         errors: list[str] = []
         for tier in sources_for(self.alive, h, prefer):
             if tier not in self.alive:
                 continue  # set aside by a concurrent fetch
             try:
-                data = await tier.get_chunk(h, length)
+                await tier.get_chunk_into(h, length, fd, offset)
             except Exception as e:  # a tier's trouble (or a bug in one) must not end the restore
                 if not isinstance(e, TierError):
                     log.error("chunk %s from %s: unexpected %s", h, tier.name, type(e).__name__, exc_info=True)
@@ -65,8 +66,8 @@ class ChunkSources:
                 else:
                     log.warning("chunk %s from %s failed (%s); trying the next tier", h, tier.name, e)
                 continue
-            self.bytes_from[tier.name] = self.bytes_from.get(tier.name, 0) + len(data)
-            return data
+            self.bytes_from[tier.name] = self.bytes_from.get(tier.name, 0) + length
+            return
         raise UserError(f"chunk {h} is on no reachable tier: {'; '.join(errors) or 'no tier holds it'}")
 
     def order(self, hashes: list[str]) -> list[str]:

@@ -97,6 +97,11 @@ class PeerTier(Tier):
         check_chunk(self, h, length)
         return await self._request(f"chunk {h}", lambda client: client.fetch_chunk(h, length))
 
+    async def get_chunk_into(self, h: str, length: int, fd: int, offset: int) -> None:
+        """Received straight into ``fd``, hashed on the way, off the event loop."""
+        check_chunk(self, h, length)
+        await self._request(f"chunk {h}", lambda client: client.get_chunk_into(h, fd, offset, length))
+
     # -- manifests ---------------------------------------------------------------------
 
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:

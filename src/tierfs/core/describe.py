@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tierfs.core import chunks
@@ -33,6 +34,7 @@ from tierfs.core.parse import format_size
 log = logging.getLogger(__name__)
 
 FileKey = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
+HASH_THREADS = min(4, os.cpu_count() or 1)  # files hashed at once: a few cores, not the training job's
 
 
 def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: int,
@@ -57,6 +59,9 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
     once per step, as long as it keeps its inode (the same file, or hard links to it); hard
     links within one step are hashed once too. It is filled in as files are hashed. Keep one
     per filesystem and chunk size: the key holds neither.
+
+    Files are hashed :data:`HASH_THREADS` at a time: reading a tmpfs file into a buffer and
+    hashing it release the GIL, and the step is waited for by every lane.
     """
     top = Path(snapshot_root)
     ancestors: dict[str, Entry] = {}
@@ -77,8 +82,14 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
         if root not in found:
             raise ManifestError(f"root {root!r} is not a file, directory or symlink "
                                 "(or is a symlink no restore could recreate)")
+    names: dict[FileKey, list[str]] = {}  # hard links share a key: hashed once
     for rel, st in files.items():
-        found[rel].chunks = _file_chunks(top / rel, st, chunk_size, known)
+        names.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), []).append(rel)
+    with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(names))), thread_name_prefix="tierfs-hash") as pool:
+        hashed = pool.map(lambda rels: _file_chunks(top / rels[0], files[rels[0]], chunk_size, known), names.values())
+        for rels, file_chunks in zip(names.values(), hashed):
+            for rel in rels:
+                found[rel].chunks = list(file_chunks)
     entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)
     manifest = Manifest(job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots),
                         entries=entries, created=time.time())

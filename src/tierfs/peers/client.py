@@ -186,7 +186,7 @@ class PeerClient:
         return await self._get_chunk(h, offset, length, None)
 
     async def fetch_chunk(self, h: str, length: int) -> bytes:
-        """The whole ``length``-byte chunk ``h``, hashed as it arrives: bytes that are not it raise :class:`PeerError`."""
+        """The whole ``length``-byte chunk ``h``, hashed as it arrives; bytes that are not it raise :class:`PeerError`."""
         hasher = xxhash.xxh3_128()
         data = await self._get_chunk(h, 0, length, hasher)
         if hasher.hexdigest() != h:

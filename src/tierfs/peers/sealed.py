@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from tierfs.core import keys
 from tierfs.peers.offload import BUFFERS, INLINE, InThread, relay
 from tierfs.peers.tls import TLSStream
-from tierfs.peers.wire import PIECE, Nonces, PeerUnavailable, ProtocolError
+from tierfs.peers.wire import PIECE, Nonces, PeerUnavailable, ProtocolError, reason
 
 RECORD = PIECE  # plaintext bytes per record, at most
 TAG = 16
@@ -58,7 +58,8 @@ def channel_keys(job: str, secret: bytes, nonces: Nonces, *, server_side: bool) 
     """This end's (sending, receiving) keys for one connection."""
     root = keys.derive(job, secret).channel
     mixed = (nonces.client + nonces.server).encode()
-    to_server, to_client = (hmac.new(root, label + mixed, hashlib.sha256).digest() for label in (_TO_SERVER, _TO_CLIENT))
+    to_server, to_client = (hmac.new(root, label + mixed, hashlib.sha256).digest()
+                            for label in (_TO_SERVER, _TO_CLIENT))
     return (to_client, to_server) if server_side else (to_server, to_client)
 
 
@@ -202,7 +203,8 @@ class SealedStream(trio.abc.Stream):
 
         def seal() -> None:
             out[: _HEAD.size] = head
-            self._seal.encrypt_into(nonce, piece, head + label, memoryview(out)[_HEAD.size : _HEAD.size + len(piece) + TAG])
+            sealed = memoryview(out)[_HEAD.size : _HEAD.size + len(piece) + TAG]
+            self._seal.encrypt_into(nonce, piece, head + label, sealed)
         return seal
 
     def _opener(self, n: int, record: bytearray, plain: bytearray, label: bytes) -> Callable[[], None]:
@@ -248,14 +250,13 @@ class SealedStream(trio.abc.Stream):
         try:
             return await self._stream.socket.recv_into(view)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            raise PeerUnavailable(f"connection lost: {getattr(e, 'strerror', None) or e}") from None
+            raise PeerUnavailable(f"connection lost: {reason(e)}") from None
 
     async def _send(self, data: bytearray | memoryview) -> None:
         try:
             await self._stream.send_all(data)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            cause = e.__cause__ or e
-            raise PeerUnavailable(f"connection lost while sending: {getattr(cause, 'strerror', None) or cause}") from None
+            raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
 
     # -- the rest of a stream ------------------------------------------------------------------
 

@@ -40,9 +40,9 @@ class ChunkSources:
         self.bytes_from: dict[str, int] = {}  # tier name -> bytes it gave
 
     async def fetch_into(self, h: str, length: int, fd: int, offset: int, prefer: int = 0) -> None:
-        """Chunk ``h`` (``length`` bytes) verified into ``fd`` at ``offset``; ``prefer`` rotates which of equal tiers goes first.
+        """Chunk ``h`` (``length`` bytes), verified, into ``fd`` at ``offset``.
 
-        Raises UserError (one line naming the chunk) when no tier can give it; the range
+        ``prefer`` rotates which of equal tiers goes first. Raises UserError (one line naming the chunk) when no tier can give it; the range
         may then hold anything, and must not be served.
         """
         errors: list[str] = []

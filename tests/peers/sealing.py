@@ -70,16 +70,21 @@ class Channel:
 def open_channel(address: tuple[str, int], tls: PeerTLS, job: str, secret: bytes) -> Channel:
     """Connect, run TLS and the handshake as a peer does, and end TLS: the channel's first record is next."""
     sock = tls.client.wrap_socket(socket.create_connection(address, timeout=5))
+    return Channel(sock, handshake(sock, job, secret), job, secret)
+
+
+def handshake(sock: socket.socket, job: str, secret: bytes) -> wire.Nonces:
+    """The client's side of the HMAC handshake, byte by byte; the nonces that key the records."""
     nonce = wire.new_nonce()
     sock.sendall(wire.encode_header({"op": "hello", "version": wire.VERSION, "job": job, "nonce": nonce}))
     challenge = _frame(sock)
     sock.sendall(wire.encode_header({"op": "auth", "proof": wire.proof(secret, "client", job, nonce,
                                                                        challenge["nonce"])}))
     assert _frame(sock) == {"ok": True}
-    return Channel(sock, wire.Nonces(nonce, challenge["nonce"]), job, secret)
+    return wire.Nonces(nonce, challenge["nonce"])
 
 
-def _frame(sock: ssl.SSLSocket) -> dict:
+def _frame(sock: socket.socket) -> dict:
     raw = b""
     while len(raw) < 4 or len(raw) < 4 + HEAD.unpack(raw[:4])[0]:
         data = sock.recv(1 << 16)

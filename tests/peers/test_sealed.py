@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 import trio
@@ -41,14 +44,26 @@ def info_request() -> bytes:
     return wire.encode_header({"op": "info"})
 
 
-async def in_thread(fn, *args):
-    return await trio.to_thread.run_sync(fn, *args)
+async def forge(node, wire_bytes: Callable[[Channel], bytes]) -> bytes:
+    """Send what ``wire_bytes`` makes on a fresh channel; what the service says until it closes.
+
+    The answer's records are opened in order: a forged record ends the connection.
+    """
+    def run() -> bytes:
+        channel = open_channel(node.address, TLS, JOB, SECRET)
+        try:
+            channel.sock.sendall(wire_bytes(channel))
+            channel.sock.shutdown(socket.SHUT_WR)
+            return channel.receive()
+        finally:
+            channel.close()
+
+    return await trio.to_thread.run_sync(run)
 
 
-def answers_of(channel: Channel) -> bytes:
-    """What the service says until it closes: records opened in order (a forged record ends it)."""
-    channel.sock.shutdown(socket.SHUT_WR)
-    return channel.receive()
+def body_record(channel: Channel, data: bytes, h: str, at: int) -> bytes:
+    """Bytes ``at`` onwards of chunk ``h``'s body, sealed as that body's record (at most :data:`RECORD`)."""
+    return channel.record(data[at : at + RECORD], chunk_label(h, 0) + at.to_bytes(8, "big"))
 
 
 # -- what goes through --------------------------------------------------------------------
@@ -89,52 +104,35 @@ async def test_each_connection_and_direction_has_its_own_key():
 
 @pytest.mark.parametrize("where", [0, HEAD.size + 3, -1])  # the length, the ciphertext, the tag
 async def test_an_altered_record_is_refused_and_the_service_goes_on(node, where):
-    def forge():
-        channel = open_channel(node.address, TLS, JOB, SECRET)
+    def altered(channel: Channel) -> bytes:
         record = bytearray(channel.record(info_request()))
         if where == 0:
             record[3] ^= 1  # the length: the tag covers it too (and the record now ends elsewhere)
         else:
             record[where] ^= 0x40
-        channel.sock.sendall(record)
-        try:
-            return answers_of(channel)
-        finally:
-            channel.close()
+        return bytes(record)
 
-    answered = await in_thread(forge)
-    assert b'"ok":true' not in answered
+    assert b'"ok":true' not in await forge(node, altered)
     await still_serving(node)
 
 
 async def test_a_replayed_record_is_refused(node):
-    def replay():
-        channel = open_channel(node.address, TLS, JOB, SECRET)
+    def replayed(channel: Channel) -> bytes:
         record = channel.record(info_request())
-        channel.sock.sendall(record + record)
-        try:
-            return answers_of(channel)
-        finally:
-            channel.close()
+        return record + record
 
-    answered = await in_thread(replay)
+    answered = await forge(node, replayed)
     assert answered.count(b'"ok":true') == 1  # the first is answered, its copy is not
     assert b"failed authentication" in answered
     await still_serving(node)
 
 
 async def test_reordered_records_are_refused(node):
-    def reorder():
-        channel = open_channel(node.address, TLS, JOB, SECRET)
+    def reordered(channel: Channel) -> bytes:
         first, second = channel.record(info_request()), channel.record(info_request())
-        channel.sock.sendall(second + first)
-        try:
-            return answers_of(channel)
-        finally:
-            channel.close()
+        return second + first
 
-    answered = await in_thread(reorder)
-    assert b'"ok":true' not in answered
+    assert b'"ok":true' not in await forge(node, reordered)
     await still_serving(node)
 
 
@@ -142,18 +140,11 @@ async def test_a_record_sealed_for_another_chunk_is_refused_and_nothing_is_store
     data = randbytes(2 * MiB, 2)
     h, other = chunk_hash(data), chunk_hash(b"another chunk")
 
-    def mislabel():
-        channel = open_channel(node.address, TLS, JOB, SECRET)
-        channel.send(wire.encode_header({"op": "put_chunk", "hash": h, "len": len(data)}))
-        for at in range(0, len(data), RECORD):  # the right bytes, sealed for another chunk's body
-            channel.sock.sendall(channel.record(data[at : at + RECORD], chunk_label(other, 0) + at.to_bytes(8, "big")))
-        try:
-            return answers_of(channel)
-        finally:
-            channel.close()
+    def mislabelled(channel: Channel) -> bytes:  # the right bytes, sealed for another chunk's body
+        head = channel.record(wire.encode_header({"op": "put_chunk", "hash": h, "len": len(data)}))
+        return head + b"".join(body_record(channel, data, other, at) for at in range(0, len(data), RECORD))
 
-    answered = await in_thread(mislabel)
-    assert b'"ok":true' not in answered
+    assert b'"ok":true' not in await forge(node, mislabelled)
     assert not node.store.has(h) and not node.files()
     await still_serving(node)
 
@@ -163,34 +154,19 @@ async def test_a_truncated_body_stores_nothing(node, cut):
     data = randbytes(3 * MiB, 3)
     h = chunk_hash(data)
 
-    def truncate():
-        channel = open_channel(node.address, TLS, JOB, SECRET)
-        channel.send(wire.encode_header({"op": "put_chunk", "hash": h, "len": len(data)}))
-        first = channel.record(data[:RECORD], chunk_label(h, 0) + (0).to_bytes(8, "big"))
-        second = channel.record(data[RECORD : 2 * RECORD], chunk_label(h, 0) + RECORD.to_bytes(8, "big"))
-        channel.sock.sendall(first + (second[: len(second) // 2] if cut == "mid-record" else b""))
-        try:
-            return answers_of(channel)
-        finally:
-            channel.close()
+    def truncated(channel: Channel) -> bytes:
+        head = channel.record(wire.encode_header({"op": "put_chunk", "hash": h, "len": len(data)}))
+        first, second = body_record(channel, data, h, 0), body_record(channel, data, h, RECORD)
+        return head + first + (second[: len(second) // 2] if cut == "mid-record" else b"")
 
-    answered = await in_thread(truncate)
-    assert b'"ok":true' not in answered
+    assert b'"ok":true' not in await forge(node, truncated)
     assert not node.store.has(h) and not node.files()
     await still_serving(node)
 
 
 async def test_a_record_longer_than_allowed_is_refused_before_it_is_read(node):
-    def oversize():
-        channel = open_channel(node.address, TLS, JOB, SECRET)
-        channel.sock.sendall(HEAD.pack(RECORD + 1))  # and nothing more: it must not wait for 1 MiB
-        try:
-            return answers_of(channel)
-        finally:
-            channel.close()
-
-    with trio.fail_after(3):  # far below the request deadline: refused at once
-        answered = await in_thread(oversize)
+    with trio.fail_after(3):  # far below the request deadline: refused at once, not after waiting for 1 MiB
+        answered = await forge(node, lambda channel: HEAD.pack(RECORD + 1))
     assert b'"ok":true' not in answered
     await still_serving(node)
 
@@ -203,28 +179,32 @@ async def still_serving(node) -> None:
 # -- the stream itself ---------------------------------------------------------------------
 
 
-async def sealed_pair() -> tuple[SealedStream, SealedStream]:
+@asynccontextmanager
+async def sealed_pair(source: Path, data: bytes) -> AsyncIterator[tuple[SealedStream, SealedStream, int]]:
+    """Two ends of a sealed connection over a socket pair, and ``data`` in ``source``, open."""
     a, b = socket.socketpair()
     nonces = Nonces(wire.new_nonce(), wire.new_nonce())
-    keys_a = channel_keys(JOB, SECRET, nonces, server_side=False)
-    keys_b = channel_keys(JOB, SECRET, nonces, server_side=True)
     streams = []
-    for sock, keys in ((a, keys_a), (b, keys_b)):
+    for sock, server_side in ((a, False), (b, True)):
         sock.setblocking(False)
+        keys = channel_keys(JOB, SECRET, nonces, server_side=server_side)
         streams.append(SealedStream(trio.SocketStream(trio.socket.from_stdlib_socket(sock)), *keys))
-    return streams[0], streams[1]
+    source.write_bytes(data)
+    fd = os.open(source, os.O_RDONLY)
+    try:
+        yield streams[0], streams[1], fd
+    finally:
+        os.close(fd)
+        for stream in streams:
+            stream.abort()
 
 
 async def test_a_body_and_messages_around_it_keep_their_order(tmp_path):
-    a, b = await sealed_pair()
     data = randbytes(5 * MiB + 1, 4)
-    src = tmp_path / "src"
-    src.write_bytes(data)
-    fd = os.open(src, os.O_RDONLY)
     out = os.open(tmp_path / "out", os.O_RDWR | os.O_CREAT, 0o600)
     hasher = xxhash.xxh3_128()
     try:
-        async with trio.open_nursery() as nursery:
+        async with sealed_pair(tmp_path / "src", data) as (a, b, fd), trio.open_nursery() as nursery:
             async def send():
                 await wire.send_msg(a, {"op": "first"})
                 await bodies.send_file(a, fd, 0, len(data), b"label")
@@ -236,50 +216,29 @@ async def test_a_body_and_messages_around_it_keep_their_order(tmp_path):
             assert after["op"] == "after" and await wire.recv_body(b, after["len"], 100) == b"a small body"
         assert os.pread(out, len(data) + 1, 0) == data and hasher.digest() == xxhash.xxh3_128(data).digest()
     finally:
-        os.close(fd)
         os.close(out)
-        a.abort()
-        b.abort()
 
 
 async def test_a_body_under_another_label_fails_to_open(tmp_path):
-    a, b = await sealed_pair()
-    src = tmp_path / "src"
-    src.write_bytes(randbytes(2 * MiB, 5))
-    fd = os.open(src, os.O_RDONLY)
-    try:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(bodies.send_file, a, fd, 0, 2 * MiB, chunk_label("a" * 32, 0))
-            with pytest.raises(ProtocolError, match="failed authentication"):
-                await bodies.receive_bytes(b, 2 * MiB, None, chunk_label("b" * 32, 0))
-            nursery.cancel_scope.cancel()
-    finally:
-        os.close(fd)
-        a.abort()
-        b.abort()
+    async with sealed_pair(tmp_path / "src", randbytes(2 * MiB, 5)) as (a, b, fd), trio.open_nursery() as nursery:
+        nursery.start_soon(bodies.send_file, a, fd, 0, 2 * MiB, chunk_label("a" * 32, 0))
+        with pytest.raises(ProtocolError, match="failed authentication"):
+            await bodies.receive_bytes(b, 2 * MiB, None, chunk_label("b" * 32, 0))
+        nursery.cancel_scope.cancel()
 
 
 async def test_cancelling_a_body_midway_waits_for_its_thread_and_closes_cleanly(tmp_path):
-    a, b = await sealed_pair()
-    src = tmp_path / "src"
-    src.write_bytes(randbytes(8 * MiB, 6))
-    fd = os.open(src, os.O_RDONLY)
     written = []
-    try:
-        async with trio.open_nursery() as nursery:
-            async def send():
-                await bodies.send_file(a, fd, 0, 4 * MiB, b"x")  # half of what is announced below
-                await trio.sleep_forever()
-            nursery.start_soon(send)
-            with trio.move_on_after(1) as scope:
-                await bodies.receive(b, 8 * MiB, lambda piece, at: written.append((at, len(piece))), b"x")
-            assert scope.cancelled_caught
-            nursery.cancel_scope.cancel()
-        assert sum(n for _, n in written) == 4 * MiB  # every piece that arrived, each handled whole
-    finally:
-        os.close(fd)
-        a.abort()
-        b.abort()
+    async with sealed_pair(tmp_path / "src", randbytes(8 * MiB, 6)) as (a, b, fd), trio.open_nursery() as nursery:
+        async def send():
+            await bodies.send_file(a, fd, 0, 4 * MiB, b"x")  # half of what is announced below
+            await trio.sleep_forever()
+        nursery.start_soon(send)
+        with trio.move_on_after(1) as scope:
+            await bodies.receive(b, 8 * MiB, lambda piece, at: written.append((at, len(piece))), b"x")
+        assert scope.cancelled_caught
+        nursery.cancel_scope.cancel()
+    assert sum(n for _, n in written) == 4 * MiB  # every piece that arrived, each handled whole
 
 
 async def test_a_peer_with_the_wrong_secret_gets_no_record(node):

@@ -37,7 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.helpers import wait_for, write_orbax_step
-from tests.peers.sealing import Channel
+from tests.peers.sealing import Channel, handshake
 from tests.peers.test_peer_service import (
     JOB,
     SECRET,
@@ -641,13 +641,7 @@ def _recv_exactly(sock: socket.socket, n: int) -> bytes:
 
 
 def authenticate(sock: socket.socket) -> wire.Nonces:
-    nonce = wire.new_nonce()
-    sock.sendall(wire.encode_header({"op": "hello", "version": wire.VERSION, "job": JOB, "nonce": nonce}))
-    challenge = recv_frame(sock)
-    sock.sendall(wire.encode_header({"op": "auth", "proof": wire.proof(SECRET, "client", JOB, nonce,
-                                                                       challenge["nonce"])}))
-    assert recv_frame(sock) == {"ok": True}
-    return wire.Nonces(nonce, challenge["nonce"])
+    return handshake(sock, JOB, SECRET)
 
 
 def still_serving(server: ThreadedServer) -> None:

@@ -1,4 +1,4 @@
-"""Chunk bodies: the bulk of peer traffic, moved at the wire's speed.
+"""Chunk bodies, the bulk of peer traffic: the event loop moves them, worker threads handle them.
 
 A body follows its header and is never parsed: it goes into a file, a hash or a buffer in
 pieces of at most :data:`~tierfs.peers.wire.PIECE` bytes, so a transfer holds two pieces in
@@ -150,7 +150,6 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
                 raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
             sent += n
     finally:
-        view.release()
         BUFFERS.give(buf)
     if not count:
         await trio.lowlevel.checkpoint()

@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -38,7 +39,8 @@ HASH_THREADS = min(4, os.cpu_count() or 1)  # files hashed at once: a few cores,
 
 
 def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: int,
-          chunk_size: int, known: dict[FileKey, list[str]] | None = None) -> Manifest:
+          chunk_size: int, known: dict[FileKey, list[str]] | None = None,
+          hashed: Callable[[str, int, list[str]], None] | None = None) -> Manifest:
     """Describe the committed ``roots`` of a snapshot tree that nothing writes to any more.
 
     Symlinks are recorded, never followed; fifos, sockets and devices are skipped, since no
@@ -61,7 +63,9 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
     per filesystem and chunk size: the key holds neither.
 
     Files are hashed :data:`HASH_THREADS` at a time: reading a tmpfs file into a buffer and
-    hashing it release the GIL, and the step is waited for by every lane.
+    hashing it release the GIL, and the step is waited for by every lane. ``hashed(path,
+    size, chunks)`` is told of each file as soon as its chunks are known (from a hashing
+    thread), so its chunks can be on their way before the whole step is described.
     """
     top = Path(snapshot_root)
     ancestors: dict[str, Entry] = {}
@@ -86,8 +90,13 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
     for rel, st in files.items():
         names.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), []).append(rel)
     with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(names))), thread_name_prefix="tierfs-hash") as pool:
-        hashed = pool.map(lambda rels: _file_chunks(top / rels[0], files[rels[0]], chunk_size, known), names.values())
-        for rels, file_chunks in zip(names.values(), hashed):
+        def describe_file(rels: list[str]) -> list[str]:
+            file_chunks = _file_chunks(top / rels[0], files[rels[0]], chunk_size, known)
+            if hashed is not None:
+                hashed(rels[0], files[rels[0]].st_size, file_chunks)
+            return file_chunks
+
+        for rels, file_chunks in zip(names.values(), pool.map(describe_file, names.values())):
             for rel in rels:
                 found[rel].chunks = list(file_chunks)
     entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)

@@ -40,6 +40,7 @@ from tierfs.config import Config
 from tierfs.core.atomic import write_atomically
 from tierfs.core.describe import build
 from tierfs.core.manifest import Manifest, ManifestError
+from tierfs.pipeline.early import Feeds
 from tierfs.ramtier.steps import Steps, StepState
 from tierfs.tiers.base import (
     Progress,
@@ -127,6 +128,7 @@ class Replicator:
         self._manifests: dict[int, tuple[int, Manifest]] = {}  # step -> (version, manifest)
         self._local: dict[str, tuple[str, int, int]] = {}  # chunk -> where this node holds it
         self._build_lock = trio.Lock()
+        self._feeds = Feeds()  # the chunks of the step being hashed, file by file
         self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
         self._trash_wake = trio.Event()
         self.lanes = lanes_of(self.tiers)
@@ -234,11 +236,12 @@ class Replicator:
     async def _put(self, lane: Lane, state: StepState) -> None:
         """Put the step on ``copies()`` of the lane's tiers, in the order the lane prefers."""
         version, started = state.version, time.time()
-        manifest = await self.manifest_for(state)
-        where = self.chunk_locations(manifest)
-        lane.progress = Progress(state.step, len(where))
         wanted = lane.copies()
         candidates = await lane.lead.order(lane.tiers)
+        early = [t for t in candidates[:wanted] if t.early]
+        manifest, sent_early = await self.manifest_for(state, early)
+        where = self.chunk_locations(manifest)
+        lane.progress = Progress(state.step, len(where))
         placed: list[Tier] = []
         errors: list[TierError] = []
         pushed = Pushed(chunks=len(where))
@@ -248,8 +251,12 @@ class Replicator:
             """Put the step on ``tier``; if it fails, the next candidate takes its place."""
             nonlocal pushed
             try:
-                pushed += await put_step(tier, manifest, where, self.yield_to_writers, progress,
-                                         seal_with=self.cfg.manifest_keys)
+                put = await put_step(tier, manifest, where, self.yield_to_writers, progress,
+                                     seal_with=self.cfg.manifest_keys)
+                early_bytes = sent_early.get(tier.name, 0)  # found there by the put, but sent by this node
+                put.sent_bytes, put.stored_bytes = put.sent_bytes + early_bytes, put.stored_bytes + early_bytes
+                put.skipped_bytes = max(0, put.skipped_bytes - early_bytes)
+                pushed += put
             except TierError as e:
                 if isinstance(e, SourceChanged):
                     raise
@@ -318,12 +325,21 @@ class Replicator:
 
     # -- manifests -----------------------------------------------------------------------
 
-    async def manifest_for(self, state: StepState) -> Manifest:
-        """The manifest of the step's current version, built once and shared by the lanes.
+    async def manifest_for(self, state: StepState, early: list[Tier] = ()) -> tuple[Manifest, dict[str, int]]:
+        """The manifest of the step's current version, and the bytes sent to ``early`` tiers meanwhile.
 
-        Raises :class:`StepRefused` if no manifest can describe that version; the first
-        lane to find out records and logs it, the others only skip the step.
+        Built once and shared by the lanes. While it is being hashed, the chunks of the files
+        already hashed go to ``early`` tiers (:mod:`tierfs.pipeline.early`). Raises
+        :class:`StepRefused` if no manifest can describe that version; the first lane to
+        find out records and logs it, the others only skip the step.
         """
+        if not early:
+            return await self._manifest_for(state), {}
+        return await self._feeds.alongside(
+            lambda: self._manifest_for(state), state.step, state.version, early, self.yield_to_writers,
+            built=lambda: self._manifests.get(state.step, (None,))[0] == state.version)
+
+    async def _manifest_for(self, state: StepState) -> Manifest:
         async with self._build_lock:
             cached = self._manifests.get(state.step)
             if cached is not None and cached[0] == state.version:
@@ -347,25 +363,34 @@ class Replicator:
     async def _build_manifest(self, state: StepState) -> Manifest:
         """Hash the snapshot; if a file was detached meanwhile, some hash may be of new bytes."""
         snapshots = self.steps.snapshots
-        for _ in range(5):
-            detaches = snapshots.detaches
-            try:
-                manifest = await self._io(
-                    lambda: build(
-                        snapshots.step_tree(state.step), list(state.roots), job=self.cfg.job,
-                        rank=self.cfg.rank, step=state.step, chunk_size=self.cfg.chunk_size,
-                        known=self._hashed,
+        feed = self._feeds.begin(state.step, state.version)
+        token, tree, cs = trio.lowlevel.current_trio_token(), snapshots.step_tree(state.step), self.cfg.chunk_size
+
+        def hashed(rel: str, size: int, hashes: list[str]) -> None:  # in a hashing thread
+            places = [(h, (str(tree / rel), i * cs, min(cs, size - i * cs))) for i, h in enumerate(hashes)]
+            trio.from_thread.run_sync(feed.add, places, trio_token=token)
+
+        try:
+            for _ in range(5):
+                detaches = snapshots.detaches
+                try:
+                    manifest = await self._io(
+                        lambda: build(
+                            tree, list(state.roots), job=self.cfg.job, rank=self.cfg.rank, step=state.step,
+                            chunk_size=cs, known=self._hashed, hashed=hashed,
+                        )
                     )
-                )
-            except ManifestError:
+                except ManifestError:
+                    if snapshots.detaches == detaches:
+                        raise
+                    continue  # a file changed under the hashing: it was detached, hash the copy
                 if snapshots.detaches == detaches:
-                    raise
-                continue  # a file changed under the hashing: it was detached, hash the copy
-            if snapshots.detaches == detaches:
-                write_atomically(snapshots.step_dir(state.step) / "manifest.json",
-                                 manifest.sealed(self.cfg.manifest_keys))
-                return manifest
-        raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
+                    write_atomically(snapshots.step_dir(state.step) / "manifest.json",
+                                     manifest.sealed(self.cfg.manifest_keys))
+                    return manifest
+            raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
+        finally:
+            feed.close()
 
     def chunk_locations(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
         """Where each distinct chunk of a step lives in its snapshot: (path, offset, length)."""

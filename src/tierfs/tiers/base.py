@@ -164,6 +164,7 @@ class Tier(ABC):
     lane: Lane | None = None  # None: the replicator puts nothing here (this node's own RAM)
     cost: Cost
     concurrency: int = 1  # chunks put at once while a step goes to this tier
+    early: bool = False  # keeps chunks put before the manifest naming them exists: sent while the step is hashed
     skip_after_failure: bool = False  # one of several holders: after a failure a restore asks the others
     volatile: bool = False  # may lose what it holds (another node's RAM): the lane checks it again
     awaited: bool = False  # another node of the job, maybe starting now: a survey waits for it

@@ -51,6 +51,7 @@ class PeerTier(Tier):
     volatile = True  # its RAM can be lost, or the node replaced
     awaited = True  # nodes of a job start together: a survey waits for the others
     concurrency = 2  # chunks in flight per peer: one is received while the next is sent
+    early = True  # its replica store holds a connection's chunks for as long as it lasts
 
     def __init__(self, network: PeerNetwork, address: Address):
         super().__init__()

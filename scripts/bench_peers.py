@@ -78,10 +78,10 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (NO_MATPLOTLIB, BenchError, aligned, close_cluster, cpu_seconds,  # noqa: E402
-                      default_warmup, interrupt_on_signals, make_files, no_interruptions, parse_size,
-                      parse_sizes, plain_copy, progress, pyplot, render_table, save_figure, size_label,
-                      warm_up, write_all, write_json)  # (scripts/ is on sys.path)
+from benchlib import (NO_MATPLOTLIB, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
+                      cpu_seconds, default_warmup, interrupt_on_signals, make_files, no_interruptions,
+                      parse_size, parse_sizes, plain_copy, progress, pyplot, render_table, save_figure,
+                      size_label, warm_up, write_all, write_json)  # (scripts/ is on sys.path)
 
 MiB, GiB = 1 << 20, 1 << 30
 NODE0, PEER = "127.0.0.2", "127.0.0.3"
@@ -567,6 +567,7 @@ def main() -> int:
         p.error(f"--parts takes some of {','.join(PARTS)}")
 
     interrupt_on_signals()
+    compile_bytecode()
     tmp = tempfile.mkdtemp(prefix="bench-peers-", dir="/tmp")
     os.environ["TIERFS_RUNTIME_DIR"] = os.path.join(tmp, "run")  # a private daemon registry
     args.shm, bench = tempfile.mkdtemp(prefix="bench-peers-data-", dir="/dev/shm"), None

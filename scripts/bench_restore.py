@@ -96,9 +96,9 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, BenchError, aligned, close_cluster, cpu_seconds,  # noqa: E402
-                      default_warmup, deferred_interruptions, drop_bucket, gcs_client, interrupt_on_signals,
-                      make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
+from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
+                      cpu_seconds, default_warmup, deferred_interruptions, drop_bucket, gcs_client,
+                      interrupt_on_signals, make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
                       render_table, save_figure, size_label, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
 
@@ -593,6 +593,7 @@ def main() -> int:
         p.error("every size must be at least --files MiB, --list-files between 1 and the smallest size in bytes")
 
     interrupt_on_signals()
+    compile_bytecode()
     from tierfs.testing.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))

@@ -201,6 +201,18 @@ def interrupt_on_signals() -> None:
         signal.signal(sig, interrupt)
 
 
+def compile_bytecode() -> None:
+    """Byte-compile tierfs as ``pip install`` does, before a run that times daemon start-ups.
+
+    An editable install under ``PYTHONDONTWRITEBYTECODE`` (set in this VM's and many CI
+    environments) has no ``.pyc`` files, so every ``tierfs`` command and daemon would compile
+    its modules again: about 0.2 s of every start-up, which a deployed node does not pay.
+    """
+    import compileall
+    import tierfs
+    compileall.compile_dir(os.path.dirname(tierfs.__file__), quiet=1)
+
+
 # ----------------------------------------------------------------------------- buffers, files, warm-up
 
 def aligned(n: int) -> memoryview:

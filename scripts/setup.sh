@@ -34,4 +34,7 @@ if [ ! -e "$stamp" ]; then
     .venv/bin/pip install -q --disable-pip-version-check -e ".[$extras]"
     touch "$stamp"
 fi
+# Bytecode, as a non-editable install has it: with PYTHONDONTWRITEBYTECODE set (CI images often
+# do) every tierfs command and daemon would otherwise compile its modules again on each start.
+.venv/bin/python -m compileall -q src/tierfs >/dev/null
 ln -sfn "$PWD/.venv/bin/tierfs" /usr/local/bin/tierfs

@@ -22,6 +22,7 @@ import trio
 from tests import helpers
 from tierfs.core.chunks import chunk_hash
 from tierfs.core.manifest import Manifest
+from tierfs.peers import tls as peer_tls
 from tierfs.peers import wire
 from tierfs.peers.client import PeerClient
 from tierfs.peers.pool import ConnectionPool
@@ -295,6 +296,25 @@ async def test_no_space_is_refused_before_the_chunk_is_stored(nursery, tmp_path)
         assert await client.have([first, second]) == [True, False]  # still in step
     assert [p.name for p in node.files()] == [first]
     assert node.space.used <= node.space.capacity
+
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+async def test_a_ram_tier_that_fills_mid_chunk_answers_no_space_and_stays_in_step(nursery, tmp_path, small_tmpfs,
+                                                                                  sealed):
+    """A chunk larger than what is left of the tmpfs: found by the write, after part of the body
+    is stored; the rest is still read, so the answer arrives on a connection that goes on."""
+    channel = peer_tls.from_secret(JOB, SECRET) if sealed else None
+    node = await start_node(nursery, "127.0.0.2", small_tmpfs(1 << 20) / "n", capacity=1 << 30, tls=channel)
+    source = tmp_path / "source"
+    source.write_bytes(randbytes(4 << 20, 11))  # 4 MiB: moved by a worker thread, not inline
+    big, small = chunk_hash(source.read_bytes()), chunk_hash(source.read_bytes()[:CS])
+    async with await node.connect(tls=channel) as client:
+        with pytest.raises(NoSpace):
+            await client.put_chunk(big, source, 0, 4 << 20)
+        await client.put_chunk(small, source, 0, CS)  # the same connection
+        assert await client.have([big, small]) == [False, True]
+    assert [p.name for p in node.files()] == [small]  # the partial chunk's file is gone
 
 
 # -- manifests ------------------------------------------------------------------------------

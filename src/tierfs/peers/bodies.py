@@ -1,34 +1,36 @@
-"""Chunk bodies, the bulk of peer traffic: the event loop moves them, worker threads handle them.
+"""Chunk bodies, the bulk of peer traffic: moved, opened, hashed and written by one worker thread.
 
 A body follows its header and is never parsed: it goes into a file, a hash or a buffer in
-pieces of at most :data:`~tierfs.peers.wire.PIECE` bytes, so a transfer holds two pieces in
-memory whatever its size. The event loop only moves pieces through the socket; hashing,
-writing and (on a sealed connection) opening them runs in a worker thread, overlapped with
-the next piece (:mod:`tierfs.peers.offload`), so a node receiving from several peers at
-once uses every core.
+pieces of at most :data:`~tierfs.peers.wire.PIECE` bytes, so a transfer holds a piece or two
+in memory whatever its size. A body of more than 64 KiB is moved by a worker thread from
+its first byte to its last, and what is done with each piece (the sink: hashing, ``pwrite``)
+runs in that thread too (:mod:`tierfs.peers.transfer`), so a node receiving from several
+peers at once uses every core and the event loop stays free.
 
 In clear, a body leaves with ``os.sendfile`` (tmpfs pages straight into the socket). On a
 sealed connection its records carry a label, the chunk's hash and where the range starts
 in it, bound into every record's tag (:mod:`tierfs.peers.sealed`).
 
-Every function here raises :class:`PeerUnavailable` when the connection breaks or ends
-mid-body and :class:`ProtocolError` when the other side breaks the protocol; callers put
-whole requests under one deadline.
+A sink that fails (no space, an I/O error) is not called again, but the body is still read
+to its end before its error is raised: the connection stays in step, so a peer can answer
+"no space" on it. Otherwise every function here raises :class:`PeerUnavailable` when the
+connection breaks or ends mid-body and :class:`ProtocolError` when the other side breaks the
+protocol; callers put whole requests under one deadline.
 """
 
 from __future__ import annotations
 
-import errno
-import os
 from collections.abc import Callable
 from typing import Any
 
 import trio
 
 from tierfs.core.linux import pwrite_all
-from tierfs.peers.offload import BUFFERS, relay
+from tierfs.peers import transfer
+from tierfs.peers.offload import BUFFERS
 from tierfs.peers.sealed import SealedStream
-from tierfs.peers.wire import PIECE, PeerUnavailable, reason, recv_into
+from tierfs.peers.transfer import Recv, SendFile, Steps
+from tierfs.peers.wire import PIECE
 
 Sink = Callable[[memoryview, int], None]  # (piece, its offset in the body): in a worker thread, in order
 
@@ -40,31 +42,37 @@ def chunk_label(h: str, offset: int) -> bytes:
 
 async def receive(stream: trio.abc.ReceiveStream, n: int, sink: Sink, label: bytes) -> None:
     """Receive an ``n``-byte body, handing each piece to ``sink`` in order."""
-    if isinstance(stream, SealedStream):
-        await stream.receive_body(n, sink, label)
-        return
-    if n == 0:
-        await trio.lowlevel.checkpoint()
-        return
-    size = min(PIECE, n)
-    buffers = [BUFFERS.take(), BUFFERS.take()]
-    done = 0
+    failure: Exception | None = None
 
-    async def fill(slot: int) -> Callable[[], None] | None:
-        nonlocal done
-        if done == n:
-            return None
-        view = memoryview(buffers[slot])[: min(size, n - done)]
-        got = 0
-        while got < len(view):  # a whole piece per work: a thread hand-off per piece, not per segment
-            got += await recv_into(stream, view[got:])
-        at, done = done, done + got
-        return lambda: sink(view, at)
+    def guarded(piece: memoryview, at: int) -> None:
+        nonlocal failure
+        if failure is None:
+            try:
+                sink(piece, at)
+            except Exception as e:  # raised once the body is read: the connection stays in step
+                failure = e
 
+    sealed = isinstance(stream, SealedStream)
+    buffers = [BUFFERS.take() for _ in range(2 if sealed else 1)]  # (records and) opened pieces
     try:
-        await relay(fill, n)
+        if sealed:
+            steps = stream.body_in(n, guarded, label, *buffers)
+        else:
+            steps = _pieces_in(n, guarded, memoryview(buffers[0])[:PIECE])
+        await transfer.run(stream, steps, n)
     finally:
         BUFFERS.give(*buffers)
+    if failure is not None:
+        raise failure
+
+
+def _pieces_in(n: int, sink: Sink, view: memoryview) -> Steps:
+    done = 0
+    while done < n:
+        piece = view[: min(len(view), n - done)]
+        yield Recv(piece)
+        sink(piece, done)
+        done += len(piece)
 
 
 async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None, hasher: Any | None = None,
@@ -110,47 +118,16 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
     """Send ``count`` bytes of ``fd`` from ``offset`` as a body; returns the bytes sent.
 
     In clear, ``os.sendfile`` moves tmpfs pages straight into the socket; streams without a
-    socket (tests' memory streams) and kernels that refuse sendfile take ``pread`` +
-    ``send_all``. A file shorter than ``offset + count`` raises ``EOFError``: a local
-    fault, after which the connection is out of step and must be dropped.
+    socket (tests' memory streams) and kernels that refuse sendfile take ``pread`` + send.
+    A file shorter than ``offset + count`` raises ``EOFError``: a local fault, after which
+    the connection is out of step and must be dropped.
     """
-    if isinstance(stream, SealedStream):
-        await stream.send_body(fd, offset, count, label)
+    if not isinstance(stream, SealedStream):
+        await transfer.run(stream, iter([SendFile(fd, offset, count)] if count else []), count)
         return count
-    sent = 0
-    sock = stream.socket if isinstance(stream, trio.SocketStream) else None
-    if sock is not None:
-        out = sock.fileno()
-        while sent < count:
-            try:
-                n = os.sendfile(out, fd, offset + sent, count - sent)
-            except BlockingIOError:
-                await trio.lowlevel.wait_writable(sock)
-                continue
-            except OSError as e:
-                if e.errno in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP) and sent == 0:
-                    break  # not a file sendfile can read: copy it instead
-                raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
-            if n == 0:
-                raise EOFError(f"file ended {count - sent} bytes short of the promised body")
-            sent += n
-            await trio.lowlevel.checkpoint()  # a fast reader never blocks us: stay cancellable
-        else:
-            return sent
-    buf = BUFFERS.take()
-    view = memoryview(buf)[:PIECE]
+    buffers = [BUFFERS.take(), BUFFERS.take()]
     try:
-        while sent < count:  # one buffer, reused: every send_all copies it before returning
-            n = os.preadv(fd, [view[: min(len(view), count - sent)]], offset + sent)
-            if not n:
-                raise EOFError(f"file ended {count - sent} bytes short of the promised body")
-            try:
-                await stream.send_all(view[:n])
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-                raise PeerUnavailable(f"connection lost while sending: {reason(e)}") from None
-            sent += n
+        await transfer.run(stream, stream.body_out(fd, offset, count, label, *buffers), count)
     finally:
-        BUFFERS.give(buf)
-    if not count:
-        await trio.lowlevel.checkpoint()
-    return sent
+        BUFFERS.give(*buffers)
+    return count

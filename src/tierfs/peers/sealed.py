@@ -41,8 +41,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierfs.core import keys
-from tierfs.peers.offload import BUFFERS, INLINE, InThread, relay
+from tierfs.peers.offload import InThread
 from tierfs.peers.tls import TLSStream
+from tierfs.peers.transfer import INLINE, Recv, Send, Steps
 from tierfs.peers.wire import PIECE, Nonces, PeerUnavailable, ProtocolError, reason
 
 RECORD = PIECE  # plaintext bytes per record, at most
@@ -80,6 +81,11 @@ class SealedStream(trio.abc.Stream):
     def socket(self) -> trio.socket.SocketType:
         return self._stream.socket
 
+    @property
+    def raw(self) -> trio.SocketStream:
+        """The TCP stream the records travel on: a body's steps move sealed bytes through it as they are."""
+        return self._stream
+
     # -- messages: headers, manifests, answers --------------------------------------------
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -96,7 +102,7 @@ class SealedStream(trio.abc.Stream):
     async def receive_into(self, view: memoryview) -> int:
         """Fill some of ``view`` from the current message record (the next one if it is used up); 0 at the end."""
         if not self._plain:
-            n = await self._head(at_boundary=True)
+            n = await self._head()
             if n is None:
                 return 0
             record = bytearray(n + TAG)
@@ -117,82 +123,38 @@ class SealedStream(trio.abc.Stream):
 
     # -- bodies: chunks ----------------------------------------------------------------------
 
-    async def send_body(self, fd: int, offset: int, count: int, label: bytes) -> None:
-        """Send ``count`` bytes of ``fd`` from ``offset`` as a body labelled ``label``.
+    def body_out(self, fd: int, offset: int, count: int, label: bytes, plain: bytearray, out: bytearray) -> Steps:
+        """The steps sending ``count`` bytes of ``fd`` from ``offset`` as a body labelled ``label``.
 
-        A thread reads and seals record k+1 while the loop sends record k. A file shorter
-        than promised raises ``EOFError``; the connection is then out of step.
+        Each record is read into ``plain`` and sealed into ``out``, in whichever thread runs
+        the steps. A file shorter than promised raises ``EOFError``; the connection is then
+        out of step.
         """
         self._at_boundary()
-        size = min(RECORD, count)
-        plain, out = [BUFFERS.take(), BUFFERS.take()], [BUFFERS.take(), BUFFERS.take()]
+        at = 0
+        while at < count:
+            n = min(RECORD, count - at)
+            piece = memoryview(plain)[:n]
+            if os.preadv(fd, [piece], offset + at) != n:
+                raise EOFError(f"file ended short of the promised {count}-byte body")
+            self._sealer(piece, out, label + _OFFSET.pack(at))()
+            yield Send(memoryview(out)[: _HEAD.size + n + TAG])
+            at += n
 
-        def prepare(slot: int, at: int, n: int) -> Callable[[], None]:
-            piece = memoryview(plain[slot])[:n]
-            seal = self._sealer(piece, out[slot], label + _OFFSET.pack(at))
-
-            def work() -> None:
-                if os.preadv(fd, [piece], offset + at) != n:
-                    raise EOFError(f"file ended short of the promised {count}-byte body")
-                seal()
-            return work
-
-        def record(slot: int, n: int) -> memoryview:
-            return memoryview(out[slot])[: _HEAD.size + n + TAG]
-
-        try:
-            ready: tuple[int, int] | None = None  # (slot, plaintext bytes) of the record sealed, not yet sent
-            at, slot = 0, 0
-            while at < count:
-                n = min(size, count - at)
-                work = prepare(slot, at, n)
-                at += n
-                if count <= INLINE:
-                    work()
-                    await self._send(record(slot, n))
-                    continue
-                job = InThread(work)
-                try:
-                    if ready is not None:
-                        await self._send(record(*ready))
-                except BaseException:
-                    await job.settle()  # it writes into a buffer of this transfer
-                    raise
-                await job.result()
-                ready, slot = (slot, n), slot ^ 1
-            if ready is not None:
-                await self._send(record(*ready))
-        finally:
-            BUFFERS.give(*plain, *out)
-        if not count:
-            await trio.lowlevel.checkpoint()
-
-    async def receive_body(self, n: int, sink: Sink, label: bytes) -> None:
-        """Receive an ``n``-byte body labelled ``label``, each opened piece given to ``sink`` in order."""
+    def body_in(self, n: int, sink: Sink, label: bytes, record: bytearray, plain: bytearray) -> Steps:
+        """The steps receiving an ``n``-byte body labelled ``label``, each opened piece given to ``sink`` in order."""
         self._at_boundary()
-        records, plain = [BUFFERS.take(), BUFFERS.take()], [BUFFERS.take(), BUFFERS.take()]
+        head = memoryview(record)[: _HEAD.size]
         done = 0
-
-        async def fill(slot: int) -> Callable[[], None] | None:
-            nonlocal done
-            if done == n:
-                return None
-            k = await self._head(at_boundary=False)
+        while done < n:
+            yield Recv(head)
+            k = self._length(head)
             if k > n - done:
                 raise ProtocolError(f"a record of {k} bytes runs past the body's end ({n - done} bytes left)")
-            await self._recv_exactly(memoryview(records[slot])[: k + TAG])
-            opener = self._opener(k, records[slot], plain[slot], label + _OFFSET.pack(done))
-            at, done = done, done + k
-
-            def work() -> None:
-                opener()
-                sink(memoryview(plain[slot])[:k], at)
-            return work
-
-        try:
-            await relay(fill, n)
-        finally:
-            BUFFERS.give(*records, *plain)
+            yield Recv(memoryview(record)[: k + TAG])
+            self._opener(k, record, plain, label + _OFFSET.pack(done))()
+            sink(memoryview(plain)[:k], done)
+            done += k
 
     # -- records ---------------------------------------------------------------------------
 
@@ -224,16 +186,18 @@ class SealedStream(trio.abc.Stream):
         if self._plain:
             raise ProtocolError(f"{len(self._plain)} bytes of a message are unread where a body starts")
 
-    async def _head(self, *, at_boundary: bool) -> int | None:
-        """The next record's plaintext length; ``None`` at a clean end between messages."""
+    async def _head(self) -> int | None:
+        """The next message record's plaintext length; ``None`` at a clean end between messages."""
         head = bytearray(_HEAD.size)
         got = await self._recv_some(memoryview(head))
         if not got:
-            if at_boundary:
-                return None
-            raise PeerUnavailable("connection closed mid-body")
+            return None
         if got < len(head):
             await self._recv_exactly(memoryview(head)[got:])
+        return self._length(head)
+
+    @staticmethod
+    def _length(head: bytes | bytearray | memoryview) -> int:
         (n,) = _HEAD.unpack(head)
         if not 0 < n <= RECORD:
             raise ProtocolError(f"a sealed record of {n} bytes (1 to {RECORD} allowed)")

@@ -15,11 +15,13 @@ import errno
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import xxhash
 
+from tierfs.core.linux import pwrite_all
 from tierfs.peers.wire import PIECE, NoSpace, PeerError
 
 VERIFIED_CACHE = 65536  # file ranges remembered as verified: 256 GiB of 4 MiB chunks, ~10 MB of memory
@@ -48,23 +50,16 @@ def is_hash(value: object) -> bool:
     return isinstance(value, str) and _HASH_RE.fullmatch(value) is not None
 
 
-def create_filled(tmp: Path, length: int) -> int:
-    """A new private file at ``tmp`` with ``length`` bytes of pages taken; its descriptor, or :class:`NoSpace`.
+def create_private(tmp: Path) -> int:
+    """A new file at ``tmp`` only root can read; its descriptor.
 
-    The pages are taken now, so a full tmpfs (or an unbounded account on a shared ramdisk)
-    refuses here, not halfway through a chunk's body.
+    Its pages are taken as the body is written, not reserved first: a full tmpfs (or an
+    unbounded account on a shared ramdisk) is found by the write that has no room, as
+    :class:`NoSpace`, and the body is still read to its end, so the sender hears "no space"
+    on a connection that stays in step. Reserving with ``fallocate`` first cost a second
+    pass over the pages for every chunk received.
     """
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        if length:
-            os.posix_fallocate(fd, 0, length)
-    except OSError as e:
-        os.close(fd)
-        discard_file(tmp)
-        if e.errno == errno.ENOSPC:
-            raise NoSpace() from None
-        raise
-    return fd
+    return os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
 
 
 class ChunkWriter:
@@ -92,6 +87,13 @@ class ChunkWriter:
         self._install(self.h, self.fd, self._tmp)
         self._close(remove=False)
 
+    def write(self, piece: memoryview, at: int) -> None:
+        """Bytes ``at`` onwards of the body, in order: hashed, and written unless the chunk is held."""
+        self.hasher.update(piece)
+        if self.fd is not None:
+            with _no_space():
+                pwrite_all(self.fd, piece, at)
+
     def fill_from(self, path: str, offset: int) -> str | None:
         """Copy the chunk's bytes from ``path`` at ``offset`` and hash them: what is wrong with that range, or None.
 
@@ -103,7 +105,8 @@ class ChunkWriter:
         except OSError as e:  # the step it was in was retained away meanwhile
             return f"is gone ({e.strerror})"
         try:
-            copy_range(src, offset, self.fd, self.length)
+            with _no_space():
+                copy_range(src, offset, self.fd, self.length)
         finally:
             os.close(src)
         hasher = hash_range(self.fd, 0, self.length)
@@ -243,6 +246,17 @@ def copy_range(src: int, offset: int, dst: int, length: int) -> None:
             return
         os.pwrite(dst, piece, done)
         done += len(piece)
+
+
+@contextmanager
+def _no_space() -> Iterator[None]:
+    """A write that found the RAM tier full is :class:`NoSpace`."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise NoSpace() from None
+        raise
 
 
 def discard_file(path: Path | None) -> None:

@@ -50,7 +50,7 @@ from tierfs.store.chunkfiles import (
     Location,
     NotFound,
     VerifiedRanges,
-    create_filled,
+    create_private,
     discard_file,
     is_hash,
 )
@@ -215,8 +215,9 @@ class ReplicaStore:
     def begin_chunk(self, h: str, length: int) -> ChunkWriter:
         """Get ready to receive chunk ``h`` of ``length`` bytes, or refuse with :class:`NoSpace`.
 
-        The space is checked (and reserved, so concurrent receives cannot overcommit
-        together) before a single byte is accepted.
+        The store's capacity is checked (and reserved, so concurrent receives cannot
+        overcommit together) before a single byte is accepted; a RAM tier that fills up
+        meanwhile is found by the write that has no room (:meth:`ChunkWriter.write`).
         """
         if not is_hash(h) or not 0 <= length <= MAX_CHUNK:
             raise PeerError(f"invalid chunk {brief(h)} of {length} bytes")
@@ -226,7 +227,7 @@ class ReplicaStore:
         need = _pages(length)
         self._check_space(need)
         tmp = self._chunk_dir / f"{_TMP}{h}-{secrets.token_hex(4)}"
-        fd = create_filled(tmp, length)
+        fd = create_private(tmp)
         self._reserved += need
         return ChunkWriter(h, length, fd, tmp, install=self._received, release=lambda: self._unreserve(need))
 

@@ -270,7 +270,7 @@ async def _put_chunk(ctx: _Context, stream: trio.abc.Stream, request: dict) -> N
         await bodies.drain(stream, n, chunk_label(h, 0))  # keep in step; not a byte of it is kept
         raise
     with writer:
-        await bodies.receive_into_file(stream, n, writer.fd, writer.hasher, 0, chunk_label(h, 0))
+        await bodies.receive(stream, n, writer.write, chunk_label(h, 0))
         writer.commit()
     ctx.store.hold_for(stream, h)
     await wire.send_msg(stream, {"ok": True})

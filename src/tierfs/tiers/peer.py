@@ -50,7 +50,7 @@ class PeerTier(Tier):
     skip_after_failure = True  # a down peer costs a timeout per request; the others hold the same
     volatile = True  # its RAM can be lost, or the node replaced
     awaited = True  # nodes of a job start together: a survey waits for the others
-    concurrency = 2  # chunks in flight per peer: one is received while the next is sent
+    concurrency = 4  # chunks in flight per peer, each on its own connection: the round trips overlap
     early = True  # its replica store holds a connection's chunks for as long as it lasts
 
     def __init__(self, network: PeerNetwork, address: Address):

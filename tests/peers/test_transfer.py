@@ -1,0 +1,90 @@
+"""Moving a body in a worker thread: where the steps run, and cancellation.
+
+Real connected sockets (a socketpair), no peer service: what is tested is the driver, that
+a cancelled transfer returns only once its thread has stopped using the buffers and the
+socket, and that it returns at once even when the other end has gone silent.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import trio
+
+from tierfs.peers import transfer
+from tierfs.peers.transfer import INLINE, Recv, Send
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+async def pair():
+    a, b = trio.socket.socketpair()
+    left, right = trio.SocketStream(a), trio.SocketStream(b)
+    try:
+        yield left, right
+    finally:
+        await left.aclose()
+        await right.aclose()
+
+
+def receiving(n: int, where: list, ended: list):
+    """Steps receiving ``n`` bytes a MiB at a time; records the thread of each step and the end."""
+    buf = memoryview(bytearray(MiB))
+    done = 0
+    try:
+        while done < n:
+            k = min(MiB, n - done)
+            yield Recv(buf[:k])
+            where.append(threading.current_thread())
+            done += k
+    finally:
+        ended.append(threading.current_thread())
+
+
+@pytest.mark.parametrize("size", [INLINE, INLINE + 1])
+async def test_a_small_body_runs_on_the_loop_and_a_larger_one_in_a_worker_thread(pair, size):
+    left, right = pair
+    where, ended = [], []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(right.send_all, bytes(size))
+        await transfer.run(left, receiving(size, where, ended), size)
+    on_loop = size <= INLINE
+    assert where and all((t is threading.main_thread()) == on_loop for t in where)
+    assert len(ended) == 1
+
+
+async def test_a_receive_cancelled_while_the_sender_is_silent_returns_once_its_thread_ended(pair):
+    left, right = pair
+    where, ended = [], []
+    with trio.fail_after(10):  # the thread is interrupted, not waited out
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(right.send_all, bytes(MiB + 5))  # a piece and a bit, then nothing
+            with trio.move_on_after(0.2) as scope:
+                await transfer.run(left, receiving(8 * MiB, where, ended), 8 * MiB)
+    assert scope.cancelled_caught
+    assert len(where) == 1 and ended and ended[0] is not threading.main_thread()  # ended before run returned
+    with pytest.raises(trio.BrokenResourceError):  # the connection is out of step: it was shut down
+        await right.send_all(bytes(MiB) * 8)
+
+
+async def test_a_send_cancelled_while_the_reader_is_stuck_returns_once_its_thread_ended(pair):
+    left, right = pair
+    sent, ended = [], []
+    data = memoryview(bytes(MiB))
+
+    def sending():
+        try:
+            for _ in range(64):  # far more than the socket buffers hold: the send blocks
+                yield Send(data)
+                sent.append(threading.current_thread())
+        finally:
+            ended.append(threading.current_thread())
+
+    with trio.fail_after(10):
+        with trio.move_on_after(0.2) as scope:
+            await transfer.run(left, sending(), 64 * MiB)
+    assert scope.cancelled_caught
+    assert len(sent) < 64 and ended and ended[0] is not threading.main_thread()
+    assert await right.receive_some(MiB)  # what was sent before the cancel is readable

@@ -79,9 +79,10 @@ import uuid
 from pathlib import Path
 
 from benchlib import (NO_MATPLOTLIB, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
-                      cpu_seconds, default_warmup, interrupt_on_signals, make_files, no_interruptions,
+                      cpu_seconds, default_warmup, interrupt_on_signals, keep_logs, make_files, no_interruptions,
                       parse_size, parse_sizes, plain_copy, progress, pyplot, render_table, save_figure,
                       size_label, warm_up, write_all, write_json)  # (scripts/ is on sys.path)
+from tierfs.core.errors import UserError  # noqa: E402 (a daemon gone mid-run: one line, as for the rest)
 
 MiB, GiB = 1 << 20, 1 << 30
 NODE0, PEER = "127.0.0.2", "127.0.0.3"
@@ -598,8 +599,10 @@ def main() -> int:
             why = plot(args.plot, summaries, f"tierfs peer tier: ratios of medians, {args.rounds} rounds, {now[:10]}")
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
-    except (BenchError, AssertionError, OSError, subprocess.TimeoutExpired) as e:
-        print(f"bench_peers: error: {' '.join(str(e).split())[:600] or type(e).__name__}", file=sys.stderr)
+    except (BenchError, AssertionError, OSError, subprocess.TimeoutExpired, UserError) as e:
+        kept = keep_logs(os.environ["TIERFS_RUNTIME_DIR"], "bench-peers")
+        print(f"bench_peers: error: {' '.join(str(e).split())[:600] or type(e).__name__}"
+              + (f" (daemon logs kept in {kept})" if kept else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("bench_peers: interrupted; cleaning up", file=sys.stderr)

@@ -98,7 +98,7 @@ from pathlib import Path
 
 from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
                       cpu_seconds, default_warmup, deferred_interruptions, drop_bucket, gcs_client,
-                      interrupt_on_signals, make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
+                      interrupt_on_signals, keep_logs, make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
                       render_table, save_figure, size_label, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
 
@@ -643,11 +643,11 @@ def main() -> int:
     except KeyboardInterrupt:
         print("bench_restore: interrupted; cleaning up", file=sys.stderr)
         return 130
-    except (BenchError, AssertionError, OSError, subprocess.TimeoutExpired) as e:
-        print(f"bench_restore: error: {one_line(e)}", file=sys.stderr)
-        return 1
-    except Exception as e:  # a daemon's UserError, the emulator, google-cloud-storage: one line all the same
-        print(f"bench_restore: error: {type(e).__name__}: {one_line(e)}", file=sys.stderr)
+    except Exception as e:  # also a daemon's UserError, the emulator, google-cloud-storage: one line all the same
+        known = isinstance(e, (BenchError, AssertionError, OSError, subprocess.TimeoutExpired))
+        kept = keep_logs(tmp / "run", "bench-restore")
+        print(f"bench_restore: error: {'' if known else type(e).__name__ + ': '}{one_line(e)}"
+              + (f" (daemon logs kept in {kept})" if kept else ""), file=sys.stderr)
         return 1
     finally:  # no more Ctrl-C: a half-done cleanup would leave daemons and mounts behind
         with no_interruptions():

@@ -21,6 +21,7 @@ import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -211,6 +212,17 @@ def compile_bytecode() -> None:
     import compileall
     import tierfs
     compileall.compile_dir(os.path.dirname(tierfs.__file__), quiet=1)
+
+
+def keep_logs(runtime: str | os.PathLike, name: str) -> str | None:
+    """Copy the daemons' logs out of a run's private runtime directory before it is removed; where to."""
+    logs = sorted(Path(runtime).glob("*.log"))
+    if not logs:
+        return None
+    kept = Path(tempfile.mkdtemp(prefix=f"{name}-logs-", dir="/tmp"))
+    for log in logs:
+        shutil.copy(log, kept / log.name)
+    return str(kept)
 
 
 # ----------------------------------------------------------------------------- buffers, files, warm-up

@@ -75,6 +75,11 @@ def _pieces_in(n: int, sink: Sink, view: memoryview) -> Steps:
         done += len(piece)
 
 
+def _file_out(fd: int, offset: int, count: int) -> Steps:
+    if count:
+        yield SendFile(fd, offset, count)
+
+
 async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None, hasher: Any | None = None,
                             offset: int = 0, label: bytes = b"") -> None:
     """Receive an ``n``-byte body into ``fd`` at ``offset``, feeding ``hasher`` on the way.
@@ -123,7 +128,7 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
     the connection is out of step and must be dropped.
     """
     if not isinstance(stream, SealedStream):
-        await transfer.run(stream, iter([SendFile(fd, offset, count)] if count else []), count)
+        await transfer.run(stream, _file_out(fd, offset, count), count)
         return count
     buffers = [BUFFERS.take(), BUFFERS.take()]
     try:

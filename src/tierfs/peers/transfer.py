@@ -84,7 +84,9 @@ def _interrupt(sock: trio.socket.SocketType) -> None:
 
 
 def _blocking(fd: int, steps: Steps) -> None:
-    sock = socket.socket(fileno=fd)  # the loop's socket (non-blocking), borrowed: detached, not closed
+    # A descriptor of its own for the loop's (non-blocking) socket: whatever happens here,
+    # closing it never closes the loop's, whose number could otherwise be reused under it.
+    sock = socket.socket(fileno=os.dup(fd))
     try:
         for step in steps:
             if isinstance(step, Recv):
@@ -94,8 +96,8 @@ def _blocking(fd: int, steps: Steps) -> None:
             else:
                 _sendfile(sock, step)
     finally:
+        sock.close()
         steps.close()  # its own clean-up runs here, in this thread, before the loop goes on
-        sock.detach()
 
 
 def _wait(sock: socket.socket, event: int) -> None:

@@ -7,12 +7,14 @@ socket, and that it returns at once even when the other end has gone silent.
 
 from __future__ import annotations
 
+import random
 import threading
 
 import pytest
 import trio
+import xxhash
 
-from tierfs.peers import transfer
+from tierfs.peers import bodies, transfer
 from tierfs.peers.transfer import INLINE, Recv, Send
 
 MiB = 1 << 20
@@ -88,3 +90,19 @@ async def test_a_send_cancelled_while_the_reader_is_stuck_returns_once_its_threa
     assert scope.cancelled_caught
     assert len(sent) < 64 and ended and ended[0] is not threading.main_thread()
     assert await right.receive_some(MiB)  # what was sent before the cancel is readable
+
+
+@pytest.mark.parametrize("size", [5, INLINE + 1, 3 * MiB + 7])
+async def test_a_body_in_clear_arrives_whole_from_a_file_range_into_a_file_range(pair, tmp_path, size):
+    left, right = pair
+    data = random.Random(size).randbytes(size)
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(b"head" + data + b"tail")
+    dst.write_bytes(b"")
+    hasher = xxhash.xxh3_128()
+    with open(src, "rb") as fin, open(dst, "r+b") as fout:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(bodies.send_file, left, fin.fileno(), 4, size)
+            await bodies.receive_into_file(right, size, fout.fileno(), hasher, 100)
+    assert dst.read_bytes() == bytes(100) + data
+    assert hasher.digest() == xxhash.xxh3_128(data).digest()

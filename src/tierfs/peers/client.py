@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Sequence, TypeVar
+from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
 
 import trio
 import xxhash
@@ -183,17 +183,37 @@ class PeerClient:
         The peer verified the whole chunk before sending; the bytes in transit are the
         caller's to check, or use :meth:`fetch_chunk`.
         """
-        return await self._get_chunk(h, offset, length, None)
+        return await self._get_chunk(h, offset, length, lambda n, label: bodies.receive_bytes(
+            self._stream, n, None, label))
 
     async def fetch_chunk(self, h: str, length: int) -> bytes:
         """The whole ``length``-byte chunk ``h``, hashed as it arrives; bytes that are not it raise :class:`PeerError`."""
         hasher = xxhash.xxh3_128()
-        data = await self._get_chunk(h, 0, length, hasher)
-        if hasher.hexdigest() != h:
-            raise PeerError(f"peer {_name(self.address)} sent bytes that do not hash to chunk {h}")
+        data = await self._get_chunk(h, 0, length, lambda n, label: bodies.receive_bytes(
+            self._stream, n, hasher, label))
+        self._check_hash(hasher, h)
         return data
 
-    async def _get_chunk(self, h: str, offset: int, length: int | None, hasher: Any) -> bytes:
+    async def get_chunk_into(self, h: str, fd: int, file_offset: int, length: int | None = None) -> int:
+        """Receive the whole chunk ``h`` (of ``length`` bytes, if given) into ``fd`` at ``file_offset``; its length.
+
+        Written in pieces of at most 1 MiB as they arrive, hashed on the way; a chunk that
+        does not match ``h`` raises :class:`PeerError` (its bytes are already in the file:
+        the caller overwrites them from another source or discards the file).
+        """
+        hasher = xxhash.xxh3_128()
+
+        async def receive(n: int, label: bytes) -> int:
+            await bodies.receive_into_file(self._stream, n, fd, hasher, file_offset, label)
+            return n
+
+        n = await self._get_chunk(h, 0, length, receive)
+        self._check_hash(hasher, h)
+        return n
+
+    async def _get_chunk(self, h: str, offset: int, length: int | None,
+                         receive: Callable[[int, bytes], Awaitable[T]]) -> T:
+        """A ``get_chunk`` exchange whose body (of its announced length, with its label) ``receive`` takes."""
         request: dict[str, Any] = {"op": "get_chunk", "hash": h, "offset": offset}
         if length is not None:
             request["length"] = length
@@ -202,10 +222,14 @@ class PeerClient:
             n = self._body_length(reply)
             if length is not None and "error" not in reply and n != length:
                 raise ProtocolError(f"asked for {length} bytes, the answer has {n}")
-            data = await bodies.receive_bytes(self._stream, n, hasher, chunk_label(h, offset))
+            out = await receive(n, chunk_label(h, offset))
             self.bytes_received += n
         self._check(reply)
-        return data
+        return out
+
+    def _check_hash(self, hasher: Any, h: str) -> None:
+        if hasher.hexdigest() != h:
+            raise PeerError(f"peer {_name(self.address)} sent bytes that do not hash to chunk {h}")
 
     async def call(self, header: dict[str, Any], timeout: float) -> dict[str, Any]:
         """A request of one JSON header answered by one, within ``timeout`` (coordination's long polls).
@@ -218,29 +242,6 @@ class PeerClient:
             if "len" in reply:
                 raise ProtocolError(f"{wire.brief(header.get('op'))}: an answer with a body")
         return reply
-
-    async def get_chunk_into(self, h: str, fd: int, file_offset: int, length: int | None = None) -> int:
-        """Receive the whole chunk ``h`` (of ``length`` bytes, if given) into ``fd`` at ``file_offset``; its length.
-
-        Written in pieces of at most 1 MiB as they arrive, hashed on the way; a chunk that
-        does not match ``h`` raises :class:`PeerError` (its bytes are already in the file:
-        the caller overwrites them from another source or discards the file).
-        """
-        hasher = xxhash.xxh3_128()
-        request: dict[str, Any] = {"op": "get_chunk", "hash": h, "offset": 0}
-        if length is not None:
-            request["length"] = length
-        with self._request("get_chunk"):
-            reply = await self._call(request)
-            n = self._body_length(reply)
-            if length is not None and "error" not in reply and n != length:
-                raise ProtocolError(f"asked for {length} bytes, the answer has {n}")
-            await bodies.receive_into_file(self._stream, n, fd, hasher, file_offset, chunk_label(h, 0))
-            self.bytes_received += n
-        self._check(reply)
-        if hasher.hexdigest() != h:
-            raise PeerError(f"peer {_name(self.address)} sent bytes that do not hash to chunk {h}")
-        return n
 
     # -- plumbing ------------------------------------------------------------------------
 

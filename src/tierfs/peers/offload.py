@@ -17,6 +17,7 @@ import trio
 
 T = TypeVar("T")
 
+INLINE = 64 << 10  # work on up to this many bytes is done on the loop: a thread hand-off costs more
 BUFFER = (1 << 20) + 64  # a piece, with room for a sealed record's length field and tag
 POOLED = 32  # buffers kept for the next transfer (32 MiB): two per transfer in flight
 
@@ -80,3 +81,12 @@ class InThread(Generic[T]):
         with trio.CancelScope(shield=True):
             await self._done.wait()
 
+
+async def run_sync(fn: Callable[[], T], size: int) -> T:
+    """``fn()``, which works on ``size`` bytes: in a worker thread above :data:`INLINE`, else on the loop.
+
+    Small work is not a checkpoint: the I/O around it is.
+    """
+    if size > INLINE:
+        return await InThread(fn).result()
+    return fn()

@@ -41,9 +41,9 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tierfs.core import keys
-from tierfs.peers.offload import InThread
+from tierfs.peers.offload import run_sync
 from tierfs.peers.tls import TLSStream
-from tierfs.peers.transfer import INLINE, Recv, Send, Steps
+from tierfs.peers.transfer import Recv, Send, Steps
 from tierfs.peers.wire import PIECE, Nonces, PeerUnavailable, ProtocolError, reason
 
 RECORD = PIECE  # plaintext bytes per record, at most
@@ -94,7 +94,7 @@ class SealedStream(trio.abc.Stream):
             piece = view[start : start + RECORD]
             out = bytearray(_HEAD.size + len(piece) + TAG)
             seal = self._sealer(piece, out, b"")
-            await (InThread(seal).result() if len(piece) > INLINE else _now(seal))
+            await run_sync(seal, len(piece))
             await self._send(out)
         if not view:
             await trio.lowlevel.checkpoint()
@@ -109,7 +109,7 @@ class SealedStream(trio.abc.Stream):
             await self._recv_exactly(memoryview(record))
             plain = bytearray(n)
             opener = self._opener(n, record, plain, b"")
-            await (InThread(opener).result() if n > INLINE else _now(opener))
+            await run_sync(opener, n)
             self._plain = memoryview(plain)
         k = min(len(view), len(self._plain))
         view[:k] = self._plain[:k]
@@ -234,10 +234,6 @@ class SealedStream(trio.abc.Stream):
     def abort(self) -> None:
         """Close at once: also right under cancellation."""
         self._stream.socket.close()
-
-
-async def _now(fn: Callable[[], None]) -> None:
-    fn()
 
 
 async def seal(tls: TLSStream, job: str, secret: bytes, nonces: Nonces, *, server_side: bool) -> SealedStream:

@@ -30,10 +30,8 @@ from typing import NamedTuple
 
 import trio
 
-from tierfs.peers.offload import InThread
+from tierfs.peers.offload import INLINE, InThread
 from tierfs.peers.wire import PIECE, PeerUnavailable, reason, recv_into
-
-INLINE = 64 << 10  # bodies up to this size are moved on the loop: a thread hand-off costs more
 
 
 class Recv(NamedTuple):

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import NoReturn
 
 from tierfs.config import (
@@ -108,7 +109,13 @@ def spawn(cfg: Config) -> int:
     already imported, which is a good part of the time a restored step takes to appear.
     """
     mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
-    tls.for_config(cfg)  # TLS files that hold no certificate and key, too (built once: the child inherits it)
+    # The child inherits both: the TLS contexts (built once; this also refuses TLS files that
+    # hold no certificate and key) and the daemon's modules. Stretching the secret (scrypt,
+    # ~50 ms) releases the GIL, so it runs while the modules are imported.
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        keyed = pool.submit(tls.for_config, cfg)
+        from tierfs.daemon import daemon  # noqa: F401, PLC0415 (the CLI's other commands do not need it)
+        keyed.result()
     reg = mounts.Registration(cfg.mountpoint)
     log_path = cfg.log_file or reg.log_path
     if cfg.log_file is None:
@@ -131,7 +138,11 @@ def spawn(cfg: Config) -> int:
     if message == "ok":
         for warning in warnings:
             print(f"tierfs: {warning}", file=sys.stderr)
-        return 0
+        # A restore may be running already: tearing down this interpreter's modules would
+        # take a core from it for tens of milliseconds, for nothing.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     try:
         os.kill(pid, signal.SIGTERM)
     except ProcessLookupError:

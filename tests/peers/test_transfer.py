@@ -106,3 +106,33 @@ async def test_a_body_in_clear_arrives_whole_from_a_file_range_into_a_file_range
             await bodies.receive_into_file(right, size, fout.fileno(), hasher, 100)
     assert dst.read_bytes() == bytes(100) + data
     assert hasher.digest() == xxhash.xxh3_128(data).digest()
+
+
+async def test_a_transfer_whose_socket_the_loop_closed_meanwhile_is_still_interrupted(pair):
+    """A pool may close a connection while a request on it waits: cancelling that request must
+    still end its thread (which holds a descriptor of its own), not wait for the peer to hang up."""
+    left, right = pair
+    where, ended = [], []
+    scope = trio.CancelScope()
+
+    async def close_then_cancel() -> None:
+        while not where:  # the thread holds the first piece: it is blocked on the rest
+            await trio.sleep(0.005)
+        left.socket.close()
+        scope.cancel()
+
+    async def hang_up_at_last() -> None:  # so that a regression fails below instead of hanging
+        await trio.sleep(5)
+        await right.aclose()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(right.send_all, bytes(MiB + 5))
+        nursery.start_soon(close_then_cancel)
+        nursery.start_soon(hang_up_at_last)
+        started = trio.current_time()
+        with scope:
+            await transfer.run(left, receiving(8 * MiB, where, ended), 8 * MiB)
+        took = trio.current_time() - started
+        nursery.cancel_scope.cancel()
+    assert scope.cancelled_caught and ended
+    assert took < 4, f"the thread ended only when the peer hung up ({took:.1f} s)"

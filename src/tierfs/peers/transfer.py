@@ -14,7 +14,8 @@ What to move is a generator of :class:`Recv`, :class:`Send` and :class:`SendFile
 driver carries each out in full before resuming the generator, which does everything else
 (opening records, feeding the sink) itself, in whichever thread drives it.
 
-Cancellation: the loop shuts the socket down, which ends a thread blocked on it at once,
+Cancellation: the loop shuts the connection down through the thread's own descriptor (still
+open even when the loop's was closed meanwhile), which ends a thread blocked on it at once,
 waits for the thread (its buffers and descriptors must outlive it) and re-raises. A body cut
 short leaves the connection out of step, and every caller closes it then anyway.
 """
@@ -60,31 +61,31 @@ async def run(stream: trio.abc.Stream, steps: Steps, size: int) -> None:
     if size <= INLINE or sock is None:
         await _on_loop(stream, steps)
         return
-    fd = sock.fileno()
-    job = InThread(lambda: _blocking(fd, steps))
+    # The thread's own descriptor of the connection: nothing it does can close the loop's,
+    # whose number could otherwise be reused under it, and the loop can still shut it down
+    # when the loop's own was closed meanwhile (a pool dropping its connections).
+    own = socket.socket(fileno=os.dup(sock.fileno()))
+    job = InThread(lambda: _blocking(own, steps))
     try:
         await job.wait()
     except trio.Cancelled:
-        _interrupt(sock)
+        _interrupt(own)
         await job.settle()
         raise
     job.unwrap()
 
 
-def _interrupt(sock: trio.socket.SocketType) -> None:
+def _interrupt(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
-        pass  # already closed or never connected: the thread fails on its own
+        pass  # the thread has just ended and closed it
 
 
 # -- in a worker thread ----------------------------------------------------------------------
 
 
-def _blocking(fd: int, steps: Steps) -> None:
-    # A descriptor of its own for the loop's (non-blocking) socket: whatever happens here,
-    # closing it never closes the loop's, whose number could otherwise be reused under it.
-    sock = socket.socket(fileno=os.dup(fd))
+def _blocking(sock: socket.socket, steps: Steps) -> None:
     try:
         for step in steps:
             if isinstance(step, Recv):
@@ -165,18 +166,21 @@ def _copy_file(sock: socket.socket, step: SendFile) -> None:
 
 
 async def _on_loop(stream: trio.abc.Stream, steps: Steps) -> None:
-    sent_anything = False
-    for step in steps:
-        if isinstance(step, Recv):
-            view = step.view
-            while view:
-                view = view[await recv_into(stream, view):]
-        elif isinstance(step, Send):
-            await _send_on_loop(stream, step.view)
-        else:
-            await _sendfile_on_loop(stream, step)
-        sent_anything = True
-    if not sent_anything:
+    moved_anything = False
+    try:
+        for step in steps:
+            if isinstance(step, Recv):
+                view = step.view
+                while view:
+                    view = view[await recv_into(stream, view):]
+            elif isinstance(step, Send):
+                await _send_on_loop(stream, step.view)
+            else:
+                await _sendfile_on_loop(stream, step)
+            moved_anything = True
+    finally:
+        steps.close()
+    if not moved_anything:
         await trio.lowlevel.checkpoint()
 
 

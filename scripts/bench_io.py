@@ -15,6 +15,10 @@ Rows (defaults):
   ``mmap`` (``--ioengine=mmap``: the file is mapped shared and copied to or from). Writes
   end with an fsync (``--end_fsync=1``), inside fio's timing, so a side cannot finish early
   by leaving dirty pages behind; on tmpfs and with passthrough it costs nothing.
+- the same read again, cold: the file's cached pages dropped first (fio's default
+  ``--invalidate=1``, ``posix_fadvise(POSIX_FADV_DONTNEED)``), as a restoring job reads a
+  checkpoint that is not in the page cache. On tmpfs and with passthrough there is nothing
+  to drop; on the daemon path (and a FUSE ``--reference``) every byte then crosses the daemon.
 - the same writes into a preallocated file (``--fallocate=native``, fio's default: before
   its timing fio extends the file with ``fallocate(fd, 0, 0, size)``, so tmpfs allocates
   the pages up front and the timed writes only copy); the rows above use
@@ -53,8 +57,8 @@ Run it when the machine is quiet::
         --segment 1G          # plain and preallocated 1 GiB writes, as fio writes them by default
     .venv/bin/python scripts/bench_io.py --replot docs/bench-io.json --plot out.png
 
-The default run (512 MiB per measurement, 5 rounds) takes about 16 minutes on 2 cores, most
-of it in the warm-ups (about 11 with ``--fallocate none``, which leaves the preallocated
+The default run (512 MiB per measurement, 5 rounds) takes about 21 minutes on 2 cores, most
+of it in the warm-ups (about 16 with ``--fallocate none``, which leaves the preallocated
 writes out).
 tierfs runs as ``python -m tierfs`` with this checkout's ``src`` first on PYTHONPATH, fio as
 a subprocess; matplotlib only for ``--plot``. Everything it creates lives under
@@ -100,7 +104,12 @@ GiB = 1 << 30
 MiB = 1 << 20
 VOLUMES = ("passthrough", "daemon")  # the data paths, each a volume of its own
 SIDES = ("tmpfs", *VOLUMES)
-OPS = ("write", "read")
+# The reads: "read" right after the write, of what the write left in each side's page cache
+# (fio --invalidate=0); "cold" again, after the file's cached pages were dropped (fio's
+# default --invalidate=1, posix_fadvise DONTNEED), as a job reads a checkpoint that a daemon
+# restart, another node, or memory pressure took out of the page cache.
+OPS = ("write", "read", "cold")
+FIO_RW = {"write": "write", "read": "read", "cold": "read"}
 MODES = ("psync", "mmap")
 # fio's --fallocate: "none" (the writes allocate) and "native" (fio's default: preallocated).
 FALLOCATE = ("none", "native")
@@ -189,7 +198,9 @@ def row_label(r: dict, short: bool = False) -> str:
     prealloc = r.get("fallocate", "none") != "none"
     if short:
         return f"{r['mode']}\n{r['op']}{' pre' if prealloc else ''}\n{fmt_size(r['bs'])} {r['jobs']}j"
-    return f"{r['mode']} {r['op']} {fmt_size(r['bs'])}, {jobs}{', preallocated' if prealloc else ''}"
+    op = "read" if r["op"] == "cold" else r["op"]
+    return (f"{r['mode']} {op} {fmt_size(r['bs'])}, {jobs}{', preallocated' if prealloc else ''}"
+            f"{', cold' if r['op'] == 'cold' else ''}")
 
 
 # ----------------------------------------------------------------------------- engines
@@ -211,10 +222,12 @@ class FioEngine:
         cmd = [
             self.fio, f"--name={tag}", f"--directory={directory}",
             f"--filename_format={tag}.$jobnum",
-            f"--ioengine={mode}", f"--rw={op}", f"--bs={bs}", f"--size={per_job}", f"--offset={offset}",
+            f"--ioengine={mode}", f"--rw={FIO_RW[op]}", f"--bs={bs}", f"--size={per_job}", f"--offset={offset}",
             f"--numjobs={jobs}", "--group_reporting", "--output-format=json",
             "--direct=0", *self.align_args,
-            "--invalidate=0",    # drop nothing: reads see what the write left, on every side
+            # drop nothing (reads see what the write left, on every side), or the file's
+            # cached pages (on tmpfs and with passthrough there are none to drop)
+            f"--invalidate={int(op == 'cold')}",
             f"--fallocate={fallocate}",  # none: each write allocates its pages; native: fio's default
             *(["--end_fsync=1"] if op == "write" else []),  # the bytes are in the file when timing ends
         ]
@@ -240,7 +253,7 @@ class FioEngine:
             raise BenchError(f"fio {mode} {op} bs={fmt_size(bs)} jobs={jobs} in {directory} failed: {why}")
         try:
             data = json.loads(stdout[stdout.index("{"):])
-            res = data["jobs"][0][op]
+            res = data["jobs"][0][FIO_RW[op]]
             nbytes, runtime_ms = int(res["io_bytes"]), float(res["runtime"])
         except (ValueError, KeyError, IndexError) as e:
             raise BenchError(f"cannot parse fio's JSON output ({e}): {last_line(stdout)}") from None
@@ -288,6 +301,8 @@ class BuiltinEngine:
                         os.posix_fallocate(fd, 0, offset + per_job)
                 else:
                     fd = os.open(paths[i], os.O_RDONLY)
+                    if op == "cold":  # as fio's --invalidate=1
+                        os.posix_fadvise(fd, offset, per_job, os.POSIX_FADV_DONTNEED)
                 os.lseek(fd, offset, os.SEEK_SET)
             except OSError as e:
                 errors.append(f"open {paths[i]}: {e}")
@@ -409,7 +424,7 @@ class Run:
     def io(self, side: str, mode: str, op: str, tag: str, bs: int, per_job: int, jobs: int,
            fallocate: str = "none") -> dict:
         directory = self.dirs[side]
-        if op == "read":  # the read must hit exactly the files just written
+        if op != "write":  # the read must hit exactly the files just written
             for p in self.engine.files(directory, tag, jobs):
                 try:
                     size = os.stat(p).st_size

@@ -74,10 +74,26 @@ def test_a_preallocated_write_is_a_row_of_its_own_beside_the_plain_one():
     run = bench_io.Run.__new__(bench_io.Run)
     run.args = args
     rows = run.rows()
-    assert [(r["op"], r["fallocate"]) for r in rows] == [("write", "none"), ("write", "native"), ("read", "none")]
+    assert [(r["op"], r["fallocate"]) for r in rows] == [("write", "none"), ("write", "native"), ("read", "none"),
+                                                          ("cold", "none")]
+    assert bench_io.row_label(rows[3]) == "psync read 1M, 1 job, cold"
     assert bench_io.row_label(rows[1]) == "psync write 1M, 1 job, preallocated"
     plain, pre = (dict(r, side="tmpfs", round=0, gib_s=v) for r, v in ((rows[0], 2.0), (rows[1], 5.0)))
     summary = bench_io.summarize(rows[:2], [plain, pre], ("tmpfs",))
     assert [r["tmpfs_gib_s"] for r in summary] == [2.0, 5.0]
     saved = {"mode": "psync", "op": "write", "bs": 1 << 20, "jobs": 1}  # a run saved before the rows existed
     assert bench_io.row_key(saved) == bench_io.row_key(rows[0])
+
+
+@pytest.mark.parametrize("op, rw, invalidate", [("read", "read", 0), ("cold", "read", 1), ("write", "write", 0)])
+def test_a_cold_read_is_fio_reading_after_dropping_the_cached_pages(tmp_path, op, rw, invalidate):
+    fio = tmp_path / "fio"  # records its arguments, answers as fio does
+    fio.write_text(f"""#!/bin/sh
+[ "$1" = --version ] && echo fio-3.33 && exit 0
+echo "$@" > {tmp_path}/args
+echo '{{"jobs": [{{"{rw}": {{"io_bytes": 4096, "runtime": 1}}}}]}}'
+""")
+    fio.chmod(0o755)
+    res = bench_io.FioEngine(str(fio)).run("psync", op, str(tmp_path), "t", 4096, 4096, 1)
+    args = (tmp_path / "args").read_text().split()
+    assert f"--rw={rw}" in args and f"--invalidate={invalidate}" in args and res["bytes"] == 4096

@@ -11,11 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import trio
 
 from tierfs.config import Config
 from tierfs.core.manifest import Entry, Manifest
-from tierfs.peers import tls
+from tierfs.peers import network, tls
 from tierfs.peers.network import PeerNetwork
 from tierfs.pipeline.survey import ClusterView
 from tierfs.store.replicas import ReplicaStore
@@ -26,6 +27,18 @@ from tierfs.tiers.peer import peer_tiers
 JOB = "view"
 SECRET = b"secret-of-the-view-test"
 N = 16
+# 16 servers and up to 16 surveys share this one process: 256 TLS handshakes at once, which
+# on a loaded machine take more than the 5 s a node gets to answer a survey. A node that
+# does not answer in time is silent, and a silent node's steps do not count, so a survey
+# would rightly choose differently. These tests are about agreement among the nodes that
+# answer (a stopped node refuses at once), so every timeout here is far from being reached.
+TIMEOUT = 60
+TIMEOUTS = Timeouts(handshake=TIMEOUT, idle=TIMEOUT, request=TIMEOUT)
+
+
+@pytest.fixture(autouse=True)
+def patient_surveys(monkeypatch):
+    monkeypatch.setattr(network, "INFO_TIMEOUT", TIMEOUT)
 
 
 @dataclass
@@ -49,7 +62,7 @@ class SimNode:
         with trio.CancelScope() as self.scope:
             await serve((self.host, port), job=JOB, secret=SECRET, store=self.store, info=self.info,
                         tls=tls.from_secret(JOB, SECRET),  # as the nodes' configs have it by default
-                        timeouts=Timeouts(handshake=1, idle=2, request=2), task_status=task_status)
+                        timeouts=TIMEOUTS, task_status=task_status)
 
     def stop(self) -> None:
         self.scope.cancel()
@@ -81,13 +94,13 @@ def view_of(node: SimNode, nodes: list[SimNode], gcs=None) -> ClusterView:
                        peers=",".join(f"{n.host}:{n.port}" for n in nodes))
     local = LocalTier(node.store, OwnSteps(node.rank, steps=lambda: list(node.steps),
                                            restore_step=lambda: node.restore_step))
-    return ClusterView(N, [*peer_tiers(PeerNetwork(cfg, timeout=2)), *([gcs] if gcs else [])], local)
+    return ClusterView(N, [*peer_tiers(PeerNetwork(cfg, timeout=TIMEOUT)), *([gcs] if gcs else [])], local)
 
 
 async def replicate(node: SimNode, to: SimNode, step: int) -> None:
     """Put ``node``'s step on ``to`` through the protocol, as the replicator does."""
     cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=node.rank, nodes=N, secret=SECRET.decode())
-    async with await PeerNetwork(cfg, timeout=2).connect(to.address) as client:
+    async with await PeerNetwork(cfg, timeout=TIMEOUT).connect(to.address) as client:
         await client.put_manifest(node.rank, step, manifest(node.rank, step))
 
 

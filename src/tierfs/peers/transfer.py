@@ -61,17 +61,21 @@ async def run(stream: trio.abc.Stream, steps: Steps, size: int) -> None:
     if size <= INLINE or sock is None:
         await _on_loop(stream, steps)
         return
-    # The thread's own descriptor of the connection: nothing it does can close the loop's,
-    # whose number could otherwise be reused under it, and the loop can still shut it down
-    # when the loop's own was closed meanwhile (a pool dropping its connections).
+    # The thread's own descriptor of the connection, closed here once the thread has ended:
+    # nothing the thread does can close the loop's (whose number could otherwise be reused
+    # under it), and the loop can still shut the connection down when its own descriptor was
+    # closed meanwhile (a pool dropping its connections).
     own = socket.socket(fileno=os.dup(sock.fileno()))
-    job = InThread(lambda: _blocking(own, steps))
     try:
-        await job.wait()
-    except trio.Cancelled:
-        _interrupt(own)
-        await job.settle()
-        raise
+        job = InThread(lambda: _blocking(own, steps))
+        try:
+            await job.wait()
+        except trio.Cancelled:
+            _interrupt(own)
+            await job.settle()
+            raise
+    finally:
+        own.close()
     job.unwrap()
 
 
@@ -79,7 +83,7 @@ def _interrupt(sock: socket.socket) -> None:
     try:
         sock.shutdown(socket.SHUT_RDWR)
     except OSError:
-        pass  # the thread has just ended and closed it
+        pass  # not connected any more: the thread fails on its own
 
 
 # -- in a worker thread ----------------------------------------------------------------------
@@ -95,7 +99,6 @@ def _blocking(sock: socket.socket, steps: Steps) -> None:
             else:
                 _sendfile(sock, step)
     finally:
-        sock.close()
         steps.close()  # its own clean-up runs here, in this thread, before the loop goes on
 
 

@@ -37,12 +37,20 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pages(ram: dict) -> str:
+    if not ram["tmpfs"]:
+        return "NOT tmpfs"
+    if ram["large_folios"]:
+        return "tmpfs, large folios"
+    return "tmpfs, 4 KiB pages"
+
+
 def render(s: dict) -> str:
     ram = s["tiers"]["ram"]
     cap = format_size(ram["capacity"]) + ("" if ram["capacity_bounded"] else " (ramdisk size)")
     lines = [
         f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  pid {s['pid']}  up {s['uptime_s']:.0f}s",
-        f"  ram   {ram['path']}{'' if ram['tmpfs'] else '  (NOT tmpfs)'}",
+        f"  ram   {ram['path']}  ({_pages(ram)})",
         f"        used {format_size(ram['used'])} of {cap}",
         f"  io    data path {s['fuse']['data_path']} ({s['fuse']['engine']} engine; {s['fuse']['transfer']}): "
         f"{s['fuse']['passthrough_opens']} of {s['fuse']['opens']} opens passed through; through the daemon "

@@ -35,6 +35,7 @@ class MountEntry:
     fstype: str
     source: str
     minor: int
+    options: tuple[str, ...] = ()  # the file system's own (mountinfo's last field)
 
 
 def _unescape(field: str) -> str:
@@ -48,10 +49,17 @@ def mount_table() -> list[MountEntry]:
         for line in f:
             left, _, right = line.partition(" - ")
             fields = left.split()
-            fstype, source = right.split()[:2]
+            fstype, source, options = right.split()[:3]
             entries.append(MountEntry(_unescape(fields[4]), fstype, _unescape(source),
-                                      int(fields[2].split(":")[1])))
+                                      int(fields[2].split(":")[1]), tuple(options.split(","))))
     return entries
+
+
+def large_folios(path: str | os.PathLike) -> str | None:
+    """The ``huge=`` option of the tmpfs holding ``path``, where it stores files in large folios."""
+    minor = os.minor(os.stat(path).st_dev)  # tmpfs: major 0, a minor of its own
+    entry = next((e for e in reversed(mount_table()) if e.fstype == "tmpfs" and e.minor == minor), None)
+    return next((o for o in entry.options if o.startswith("huge=") and o != "huge=never"), None) if entry else None
 
 
 def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:

@@ -249,7 +249,9 @@ class Daemon:
         return self.replica_store.manifests() if self.replica_store is not None else []
 
     def _ram_report(self) -> dict:
-        return {"path": str(self.rank.tree), "tmpfs": self.rank.is_tmpfs(), "capacity": self.space.capacity,
+        tmpfs = self.rank.is_tmpfs()
+        return {"path": str(self.rank.tree), "tmpfs": tmpfs, "large_folios": tmpfs and self.rank.large_folios(),
+                "capacity": self.space.capacity,
                 "capacity_bounded": self.cfg.capacity is not None, "used": self.space.used}
 
     def _ram_short(self) -> bool:

@@ -134,3 +134,7 @@ class RankDir:
     def is_tmpfs(self) -> bool:
         """Whether the tree is really in RAM (anything else works, but is not a RAM tier)."""
         return linux.fs_magic(self.tree) == linux.TMPFS_MAGIC
+
+    def large_folios(self) -> bool:
+        """Whether the tmpfs holding the tree stores files in large folios."""
+        return mounts.large_folios(self.tree) is not None

@@ -630,6 +630,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=parse_size, default=2 * GiB,
                    help="warm-up file written and deleted on tmpfs before each timed part (default 2G: "
                         "a segment written through a page cache touches twice its size)")
+    p.add_argument("--warm-dir", default="/dev/shm",
+                   help="where the warm-up writes (default /dev/shm); a tmpfs mounted huge=within_size warms the "
+                        "memory large folios are taken from as well, which sides with large folios need")
     p.add_argument("--segment", type=parse_size, default=512 * MiB,
                    help="bytes moved per timed segment, each after its own warm-up (default 512M; "
                         "the balloon returns freed pages to the host ~2 s after they are freed)")
@@ -720,7 +723,7 @@ def main(argv: list[str] | None = None) -> int:
 
         tmp_root = mkdtemp("bench-io-", "/tmp")
         runtime = mkdtemp("bench-io-run-", "/dev/shm")  # a daemon registry of our own
-        dirs = {"tmpfs": mkdtemp("bench-io-tmpfs-", "/dev/shm"), "warm": mkdtemp("bench-io-warm-", "/dev/shm")}
+        dirs = {"tmpfs": mkdtemp("bench-io-tmpfs-", "/dev/shm"), "warm": mkdtemp("bench-io-warm-", args.warm_dir)}
         for path in args.data_paths:
             mountpoint = os.path.join(tmp_root, path)
             os.mkdir(mountpoint)

@@ -56,7 +56,7 @@ peer that holds the step).
                                             [--json out.json] [--plot out.png]
 
 ``--quick``: ``--sizes 64M,256M --rounds 2``, a smoke run. All it creates
-(/dev/shm/bench-peers-*, /tmp/bench-peers-*, daemons, mounts, processes) is removed or
+(/dev/shm/bench-peers-* or under --ramdisk, /tmp/bench-peers-*, daemons, mounts, processes) is removed or
 stopped on exit, also on errors and Ctrl-C.
 """
 
@@ -139,7 +139,7 @@ class Bench:
     @contextlib.contextmanager
     def cluster(self, name: str, nodes: int, size: int, **options):
         """A fresh cluster of ``nodes`` nodes, all started; closed (and its RAM freed) after."""
-        c = self.LocalCluster(Path("/dev/shm") / f"bench-peers-{name}-{uuid.uuid4().hex[:8]}", nodes, "bench",
+        c = self.LocalCluster(Path(self.args.ramdisk) / f"bench-peers-{name}-{uuid.uuid4().hex[:8]}", nodes, "bench",
                               capacity=f"{4 * size // MiB + 256}M", **options)
         self.clusters.append(c)
         try:
@@ -545,6 +545,10 @@ def main() -> int:
                    "row of every part per size (default 1G,4G)")
     p.add_argument("--files", type=int, default=16, help="files per checkpoint (default 16)")
     p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 3)")
+    p.add_argument("--ramdisk", default="/dev/shm",
+                   help="a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the "
+                        "plain copies' receiving directory (default /dev/shm); one mounted huge=within_size "
+                        "measures both sides with large folios")
     p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
                                                      "(default twice the size, at most 4G)")
     p.add_argument("--peer-tls", type=lambda v: v.split(","), default=["on", "off"], metavar="on,off",
@@ -571,7 +575,7 @@ def main() -> int:
     compile_bytecode()
     tmp = tempfile.mkdtemp(prefix="bench-peers-", dir="/tmp")
     os.environ["TIERFS_RUNTIME_DIR"] = os.path.join(tmp, "run")  # a private daemon registry
-    args.shm, bench = tempfile.mkdtemp(prefix="bench-peers-data-", dir="/dev/shm"), None
+    args.shm, bench = tempfile.mkdtemp(prefix="bench-peers-data-", dir=args.ramdisk), None
     try:
         bench = Bench(args)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")

@@ -76,7 +76,7 @@ dominates.
                                               [--quick] [--json out.json] [--plot out.png]
 
 ``--quick``: ``--sizes 64M,128M``, 2 rounds, 100 files for the listing. Everything it creates
-(/dev/shm/bench-restore-*, /tmp/bench-restore-*, daemons, mounts, the emulator and its
+(/dev/shm/bench-restore-* or under --ramdisk, /tmp/bench-restore-*, daemons, mounts, the emulator and its
 buckets) is removed or stopped on exit, also on errors and Ctrl-C.
 """
 
@@ -154,7 +154,7 @@ class Bench:
         self.buckets.remove(name)
 
     def cluster(self, name: str, nodes: int, job: str, **options):
-        c = self.LocalCluster(Path("/dev/shm") / f"bench-restore-{name}-{uuid.uuid4().hex[:8]}", nodes, job,
+        c = self.LocalCluster(Path(self.args.ramdisk) / f"bench-restore-{name}-{uuid.uuid4().hex[:8]}", nodes, job,
                               **options)
         self.clusters.append(c)
         return c
@@ -573,6 +573,10 @@ def main() -> int:
     p.add_argument("--files", type=int, default=16, help="files per rank's checkpoint (default 16)")
     p.add_argument("--list-files", type=int, help="files of the listing step (default 1000)")
     p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 5)")
+    p.add_argument("--ramdisk", default="/dev/shm",
+                   help="a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the "
+                        "plain copies' receiving directory (default /dev/shm); one mounted huge=within_size "
+                        "measures both sides with large folios")
     p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
                                                      "(default twice the size, at most 4G)")
     p.add_argument("--peer-tls", choices=("on", "off"), default="on",
@@ -597,7 +601,7 @@ def main() -> int:
     from tierfs.testing.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))
-    args.shm = tempfile.mkdtemp(prefix="bench-restore-data-", dir="/dev/shm")
+    args.shm = tempfile.mkdtemp(prefix="bench-restore-data-", dir=args.ramdisk)
     emu, bench = GcsEmulator(tmp / "emulator", backend="memory"), None
     try:
         emu.start()

@@ -163,6 +163,8 @@ def clean_up(name: str, mounts, created: list[str]) -> None:
     """Unmount a benchmark's volumes, then remove the directories it made (newest first),
     except one that still has a mount on it: removing through a live mount would delete
     the volume's RAM tier behind its daemon."""
+    from tierfs.testing import unmount_all_beneath  # noqa: PLC0415 (scripts that need no volume need no tierfs)
+
     with no_interruptions():
         for mount in mounts:
             mount.unmount()
@@ -170,6 +172,7 @@ def clean_up(name: str, mounts, created: list[str]) -> None:
             if any(is_mounted(m.mountpoint) for m in mounts if m.mountpoint.startswith(d + "/")):
                 print(f"{name}: warning: leaving {d} in place, a mount is still on it", file=sys.stderr)
                 continue
+            unmount_all_beneath(Path(d))  # a volume's --capacity tmpfs outlives its daemon
             shutil.rmtree(d, ignore_errors=True)
 
 

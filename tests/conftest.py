@@ -119,14 +119,16 @@ def shm_dir(daemon_logs):
 
 @pytest.fixture
 def small_tmpfs(shm_dir):
-    """Factory: a tmpfs of its own, ``size`` bytes big, unmounted afterwards (root only)."""
+    """Factory: a tmpfs of its own, ``size`` bytes big (and more mount ``options``), unmounted
+    afterwards with every mount beneath it (root only)."""
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root")
     made: list[Path] = []
 
-    def make(size: int) -> Path:
+    def make(size: int, options: str = "") -> Path:
         p = shm_dir("tierfs-small")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777", "tierfs-test", str(p)], check=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777{options and ','}{options}", "tierfs-test",
+                        str(p)], check=True)
         made.append(p)
         return p
 

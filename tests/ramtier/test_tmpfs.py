@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,26 +21,8 @@ def super_options(path: Path) -> tuple[str, ...]:
     return entry.options
 
 
-@pytest.fixture
-def ramdisk(shm_dir):
-    """Factory: a ramdisk tmpfs mounted with ``options``; it and every rank tmpfs in it unmounted after."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    made: list[Path] = []
-
-    def make(options: str) -> Path:
-        path = shm_dir("tierfs-ramdisk")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tierfs-test", str(path)], check=True)
-        made.append(path)
-        return path
-
-    yield make
-    for path in made:
-        tmpfs.unmount_beneath(path)
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 def rank_home(ramdisk: Path) -> Path:
+    """A rank's home in ``ramdisk``, where a daemon would mount its tmpfs."""
     home = ramdisk / "job" / "rank-0"
     home.mkdir(parents=True)
     return home
@@ -49,8 +30,8 @@ def rank_home(ramdisk: Path) -> Path:
 
 @pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
                     reason="a kernel without transparent huge pages")
-def test_a_rank_tmpfs_takes_the_large_folios_of_its_ramdisk(ramdisk):
-    home = rank_home(ramdisk("size=64M,huge=within_size"))
+def test_a_rank_tmpfs_takes_the_large_folios_of_its_ramdisk(small_tmpfs):
+    home = rank_home(small_tmpfs(64 * MiB, "huge=within_size"))
     assert tmpfs.own_tmpfs(home, 16 * MiB)
     assert "huge=within_size" in super_options(home)
     rank = RankDir(home)
@@ -73,9 +54,9 @@ def test_a_rank_tmpfs_takes_the_large_folios_of_its_ramdisk(ramdisk):
     assert (rank.tree / "f").read_bytes() == piece * 32
 
 
-def test_on_a_plain_ramdisk_a_rank_tmpfs_has_plain_pages(ramdisk):
+def test_on_a_plain_ramdisk_a_rank_tmpfs_has_plain_pages(small_tmpfs):
     """So sparse files keep a default tmpfs' holes and block counts."""
-    home = rank_home(ramdisk("size=64M"))
+    home = rank_home(small_tmpfs(64 * MiB))
     assert tmpfs.own_tmpfs(home, 16 * MiB)
     assert not [o for o in super_options(home) if o.startswith("huge=") and o != "huge=never"]
     rank = RankDir(home)

@@ -94,3 +94,16 @@ def test_a_full_ramdisk_fails_the_write_itself_without_capacity(volumes, small_t
     assert 16 * MiB <= written < 24 * MiB
     assert os.path.getsize(vol.mountpoint / "big") == written
     assert (vol.mountpoint / "keep").read_bytes() == keep
+
+
+def test_a_volume_on_a_large_folio_ramdisk_has_large_folios_and_an_exact_capacity(small_tmpfs, volumes):
+    """The rank's --capacity tmpfs takes the ramdisk's huge= option; status says so."""
+    large = volumes(ramdisk_dir=small_tmpfs(256 * MiB, "huge=within_size"), capacity="32M")
+    assert large.status()["tiers"]["ram"]["large_folios"]
+    data = os.urandom(8 * MiB)
+    (large.mountpoint / "keep").write_bytes(data)
+    assert (large.mountpoint / "keep").read_bytes() == data
+    assert 16 * MiB <= fill(large.mountpoint / "big", 64 * MiB) <= 24 * MiB
+
+    plain = volumes(capacity="32M", job="plain")
+    assert not plain.status()["tiers"]["ram"]["large_folios"]

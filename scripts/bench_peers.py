@@ -78,7 +78,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (NO_MATPLOTLIB, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
+from benchlib import (NO_MATPLOTLIB, RAMDISK_HELP, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
                       cpu_seconds, default_warmup, interrupt_on_signals, keep_logs, make_files, no_interruptions,
                       parse_size, parse_sizes, plain_copy, progress, pyplot, render_table, save_figure,
                       size_label, warm_up, write_all, write_json)  # (scripts/ is on sys.path)
@@ -545,10 +545,7 @@ def main() -> int:
                    "row of every part per size (default 1G,4G)")
     p.add_argument("--files", type=int, default=16, help="files per checkpoint (default 16)")
     p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 3)")
-    p.add_argument("--ramdisk", default="/dev/shm",
-                   help="a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the "
-                        "plain copies' receiving directory (default /dev/shm); one mounted huge=within_size "
-                        "measures both sides with large folios")
+    p.add_argument("--ramdisk", default="/dev/shm", help=RAMDISK_HELP)
     p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
                                                      "(default twice the size, at most 4G)")
     p.add_argument("--peer-tls", type=lambda v: v.split(","), default=["on", "off"], metavar="on,off",

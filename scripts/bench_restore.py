@@ -96,7 +96,7 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
+from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, RAMDISK_HELP, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
                       cpu_seconds, default_warmup, deferred_interruptions, drop_bucket, gcs_client,
                       interrupt_on_signals, keep_logs, make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
                       render_table, save_figure, size_label, warm_up, write_all,
@@ -573,10 +573,7 @@ def main() -> int:
     p.add_argument("--files", type=int, default=16, help="files per rank's checkpoint (default 16)")
     p.add_argument("--list-files", type=int, help="files of the listing step (default 1000)")
     p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 5)")
-    p.add_argument("--ramdisk", default="/dev/shm",
-                   help="a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the "
-                        "plain copies' receiving directory (default /dev/shm); one mounted huge=within_size "
-                        "measures both sides with large folios")
+    p.add_argument("--ramdisk", default="/dev/shm", help=RAMDISK_HELP)
     p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
                                                      "(default twice the size, at most 4G)")
     p.add_argument("--peer-tls", choices=("on", "off"), default="on",

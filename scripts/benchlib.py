@@ -92,6 +92,9 @@ def size_label(n: int) -> str:
     return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n} B"
 
 
+RAMDISK_HELP = ("a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the plain "
+                "copies' receiving directory (default /dev/shm); one mounted huge=within_size measures both sides "
+                "with large folios")
 WARMUP_CAP = 4 << 30
 
 

@@ -57,8 +57,10 @@ def mount_table() -> list[MountEntry]:
 
 def large_folios(path: str | os.PathLike) -> str | None:
     """The ``huge=`` option of the tmpfs holding ``path``, where it stores files in large folios."""
-    minor = os.minor(os.stat(path).st_dev)  # tmpfs: major 0, a minor of its own
-    entry = next((e for e in reversed(mount_table()) if e.fstype == "tmpfs" and e.minor == minor), None)
+    dev = os.stat(path).st_dev
+    if os.major(dev) != 0:  # tmpfs: major 0, a minor of its own
+        return None
+    entry = next((e for e in reversed(mount_table()) if e.fstype == "tmpfs" and e.minor == os.minor(dev)), None)
     return next((o for o in entry.options if o.startswith("huge=") and o != "huge=never"), None) if entry else None
 
 

@@ -249,8 +249,7 @@ class Daemon:
         return self.replica_store.manifests() if self.replica_store is not None else []
 
     def _ram_report(self) -> dict:
-        tmpfs = self.rank.is_tmpfs()
-        return {"path": str(self.rank.tree), "tmpfs": tmpfs, "large_folios": tmpfs and self.rank.large_folios(),
+        return {"path": str(self.rank.tree), "tmpfs": self.rank.is_tmpfs(), "large_folios": self.rank.large_folios(),
                 "capacity": self.space.capacity,
                 "capacity_bounded": self.cfg.capacity is not None, "used": self.space.used}
 

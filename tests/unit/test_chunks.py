@@ -291,3 +291,26 @@ def test_hash_file_reads_only_the_chunks_that_hold_data(shm_dir):
             assert h == chunk_hash(read_chunk(path, index, cs))
         else:
             assert h == chunks.zero_hash(cs)
+
+
+def test_hash_file_paces_itself_before_every_chunk_it_reads(shm_dir):
+    """Background hashing gives way to the job's writes between chunks, never for a hole."""
+    holding = [0, 3, 4, 9]  # chunks with data; the other six are holes, named without a read
+    path = sparse_file(shm_dir() / "f", 10 * CS, [(i * CS + 5, os.urandom(PAGE)) for i in holding])
+    paced = []
+    assert hash_file(path, CS, lambda: paced.append(bytes_read())) == hashed_by_reading(path)
+    assert len(paced) == len(holding)
+    assert paced == sorted(paced) and paced[-1] - paced[0] >= 3 * CS  # a chunk read between each
+
+    data = os.urandom(3 * CS + 1)
+    fifo = shm_dir() / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(data))
+    writer.start()
+    paced.clear()
+    try:
+        assert hash_file(fifo, CS, lambda: paced.append(1)) == [chunk_hash(data[i : i + CS])
+                                                                for i in range(0, len(data), CS)]
+    finally:
+        writer.join()
+    assert len(paced) == 5  # before each of the four chunks, and before the read that finds the end

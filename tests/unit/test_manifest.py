@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import shutil
 import stat
 from pathlib import Path
@@ -273,9 +274,9 @@ def hash_calls(monkeypatch) -> list[Path]:
     calls: list[Path] = []
     real = chunks.hash_file
 
-    def counting(path, chunk_size):
+    def counting(path, chunk_size, pace):
         calls.append(Path(path))
-        return real(path, chunk_size)
+        return real(path, chunk_size, pace)
 
     monkeypatch.setattr(chunks, "hash_file", counting)
     return calls
@@ -296,6 +297,19 @@ def test_known_cache_skips_rehashing_unchanged_files(snap, hash_calls):
     third = build(snap, ["checkpoints/500"], job="j", rank=0, step=700, chunk_size=CS, known=known)
     assert hash_calls[5:] == [changed]
     assert by_path(third)["checkpoints/500/optimizer/state"].chunks == file_chunks(changed)
+
+
+def test_every_chunk_read_is_paced_and_a_cached_file_is_not(snap):
+    """Hashing a step in the background waits for the job's writes before each chunk it reads."""
+    paced: list[str] = []
+    pace = lambda: paced.append(threading.current_thread().name)
+    known: dict = {}
+    build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS, known=known, pace=pace)
+    assert len(paced) == 3 + 4 + 1 + 1  # exact, plus-one, state, run.sh; the empty file has none
+    assert all(name.startswith("tierfs-hash") for name in paced)  # in the hashing threads, not the caller's
+    paced.clear()
+    build(snap, ["checkpoints/500"], job="j", rank=0, step=600, chunk_size=CS, known=known, pace=pace)
+    assert paced == []
 
 
 def test_hard_links_are_hashed_once_with_a_cache(snap, hash_calls):

@@ -26,6 +26,7 @@ import functools
 import os
 import stat
 import threading
+from collections.abc import Callable
 
 import xxhash
 import zstandard
@@ -169,13 +170,14 @@ def _zero_hashes(length: int) -> str:
     return chunk_hash(bytes(length))
 
 
-def hash_file(path: str | os.PathLike, chunk_size: int) -> list[str]:
+def hash_file(path: str | os.PathLike, chunk_size: int, pace: Callable[[], None] = lambda: None) -> list[str]:
     """The names of a file's chunks, in order; ``[]`` for an empty file.
 
     A chunk that lies wholly in a hole is named without reading it (:func:`zero_hash`), so
     a sparse file costs what it holds, not its size; a chunk that touches data is read
     whole, holes and all. One buffer is reused for the whole file, so hashing many GiB
-    allocates no buffer per chunk.
+    allocates no buffer per chunk. ``pace()`` is called before each chunk is read: it may
+    wait, so that hashing in the background can give way to the job's own writes.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk size must be positive, not {chunk_size}")
@@ -183,11 +185,11 @@ def hash_file(path: str | os.PathLike, chunk_size: int) -> list[str]:
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            return [chunk_hash(view[:filled]) for filled in iter(lambda: _fill(f, view), 0)]
-        return _hash_sparse(f, st.st_size, view)
+            return [chunk_hash(view[:filled]) for filled in iter(lambda: pace() or _fill(f, view), 0)]
+        return _hash_sparse(f, st.st_size, view, pace)
 
 
-def _hash_sparse(f, size: int, view: memoryview) -> list[str]:
+def _hash_sparse(f, size: int, view: memoryview, pace: Callable[[], None]) -> list[str]:
     """A regular file's chunk names: runs of whole chunks in a hole named at once, the rest read."""
     chunk_size = len(view)
     hashes: list[str] = []
@@ -206,6 +208,7 @@ def _hash_sparse(f, size: int, view: memoryview) -> list[str]:
             hashes.append(zero_hash(size - offset))
             break
         want = min(chunk_size, size - offset)
+        pace()
         f.seek(offset)
         filled = _fill(f, view[:want])
         if filled:

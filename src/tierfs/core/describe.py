@@ -40,7 +40,8 @@ HASH_THREADS = min(4, os.cpu_count() or 1)  # files hashed at once: a few cores,
 
 def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: int,
           chunk_size: int, known: dict[FileKey, list[str]] | None = None,
-          hashed: Callable[[str, int, list[str]], None] | None = None) -> Manifest:
+          hashed: Callable[[str, int, list[str]], None] | None = None,
+          pace: Callable[[], None] = lambda: None) -> Manifest:
     """Describe the committed ``roots`` of a snapshot tree that nothing writes to any more.
 
     Symlinks are recorded, never followed; fifos, sockets and devices are skipped, since no
@@ -66,6 +67,7 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
     hashing it release the GIL, and the step is waited for by every lane. ``hashed(path,
     size, chunks)`` is told of each file as soon as its chunks are known (from a hashing
     thread), so its chunks can be on their way before the whole step is described.
+    ``pace()`` is called in a hashing thread before each chunk is read (:func:`chunks.hash_file`).
     """
     top = Path(snapshot_root)
     ancestors: dict[str, Entry] = {}
@@ -91,7 +93,7 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
         names.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), []).append(rel)
     with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(names))), thread_name_prefix="tierfs-hash") as pool:
         def describe_file(rels: list[str]) -> list[str]:
-            file_chunks = _file_chunks(top / rels[0], files[rels[0]], chunk_size, known)
+            file_chunks = _file_chunks(top / rels[0], files[rels[0]], chunk_size, known, pace)
             if hashed is not None:
                 hashed(rels[0], files[rels[0]].st_size, file_chunks)
             return file_chunks
@@ -189,11 +191,11 @@ def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
 
 
 def _file_chunks(path: Path, st: os.stat_result, chunk_size: int,
-                 known: dict[FileKey, list[str]] | None) -> list[str]:
+                 known: dict[FileKey, list[str]] | None, pace: Callable[[], None]) -> list[str]:
     key = (st.st_ino, st.st_size, st.st_mtime_ns)
     if known is not None and key in known:
         return list(known[key])
-    hashes = chunks.hash_file(path, chunk_size)
+    hashes = chunks.hash_file(path, chunk_size, pace)
     if len(hashes) != -(-st.st_size // chunk_size) or os.lstat(path).st_size != st.st_size:
         raise ManifestError(f"{path} changed size while it was hashed: the snapshot is not frozen")
     if known is not None:

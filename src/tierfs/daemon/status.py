@@ -53,8 +53,9 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
         "uptime_s": round(time.time() - started, 1),
         "tiers": {"ram": local.report(), **{t.name: t.report() for t in tiers if t is not local}},
         "fuse": {"engine": engine.name, "data_path": engine.data_path, "transfer": engine.transfer,
-                 "wake_cpus": engine.wake_cpus,
-                 "inodes": len(ops.inodes), **ops.counters},
+                 "wake_cpus": engine.wake_cpus, "inodes": len(ops.inodes), **ops.counters,
+                 # what background transfers give way to (None: the job has not written yet)
+                 "since_write_s": round(time.monotonic() - last, 3) if (last := ops.last_write) else None},
         "commit_rules": [str(r) for r in steps.rules.rules],
         "steps": [step_report(s) for s in sorted(steps.states.values(), key=lambda s: s.step)],
         "restored": restore.status() if restore is not None else None,

@@ -214,6 +214,7 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
             # The kernel wrote it itself, and never mixes that with daemon writes on one
             # inode: nothing can be queued for it. Account what it wrote now.
             self._passthrough_writers.discard(fh)
+            self._seen.pop(fh, None)
             self._last_write = time.monotonic()
             st = os.fstat(fh)
             self.space.update(st)

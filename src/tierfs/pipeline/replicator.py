@@ -377,7 +377,7 @@ class Replicator:
                     manifest = await self._io(
                         lambda: build(
                             tree, list(state.roots), job=self.cfg.job, rank=self.cfg.rank, step=state.step,
-                            chunk_size=cs, known=self._hashed, hashed=hashed,
+                            chunk_size=cs, known=self._hashed, hashed=hashed, pace=self.defer_to_writers,
                         )
                     )
                 except ManifestError:
@@ -410,12 +410,21 @@ class Replicator:
 
     async def yield_to_writers(self) -> None:
         """Wait (at most MAX_DEFER) until the job has not written for WRITER_QUIET seconds."""
-        deadline = trio.current_time() + MAX_DEFER
-        while trio.current_time() < deadline:
-            quiet_for = time.monotonic() - self._last_write()
-            if quiet_for >= WRITER_QUIET:
-                return
-            await trio.sleep(WRITER_QUIET - quiet_for)
+        deadline = time.monotonic() + MAX_DEFER
+        while (wait := self._until_quiet(deadline)) > 0:
+            await trio.sleep(wait)
+
+    def defer_to_writers(self) -> None:
+        """:meth:`yield_to_writers` for a worker thread: hashing a step gives way to the job's
+        writes too, since a checkpoint written right after a commit meets that hashing first."""
+        deadline = time.monotonic() + MAX_DEFER
+        while (wait := self._until_quiet(deadline)) > 0:
+            time.sleep(wait)
+
+    def _until_quiet(self, deadline: float) -> float:
+        """Seconds until the job may have paused its writes (0: it has, or the deferral is over)."""
+        now = time.monotonic()
+        return 0.0 if now >= deadline else min(max(0.0, WRITER_QUIET - (now - self._last_write())), deadline - now)
 
     async def _io(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)

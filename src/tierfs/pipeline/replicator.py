@@ -41,6 +41,7 @@ from tierfs.core.atomic import write_atomically
 from tierfs.core.describe import build
 from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.pipeline.early import Feeds
+from tierfs.pipeline.pacing import Pacing
 from tierfs.ramtier.steps import Steps, StepState
 from tierfs.tiers.base import (
     Progress,
@@ -57,10 +58,6 @@ from tierfs.tiers.base import (
 log = logging.getLogger(__name__)
 
 BUILD_THREADS = 8
-# While the job writes, background transfers wait for a pause in its writes, up to this
-# long per chunk: a checkpoint being written gets the CPU, replication still progresses.
-WRITER_QUIET = 0.05
-MAX_DEFER = 1.0
 RECHECK = 10.0  # seconds between checks that volatile tiers (peers) still hold the newest step
 BACKOFF = (1.0, 2.0, 4.0, 8.0, 15.0, 30.0)
 
@@ -120,7 +117,7 @@ class Replicator:
         # The newest step complete on every rank; alone, that is simply our newest.
         self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
         self.ram_short = ram_short  # RAM is short: steps a spill tier holds may leave it
-        self._last_write = last_write
+        self.pacing = Pacing(last_write)  # the job's writes go first
         self.steps = steps
         self.tiers = list(tiers)
         self._limiter = trio.CapacityLimiter(BUILD_THREADS)
@@ -251,7 +248,7 @@ class Replicator:
             """Put the step on ``tier``; if it fails, the next candidate takes its place."""
             nonlocal pushed
             try:
-                put = await put_step(tier, manifest, where, self.yield_to_writers, progress,
+                put = await put_step(tier, manifest, where, self.pacing.yield_to_writers, progress,
                                      seal_with=self.cfg.manifest_keys)
                 early_bytes = sent_early.get(tier.name, 0)  # found there by the put, but sent by this node
                 put.sent_bytes, put.stored_bytes = put.sent_bytes + early_bytes, put.stored_bytes + early_bytes
@@ -336,7 +333,7 @@ class Replicator:
         if not early:
             return await self._manifest_for(state), {}
         return await self._feeds.alongside(
-            lambda: self._manifest_for(state), state.step, state.version, early, self.yield_to_writers,
+            lambda: self._manifest_for(state), state.step, state.version, early, self.pacing.yield_to_writers,
             built=lambda: self._manifests.get(state.step, (None,))[0] == state.version)
 
     async def _manifest_for(self, state: StepState) -> Manifest:
@@ -374,11 +371,12 @@ class Replicator:
             for _ in range(5):
                 detaches = snapshots.detaches
                 try:
-                    manifest = await self._io(
-                        lambda: build(
+                    manifest = await self.pacing.in_thread(
+                        lambda pace: build(
                             tree, list(state.roots), job=self.cfg.job, rank=self.cfg.rank, step=state.step,
-                            chunk_size=cs, known=self._hashed, hashed=hashed, pace=self.defer_to_writers,
-                        )
+                            chunk_size=cs, known=self._hashed, hashed=hashed, pace=pace,
+                        ),
+                        self._limiter,
                     )
                 except ManifestError:
                     if snapshots.detaches == detaches:
@@ -407,24 +405,6 @@ class Replicator:
             for _, manifest in self._manifests.values()
             for h, (path, offset, length) in self.chunk_locations(manifest).items()
         }
-
-    async def yield_to_writers(self) -> None:
-        """Wait (at most MAX_DEFER) until the job has not written for WRITER_QUIET seconds."""
-        deadline = time.monotonic() + MAX_DEFER
-        while (wait := self._until_quiet(deadline)) > 0:
-            await trio.sleep(wait)
-
-    def defer_to_writers(self) -> None:
-        """:meth:`yield_to_writers` for a worker thread: hashing a step gives way to the job's
-        writes too, since a checkpoint written right after a commit meets that hashing first."""
-        deadline = time.monotonic() + MAX_DEFER
-        while (wait := self._until_quiet(deadline)) > 0:
-            time.sleep(wait)
-
-    def _until_quiet(self, deadline: float) -> float:
-        """Seconds until the job may have paused its writes (0: it has, or the deferral is over)."""
-        now = time.monotonic()
-        return 0.0 if now >= deadline else min(max(0.0, WRITER_QUIET - (now - self._last_write())), deadline - now)
 
     async def _io(self, fn, *args):
         return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)

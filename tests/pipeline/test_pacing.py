@@ -10,11 +10,12 @@ import os
 import time
 from pathlib import Path
 
+import pytest
 import trio
 
 from tierfs.config import Config
 from tierfs.core.describe import HASH_THREADS
-from tierfs.pipeline.pacing import MAX_DEFER
+from tierfs.pipeline.pacing import MAX_DEFER, Pacing
 from tierfs.pipeline.replicator import Replicator
 from tierfs.ramtier.layout import RankDir
 from tierfs.ramtier.snapshots import Snapshots
@@ -79,3 +80,13 @@ async def test_a_cancelled_hashing_stops_waiting_for_the_jobs_writes(tmp_path):
     waited = time.monotonic() - cancelled
     # Giving way to the writes to the end would take at least one MAX_DEFER per chunk and thread.
     assert waited < chunks / HASH_THREADS * MAX_DEFER / 4, f"the cancelled hashing went on for {waited:.1f} s"
+
+
+async def test_what_the_thread_raises_is_raised_as_itself():
+    """Callers tell a step no manifest can describe by the error's own type, never by a group."""
+    def refuse(pace):
+        pace()
+        raise ValueError("no manifest can describe it")
+
+    with pytest.raises(ValueError, match="no manifest"):
+        await Pacing(lambda: 0.0).in_thread(refuse, trio.CapacityLimiter(1))

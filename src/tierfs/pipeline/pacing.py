@@ -51,12 +51,18 @@ class Pacing:
             finally:
                 stopping.set()
 
+        failure: Exception | None = None
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop_when_cancelled)
             try:
-                return await trio.to_thread.run_sync(fn, pace, limiter=limiter)
+                result = await trio.to_thread.run_sync(fn, pace, limiter=limiter)
+            except Exception as e:  # raised below, outside the nursery: as itself, not in a group
+                failure = e
             finally:
                 nursery.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+        return result
 
     def _until_quiet(self, deadline: float) -> float:
         """Seconds until the job may have paused its writes (0: it has, or the deferral is over)."""

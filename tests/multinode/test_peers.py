@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,30 @@ def test_replication_waits_for_a_peer_and_never_blocks_the_writer(cluster):
     c.start(1)
     rep = wait_for(lambda: replicated(c, 0, 1), 60, "replication once the peer is up")
     assert rep["peers"] == [c.nodes[1].address]
+
+
+def test_a_job_that_logs_all_the_time_does_not_hold_replication_back(cluster):
+    c = cluster(2, replicas=1, capacity="256M", chunk_size="1M")
+    c.start_all()
+    mnt = c.nodes[0].mountpoint
+    stop = threading.Event()
+
+    def log() -> None:  # a training loop's log: a line every 10 ms, for as long as the test runs
+        with open(mnt / "train.log", "ab", buffering=0) as f:
+            while not stop.wait(0.01):
+                f.write(b"step 7 loss 0.25\n")
+
+    logger = threading.Thread(target=log)
+    logger.start()
+    try:
+        # 24 chunks in one file: hashed and sent one per second if each gave way to the log
+        commit_step(mnt, 7, {"shard": os.urandom(24 * MiB)})
+        rep = wait_for(lambda: replicated(c, 0, 7), 12, "replication beside a job that keeps logging")
+    finally:
+        stop.set()
+        logger.join()
+    assert rep["peers"] == [c.nodes[1].address] and rep["sent_bytes"] == 24 * MiB
+    assert (mnt / "train.log").stat().st_size > 0
 
 
 def test_data_parallel_twins_replicate_by_hash_comparison(cluster):

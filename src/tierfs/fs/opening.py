@@ -166,6 +166,7 @@ class Opening(Volume):
         if self._passes_through(ino, node, fd, drops_privs):
             self.counters["passthrough_opens"] += 1
             if accmode != os.O_RDONLY:
+                self.writing.watch(fd, st or os.fstat(fd))
                 self._passthrough_writers.add(fd)
             return fi
         if drops_privs:

@@ -46,7 +46,6 @@ import errno
 import fcntl
 import logging
 import os
-import time
 from typing import Callable
 
 import pyfuse3
@@ -174,7 +173,7 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         if fh in self._direct:  # the kernel's cached pages of the file may be stale now
             self.inodes[ino].cache_valid = False
         self.counters["bytes_written"] += n
-        self._last_write = time.monotonic()
+        self.writing.wrote(n)
 
     def _drop_privs(self, fh: int) -> None:
         if fh in self._kill_privs:
@@ -214,9 +213,8 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
             # The kernel wrote it itself, and never mixes that with daemon writes on one
             # inode: nothing can be queued for it. Account what it wrote now.
             self._passthrough_writers.discard(fh)
-            self._seen.pop(fh, None)
-            self._last_write = time.monotonic()
             st = os.fstat(fh)
+            self.writing.unwatch(fh, st)
             self.space.update(st)
         else:
             self.writes_done(self._files[fh])
@@ -286,7 +284,7 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
             drop_privs(f"/proc/self/fd/{fh}")
         node.cache_valid = False
         self.space.update(os.fstat(fh))
-        self._last_write = time.monotonic()
+        self.writing.wrote(0 if mode & linux.FALLOC_FL_PUNCH_HOLE else length)  # allocating costs as writing does
 
     @errors_to_fuse
     async def lseek(self, fh: int, offset: int, whence: int) -> int:

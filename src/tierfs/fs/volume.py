@@ -16,7 +16,6 @@ import functools
 import logging
 import os
 import stat
-import time
 from typing import Callable, Protocol
 
 import pyfuse3
@@ -24,6 +23,7 @@ import pyfuse3
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.inodes import Inode, InodeTable
 from tierfs.fs.writebehind import WriteBehind
+from tierfs.fs.writing import Writing
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.space import SpaceAccount
 
@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 # Every change goes through this daemon, so the kernel may cache names and attributes;
 # writes, renames and unlinks invalidate what they touch in the kernel itself.
 ATTR_TIMEOUT = 1.0
-SAMPLE_WRITERS = 0.01  # seconds between looks at the files passthrough writers have open
 _NS = 1_000_000_000
 ACL_ACCESS, ACL_DEFAULT = b"system.posix_acl_access", b"system.posix_acl_default"
 ACL_NAMES = (ACL_ACCESS, ACL_DEFAULT)
@@ -111,30 +110,13 @@ class Volume:
         self._read_buf = memoryview(bytearray(1 << 20))
         self._passthrough_writers: set[int] = set()  # fhs open for writing by passthrough
         self.counters = {"bytes_written": 0, "bytes_read": 0, "opens": 0, "passthrough_opens": 0}
-        self._last_write = 0.0
-        self._sampled = 0.0  # when the passthrough writers' files were last looked at
-        self._seen: dict[int, tuple[int, int]] = {}  # passthrough writer fh -> (size, mtime) then
+        self.writing = Writing()  # what background work gives way to
 
     @property
     def last_write(self) -> float:
-        """time.monotonic() of the job's latest write: background work gives way to writers.
-
-        Passthrough writes never reach the daemon, so the files open for them are looked at
-        (at most every :data:`SAMPLE_WRITERS` seconds, from any thread): a change of size or
-        mtime since the last look is a write now. A file merely held open (a log, a writer
-        that has finished but not closed) holds nothing back.
-        """
-        if self._passthrough_writers and (now := time.monotonic()) - self._sampled >= SAMPLE_WRITERS:
-            self._sampled = now
-            for fd in list(self._passthrough_writers):
-                try:
-                    st = os.fstat(fd)
-                except OSError:
-                    continue  # closed meanwhile
-                if self._seen.get(fd) != (seen := (st.st_size, st.st_mtime_ns)):
-                    self._seen[fd] = seen
-                    self._last_write = now
-        return self._last_write
+        """time.monotonic() when the job was last writing in bulk: background work gives way
+        to it (:mod:`tierfs.fs.writing`)."""
+        return self.writing.last
 
     # -- attributes as the kernel gets them ------------------------------------------------
 

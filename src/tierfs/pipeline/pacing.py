@@ -1,10 +1,11 @@
 """The job's writes go first: background work waits for a pause in them.
 
 Replication, backups and the hashing of a committed step share the node's cores with the
-training job. Before each chunk they send or read, they wait until the mount has seen no
-write for :data:`WRITER_QUIET`, at most :data:`MAX_DEFER` per chunk: a checkpoint being
+training job. Before each chunk they send or read, they wait until the job has not been
+writing for :data:`WRITER_QUIET`, at most :data:`MAX_DEFER` per chunk: a checkpoint being
 written gets the CPU, and background work still progresses during a long write. What
-counts as a write is the mount's to say (``last_write``, :attr:`tierfs.fs.volume.Volume.last_write`).
+counts as writing is the mount's to say (``last_write``, :mod:`tierfs.fs.writing`): bulk
+writes, not a log line.
 """
 
 from __future__ import annotations

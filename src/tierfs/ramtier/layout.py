@@ -42,6 +42,7 @@ class RankDir:
         self.path = path
         self.tree = path / "tree"
         self._lock_fd: int | None = None
+        self._folios: tuple[int, bool] | None = None  # (device of the tree, large folios), as last looked up
 
     @contextlib.contextmanager
     def _as_user_errors(self):
@@ -136,5 +137,12 @@ class RankDir:
         return linux.fs_magic(self.tree) == linux.TMPFS_MAGIC
 
     def large_folios(self) -> bool:
-        """Whether the tmpfs holding the tree stores files in large folios."""
-        return mounts.large_folios(self.tree) is not None
+        """Whether the tmpfs holding the tree stores files in large folios.
+
+        Asked by every status; the mount table is read again only when the tree's device
+        changed (on a node with many pods it is thousands of lines).
+        """
+        dev = os.stat(self.tree).st_dev
+        if self._folios is None or self._folios[0] != dev:
+            self._folios = dev, mounts.large_folios(self.tree) is not None
+        return self._folios[1]

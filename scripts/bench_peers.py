@@ -38,6 +38,11 @@ retained, share the RAM. A step is the size's bytes of fresh random data in ``--
    installed, else a built-in writer), (a) alone and (b) started right after committing a
    step of the size; recorded: whether its replication ran over the write and how much of the
    step the peer held by the write's end. Target: (b) / (a) >= 0.95.
+4. A job's log (``--parts log``): 2 nodes, ``--replicas 1``, ``--peer-tls on``, a fresh cluster
+   for each side. A step's replication timed as in 1a (commit to on the peer) while a thread
+   appends a log line to a file in node 0's mount every 10 ms, against the same without it;
+   which goes first alternates per round. Background work gives way to the job's bulk writes,
+   not to its log lines. Target: with / without >= 0.95.
 
 Memory (the VM has 24 GiB, shared): at 4 GiB the copy part peaks at 16 GiB (the staged
 step, node 0's step, its replica and the baseline's received files); the holders part holds
@@ -74,6 +79,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -87,14 +93,35 @@ from tierfs.core.errors import UserError  # noqa: E402 (a daemon gone mid-run: o
 MiB, GiB = 1 << 20, 1 << 30
 NODE0, PEER = "127.0.0.2", "127.0.0.3"
 STEP = 10
-PARTS = ("copy", "holders", "writes")
+PARTS = ("copy", "holders", "writes", "log")
 TLS_NAMES = {"on": "TLS", "off": "in clear"}
-TARGETS = {"on": 0.7, "off": 0.9, "writes": 0.95}
+TARGETS = {"on": 0.7, "off": 0.9, "writes": 0.95, "log": 0.95}
+LOG_EVERY = 0.01  # how often the log part's job appends a line, as a training loop's logger may
 RESTART_WAIT = "1s"  # a node restarted while node 0 is down waits this long for it
 TIMEOUT = 600.0
 
 
 # ----------------------------------------------------------------------------- writes
+
+@contextlib.contextmanager
+def job_log(path: Path):
+    """A thread appending a log line to ``path`` every LOG_EVERY seconds while the block runs; yields [lines]."""
+    stop, lines = threading.Event(), [0]
+
+    def log() -> None:
+        with open(path, "ab", buffering=0) as f:
+            while not stop.wait(LOG_EVERY):
+                f.write(b"step 10 loss 0.2500 lr 3.0e-04\n")
+                lines[0] += 1
+
+    thread = threading.Thread(target=log, daemon=True)
+    thread.start()
+    try:
+        yield lines
+    finally:
+        stop.set()
+        thread.join()
+
 
 def write_file(path: str, size: int, buf: memoryview) -> dict:
     """Sequential 1 MiB writes of a fresh file; start/end in time.time(), to compare with the daemon's."""
@@ -348,6 +375,19 @@ class Bench:
             out["peer_held"] = self.fetch(c.nodes[1].mountpoint)["replicas_held"]
         return out
 
+    def log(self, rnd: int, size: int) -> dict:
+        """A step's replication while the job logs a line every LOG_EVERY seconds, and while it does not."""
+        out: dict = {}
+        for logging in (True, False) if rnd % 2 == 0 else (False, True):
+            key = "logging" if logging else "quiet"
+            with self.cluster("log", 2, size, replicas=1, peer_tls="on") as c:
+                mnt = c.nodes[0].mountpoint
+                make_files(mnt / "ckpt" / f"{STEP}.orbax-checkpoint-tmp", size, self.args.files)
+                with job_log(mnt / "train.log") if logging else contextlib.nullcontext([0]) as lines:
+                    out[key] = self.replicate(c, STEP, size)
+                out[key]["log_lines"] = lines[0]
+        return out
+
     def round(self, rnd: int, size: int) -> dict:
         args, out = self.args, {"round": rnd}
         if "copy" in args.parts:
@@ -362,6 +402,8 @@ class Bench:
             out["holders"] = self.holders(rnd, size)
         if "writes" in args.parts:
             out["writes"] = self.writes(rnd, size)
+        if "log" in args.parts:
+            out["log"] = self.log(rnd, size)
         return out
 
 
@@ -380,6 +422,10 @@ def round_line(r: dict) -> str:
         w = r["writes"]
         parts.append(f"write {mib(w['write_replicating'])} replicating vs {mib(w['write_alone'])} alone "
                      f"({w['write_replicating']['sent_during']:.0%} of the step sent meanwhile)")
+    if "log" in r:
+        lg = r["log"]
+        parts.append(f"replicate {mib(lg['logging'], 'seen_s')} with the job logging vs {mib(lg['quiet'], 'seen_s')} "
+                     "without")
     return " MiB/s; ".join(parts) + " MiB/s"
 
 
@@ -437,6 +483,14 @@ def summarize(raw: list[dict]) -> dict:
                          "repl_seconds": med(x["repl_seconds"] for x in w),
                          "cpu_alone": cpu([x["write_alone"] for x in ws]), "cpu_replicating": cpu(w)}
         out["writes"]["ratio"] = out["writes"]["replicating_mib_s"] / out["writes"]["alone_mib_s"]
+    if "log" in raw[0]:
+        ls = [r["log"] for r in raw]
+        lg = {"quiet_mib_s": mib_s([x["quiet"] for x in ls], "seen_s"),
+              "logging_mib_s": mib_s([x["logging"] for x in ls], "seen_s"), "target": TARGETS["log"],
+              "lines": med(x["logging"]["log_lines"] for x in ls),
+              "cpu_quiet": cpu([x["quiet"] for x in ls]), "cpu_logging": cpu([x["logging"] for x in ls])}
+        lg["ratio"] = lg["logging_mib_s"] / lg["quiet_mib_s"]
+        out["log"] = lg
     return out
 
 
@@ -473,6 +527,12 @@ def render(summaries: dict[int, dict]) -> str:
             body.append((label, "writes while replicating (baseline: alone), TLS", f"{w['alone_mib_s']:.0f}",
                          f"{w['replicating_mib_s']:.0f}", f"{w['ratio']:.2f}", target_cell(w["ratio"], w["target"]),
                          "", ""))
+        if "log" in s:
+            lg = s["log"]
+            body.append((label, "replication while the job logs every 10 ms (baseline: not logging), TLS",
+                         f"{lg['quiet_mib_s']:.0f}", f"{lg['logging_mib_s']:.0f}", f"{lg['ratio']:.2f}",
+                         target_cell(lg["ratio"], lg["target"]), cpu_cell(lg["cpu_logging"]),
+                         cpu_cell(lg["cpu_quiet"])))
         notes.append(f"# {label}:")
         if s["rows"]:
             notes.append("#   daemon's own time (replicas.seconds / restored.seconds) / plain copy: " + ", ".join(
@@ -498,10 +558,13 @@ def render(summaries: dict[int, dict]) -> str:
                          f"{w['sent_during']:.0%} of the step by the write's end; it took {w['repl_seconds']:.1f} s; "
                          "CPU-s/GiB writer / node 0 / peer: alone " + cpu_cell(w["cpu_alone"], WRITE_CPU)
                          + ", replicating " + cpu_cell(w["cpu_replicating"], WRITE_CPU))
+        if "log" in s:
+            notes.append(f"#   log: the job appended a median {s['log']['lines']:.0f} lines over the warm-up, the "
+                         "commit and the replication")
     lines = [render_table(head, body, left=2),
              "# ratio = tierfs / baseline MiB/s (medians); targets are printed, not asserted. Baselines: the plain "
              "sendfile -> recv_into+write copy 127.0.0.2 -> 127.0.0.3 (restore: back) in the same part; the restore "
-             "from one holder; the same write with nothing replicating",
+             "from one holder; the same write with nothing replicating; the same replication with the job not logging",
              "# CPU-s per GiB: sender / receiver (restore: serving peers / the new daemon, start-up included; "
              "baseline: the plain copy's processes)", *notes]
     return "\n".join(lines)
@@ -520,6 +583,8 @@ def plot(path: str, summaries: dict[int, dict], title: str) -> str | None:
             bars.append((f"{label} restore, two peers / one", s["holders"]["ratio"], None))
         if "writes" in s:
             bars.append((f"{label} writes replicating / alone", s["writes"]["ratio"], s["writes"]["target"]))
+        if "log" in s:
+            bars.append((f"{label} replication, job logging / not", s["log"]["ratio"], s["log"]["target"]))
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.4))
     ys = range(len(bars))[::-1]
     colors = ["tab:green" if t is not None and r >= t else "tab:red" if t is not None else "tab:blue"
@@ -540,7 +605,8 @@ def plot(path: str, summaries: dict[int, dict], title: str) -> str | None:
 def main() -> int:
     p = argparse.ArgumentParser(description="Peer replication and restore, with TLS and in clear, against a plain "
                                             "socket copy; restore from two peers against one; writes during "
-                                            "replication (medians of alternating rounds).")
+                                            "replication; replication beside a job's log (medians of alternating "
+                                            "rounds).")
     p.add_argument("--sizes", "--size", type=parse_sizes, help="checkpoint bytes per step, comma-separated: one "
                    "row of every part per size (default 1G,4G)")
     p.add_argument("--files", type=int, default=16, help="files per checkpoint (default 16)")
@@ -585,7 +651,7 @@ def main() -> int:
               f"# sizes {', '.join(map(size_label, args.sizes))} in {args.files} files per step, {args.rounds} rounds "
               f"each; parts {', '.join(args.parts)}; copy: 2 nodes, --replicas 1, --peer-tls "
               f"{' and '.join(args.peer_tls)}; holders: 3 nodes, --replicas 2, TLS; writes: 2 nodes, TLS, writer "
-              f"{writer}; a fresh cluster per part; medians", flush=True)
+              f"{writer}; log: 2 nodes, TLS, a line every {LOG_EVERY * 1000:.0f} ms; a fresh cluster per part; medians", flush=True)
         raw: dict[int, list[dict]] = {}
         for size in args.sizes:
             for rnd in range(args.rounds):

@@ -27,6 +27,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+# This checkout's tierfs, in the script and in every process it starts (daemons run as
+# ``python -m tierfs``): a benchmark run from a second checkout measures that checkout's
+# code, not whichever one the virtualenv was installed from.
+SRC_DIR = Path(__file__).resolve().parent.parent / "src"
+if SRC_DIR.is_dir():
+    sys.path.insert(0, str(SRC_DIR))
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC_DIR), os.environ.get("PYTHONPATH")) if p)
+
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -323,15 +331,9 @@ def warm_up(path: str, size: int, buf: memoryview, writers: int | None = None) -
 
 # ----------------------------------------------------------------------------- a tierfs volume
 
-SRC_DIR = Path(__file__).resolve().parent.parent / "src"
-
-
 def tierfs_env(runtime: str | os.PathLike) -> dict[str, str]:
-    """The environment for the tierfs CLI: this checkout's code first, a daemon registry of our own."""
-    env = dict(os.environ, TIERFS_RUNTIME_DIR=str(runtime))
-    if SRC_DIR.is_dir():
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC_DIR), os.environ.get("PYTHONPATH")) if p)
-    return env
+    """The environment for the tierfs CLI: this checkout's code first (see SRC_DIR), a daemon registry of our own."""
+    return dict(os.environ, TIERFS_RUNTIME_DIR=str(runtime))
 
 
 def last_line(text: str) -> str:

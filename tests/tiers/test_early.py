@@ -102,3 +102,52 @@ async def test_a_tier_that_fails_only_ends_its_head_start(subject, files, tmp_pa
     result, sent = await feeds.alongside(build, 5, 4, [subject.tier], no_pause, built=lambda: False)
     assert result == "the manifest" and sent == {}
     assert not (await subject.tier.has_chunks([h]))[0]
+
+
+class Gated:
+    """The real tier, with each put held at a gate once it has started: how many are in flight shows."""
+
+    def __init__(self, tier):
+        self.tier, self.name, self.concurrency = tier, tier.name, tier.concurrency
+        self.in_flight = self.most = 0
+        self.gate = trio.Event()
+
+    async def has_chunks(self, hashes):
+        return await self.tier.has_chunks(hashes)
+
+    async def put_chunk(self, h, path, offset, length):
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        try:
+            await self.gate.wait()
+            return await self.tier.put_chunk(h, path, offset, length)
+        finally:
+            self.in_flight -= 1
+
+
+async def test_files_hashed_one_at_a_time_keep_every_worker_busy(subject, files):
+    """A step of many small files publishes one chunk at a time: each is put while the others are in flight."""
+    feeds, gated = Feeds(), Gated(subject.tier)
+    places = chunk_files(files, gated.concurrency + 2)
+
+    async def build() -> str:
+        feed = feeds.begin(5, 5)
+        try:
+            for n, place in enumerate(places[:gated.concurrency], 1):
+                feed.add([place])
+                with trio.fail_after(10):  # its put starts while the ones before it are still under way
+                    while gated.in_flight < n:
+                        await trio.sleep(0.01)
+            feed.add(places[gated.concurrency:])  # queued behind the busy workers
+            gated.gate.set()
+            with trio.fail_after(10):
+                while not all(await subject.tier.has_chunks([h for h, _ in places])):
+                    await trio.sleep(0.01)
+            return "the manifest"
+        finally:
+            gated.gate.set()  # also when a check above failed: nothing is left waiting at the gate
+            feed.close()
+
+    result, sent = await feeds.alongside(build, 5, 5, [gated], no_pause, built=lambda: False)
+    assert result == "the manifest" and gated.most == gated.concurrency
+    assert sent == {gated.name: sum(length for _, (_, _, length) in places)}

@@ -16,6 +16,7 @@ replicated that is not.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -45,13 +46,14 @@ class StepFeed:
             if h not in self.places:
                 self.places[h] = where
                 self.order.append(h)
-        self._wake()
+        self.wake()
 
     def close(self) -> None:
         self.done = True
-        self._wake()
+        self.wake()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
+        """Wake whoever waits for the feed to grow (to look again at what it waits for)."""
         self.grew.set()
         self.grew = trio.Event()
 
@@ -59,42 +61,57 @@ class StepFeed:
 async def send_early(feed: StepFeed, tiers: list[Tier], pace: Callable[[], Awaitable[None]]) -> dict[str, int]:
     """Put the feed's chunks on ``tiers`` (in parallel) until the build ends; bytes sent, by tier name.
 
-    Never raises: a tier that fails is left alone here, and the lane's own put finds out.
+    For each tier, one task asks which of the chunks published since its last question the
+    tier lacks, and ``tier.concurrency`` workers put those, each taking the next as soon as
+    it is done: files hashed one at a time (a step of many small files) keep every worker
+    busy instead of going one chunk, and one question, at a time. Never raises: a tier that
+    fails is left alone here, and the lane's own put finds out.
     """
     sent: dict[str, int] = {}
 
     async def one(tier: Tier) -> None:
-        offered, failed = 0, False
+        stopped = False  # the tier failed: its head start ends
+        lacking_in, lacking = trio.open_memory_channel(math.inf)
 
-        async def worker(todo) -> None:
-            nonlocal failed
-            for h in todo:
-                if feed.done or failed:
+        async def ask() -> None:
+            nonlocal stopped
+            offered = 0
+            async with lacking_in:
+                while not (feed.done or stopped):
+                    batch = feed.order[offered:]
+                    if not batch:
+                        await feed.grew.wait()
+                        continue
+                    offered += len(batch)
+                    try:
+                        held = await tier.has_chunks(batch)
+                    except TierError as e:
+                        stopped = True
+                        log.debug("step %d: early chunks to %s stopped: %s", feed.step, tier.name, e)
+                        return
+                    for h, there in zip(batch, held):
+                        if not there:
+                            lacking_in.send_nowait(h)
+
+        async def put() -> None:
+            nonlocal stopped
+            async for h in lacking:
+                if feed.done or stopped:
                     return
                 await pace()
                 try:
-                    put = await tier.put_chunk(h, *feed.places[h])
+                    done = await tier.put_chunk(h, *feed.places[h])
                 except TierError as e:
-                    failed = True
+                    stopped = True
+                    feed.wake()  # the question asked next would be for nothing
                     log.debug("step %d: early chunks to %s stopped: %s", feed.step, tier.name, e)
                     return
-                sent[tier.name] = sent.get(tier.name, 0) + put.sent
+                sent[tier.name] = sent.get(tier.name, 0) + done.sent
 
-        while not (feed.done or failed):
-            batch = feed.order[offered:]
-            if not batch:
-                await feed.grew.wait()
-                continue
-            offered += len(batch)
-            try:
-                held = await tier.has_chunks(batch)
-            except TierError as e:
-                log.debug("step %d: early chunks to %s stopped: %s", feed.step, tier.name, e)
-                return
-            todo = iter([h for h, there in zip(batch, held) if not there])
-            async with trio.open_nursery() as nursery:
-                for _ in range(tier.concurrency):
-                    nursery.start_soon(worker, todo)
+        async with lacking, trio.open_nursery() as nursery:
+            nursery.start_soon(ask)
+            for _ in range(tier.concurrency):
+                nursery.start_soon(put)
 
     async with trio.open_nursery() as nursery:
         for tier in tiers:

@@ -365,7 +365,10 @@ class Replicator:
 
         def hashed(rel: str, size: int, hashes: list[str]) -> None:  # in a hashing thread
             places = [(h, (str(tree / rel), i * cs, min(cs, size - i * cs))) for i, h in enumerate(hashes)]
-            trio.from_thread.run_sync(feed.add, places, trio_token=token)
+            # Handed over, not waited for: the hashing goes on while the loop is busy (with
+            # many small files, waiting for it at every file took longer than the hashing).
+            # The loop runs these in order, and all of them before it hears the build ended.
+            token.run_sync_soon(feed.add, places)
 
         try:
             for _ in range(5):

@@ -25,7 +25,7 @@ MAX_DEFER = 1.0
 
 class Pacing:
     def __init__(self, last_write: Callable[[], float]):
-        self._last_write = last_write  # time.monotonic() of the job's latest write
+        self._last_write = last_write  # time.monotonic() when the job was last writing in bulk
 
     async def yield_to_writers(self) -> None:
         """Wait (at most MAX_DEFER) until the job has not written for WRITER_QUIET seconds."""

@@ -409,9 +409,6 @@ class Replicator:
             for h, (path, offset, length) in self.chunk_locations(manifest).items()
         }
 
-    async def _io(self, fn, *args):
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-
     # -- local retention -------------------------------------------------------------------
 
     def _save(self, state: StepState) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from tests import helpers
 from tierfs.core.chunks import chunk_hash
@@ -315,6 +316,85 @@ async def test_a_ram_tier_that_fills_mid_chunk_answers_no_space_and_stays_in_ste
         await client.put_chunk(small, source, 0, CS)  # the same connection
         assert await client.have([big, small]) == [False, True]
     assert [p.name for p in node.files()] == [small]  # the partial chunk's file is gone
+
+
+# -- many chunks in one request -------------------------------------------------------------
+
+
+def chunks_of(path: Path, sizes: list[int], seed: int) -> list[tuple[str, Path, int, int]]:
+    """Chunks of the given sizes, back to back in one new file: ``(hash, path, offset, length)``."""
+    data = randbytes(sum(sizes), seed)
+    path.write_bytes(data)
+    out, at = [], 0
+    for n in sizes:
+        out.append((chunk_hash(data[at : at + n]), path, at, n))
+        at += n
+    return out
+
+
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+async def test_many_chunks_go_in_one_request_and_each_is_stored(nursery, tmp_path, sealed):
+    channel = peer_tls.from_secret(JOB, SECRET) if sealed else None
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", tls=channel)
+    # Small ones moved on the loop, and a batch large enough for a worker thread; one empty chunk.
+    chunks = chunks_of(tmp_path / "a", [1000, 0, CS, 3 * CS + 7], 12) + chunks_of(tmp_path / "b", [2 << 20], 13)
+    async with await node.connect(tls=channel) as client:
+        await client.put_chunks(chunks[:2])
+        await client.put_chunks(chunks)  # the first two again: harmless duplicates
+        assert await client.have([h for h, *_ in chunks]) == [True] * len(chunks)
+        for h, path, offset, length in chunks:
+            assert await client.fetch_chunk(h, length) == read_range((str(path), offset, length))
+    assert sorted(p.name for p in node.files()) == sorted({h for h, *_ in chunks})
+
+
+async def test_a_bad_chunk_in_a_batch_is_refused_and_the_others_are_stored(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    chunks = chunks_of(tmp_path / "src", [CS, CS, CS], 14)
+    liar = (chunk_hash(b"something else"), *chunks[1][1:])
+    async with await node.connect() as client:
+        with pytest.raises(PeerError, match="hash mismatch"):
+            await client.put_chunks([chunks[0], liar, chunks[2]])
+        assert await client.have([chunks[0][0], liar[0], chunks[2][0]]) == [True, False, True]  # in step
+    assert sorted(p.name for p in node.files()) == sorted([chunks[0][0], chunks[2][0]])
+
+
+async def test_a_batch_past_the_space_stores_what_fits_and_answers_no_space(nursery, tmp_path):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", capacity=CS + CS // 2)
+    chunks = chunks_of(tmp_path / "src", [CS, CS, 100], 15)
+    async with await node.connect() as client:
+        with pytest.raises(NoSpace):
+            await client.put_chunks(chunks)
+        assert await client.have([h for h, *_ in chunks]) == [True, False, True]
+    assert node.space.used <= node.space.capacity and len(node.files()) == 2
+
+
+async def test_a_client_refuses_a_batch_no_peer_takes(tmp_path):
+    client = PeerClient(trio.testing.memory_stream_pair()[0], ("127.0.0.2", 1), 1.0)
+    one = chunks_of(tmp_path / "src", [10], 16)[0]
+    for chunks in ([], [one] * (wire.MAX_BATCH + 1), [one[:3] + (wire.MAX_CHUNK + 1,)],
+                   [one[:3] + (wire.MAX_CHUNK,), one]):
+        with pytest.raises(ValueError):
+            await client.put_chunks(chunks)
+
+
+@pytest.mark.parametrize("header", [
+    {"chunks": "all of them", "len": 1},
+    {"chunks": [], "len": 1},
+    {"chunks": [[chunk_hash(b"x"), 1]] * (wire.MAX_BATCH + 1), "len": wire.MAX_BATCH + 1},
+    {"chunks": [[chunk_hash(b"x"), 1], ["not-a-hash", 1]], "len": 2},
+    {"chunks": [[chunk_hash(b"x"), -1]], "len": 1},
+    {"chunks": [[chunk_hash(b"x"), 1, "extra"]], "len": 1},
+    {"chunks": [[chunk_hash(b"x"), 2]], "len": 1},  # the body's length is not the chunks'
+    {"chunks": [[chunk_hash(b"x"), 40 << 20], [chunk_hash(b"y"), 40 << 20]], "len": 80 << 20},  # over the cap
+], ids=["not a list", "empty", "too many", "bad hash", "negative", "not a pair", "length mismatch", "too large"])
+async def test_a_malformed_batch_is_refused_before_its_body_is_read(nursery, tmp_path, header):
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    async with await trio.open_tcp_stream(*node.address) as s:
+        await wire.client_handshake(s, job=JOB, secret=SECRET)
+        await s.send_all(wire.encode_header({"op": "put_chunks", **header}) + b"x")
+        answer = await read_until_closed(s)  # answered, then closed
+    assert b'"error"' in answer and b"put_chunks" in answer
+    assert node.files() == [] and node.space.used == 0
 
 
 # -- manifests ------------------------------------------------------------------------------

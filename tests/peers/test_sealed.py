@@ -152,6 +152,20 @@ async def test_a_record_sealed_for_another_chunk_is_refused_and_nothing_is_store
     await still_serving(node)
 
 
+async def test_bodies_of_a_batch_in_each_other_s_places_are_refused_and_nothing_is_stored(node):
+    first, second = randbytes(MiB, 4), randbytes(MiB, 5)
+    a, b = chunk_hash(first), chunk_hash(second)
+
+    def swapped(channel: Channel) -> bytes:  # each body sealed for itself, sent in the other's place
+        head = channel.record(wire.encode_header({"op": "put_chunks", "chunks": [[a, MiB], [b, MiB]],
+                                                  "len": 2 * MiB}))
+        return head + body_record(channel, second, b, 0) + body_record(channel, first, a, 0)
+
+    assert b'"ok":true' not in await forge(node, swapped)
+    assert not node.store.has(a) and not node.store.has(b) and not node.files()
+    await still_serving(node)
+
+
 @pytest.mark.parametrize("cut", ["mid-record", "between records"])
 async def test_a_truncated_body_stores_nothing(node, cut):
     data = randbytes(3 * MiB, 3)

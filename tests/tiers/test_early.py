@@ -109,24 +109,28 @@ class Gated:
 
     def __init__(self, tier):
         self.tier, self.name, self.concurrency = tier, tier.name, tier.concurrency
+        self.batch_bytes, self.batch_chunks = tier.batch_bytes, tier.batch_chunks
         self.in_flight = self.most = 0
+        self.sizes: list[int] = []  # chunks per put, in the order the puts started
         self.gate = trio.Event()
 
     async def has_chunks(self, hashes):
         return await self.tier.has_chunks(hashes)
 
-    async def put_chunk(self, h, path, offset, length):
+    async def put_chunks(self, chunks):
         self.in_flight += 1
         self.most = max(self.most, self.in_flight)
+        self.sizes.append(len(chunks))
         try:
             await self.gate.wait()
-            return await self.tier.put_chunk(h, path, offset, length)
+            return await self.tier.put_chunks(chunks)
         finally:
             self.in_flight -= 1
 
 
 async def test_files_hashed_one_at_a_time_keep_every_worker_busy(subject, files):
-    """A step of many small files publishes one chunk at a time: each is put while the others are in flight."""
+    """A step of many small files publishes one chunk at a time: each is put while the others are in flight,
+    and what was published while every worker was busy goes in one request."""
     feeds, gated = Feeds(), Gated(subject.tier)
     places = chunk_files(files, gated.concurrency + 2)
 
@@ -150,4 +154,5 @@ async def test_files_hashed_one_at_a_time_keep_every_worker_busy(subject, files)
 
     result, sent = await feeds.alongside(build, 5, 5, [gated], no_pause, built=lambda: False)
     assert result == "the manifest" and gated.most == gated.concurrency
+    assert gated.sizes == [1] * gated.concurrency + [2]
     assert sent == {gated.name: sum(length for _, (_, _, length) in places)}

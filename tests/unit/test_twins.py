@@ -12,7 +12,7 @@ from collections import Counter
 import pytest
 import trio
 
-from tierfs.tiers.twins import Patience, ShareResult, share, uploader_order
+from tierfs.tiers.twins import Patience, ShareResult, one_by_one, share, uploader_order
 
 MiB = 1 << 20
 BANDWIDTH = 100 * MiB  # bytes/s of one upload
@@ -61,8 +61,8 @@ async def run_twins(chunks: dict[str, int], ranks: list[int], bucket: Bucket, *,
 
     async def twin(rank: int) -> None:
         await trio.sleep(late.get(rank, 0.0))
-        result = await share(chunks, rank, ranks, exists=bucket.exists, upload=bucket.uploader(rank, chunks,
-                             dead.get(rank)), workers=4, patience=PATIENCE)
+        result = await share(chunks, rank, ranks, exists=bucket.exists, upload=one_by_one(bucket.uploader(rank, chunks,
+                             dead.get(rank))), workers=4, patience=PATIENCE)
         missing = set(chunks) - bucket.objects
         assert not missing, f"rank {rank} would write its manifest before {len(missing)} of its chunks are there"
         out[rank] = (result, trio.current_time())
@@ -114,11 +114,11 @@ async def test_four_twins_upload_each_chunk_once_and_all_write_their_manifests(a
 async def test_without_twins_every_chunk_goes_up_at_once_and_nothing_waits(autojump_clock):
     chunks, bucket = step(16), Bucket()
     start = trio.current_time()
-    result = await share(chunks, 5, [], exists=bucket.exists, upload=bucket.uploader(5, chunks), workers=4)
+    result = await share(chunks, 5, [], exists=bucket.exists, upload=one_by_one(bucket.uploader(5, chunks)), workers=4)
     assert bucket.looks == 0 and result.sent_chunks == 16 and result.waited_s == 0
     assert trio.current_time() - start == pytest.approx(4 * (0.01 + 4 * MiB / BANDWIDTH))
     bucket.objects.discard(next(iter(chunks)))
-    again = await share(chunks, 5, [5], exists=bucket.exists, upload=bucket.uploader(5, chunks), workers=4)
+    again = await share(chunks, 5, [5], exists=bucket.exists, upload=one_by_one(bucket.uploader(5, chunks)), workers=4)
     assert (again.sent_chunks, again.found_chunks, again.twin_chunks) == (1, 15, 0)
 
 

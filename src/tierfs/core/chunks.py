@@ -64,6 +64,19 @@ def _codecs() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
         return _local.codecs
 
 
+def scratch(n: int) -> memoryview:
+    """``n`` bytes of this thread's reusable buffer (contents undefined), until its next call.
+
+    A fresh ``bytearray`` is zeroed while holding the GIL and faulted in page by page: for a
+    step of many small files, allocating a chunk-sized buffer per file cost more than
+    reading it. The buffer grows to the largest size asked for in the thread and stays.
+    """
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < n:
+        buf = _local.scratch = bytearray(n)
+    return memoryview(buf)[:n]
+
+
 def _split_planes(data: bytes) -> bytes:
     # Slicing bytes with a step runs in C; a strided memoryview is ten times slower.
     return b"".join(data[i::4] for i in range(4))
@@ -175,13 +188,14 @@ def hash_file(path: str | os.PathLike, chunk_size: int, pace: Callable[[], None]
 
     A chunk that lies wholly in a hole is named without reading it (:func:`zero_hash`), so
     a sparse file costs what it holds, not its size; a chunk that touches data is read
-    whole, holes and all. One buffer is reused for the whole file, so hashing many GiB
-    allocates no buffer per chunk. ``pace()`` is called before each chunk is read: it may
-    wait, so that hashing in the background can give way to the job's own writes.
+    whole, holes and all. The thread's one buffer (:func:`scratch`) is reused, so hashing
+    many GiB, or many files, allocates nothing per chunk or per file. ``pace()`` is called
+    before each chunk is read: it may wait, so that hashing in the background can give way
+    to the job's own writes.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk size must be positive, not {chunk_size}")
-    view = memoryview(bytearray(chunk_size))
+    view = scratch(chunk_size)
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):

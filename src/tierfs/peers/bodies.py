@@ -2,10 +2,11 @@
 
 A body follows its header and is never parsed: it goes into a file, a hash or a buffer in
 pieces of at most :data:`~tierfs.peers.wire.PIECE` bytes, so a transfer holds a piece or two
-in memory whatever its size. A body of more than 64 KiB is moved by a worker thread from
-its first byte to its last, and what is done with each piece (the sink: hashing, ``pwrite``)
-runs in that thread too (:mod:`tierfs.peers.transfer`), so a node receiving from several
-peers at once uses every core and the event loop stays free.
+in memory whatever its size. A body of more than 64 KiB, or the bodies of one request
+together (``put_chunks``: many small chunks back to back), is moved by one worker thread
+from the first byte to the last, and what is done with each piece (the sink: hashing,
+``pwrite``) runs in that thread too (:mod:`tierfs.peers.transfer`), so a node receiving
+from several peers at once uses every core and the event loop stays free.
 
 In clear, a body leaves with ``os.sendfile`` (tmpfs pages straight into the socket). On a
 sealed connection its records carry a label, the chunk's hash and where the range starts
@@ -20,7 +21,7 @@ protocol; callers put whole requests under one deadline.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import trio
@@ -42,28 +43,44 @@ def chunk_label(h: str, offset: int) -> bytes:
 
 async def receive(stream: trio.abc.ReceiveStream, n: int, sink: Sink, label: bytes) -> None:
     """Receive an ``n``-byte body, handing each piece to ``sink`` in order."""
-    failure: Exception | None = None
+    (failure,) = await receive_many(stream, [(n, sink, label)])
+    if failure is not None:
+        raise failure
 
-    def guarded(piece: memoryview, at: int) -> None:
-        nonlocal failure
-        if failure is None:
-            try:
-                sink(piece, at)
-            except Exception as e:  # raised once the body is read: the connection stays in step
-                failure = e
+
+async def receive_many(stream: trio.abc.ReceiveStream, parts: Sequence[tuple[int, Sink, bytes]]
+                       ) -> list[Exception | None]:
+    """Receive bodies back to back, each ``(length, sink, label)``, moved by one worker thread.
+
+    Returns each sink's failure (``None``: it took every piece); every body is read to its
+    end whatever its sink did, so the connection stays in step.
+    """
+    failures: list[Exception | None] = [None] * len(parts)
+
+    def guarded(i: int, sink: Sink) -> Sink:
+        def take(piece: memoryview, at: int) -> None:
+            if failures[i] is None:
+                try:
+                    sink(piece, at)
+                except Exception as e:  # raised once the body is read: the connection stays in step
+                    failures[i] = e
+        return take
 
     sealed = isinstance(stream, SealedStream)
     buffers = [BUFFERS.take() for _ in range(2 if sealed else 1)]  # (records and) opened pieces
+
+    def steps() -> Steps:
+        for i, (n, sink, label) in enumerate(parts):
+            if sealed:
+                yield from stream.body_in(n, guarded(i, sink), label, *buffers)
+            else:
+                yield from _pieces_in(n, guarded(i, sink), memoryview(buffers[0])[:PIECE])
+
     try:
-        if sealed:
-            steps = stream.body_in(n, guarded, label, *buffers)
-        else:
-            steps = _pieces_in(n, guarded, memoryview(buffers[0])[:PIECE])
-        await transfer.run(stream, steps, n)
+        await transfer.run(stream, steps(), sum(n for n, _, _ in parts))
     finally:
         BUFFERS.give(*buffers)
-    if failure is not None:
-        raise failure
+    return failures
 
 
 def _pieces_in(n: int, sink: Sink, view: memoryview) -> Steps:
@@ -73,11 +90,6 @@ def _pieces_in(n: int, sink: Sink, view: memoryview) -> Steps:
         yield Recv(piece)
         sink(piece, done)
         done += len(piece)
-
-
-def _file_out(fd: int, offset: int, count: int) -> Steps:
-    if count:
-        yield SendFile(fd, offset, count)
 
 
 async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None, hasher: Any | None = None,
@@ -127,12 +139,20 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
     A file shorter than ``offset + count`` raises ``EOFError``: a local fault, after which
     the connection is out of step and must be dropped.
     """
+    return await send_files(stream, [(fd, offset, count, label)])
+
+
+async def send_files(stream: trio.abc.SendStream, parts: Sequence[tuple[int, int, int, bytes]]) -> int:
+    """Send file ranges ``(fd, offset, count, label)`` as bodies back to back, by one worker thread; the bytes sent."""
+    size = sum(count for _, _, count, _ in parts)
     if not isinstance(stream, SealedStream):
-        await transfer.run(stream, _file_out(fd, offset, count), count)
-        return count
+        await transfer.run(stream, (SendFile(*part[:3]) for part in parts if part[2]), size)
+        return size
     buffers = [BUFFERS.take(), BUFFERS.take()]
+    steps = (step for fd, offset, count, label in parts
+             for step in stream.body_out(fd, offset, count, label, *buffers))
     try:
-        await transfer.run(stream, stream.body_out(fd, offset, count, label, *buffers), count)
+        await transfer.run(stream, steps, size)
     finally:
         BUFFERS.give(*buffers)
-    return count
+    return size

@@ -30,6 +30,8 @@ from tierfs.peers.sealed import seal
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import (
     HAVE_BATCH,
+    MAX_BATCH,
+    MAX_BATCH_BYTES,
     MAX_CHUNK,
     MAX_MANIFEST,
     NoSpace,
@@ -148,6 +150,36 @@ class PeerClient:
                 reply = await wire.recv_msg(self._stream)
         finally:
             os.close(fd)
+        self._check(reply)
+
+    async def put_chunks(self, chunks: Sequence[tuple[str, str | os.PathLike, int, int]]) -> None:
+        """Send several chunks ``(h, path, offset, length)`` in one request, their bodies back to back.
+
+        One round trip and one worker thread for the lot: a step of many small files costs
+        the requests of a few large ones. The peer stores each chunk that hashes right and
+        has room, then refuses the request if any did not (:class:`NoSpace` if one had no
+        room): the caller puts what is missing again, or gives up.
+        """
+        if not 0 < len(chunks) <= MAX_BATCH:
+            raise ValueError(f"{len(chunks)} chunks in one request: 1 to {MAX_BATCH}")
+        if any(not 0 <= length <= MAX_CHUNK for _, _, _, length in chunks):
+            raise ValueError(f"a chunk of more than {MAX_CHUNK} bytes")
+        if (total := sum(length for _, _, _, length in chunks)) > MAX_BATCH_BYTES:
+            raise ValueError(f"{total} bytes of chunks in one request: at most {MAX_BATCH_BYTES}")
+        fds: dict[str, int] = {}
+        try:
+            for _, path, _, _ in chunks:
+                if os.fspath(path) not in fds:
+                    fds[os.fspath(path)] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            parts = [(fds[os.fspath(path)], offset, length, chunk_label(h, 0)) for h, path, offset, length in chunks]
+            with self._request("put_chunks"):
+                await self._send({"op": "put_chunks", "chunks": [[h, length] for h, _, _, length in chunks],
+                                  "len": total})
+                self.bytes_sent += await bodies.send_files(self._stream, parts)
+                reply = await wire.recv_msg(self._stream)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         self._check(reply)
 
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:

@@ -39,12 +39,14 @@ from tierfs.core import keys
 from tierfs.core.chunks import MAX_CHUNK_SIZE
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
-VERSION = 2  # 2: after TLS, sealed records (tierfs.peers.sealed)
+VERSION = 3  # 2: after TLS, sealed records (tierfs.peers.sealed); 3: put_chunks
 MAX_HEADER = 1 << 20  # an authenticated peer's header
 HELLO_MAX_HEADER = 4096  # before authentication: a stranger gets no big allocation
 PIECE = 1 << 20  # the most body bytes held in memory at once
 MAX_CHUNK = MAX_CHUNK_SIZE  # a chunk body: no chunk is larger than the largest --chunk-size
 MAX_MANIFEST = MAX_MANIFEST_BYTES  # a manifest body
+MAX_BATCH = 256  # chunks per put_chunks request
+MAX_BATCH_BYTES = MAX_CHUNK  # their bodies together: the request's deadline allows for one largest chunk
 MAX_HAVE = 100_000  # hashes per "have" request (the header limit binds first, near 29 000)
 HAVE_BATCH = 25_000  # hashes a client asks about per request: 875 kB, inside MAX_HEADER
 MAX_DEPTH = 8  # lists and objects inside one another in a header; the protocol uses 3

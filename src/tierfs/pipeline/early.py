@@ -23,7 +23,7 @@ from typing import TypeVar
 
 import trio
 
-from tierfs.tiers.base import Location, Tier, TierError
+from tierfs.tiers.base import Location, Tier, TierError, batches
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +62,12 @@ async def send_early(feed: StepFeed, tiers: list[Tier], pace: Callable[[], Await
     """Put the feed's chunks on ``tiers`` (in parallel) until the build ends; bytes sent, by tier name.
 
     For each tier, one task asks which of the chunks published since its last question the
-    tier lacks, and ``tier.concurrency`` workers put those, each taking the next as soon as
-    it is done: files hashed one at a time (a step of many small files) keep every worker
-    busy instead of going one chunk, and one question, at a time. Never raises: a tier that
-    fails is left alone here, and the lane's own put finds out.
+    tier lacks, and ``tier.concurrency`` workers put those, each taking the next batch (as
+    many as the tier takes per request, :func:`~tierfs.tiers.base.batches`) as soon as it is
+    done: files hashed one at a time (a step of many small files) keep every worker busy
+    instead of going one chunk, and one question, at a time, and the chunks published while
+    the workers were busy go many to a request. Never raises: a tier that fails is left
+    alone here, and the lane's own put finds out.
     """
     sent: dict[str, int] = {}
 
@@ -89,24 +91,23 @@ async def send_early(feed: StepFeed, tiers: list[Tier], pace: Callable[[], Await
                         stopped = True
                         log.debug("step %d: early chunks to %s stopped: %s", feed.step, tier.name, e)
                         return
-                    for h, there in zip(batch, held):
-                        if not there:
-                            lacking_in.send_nowait(h)
+                    for hs in batches(tier, [(h, feed.places[h]) for h, there in zip(batch, held) if not there]):
+                        lacking_in.send_nowait(hs)
 
         async def put() -> None:
             nonlocal stopped
-            async for h in lacking:
+            async for hs in lacking:
                 if feed.done or stopped:
                     return
                 await pace()
                 try:
-                    done = await tier.put_chunk(h, *feed.places[h])
+                    done = await tier.put_chunks([(h, feed.places[h]) for h in hs])
                 except TierError as e:
                     stopped = True
                     feed.wake()  # the question asked next would be for nothing
                     log.debug("step %d: early chunks to %s stopped: %s", feed.step, tier.name, e)
                     return
-                sent[tier.name] = sent.get(tier.name, 0) + done.sent
+                sent[tier.name] = sent.get(tier.name, 0) + sum(p.sent for p in done)
 
         async with lacking, trio.open_nursery() as nursery:
             nursery.start_soon(ask)

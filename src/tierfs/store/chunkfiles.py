@@ -21,6 +21,7 @@ from pathlib import Path
 
 import xxhash
 
+from tierfs.core.chunks import scratch
 from tierfs.core.linux import pwrite_all
 from tierfs.peers.wire import PIECE, NoSpace, PeerError
 
@@ -216,7 +217,7 @@ def _identity(st: os.stat_result, offset: int, length: int) -> tuple:
 def hash_range(fd: int, offset: int, length: int) -> xxhash.xxh3_128 | None:
     """An xxh3-128 hasher fed ``length`` bytes of ``fd`` at ``offset``; ``None`` if the file is short."""
     hasher = xxhash.xxh3_128()
-    view = memoryview(bytearray(min(length, PIECE)))
+    view = scratch(min(length, PIECE))
     done = 0
     while done < length:
         n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)

@@ -20,6 +20,7 @@ port can make the service refuse connections, but not fill the log.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import os
@@ -35,6 +36,8 @@ from tierfs.peers.bodies import chunk_label
 from tierfs.peers.sealed import seal
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import (
+    MAX_BATCH,
+    MAX_BATCH_BYTES,
     MAX_CHUNK,
     MAX_HAVE,
     MAX_MANIFEST,
@@ -44,7 +47,7 @@ from tierfs.peers.wire import (
     PeerUnavailable,
     ProtocolError,
 )
-from tierfs.store.chunkfiles import is_hash
+from tierfs.store.chunkfiles import ChunkWriter, is_hash
 from tierfs.store.replicas import MissingChunks, ReplicaStore
 
 log = logging.getLogger(__name__)
@@ -276,6 +279,45 @@ async def _put_chunk(ctx: _Context, stream: trio.abc.Stream, request: dict) -> N
     await wire.send_msg(stream, {"ok": True})
 
 
+async def _put_chunks(ctx: _Context, stream: trio.abc.Stream, request: dict) -> None:
+    """Several chunks, bodies back to back: each stored if it hashes right and has room.
+
+    Any refusal refuses the request (``no space`` if one had no room) once every body is
+    read; the chunks that were stored are kept for the session all the same.
+    """
+    chunks = _batch(request)
+    refusals: list[PeerError] = []
+    with contextlib.ExitStack() as stack:
+        writers: list[ChunkWriter | None] = []
+        for h, n in chunks:
+            try:
+                writers.append(stack.enter_context(ctx.store.begin_chunk(h, n)))
+            except NoSpace as e:
+                refusals.append(e)
+                writers.append(None)  # its body is read and dropped: the connection stays in step
+        failures = await bodies.receive_many(stream, [(n, w.write if w else _discard, chunk_label(h, 0))
+                                                      for (h, n), w in zip(chunks, writers)])
+        for (h, _), writer, failure in zip(chunks, writers, failures):
+            if writer is None:
+                continue
+            try:
+                if failure is not None:
+                    raise failure
+                writer.commit()
+            except PeerError as e:
+                refusals.append(e)
+            else:
+                ctx.store.hold_for(stream, h)
+    if refusals:
+        first = next((e for e in refusals if isinstance(e, NoSpace)), refusals[0])
+        raise type(first)(str(first))
+    await wire.send_msg(stream, {"ok": True})
+
+
+def _discard(piece: memoryview, at: int) -> None:
+    """The sink of a body refused before it arrived."""
+
+
 async def _put_manifest(ctx: _Context, stream: trio.abc.Stream, request: dict) -> None:
     rank, step = _count(request, "rank"), _count(request, "step")
     data = await wire.recv_body(stream, request["len"], MAX_MANIFEST)
@@ -335,6 +377,7 @@ _OPS: dict[str, tuple[_Handler, bool]] = {  # op -> (handler, carries a body)
     "info": (_info, False),
     "have": (_have, False),
     "put_chunk": (_put_chunk, True),
+    "put_chunks": (_put_chunks, True),
     "put_manifest": (_put_manifest, True),
     "list": (_list, False),
     "get_manifest": (_get_manifest, False),
@@ -347,6 +390,24 @@ def _hash(request: dict) -> str:
     if not is_hash(h):
         raise ProtocolError(f"{wire.brief(h)} is not a chunk hash")
     return h
+
+
+def _batch(request: dict) -> list[tuple[str, int]]:
+    """A put_chunks request's ``(hash, length)`` pairs, checked against each other and the body's length."""
+    chunks = request.get("chunks")
+    if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_BATCH:
+        raise ProtocolError(f"put_chunks needs a list of 1 to {MAX_BATCH} chunks")
+    pairs = []
+    for entry in chunks:
+        if not (isinstance(entry, list) and len(entry) == 2 and is_hash(entry[0]) and wire.is_count(entry[1])
+                and entry[1] <= MAX_CHUNK):
+            raise ProtocolError(f"put_chunks: {wire.brief(entry)} is not a chunk's [hash, length]")
+        pairs.append((entry[0], entry[1]))
+    total = sum(n for _, n in pairs)
+    if total > MAX_BATCH_BYTES or total != request["len"]:
+        raise ProtocolError(f"put_chunks: {request['len']} body bytes for chunks of {total} "
+                            f"(at most {MAX_BATCH_BYTES})")
+    return pairs
 
 
 def _count(request: dict, key: str, default: int | None = None) -> int:

@@ -152,7 +152,7 @@ class _Rank:
             return created
 
         await twins.share(dict.fromkeys(self.chunks, self.model.chunk_size), self.rank, group,
-                          exists=present, upload=put, workers=THREADS)
+                          exists=present, upload=twins.one_by_one(put), workers=THREADS)
 
 
 async def _backup(model: JobModel, s: Settings, mode: str, dead: int, spread: float) -> dict:

@@ -163,7 +163,9 @@ class Tier(ABC):
     kind: str
     lane: Lane | None = None  # None: the replicator puts nothing here (this node's own RAM)
     cost: Cost
-    concurrency: int = 1  # chunks put at once while a step goes to this tier
+    concurrency: int = 1  # chunks (or batches) put at once while a step goes to this tier
+    batch_bytes: int = 0  # > 0: :meth:`put_chunks` carries chunks of up to this many bytes in all in one request
+    batch_chunks: int = 1  # ... and at most this many
     early: bool = False  # keeps chunks put before the manifest naming them exists: sent while the step is hashed
     skip_after_failure: bool = False  # one of several holders: after a failure a restore asks the others
     volatile: bool = False  # may lose what it holds (another node's RAM): the lane checks it again
@@ -196,6 +198,14 @@ class Tier(ABC):
         Raises :class:`SourceChanged` if those bytes are not chunk ``h``, :class:`TierError`
         if the tier refuses them.
         """
+
+    async def put_chunks(self, chunks: Sequence[tuple[str, Location]]) -> list[Put]:
+        """Store several chunks, as :meth:`put_chunk` does each; a tier with ``batch_bytes`` in one request.
+
+        A failure may leave some of them stored: the tier holds what it holds, and a step's
+        put asks it again.
+        """
+        return [await self.put_chunk(h, *where) for h, where in chunks]
 
     @abstractmethod
     async def get_chunk(self, h: str, length: int) -> bytes:
@@ -321,18 +331,19 @@ async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
     if progress is not None:
         progress.chunks_done = len(hashes) - len(missing)
 
-    async def upload(h: str) -> bool:
+    async def upload(batch: list[str]) -> list[bool]:
         await pace()
-        put = await tier.put_chunk(h, *where[h])
-        pushed.stored_bytes += put.stored
-        return put.sent > 0
+        puts = await tier.put_chunks([(h, where[h]) for h in batch])
+        pushed.stored_bytes += sum(put.stored for put in puts)
+        return [put.sent > 0 for put in puts]
 
     def settled(h: str) -> None:
         if progress is not None:
             progress.chunks_done += 1
 
     shared = await share(missing, manifest.rank, tier.twins(), exists=lambda h: tier.present(h, *where[h]),
-                         upload=upload, workers=tier.concurrency, settled=settled)
+                         upload=upload, batched=lambda hs: batches(tier, [(h, where[h]) for h in hs]),
+                         workers=tier.concurrency, settled=settled)
     pushed.sent_bytes += shared.sent_bytes
     pushed.skipped_bytes += shared.found_bytes + shared.twin_bytes
     pushed.sent_chunks, pushed.twin_chunks = shared.sent_chunks, shared.twin_chunks
@@ -340,6 +351,20 @@ async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
     await tier.put_manifest(manifest.rank, manifest.step, data)  # only now: every chunk it names is there
     await tier.end_step(manifest.rank, manifest.step)
     return pushed
+
+
+def batches(tier: Tier, chunks: Sequence[tuple[str, Location]]) -> list[list[str]]:
+    """``chunks`` in order, cut into the batches ``tier`` takes per request (one each if it takes none)."""
+    out: list[list[str]] = []
+    total = 0
+    for h, (_, _, length) in chunks:
+        if out and len(out[-1]) < tier.batch_chunks and total + length <= tier.batch_bytes:
+            out[-1].append(h)
+            total += length
+        else:
+            out.append([h])
+            total = length
+    return out
 
 
 def check_chunk(tier: Tier, h: str, length: int) -> None:

@@ -21,12 +21,13 @@ from tierfs.peers.client import PeerClient
 from tierfs.peers.network import PeerNetwork
 from tierfs.peers.placement import choose
 from tierfs.peers.pool import ConnectionPool
-from tierfs.peers.wire import PeerError, PeerUnavailable
+from tierfs.peers.wire import MAX_BATCH, PeerError, PeerUnavailable
 from tierfs.tiers.base import (
     Address,
     Cost,
     Holdings,
     Lane,
+    Location,
     NotHeld,
     Put,
     Tier,
@@ -50,7 +51,9 @@ class PeerTier(Tier):
     skip_after_failure = True  # a down peer costs a timeout per request; the others hold the same
     volatile = True  # its RAM can be lost, or the node replaced
     awaited = True  # nodes of a job start together: a survey waits for the others
-    concurrency = 4  # chunks in flight per peer, each on its own connection: the round trips overlap
+    concurrency = 4  # requests in flight per peer, each on its own connection: the round trips overlap
+    batch_bytes = 8 << 20  # chunks of a step of small files go many to a request (put_chunks)
+    batch_chunks = MAX_BATCH
     early = True  # its replica store holds a connection's chunks for as long as it lasts
 
     def __init__(self, network: PeerNetwork, address: Address):
@@ -92,6 +95,16 @@ class PeerTier(Tier):
         check_chunk(self, h, length)
         await self._request(f"chunk {h}", lambda client: client.put_chunk(h, path, offset, length))
         return Put(length, length)
+
+    async def put_chunks(self, chunks: Sequence[tuple[str, Location]]) -> list[Put]:
+        """One request for them all (:meth:`PeerClient.put_chunks`), their bodies moved by one thread."""
+        if len(chunks) == 1:
+            return [await self.put_chunk(chunks[0][0], *chunks[0][1])]
+        for h, (_, _, length) in chunks:
+            check_chunk(self, h, length)
+        await self._request(f"{len(chunks)} chunks from {chunks[0][0]}",
+                            lambda client: client.put_chunks([(h, *where) for h, where in chunks]))
+        return [Put(length, length) for _, (_, _, length) in chunks]
 
     async def get_chunk(self, h: str, length: int) -> bytes:
         """Hashed as it arrives, off the event loop; bytes that are not chunk ``h`` are refused."""

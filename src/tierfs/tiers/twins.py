@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 import xxhash
+
+T = TypeVar("T")
 
 
 def uploader_order(h: str, twins: Iterable[int]) -> list[int]:
@@ -83,7 +86,8 @@ async def share(
     twins: Sequence[int],
     *,
     exists: Callable[[str], Awaitable[bool]],
-    upload: Callable[[str], Awaitable[bool]],
+    upload: Callable[[list[str]], Awaitable[list[bool]]],
+    batched: Callable[[list[str]], list[list[str]]] = lambda hs: [[h] for h in hs],
     workers: int = 1,
     patience: Patience = Patience(),
     settled: Callable[[str], None] = lambda h: None,
@@ -96,9 +100,12 @@ async def share(
       them or not). With no other twin every chunk is uploaded at once, and nothing waits.
     - ``exists(h)``: whether the bucket holds chunk ``h`` now, verified (a planted or
       damaged object under its name is not the chunk).
-    - ``upload(h)``: put chunk ``h``; True if this call stored it, False if the bucket
-      had it already (the upload must find that out itself: a conditional create).
-    - ``workers``: chunks looked for or uploaded at once.
+    - ``upload(hs)``: put the chunks ``hs``; for each, True if this call stored it, False
+      if the bucket had it already (the upload must find that out itself: a conditional
+      create). :func:`one_by_one` makes one of an upload of a single chunk.
+    - ``batched(hs)``: the chunks due for upload, cut into the lists ``upload`` takes (one
+      each by default; a tier that carries many chunks per request takes more).
+    - ``workers``: chunks looked for, or lists uploaded, at once.
     - ``settled(h)``: called once chunk ``h`` is known to be in the bucket (progress).
 
     First this twin uploads the chunks it leads. Then it looks for the others until they
@@ -112,21 +119,22 @@ async def share(
     group = sorted(set(twins) | {me})
     place = {h: uploader_order(h, group).index(me) for h in chunks} if len(group) > 1 else dict.fromkeys(chunks, 0)
 
-    async def send(h: str, owner: bool) -> None:
-        if await upload(h):
-            result.sent_chunks += 1
-            result.sent_bytes += chunks[h]
-            result.taken_over += not owner
-        elif owner:
-            result.found_chunks += 1
-            result.found_bytes += chunks[h]
-        else:
-            result.twin_chunks += 1
-            result.twin_bytes += chunks[h]
-        settled(h)
+    async def send(hs: list[str], owner: bool) -> None:
+        for h, stored in zip(hs, await upload(hs), strict=True):
+            if stored:
+                result.sent_chunks += 1
+                result.sent_bytes += chunks[h]
+                result.taken_over += not owner
+            elif owner:
+                result.found_chunks += 1
+                result.found_bytes += chunks[h]
+            else:
+                result.twin_chunks += 1
+                result.twin_bytes += chunks[h]
+            settled(h)
 
     started = clock()
-    await _each([h for h in chunks if place[h] == 0], lambda h: send(h, True), workers)
+    await each(batched([h for h in chunks if place[h] == 0]), lambda hs: send(hs, True), workers)
     own_done = clock()
     wait = patience.bound(own_done - started)
     waiting = [h for h in chunks if place[h] > 0]
@@ -139,14 +147,14 @@ async def share(
         async def look(h: str) -> None:
             held[h] = await exists(h)
 
-        await _each(waiting, look, workers)
+        await each(waiting, look, workers)
         for h in waiting:
             if held[h]:
                 result.twin_chunks += 1
                 result.twin_bytes += chunks[h]
                 settled(h)
         missing = [h for h in waiting if not held[h]]
-        await _each([h for h in missing if place[h] < stage], lambda h: send(h, False), workers)
+        await each(batched([h for h in missing if place[h] < stage]), lambda hs: send(hs, False), workers)
         waiting = [h for h in missing if place[h] >= stage]
         if waiting:
             next_stage = own_done + stage * wait
@@ -156,7 +164,14 @@ async def share(
     return result
 
 
-async def _each(items: Sequence[str], fn: Callable[[str], Awaitable[None]], workers: int) -> None:
+def one_by_one(upload: Callable[[str], Awaitable[bool]]) -> Callable[[list[str]], Awaitable[list[bool]]]:
+    """:func:`share`'s ``upload`` from an upload of one chunk (True: this call stored it)."""
+    async def each_of(hs: list[str]) -> list[bool]:
+        return [await upload(h) for h in hs]
+    return each_of
+
+
+async def each(items: Sequence[T], fn: Callable[[T], Awaitable[None]], workers: int) -> None:
     """``fn`` on every item, ``workers`` at a time."""
     todo = iter(items)
 

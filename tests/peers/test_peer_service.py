@@ -368,6 +368,61 @@ async def test_a_batch_past_the_space_stores_what_fits_and_answers_no_space(nurs
     assert node.space.used <= node.space.capacity and len(node.files()) == 2
 
 
+@pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
+async def test_many_chunks_come_back_in_one_request_and_absent_ones_are_named(nursery, tmp_path, sealed):
+    channel = peer_tls.from_secret(JOB, SECRET) if sealed else None
+    node = await start_node(nursery, "127.0.0.2", tmp_path / "n", tls=channel)
+    chunks = chunks_of(tmp_path / "a", [1000, CS, 2 << 20, 0], 17)
+    absent = chunk_hash(b"never stored")
+    fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        async with await node.connect(tls=channel) as client:
+            await client.put_chunks(chunks)
+            h, _, _, length = chunks[0]
+            asks = [(h, length, fd, 0), (absent, 10, fd, 0), (chunks[1][0], CS, fd, 4 << 20),
+                    (h, length + 1, fd, 0),  # a length the chunk does not have: not it
+                    (chunks[2][0], 2 << 20, fd, 8 << 20), (chunks[3][0], 0, fd, 0)]
+            assert await client.get_chunks_into(asks) == [True, False, True, False, True, True]
+            assert await client.get_chunks_into([(absent, 10, fd, 0)]) == [False]  # nothing comes: no body
+            assert (await client.info())["rank"] == 1  # in step
+        for (_, path, offset, length), at in zip(chunks[:3], (0, 4 << 20, 8 << 20)):
+            assert os.pread(fd, length, at) == read_range((str(path), offset, length))
+    finally:
+        os.close(fd)
+
+
+async def hostile_node(nursery, answer: dict, body: bytes) -> tuple[str, int]:
+    """A peer holding the job's secret that answers any request with ``answer`` and ``body``."""
+    async def serve_one(stream: trio.SocketStream) -> None:
+        async with stream:
+            await wire.authenticate(stream, job=JOB, secret=SECRET)
+            await wire.recv_msg(stream)
+            await wire.send_msg(stream, answer)
+            await stream.send_all(body)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, serve_one, 0, host="127.0.0.3"))
+    return "127.0.0.3", listeners[0].socket.getsockname()[1]
+
+
+@pytest.mark.parametrize("answer, body, error", [
+    ({"ok": True, "held": [True, True], "len": 2 * CS}, bytes(2 * CS), "do not hash"),
+    ({"ok": True, "held": [True], "len": CS}, bytes(CS), "does not match the question"),
+    ({"ok": True, "held": [True, "yes"], "len": 2 * CS}, bytes(2 * CS), "does not match the question"),
+    ({"ok": True, "held": [True, False], "len": 2 * CS}, bytes(2 * CS), "for the chunks it says it holds"),
+    ({"ok": True, "held": [True, True], "len": (64 << 20) + 1}, b"", "exceeds"),
+], ids=["wrong bytes", "short list", "not booleans", "body too long", "over the cap"])
+async def test_a_peer_s_answer_to_many_chunks_is_checked(nursery, tmp_path, answer, body, error):
+    address = await hostile_node(nursery, answer, body)
+    chunks = chunks_of(tmp_path / "a", [CS, CS], 18)
+    fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        async with await PeerClient.connect(address, job=JOB, secret=SECRET, tls=None, timeout=3) as client:
+            with pytest.raises(PeerError, match=error):
+                await client.get_chunks_into([(h, n, fd, i * CS) for i, (h, _, _, n) in enumerate(chunks)])
+    finally:
+        os.close(fd)
+
+
 async def test_a_client_refuses_a_batch_no_peer_takes(tmp_path):
     client = PeerClient(trio.testing.memory_stream_pair()[0], ("127.0.0.2", 1), 1.0)
     one = chunks_of(tmp_path / "src", [10], 16)[0]
@@ -375,25 +430,34 @@ async def test_a_client_refuses_a_batch_no_peer_takes(tmp_path):
                    [one[:3] + (wire.MAX_CHUNK,), one]):
         with pytest.raises(ValueError):
             await client.put_chunks(chunks)
+        with pytest.raises(ValueError):
+            await client.get_chunks_into([(h, n, 0, 0) for h, _, _, n in chunks])
 
 
-@pytest.mark.parametrize("header", [
-    {"chunks": "all of them", "len": 1},
-    {"chunks": [], "len": 1},
-    {"chunks": [[chunk_hash(b"x"), 1]] * (wire.MAX_BATCH + 1), "len": wire.MAX_BATCH + 1},
-    {"chunks": [[chunk_hash(b"x"), 1], ["not-a-hash", 1]], "len": 2},
-    {"chunks": [[chunk_hash(b"x"), -1]], "len": 1},
-    {"chunks": [[chunk_hash(b"x"), 1, "extra"]], "len": 1},
-    {"chunks": [[chunk_hash(b"x"), 2]], "len": 1},  # the body's length is not the chunks'
-    {"chunks": [[chunk_hash(b"x"), 40 << 20], [chunk_hash(b"y"), 40 << 20]], "len": 80 << 20},  # over the cap
-], ids=["not a list", "empty", "too many", "bad hash", "negative", "not a pair", "length mismatch", "too large"])
-async def test_a_malformed_batch_is_refused_before_its_body_is_read(nursery, tmp_path, header):
+BAD_BATCHES = {
+    "not a list": {"chunks": "all of them", "len": 1},
+    "empty": {"chunks": [], "len": 1},
+    "too many": {"chunks": [[chunk_hash(b"x"), 1]] * (wire.MAX_BATCH + 1), "len": wire.MAX_BATCH + 1},
+    "bad hash": {"chunks": [[chunk_hash(b"x"), 1], ["not-a-hash", 1]], "len": 2},
+    "negative": {"chunks": [[chunk_hash(b"x"), -1]], "len": 1},
+    "not a pair": {"chunks": [[chunk_hash(b"x"), 1, "extra"]], "len": 1},
+    "length mismatch": {"chunks": [[chunk_hash(b"x"), 2]], "len": 1},  # the body's length is not the chunks'
+    "too large": {"chunks": [[chunk_hash(b"x"), 40 << 20], [chunk_hash(b"y"), 40 << 20]], "len": 80 << 20},
+}
+
+
+@pytest.mark.parametrize("op, bad", [(op, bad) for op in ("put_chunks", "get_chunks") for bad in BAD_BATCHES
+                                     if (op, bad) != ("get_chunks", "length mismatch")])  # a get has no body
+async def test_a_malformed_batch_is_refused_before_its_body_is_read(nursery, tmp_path, op, bad):
     node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
+    header = {"op": op, **BAD_BATCHES[bad]}
+    if op == "get_chunks":
+        del header["len"]
     async with await trio.open_tcp_stream(*node.address) as s:
         await wire.client_handshake(s, job=JOB, secret=SECRET)
-        await s.send_all(wire.encode_header({"op": "put_chunks", **header}) + b"x")
+        await s.send_all(wire.encode_header(header) + (b"x" if op == "put_chunks" else b""))
         answer = await read_until_closed(s)  # answered, then closed
-    assert b'"error"' in answer and b"put_chunks" in answer
+    assert b'"error"' in answer and op.encode() in answer
     assert node.files() == [] and node.space.used == 0
 
 

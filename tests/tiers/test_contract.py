@@ -4,6 +4,7 @@ a real peer service over loopback, and the GCS emulator."""
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -88,6 +89,35 @@ async def test_a_missing_chunk_is_a_clear_error(subject):
     with pytest.raises(NotHeld) as err:
         await subject.tier.get_chunk(h, 12)
     assert h in one_line(err.value)
+
+
+async def test_chunks_put_together_are_each_held_and_come_back_together(subject, files, tmp_path):
+    """put_chunks and get_chunks_into: one request on a tier that takes batches (a peer), one by one elsewhere."""
+    tier = subject.tier
+    datas = [randbytes(n, 10 + i) for i, n in enumerate([CS, 1000, 3 * CS + 5])]
+    chunks = [(chunk_hash(d), (str(files(b"head" + d)), 4, len(d))) for d in datas]
+    puts = await tier.put_chunks(chunks)
+    assert [p.sent for p in puts] == [len(d) for d in datas]
+    assert await tier.has_chunks([h for h, _ in chunks]) == [True] * 3
+    absent = chunk_hash(b"never stored")
+    fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        asks = [(h, len(d), fd, 10 * CS * i) for i, ((h, _), d) in enumerate(zip(chunks, datas))]
+        assert await tier.get_chunks_into(asks + [(absent, 10, fd, 40 * CS)]) == [True, True, True, False]
+        for (_, length, _, offset), d in zip(asks, datas):
+            assert os.pread(fd, length, offset) == d
+    finally:
+        os.close(fd)
+
+
+async def test_a_lying_chunk_among_others_is_refused_and_never_held(subject, files):
+    tier = subject.tier
+    good, lie = randbytes(CS, 20), randbytes(CS, 21)
+    liar = chunk_hash(b"the name of other bytes")
+    with pytest.raises(TierError) as err:
+        await tier.put_chunks([(chunk_hash(good), (str(files(good)), 0, CS)), (liar, (str(files(lie)), 0, CS))])
+    one_line(err.value)
+    assert await tier.has_chunks([liar]) == [False]
 
 
 async def test_sizes_beyond_any_chunk_or_manifest_are_refused_before_any_transfer(subject, files):

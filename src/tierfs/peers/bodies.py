@@ -99,13 +99,17 @@ async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | No
     ``fd=None`` only hashes (or, without ``hasher``, discards) the bytes: how a body that is
     refused or already held is read to its end, keeping the connection in step.
     """
+    await receive(stream, n, into_file(fd, offset, hasher), label)
+
+
+def into_file(fd: int | None, offset: int, hasher: Any | None) -> Sink:
+    """A sink writing a body into ``fd`` from ``offset`` (unless None) and feeding ``hasher`` (unless None)."""
     def sink(piece: memoryview, at: int) -> None:
         if hasher is not None:
             hasher.update(piece)
         if fd is not None:
             pwrite_all(fd, piece, offset + at)
-
-    await receive(stream, n, sink, label)
+    return sink
 
 
 async def receive_bytes(stream: trio.abc.ReceiveStream, n: int, hasher: Any | None = None,

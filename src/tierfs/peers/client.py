@@ -160,12 +160,7 @@ class PeerClient:
         has room, then refuses the request if any did not (:class:`NoSpace` if one had no
         room): the caller puts what is missing again, or gives up.
         """
-        if not 0 < len(chunks) <= MAX_BATCH:
-            raise ValueError(f"{len(chunks)} chunks in one request: 1 to {MAX_BATCH}")
-        if any(not 0 <= length <= MAX_CHUNK for _, _, _, length in chunks):
-            raise ValueError(f"a chunk of more than {MAX_CHUNK} bytes")
-        if (total := sum(length for _, _, _, length in chunks)) > MAX_BATCH_BYTES:
-            raise ValueError(f"{total} bytes of chunks in one request: at most {MAX_BATCH_BYTES}")
+        total = _check_batch([length for _, _, _, length in chunks])
         fds: dict[str, int] = {}
         try:
             for _, path, _, _ in chunks:
@@ -242,6 +237,36 @@ class PeerClient:
         n = await self._get_chunk(h, 0, length, receive)
         self._check_hash(hasher, h)
         return n
+
+    async def get_chunks_into(self, chunks: Sequence[tuple[str, int, int, int]]) -> list[bool]:
+        """Whole chunks ``(h, length, fd, offset)`` in one request; for each, whether the peer had it.
+
+        Each chunk that comes is written into its ``fd`` at its ``offset`` as it arrives and
+        hashed on the way, all in one worker thread. Bytes that are not the chunk they were
+        sent as raise :class:`PeerError` once every body is read; any chunk's bytes may then
+        be in its file already, as with :meth:`get_chunk_into`.
+        """
+        _check_batch([length for _, length, _, _ in chunks])
+        hashers = [xxhash.xxh3_128() for _ in chunks]
+        with self._request("get_chunks"):
+            reply = await self._call({"op": "get_chunks", "chunks": [[h, length] for h, length, _, _ in chunks]})
+            n, held = self._body_length(reply), reply.get("held")
+            if "error" not in reply:
+                if not (isinstance(held, list) and len(held) == len(chunks) and all(type(x) is bool for x in held)):
+                    raise ProtocolError("get_chunks: the answer does not match the question")
+                if n != sum(length for (_, length, _, _), came in zip(chunks, held) if came):
+                    raise ProtocolError(f"get_chunks: a body of {n} bytes for the chunks it says it holds")
+                parts = [(length, bodies.into_file(fd, offset, hasher), chunk_label(h, 0))
+                         for (h, length, fd, offset), hasher, came in zip(chunks, hashers, held) if came]
+                for failure in await bodies.receive_many(self._stream, parts):
+                    if failure is not None:
+                        raise failure
+                self.bytes_received += n
+        self._check(reply)
+        for (h, _, _, _), hasher, came in zip(chunks, hashers, held):
+            if came:
+                self._check_hash(hasher, h)
+        return held
 
     async def _get_chunk(self, h: str, offset: int, length: int | None,
                          receive: Callable[[int, bytes], Awaitable[T]]) -> T:
@@ -345,6 +370,17 @@ class PeerClient:
             raise ProtocolError(f"peer {_name(self.address)}: answer is neither ok nor an error")
         message = f"peer {_name(self.address)}: {error}"
         raise NoSpace(message) if error == "no space" else PeerError(message)
+
+
+def _check_batch(lengths: list[int]) -> int:
+    """Refuse, before a byte goes out, chunks no peer takes in one request; their bytes in all."""
+    if not 0 < len(lengths) <= MAX_BATCH:
+        raise ValueError(f"{len(lengths)} chunks in one request: 1 to {MAX_BATCH}")
+    if any(not 0 <= length <= MAX_CHUNK for length in lengths):
+        raise ValueError(f"a chunk of more than {MAX_CHUNK} bytes")
+    if (total := sum(lengths)) > MAX_BATCH_BYTES:
+        raise ValueError(f"{total} bytes of chunks in one request: at most {MAX_BATCH_BYTES}")
+    return total
 
 
 def _refused(e: OSError) -> bool:

@@ -255,6 +255,10 @@ class PlannedSources(ChunkSources):
         planned = set(first)
         return first + [h for h in hashes if h not in planned]
 
+    def batch(self) -> tuple[int, int]:
+        """One chunk at a time: the plan says where each one comes from."""
+        return 0, 1
+
     async def fetch_into(self, h: str, length: int, fd: int, offset: int, prefer: int = 0) -> None:
         if h not in self.planned.plan.sources:
             await super().fetch_into(h, length, fd, offset, prefer)

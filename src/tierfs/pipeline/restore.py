@@ -203,8 +203,14 @@ class Restore:
                 raise OSError(errno.EIO, f"chunk {h} unavailable")
 
     def _start(self, h: str, prefer: int) -> trio.Event:
-        event = self._inflight[h] = trio.Event()
-        self._nursery.start_soon(self._fetch, h, prefer, event)
+        return self._start_batch([h], prefer)
+
+    def _start_batch(self, hs: list[str], prefer: int) -> trio.Event:
+        """Fetch chunks ``hs`` together; the event is set once each of them is in or has failed."""
+        event = trio.Event()
+        for h in hs:
+            self._inflight[h] = event
+        self._nursery.start_soon(self._fetch, hs, prefer, event)
         return event
 
     # -- fetching ------------------------------------------------------------------------
@@ -233,32 +239,78 @@ class Restore:
             self._close_files()
 
     async def _prefetch_pass(self) -> None:
-        order = iter(self.sources.order([h for e in self.manifest.entries for h in e.chunks]))
+        hashes = self.sources.order([h for e in self.manifest.entries for h in e.chunks])
+        sizes, (most_bytes, most_chunks) = self.manifest.chunk_sizes(), self.sources.batch()
+        at = 0
+
+        def take() -> list[str]:
+            """The next chunks no one has fetched or is fetching, as many as one request carries."""
+            nonlocal at
+            batch, total = [], 0
+            while at < len(hashes):
+                h = hashes[at]
+                if h in self._done or h in self._failed or h in self._inflight or h in batch:
+                    at += 1
+                    continue
+                if batch and (len(batch) >= most_chunks or total + sizes[h] > most_bytes):
+                    break
+                batch.append(h)
+                total += sizes[h]
+                at += 1
+            return batch
 
         async def worker(n: int) -> None:
-            for h in order:
-                if h in self._done or h in self._failed:
-                    continue
-                event = self._inflight.get(h)
-                await (event if event is not None else self._start(h, prefer=n)).wait()
+            while batch := take():
+                await self._start_batch(batch, prefer=n).wait()
 
         async with trio.open_nursery() as nursery:
             for n in range(self.cfg.prefetch):
                 nursery.start_soon(worker, n)
 
-    async def _fetch(self, h: str, prefer: int, event: trio.Event) -> None:
+    async def _fetch(self, hs: list[str], prefer: int, event: trio.Event) -> None:
+        """Fetch chunks ``hs`` into place: together from a tier that takes batches, one by one from the rest."""
         try:
-            await self._fetch_into_place(h, prefer)
-        except UserError as e:
-            self._failed[h] = self.last_error = str(e)
-            log.warning("restore of step %d: %s", self.step, e)
+            alone = hs
+            if len(hs) > 1:
+                places = {h: self._place(h) for h in hs}
+                cs = self.manifest.chunk_size
+                left = await self.sources.fetch_many_into(
+                    [(h, length, targets[0][0].fd, targets[0][1] * cs) for h, (targets, length) in places.items()],
+                    prefer)
+                alone = [h for h, _, _, _ in left]
+                for h in hs:
+                    if h not in alone:
+                        await self._settle(h, *places[h])
+            for h in alone:
+                try:
+                    await self._settle(h, *await self._fetch_one(h, prefer))
+                except UserError as e:
+                    self._failed[h] = self.last_error = str(e)
+                    log.warning("restore of step %d: %s", self.step, e)
         finally:
-            del self._inflight[h]
+            for h in hs:
+                del self._inflight[h]
             event.set()
             self._progress.set()
 
-    async def _fetch_into_place(self, h: str, prefer: int) -> None:
-        """Fetch a chunk straight into its first place, copy it to the others, then record it as here.
+    def _place(self, h: str) -> tuple[list[tuple[_File, int]], int]:
+        """Where chunk ``h`` goes (its first place first, each file opened for writing), and its length."""
+        targets = [(f, i) for f, i in self._users[h] if i in f.missing]
+        for f, _ in targets:
+            if f.fd is None:
+                f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
+        first, index = targets[0]
+        return targets, min(self.manifest.chunk_size, first.entry.size - index * self.manifest.chunk_size)
+
+    async def _fetch_one(self, h: str, prefer: int) -> tuple[list[tuple[_File, int]], int]:
+        """Fetch a chunk straight into its first place (from the first tier that has it); its places."""
+        targets, length = self._place(h)
+        first, index = targets[0]
+        await self.sources.fetch_into(h, length, first.fd, index * self.manifest.chunk_size, prefer)
+        return targets, length
+
+    async def _settle(self, h: str, targets: list[tuple[_File, int]], length: int) -> None:
+        """Copy a chunk fetched into its first place to the others, then record it as here.
 
         The chunk lands in the placeholder before it is verified (a peer's bytes are hashed as
         they arrive); until it is recorded here no read is served from that range, and a
@@ -269,13 +321,7 @@ class Restore:
         recorded, so no two writes race for one range.
         """
         cs = self.manifest.chunk_size
-        targets = [(f, i) for f, i in self._users[h] if i in f.missing]
-        for f, _ in targets:
-            if f.fd is None:
-                f.fd = os.open(f.path, os.O_WRONLY | os.O_CLOEXEC)
         first, index = targets[0]
-        length = min(cs, first.entry.size - index * cs)
-        await self.sources.fetch_into(h, length, first.fd, index * cs, prefer)
         if len(targets) > 1:
             await trio.to_thread.run_sync(_copy_to, first.path, index * cs, length,
                                           [(f.fd, i * cs) for f, i in targets[1:]])

@@ -350,6 +350,23 @@ async def _get_chunk(ctx: _Context, stream: trio.abc.Stream, request: dict) -> N
         await bodies.send_file(stream, source.fd, source.offset + offset, length, chunk_label(h, offset))
 
 
+async def _get_chunks(ctx: _Context, stream: trio.abc.Stream, request: dict) -> None:
+    """Several whole chunks, each verified, bodies back to back; ``held`` says which come (the others are not here)."""
+    chunks = _batch(request)
+    with contextlib.ExitStack() as stack:
+        sources = []
+        for h, n in chunks:
+            try:
+                source = stack.enter_context(ctx.store.open_chunk(h))
+            except PeerError:  # not found, or corrupt (and removed): the asker goes elsewhere for it
+                source = None
+            sources.append(source if source is not None and source.length == n else None)
+        parts = [(s.fd, s.offset, n, chunk_label(h, 0)) for (h, n), s in zip(chunks, sources) if s is not None]
+        await wire.send_msg(stream, {"ok": True, "held": [s is not None for s in sources],
+                                     "len": sum(n for _, _, n, _ in parts)})
+        await bodies.send_files(stream, parts)
+
+
 async def _message(ctx: _Context, stream: trio.abc.Stream, request: dict, peer: str) -> None:
     """A coordination request: its answer (a refusal included) is the handler's, one header."""
     if wire.body_length(request):
@@ -382,6 +399,7 @@ _OPS: dict[str, tuple[_Handler, bool]] = {  # op -> (handler, carries a body)
     "list": (_list, False),
     "get_manifest": (_get_manifest, False),
     "get_chunk": (_get_chunk, False),
+    "get_chunks": (_get_chunks, False),
 }
 
 
@@ -393,20 +411,20 @@ def _hash(request: dict) -> str:
 
 
 def _batch(request: dict) -> list[tuple[str, int]]:
-    """A put_chunks request's ``(hash, length)`` pairs, checked against each other and the body's length."""
-    chunks = request.get("chunks")
+    """The ``(hash, length)`` pairs of a put_chunks or get_chunks, checked (against the body's length too)."""
+    op, chunks = request["op"], request.get("chunks")
     if not isinstance(chunks, list) or not 0 < len(chunks) <= MAX_BATCH:
-        raise ProtocolError(f"put_chunks needs a list of 1 to {MAX_BATCH} chunks")
+        raise ProtocolError(f"{op} needs a list of 1 to {MAX_BATCH} chunks")
     pairs = []
     for entry in chunks:
         if not (isinstance(entry, list) and len(entry) == 2 and is_hash(entry[0]) and wire.is_count(entry[1])
                 and entry[1] <= MAX_CHUNK):
-            raise ProtocolError(f"put_chunks: {wire.brief(entry)} is not a chunk's [hash, length]")
+            raise ProtocolError(f"{op}: {wire.brief(entry)} is not a chunk's [hash, length]")
         pairs.append((entry[0], entry[1]))
     total = sum(n for _, n in pairs)
-    if total > MAX_BATCH_BYTES or total != request["len"]:
-        raise ProtocolError(f"put_chunks: {request['len']} body bytes for chunks of {total} "
-                            f"(at most {MAX_BATCH_BYTES})")
+    if total > MAX_BATCH_BYTES or total != request.get("len", total):
+        raise ProtocolError(f"{op}: chunks of {total} bytes (at most {MAX_BATCH_BYTES}), "
+                            f"a body of {request.get('len', 0)}")
     return pairs
 
 

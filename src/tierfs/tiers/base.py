@@ -164,8 +164,8 @@ class Tier(ABC):
     lane: Lane | None = None  # None: the replicator puts nothing here (this node's own RAM)
     cost: Cost
     concurrency: int = 1  # chunks (or batches) put at once while a step goes to this tier
-    batch_bytes: int = 0  # > 0: :meth:`put_chunks` carries chunks of up to this many bytes in all in one request
-    batch_chunks: int = 1  # ... and at most this many
+    batch_bytes: int = 0  # > 0: put_chunks and get_chunks_into carry up to this many bytes of chunks per request
+    batch_chunks: int = 1  # ... and at most this many chunks
     early: bool = False  # keeps chunks put before the manifest naming them exists: sent while the step is hashed
     skip_after_failure: bool = False  # one of several holders: after a failure a restore asks the others
     volatile: bool = False  # may lose what it holds (another node's RAM): the lane checks it again
@@ -221,6 +221,23 @@ class Tier(ABC):
         """
         data = await self.get_chunk(h, length)
         await trio.to_thread.run_sync(pwrite_all, fd, data, offset)
+
+    async def get_chunks_into(self, chunks: Sequence[tuple[str, int, int, int]]) -> list[bool]:
+        """Chunks ``(h, length, fd, offset)``, each as :meth:`get_chunk_into` writes it; for each, whether it came.
+
+        ``False``: the tier does not hold it (:class:`NotHeld`). Any other failure is
+        raised, and then any of the ranges may hold other bytes. A tier with
+        ``batch_bytes`` asks for them all in one request.
+        """
+        came = []
+        for h, length, fd, offset in chunks:
+            try:
+                await self.get_chunk_into(h, length, fd, offset)
+            except NotHeld:
+                came.append(False)
+            else:
+                came.append(True)
+        return came
 
     async def present(self, h: str, path: str | Path, offset: int, length: int) -> bool:
         """Whether the tier holds chunk ``h`` now (its local bytes are at ``path``, for tiers that compare them)."""

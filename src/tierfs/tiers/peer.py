@@ -116,6 +116,13 @@ class PeerTier(Tier):
         check_chunk(self, h, length)
         await self._request(f"chunk {h}", lambda client: client.get_chunk_into(h, fd, offset, length))
 
+    async def get_chunks_into(self, chunks: Sequence[tuple[str, int, int, int]]) -> list[bool]:
+        """One request for them all (:meth:`PeerClient.get_chunks_into`), received, hashed and written by one thread."""
+        for h, length, _, _ in chunks:
+            check_chunk(self, h, length)
+        return await self._request(f"{len(chunks)} chunks from {chunks[0][0]}",
+                                   lambda client: client.get_chunks_into(chunks))
+
     # -- manifests ---------------------------------------------------------------------
 
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:

@@ -1,0 +1,98 @@
+"""Where a restore's chunks come from (tiers/fetch.py): many to a request from the peers,
+this node's own copies first, and what no peer gives left for the chunk-by-chunk path.
+
+Real peer services on loopback addresses behind real peer tiers, and a real RAM store.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+from pathlib import Path
+
+import trio
+
+from tests.tiers.conftest import JOB, SECRET
+from tierfs.config import Config
+from tierfs.core.chunks import chunk_hash
+from tierfs.peers import tls
+from tierfs.peers.network import PeerNetwork
+from tierfs.ramtier.space import SpaceAccount
+from tierfs.store.replicas import ReplicaStore
+from tierfs.store.server import Timeouts, serve
+from tierfs.testing import free_port
+from tierfs.tiers.fetch import ChunkSources
+from tierfs.tiers.local import LocalTier
+from tierfs.tiers.peer import PeerTier
+
+CS = 64 << 10
+
+
+def store_in(root) -> ReplicaStore:
+    store = ReplicaStore(root, SpaceAccount(None, root.parent), job=JOB)
+    store.load()
+    return store
+
+
+async def peer(nursery, host: str, root, port: int | None = None) -> tuple[PeerTier, ReplicaStore]:
+    """A peer tier reaching a real peer service on ``host`` (none listening if ``port`` is given)."""
+    store = store_in(root)
+    if port is None:
+        port = await nursery.start(functools.partial(
+            serve, (host, 0), job=JOB, secret=SECRET, store=store, tls=tls.from_secret(JOB, SECRET),
+            timeouts=Timeouts(handshake=2, idle=5, request=5), info=lambda: {"rank": 1, "steps": [], "topology": []}))
+    cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, nodes=3, secret=SECRET.decode(),
+                       peers=f"{host}:{port}")
+    tier = PeerTier(PeerNetwork(cfg, timeout=2), (host, port))
+    tier.configure(cfg)
+    return tier, store
+
+
+def chunks(tmp_path, n: int) -> list[tuple[str, tuple[str, int, int]]]:
+    out = []
+    for i in range(n):
+        data = random.Random(i).randbytes(CS - i)
+        path = tmp_path / f"src-{i}"
+        path.write_bytes(data)
+        out.append((chunk_hash(data), (str(path), 0, len(data))))
+    return out
+
+
+async def test_a_batch_comes_from_the_peers_in_order_and_the_rest_is_left_for_one_by_one(nursery, tmp_path):
+    c = chunks(tmp_path, 5)
+    local = LocalTier(store_in(tmp_path / "local"))
+    a, _ = await peer(nursery, "127.0.0.2", tmp_path / "a")
+    b, _ = await peer(nursery, "127.0.0.3", tmp_path / "b")
+    await local.put_chunks([c[0]])  # this node's own copy: fetched from here, not from a peer
+    await a.put_chunks(c[1:3])
+    await b.put_chunks(c[1:4])  # c[4]: no one holds it
+    sources = ChunkSources([local, a, b])
+    fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        wanted = [(h, n, fd, i * CS) for i, (h, (_, _, n)) in enumerate(c)]
+        assert sources.batch() == (a.batch_bytes, a.batch_chunks)
+        left = await sources.fetch_many_into(wanted, prefer=0)
+        assert sorted(left) == sorted([wanted[0], wanted[4]])
+        for i, (_, (path, _, n)) in enumerate(c[1:4], 1):
+            assert os.pread(fd, n, i * CS) == Path(path).read_bytes()
+    finally:
+        os.close(fd)
+    assert sources.bytes_from == {a.name: c[1][1][2] + c[2][1][2], b.name: c[3][1][2]}
+
+
+async def test_a_peer_that_fails_a_batch_is_set_aside_and_the_next_one_gives_it(nursery, tmp_path):
+    c = chunks(tmp_path, 3)
+    down, _ = await peer(nursery, "127.0.0.2", tmp_path / "down", port=free_port("127.0.0.2"))
+    up, _ = await peer(nursery, "127.0.0.3", tmp_path / "up")
+    await up.put_chunks(c)
+    sources = ChunkSources([down, up])
+    fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        with trio.fail_after(10):
+            assert await sources.fetch_many_into([(h, n, fd, i * CS) for i, (h, (_, _, n)) in enumerate(c)]) == []
+        for i, (_, (path, _, n)) in enumerate(c):
+            assert os.pread(fd, n, i * CS) == Path(path).read_bytes()
+    finally:
+        os.close(fd)
+    assert sources.alive == [up] and sources.bytes_from == {up.name: sum(n for _, (_, _, n) in c)}

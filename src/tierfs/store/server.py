@@ -309,8 +309,7 @@ async def _put_chunks(ctx: _Context, stream: trio.abc.Stream, request: dict) -> 
             else:
                 ctx.store.hold_for(stream, h)
     if refusals:
-        first = next((e for e in refusals if isinstance(e, NoSpace)), refusals[0])
-        raise type(first)(str(first))
+        raise next((e for e in refusals if isinstance(e, NoSpace)), refusals[0])
     await wire.send_msg(stream, {"ok": True})
 
 

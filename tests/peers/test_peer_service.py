@@ -397,8 +397,11 @@ async def hostile_node(nursery, answer: dict, body: bytes) -> tuple[str, int]:
         async with stream:
             await wire.authenticate(stream, job=JOB, secret=SECRET)
             await wire.recv_msg(stream)
-            await wire.send_msg(stream, answer)
-            await stream.send_all(body)
+            try:
+                await wire.send_msg(stream, answer)
+                await stream.send_all(body)
+            except (PeerUnavailable, trio.BrokenResourceError):
+                pass  # the client hung up on a bad answer before its body was all sent
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, serve_one, 0, host="127.0.0.3"))
     return "127.0.0.3", listeners[0].socket.getsockname()[1]

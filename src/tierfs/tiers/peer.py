@@ -52,7 +52,7 @@ class PeerTier(Tier):
     volatile = True  # its RAM can be lost, or the node replaced
     awaited = True  # nodes of a job start together: a survey waits for the others
     concurrency = 4  # requests in flight per peer, each on its own connection: the round trips overlap
-    batch_bytes = 8 << 20  # a step's small chunks go many to a request (put_chunks, get_chunks)
+    batch_bytes = 16 << 20  # a step's small chunks go many to a request (put_chunks, get_chunks)
     batch_chunks = MAX_BATCH
     early = True  # its replica store holds a connection's chunks for as long as it lasts
 

@@ -77,19 +77,8 @@ async def subject(kind, where, nursery) -> Subject:
         tier.open()
         return Subject(tier, functools.partial(_damage_file, tier.root))
     if kind == "peer":
-        from tierfs.tiers.peer import PeerTier
-
         root = where["dir"] / "replicas"
-        store = ReplicaStore(root, SpaceAccount(None, where["dir"]), job=JOB)
-        store.load()
-        host = "127.0.0.9"
-        port = await nursery.start(functools.partial(
-            serve, (host, 0), job=JOB, secret=SECRET, store=store, tls=tls.from_secret(JOB, SECRET),
-            timeouts=Timeouts(handshake=2, idle=5, request=5), info=lambda: {"rank": 1, "steps": [], "topology": []}))
-        cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, nodes=2, secret=SECRET.decode(),
-                           peers=f"{host}:{port}")
-        tier = PeerTier(PeerNetwork(cfg, timeout=5), (host, port))
-        tier.configure(cfg)
+        tier = await peer_tier(nursery, "127.0.0.9", ReplicaStore(root, SpaceAccount(None, where["dir"]), job=JOB))
         return Subject(tier, functools.partial(_damage_file, root))
     from tierfs.tiers.gcs import GcsTier
 
@@ -101,6 +90,22 @@ async def subject(kind, where, nursery) -> Subject:
             chunks.RAW + data)
 
     return Subject(tier, damage)
+
+
+async def peer_tier(nursery, host: str, store: ReplicaStore, port: int | None = None):
+    """A peer tier reaching a real peer service of ``store`` on ``host`` (none listening if ``port`` is given)."""
+    from tierfs.tiers.peer import PeerTier
+
+    store.load()
+    if port is None:
+        port = await nursery.start(functools.partial(
+            serve, (host, 0), job=JOB, secret=SECRET, store=store, tls=tls.from_secret(JOB, SECRET),
+            timeouts=Timeouts(handshake=2, idle=5, request=5), info=lambda: {"rank": 1, "steps": [], "topology": []}))
+    cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, nodes=3, secret=SECRET.decode(),
+                       peers=f"{host}:{port}")
+    tier = PeerTier(PeerNetwork(cfg, timeout=5), (host, port))
+    tier.configure(cfg)
+    return tier
 
 
 @pytest.fixture

@@ -6,21 +6,16 @@ Real peer services on loopback addresses behind real peer tiers, and a real RAM 
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 from pathlib import Path
 
 import trio
 
-from tests.tiers.conftest import JOB, SECRET
-from tierfs.config import Config
+from tests.tiers.conftest import JOB, peer_tier
 from tierfs.core.chunks import chunk_hash
-from tierfs.peers import tls
-from tierfs.peers.network import PeerNetwork
 from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.replicas import ReplicaStore
-from tierfs.store.server import Timeouts, serve
 from tierfs.testing import free_port
 from tierfs.tiers.fetch import ChunkSources
 from tierfs.tiers.local import LocalTier
@@ -35,18 +30,8 @@ def store_in(root) -> ReplicaStore:
     return store
 
 
-async def peer(nursery, host: str, root, port: int | None = None) -> tuple[PeerTier, ReplicaStore]:
-    """A peer tier reaching a real peer service on ``host`` (none listening if ``port`` is given)."""
-    store = store_in(root)
-    if port is None:
-        port = await nursery.start(functools.partial(
-            serve, (host, 0), job=JOB, secret=SECRET, store=store, tls=tls.from_secret(JOB, SECRET),
-            timeouts=Timeouts(handshake=2, idle=5, request=5), info=lambda: {"rank": 1, "steps": [], "topology": []}))
-    cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, nodes=3, secret=SECRET.decode(),
-                       peers=f"{host}:{port}")
-    tier = PeerTier(PeerNetwork(cfg, timeout=2), (host, port))
-    tier.configure(cfg)
-    return tier, store
+async def peer(nursery, host: str, root, port: int | None = None) -> PeerTier:
+    return await peer_tier(nursery, host, ReplicaStore(root, SpaceAccount(None, root.parent), job=JOB), port)
 
 
 def chunks(tmp_path, n: int) -> list[tuple[str, tuple[str, int, int]]]:
@@ -62,8 +47,8 @@ def chunks(tmp_path, n: int) -> list[tuple[str, tuple[str, int, int]]]:
 async def test_a_batch_comes_from_the_peers_in_order_and_the_rest_is_left_for_one_by_one(nursery, tmp_path):
     c = chunks(tmp_path, 5)
     local = LocalTier(store_in(tmp_path / "local"))
-    a, _ = await peer(nursery, "127.0.0.2", tmp_path / "a")
-    b, _ = await peer(nursery, "127.0.0.3", tmp_path / "b")
+    a = await peer(nursery, "127.0.0.2", tmp_path / "a")
+    b = await peer(nursery, "127.0.0.3", tmp_path / "b")
     await local.put_chunks([c[0]])  # this node's own copy: fetched from here, not from a peer
     await a.put_chunks(c[1:3])
     await b.put_chunks(c[1:4])  # c[4]: no one holds it
@@ -83,8 +68,8 @@ async def test_a_batch_comes_from_the_peers_in_order_and_the_rest_is_left_for_on
 
 async def test_a_peer_that_fails_a_batch_is_set_aside_and_the_next_one_gives_it(nursery, tmp_path):
     c = chunks(tmp_path, 3)
-    down, _ = await peer(nursery, "127.0.0.2", tmp_path / "down", port=free_port("127.0.0.2"))
-    up, _ = await peer(nursery, "127.0.0.3", tmp_path / "up")
+    down = await peer(nursery, "127.0.0.2", tmp_path / "down", port=free_port("127.0.0.2"))
+    up = await peer(nursery, "127.0.0.3", tmp_path / "up")
     await up.put_chunks(c)
     sources = ChunkSources([down, up])
     fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)

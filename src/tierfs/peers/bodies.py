@@ -148,15 +148,19 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
 
 async def send_files(stream: trio.abc.SendStream, parts: Sequence[tuple[int, int, int, bytes]]) -> int:
     """Send file ranges ``(fd, offset, count, label)`` as bodies back to back, by one worker thread; the bytes sent."""
+    sealed = isinstance(stream, SealedStream)
+    buffers = [BUFFERS.take(), BUFFERS.take()] if sealed else []  # pieces read, and sealed
+
+    def steps() -> Steps:
+        for fd, offset, count, label in parts:
+            if sealed:
+                yield from stream.body_out(fd, offset, count, label, *buffers)
+            elif count:
+                yield SendFile(fd, offset, count)
+
     size = sum(count for _, _, count, _ in parts)
-    if not isinstance(stream, SealedStream):
-        await transfer.run(stream, (SendFile(*part[:3]) for part in parts if part[2]), size)
-        return size
-    buffers = [BUFFERS.take(), BUFFERS.take()]
-    steps = (step for fd, offset, count, label in parts
-             for step in stream.body_out(fd, offset, count, label, *buffers))
     try:
-        await transfer.run(stream, steps, size)
+        await transfer.run(stream, steps(), size)
     finally:
         BUFFERS.give(*buffers)
     return size

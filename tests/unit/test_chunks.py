@@ -15,6 +15,7 @@ import zstandard
 
 from tierfs.core import chunks
 from tierfs.core.chunks import (
+    HASH_PIECE,
     CorruptChunk,
     chunk_hash,
     decode,
@@ -174,23 +175,32 @@ def test_hash_file_matches_hashing_slices(tmp_path, size):
     assert len(hash_file(str(path), 4096)) == -(-size // 4096)
 
 
-def test_hash_file_fills_whole_chunks_across_short_reads(tmp_path):
-    data = os.urandom(50_000)
+def test_hash_file_names_chunks_larger_than_its_read_piece(tmp_path):
+    cs = 2 * HASH_PIECE + 12_345  # each chunk is read in three pieces, the last one short
+    data = os.urandom(2 * cs + HASH_PIECE + 7)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    assert hash_file(path, cs) == [chunk_hash(data[i : i + cs]) for i in range(0, len(data), cs)]
+
+
+@pytest.mark.parametrize("cs", [4096, HASH_PIECE + 4096])
+def test_hash_file_fills_whole_chunks_across_short_reads(tmp_path, cs):
+    data = os.urandom(50_000 if cs == 4096 else 3 * cs + 999)
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
 
     def write_in_dribbles():
         with open(fifo, "wb", buffering=0) as f:
-            for i in range(0, len(data), 999):
-                f.write(data[i : i + 999])
+            for i in range(0, len(data), 99_999 if cs > 4096 else 999):
+                f.write(data[i : i + (99_999 if cs > 4096 else 999)])
 
     writer = threading.Thread(target=write_in_dribbles)
     writer.start()
     try:
-        hashes = hash_file(fifo, 4096)
+        hashes = hash_file(fifo, cs)
     finally:
         writer.join()
-    assert hashes == [chunk_hash(data[i : i + 4096]) for i in range(0, len(data), 4096)]
+    assert hashes == [chunk_hash(data[i : i + cs]) for i in range(0, len(data), cs)]
 
 
 def test_hash_file_rejects_nonpositive_chunk_size(tmp_path):

@@ -42,6 +42,7 @@ RAW, ZSTD, PLANES = b"R", b"Z", b"P"
 _LEVEL = 1
 _SAMPLE = 256 << 10  # bytes compressed to decide whether compressing the chunk pays
 _WORTH_IT = 0.9  # compress only if the sample shrinks to at most this fraction
+HASH_PIECE = 512 << 10  # bytes read at a time for hashing: what stays in a core's cache
 _local = threading.local()
 
 
@@ -188,26 +189,43 @@ def hash_file(path: str | os.PathLike, chunk_size: int, pace: Callable[[], None]
 
     A chunk that lies wholly in a hole is named without reading it (:func:`zero_hash`), so
     a sparse file costs what it holds, not its size; a chunk that touches data is read
-    whole, holes and all. The thread's one buffer (:func:`scratch`) is reused, so hashing
-    many GiB, or many files, allocates nothing per chunk or per file. ``pace()`` is called
-    before each chunk is read: it may wait, so that hashing in the background can give way
-    to the job's own writes.
+    whole, holes and all, :data:`HASH_PIECE` bytes at a time into the thread's one buffer
+    (:func:`scratch`), so hashing many GiB, or many files, allocates nothing per chunk or
+    per file. ``pace()`` is called before each chunk is read: it may wait, so that hashing
+    in the background can give way to the job's own writes.
     """
     if chunk_size <= 0:
         raise ValueError(f"chunk size must be positive, not {chunk_size}")
-    view = scratch(chunk_size)
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            return [chunk_hash(view[:filled]) for filled in iter(lambda: pace() or _fill(f, view), 0)]
-        return _hash_sparse(f, st.st_size, view, pace)
+            return [h for h in iter(lambda: pace() or _hash_stream(f, chunk_size), None)]
+        return _hash_sparse(f.fileno(), st.st_size, chunk_size, pace)
 
 
-def _hash_sparse(f, size: int, view: memoryview, pace: Callable[[], None]) -> list[str]:
+def hash_range(fd: int, offset: int, length: int) -> xxhash.xxh3_128 | None:
+    """An xxh3-128 hasher fed ``length`` bytes of ``fd`` at ``offset``; ``None`` if the file is short.
+
+    Read :data:`HASH_PIECE` bytes at a time: a piece stays in the core's cache between the
+    copy out of the page cache and the hashing, which a whole 4 MiB chunk does not (hashing
+    a step is then a fifth faster).
+    """
+    hasher = xxhash.xxh3_128()
+    view = scratch(min(length, HASH_PIECE))
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
+        if n == 0:
+            return None
+        hasher.update(view[:n])
+        done += n
+    return hasher
+
+
+def _hash_sparse(fd: int, size: int, chunk_size: int, pace: Callable[[], None]) -> list[str]:
     """A regular file's chunk names: runs of whole chunks in a hole named at once, the rest read."""
-    chunk_size = len(view)
     hashes: list[str] = []
-    extents = holes.data_extents(f.fileno(), 0, size)
+    extents = holes.data_extents(fd, 0, size)
     data = next(extents, None)
     offset = 0
     while offset < size:
@@ -223,22 +241,21 @@ def _hash_sparse(f, size: int, view: memoryview, pace: Callable[[], None]) -> li
             break
         want = min(chunk_size, size - offset)
         pace()
-        f.seek(offset)
-        filled = _fill(f, view[:want])
-        if filled:
-            hashes.append(chunk_hash(view[:filled]))
-        if filled < want:
+        hasher = hash_range(fd, offset, want)
+        if hasher is None:
             break  # shorter than it was: the caller compares the count with the size
+        hashes.append(hasher.hexdigest())
         offset += want
     return hashes
 
 
-def _fill(f, view: memoryview) -> int:
-    # A read may return less than asked before EOF; only a full or final chunk is hashed.
-    filled = 0
-    while filled < len(view) and (n := f.readinto(view[filled:])):
+def _hash_stream(f, chunk_size: int) -> str | None:
+    """The name of the next chunk of a file that is not a regular file; ``None`` at its end."""
+    hasher, view, filled = xxhash.xxh3_128(), scratch(min(chunk_size, HASH_PIECE)), 0
+    while filled < chunk_size and (n := f.readinto(view[: min(len(view), chunk_size - filled)])):
+        hasher.update(view[:n])
         filled += n
-    return filled
+    return hasher.hexdigest() if filled else None
 
 
 def read_chunk(path: str | os.PathLike, index: int, chunk_size: int) -> bytes:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import xxhash
 
-from tierfs.core.chunks import scratch
+from tierfs.core.chunks import hash_range
 from tierfs.core.linux import pwrite_all
 from tierfs.peers.wire import PIECE, NoSpace, PeerError
 
@@ -212,20 +212,6 @@ def _identity(st: os.stat_result, offset: int, length: int) -> tuple:
     right after a check still shows. A new file that reuses the inode gets a new ctime.
     """
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, offset, length
-
-
-def hash_range(fd: int, offset: int, length: int) -> xxhash.xxh3_128 | None:
-    """An xxh3-128 hasher fed ``length`` bytes of ``fd`` at ``offset``; ``None`` if the file is short."""
-    hasher = xxhash.xxh3_128()
-    view = scratch(min(length, PIECE))
-    done = 0
-    while done < length:
-        n = os.preadv(fd, [view[: min(len(view), length - done)]], offset + done)
-        if n == 0:
-            return None
-        hasher.update(view[:n])
-        done += n
-    return hasher
 
 
 def copy_range(src: int, offset: int, dst: int, length: int) -> None:

@@ -199,7 +199,7 @@ def hash_file(path: str | os.PathLike, chunk_size: int, pace: Callable[[], None]
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            return [h for h in iter(lambda: pace() or _hash_stream(f, chunk_size), None)]
+            return list(iter(lambda: pace() or _hash_stream(f, chunk_size), None))
         return _hash_sparse(f.fileno(), st.st_size, chunk_size, pace)
 
 

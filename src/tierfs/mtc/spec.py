@@ -14,13 +14,12 @@ every user of the node.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import re
 import string
 from collections.abc import Mapping
 from dataclasses import dataclass
-
-import yaml
 
 REPLICATOR = "replicator.yaml"
 FRAMEWORKS = ("orbax", "pytorch.distributed", "pytorch")
@@ -69,25 +68,34 @@ class ReplicatorSpec:
         return None if self.backup_interval_minutes is None else 60.0 * self.backup_interval_minutes
 
 
-class _SpecLoader(yaml.SafeLoader):
-    """``yaml.SafeLoader`` that refuses anchors, aliases and deep nesting before composing them."""
+@functools.cache
+def _loader() -> type:
+    """``yaml.SafeLoader`` that refuses anchors, aliases and deep nesting before composing them.
 
-    def __init__(self, stream: str):
-        super().__init__(stream)
-        self._depth = 0
+    Made on first use: importing yaml costs every daemon's start 15-20 ms, and only a job
+    that writes a ``replicator.yaml`` needs it.
+    """
+    import yaml  # noqa: PLC0415
 
-    def compose_node(self, parent, index):
-        event = self.peek_event()
-        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
-            raise SpecError(f"{REPLICATOR} uses a YAML anchor or alias ('&' or '*'): write each value out")
-        self._depth += 1
-        try:
-            if self._depth > MAX_DEPTH:
-                raise SpecError(f"{REPLICATOR} nests values deeper than {MAX_DEPTH} levels: "
-                                "it holds plain keys, numbers and a list of ranks")
-            return super().compose_node(parent, index)
-        finally:
-            self._depth -= 1
+    class SpecLoader(yaml.SafeLoader):
+        def __init__(self, stream: str):
+            super().__init__(stream)
+            self._depth = 0
+
+        def compose_node(self, parent, index):
+            event = self.peek_event()
+            if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None) is not None:
+                raise SpecError(f"{REPLICATOR} uses a YAML anchor or alias ('&' or '*'): write each value out")
+            self._depth += 1
+            try:
+                if self._depth > MAX_DEPTH:
+                    raise SpecError(f"{REPLICATOR} nests values deeper than {MAX_DEPTH} levels: "
+                                    "it holds plain keys, numbers and a list of ranks")
+                return super().compose_node(parent, index)
+            finally:
+                self._depth -= 1
+
+    return SpecLoader
 
 
 def load_yaml(text: str) -> object:
@@ -95,8 +103,10 @@ def load_yaml(text: str) -> object:
     too large, not YAML, or uses anchors, aliases or deep nesting."""
     if len(text) > MAX_SPEC_BYTES:
         raise SpecError(f"{REPLICATOR} is larger than {MAX_SPEC_BYTES >> 10} KiB: it holds a few keys")
+    import yaml  # noqa: PLC0415 (not at the top: see _loader)
+
     try:
-        return yaml.load(text, Loader=_SpecLoader)  # noqa: S506 (a SafeLoader, hardened)
+        return yaml.load(text, Loader=_loader())  # noqa: S506 (a SafeLoader, hardened)
     except SpecError:
         raise
     except yaml.YAMLError as e:

@@ -78,7 +78,9 @@ async def subject(kind, where, nursery) -> Subject:
         return Subject(tier, functools.partial(_damage_file, tier.root))
     if kind == "peer":
         root = where["dir"] / "replicas"
-        tier = await peer_tier(nursery, "127.0.0.9", ReplicaStore(root, SpaceAccount(None, where["dir"]), job=JOB))
+        store = ReplicaStore(root, SpaceAccount(None, where["dir"]), job=JOB)
+        store.load()
+        tier = await peer_tier(nursery, "127.0.0.9", store)
         return Subject(tier, functools.partial(_damage_file, root))
     from tierfs.tiers.gcs import GcsTier
 
@@ -93,10 +95,10 @@ async def subject(kind, where, nursery) -> Subject:
 
 
 async def peer_tier(nursery, host: str, store: ReplicaStore, port: int | None = None):
-    """A peer tier reaching a real peer service of ``store`` on ``host`` (none listening if ``port`` is given)."""
+    """A peer tier reaching a real peer service of the loaded ``store`` on ``host``
+    (none listening if ``port`` is given)."""
     from tierfs.tiers.peer import PeerTier
 
-    store.load()
     if port is None:
         port = await nursery.start(functools.partial(
             serve, (host, 0), job=JOB, secret=SECRET, store=store, tls=tls.from_secret(JOB, SECRET),

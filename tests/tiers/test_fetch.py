@@ -31,7 +31,7 @@ def store_in(root) -> ReplicaStore:
 
 
 async def peer(nursery, host: str, root, port: int | None = None) -> PeerTier:
-    return await peer_tier(nursery, host, ReplicaStore(root, SpaceAccount(None, root.parent), job=JOB), port)
+    return await peer_tier(nursery, host, store_in(root), port)
 
 
 def chunks(tmp_path, n: int) -> list[tuple[str, tuple[str, int, int]]]:

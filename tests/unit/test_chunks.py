@@ -183,16 +183,17 @@ def test_hash_file_names_chunks_larger_than_its_read_piece(tmp_path):
     assert hash_file(path, cs) == [chunk_hash(data[i : i + cs]) for i in range(0, len(data), cs)]
 
 
-@pytest.mark.parametrize("cs", [4096, HASH_PIECE + 4096])
-def test_hash_file_fills_whole_chunks_across_short_reads(tmp_path, cs):
-    data = os.urandom(50_000 if cs == 4096 else 3 * cs + 999)
+@pytest.mark.parametrize(("cs", "size", "dribble"), [(4096, 50_000, 999),
+                                                     (HASH_PIECE + 4096, 3 * HASH_PIECE + 13_287, 99_999)])
+def test_hash_file_fills_whole_chunks_across_short_reads(tmp_path, cs, size, dribble):
+    data = os.urandom(size)
     fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
 
     def write_in_dribbles():
         with open(fifo, "wb", buffering=0) as f:
-            for i in range(0, len(data), 99_999 if cs > 4096 else 999):
-                f.write(data[i : i + (99_999 if cs > 4096 else 999)])
+            for i in range(0, len(data), dribble):
+                f.write(data[i : i + dribble])
 
     writer = threading.Thread(target=write_in_dribbles)
     writer.start()

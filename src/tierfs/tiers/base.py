@@ -328,11 +328,12 @@ async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
     """Put a step on ``tier``: the chunks it lacks, then the manifest (its commit point there).
 
     ``where`` locates every distinct chunk of the step in local files; ``pace`` is awaited
-    before each chunk, or batch of them (:func:`batches`), is sent (the job's writes go first). The manifest goes sealed with
-    ``seal_with``, the node's manifest keys (``None``: a node without a secret). With
-    twins on the tier (:meth:`Tier.twins`), the chunks it lacks are shared out among them
-    (:func:`tierfs.tiers.twins.share`): this node sends those it leads, and waits, within
-    a bound, for the others to be there before its manifest goes.
+    before each chunk, or batch of them (:func:`batches`), is sent (the job's writes go
+    first). The manifest goes sealed with ``seal_with``, the node's manifest keys (``None``:
+    a node without a secret). With twins on the tier (:meth:`Tier.twins`), the chunks it
+    lacks are shared out among them (:func:`tierfs.tiers.twins.share`): this node sends
+    those it leads, and waits, within a bound, for the others to be there before its
+    manifest goes.
     """
     hashes = list(where)
     data = manifest.sealed(seal_with)

@@ -85,8 +85,8 @@ def test_a_preallocated_write_is_a_row_of_its_own_beside_the_plain_one():
     assert bench_io.row_key(saved) == bench_io.row_key(rows[0])
 
 
-@pytest.mark.parametrize("op, rw, invalidate", [("read", "read", 0), ("cold", "read", 1), ("write", "write", 0)])
-def test_a_cold_read_is_fio_reading_after_dropping_the_cached_pages(tmp_path, op, rw, invalidate):
+@pytest.mark.parametrize("op, rw", [("read", "read"), ("cold", "read"), ("write", "write")])
+def test_fio_never_drops_pages_inside_its_own_timing(tmp_path, op, rw):
     fio = tmp_path / "fio"  # records its arguments, answers as fio does
     fio.write_text(f"""#!/bin/sh
 [ "$1" = --version ] && echo fio-3.33 && exit 0
@@ -96,4 +96,38 @@ echo '{{"jobs": [{{"{rw}": {{"io_bytes": 4096, "runtime": 1}}}}]}}'
     fio.chmod(0o755)
     res = bench_io.FioEngine(str(fio)).run("psync", op, str(tmp_path), "t", 4096, 4096, 1)
     args = (tmp_path / "args").read_text().split()
-    assert f"--rw={rw}" in args and f"--invalidate={invalidate}" in args and res["bytes"] == 4096
+    assert f"--rw={rw}" in args and "--invalidate=0" in args and res["bytes"] == 4096
+
+
+@pytest.mark.parametrize("op", ["read", "cold"])
+def test_a_cold_read_is_timed_after_its_cached_pages_were_dropped(tmp_path, monkeypatch, op):
+    events = []
+
+    class Engine:  # stands in for fio: records when it was run
+        def files(self, directory, tag, jobs):
+            return [str(tmp_path / f"{tag}.{j}") for j in range(jobs)]
+
+        def run(self, mode, op, directory, tag, bs, per_job, jobs, offset, fallocate):
+            events.append(("timed", offset))
+            return {"bytes": per_job * jobs, "seconds": 1.0}
+
+    monkeypatch.setattr(bench_io, "warm_up", lambda *a: None)
+    monkeypatch.setattr(bench_io, "drop_cached", lambda paths, offset, length: events.append(
+        ("dropped", [Path(p).name for p in paths], offset, length)))
+    run = bench_io.Run.__new__(bench_io.Run)
+    run.args = argparse.Namespace(segment=8192, warmup=0)
+    run.engine, run.dirs, run.mounts, run.warm_path, run.warm_buf = Engine(), {"tmpfs": str(tmp_path)}, {}, None, None
+    for j in range(2):
+        (tmp_path / f"t.{j}").write_bytes(bytes(8192))
+    res = run.io("tmpfs", "psync", op, "t", 4096, 8192, 2)
+    dropped = [("dropped", ["t.0", "t.1"], offset, 4096) for offset in (0, 4096)] if op == "cold" else []
+    assert [e for e in events if e[0] == "dropped"] == dropped
+    assert [e[0] for e in events] == (["dropped", "timed"] * 2 if op == "cold" else ["timed"] * 2)
+    assert res["bytes"] == 16384 and res["segments"] == 2
+
+
+def test_dropping_cached_pages_leaves_the_bytes(tmp_path):
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 10000)
+    bench_io.drop_cached([str(path)], 0, 10000)
+    assert path.read_bytes() == b"x" * 10000

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# The interpreter's own symbols, libc's among them: ctypes.util.find_library would run
+# ldconfig in a subprocess at every command's start for the same answer.
+_libc = ctypes.CDLL(None, use_errno=True)
 
 AT_FDCWD = -100
 AT_SYMLINK_NOFOLLOW = 0x100

@@ -48,7 +48,7 @@ def restore_twins_from_gcs(cluster, gcs_bucket: str, nodes: int, data_parallel: 
 
 # Killing the job one node at a time: the last ones may still be putting a replica on the
 # first, or asking it to confirm one.
-@pytest.mark.expect_log("does not answer yet", "delayed, retrying", "step 5 did not reach peer ",
+@pytest.mark.expect_log("not answer yet", "delayed, retrying", "step 5 did not reach peer ",
                         "step 5 is not confirmed by peer")
 def test_eight_nodes_with_four_twins_read_each_chunk_from_gcs_once(cluster, gcs_bucket):
     got = restore_twins_from_gcs(cluster, gcs_bucket, nodes=8, data_parallel=4, size=8 * MiB)
@@ -60,7 +60,7 @@ def test_eight_nodes_with_four_twins_read_each_chunk_from_gcs_once(cluster, gcs_
 
 @pytest.mark.slow
 # 32 daemons on a few cores: a peer can be too busy to confirm a replica in time.
-@pytest.mark.expect_log("does not answer yet", "delayed, retrying", "step 5 did not reach peer ",
+@pytest.mark.expect_log("not answer yet", "delayed, retrying", "step 5 did not reach peer ",
                         "step 5 is not confirmed by peer")
 def test_thirty_two_nodes_with_four_twins_read_each_chunk_from_gcs_once(cluster, gcs_bucket):
     got = restore_twins_from_gcs(cluster, gcs_bucket, nodes=32, data_parallel=4, size=8 * MiB)

@@ -90,7 +90,7 @@ def check_manifests(gcs_emulator, gcs_bucket: str, job: str, ranks) -> None:
 
 
 # A peer may be too busy to confirm a replica in time on a small machine.
-@pytest.mark.expect_log("does not answer yet", "step 5 did not reach peer ", "step 5 is not confirmed by peer")
+@pytest.mark.expect_log("not answer yet", "step 5 did not reach peer ", "step 5 is not confirmed by peer")
 def test_four_twins_send_each_chunk_once_and_read_none_back(cluster, proxies, gcs_emulator, gcs_bucket):
     c = twins_cluster(cluster, proxies, gcs_bucket)
     commit_everywhere(c, range(NODES))
@@ -109,7 +109,7 @@ def test_four_twins_send_each_chunk_once_and_read_none_back(cluster, proxies, gc
     assert f"({backups[0]['sent_chunks']} chunks sent here, {backups[0]['twin_chunks']} by twins)" in line, line
 
 
-@pytest.mark.expect_log("does not answer yet", "delayed, retrying", "step 5 did not reach peer ",
+@pytest.mark.expect_log("not answer yet", "delayed, retrying", "step 5 did not reach peer ",
                         "step 5 is not confirmed by peer", "peer 127.0.0.4:\\d+")
 def test_a_twin_killed_in_the_middle_of_its_uploads_leaves_no_step_incomplete(cluster, proxies, gcs_emulator,
                                                                               gcs_bucket):

@@ -19,7 +19,7 @@ from tests.multinode.test_peers import commit_step, replicated, sums
 from tests.multinode.test_restore import files_of
 from tierfs.coordination.protocol import candidates
 
-ROUNDS = int(os.environ.get("TIERFS_TEST_ROUNDS", "20"))
+ROUNDS = int(os.environ.get("TIERFS_TEST_ROUNDS", "10"))
 SEED = int(os.environ.get("TIERFS_TEST_SEED", str(random.randrange(1 << 32))))
 
 

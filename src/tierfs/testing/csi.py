@@ -13,6 +13,7 @@ import json
 import signal
 import subprocess
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -94,6 +95,15 @@ class Plugin:
         log = open(self.base / "plugin.log", "a")
         self.proc = subprocess.Popen(self.args("--endpoint", f"unix://{self.socket}"), stdout=log, stderr=log)
         log.close()
+        # Connect once the plugin listens: a channel that finds no socket backs off for a
+        # second before it tries again, which doubled every start.
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tierfs csi exited ({self.proc.returncode}) before listening: {self.log()}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tierfs csi did not listen on {self.socket} within 30 s")
+            time.sleep(0.01)
         self.channel = grpc.insecure_channel(f"unix://{self.socket}")
         grpc.channel_ready_future(self.channel).result(timeout=30)
 

@@ -7,7 +7,6 @@ that does not go away is killed by its PID; nothing else is touched.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from tierfs.commands.status import fetch
 from tierfs.core import mounts
 from tierfs.testing import TIERFS, cleanup_mount, unmount_all_beneath
 from tierfs.testing.gcs_emulator import GcsEmulator
@@ -157,7 +157,7 @@ class Volume:
         return self.ramdisk / self.job / f"rank-{self.rank}" / "tree"
 
     def status(self) -> dict:
-        return json.loads(tierfs("status", self.mountpoint, "--json").stdout)
+        return fetch(self.mountpoint)  # what `tierfs status --json` prints, without a CLI start per poll
 
     @property
     def pid(self) -> int:

@@ -50,16 +50,15 @@ def unmount_all_beneath(path: Path) -> None:
 def cleanup_mount(mountpoint: Path) -> None:
     """Unmount whatever is left at ``mountpoint`` and stop its daemon."""
     info = mounts.Registration(mountpoint).read() or {}
-    for _ in range(50):
+    for attempt in range(50):
         if mounts.find_mount(mountpoint) is None:
             break
+        if attempt:
+            time.sleep(0.1)  # still there: give the kernel a moment before asking again
         subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
-        time.sleep(0.1)
     pid = info.get("pid")
-    if pid and mounts.process_alive(pid):
-        deadline = time.monotonic() + 10
-        while mounts.process_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    if pid:
+        wait_gone(pid)
         if mounts.process_alive(pid):
             os.kill(pid, signal.SIGKILL)
     mounts.Registration(mountpoint).remove()

@@ -9,7 +9,6 @@ demo, the benchmarks and the multi-node tests.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -18,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tierfs.commands.status import fetch
 from tierfs.core.keys import new_secret
 from tierfs.testing import TIERFS, free_port, unmount_all_beneath, wait_gone
 
@@ -104,7 +104,9 @@ class LocalCluster:
             self.kill(i)
 
     def status(self, i: int) -> dict:
-        return json.loads(self.tierfs("status", self.nodes[i].mountpoint, "--json").stdout)
+        """Node i's ``tierfs status``, asked over its control socket from this process: polling
+        it through the CLI started an interpreter per poll, on the cores the daemons need."""
+        return fetch(self.nodes[i].mountpoint)
 
     def wait_safe(self, i: int, step: int, timeout: float = 60) -> dict:
         """Wait until node i's current version of ``step`` is on a peer and backed up; its state.
@@ -120,7 +122,7 @@ class LocalCluster:
             if s and s["backed_up"] and replicas.get("version") == s["version"] and replicas.get("peers"):
                 return s
             assert time.monotonic() < deadline, f"step {step} not replicated and backed up: {states}"
-            time.sleep(0.2)
+            time.sleep(0.05)
 
     def kill(self, i: int) -> None:
         """kill -9 the node's daemon and wait until it is gone (its mount goes dead)."""

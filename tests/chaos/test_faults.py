@@ -55,7 +55,7 @@ def run(job, faults: int) -> None:
 
 
 def test_a_seeded_schedule_of_faults_never_loses_the_newest_step(chaos_job):
-    run(chaos_job(), int(os.environ.get("TIERFS_CHAOS_FAULTS", "20")))
+    run(chaos_job(), int(os.environ.get("TIERFS_CHAOS_FAULTS", "40")))
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ import re
 import stat
 from dataclasses import dataclass, field
 
-from tierfs.core import chunks
+from tierfs.core import bounded_json, chunks
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
 from tierfs.core.parse import check_job_id
@@ -41,6 +41,7 @@ FORMAT_VERSION = 1
 KINDS = ("file", "dir", "symlink")
 
 MAX_BYTES = 64 << 20  # a manifest's JSON (the peer protocol carries no larger one either)
+MAX_DEPTH = 16  # lists and objects inside one another: a manifest nests 3 levels (formats.md)
 MAX_ENTRIES = 1 << 20  # paths in one manifest
 MAX_CHUNKS = 1 << 21  # chunk names in one manifest: 8 TiB of 4 MiB chunks per rank
 MAX_PATH = 4096  # bytes in a path or symlink target (Linux PATH_MAX)
@@ -118,11 +119,11 @@ class Manifest:
         if len(data) > MAX_BYTES:
             raise ManifestError(f"manifest of {len(data)} bytes is larger than {MAX_BYTES} bytes")
         try:
-            obj = json.loads(data)
+            obj = bounded_json.load(data, MAX_DEPTH)
+        except bounded_json.TooDeep as e:
+            raise ManifestError(f"manifest is not a manifest: its JSON {e}") from None
         except ValueError as e:
             raise ManifestError(f"manifest is not valid JSON: {e}") from None
-        except RecursionError:
-            raise ManifestError("manifest is not a manifest: its JSON is nested too deeply") from None
         if not isinstance(obj, dict):
             raise ManifestError("manifest is not a JSON object")
         version = _get(obj, "format", int, "manifest")

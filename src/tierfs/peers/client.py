@@ -22,7 +22,7 @@ import trio
 import xxhash
 
 from tierfs.coordination.transport import BadMessage
-from tierfs.core.manifest import split_seal
+from tierfs.core.manifest import MAX_DEPTH as MAX_MANIFEST_DEPTH, split_seal
 from tierfs.peers import answers, bodies, wire
 from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.bodies import chunk_label
@@ -42,8 +42,6 @@ from tierfs.peers.wire import (
 )
 
 T = TypeVar("T")
-
-MANIFEST_MAX_DEPTH = 16  # a manifest nests 3 levels (formats.md); a deeper one is a hostile peer's
 
 
 class PeerClient:
@@ -199,7 +197,7 @@ class PeerClient:
             data = await self._body(reply, MAX_MANIFEST)
         self._check(reply)
         try:
-            wire.parse_json(split_seal(data)[0], "manifest", MANIFEST_MAX_DEPTH)
+            wire.parse_json(split_seal(data)[0], "manifest", MAX_MANIFEST_DEPTH)
         except ProtocolError as e:
             raise PeerError(f"peer {_name(self.address)}: get_manifest: {e}") from None
         return data

@@ -35,7 +35,7 @@ from typing import Any
 
 import trio
 
-from tierfs.core import keys
+from tierfs.core import bounded_json, keys
 from tierfs.core.chunks import MAX_CHUNK_SIZE
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
@@ -137,35 +137,14 @@ async def recv_msg(stream: trio.abc.ReceiveStream, limit: int = MAX_HEADER) -> d
 def parse_json(raw: bytes, what: str, max_depth: int = MAX_DEPTH) -> Any:
     """``raw`` as JSON; :class:`ProtocolError` if it is not, or nests deeper than ``max_depth``.
 
-    The caller has already bounded ``raw``'s size. json's C parser guards its own recursion
-    (``RecursionError`` near a thousand levels), so a nesting bomb costs one pass over at
-    most that many bytes and is refused like any malformed header; what parses is then
-    walked once to enforce the small depth the protocol allows.
+    The caller has already bounded ``raw``'s size.
     """
     try:
-        value = json.loads(raw)
-    except RecursionError:
-        raise ProtocolError(f"{what} nests deeper than {max_depth} levels") from None
+        return bounded_json.load(raw, max_depth)
+    except bounded_json.TooDeep as e:
+        raise ProtocolError(f"{what} {e}") from None
     except ValueError:  # UnicodeDecodeError is a ValueError too
         raise ProtocolError(f"{what} is not valid UTF-8 JSON") from None
-    if nesting_depth(value, max_depth) > max_depth:
-        raise ProtocolError(f"{what} nests deeper than {max_depth} levels")
-    return value
-
-
-def nesting_depth(value: Any, limit: int) -> int:
-    """How deep lists and objects nest in ``value`` (a scalar is 0); counts no further than ``limit + 1``."""
-    deepest, todo = 0, [(value, 1)]
-    while todo:
-        item, depth = todo.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is None:
-            continue
-        if depth > limit:
-            return depth
-        deepest = max(deepest, depth)
-        todo.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
 
 
 def brief(value: object, limit: int = 60) -> str:

@@ -24,6 +24,7 @@ from tierfs.config import (
 )
 from tierfs.core import mounts
 from tierfs.core.errors import UserError
+from tierfs.daemon.keeper import FD_ENV as KEEPER_FD_ENV
 from tierfs.peers import tls
 
 _FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **TLS_FILE_OPTIONS}
@@ -60,12 +61,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     if cfg.foreground:
-        from tierfs.daemon import (
-            daemon,  # the daemon's imports (GCS client) are slow for the CLI
-        )
-
-        return daemon.run(cfg)
+        return keep(cfg)
     return spawn(cfg)
+
+
+def keep(cfg: Config, ready_fd: int | None = None) -> int:
+    """Be the mount's keeper in this process (:mod:`tierfs.daemon.keeper`): it runs the daemon."""
+    from tierfs.daemon import daemon, host, keeper  # noqa: PLC0415 (slow imports, for the daemon only)
+
+    host.setup_logging(cfg)
+    return keeper.Keeper(cfg, daemon.run, keeper.inherited_connection()).run(ready_fd)
 
 
 def run_helper(argv: list[str]) -> int:
@@ -108,6 +113,8 @@ def spawn(cfg: Config) -> int:
     The child is forked, not executed anew: it inherits the interpreter and the modules
     already imported, which is a good part of the time a restored step takes to appear.
     """
+    if os.environ.get(KEEPER_FD_ENV):  # a keeper executed anew by an upgrade: the mount is live
+        return keep(cfg)
     mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
     # The child inherits both: the TLS contexts (built once; this also refuses TLS files that
     # hold no certificate and key) and the daemon's modules. Stretching the secret (scrypt,
@@ -154,7 +161,7 @@ def spawn(cfg: Config) -> int:
 
 
 def _run_detached(cfg: Config, log_fd: int, ready_fd: int) -> NoReturn:
-    """The daemon's side of the fork: its own session, output to the log, exit without unwinding the CLI."""
+    """The keeper's side of the fork: its own session, output to the log, exit without unwinding the CLI."""
     code = 1
     try:
         os.setsid()
@@ -164,9 +171,7 @@ def _run_detached(cfg: Config, log_fd: int, ready_fd: int) -> NoReturn:
         os.dup2(log_fd, 2)
         os.close(null)
         os.close(log_fd)
-        from tierfs.daemon import daemon  # noqa: PLC0415 (the CLI's other commands do not need it)
-
-        code = daemon.run(cfg, ready_fd)
+        code = keep(cfg, ready_fd)
     except UserError as e:  # after the mount was ready: the log is the only place left to say it
         print(f"tierfs: {e}", file=sys.stderr)
     except BaseException:  # noqa: BLE001 (a bug: its traceback, in the log)

@@ -60,6 +60,34 @@ def chown_fd(fd: int, uid: int, gid: int) -> None:
     _check(_libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
 
 
+MAX_HANDLE_SZ = 128
+
+
+class _FileHandle(ctypes.Structure):
+    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
+                ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ)]
+
+
+def name_to_handle(fd: int) -> bytes:
+    """A handle that reopens the inode ``fd`` refers to, whatever its names become
+    (``name_to_handle_at(fd, "", AT_EMPTY_PATH)``): its type (4 bytes) and the handle."""
+    h = _FileHandle(MAX_HANDLE_SZ)
+    mount_id = ctypes.c_int()
+    _check(_libc.name_to_handle_at(fd, b"", ctypes.byref(h), ctypes.byref(mount_id), AT_EMPTY_PATH))
+    return h.handle_type.to_bytes(4, "little", signed=True) + bytes(h.f_handle[:h.handle_bytes])
+
+
+def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
+    """``open_by_handle_at``: the inode of a handle from :func:`name_to_handle` on the file
+    system of ``mount_fd`` (needs CAP_DAC_READ_SEARCH); ESTALE once the inode is gone."""
+    body = handle[4:]
+    if len(body) > MAX_HANDLE_SZ:
+        raise OSError(22, "file handle too long")
+    h = _FileHandle(len(body), int.from_bytes(handle[:4], "little", signed=True))
+    ctypes.memmove(h.f_handle, body, len(body))
+    return _check(_libc.open_by_handle_at(mount_fd, ctypes.byref(h), flags))
+
+
 def umount(path: str, flags: int = 0) -> None:
     _check(_libc.umount2(os.fsencode(path), flags), path)
 

@@ -31,10 +31,14 @@ from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.parse import format_size
 from tierfs.daemon import control, host, status
+from tierfs.daemon.connection import Connection
+from tierfs.daemon.keeper import HANDOVER
 from tierfs.daemon.tiers import node_tiers
 from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
+from tierfs.fs.recovery import SessionState
+from tierfs.fs.session import KernelSession
 from tierfs.mtc.multitier import MultiTier
 from tierfs.mtc.protocol import MtcNode
 from tierfs.peers.claim import Identity
@@ -63,8 +67,9 @@ SPILL_AT = 0.75  # RAM is short past this share of the capacity: steps on --disk
 class Daemon:
     """One mount: the RAM tier, the FUSE engine, the tiers, and the tasks that run them."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, connection: Connection | None = None):
         self.cfg = cfg
+        self.connection = connection or Connection()
         self.started = time.time()
         self.rank = RankDir(cfg.rank_dir)
         self.registration = mounts.Registration(cfg.mountpoint)
@@ -99,6 +104,7 @@ class Daemon:
         self.ready = False
         self._warnings: list[str] = []
         self._signalled = False
+        self.handing_over = False  # stopped serving for a successor (tierfs upgrade)
 
     def start(self) -> None:
         """Validate and claim the rank; raises UserError, with nothing mounted yet."""
@@ -136,15 +142,33 @@ class Daemon:
                 f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
                 f"already stored in {self.rank.tree}: raise --capacity or remove files"
             )
-        mounts.prepare_mountpoint(cfg.mountpoint)
+        if self.connection.taken is None:  # a successor's mount is live: it must not touch it
+            mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
+        self._keep_record()
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
                                      self.retention_floor if self._beyond_ram() or self.network else None,
                                      self._ram_short)
         if not cfg.read_only:
             self.mtc = self.multitier.start()
             self.replicator.dropped = self.mtc.forget
+
+    def _keep_record(self) -> None:
+        """Where the keeper holds the connection, keep what a successor needs to take it over."""
+        conn = self.connection
+        if conn.fd is None or not isinstance(self.engine, KernelSession):
+            if conn.taken is not None:
+                raise UserError("the daemon before used tierfs' own FUSE engine: take over with the same "
+                                "--engine and --data-path")
+            return
+        if conn.record is None:
+            conn.record = SessionState(self.rank.state_dir("session"), self.rank.tree)
+            conn.record.start()
+        elif conn.taken.init["passthrough"] != (self.data_path == DataPath.PASSTHROUGH):
+            raise UserError(f"the daemon before served {self.cfg.mountpoint} on another data path: "
+                            "take over with the same --data-path")
+        self.engine.record = self.ops.record = self.ops.inodes.record = conn.record
 
     def _beyond_ram(self) -> bool:
         """Whether this node has a tier besides its RAM: something to restore from and put steps on."""
@@ -282,9 +306,21 @@ class Daemon:
 
     def _mount(self) -> None:
         cfg = self.cfg
+        conn = self.connection
+        if conn.taken is not None:
+            self.engine.take_over(conn.fd, str(cfg.mountpoint), conn.taken.init)
+            self.ops.take_over(conn.taken.handles)
+            self.mounted = True
+            self._register()
+            log.info("took over %s from the daemon before: %d open handles", cfg.mountpoint,
+                     len(conn.taken.handles))
+            return
         try:
             try:
-                self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+                if isinstance(self.engine, KernelSession):
+                    self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only, fd=conn.fd)
+                else:
+                    self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
             except OSError as e:
                 if (fallback := fallback_engine(self.engine, cfg.engine, e)) is None:
                     raise
@@ -293,20 +329,20 @@ class Daemon:
         except OSError as e:
             raise UserError(f"could not mount {cfg.mountpoint}: {e.strerror or e} (see the log)") from None
         self.mounted = True
-        self.registration.write(
-            {
-                "pid": os.getpid(),
-                "mountpoint": str(cfg.mountpoint),
-                "job": cfg.job,
-                "rank": cfg.rank,
-                "rank_dir": str(self.rank.path),
-                "log": str(self.registration.log_path),
-            }
-        )
+        self._register()
         log.info(
             "mounted %s: job %s rank %d on %s (%s used)",
             cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
         )
+
+    def _register(self) -> None:
+        cfg = self.cfg
+        keeper = os.getppid() if self.connection.fd is not None else None
+        self.registration.write({
+            "pid": os.getpid(), **({"keeper": keeper} if keeper else {}),
+            "mountpoint": str(cfg.mountpoint), "job": cfg.job, "rank": cfg.rank,
+            "rank_dir": str(self.rank.path), "log": str(self.registration.log_path),
+        })
 
     async def serve(self, ready_fd: int | None = None) -> None:
         failure: Exception | None = None
@@ -398,31 +434,51 @@ class Daemon:
         cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
             async for signum in signals:
-                log.info("signal %d: unmounting", signum)
-                self._signalled = True
+                if signum == signal.SIGUSR1 and self.connection.record is not None:
+                    log.info("handing %s over to a successor", self.cfg.mountpoint)
+                    self.handing_over = True
+                else:
+                    log.info("signal %d: unmounting", signum)
+                    self._signalled = True
                 self.engine.terminate()
 
     def stop(self) -> None:
         if self.mounted:
             # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
             self.engine.close(unmount=self._signalled)
-            self.registration.remove()  # only ours once mounted: a busy mountpoint is someone else's
+            if not self.handing_over:  # only ours once mounted: a busy mountpoint is someone else's
+                self.registration.remove()
         if self.ops is not None:
             self.ops.close()
+        if self.connection.record is not None:
+            self.connection.record.close()
         self.rank.release()
         log.info("stopped")
 
 
-def run(cfg: Config, ready_fd: int | None = None) -> int:
-    """Run a daemon in this process until unmounted; report readiness on ``ready_fd``."""
+def run(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None, takeover: bool = False) -> int:
+    """Run a daemon in this process until unmounted; report readiness on ``ready_fd``.
+
+    ``fuse_fd``: the keeper's ``/dev/fuse`` descriptor, to mount with, or with ``takeover``
+    the live connection of a daemon that is gone, to serve on. Returns the exit status
+    (:data:`~tierfs.daemon.keeper.HANDOVER` when it stopped for a successor).
+    """
     # The modules, and what they made on import, live as long as the daemon: out of the
     # collector's reach, a full collection walks none of their ~35,000 objects again (each
     # such walk held the interpreter, and so every FUSE request, for 6-9 ms).
     gc.freeze()
     host.setup_logging(cfg)
-    daemon = Daemon(cfg)
+    try:
+        connection = Connection(fuse_fd)
+        if takeover:
+            connection, ready_fd = Connection.take_over(cfg, fuse_fd, ready_fd)
+    except (UserError, OSError) as e:
+        log.error("%s", e)
+        host.report(ready_fd, f"error: {e}")
+        return 1
+    daemon = Daemon(cfg, connection)
     try:
         daemon.start()
         trio.run(daemon.serve, ready_fd)
@@ -444,4 +500,4 @@ def run(cfg: Config, ready_fd: int | None = None) -> int:
         return 1
     finally:
         daemon.stop()
-    return 0
+    return HANDOVER if daemon.handing_over else 0

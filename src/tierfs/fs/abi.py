@@ -67,6 +67,11 @@ HANDLE_KILLPRIV_V2 = 1 << 28
 INIT_EXT = 1 << 30
 DIRECT_IO_ALLOW_MMAP = 1 << 36
 PASSTHROUGH = 1 << 37
+HAS_RESEND = 1 << 39  # offered by Linux 6.9+: FUSE_NOTIFY_RESEND is understood
+
+# -- notifications (an OUT_HEADER with unique 0 and the code as its error) -----------------
+NOTIFY_RESEND = 7  # every request read but not answered is queued again, marked below
+UNIQUE_RESEND = 1 << 63  # set in the unique of a request the kernel sends again
 
 # -- open reply flags ----------------------------------------------------------------------
 FOPEN_DIRECT_IO = 1 << 0

@@ -52,6 +52,12 @@ class BackingFiles:
         self._handles[fh] = ino
         return True
 
+    def adopt(self, ino: int, fh: int, backing_id: int) -> None:
+        """Count ``fh``, an open a predecessor registered as ``backing_id``, as attached."""
+        entry = self._inodes.setdefault(ino, [backing_id, 0])
+        entry[1] += 1
+        self._handles[fh] = ino
+
     def backing_id(self, fh: int) -> int | None:
         ino = self._handles.get(fh)
         return None if ino is None else self._inodes[ino][0]

@@ -9,13 +9,17 @@ cached never leaves the table pointing at a stale path.
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import stat
 from dataclasses import dataclass
 
 import pyfuse3
 
+log = logging.getLogger(__name__)
+
 O_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+TAKEN_OVER = 1 << 62  # the lookup count of a node a predecessor gave the kernel: unknown
 
 
 @dataclass(slots=True)
@@ -39,14 +43,22 @@ class InodeTable:
 
     The FUSE inode number is the backing inode number, except that the tree's root is
     ``pyfuse3.ROOT_INODE``. Hard links therefore share one FUSE inode, as they must.
+
+    With a ``record`` (:class:`~tierfs.fs.recovery.SessionState`), every node given to
+    the kernel is written down, and a node id the table does not know (one a dead
+    predecessor gave the kernel) is reopened from it: a successor meets the nodes the
+    kernel holds lazily, as their requests come. Such a node's lookup count is unknown;
+    the kernel forgets a node with one FORGET of its whole count, so the first FORGET of
+    a taken-over node drops it.
     """
 
-    def __init__(self, root: str | os.PathLike):
+    def __init__(self, root: str | os.PathLike, record=None):
         fd = os.open(root, O_PATH_FLAGS | os.O_DIRECTORY)
         self._root_ino = os.fstat(fd).st_ino
         self._nodes: dict[int, Inode] = {
             pyfuse3.ROOT_INODE: Inode(fd, stat.S_IFDIR, nlookup=1)
         }
+        self.record = record
 
     def fuse_ino(self, st: os.stat_result) -> int:
         if st.st_ino == self._root_ino:
@@ -57,8 +69,18 @@ class InodeTable:
 
     def __getitem__(self, ino: int) -> Inode:
         node = self._nodes.get(ino)
+        if node is None and self.record is not None:
+            node = self._taken_over(ino)
         if node is None or node.fd < 0:
             raise OSError(errno.ESTALE, "unknown inode")
+        return node
+
+    def _taken_over(self, ino: int) -> Inode | None:
+        """A node a predecessor gave the kernel, reopened from the record."""
+        fd = self.record.reopen(ino)
+        if fd is None:
+            return None
+        node = self._nodes[ino] = Inode(fd, stat.S_IFMT(os.fstat(fd).st_mode), nlookup=TAKEN_OVER)
         return node
 
     def get(self, ino: int) -> Inode | None:
@@ -82,15 +104,26 @@ class InodeTable:
             os.close(fd)
             raise
         node = self._nodes.get(ino)
+        if node is None and self.record is not None:
+            node = self._taken_over(ino)
         if node is None:
             node = self._nodes[ino] = Inode(fd, stat.S_IFMT(st.st_mode))
+            self._recorded(ino, fd)
         elif node.fd < 0:  # tmpfs reused the number of an unpinned inode the kernel still knows
             node.fd, node.kind, node.orphaned, node.cache_valid = fd, stat.S_IFMT(st.st_mode), False, False
             node.open_fd = -1
+            self._recorded(ino, fd)
         else:
             os.close(fd)
         node.nlookup += 1
         return ino, st
+
+    def _recorded(self, ino: int, fd: int) -> None:
+        if self.record is not None:
+            try:
+                self.record.node_added(ino, fd)
+            except OSError as e:  # the node still serves; only a successor could not reopen it
+                log.warning("could not record node %d for a successor: %s", ino, e)
 
     def unpin(self, ino: int) -> None:
         """The inode's last link is gone and nothing has it open: close its descriptor.
@@ -103,15 +136,18 @@ class InodeTable:
             os.close(node.fd)
             node.fd = -1
 
-    def forget(self, ino: int, n: int) -> Inode | None:
-        """Drop ``n`` lookups; returns the node if the kernel no longer knows it."""
+    def forget(self, ino: int, n: int, undo: bool = False) -> Inode | None:
+        """Drop ``n`` lookups (the kernel's FORGET, or ``undo`` of one never answered);
+        returns the node if the kernel no longer knows it."""
         node = self._nodes.get(ino)
         if node is None or ino == pyfuse3.ROOT_INODE:
             return None
-        node.nlookup -= n
+        node.nlookup = 0 if node.nlookup >= TAKEN_OVER and n and not undo else node.nlookup - n
         if node.nlookup > 0 or node.opens > 0:
             return None
         del self._nodes[ino]
+        if self.record is not None:
+            self.record.node_gone(ino)
         if node.fd >= 0:
             os.close(node.fd)
         return node

@@ -14,6 +14,7 @@ import stat
 import pyfuse3
 
 from tierfs.core import linux
+from tierfs.fs import recovery
 from tierfs.fs.caller import acting_as
 from tierfs.fs.inodes import Inode
 from tierfs.fs.messages import DirBuffer
@@ -113,6 +114,8 @@ class Names(Volume):
     async def opendir(self, inode, ctx):
         fd = os.open(self.inodes[inode].proc_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._dirs[fd] = None
+        if self.record is not None:
+            self.record.opened(fd, inode, os.O_RDONLY | os.O_DIRECTORY, recovery.DIRECTORY)
         return fd
 
     @errors_to_fuse
@@ -128,12 +131,15 @@ class Names(Volume):
             except FileNotFoundError:
                 continue  # removed since the snapshot
             if not _readdir_reply(token, names[i], self._attrs(ino, st), i + 1):
-                self.inodes.forget(ino, 1)
+                self.inodes.forget(ino, 1, undo=True)
                 break
 
     @errors_to_fuse
     async def releasedir(self, fh):
-        del self._dirs[fh]
+        if self._dirs.pop(fh, False) is False:
+            return  # sent again, done before a predecessor died
+        if self.record is not None:
+            self.record.closed(fh)
         os.close(fh)
 
     @errors_to_fuse

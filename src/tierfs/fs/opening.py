@@ -16,6 +16,7 @@ import stat
 import pyfuse3
 
 from tierfs.core import linux
+from tierfs.fs import recovery
 from tierfs.fs.caller import Caller, acting_as
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode
 from tierfs.fs.volume import Volume, errors_to_fuse, has_privs
@@ -41,13 +42,17 @@ class Opening(Volume):
         return self._open_backing(inode, node, fd, flags, ctx)
 
     def create_sync(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                    ctx) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
+                    ctx, resumed: int | None = None) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """Create ``name``, or open it if another creator made it after the kernel's lookup.
 
         The common case, a name still free, is an exclusive create as root and a chown of
         the new descriptor (no name is looked at twice). A name that turned out to be taken
         is opened with the caller's credentials (:func:`~tierfs.fs.caller.acting_as`), so
-        tmpfs makes the checks the kernel would have made on it."""
+        tmpfs makes the checks the kernel would have made on it.
+
+        ``resumed``: the request was begun at that time (ns) by a daemon that died before
+        answering it; a regular file made since is taken as this request's own, and given
+        to the caller if the daemon died before it could be."""
         parent = self.inodes[parent_inode]
         bflags = (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC
         mode = stat.S_IMODE(self._creation_mode(parent, mode, ctx))
@@ -55,11 +60,15 @@ class Opening(Volume):
             fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, mode, dir_fd=parent.fd)
             created = True
         except FileExistsError:
-            if flags & os.O_EXCL:
+            st = self._lstat_at(parent.fd, name) if resumed is not None else None
+            made_by_us = st is not None and stat.S_ISREG(st.st_mode) and st.st_ctime_ns >= resumed
+            if made_by_us and st.st_uid == 0 and ctx.uid != 0:  # made as root, never chowned
+                fd, created = os.open(name, bflags | os.O_NOFOLLOW, dir_fd=parent.fd), True
+            elif flags & os.O_EXCL and not made_by_us:
                 raise
-            self.writes_done()  # O_TRUNC must come after writes still queued for it
-            fd = self._open_raced(parent, name, bflags, mode, ctx)
-            created = False
+            else:
+                self.writes_done()  # O_TRUNC must come after writes still queued for it
+                fd, created = self._open_raced(parent, name, bflags, mode, ctx), False
         try:
             if created:
                 self._give_to_caller(fd, parent, ctx)
@@ -150,33 +159,66 @@ class Opening(Volume):
         Under a passthrough engine every daemon open is direct I/O, since the kernel refuses
         passthrough for an inode it caches. ``st``: the file's status, if taken since the open.
         """
-        node.opens += 1
-        node.open_fd = fd
-        self._files[fd] = ino
         self.counters["opens"] += 1
         fi = pyfuse3.FileInfo(fh=fd)
         accmode = flags & os.O_ACCMODE
-        if accmode != os.O_RDONLY:
-            self._writable.add(fd)
         if flags & os.O_TRUNC:
             node.cache_valid = False
             st = st or os.fstat(fd)
             self.space.update(st)
         drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and has_privs((st or os.fstat(fd)).st_mode)
+        self._opened(ino, node, fd, flags)
         if self._passes_through(ino, node, fd, drops_privs):
             self.counters["passthrough_opens"] += 1
             if accmode != os.O_RDONLY:
                 self.writing.watch(fd, st or os.fstat(fd))
                 self._passthrough_writers.add(fd)
+            self._record_open(fd, ino, flags, recovery.PASSTHROUGH)
             return fi
+        bits = 0
         if drops_privs:
             # A write by anyone but root drops set-id bits; the kernel does it only for
             # page-cache writes, so direct writes do it here, as tmpfs would.
             self._kill_privs.add(fd)
+            bits |= recovery.KILL_PRIVS
         if accmode == os.O_WRONLY or flags & os.O_DIRECT or self.backing is not None:
             fi.direct_io = True
             self._direct.add(fd)
+            bits |= recovery.DIRECT
         else:
             fi.keep_cache = node.cache_valid
             node.cache_valid = True
+        self._record_open(fd, ino, flags, bits)
         return fi
+
+    def _opened(self, ino: int, node: Inode, fd: int, flags: int) -> None:
+        node.opens += 1
+        node.open_fd = fd
+        self._files[fd] = ino
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            self._writable.add(fd)
+
+    def _record_open(self, fd: int, ino: int, flags: int, bits: int) -> None:
+        if self.record is not None:
+            backing_id = self.backing.backing_id(fd) if bits & recovery.PASSTHROUGH else 0
+            self.record.opened(fd, ino, flags, recovery.FILE | bits, backing_id)
+
+    def take_over(self, handles: list[recovery.Handle]) -> None:
+        """Adopt the open handles of a daemon that is gone, each already reopened at its
+        own descriptor number (:func:`tierfs.fs.recovery.reopen_handles`): the kernel
+        goes on using them as they were."""
+        for h in handles:
+            node = self.inodes[h.ino]
+            if h.is_dir:
+                self._dirs[h.fh] = None
+                continue
+            self._opened(h.ino, node, h.fh, h.flags)
+            if h.kind & recovery.PASSTHROUGH:
+                self.backing.adopt(h.ino, h.fh, h.backing_id)
+                if h.flags & os.O_ACCMODE != os.O_RDONLY:
+                    self.writing.watch(h.fh, os.fstat(h.fh))
+                    self._passthrough_writers.add(h.fh)
+            if h.kind & recovery.KILL_PRIVS:
+                self._kill_privs.add(h.fh)
+            if h.kind & recovery.DIRECT:
+                self._direct.add(h.fh)

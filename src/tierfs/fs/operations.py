@@ -196,6 +196,9 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         self.release_writes(fh)
         self.release_handle(fh)
 
+    def has_handle(self, fh: int) -> bool:
+        return fh in self._files or fh in self._dirs
+
     def release_frees_space(self, fh: int) -> bool:
         """Whether releasing ``fh`` gives space back: the last open of an unlinked file.
         tmpfs frees it at close, so the kernel session does such a release at once."""
@@ -236,6 +239,8 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         from not done yet: the descriptor, the backing file and the inode's count of opens.
         The kernel session leaves it for a moment when nothing waits."""
         ino = self._files.pop(fh)
+        if self.record is not None:
+            self.record.closed(fh)
         self._kill_privs.discard(fh)
         self._direct.discard(fh)
         if self.backing is not None:

@@ -23,6 +23,7 @@ from tierfs.fs.messages import DirBuffer, SetattrFields, attr_out, entry_out, sp
 
 if TYPE_CHECKING:
     from tierfs.fs.operations import Operations
+    from tierfs.fs.recovery import SessionState
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +54,7 @@ class Requests:
     max_write: int
     backing: BackingFiles | None
     refused: str | None
+    record: SessionState | None
 
     def __init__(self, ops: Operations):
         self.ops = ops
@@ -64,7 +66,7 @@ class Requests:
         # the daemon's Python is most of each request's cost.
         self._now = {
             abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
-            abi.GETATTR: self._getattr, abi.CREATE: self._create, abi.RELEASE: self._release,
+            abi.GETATTR: self._getattr, abi.CREATE: self._create,
             abi.GETXATTR: self._getxattr, abi.READ: self._read_now,
         }
         self._later = {
@@ -107,6 +109,9 @@ class Requests:
             self.refused = f"the kernel does not offer FUSE passthrough (protocol {major}.{minor})"
             log.warning("%s: files are served by the daemon", self.refused)
         self.ops.backing = self.backing
+        if self.record is not None:  # a successor serves on as this handshake left the connection
+            self.record.save_init({"minor": minor, "offered": offered, "granted": granted, "max_write": self.max_write,
+                                   "acl": self.ops.acl, "passthrough": self.backing is not None})
         reply = abi.INIT_OUT.pack(
             abi.KERNEL_MAJOR, min(minor, abi.KERNEL_MINOR), max_readahead,
             granted & 0xFFFFFFFF, MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, self.max_write, 1,
@@ -204,10 +209,10 @@ class Requests:
         flags, _ = abi.OPEN_IN.unpack_from(body)
         return [self._open_out(await self.ops.open(nodeid, flags, ctx))]
 
-    def _create(self, nodeid, body, ctx):
+    def _create(self, nodeid, body, ctx, resumed: int | None = None):
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         name = bytes(body[abi.CREATE_IN.size:-1])
-        fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx)
+        fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx, resumed)
         return [self._entry_now(ino, st), self._open_out(fi)]
 
     def _read_now(self, nodeid, body, ctx):

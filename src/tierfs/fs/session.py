@@ -55,10 +55,11 @@ import pyfuse3
 import trio
 
 from tierfs.core import linux
-from tierfs.fs import abi, splicing
+from tierfs.fs import abi, replay, splicing
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.messages import Context
 from tierfs.fs.poller import Poller, WakeLatency
+from tierfs.fs.recovery import BEGUN, DONE, SessionState
 from tierfs.fs.requests import LATER, Requests
 from tierfs.fs.splicing import Pipe, PipePool
 
@@ -126,6 +127,10 @@ class KernelSession(Requests):
             log.info("idle CPUs will not be kept awake during bursts of requests: %s", self._wake.state)
         self._workers = 0
         self._idle = 0
+        self.record: SessionState | None = None  # what a successor needs, kept as we go
+        self._journaled: set[int] = set()  # requests whose replies the record keeps
+        self._release_answers: list[int] = []  # releases to answer once done
+        self._resend = False  # ask the kernel for the requests a predecessor left unanswered
 
     @property
     def wake_cpus(self) -> str:
@@ -146,9 +151,13 @@ class KernelSession(Requests):
 
     # -- life cycle ------------------------------------------------------------------------
 
-    def mount(self, mountpoint: str, fsname: str, read_only: bool = False) -> None:
-        """Mount a FUSE file system served by this session (needs CAP_SYS_ADMIN)."""
-        fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    def mount(self, mountpoint: str, fsname: str, read_only: bool = False, fd: int | None = None) -> None:
+        """Mount a FUSE file system served by this session (needs CAP_SYS_ADMIN), on the
+        ``/dev/fuse`` descriptor ``fd`` if given (one the keeper holds too)."""
+        if fd is None:
+            fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        else:
+            os.set_blocking(fd, False)
         options = (f"fd={fd},rootmode={stat.S_IFDIR:o},user_id=0,group_id=0,"
                    "allow_other,default_permissions")
         flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0)
@@ -160,8 +169,30 @@ class KernelSession(Requests):
         self.fd, self.mountpoint = fd, mountpoint
         self._dev_poll.register(fd, select.POLLIN)
 
+    def take_over(self, fd: int, mountpoint: str, init: dict) -> None:
+        """Serve the live connection ``fd`` of a daemon that is gone, as its INIT left it
+        (``init``, from its record); the handles it gave out are the Operations' to adopt."""
+        os.set_blocking(fd, False)
+        self.fd, self.mountpoint = fd, mountpoint
+        self._dev_poll.register(fd, select.POLLIN)
+        self.max_write = init["max_write"]
+        if self._pipes is not None and self._pipes.max_write < self.max_write:
+            self._pipes.close()  # the kernel sends writes as large as first agreed
+            self._pipes = self._pipe = None
+            self.ops.writes.threads = 1
+        self.ops.acl = init["acl"]
+        if init["passthrough"]:
+            self.backing = self.ops.backing = BackingFiles(fd)
+        self._resend = bool(init["offered"] & abi.HAS_RESEND)
+        if not self._resend:
+            log.warning("this kernel cannot send again the requests the last daemon left unanswered "
+                        "(FUSE_NOTIFY_RESEND, Linux 6.9): their callers wait until interrupted")
+
     async def run(self) -> None:
         """Serve requests until the kernel ends the connection or :meth:`terminate` is called."""
+        if self._resend:
+            self._resend = False
+            self._send([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, abi.NOTIFY_RESEND, 0)])
         with trio.CancelScope() as self._cancel:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
@@ -286,6 +317,9 @@ class KernelSession(Requests):
         closing, self._closing = self._closing, []
         for fh in closing:
             self._releasing(self.ops.release_handle, fh)
+        answers, self._release_answers = self._release_answers, []
+        for unique in answers:  # only now: a release sent again by the kernel is one not done
+            self._reply(unique, [])
         return True
 
     @staticmethod
@@ -295,13 +329,17 @@ class KernelSession(Requests):
         except Exception as e:  # the kernel ignores a release's result: say it here
             log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
 
-    def _release(self, nodeid, body, ctx):
-        """RELEASE, served at once but done later (:meth:`_settle_releases`, :meth:`_finish_releases`)."""
+    def _release(self, unique: int, body: memoryview) -> None:
+        """RELEASE, taken at once but done, and answered, later (:meth:`_settle_releases`,
+        :meth:`_finish_releases`)."""
         fh = abi.RELEASE_IN.unpack_from(body)[0]
+        if not self.ops.has_handle(fh):  # sent again, its release done before a predecessor died
+            self._reply(unique, [])
+            return
         self._released.append(fh)  # done by _settle/_finish_releases
+        self._release_answers.append(unique)
         if self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
             self._finish_releases()
-        return []
 
     def _serve(self, req: memoryview):
         """Serve one request at once, or return what to await to serve it (a handler that may wait)."""
@@ -318,6 +356,21 @@ class KernelSession(Requests):
             return None
         if opcode == abi.READ and self._pipes is not None and self._read_spliced(unique, body):
             return None
+        if opcode == abi.RELEASE:
+            self._release(unique, body)
+            return None
+        if self.record is not None and opcode in replay.JOURNALED:
+            if unique & abi.UNIQUE_RESEND:
+                state, kept = self.record.recall(unique)
+                if state == DONE:
+                    self._send(replay.with_unique(kept, unique))
+                    return None
+                self._journaled.add(unique)
+                if state == BEGUN:
+                    return self._dispatch_again(opcode, unique, nodeid, body, Context(uid, gid, pid), kept)
+            else:
+                self._journaled.add(unique)
+            self.record.begin(unique)
         handler = self._now.get(opcode)
         if handler is not None:
             try:
@@ -345,6 +398,34 @@ class KernelSession(Requests):
             return
         if reply is not None:
             self._reply(unique, reply)
+
+    async def _dispatch_again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context,
+                              began: int) -> None:
+        """A journaled request sent again, begun by a daemon that died before it answered:
+        run again, the errors of a first run that did its work read as success (:mod:`replay`)."""
+        try:
+            if opcode == abi.CREATE:
+                reply = self._create(nodeid, body, ctx, resumed=began)
+            else:
+                reply = await self._later[opcode](nodeid, body, ctx)
+        except trio.Cancelled:
+            raise
+        except Exception as e:
+            err = getattr(e, "errno", None)
+            name = replay.made_name(opcode, body)
+            if replay.done_already(opcode, err):
+                reply = []
+            elif err == errno.EEXIST and name is not None:
+                ino, st = self.ops.lookup_sync(nodeid, name)
+                if st.st_ctime_ns < began:  # it was there before: the first run failed too
+                    self.ops.forget_sync([(ino, 1)])
+                    self._fail(opcode, unique, e)
+                    return
+                reply = [self._entry_now(ino, st)]
+            else:
+                self._fail(opcode, unique, e)
+                return
+        self._reply(unique, reply)
 
     def _fail(self, opcode: int, unique: int, e: Exception) -> None:
         """Answer a request whose handler raised: its errno, or EIO for a bug (logged)."""
@@ -405,10 +486,18 @@ class KernelSession(Requests):
 
     def _reply(self, unique: int, parts: list) -> None:
         length = abi.OUT_HEADER.size + sum(len(p) for p in parts)
-        self._send([abi.OUT_HEADER.pack(length, 0, unique), *parts])
+        message = [abi.OUT_HEADER.pack(length, 0, unique), *parts]
+        if unique in self._journaled:
+            self._journaled.discard(unique)
+            self.record.done(unique, b"".join(message))
+        self._send(message)
 
     def _reply_error(self, unique: int, err: int) -> None:
-        self._send([abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, unique)])
+        header = abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, unique)
+        if unique in self._journaled:
+            self._journaled.discard(unique)
+            self.record.done(unique, header)
+        self._send([header])
 
     def _send(self, parts: list) -> None:
         try:

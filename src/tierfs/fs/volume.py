@@ -22,6 +22,7 @@ import pyfuse3
 
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.inodes import Inode, InodeTable
+from tierfs.fs.recovery import SessionState
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.fs.writing import Writing
 from tierfs.ramtier.snapshots import Snapshots
@@ -97,6 +98,7 @@ class Volume:
         self.events = events
         self.restoring: Restoring | None = None
         self.backing: BackingFiles | None = None  # kernel passthrough, when the engine has it
+        self.record: SessionState | None = None  # what a successor needs: set by the own engine
         self.acl = False  # the kernel enforces POSIX ACLs (and leaves the umask to us): set by the engine
         self.writes = WriteBehind()  # applies writes only while its worker runs (``with``)
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"

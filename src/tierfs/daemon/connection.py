@@ -1,0 +1,33 @@
+"""A mount's FUSE connection as a daemon gets it from the keeper: a ``/dev/fuse`` descriptor
+to mount with, or, for a successor, a live connection and what the daemon before it left."""
+
+from __future__ import annotations
+
+from tierfs.config import Config
+from tierfs.core.errors import UserError
+from tierfs.fs.recovery import SessionState, Taken, reopen_handles
+from tierfs.ramtier import RankDir
+
+
+class Connection:
+    """The mount's ``/dev/fuse`` descriptor, which the keeper holds too, and, in a successor,
+    what the daemon before it left: its record and the handles it gave the kernel."""
+
+    def __init__(self, fd: int | None = None, record: SessionState | None = None, taken: Taken | None = None):
+        self.fd, self.record, self.taken = fd, record, taken
+
+    @classmethod
+    def take_over(cls, cfg: Config, fd: int, ready_fd: int) -> tuple[Connection, int]:
+        """The connection of a daemon that died, its handles reopened before anything else
+        here opens a descriptor (:func:`reopen_handles`); and where ``ready_fd`` is now."""
+        rank = RankDir(cfg.rank_dir)
+        record = SessionState(rank.path / "session", rank.tree)
+        try:
+            taken = record.take_over()
+        except (OSError, ValueError) as e:
+            raise UserError(f"cannot take over the FUSE connection of {cfg.mountpoint}: its record in "
+                            f"{record.dir} is unreadable ({e})") from None
+        moved = reopen_handles(record, taken, {"ready": ready_fd, "fuse": fd})
+        if moved["fuse"] != fd:
+            raise UserError(f"the FUSE connection's descriptor {fd} holds a file handle of the last daemon")
+        return cls(fd, record, taken), moved["ready"]

@@ -256,7 +256,7 @@ class Bench:
             mounted = time.monotonic() - t0  # the namespace is in place; the bytes follow
             st = self.fetch(mnt)
         finally:
-            c.nodes[0].pid = (self.mounts.Registration(mnt).read() or {}).get("pid")  # for the cleanup
+            c.refresh(0)  # for the cleanup
         if not st["restored"]:
             raise BenchError(f"node 0 restored nothing (cluster view: {st['cluster']})")
         deadline = t0 + TIMEOUT

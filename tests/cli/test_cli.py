@@ -17,7 +17,7 @@ from tests.conftest import tierfs
 from tests.helpers import tree_digest
 from tierfs.core import mounts
 from tierfs.fs.engine import WRITERS
-from tierfs.testing import cleanup_mount, wait_gone
+from tierfs.testing import cleanup_mount, crash, wait_gone
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -64,19 +64,19 @@ def test_ranks_and_jobs_are_separate(volumes):
     assert (a.ramdisk / "j1" / "rank-0" / "tree" / "f").read_text() == "a"
 
 
-def test_kill_9_mid_write_keeps_closed_files_and_remount_recovers(volumes):
+def test_a_node_crash_mid_write_keeps_closed_files_and_remount_recovers(volumes):
+    """Keeper and daemon killed (what a node's crash does): the mount is dead, and mounting
+    again over it brings back every file the writer closed."""
     vol = volumes(job="crash")
     writer = subprocess.Popen(
         [sys.executable, "-c", """
 import os, sys
 root = sys.argv[1]
-i = 0
-while True:
+for i in range(2000):
     data = (b"%08d" % i) * (131072 * (1 + i % 4))
     with open(os.path.join(root, f"f{i}"), "wb") as f:
         f.write(data)
     print(i, flush=True)
-    i += 1
 """, str(vol.mountpoint)],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -85,7 +85,7 @@ while True:
         for line in writer.stdout:
             closed.append(int(line))
             if len(closed) == 40:
-                os.kill(vol.pid, signal.SIGKILL)
+                crash(mounts.Registration(vol.mountpoint).read())
                 break
         for line in writer.stdout:  # files the writer closed before it noticed
             closed.append(int(line))
@@ -93,7 +93,6 @@ while True:
         writer.kill()
         writer.wait()
     assert mounts.is_dead(vol.mountpoint)
-    # Mounting again over the dead mount recovers it.
     vol2 = volumes(job="crash", mountpoint=vol.mountpoint)
     for i in closed:
         assert (vol2.mountpoint / f"f{i}").read_bytes() == (b"%08d" % i) * (131072 * (1 + i % 4))
@@ -101,14 +100,39 @@ while True:
 
 def test_unmount_clears_a_dead_mount(volumes):
     vol = volumes(job="dead")
-    pid = vol.pid
-    os.kill(pid, signal.SIGKILL)
-    while mounts.process_alive(pid):
-        time.sleep(0.01)
+    crash(mounts.Registration(vol.mountpoint).read())
     assert mounts.is_dead(vol.mountpoint)
     one_line_error(tierfs("status", vol.mountpoint, check=False), "gone")
     tierfs("unmount", vol.mountpoint)
     assert not vol.is_mounted()
+
+
+def test_sigterm_to_the_keeper_unmounts(volumes):
+    """The keeper passes SIGTERM on: the daemon unmounts, and both exit."""
+    vol = volumes(job="keeper-term")
+    info = mounts.Registration(vol.mountpoint).read()
+    os.kill(info["keeper"], signal.SIGTERM)
+    for pid in (info["keeper"], info["pid"]):
+        wait_gone(pid)
+        assert not mounts.process_alive(pid)
+    assert not vol.is_mounted()
+
+
+@pytest.mark.expect_log(r"giving the connection up", r"was killed by SIGKILL",
+                        r"cannot take over the FUSE connection")
+def test_a_keeper_gives_up_a_connection_no_successor_can_serve(volumes):
+    """A successor that cannot start (its record gone) is retried, then given up: the mount
+    answers ENOTCONN as a dead one does, and mounting again recovers it."""
+    vol = volumes(job="hopeless")
+    (vol.mountpoint / "f").write_text("kept")
+    info = mounts.Registration(vol.mountpoint).read()
+    shutil.rmtree(vol.ramdisk / "hopeless" / "rank-0" / "session")
+    os.kill(info["pid"], signal.SIGKILL)
+    wait_gone(info["keeper"], timeout=60)
+    assert not mounts.process_alive(info["keeper"])
+    assert mounts.is_dead(vol.mountpoint)
+    vol2 = volumes(job="hopeless", mountpoint=vol.mountpoint)
+    assert (vol2.mountpoint / "f").read_text() == "kept"
 
 
 def test_mount_helper_form_and_umount(shm_dir):

@@ -16,7 +16,7 @@ from tests.helpers import wait_for
 from tierfs.core import mounts
 from tierfs.csi import DRIVER_NAME
 from tierfs.csi import csi_pb2 as pb
-from tierfs.testing import TIERFS
+from tierfs.testing import TIERFS, crash
 from tierfs.testing.csi import Mode, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
@@ -28,8 +28,12 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
     return e.value.code(), e.value.details()
 
 
+def registered(plugin, job: str) -> dict:
+    return mounts.Registration(plugin.state_dir / "mnt" / job).read()
+
+
 def daemon_pid(plugin, job: str) -> int:
-    return mounts.Registration(plugin.state_dir / "mnt" / job).read()["pid"]
+    return registered(plugin, job)["pid"]
 
 
 def test_identity_names_the_driver_and_offers_no_controller(plugin):
@@ -71,7 +75,7 @@ def test_volume_stats_report_the_volume_and_its_condition(plugin):
     assert usage[pb.VolumeUsage.INODES].used >= 1
     assert reply.volume_condition.abnormal is False
 
-    os.kill(daemon_pid(plugin, "llama"), signal.SIGKILL)
+    crash(registered(plugin, "llama"))  # keeper and daemon: the mount is dead
     wait_for(lambda: mounts.is_dead(target), timeout=20, what="the daemon to die")
     reply = plugin.call("Node", "NodeGetVolumeStats", pb.NodeGetVolumeStatsRequest(volume_id=vol, volume_path=target))
     assert reply.volume_condition.abnormal and "does not answer" in reply.volume_condition.message
@@ -190,9 +194,9 @@ def test_plugin_restart_keeps_mounts_and_restarts_a_dead_daemon(plugin):
     plugin.start()
     assert open(os.path.join(target, "ckpt")).read() == "committed"
 
-    # The daemon dies while the plugin is away: the restarted plugin brings the volume back.
+    # Daemon and keeper die while the plugin is away: the restarted plugin brings the volume back.
     plugin.stop(signal.SIGKILL)
-    os.kill(daemon_pid(plugin, "llama"), signal.SIGKILL)
+    crash(registered(plugin, "llama"))
     wait_for(lambda: mounts.is_dead(target), timeout=20, what="the daemon to die")
     plugin.start()
     assert open(os.path.join(target, "ckpt")).read() == "committed"

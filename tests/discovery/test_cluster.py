@@ -114,7 +114,7 @@ def test_two_nodes_claiming_one_rank_at_once_leave_exactly_one(cluster):
     ok = [i for i, (_, _, code) in enumerate(results) if code == 0]
     assert len(ok) == 1, results
     winner, loser = ok[0], 1 - ok[0]
-    c.nodes[winner].pid = c.status(winner)["pid"]
+    c.refresh(winner)
     node = f"{socket.gethostname()}:{c.nodes[winner].ramdisk}"
     assert f"already served by node {node} at {c.nodes[winner].address}" in results[loser][1]
     assert not os.path.ismount(c.nodes[loser].mountpoint)

@@ -1,10 +1,11 @@
-"""A daemon's death never reaches the job: its keeper starts a successor that takes the
-live FUSE connection over, and every descriptor the job holds keeps working."""
+"""A daemon's death or upgrade never reaches the job: its keeper starts a successor that
+takes the live FUSE connection over, and every descriptor the job holds keeps working."""
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import time
@@ -12,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+import tierfs
+from tests.conftest import tierfs as tierfs_command
 from tests.fuse.users import PYTHON
 from tests.helpers import wait_for
 from tierfs.core import mounts
@@ -52,44 +55,94 @@ def safe_steps(vol) -> set[int]:
             if TIERS <= {t for t, c in s["copies"].items() if c["version"] == s["version"]}}
 
 
+class Job:
+    """tests/fuse/takeover_job.py running in ``vol`` as ``who``; told when a step is safe."""
+
+    def __init__(self, vol, control: Path, who: str):
+        uid = 0 if who == "root" else 1000
+        root = vol.mountpoint / "job"
+        root.mkdir()
+        os.chown(root, uid, uid)
+        os.chmod(control, 0o777)
+        self.vol, self.control, self.acked = vol, control, set()
+        self.proc = subprocess.Popen([PYTHON, "-c", JOB, str(root), str(control)], stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True, **USERS[who])
+
+    def tick(self) -> None:
+        """Fail if the job failed; let it commit its next step once the last is safe."""
+        assert self.proc.poll() is None, self.proc.stderr.read()
+        for step in safe_steps(self.vol) - self.acked:
+            (self.control / str(step)).touch()
+            self.acked.add(step)
+
+    def finish(self) -> int:
+        """Stop the job; check it ended well and that every step it committed is safe."""
+        (self.control / "stop").touch()
+        out, err = self.proc.communicate(timeout=120)
+        assert self.proc.returncode == 0, err
+        steps = set(range(1, int(out.split("steps ")[-1]) + 1))
+        wait_for(lambda: safe_steps(self.vol) >= steps, timeout=60,
+                 what="every committed step on the disk and in GCS")
+        return len(steps)
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def job(volumes, gcs_bucket, shm_dir, monkeypatch):
+    """Factory: a volume with a disk and a GCS tier, and a job running in it as ``who``."""
+    monkeypatch.setenv("TIERFS_SECRET", "takeover-test-secret")
+    started = []
+
+    def start(who: str = "root", job_id: str = "takeover") -> Job:
+        vol = volumes(job=job_id, disk=shm_dir("tierfs-disk"), gcs=f"gs://{gcs_bucket}/{job_id}",
+                      backup_interval="0s", keep=1000, keep_local=1000)
+        started.append(Job(vol, shm_dir("tierfs-control"), who))
+        return started[-1]
+
+    yield start
+    for j in started:
+        j.close()
+
+
 @pytest.mark.root
 @pytest.mark.expect_log(KILLED)
 @pytest.mark.parametrize("who", list(USERS))
-def test_a_job_never_sees_its_daemon_killed(volumes, gcs_bucket, shm_dir, monkeypatch, who):
+def test_a_job_never_sees_its_daemon_killed(job, who):
     """Five kill -9s at random moments while a job writes, commits, reads, maps and lists:
     no call fails, every byte is as written, and every step reaches every tier."""
-    monkeypatch.setenv("TIERFS_SECRET", "takeover-test-secret")
-    vol = volumes(job="takeover", disk=shm_dir("tierfs-disk"), gcs=f"gs://{gcs_bucket}/p",
-                  backup_interval="0s", keep=1000, keep_local=1000)
-    uid = 0 if who == "root" else 1000
-    root = vol.mountpoint / "job"
-    root.mkdir()
-    os.chown(root, uid, uid)
-    control = shm_dir("tierfs-control")
-    os.chmod(control, 0o777)
-    job = subprocess.Popen([PYTHON, "-c", JOB, str(root), str(control)], stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True, **USERS[who])
+    j = job(who)
     rng = random.Random()
     kills = sorted(rng.uniform(0.3, 5.0) for _ in range(5))
-    acked: set[int] = set()
-    try:
-        start = time.monotonic()
-        while kills or len(acked) < 10:
-            assert job.poll() is None, job.stderr.read()
-            for step in safe_steps(vol) - acked:  # the job commits the next step once told
-                (control / str(step)).touch()
-                acked.add(step)
-            if kills and time.monotonic() - start > kills[0]:
-                kills.pop(0)
-                kill_daemon(vol)
-            assert time.monotonic() - start < 120, f"steps safe so far: {sorted(acked)}"
-            time.sleep(0.01)
-        (control / "stop").touch()
-        out, err = job.communicate(timeout=120)
-    finally:
-        job.kill()
-        job.wait()
-    assert job.returncode == 0, err
-    steps = int(out.split("steps ")[-1])
-    wait_for(lambda: safe_steps(vol) >= set(range(1, steps + 1)), timeout=60,
-             what="every committed step on the disk and in GCS")
+    start = time.monotonic()
+    while kills or len(j.acked) < 10:
+        j.tick()
+        if kills and time.monotonic() - start > kills[0]:
+            kills.pop(0)
+            kill_daemon(j.vol)
+        assert time.monotonic() - start < 120, f"steps safe so far: {sorted(j.acked)}"
+        time.sleep(0.01)
+    assert j.finish() >= 10
+
+
+@pytest.mark.root
+def test_upgrade_hands_a_live_mount_to_the_installed_build(job, shm_dir, monkeypatch):
+    """``tierfs upgrade`` while a job runs: the new build serves, the job never notices."""
+    build = shm_dir("tierfs-build")
+    shutil.copytree(Path(tierfs.__file__).parent, build / "tierfs")
+    monkeypatch.setenv("PYTHONPATH", str(build))  # the build the volume is mounted with
+    j = job()
+    keeper = registered(j.vol)["keeper"]
+    assert j.vol.status()["version"] == tierfs.__version__
+    wait_for(lambda: j.tick() or len(j.acked) >= 3, what="the job's first steps")
+    init = build / "tierfs" / "__init__.py"  # the installed build changes under the running one
+    init.write_text(init.read_text().replace(f'"{tierfs.__version__}"', '"99.0.0"'))
+    out = tierfs_command("upgrade", j.vol.mountpoint).stdout
+    assert "served by tierfs 99.0.0" in out
+    assert registered(j.vol)["keeper"] == keeper, "the keeper executed the new build in place"
+    assert j.vol.status()["connection"]["taken_over"]
+    acked = len(j.acked)
+    wait_for(lambda: j.tick() or len(j.acked) >= acked + 3, what="steps committed after the upgrade")
+    j.finish()

@@ -173,7 +173,7 @@ def unmount(mountpoint: Path, timeout: float = 30.0) -> None:
     if entry.fstype != FSTYPE:
         raise UserError(f"{mountpoint} is not a tierfs mount (it is {entry.fstype}): use umount")
     reg = Registration(mountpoint)
-    pid = (reg.read() or {}).get("pid")
+    info = reg.read() or {}
     try:
         linux.umount(str(mountpoint), linux.MNT_DETACH if is_dead(mountpoint) else 0)
     except OSError as e:
@@ -183,10 +183,10 @@ def unmount(mountpoint: Path, timeout: float = 30.0) -> None:
                 f"(see: fuser -m {mountpoint}); close them and retry"
             ) from None
         raise UserError(f"could not unmount {mountpoint}: {e.strerror}") from None
-    if pid:
-        deadline = time.monotonic() + timeout
-        while process_alive(pid) and time.monotonic() < deadline:
+    deadline = time.monotonic() + timeout
+    for what, pid in (("daemon", info.get("pid")), ("keeper", info.get("keeper"))):
+        while pid and process_alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
-        if process_alive(pid):
-            raise UserError(f"{mountpoint} is unmounted but daemon pid {pid} has not exited after {timeout:.0f}s")
+        if pid and process_alive(pid):
+            raise UserError(f"{mountpoint} is unmounted but {what} pid {pid} has not exited after {timeout:.0f}s")
     reg.remove()

@@ -3,6 +3,8 @@ to mount with, or, for a successor, a live connection and what the daemon before
 
 from __future__ import annotations
 
+import os
+
 from tierfs.config import Config
 from tierfs.core.errors import UserError
 from tierfs.fs.recovery import SessionState, Taken, reopen_handles
@@ -16,6 +18,12 @@ class Connection:
     def __init__(self, fd: int | None = None, record: SessionState | None = None, taken: Taken | None = None):
         self.fd, self.record, self.taken = fd, record, taken
 
+    def report(self) -> dict:
+        """For status: who keeps the connection, and whether this daemon took it over."""
+        return {"keeper": os.getppid() if self.fd is not None else None, "kept": self.record is not None,
+                "taken_over": self.taken is not None,
+                "handles_taken_over": len(self.taken.handles) if self.taken is not None else 0}
+
     @classmethod
     def take_over(cls, cfg: Config, fd: int, ready_fd: int) -> tuple[Connection, int]:
         """The connection of a daemon that died, its handles reopened before anything else
@@ -24,7 +32,7 @@ class Connection:
         record = SessionState(rank.path / "session", rank.tree)
         try:
             taken = record.take_over()
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, UserError) as e:
             raise UserError(f"cannot take over the FUSE connection of {cfg.mountpoint}: its record in "
                             f"{record.dir} is unreadable ({e})") from None
         moved = reopen_handles(record, taken, {"ready": ready_fd, "fuse": fd})

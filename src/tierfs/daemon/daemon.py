@@ -32,7 +32,7 @@ from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.parse import format_size
 from tierfs.daemon import control, host, status
 from tierfs.daemon.connection import Connection
-from tierfs.daemon.keeper import HANDOVER
+from tierfs.daemon.keeper import CANNOT_TAKE_OVER, HANDOVER
 from tierfs.daemon.tiers import node_tiers
 from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
@@ -397,7 +397,8 @@ class Daemon:
         cluster = status.cluster(self.coordinating, self.view, self.planner.restore_step, self.retention_floor)
         return status.report(self.cfg, started=self.started, ops=self.ops, engine=self.engine, steps=self.steps,
                              local=self.local, tiers=self.tiers, replicator=self.replicator, network=self.network,
-                             restore=self.restore, mtc=self.mtc, cluster=cluster)
+                             restore=self.restore, mtc=self.mtc, cluster=cluster,
+                             connection=self.connection.report())
 
     def _commit(self, path: str, step: int | None) -> dict:
         """``tierfs commit``: what was written before the command is part of the step."""
@@ -477,7 +478,7 @@ def run(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None, ta
     except (UserError, OSError) as e:
         log.error("%s", e)
         host.report(ready_fd, f"error: {e}")
-        return 1
+        return CANNOT_TAKE_OVER
     daemon = Daemon(cfg, connection)
     try:
         daemon.start()

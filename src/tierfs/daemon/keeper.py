@@ -37,6 +37,7 @@ from tierfs.config import Config
 log = logging.getLogger("tierfs.keeper")
 
 HANDOVER = 75  # a daemon's exit status when it stopped serving so that a new build takes over
+CANNOT_TAKE_OVER = 76  # a successor's exit status when its predecessor's record is unusable
 FD_ENV = "TIERFS_KEEPER_FD"  # the connection, for a keeper executed anew by an upgrade
 MAX_FAILED_STARTS = 10
 MAX_PAUSE = 5.0  # seconds between failed starts, at most
@@ -94,10 +95,10 @@ class Keeper:
             if code == 0 or self._stopping or not connected(self.fuse_fd):
                 return code
             failed = 0 if ready else failed + 1
-            if failed >= MAX_FAILED_STARTS:
-                log.error("%d successors in a row died before serving %s: giving up the connection "
-                          "(the mount answers ENOTCONN; tierfs mount again to recover it)",
-                          failed, self.cfg.mountpoint)
+            if failed >= MAX_FAILED_STARTS or code == CANNOT_TAKE_OVER:
+                log.error("%s: giving the connection up (the mount answers ENOTCONN; tierfs mount again to "
+                          "recover it)", f"{failed} successors in a row died before serving {self.cfg.mountpoint}"
+                          if code != CANNOT_TAKE_OVER else f"no successor can take {self.cfg.mountpoint} over")
                 return code or 1
             pause = min(MAX_PAUSE, 0.05 * 2 ** failed) if failed else 0.0
             log.warning("the daemon of %s (pid %d) %s after %.1f s: %s", self.cfg.mountpoint, pid,

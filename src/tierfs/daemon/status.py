@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
+from tierfs import __version__
 from tierfs.tiers.base import Lane
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ BACKUP, REPLICAS = Lane.GCS, Lane.PEERS
 
 def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps, local: LocalTier,
            tiers: Sequence[Tier], replicator: Replicator, network: PeerNetwork | None, restore: Restore | None,
-           mtc: MtcNode | None, cluster: dict | None) -> dict:
+           mtc: MtcNode | None, cluster: dict | None, connection: dict | None = None) -> dict:
     """The whole status: ``tiers`` is every tier of the node, ``local`` (its RAM, shown as ``ram``) among them."""
     ops.writes_done()  # what is written now is what is used
     lanes = {BACKUP: None, REPLICAS: None} | replicator.status()
@@ -47,6 +48,8 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
     return {
         "mountpoint": str(cfg.mountpoint),
         "pid": os.getpid(),
+        "version": __version__,
+        "connection": connection,
         "job": cfg.job,
         "rank": cfg.rank,
         "nodes": cfg.nodes,

@@ -39,6 +39,20 @@ def wait_gone(pid: int, timeout: float = 10) -> None:
         time.sleep(0.02)
 
 
+def crash(info: dict) -> None:
+    """What a node's crash does to a mount: its keeper and its daemon (a registration's
+    ``keeper`` and ``pid``) killed with SIGKILL, the keeper first so that no successor
+    starts; returns once both are gone and the mount is dead."""
+    pids = [pid for pid in (info.get("keeper"), info.get("pid")) if pid]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pid in pids:
+        wait_gone(pid)
+
+
 def unmount_all_beneath(path: Path) -> None:
     """Lazily unmount whatever is mounted under ``path`` (e.g. a rank's tmpfs of its own), deepest first."""
     prefix = str(path) + "/"
@@ -56,8 +70,7 @@ def cleanup_mount(mountpoint: Path) -> None:
         if attempt:
             time.sleep(0.1)  # still there: give the kernel a moment before asking again
         subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True)
-    pid = info.get("pid")
-    if pid:
+    for pid in filter(None, (info.get("pid"), info.get("keeper"))):
         wait_gone(pid)
         if mounts.process_alive(pid):
             os.kill(pid, signal.SIGKILL)

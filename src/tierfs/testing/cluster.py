@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.commands.status import fetch
+from tierfs.core import mounts
 from tierfs.core.keys import new_secret
-from tierfs.testing import TIERFS, free_port, unmount_all_beneath, wait_gone
+from tierfs.testing import TIERFS, crash, free_port, unmount_all_beneath
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Node:
     ramdisk: Path
     mountpoint: Path
     pid: int | None = None
+    keeper: int | None = None  # the process that holds its FUSE connection and restarts its daemon
     environ: dict[str, str] = field(default_factory=dict)  # its own variables (a GCS endpoint of its own)
 
     @property
@@ -76,8 +77,13 @@ class LocalCluster:
     def start(self, i: int, rank: int | None = None, check: bool = True, **extra) -> subprocess.CompletedProcess:
         proc = self.tierfs(*self.mount_args(i, rank, **extra), check=check, node=i)
         if proc.returncode == 0:
-            self.nodes[i].pid = self.status(i)["pid"]
+            self.refresh(i)
         return proc
+
+    def refresh(self, i: int) -> None:
+        """Learn node i's daemon and keeper from its registration (two file reads, no request)."""
+        info = mounts.Registration(self.nodes[i].mountpoint).read() or {}
+        self.nodes[i].pid, self.nodes[i].keeper = info.get("pid"), info.get("keeper")
 
     def start_all(self, **extra) -> None:
         """Start every stopped node at once, as a restarted job does, and wait until all are mounted.
@@ -95,7 +101,7 @@ class LocalCluster:
             if proc.returncode != 0:
                 failures.append(f"node {i}: {err.strip()}")
             else:
-                self.nodes[i].pid = self.status(i)["pid"]
+                self.refresh(i)
         if failures:
             raise AssertionError("; ".join(failures))
 
@@ -125,16 +131,12 @@ class LocalCluster:
             time.sleep(0.05)
 
     def kill(self, i: int) -> None:
-        """kill -9 the node's daemon and wait until it is gone (its mount goes dead)."""
-        pid = self.nodes[i].pid
-        if pid is None:
+        """The node crashes: kill -9 its keeper and its daemon, wait until both are gone (its mount goes dead)."""
+        node = self.nodes[i]
+        if node.pid is None:
             return
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        wait_gone(pid)
-        self.nodes[i].pid = None
+        crash({"keeper": node.keeper, "pid": node.pid})
+        node.pid = node.keeper = None
 
     def wipe(self, i: int) -> None:
         """The node's RAM is lost: everything of the job on its ramdisk goes."""
@@ -151,11 +153,7 @@ class LocalCluster:
             subprocess.run([*TIERFS, "unmount", str(node.mountpoint)], capture_output=True, env=self.env())
             subprocess.run(["umount", "-l", str(node.mountpoint)], capture_output=True)
             if node.pid is not None:
-                try:
-                    os.kill(node.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                wait_gone(node.pid)
+                crash({"keeper": node.keeper, "pid": node.pid})
         unmount_all_beneath(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
 

@@ -6,14 +6,27 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import signal
 import stat
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tierfs.core import mounts
 from tierfs.core.describe import build
 from tierfs.core.manifest import Manifest
 from tierfs.testing import free_port  # noqa: F401 (the package's runners need it too)
+
+
+def kill_daemon(mountpoint) -> None:
+    """kill -9 the daemon of the tierfs mount at ``mountpoint``; return once its keeper's
+    successor serves the mount."""
+    registration = mounts.Registration(mountpoint)
+    before = registration.read()
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: (registration.read() or {}).get("pid") not in (None, before["pid"]), timeout=30,
+             what="a successor to take the mount over")
+    assert registration.read()["keeper"] == before["keeper"]
 
 
 def wait_for(predicate: Callable, timeout: float = 60, what: str = "condition", interval: float = 0.1):

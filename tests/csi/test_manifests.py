@@ -308,7 +308,13 @@ def test_plugin_command_is_the_contract_and_the_cli_accepts_it():
         "state-dir": f"/var/lib/kubelet/plugins/{DRIVER}",
         "ramdisk": "/dev/shm/tierfs",
         "config": "/etc/tierfs/config.yaml",
+        "keeper-cgroup": "/sys/fs/cgroup/tierfs.slice",
     }
+    # The keepers' cgroup is the host's: its hierarchy is mounted where the flag names it.
+    spec = daemonset()["spec"]["template"]["spec"]
+    held = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    assert volume(spec, held["/sys/fs/cgroup"])["hostPath"]["path"] == "/sys/fs/cgroup"
+    assert spec["hostPID"] is True  # PID 1's cgroup namespace, to move a keeper out of the container's
     from tierfs.commands.cli import build_parser
 
     args = build_parser().parse_args(c["args"])  # exits (fails the test) on a flag it does not know
@@ -337,9 +343,7 @@ def test_registrar_and_probe_reach_the_plugin_socket():
     assert reg["kubelet-registration-path"] == socket  # the host path kubelet dials
     mounts = {m["mountPath"]: m for m in registrar["volumeMounts"]}
     assert volume(spec, mounts["/registration"]["name"])["hostPath"]["path"] == "/var/lib/kubelet/plugins_registry"
-    probe = container(spec, "liveness-probe")
-    assert probe["image"].startswith("registry.k8s.io/sig-storage/livenessprobe:")
-    for sidecar in (registrar, probe):
+    for sidecar in (registrar,):
         address = flags(sidecar["args"])["csi-address"]
         holder = max((m for m in sidecar["volumeMounts"] if address.startswith(m["mountPath"].rstrip("/") + "/")),
                      key=lambda m: len(m["mountPath"]))
@@ -393,25 +397,26 @@ def test_bidirectional_propagation_only_on_the_privileged_container():
     assert [name for _, name in bidirectional] == ["tierfs"]
 
 
-def test_liveness_probe_answers_where_kubelet_asks():
-    spec = daemonset()["spec"]["template"]["spec"]
-    sidecar = flags(container(spec, "liveness-probe")["args"])
-    host, port = parse_address(sidecar["http-endpoint"], "http-endpoint")
+def test_liveness_is_an_exec_probe_of_the_plugin_socket():
+    """No port on the host network: a rollout's new pod must start beside the old one."""
     c = plugin()
-    probe = c["livenessProbe"]["httpGet"]
-    wanted = probe["port"]
-    if isinstance(wanted, str):
-        wanted = {p["name"]: p["containerPort"] for p in c["ports"]}[wanted]
-    assert (probe.get("host"), wanted, probe["path"]) == (host, port, "/healthz")
-    # The sidecar must give up on Probe() before kubelet gives up on the sidecar.
-    timeout = float(sidecar["probe-timeout"].removesuffix("s"))
-    assert timeout < c["livenessProbe"]["timeoutSeconds"]
+    command = c["livenessProbe"]["exec"]["command"]
+    assert command[:3] == ["tierfs", "csi", "--probe"]
+    assert f"--endpoint={flags(c['args'])['endpoint']}" in command
+    from tierfs.commands.cli import build_parser
+
+    assert build_parser().parse_args(command[1:]).probe
+    for where, spec in pod_specs():
+        for cont in spec["containers"]:
+            assert not cont.get("ports"), f"{where} {cont['name']}: a port on the host network blocks surge"
 
 
-def test_daemonset_runs_everywhere_and_is_upgraded_by_hand():
+def test_daemonset_runs_everywhere_and_rolls_with_a_surge():
     ds = daemonset()
     spec = ds["spec"]["template"]["spec"]
-    assert ds["spec"]["updateStrategy"] == {"type": "OnDelete"}
+    # The new pod takes the mounts over before the old one goes (tests/csi/test_rollout.py).
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate",
+                                            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in spec["tolerations"]  # every taint, every effect

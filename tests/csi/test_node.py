@@ -255,3 +255,10 @@ def test_plugin_status_reaches_the_job_daemon(plugin):
     plugin.publish(target, JOB)
     status = json.loads(tierfs("status", plugin.state_dir / "mnt" / "llama", "--json").stdout)
     assert status["job"] == "llama" and status["rank"] == 0
+
+
+def test_the_exec_liveness_probe_asks_the_plugin(plugin, shm_dir):
+    ok = tierfs("csi", "--probe", "--endpoint", f"unix://{plugin.socket}", check=False)
+    assert ok.returncode == 0, ok.stderr
+    gone = tierfs("csi", "--probe", "--endpoint", f"unix://{shm_dir('tierfs-none')}/csi.sock", check=False)
+    assert gone.returncode == 1 and gone.stderr.count("\n") == 1 and "does not answer" in gone.stderr

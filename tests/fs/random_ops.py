@@ -96,8 +96,9 @@ class Run:
     """One seeded sequence on one file."""
 
     def __init__(self, path: str, seed: int, initial: bytes | None, lazy: int, unsupported: set[str],
-                 source_path: str | None = None):
+                 source_path: str | None = None, progress: int = 0):
         self.path, self.seed, self.lazy, self.unsupported = path, seed, lazy, unsupported
+        self.progress = progress
         self.rng = random.Random(seed)
         self.model = bytearray(initial or b"")
         self.fds: list[Fd] = []
@@ -453,6 +454,8 @@ class Run:
         self.check(None)
         for self.index in range(ops):
             self.step()
+            if self.progress and self.index % self.progress == self.progress - 1:
+                print(f"progress {self.index + 1}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
         for m in self.maps:
@@ -481,12 +484,13 @@ def main(argv=None) -> int:
     p.add_argument("--lazy", type=int, default=0, help="operations that only read, at first")
     p.add_argument("--unsupported", action="append", default=[], choices=["fallocate"])
     p.add_argument("--source", help="where to create the file copy_file_range copies from (PATH.source)")
+    p.add_argument("--progress", type=int, default=0, help="print 'progress N' on stderr every N operations")
     args = p.parse_args(argv)
     initial = None
     if args.initial:
         with open(args.initial, "rb") as f:
             initial = f.read()
-    run = Run(args.path, args.seed, initial, args.lazy, set(args.unsupported), args.source)
+    run = Run(args.path, args.seed, initial, args.lazy, set(args.unsupported), args.source, args.progress)
     try:
         run.run(args.ops)
     except (Mismatch, OSError, ValueError) as e:

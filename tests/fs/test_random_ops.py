@@ -32,7 +32,7 @@ import pytest
 import trio
 
 from tests.conftest import tierfs
-from tests.helpers import wait_for, write_orbax_step
+from tests.helpers import kill_daemon, wait_for, write_orbax_step
 from tierfs.fs import Operations
 from tierfs.fs.session import KernelSession
 from tierfs.ramtier import SpaceAccount
@@ -47,6 +47,7 @@ OPS = int(os.environ.get("TIERFS_RANDOM_OPS", 3000))
 SEEDS = 2
 SLOW_OPS = 40_000
 SLOW_SEEDS = 3
+KILL_EVERY = 300  # operations between two kill -9s of the daemon
 PYFUSE3_UNSUPPORTED = ["--unsupported", "fallocate"]  # pyfuse3 serves no FUSE_FALLOCATE: EOPNOTSUPP
 RESTORED_SIZE = 1 << 20
 CHUNK = 64 << 10
@@ -131,6 +132,32 @@ def test_random_operations_agree_with_the_model(place, kind, user):
 def test_long_random_operations_agree_with_the_model(place, kind):
     directory, extra = place(kind)
     run_sequences(directory, kind, SLOW_OPS, SLOW_SEEDS, *extra)
+
+
+@pytest.mark.expect_log(r"tierfs.keeper: the daemon of .* was killed by SIGKILL")
+@pytest.mark.parametrize("kind", ["passthrough", "daemon"])
+def test_random_operations_agree_with_the_model_while_the_daemon_is_killed(place, kind):
+    """The daemon killed every few hundred operations, at whatever moment of one: its
+    successor takes the descriptors and mappings over, and the model still agrees."""
+    directory, extra = place(kind)
+    seed = seeds()[0]
+    proc = subprocess.Popen(driver_command(directory / f"file-{seed}", seed, OPS, "--progress", str(KILL_EVERY),
+                                           *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    kills, stderr = 0, []
+    try:
+        for line in proc.stderr:
+            if line.startswith(b"progress"):
+                kill_daemon(directory)
+                kills += 1
+            else:
+                stderr.append(line)
+        out = proc.stdout.read()
+    finally:
+        proc.kill()
+        proc.wait()
+    outcome(subprocess.CompletedProcess(proc.args, proc.returncode, out, b"".join(stderr)), seed,
+            f"{kind} with its daemon killed {kills} times")
+    assert kills == OPS // KILL_EVERY
 
 
 # -- tierfs' own FUSE session, every byte through the daemon -----------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import tierfs
 from tests.conftest import tierfs as tierfs_command
 from tests.fuse.users import PYTHON
-from tests.helpers import wait_for
+from tests.helpers import kill_daemon, wait_for
 from tierfs.core import mounts
 from tierfs.core.errors import UserError
 
@@ -34,15 +33,6 @@ def own_engine(engine):
 
 def registered(vol) -> dict:
     return mounts.Registration(vol.mountpoint).read() or {}
-
-
-def kill_daemon(vol) -> None:
-    """kill -9 the volume's daemon; return once a successor serves the mount."""
-    before = registered(vol)
-    os.kill(before["pid"], signal.SIGKILL)
-    wait_for(lambda: registered(vol).get("pid") not in (None, before["pid"]), timeout=30,
-             what="a successor to take the mount over")
-    assert registered(vol)["keeper"] == before["keeper"]
 
 
 def safe_steps(vol) -> set[int]:
@@ -121,7 +111,7 @@ def test_a_job_never_sees_its_daemon_killed(job, who):
         j.tick()
         if kills and time.monotonic() - start > kills[0]:
             kills.pop(0)
-            kill_daemon(j.vol)
+            kill_daemon(j.vol.mountpoint)
         assert time.monotonic() - start < 120, f"steps safe so far: {sorted(j.acked)}"
         time.sleep(0.01)
     assert j.finish() >= 10

@@ -285,7 +285,7 @@ def _still_serving(plugin: Plugin, target: str) -> None:
     plugin.call("Identity", "Probe", pb.ProbeRequest())
     assert open(os.path.join(target, "kept")).read() == "still here"
     assert {p.name for p in plugin.base.iterdir()} <= {"state", "ram", "pods", "csi.sock", "plugin.log"}
-    assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "lock", "node.key"}
+    assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "keepers", "lock", "node.key"}
     for mount in mounts.mount_table():
         point = mount.mountpoint
         if point.startswith(str(plugin.base)):

@@ -1,7 +1,9 @@
 """``tierfs csi``: the Kubernetes CSI node plugin (ephemeral inline volumes).
 
 ``tierfs csi --gc JOB`` instead stops the job's daemon on this node and deletes its RAM
-data, once no pod of the job uses it.
+data, once no pod of the job uses it. ``tierfs csi --probe`` asks the plugin at
+``--endpoint`` whether it answers (its liveness, as an exec probe: an HTTP sidecar's port
+on the host network would keep a rollout's new pod from starting beside the old one).
 """
 
 from __future__ import annotations
@@ -40,6 +42,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gc-after", default=_env("gc-after", "24h"),
                    help="delete a job's data once no pod used it on this node this long; 0 never (default 24h)")
     p.add_argument("--gc", metavar="JOB", help="delete JOB's daemon and RAM data on this node now, then exit")
+    p.add_argument("--probe", action="store_true",
+                   help="ask the plugin at --endpoint whether it answers (exit 0) or not (exit 1), then exit")
+    p.add_argument("--keeper-cgroup", default=_env("keeper-cgroup"),
+                   help="a cgroup (v2 directory, outside the plugin's container) to run each mount's keeper and "
+                        "daemon in, so that a crash of the plugin's container leaves the mounts served")
     p.add_argument("--log-level", default=_env("log-level", "info"), choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 
@@ -53,6 +60,8 @@ def run(args: argparse.Namespace) -> int:
     from tierfs.csi.settings import PluginConfig, load_settings
     from tierfs.csi.volumes import Volumes
 
+    if args.probe:
+        return probe(args.endpoint)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = PluginConfig(
@@ -64,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         kube_api=args.kube_api,
         gc_after=parse_duration(args.gc_after, "--gc-after"),
         allow_pod_gcs=args.allow_pod_gcs,
+        keeper_cgroup=Path(os.path.abspath(args.keeper_cgroup)) if args.keeper_cgroup else None,
     )
     load_settings(cfg.config_file)  # a broken file or ceiling is a start-up error, not the first pod's
     if args.gc:
@@ -76,4 +86,22 @@ def run(args: argparse.Namespace) -> int:
     if not args.endpoint or not args.node_id:
         raise UserError("csi needs --endpoint unix:///PATH and --node-id NAME")
     server.serve(cfg, args.endpoint)
+    return 0
+
+
+def probe(endpoint: str | None, timeout: float = 8.0) -> int:
+    """Call the plugin's Probe() once, as kubelet's liveness check."""
+    import grpc  # noqa: PLC0415
+
+    from tierfs.core.errors import UserError  # noqa: PLC0415
+    from tierfs.csi import csi_pb2 as pb  # noqa: PLC0415
+    from tierfs.csi.rpc import stub  # noqa: PLC0415
+
+    if not endpoint or not endpoint.startswith("unix://"):
+        raise UserError("csi --probe needs --endpoint unix:///PATH")
+    with grpc.insecure_channel(endpoint) as channel:
+        try:
+            stub(channel, "Identity", "Probe")(pb.ProbeRequest(), timeout=timeout)
+        except grpc.RpcError as e:
+            raise UserError(f"the CSI plugin at {endpoint} does not answer: {e.code().name}") from None
     return 0

@@ -24,7 +24,7 @@ from tierfs.config import (
 )
 from tierfs.core import mounts
 from tierfs.core.errors import UserError
-from tierfs.daemon.keeper import FD_ENV as KEEPER_FD_ENV
+from tierfs.daemon import keeper
 from tierfs.peers import tls
 
 _FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **TLS_FILE_OPTIONS}
@@ -65,12 +65,18 @@ def run(args: argparse.Namespace) -> int:
     return spawn(cfg)
 
 
-def keep(cfg: Config, ready_fd: int | None = None) -> int:
-    """Be the mount's keeper in this process (:mod:`tierfs.daemon.keeper`): it runs the daemon."""
-    from tierfs.daemon import daemon, host, keeper  # noqa: PLC0415 (slow imports, for the daemon only)
+def keep(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None) -> int:
+    """Be the mount's keeper in this process (:mod:`tierfs.daemon.keeper`): it runs the daemon.
+    ``fuse_fd``: a live connection taken from another keeper."""
+    from tierfs.daemon import daemon, host  # noqa: PLC0415 (slow imports, for the daemon only)
 
     host.setup_logging(cfg)
-    return keeper.Keeper(cfg, daemon.run, keeper.inherited_connection()).run(ready_fd)
+    if cgroup := os.environ.get(keeper.CGROUP_ENV):
+        keeper.join_cgroup(cgroup)
+    if fuse_fd is None:
+        fuse_fd = keeper.inherited_connection()
+    code = keeper.Keeper(cfg, daemon.run, fuse_fd, offer_at=os.environ.get(keeper.SOCKET_ENV)).run(ready_fd)
+    return 0 if code == keeper.HANDED_OVER else code
 
 
 def run_helper(argv: list[str]) -> int:
@@ -113,9 +119,17 @@ def spawn(cfg: Config) -> int:
     The child is forked, not executed anew: it inherits the interpreter and the modules
     already imported, which is a good part of the time a restored step takes to appear.
     """
-    if os.environ.get(KEEPER_FD_ENV):  # a keeper executed anew by an upgrade: the mount is live
+    if os.environ.get(keeper.FD_ENV):  # a keeper executed anew by an upgrade: the mount is live
         return keep(cfg)
-    mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
+    fuse_fd = None
+    if adopt_from := os.environ.pop(keeper.ADOPT_ENV, None):  # a live mount, another keeper's
+        try:
+            fuse_fd = keeper.adopt(adopt_from)
+        except OSError as e:
+            raise UserError(f"cannot take {cfg.mountpoint} over from the keeper at {adopt_from}: "
+                            f"{e.strerror or e}") from None
+    else:
+        mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
     # The child inherits both: the TLS contexts (built once; this also refuses TLS files that
     # hold no certificate and key) and the daemon's modules. Stretching the secret (scrypt,
     # ~50 ms) releases the GIL, so it runs while the modules are imported.
@@ -137,9 +151,11 @@ def spawn(cfg: Config) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        _run_detached(cfg, log_fd, write_fd)  # never returns
+        _run_detached(cfg, log_fd, write_fd, fuse_fd)  # never returns
     os.close(log_fd)
     os.close(write_fd)
+    if fuse_fd is not None:
+        os.close(fuse_fd)
     with os.fdopen(read_fd, "rb") as ready:
         message, *warnings = ready.read().decode().strip().splitlines() or [""]
     if message == "ok":
@@ -160,7 +176,7 @@ def spawn(cfg: Config) -> int:
     raise UserError(f"the tierfs daemon exited before mounting {cfg.mountpoint}: see {log_path}")
 
 
-def _run_detached(cfg: Config, log_fd: int, ready_fd: int) -> NoReturn:
+def _run_detached(cfg: Config, log_fd: int, ready_fd: int, fuse_fd: int | None) -> NoReturn:
     """The keeper's side of the fork: its own session, output to the log, exit without unwinding the CLI."""
     code = 1
     try:
@@ -171,7 +187,7 @@ def _run_detached(cfg: Config, log_fd: int, ready_fd: int) -> NoReturn:
         os.dup2(log_fd, 2)
         os.close(null)
         os.close(log_fd)
-        code = keep(cfg, ready_fd)
+        code = keep(cfg, ready_fd, fuse_fd)
     except UserError as e:  # after the mount was ready: the log is the only place left to say it
         print(f"tierfs: {e}", file=sys.stderr)
     except BaseException:  # noqa: BLE001 (a bug: its traceback, in the log)

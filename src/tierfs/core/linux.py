@@ -60,6 +60,14 @@ def chown_fd(fd: int, uid: int, gid: int) -> None:
     _check(_libc.fchownat(fd, b"", uid, gid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))
 
 
+CLONE_NEWCGROUP = 0x02000000
+
+
+def setns(fd: int, nstype: int) -> None:
+    """``setns(2)``: join the namespace ``fd`` refers to (``os.setns`` from Python 3.12)."""
+    _check(_libc.setns(fd, nstype))
+
+
 MAX_HANDLE_SZ = 128
 
 

@@ -22,6 +22,11 @@ from tierfs.core.errors import UserError
 
 FSTYPE = "fuse.tierfs"
 DEFAULT_RUNTIME_DIR = Path("/run/tierfs")
+# What a mount's keeper (tierfs.daemon.keeper) takes from its environment:
+KEEPER_FD = "TIERFS_KEEPER_FD"  # the connection, for a keeper executed anew by an upgrade
+KEEPER_SOCKET = "TIERFS_KEEPER_SOCKET"  # where a keeper offers its connection to another one
+ADOPT_FROM = "TIERFS_ADOPT_FROM"  # the socket of the keeper whose connection `tierfs mount` takes
+KEEPER_CGROUP = "TIERFS_KEEPER_CGROUP"  # a cgroup (v2 directory) the keeper and its daemons live in
 
 
 def runtime_dir() -> Path:

@@ -39,6 +39,9 @@ def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None)
     if path.exists() and stat.S_ISSOCK(path.stat().st_mode):
         path.unlink()  # left by a previous run; the registrar reconnects
     volumes = Volumes(cfg)
+    # Before listening: no call may race a volume being brought back or taken over, and the
+    # socket appears once this plugin can answer (a rollout's new pod is ready only then).
+    volumes.adopt()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="csi"))
     server.add_generic_rpc_handlers((identity.handler(), node.handler(volumes, cfg.node_id)))
     try:
@@ -49,7 +52,6 @@ def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None)
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-    volumes.adopt()  # before serving: a call must not race a volume being brought back
     server.start()
     try:
         log.info("serving CSI for node %s on %s", cfg.node_id, path)

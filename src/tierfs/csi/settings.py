@@ -53,6 +53,7 @@ class PluginConfig:
     gc_after: float = 86400.0  # seconds a job may sit unused on the node before its data goes; 0: never
     allow_pod_gcs: bool = False  # may a volume's `gcs` name a bucket/prefix other than the cluster's?
     tierfs: tuple[str, ...] = (sys.executable, "-m", "tierfs")  # how to run the CLI
+    keeper_cgroup: Path | None = None  # a cgroup outside the plugin's container for the keepers
 
 
 @dataclass(frozen=True)

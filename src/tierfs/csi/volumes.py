@@ -9,6 +9,7 @@ under its state directory, so a restarted plugin picks up where it was:
     jobs/<job>.secret    the job's peer secret, to restart its daemon without a pod
     volumes/<id>.json    one published volume: target path, read-only, job, request digest
     mnt/<job>/           the daemon's FUSE mount, the source of every bind mount
+    keepers/<key>.sock   where the keeper of a job's mount offers its connection to the next plugin
     logs/<job>.log       the daemon's log
     node.key             this node's random key for request digests
 
@@ -134,7 +135,8 @@ class Volumes:
         self.cfg = cfg
         self.kube = kube_client or kube.KubeClient(cfg.kube_api)
         self._thread_lock = threading.Lock()
-        for sub in ("jobs", "volumes", "mnt", "logs"):
+        self.instance = secrets.token_hex(8)  # this plugin process: the keepers it started are its own
+        for sub in ("jobs", "volumes", "mnt", "logs", "keepers"):
             (cfg.state_dir / sub).mkdir(parents=True, exist_ok=True)
             os.chmod(cfg.state_dir / sub, PRIVATE_DIR)  # also when an older plugin made it 0755
         with self._locked():
@@ -183,6 +185,10 @@ class Volumes:
     def _volume_path(self, volume_id: str) -> Path:
         name = hashlib.sha256(volume_id.encode()).hexdigest()[:32]  # ids are opaque to us
         return self.cfg.state_dir / "volumes" / f"{name}.json"
+
+    def _keeper_socket(self, job: str) -> Path:
+        """Short whatever the job id: a unix socket's path has at most 107 bytes."""
+        return self.cfg.state_dir / "keepers" / f"{hashlib.sha256(job.encode()).hexdigest()[:16]}.sock"
 
     def staging(self, job: str) -> Path:
         return self.cfg.state_dir / "mnt" / job
@@ -310,8 +316,11 @@ class Volumes:
         self._start_daemon(job, staging, wanted)
         return staging
 
-    def _start_daemon(self, job: str, staging: Path, options: dict[str, str]) -> None:
-        if mounts.find_mount(staging) is not None:  # dead: its daemon was killed
+    def _start_daemon(self, job: str, staging: Path, options: dict[str, str], take_over: bool = False) -> None:
+        """Start the job's keeper and daemon; ``take_over``: the live mount of another
+        plugin's keeper, whose connection the new keeper takes (the daemon restarts, the
+        job's pods see a pause)."""
+        if not take_over and mounts.find_mount(staging) is not None:  # dead: its daemon was killed
             linux.umount(str(staging), linux.MNT_DETACH)
         staging.mkdir(parents=True, exist_ok=True)
         args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
@@ -323,11 +332,20 @@ class Volumes:
         secret = self._secret_path(job).read_text()
         if secret:
             env["TIERFS_SECRET"] = secret
+        env[mounts.KEEPER_SOCKET] = str(self._keeper_socket(job))
+        if take_over:
+            env[mounts.ADOPT_FROM] = env[mounts.KEEPER_SOCKET]
+        if self.cfg.keeper_cgroup is not None:
+            env[mounts.KEEPER_CGROUP] = str(self.cfg.keeper_cgroup / job)
         proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
         if proc.returncode != 0:
             message = (proc.stderr.strip().splitlines() or ["no message"])[-1]
             raise VolumeError(f"could not start tierfs for job {job}: {message.removeprefix('tierfs: ')}")
-        log.info("started tierfs for job %s rank %s at %s", job, options["rank"], staging)
+        held = _read_json(self._job_path(job))
+        if held is not None:
+            _write_json(self._job_path(job), {**held, "keeper_of": self.instance})
+        log.info("%s tierfs for job %s rank %s at %s", "took over" if take_over else "started", job,
+                 options["rank"], staging)
 
     def _touch_job(self, job: str, idle: bool) -> None:
         held = _read_json(self._job_path(job))
@@ -370,8 +388,18 @@ class Volumes:
     # -- restart and garbage collection ------------------------------------------------
 
     def adopt(self) -> None:
-        """After a plugin restart: restart dead daemons of published volumes, mount their targets again."""
+        """After a plugin restart: take the live mounts over from the keepers of the plugin
+        before (a rollout: they run its build, in its container), restart dead daemons of
+        published volumes, mount their targets again."""
         with self._locked():
+            for path in sorted((self.cfg.state_dir / "jobs").glob("*.json")):
+                held = json.loads(path.read_text())
+                staging = self.staging(held["job"])
+                if held.get("keeper_of") != self.instance and _alive(staging):
+                    try:
+                        self._start_daemon(held["job"], staging, held["options"], take_over=True)
+                    except VolumeError as e:  # the old keeper serves on
+                        log.error("job %s: %s", held["job"], e)
             for record in self.volumes():
                 job, target = record["job"], record["target"]
                 if _alive(target):

@@ -8,6 +8,7 @@ import os
 from tierfs.config import Config
 from tierfs.core.errors import UserError
 from tierfs.fs.recovery import SessionState, Taken, reopen_handles
+from tierfs.fs.session import KernelSession
 from tierfs.ramtier import RankDir
 
 
@@ -17,6 +18,22 @@ class Connection:
 
     def __init__(self, fd: int | None = None, record: SessionState | None = None, taken: Taken | None = None):
         self.fd, self.record, self.taken = fd, record, taken
+
+    def keep_record(self, engine, ops, rank: RankDir, passthrough: bool) -> None:
+        """Where the keeper holds the connection, have the engine and the handlers keep what a
+        successor needs to take it over (a successor: the record it took over, kept on)."""
+        if self.fd is None or not isinstance(engine, KernelSession):
+            if self.taken is not None:
+                raise UserError("the daemon before used tierfs' own FUSE engine: take over with the same "
+                                "--engine and --data-path")
+            return
+        if self.record is None:
+            self.record = SessionState(rank.session, rank.tree)
+            self.record.start()
+        elif self.taken.init["passthrough"] != passthrough:
+            raise UserError("the daemon before served the mount on another data path: "
+                            "take over with the same --data-path")
+        engine.record = ops.record = ops.inodes.record = self.record
 
     def report(self) -> dict:
         """For status: who keeps the connection, and whether this daemon took it over."""
@@ -29,13 +46,11 @@ class Connection:
         """The connection of a daemon that died, its handles reopened before anything else
         here opens a descriptor (:func:`reopen_handles`); and where ``ready_fd`` is now."""
         rank = RankDir(cfg.rank_dir)
-        record = SessionState(rank.path / "session", rank.tree)
+        record = SessionState(rank.session, rank.tree)
         try:
             taken = record.take_over()
         except (OSError, ValueError, UserError) as e:
             raise UserError(f"cannot take over the FUSE connection of {cfg.mountpoint}: its record in "
                             f"{record.dir} is unreadable ({e})") from None
         moved = reopen_handles(record, taken, {"ready": ready_fd, "fuse": fd})
-        if moved["fuse"] != fd:
-            raise UserError(f"the FUSE connection's descriptor {fd} holds a file handle of the last daemon")
-        return cls(fd, record, taken), moved["ready"]
+        return cls(moved["fuse"], record, taken), moved["ready"]

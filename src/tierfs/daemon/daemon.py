@@ -37,7 +37,6 @@ from tierfs.daemon.tiers import node_tiers
 from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
 from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
-from tierfs.fs.recovery import SessionState
 from tierfs.fs.session import KernelSession
 from tierfs.mtc.multitier import MultiTier
 from tierfs.mtc.protocol import MtcNode
@@ -146,29 +145,13 @@ class Daemon:
             mounts.prepare_mountpoint(cfg.mountpoint)
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
-        self._keep_record()
+        self.connection.keep_record(self.engine, self.ops, self.rank, self.data_path == DataPath.PASSTHROUGH)
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
                                      self.retention_floor if self._beyond_ram() or self.network else None,
                                      self._ram_short)
         if not cfg.read_only:
             self.mtc = self.multitier.start()
             self.replicator.dropped = self.mtc.forget
-
-    def _keep_record(self) -> None:
-        """Where the keeper holds the connection, keep what a successor needs to take it over."""
-        conn = self.connection
-        if conn.fd is None or not isinstance(self.engine, KernelSession):
-            if conn.taken is not None:
-                raise UserError("the daemon before used tierfs' own FUSE engine: take over with the same "
-                                "--engine and --data-path")
-            return
-        if conn.record is None:
-            conn.record = SessionState(self.rank.state_dir("session"), self.rank.tree)
-            conn.record.start()
-        elif conn.taken.init["passthrough"] != (self.data_path == DataPath.PASSTHROUGH):
-            raise UserError(f"the daemon before served {self.cfg.mountpoint} on another data path: "
-                            "take over with the same --data-path")
-        self.engine.record = self.ops.record = self.ops.inodes.record = conn.record
 
     def _beyond_ram(self) -> bool:
         """Whether this node has a tier besides its RAM: something to restore from and put steps on."""
@@ -437,7 +420,11 @@ class Daemon:
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGUSR1) as signals:
             async for signum in signals:
-                if signum == signal.SIGUSR1 and self.connection.record is not None:
+                if signum == signal.SIGUSR1:
+                    if self.connection.record is None:
+                        log.warning("cannot hand %s over: the pyfuse3 engine keeps its own connection",
+                                    self.cfg.mountpoint)
+                        continue
                     log.info("handing %s over to a successor", self.cfg.mountpoint)
                     self.handing_over = True
                 else:

@@ -14,6 +14,14 @@ unanswered, and serves on. The job sees a pause.
 (SIGUSR1; it exits with :data:`HANDOVER`), then executes the installed ``tierfs`` anew,
 keeping the descriptor, and that keeper starts a successor of the new build.
 
+A keeper can also hand its connection to another keeper, one of another build in another
+container (the CSI plugin's rollout): with ``TIERFS_KEEPER_SOCKET`` it listens on that unix
+socket, and a ``tierfs mount`` run with ``TIERFS_ADOPT_FROM`` naming it asks for the
+connection (:func:`adopt`): the daemon stops as for an upgrade, the descriptor goes over the
+socket (``SCM_RIGHTS``), and this keeper exits. With ``TIERFS_KEEPER_CGROUP`` the keeper
+moves itself (and so its daemons) into that cgroup first: out of a container's, whose
+crash then ends the plugin but not the mounts.
+
 The keeper does nothing else, so that it has nothing to fail on: no threads, no event
 loop, no network, no access to the mount. It ends when its daemon exits cleanly (the
 mount was unmounted) or when the connection is gone; SIGTERM and SIGINT are passed on to
@@ -24,21 +32,27 @@ then closes the connection, and the mount answers ENOTCONN as a dead FUSE mount 
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import select
 import signal
+import socket
+import struct
 import sys
 import time
 from typing import Callable
 
 from tierfs.config import Config
+from tierfs.core import linux, mounts
 
 log = logging.getLogger("tierfs.keeper")
 
 HANDOVER = 75  # a daemon's exit status when it stopped serving so that a new build takes over
+HANDED_OVER = -1000  # run()'s own: the connection went to another keeper
 CANNOT_TAKE_OVER = 76  # a successor's exit status when its predecessor's record is unusable
-FD_ENV = "TIERFS_KEEPER_FD"  # the connection, for a keeper executed anew by an upgrade
+FD_ENV, SOCKET_ENV, ADOPT_ENV, CGROUP_ENV = mounts.KEEPER_FD, mounts.KEEPER_SOCKET, mounts.ADOPT_FROM, mounts.KEEPER_CGROUP
+HANDOVER_TIMEOUT = 120.0  # seconds a keeper waits for its daemon to stop for another keeper
 MAX_FAILED_STARTS = 10
 MAX_PAUSE = 5.0  # seconds between failed starts, at most
 
@@ -61,10 +75,44 @@ def inherited_connection() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+def adopt(path: str) -> int:
+    """The FUSE connection of the keeper listening at ``path``, which stops its daemon, hands
+    the descriptor over and exits. Raises OSError if it cannot."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(HANDOVER_TIMEOUT + 10)
+        s.connect(path)
+        s.sendall(b"handover\n")
+        msg, fds, _, _ = socket.recv_fds(s, 256, 1)
+    if not fds:
+        raise OSError(errno.EPROTO, f"the keeper at {path} refused: {msg.decode(errors='replace').strip() or 'no answer'}")
+    return fds[0]
+
+
+def join_cgroup(path: str) -> None:
+    """Move this process into the cgroup ``path`` (created if missing): its children follow.
+
+    From the host's cgroup namespace (PID 1's, which a container sees with ``hostPID``):
+    the kernel moves a process only between cgroups below its namespace's root, and a
+    container's own namespace has its cgroup as the root."""
+    try:
+        fd = os.open("/proc/1/ns/cgroup", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        fd = None  # no PID 1 to ask: stay in this namespace
+    if fd is not None:
+        try:
+            linux.setns(fd, linux.CLONE_NEWCGROUP)
+        finally:
+            os.close(fd)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+
+
 class Keeper:
     """One mount's keeper; :meth:`run` returns the exit status of the last daemon."""
 
-    def __init__(self, cfg: Config, daemon_main: DaemonMain, fuse_fd: int | None = None):
+    def __init__(self, cfg: Config, daemon_main: DaemonMain, fuse_fd: int | None = None,
+                 offer_at: str | None = None):
         self.cfg = cfg
         self._daemon_main = daemon_main
         self.takeover = fuse_fd is not None
@@ -74,6 +122,21 @@ class Keeper:
         self._child: int | None = None
         self._upgrade = False
         self._stopping = False
+        self._listener: socket.socket | None = None
+        self._taker: socket.socket | None = None  # the keeper the connection goes to
+        if offer_at:
+            self._listen(offer_at)
+
+    def _listen(self, path: str) -> None:
+        try:
+            os.unlink(path)  # a keeper before this one left it, or handed its connection here
+        except FileNotFoundError:
+            pass
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        os.fchmod(s.fileno(), 0o600)  # before bind: root's alone from the moment it exists
+        s.bind(path)
+        s.listen(4)
+        self._listener = s
 
     def run(self, ready_fd: int | None = None) -> int:
         """Run daemons until the mount ends; the first one's readiness goes to ``ready_fd``."""
@@ -90,6 +153,8 @@ class Keeper:
                 os.close(ready_fd)
                 ready_fd = None
             code = self._wait(pid)
+            if self._taker is not None:
+                return self._give_connection(code)
             if code == HANDOVER:
                 self._execute_anew()
             if code == 0 or self._stopping or not connected(self.fuse_fd):
@@ -120,6 +185,8 @@ class Keeper:
                 os.close(read_fd)
                 if ready_fd is not None:
                     os.close(ready_fd)
+                if self._listener is not None:  # the keeper's: its number is free for the daemon
+                    self._listener.close()
                 for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                     signal.signal(signum, signal.SIG_DFL)
                 code = self._daemon_main(self.cfg, write_fd, self.fuse_fd, self.takeover)
@@ -138,9 +205,46 @@ class Keeper:
         return pid, report
 
     def _wait(self, pid: int) -> int:
+        """Wait for the daemon to exit, meanwhile answering a keeper that asks for the connection."""
+        if self._listener is not None:
+            pidfd = os.pidfd_open(pid)
+            try:
+                poller = select.poll()
+                poller.register(pidfd, select.POLLIN)
+                poller.register(self._listener, select.POLLIN)
+                while not any(fd == pidfd for fd, _ in poller.poll()):
+                    self._answer()
+            finally:
+                os.close(pidfd)
         _, status = os.waitpid(pid, 0)
         self._child = None
         return os.waitstatus_to_exitcode(status)
+
+    def _answer(self) -> None:
+        """A keeper asks for the connection: stop the daemon for it (it is given once the daemon is gone)."""
+        conn, _ = self._listener.accept()
+        try:
+            conn.settimeout(5)
+            uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
+            if (uid != 0 or conn.recv(64) != b"handover\n" or self._taker is not None or self._child is None
+                    or not connected(self.fuse_fd)):  # nothing to hand over (pyfuse3 keeps its own)
+                conn.close()
+                return
+        except OSError:
+            conn.close()
+            return
+        log.info("another keeper asks for %s: the daemon stops for it", self.cfg.mountpoint)
+        self._taker = conn
+        os.kill(self._child, signal.SIGUSR1)
+
+    def _give_connection(self, code: int) -> int:
+        """The daemon is gone: the descriptor goes to the keeper that asked, and this one ends."""
+        with self._taker:
+            self._taker.settimeout(HANDOVER_TIMEOUT)
+            socket.send_fds(self._taker, [b"ok\n"], [self.fuse_fd])
+        log.info("%s handed over to another keeper (the daemon %s)", self.cfg.mountpoint, _how(code))
+        self._listener.close()
+        return HANDED_OVER
 
     def _pass_on(self, signum: int, frame) -> None:
         self._stopping = True
@@ -148,7 +252,7 @@ class Keeper:
             os.kill(self._child, signum)
 
     def _hand_over(self, signum: int, frame) -> None:
-        if self._child is not None and not self._upgrade:
+        if self._child is not None and not self._upgrade and connected(self.fuse_fd):
             log.info("upgrade asked for: the daemon hands %s over to a new keeper", self.cfg.mountpoint)
             self._upgrade = True
             os.kill(self._child, signal.SIGUSR1)

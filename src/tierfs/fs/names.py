@@ -115,7 +115,7 @@ class Names(Volume):
         fd = os.open(self.inodes[inode].proc_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._dirs[fd] = None
         if self.record is not None:
-            self.record.opened(fd, inode, os.O_RDONLY | os.O_DIRECTORY, recovery.DIRECTORY)
+            self.recorded(fd, inode, os.O_RDONLY | os.O_DIRECTORY, recovery.DIRECTORY)
         return fd
 
     @errors_to_fuse

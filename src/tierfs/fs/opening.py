@@ -201,7 +201,7 @@ class Opening(Volume):
     def _record_open(self, fd: int, ino: int, flags: int, bits: int) -> None:
         if self.record is not None:
             backing_id = self.backing.backing_id(fd) if bits & recovery.PASSTHROUGH else 0
-            self.record.opened(fd, ino, flags, recovery.FILE | bits, backing_id)
+            self.recorded(fd, ino, flags, recovery.FILE | bits, backing_id)
 
     def take_over(self, handles: list[recovery.Handle]) -> None:
         """Adopt the open handles of a daemon that is gone, each already reopened at its

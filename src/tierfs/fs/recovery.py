@@ -54,6 +54,7 @@ FILE, DIRECTORY = 1, 2  # kinds of handle
 PASSTHROUGH, DIRECT, KILL_PRIVS, STALE_CACHE = 1 << 8, 1 << 9, 1 << 10, 1 << 11  # bits beside the kind
 COMPACT_AT = 1 << 20  # rewrite the node log past this size, if most of it is forgotten nodes
 MAX_INIT = 1 << 12
+HANDLES_STEP = 1 << 16  # the handle table is allocated in steps of this many bytes
 # The clock tmpfs stamps ctimes from (or a finer one): a name made after a request began
 # has a ctime no older than the request's start read from it.
 CLOCK_REALTIME_COARSE = getattr(time, "CLOCK_REALTIME_COARSE", 5)
@@ -90,6 +91,8 @@ class SessionState:
         self._nodes: dict[int, bytes] = {}  # node id -> file handle, for the nodes the kernel holds
         self._log_fd = -1
         self._log_size = 0
+        self._handles_fd = -1  # kept to allocate more of the table as handles grow
+        self._allocated = 0  # bytes of the table allocated: a store beyond would fault in a page
         self._handles: mmap.mmap | None = None
         self._requests: mmap.mmap | None = None
         self._high = 1
@@ -124,31 +127,39 @@ class SessionState:
         self._tree_fd = os.open(self.tree, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         self._log_fd = os.open(self.dir / "nodes", flags | os.O_APPEND, 0o600)
         self._log_size = os.fstat(self._log_fd).st_size
-        self._handles = self._map("handles", MAX_HANDLES * _HANDLE.size)
-        self._requests = self._map("requests", _SLOTS * SLOT_SIZE)
+        self._requests, fd = self._map("requests", _SLOTS * SLOT_SIZE)
+        os.close(fd)
+        self._handles, self._handles_fd = self._map("handles", MAX_HANDLES * _HANDLE.size, HANDLES_STEP)
+        self._allocated = HANDLES_STEP
 
-    def _map(self, name: str, size: int) -> mmap.mmap:
+    def _map(self, name: str, size: int, allocate: int | None = None) -> tuple[mmap.mmap, int]:
+        """The file ``name`` of ``size`` bytes mapped, its first ``allocate`` bytes (all by
+        default) allocated: a store into a page of a full tmpfs that was never allocated
+        kills the process with SIGBUS, where ``fallocate`` fails with ENOSPC."""
         fd = os.open(self.dir / name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             if os.fstat(fd).st_size != size:
-                os.ftruncate(fd, size)  # sparse: only the pages written take RAM
-            return mmap.mmap(fd, size)
-        finally:
+                os.ftruncate(fd, size)  # sparse beyond what is allocated
+            os.posix_fallocate(fd, 0, size if allocate is None else allocate)
+            return mmap.mmap(fd, size), fd
+        except BaseException:
             os.close(fd)
+            raise
 
     def close(self) -> None:
         for m in (self._handles, self._requests):
             if m is not None:
                 m.close()
         self._handles = self._requests = None
-        for fd in (self._log_fd, self._tree_fd):
+        for fd in (self._log_fd, self._tree_fd, self._handles_fd):
             if fd >= 0:
                 os.close(fd)
-        self._log_fd = self._tree_fd = -1
+        self._log_fd = self._tree_fd = self._handles_fd = -1
 
     def move_above(self, limit: int) -> None:
         """Move the record's own descriptors to numbers from ``limit`` on."""
-        self._log_fd, self._tree_fd = (_move(fd, limit) for fd in (self._log_fd, self._tree_fd))
+        self._log_fd, self._tree_fd, self._handles_fd = (
+            _move(fd, limit) for fd in (self._log_fd, self._tree_fd, self._handles_fd))
 
     # -- INIT ---------------------------------------------------------------------------------
 
@@ -221,8 +232,13 @@ class SessionState:
     # -- open handles ---------------------------------------------------------------------------
 
     def opened(self, fh: int, ino: int, flags: int, kind: int, backing_id: int = 0) -> None:
+        """Record an open handle; OSError (ENOSPC) if the table cannot grow to hold it."""
         if not 0 < fh < MAX_HANDLES:
             return  # beyond the table: a successor will not know it (RLIMIT_NOFILE keeps fds below)
+        if (fh + 1) * _HANDLE.size > self._allocated:
+            size = min(MAX_HANDLES * _HANDLE.size, -(-(fh + 1) * _HANDLE.size // HANDLES_STEP) * HANDLES_STEP)
+            os.posix_fallocate(self._handles_fd, 0, size)
+            self._allocated = size
         _HANDLE.pack_into(self._handles, fh * _HANDLE.size, ino, flags, backing_id, kind)
         if fh >= self._high:
             self._high = fh + 1

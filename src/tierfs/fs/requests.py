@@ -16,8 +16,9 @@ import time
 from typing import TYPE_CHECKING
 
 import pyfuse3
+import trio
 
-from tierfs.fs import abi
+from tierfs.fs import abi, replay
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.messages import DirBuffer, SetattrFields, attr_out, entry_out, split_names, timeout
 
@@ -46,7 +47,9 @@ LATER = object()  # a handler of ``_now`` that must wait after all: serve it as 
 
 class Requests:
     """The kernel session's handlers, by opcode: ``(nodeid, body, ctx)`` to the parts of the
-    reply (None: no reply). A release is the serving loop's to schedule (its ``_release``)."""
+    reply (None: no reply). A release is the serving loop's to schedule (its ``_release``).
+
+    The serving loop's own, used here: ``_reply(unique, parts)`` and ``_fail(opcode, unique, e)``."""
 
     # Kept by the kernel session.
     fd: int | None
@@ -124,6 +127,34 @@ class Requests:
 
     async def _destroy(self, nodeid, body, ctx):
         return []
+
+    async def _again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context,
+                              began: int) -> None:
+        """A journaled request sent again, begun by a daemon that died before it answered:
+        run again, the errors of a first run that did its work read as success (:mod:`tierfs.fs.replay`)."""
+        try:
+            if opcode == abi.CREATE:
+                reply = self._create(nodeid, body, ctx, resumed=began)
+            else:
+                reply = await self._later[opcode](nodeid, body, ctx)
+        except trio.Cancelled:
+            raise
+        except Exception as e:
+            err = getattr(e, "errno", None)
+            name = replay.made_name(opcode, body)
+            if replay.done_already(opcode, err):
+                reply = []
+            elif err == errno.EEXIST and name is not None:
+                ino, st = self.ops.lookup_sync(nodeid, name)
+                if st.st_ctime_ns < began:  # it was there before: the first run failed too
+                    self.ops.forget_sync([(ino, 1)])
+                    self._fail(opcode, unique, e)
+                    return
+                reply = [self._entry_now(ino, st)]
+            else:
+                self._fail(opcode, unique, e)
+                return
+        self._reply(unique, reply)
 
     # -- names ---------------------------------------------------------------------------
 

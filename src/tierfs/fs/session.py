@@ -367,7 +367,7 @@ class KernelSession(Requests):
                     return None
                 self._journaled.add(unique)
                 if state == BEGUN:
-                    return self._dispatch_again(opcode, unique, nodeid, body, Context(uid, gid, pid), kept)
+                    return self._again(opcode, unique, nodeid, body, Context(uid, gid, pid), kept)
             else:
                 self._journaled.add(unique)
             self.record.begin(unique)
@@ -398,34 +398,6 @@ class KernelSession(Requests):
             return
         if reply is not None:
             self._reply(unique, reply)
-
-    async def _dispatch_again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context,
-                              began: int) -> None:
-        """A journaled request sent again, begun by a daemon that died before it answered:
-        run again, the errors of a first run that did its work read as success (:mod:`replay`)."""
-        try:
-            if opcode == abi.CREATE:
-                reply = self._create(nodeid, body, ctx, resumed=began)
-            else:
-                reply = await self._later[opcode](nodeid, body, ctx)
-        except trio.Cancelled:
-            raise
-        except Exception as e:
-            err = getattr(e, "errno", None)
-            name = replay.made_name(opcode, body)
-            if replay.done_already(opcode, err):
-                reply = []
-            elif err == errno.EEXIST and name is not None:
-                ino, st = self.ops.lookup_sync(nodeid, name)
-                if st.st_ctime_ns < began:  # it was there before: the first run failed too
-                    self.ops.forget_sync([(ino, 1)])
-                    self._fail(opcode, unique, e)
-                    return
-                reply = [self._entry_now(ino, st)]
-            else:
-                self._fail(opcode, unique, e)
-                return
-        self._reply(unique, reply)
 
     def _fail(self, opcode: int, unique: int, e: Exception) -> None:
         """Answer a request whose handler raised: its errno, or EIO for a bug (logged)."""

@@ -183,6 +183,14 @@ class Volume:
             return mode & ~umask
         return mode
 
+    def recorded(self, fh: int, ino: int, flags: int, kind: int, backing_id: int = 0) -> None:
+        """Write an open handle into the record for a successor; the open serves on if it cannot be."""
+        try:
+            self.record.opened(fh, ino, flags, kind, backing_id)
+        except OSError as e:
+            log.warning("a successor will not know file handle %d (its record cannot grow: %s)", fh,
+                        e.strerror or e)
+
     def link_removed(self, st: os.stat_result) -> None:
         """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its space is free (at last close)."""
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:

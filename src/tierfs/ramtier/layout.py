@@ -78,6 +78,13 @@ class RankDir:
         if not stat.S_ISDIR(self.tree.lstat().st_mode):
             raise UserError(f"{self.tree} is not a directory: remove it or use another --ramdisk")
 
+    @property
+    def session(self) -> Path:
+        """Where the daemon keeps the record of its FUSE connection (:mod:`tierfs.fs.recovery`):
+        beside the rank's home, not in it, so that a rank's own tmpfs filled to its capacity
+        leaves the record writable."""
+        return self.path.parent / f"{self.path.name}.session"
+
     def state_dir(self, name: str) -> Path:
         """A root-only directory of the daemon's in the rank's home (``replicas``, ...)."""
         try:

@@ -15,6 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -73,6 +74,7 @@ class Plugin:
     proc: subprocess.Popen | None = None
     channel: grpc.Channel | None = None
     pods: int = field(default=0)
+    preexec: Callable[[], object] | None = None  # run in the plugin's process before it starts (a container's cgroup)
 
     @property
     def socket(self) -> Path:
@@ -93,7 +95,8 @@ class Plugin:
 
     def start(self) -> None:
         log = open(self.base / "plugin.log", "a")
-        self.proc = subprocess.Popen(self.args("--endpoint", f"unix://{self.socket}"), stdout=log, stderr=log)
+        self.proc = subprocess.Popen(self.args("--endpoint", f"unix://{self.socket}"), stdout=log, stderr=log,
+                                     preexec_fn=self.preexec)
         log.close()
         # Connect once the plugin listens: a channel that finds no socket backs off for a
         # second before it tries again, which doubled every start.

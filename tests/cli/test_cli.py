@@ -126,7 +126,7 @@ def test_a_keeper_gives_up_a_connection_no_successor_can_serve(volumes):
     vol = volumes(job="hopeless")
     (vol.mountpoint / "f").write_text("kept")
     info = mounts.Registration(vol.mountpoint).read()
-    shutil.rmtree(vol.ramdisk / "hopeless" / "rank-0" / "session")
+    shutil.rmtree(vol.ramdisk / "hopeless" / "rank-0.session")
     os.kill(info["pid"], signal.SIGKILL)
     wait_gone(info["keeper"], timeout=60)
     assert not mounts.process_alive(info["keeper"])

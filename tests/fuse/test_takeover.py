@@ -25,7 +25,7 @@ USERS = {"root": {}, "user 1000": {"user": 1000, "group": 1000}}
 TIERS = {"disk", "gcs"}
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def own_engine(engine):
     if engine == "pyfuse3":
         pytest.skip("pyfuse3 keeps its own /dev/fuse descriptor: its mounts die with their daemon")
@@ -81,7 +81,7 @@ class Job:
 
 
 @pytest.fixture
-def job(volumes, gcs_bucket, shm_dir, monkeypatch):
+def job(volumes, gcs_bucket, shm_dir, monkeypatch, own_engine):
     """Factory: a volume with a disk and a GCS tier, and a job running in it as ``who``."""
     monkeypatch.setenv("TIERFS_SECRET", "takeover-test-secret")
     started = []
@@ -136,3 +136,15 @@ def test_upgrade_hands_a_live_mount_to_the_installed_build(job, shm_dir, monkeyp
     acked = len(j.acked)
     wait_for(lambda: j.tick() or len(j.acked) >= acked + 3, what="steps committed after the upgrade")
     j.finish()
+
+
+@pytest.mark.root
+def test_upgrade_refuses_what_it_cannot_hand_over_in_one_line(volumes, engine):
+    vol = volumes(job="refused")
+    out = tierfs_command("upgrade", vol.mountpoint, check=False)
+    if engine == "pyfuse3":
+        assert out.returncode == 1 and out.stderr.count("\n") == 1 and "cannot be handed over" in out.stderr
+    else:
+        assert out.returncode == 0, out.stderr
+    missing = tierfs_command("upgrade", vol.mountpoint / "nowhere", check=False)
+    assert missing.returncode == 1 and "is not a tierfs mount" in missing.stderr

@@ -218,6 +218,54 @@ async def test_wrong_secret_or_job_fails_the_same_way(job, secret):
     assert isinstance(result["server"], PeerUnavailable)
 
 
+@pytest.mark.parametrize("hello, speaks, chosen", [
+    ({"version": 3}, (3, 3), 3),  # a peer from before the negotiation, which sends one version
+    ({"version": 3}, (3, 4), 3),  # ... met by a newer build that still speaks it
+    ({"version": 4, "versions": [3, 4]}, (3, 3), 3),  # a newer peer, met by this build: the older one wins
+    ({"version": 4, "versions": [3, 4]}, (2, 5), 4),  # the newest both speak
+    ({"version": 5, "versions": [5, 6]}, (3, 4), None),  # nothing in common
+    ({"version": 2}, (3, 4), None),
+    ({"version": True, "versions": [True, 9]}, (3, 4), None),  # booleans are not versions
+    ({"version": 3, "versions": "3..4"}, (3, 4), 3),  # a malformed range: the one version asked for
+])
+def test_the_newest_version_both_sides_speak_is_chosen(hello, speaks, chosen):
+    assert wire.choose_version(hello, speaks) == chosen
+
+
+async def test_a_peer_before_the_negotiation_and_this_build_agree(monkeypatch):
+    """A server of the release before reads only ``version``; its challenge names none."""
+    a, b = trio.testing.memory_stream_pair()
+
+    async def old_server():
+        hello = await wire.recv_msg(b, wire.HELLO_MAX_HEADER)
+        assert hello["version"] == 3 and hello["versions"] == [wire.OLDEST, wire.VERSION]
+        server_nonce = wire.new_nonce()
+        await wire.send_msg(b, {"op": "challenge", "nonce": server_nonce,
+                                "proof": wire.proof(SECRET, "server", JOB, hello["nonce"], server_nonce)})
+        await wire.recv_msg(b, wire.HELLO_MAX_HEADER)
+        await wire.send_msg(b, {"ok": True})
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(old_server)
+        nonces = await wire.client_handshake(a, job=JOB, secret=SECRET)
+    assert nonces.version == 3
+
+
+async def test_a_version_nobody_speaks_is_refused_in_one_line():
+    a, b = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+
+        async def client():
+            await wire.send_msg(a, {"op": "hello", "version": 99, "versions": [99, 100], "job": JOB,
+                                    "nonce": wire.new_nonce()})
+            answer = await wire.recv_msg(a, wire.HELLO_MAX_HEADER)
+            assert answer["error"] == f"unsupported protocol version 99: this peer speaks {wire.OLDEST}..{wire.VERSION}"
+
+        nursery.start_soon(client)
+        with pytest.raises(AuthFailed, match="protocol version 99"):
+            await wire.authenticate(b, job=JOB, secret=SECRET)
+
+
 def test_proofs_depend_on_every_input_and_on_the_role():
     base = wire.proof(SECRET, "server", JOB, "a" * 32, "b" * 32)
     assert len(base) == 64 and base == wire.proof(SECRET, "server", JOB, "a" * 32, "b" * 32)

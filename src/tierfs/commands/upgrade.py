@@ -36,8 +36,12 @@ def run(args: argparse.Namespace) -> int:
     reg = mounts.Registration(mountpoint)
     info = reg.read() or {}
     if "keeper" not in info or not mounts.process_alive(info["keeper"]):
-        raise UserError(f"the daemon of {mountpoint} has no keeper to hand it over (served by pyfuse3, "
-                        f"or mounted by an older tierfs): unmount it and mount it again")
+        raise UserError(f"the daemon of {mountpoint} has no keeper to hand it over (mounted by an older "
+                        f"tierfs): unmount it and mount it again")
+    connection = control.request(reg.socket_path, {"op": "status"}).get("connection") or {}
+    if not connection.get("kept"):
+        raise UserError(f"{mountpoint} is served by pyfuse3, whose FUSE connection cannot be handed over: "
+                        f"unmount it and mount it again")
     os.kill(info["keeper"], signal.SIGHUP)
     deadline = time.monotonic() + args.timeout
     while True:

@@ -235,7 +235,7 @@ class Keeper:
             return
         log.info("another keeper asks for %s: the daemon stops for it", self.cfg.mountpoint)
         self._taker = conn
-        os.kill(self._child, signal.SIGUSR1)
+        self._signal_daemon(signal.SIGUSR1)
 
     def _give_connection(self, code: int) -> int:
         """The daemon is gone: the descriptor goes to the keeper that asked, and this one ends."""
@@ -248,14 +248,21 @@ class Keeper:
 
     def _pass_on(self, signum: int, frame) -> None:
         self._stopping = True
-        if self._child is not None:
-            os.kill(self._child, signum)
+        self._signal_daemon(signum)
 
     def _hand_over(self, signum: int, frame) -> None:
         if self._child is not None and not self._upgrade and connected(self.fuse_fd):
             log.info("upgrade asked for: the daemon hands %s over to a new keeper", self.cfg.mountpoint)
             self._upgrade = True
-            os.kill(self._child, signal.SIGUSR1)
+            self._signal_daemon(signal.SIGUSR1)
+
+    def _signal_daemon(self, signum: int) -> None:
+        """Signal the daemon, unless it is gone already (reaped a moment before this handler ran)."""
+        if self._child is not None:
+            try:
+                os.kill(self._child, signum)
+            except ProcessLookupError:
+                pass
 
     def _execute_anew(self) -> None:
         """Become the installed build's keeper, handing it the connection (never returns)."""

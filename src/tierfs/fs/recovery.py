@@ -111,6 +111,7 @@ class SessionState:
 
     def take_over(self) -> Taken:
         """The connection of a daemon that is gone: its negotiation, its nodes and handles."""
+        private_dir(self.dir)  # root's alone, as its predecessor made it (UnsafeFile otherwise)
         init = json.loads(read_small(self.dir / "init.json", MAX_INIT, private=True))
         self._open()
         self._load_nodes()

@@ -39,7 +39,8 @@ from tierfs.core import bounded_json, keys
 from tierfs.core.chunks import MAX_CHUNK_SIZE
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 
-VERSION = 3  # 2: after TLS, sealed records (tierfs.peers.sealed); 3: put_chunks
+VERSION = 3  # the newest this build speaks. 2: after TLS, sealed records (tierfs.peers.sealed); 3: put_chunks
+OLDEST = 3  # the oldest it still speaks: a job's nodes are upgraded one at a time
 MAX_HEADER = 1 << 20  # an authenticated peer's header
 HELLO_MAX_HEADER = 4096  # before authentication: a stranger gets no big allocation
 PIECE = 1 << 20  # the most body bytes held in memory at once
@@ -242,10 +243,28 @@ def reason(e: BaseException) -> str:
 
 @dataclass(frozen=True)
 class Nonces:
-    """The two fresh nonces of one connection's handshake: inside TLS, they key its records."""
+    """The two fresh nonces of one connection's handshake: inside TLS, they key its records;
+    and the protocol version both sides chose."""
 
     client: str
     server: str
+    version: int = VERSION
+
+
+def choose_version(hello: dict, speaks: tuple[int, int] | None = None) -> int | None:
+    """The newest version both sides speak, from a hello's ``version`` (what it asks for) and
+    ``versions`` (the range it speaks; a peer before negotiation sends only ``version``)."""
+    oldest, newest = speaks or (OLDEST, VERSION)
+    asked = hello.get("version")
+    offered = hello.get("versions")
+    if (isinstance(offered, list) and len(offered) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in offered)):
+        low, high = max(offered[0], oldest), min(offered[1], newest)
+        if low <= high:
+            return high
+    if isinstance(asked, int) and not isinstance(asked, bool) and oldest <= asked <= newest:
+        return asked
+    return None
 
 
 def new_nonce() -> str:
@@ -274,7 +293,9 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
     which of the two is not knowable, by design) or refuses our proof.
     """
     client_nonce = new_nonce()
-    await send_msg(stream, {"op": "hello", "version": VERSION, "job": job, "nonce": client_nonce})
+    # ``version`` alone is what a peer from before the negotiation reads; ``versions`` the range.
+    await send_msg(stream, {"op": "hello", "version": VERSION, "versions": [OLDEST, VERSION], "job": job,
+                            "nonce": client_nonce})
     challenge = await recv_msg(stream, HELLO_MAX_HEADER)
     if "error" in challenge:
         raise AuthFailed(f"peer refused the handshake: {challenge['error']}")
@@ -282,6 +303,9 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
     if (challenge.get("op") != "challenge" or not _valid(_NONCE_RE, server_nonce)
             or not _valid(_PROOF_RE, server_proof)):
         raise ProtocolError("peer answered the hello with something other than a challenge")
+    version = challenge.get("version", VERSION)  # a peer from before the negotiation names none
+    if not isinstance(version, int) or isinstance(version, bool) or not OLDEST <= version <= VERSION:
+        raise ProtocolError(f"peer chose protocol version {brief(version)}, not one of {OLDEST}..{VERSION}")
     expected = proof(secret, "server", job, client_nonce, server_nonce)
     if not hmac.compare_digest(expected, server_proof):
         raise AuthFailed(f"peer could not prove it holds the secret of job {job!r}")
@@ -289,7 +313,7 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
     answer = await recv_msg(stream, HELLO_MAX_HEADER)
     if answer.get("ok") is not True:
         raise AuthFailed(f"peer refused our proof: {answer.get('error', 'no reason given')}")
-    return Nonces(client_nonce, server_nonce)
+    return Nonces(client_nonce, server_nonce, version)
 
 
 async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> Nonces:
@@ -303,16 +327,17 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> N
     if hello.get("op") != "hello":
         await send_msg(stream, {"error": "authentication required"})
         raise AuthFailed(f"{brief(hello.get('op'))} before authenticating")
-    if hello.get("version") != VERSION:
+    version = choose_version(hello)
+    if version is None:
         await send_msg(stream, {"error": f"unsupported protocol version {brief(hello.get('version'))}: "
-                                         f"this peer speaks {VERSION}"})
+                                         f"this peer speaks {OLDEST}..{VERSION}"})
         raise AuthFailed(f"protocol version {brief(hello.get('version'))}")
     client_nonce = hello.get("nonce")
     if not isinstance(hello.get("job"), str) or not _valid(_NONCE_RE, client_nonce):
         await send_msg(stream, {"error": "malformed hello"})
         raise AuthFailed("malformed hello")
     server_nonce = new_nonce()
-    await send_msg(stream, {"op": "challenge", "nonce": server_nonce,
+    await send_msg(stream, {"op": "challenge", "nonce": server_nonce, "version": version,
                             "proof": proof(secret, "server", job, client_nonce, server_nonce)})
     auth = await recv_msg(stream, HELLO_MAX_HEADER)
     expected = proof(secret, "client", job, client_nonce, server_nonce)
@@ -321,7 +346,7 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> N
         await send_msg(stream, {"error": "authentication failed"})
         raise AuthFailed(f"authentication failed (peer claims job {brief(hello['job'])})")
     await send_msg(stream, {"ok": True})
-    return Nonces(client_nonce, server_nonce)
+    return Nonces(client_nonce, server_nonce, version)
 
 
 def _valid(pattern: re.Pattern[str], value: object) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import shutil
 import subprocess
 import time
@@ -148,3 +149,20 @@ def test_upgrade_refuses_what_it_cannot_hand_over_in_one_line(volumes, engine):
         assert out.returncode == 0, out.stderr
     missing = tierfs_command("upgrade", vol.mountpoint / "nowhere", check=False)
     assert missing.returncode == 1 and "is not a tierfs mount" in missing.stderr
+
+
+@pytest.mark.root
+@pytest.mark.expect_log(r"the keeper of .* is gone: starting another one", r"tierfs.keeper: the daemon of .* is gone")
+def test_a_keeper_killed_is_replaced_and_the_mount_still_survives_its_daemon(volumes, own_engine):
+    vol = volumes(job="orphan")
+    path = vol.mountpoint / "held"
+    with open(path, "wb", buffering=0) as held:
+        held.write(b"before ")
+        first = registered(vol)
+        os.kill(first["keeper"], signal.SIGKILL)
+        wait_for(lambda: registered(vol).get("keeper") not in (None, first["keeper"]),
+                 what="the daemon to start another keeper")
+        assert registered(vol)["pid"] == first["pid"]
+        kill_daemon(vol.mountpoint)  # the new keeper, not the daemon's parent, starts a successor
+        held.write(b"after")
+    assert path.read_bytes() == b"before after"

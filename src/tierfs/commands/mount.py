@@ -75,7 +75,9 @@ def keep(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None) -
         keeper.join_cgroup(cgroup)
     if fuse_fd is None:
         fuse_fd = keeper.inherited_connection()
-    code = keeper.Keeper(cfg, daemon.run, fuse_fd, offer_at=os.environ.get(keeper.SOCKET_ENV)).run(ready_fd)
+    watch = os.environ.pop(keeper.WATCH_ENV, None)
+    code = keeper.Keeper(cfg, daemon.run, fuse_fd, offer_at=os.environ.get(keeper.SOCKET_ENV),
+                         watch=int(watch) if watch and watch.isdigit() else None).run(ready_fd)
     return 0 if code == keeper.HANDED_OVER else code
 
 

@@ -27,6 +27,7 @@ KEEPER_FD = "TIERFS_KEEPER_FD"  # the connection, for a keeper executed anew by 
 KEEPER_SOCKET = "TIERFS_KEEPER_SOCKET"  # where a keeper offers its connection to another one
 ADOPT_FROM = "TIERFS_ADOPT_FROM"  # the socket of the keeper whose connection `tierfs mount` takes
 KEEPER_CGROUP = "TIERFS_KEEPER_CGROUP"  # a cgroup (v2 directory) the keeper and its daemons live in
+KEEPER_WATCH = "TIERFS_KEEPER_WATCH"  # the pid of a running daemon whose keeper died, for a new keeper
 
 
 def runtime_dir() -> Path:

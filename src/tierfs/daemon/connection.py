@@ -3,13 +3,20 @@ to mount with, or, for a successor, a live connection and what the daemon before
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
+
+import trio
 
 from tierfs.config import Config
 from tierfs.core.errors import UserError
 from tierfs.fs.recovery import SessionState, Taken, reopen_handles
 from tierfs.fs.session import KernelSession
+from tierfs.daemon.keeper import replace_keeper
 from tierfs.ramtier import RankDir
+
+log = logging.getLogger("tierfs")
 
 
 class Connection:
@@ -18,6 +25,7 @@ class Connection:
 
     def __init__(self, fd: int | None = None, record: SessionState | None = None, taken: Taken | None = None):
         self.fd, self.record, self.taken = fd, record, taken
+        self.keeper = os.getppid() if fd is not None else None  # the process holding the connection too
 
     def keep_record(self, engine, ops, rank: RankDir, passthrough: bool) -> None:
         """Where the keeper holds the connection, have the engine and the handlers keep what a
@@ -35,9 +43,26 @@ class Connection:
                             "take over with the same --data-path")
         engine.record = ops.record = ops.inodes.record = self.record
 
+    async def watch_keeper(self, mountpoint: str, registered: Callable[[], None]) -> None:
+        """Should the keeper die, start another (and say so with ``registered``): the keeper
+        alone would start a successor if this daemon died."""
+        while True:
+            try:
+                pidfd = os.pidfd_open(self.keeper)
+            except ProcessLookupError:
+                pidfd = None
+            if pidfd is not None:
+                try:
+                    await trio.lowlevel.wait_readable(pidfd)
+                finally:
+                    os.close(pidfd)
+            log.warning("the keeper of %s (pid %d) is gone: starting another one", mountpoint, self.keeper)
+            self.keeper = replace_keeper(self.fd)
+            registered()
+
     def report(self) -> dict:
         """For status: who keeps the connection, and whether this daemon took it over."""
-        return {"keeper": os.getppid() if self.fd is not None else None, "kept": self.record is not None,
+        return {"keeper": self.keeper, "kept": self.record is not None,
                 "taken_over": self.taken is not None,
                 "handles_taken_over": len(self.taken.handles) if self.taken is not None else 0}
 

@@ -320,7 +320,7 @@ class Daemon:
 
     def _register(self) -> None:
         cfg = self.cfg
-        keeper = os.getppid() if self.connection.fd is not None else None
+        keeper = self.connection.keeper
         self.registration.write({
             "pid": os.getpid(), **({"keeper": keeper} if keeper else {}),
             "mountpoint": str(cfg.mountpoint), "job": cfg.job, "rank": cfg.rank,
@@ -355,6 +355,8 @@ class Daemon:
 
     async def _run_mounted(self, nursery: trio.Nursery, ready_fd: int | None) -> None:
         nursery.start_soon(self._watch_signals)
+        if self.connection.fd is not None:
+            nursery.start_soon(self.connection.watch_keeper, str(self.cfg.mountpoint), self._register)
         nursery.start_soon(self.replicator.run)
         if self.mtc is not None:
             nursery.start_soon(self.mtc.run)

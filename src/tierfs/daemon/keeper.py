@@ -23,7 +23,9 @@ moves itself (and so its daemons) into that cgroup first: out of a container's, 
 crash then ends the plugin but not the mounts.
 
 The keeper does nothing else, so that it has nothing to fail on: no threads, no event
-loop, no network, no access to the mount. It ends when its daemon exits cleanly (the
+loop, no network, no access to the mount. Should it die all the same, its daemon starts a
+new keeper (:func:`replace_keeper`), which watches the running daemon (``TIERFS_KEEPER_WATCH``)
+as the first one did, though not as its parent. It ends when its daemon exits cleanly (the
 mount was unmounted) or when the connection is gone; SIGTERM and SIGINT are passed on to
 the daemon, which unmounts. A successor that keeps dying before it serves is started
 again with a growing pause, and given up after :data:`MAX_FAILED_STARTS` tries: the keeper
@@ -39,6 +41,7 @@ import select
 import signal
 import socket
 import struct
+import subprocess
 import sys
 import time
 from typing import Callable
@@ -52,6 +55,7 @@ HANDOVER = 75  # a daemon's exit status when it stopped serving so that a new bu
 HANDED_OVER = -1000  # run()'s own: the connection went to another keeper
 CANNOT_TAKE_OVER = 76  # a successor's exit status when its predecessor's record is unusable
 FD_ENV, SOCKET_ENV, ADOPT_ENV, CGROUP_ENV = mounts.KEEPER_FD, mounts.KEEPER_SOCKET, mounts.ADOPT_FROM, mounts.KEEPER_CGROUP
+WATCH_ENV = mounts.KEEPER_WATCH
 HANDOVER_TIMEOUT = 120.0  # seconds a keeper waits for its daemon to stop for another keeper
 MAX_FAILED_STARTS = 10
 MAX_PAUSE = 5.0  # seconds between failed starts, at most
@@ -70,9 +74,21 @@ def connected(fd: int) -> bool:
 
 
 def inherited_connection() -> int | None:
-    """The connection a keeper executed by an upgrade was handed, if this is one."""
+    """The connection a keeper executed by an upgrade (or started by its orphaned daemon) was handed."""
     value = os.environ.pop(FD_ENV, None)
     return int(value) if value and value.isdigit() else None
+
+
+def replace_keeper(fuse_fd: int) -> int:
+    """From a daemon whose keeper died: start a keeper that watches this daemon; its pid.
+
+    The new keeper runs the command that mounted the volume, as a keeper executed by an
+    upgrade does, in a session of its own; the daemon's log is its output."""
+    env = {**os.environ, FD_ENV: str(fuse_fd), WATCH_ENV: str(os.getpid())}
+    proc = subprocess.Popen([sys.executable, "-m", "tierfs", *sys.argv[1:]], env=env, pass_fds=[fuse_fd],
+                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc.returncode = 0  # never waited for: a keeper outlives the daemon that started it
+    return proc.pid
 
 
 def adopt(path: str) -> int:
@@ -112,8 +128,9 @@ class Keeper:
     """One mount's keeper; :meth:`run` returns the exit status of the last daemon."""
 
     def __init__(self, cfg: Config, daemon_main: DaemonMain, fuse_fd: int | None = None,
-                 offer_at: str | None = None):
+                 offer_at: str | None = None, watch: int | None = None):
         self.cfg = cfg
+        self._watch = watch  # a running daemon this keeper did not start (its keeper died)
         self._daemon_main = daemon_main
         self.takeover = fuse_fd is not None
         if fuse_fd is None:
@@ -144,6 +161,16 @@ class Keeper:
         signal.signal(signal.SIGINT, self._pass_on)
         signal.signal(signal.SIGHUP, self._hand_over)
         failed = 0
+        if self._watch is not None:
+            self._wait_for(self._watch)
+            self.takeover = True
+            if self._taker is not None:
+                return self._give_connection(0)
+            if self._upgrade:
+                self._execute_anew()
+            if self._stopping or not connected(self.fuse_fd):
+                return 0
+            log.warning("the daemon of %s (pid %d) is gone: starting a successor", self.cfg.mountpoint, self._watch)
         while True:
             started = time.monotonic()
             pid, report = self._start(ready_fd)
@@ -207,18 +234,29 @@ class Keeper:
     def _wait(self, pid: int) -> int:
         """Wait for the daemon to exit, meanwhile answering a keeper that asks for the connection."""
         if self._listener is not None:
-            pidfd = os.pidfd_open(pid)
-            try:
-                poller = select.poll()
-                poller.register(pidfd, select.POLLIN)
-                poller.register(self._listener, select.POLLIN)
-                while not any(fd == pidfd for fd, _ in poller.poll()):
-                    self._answer()
-            finally:
-                os.close(pidfd)
+            self._wait_for(pid)
         _, status = os.waitpid(pid, 0)
         self._child = None
         return os.waitstatus_to_exitcode(status)
+
+    def _wait_for(self, pid: int) -> None:
+        """Until process ``pid`` (a child or not) ends, answer a keeper that asks for the connection."""
+        self._child = pid
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return
+        try:
+            poller = select.poll()
+            poller.register(pidfd, select.POLLIN)
+            if self._listener is not None:
+                poller.register(self._listener, select.POLLIN)
+            while not any(fd == pidfd for fd, _ in poller.poll()):
+                self._answer()
+        finally:
+            os.close(pidfd)
+            if pid == self._watch:
+                self._child = None
 
     def _answer(self) -> None:
         """A keeper asks for the connection: stop the daemon for it (it is given once the daemon is gone)."""

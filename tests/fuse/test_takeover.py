@@ -16,9 +16,10 @@ import pytest
 import tierfs
 from tests.conftest import tierfs as tierfs_command
 from tests.fuse.users import PYTHON
-from tests.helpers import kill_daemon, wait_for
+from tests.helpers import kill_daemon, wait_for, write_orbax_step
 from tierfs.core import mounts
 from tierfs.core.errors import UserError
+from tierfs.ramtier.tmpfs import unmount_beneath
 
 JOB = Path(__file__).with_name("takeover_job.py").read_text()
 KILLED = r"tierfs.keeper: the daemon of .* was killed by SIGKILL"
@@ -166,3 +167,29 @@ def test_a_keeper_killed_is_replaced_and_the_mount_still_survives_its_daemon(vol
         kill_daemon(vol.mountpoint)  # the new keeper, not the daemon's parent, starts a successor
         held.write(b"after")
     assert path.read_bytes() == b"before after"
+
+
+@pytest.mark.root
+@pytest.mark.expect_log(KILLED)
+def test_a_restore_in_progress_goes_on_in_the_successor(volumes, shm_dir, own_engine):
+    """A step restored lazily from the disk tier (no prefetch): a file of it is open and half
+    read when the daemon dies; the successor fetches the rest, and the bytes are the step's."""
+    options = dict(job="lazy", capacity="256M", disk=shm_dir("tierfs-disk"), chunk_size="64K")
+    vol = volumes(**options)
+    data = random.randbytes(1 << 20)
+    write_orbax_step(vol.mountpoint, 7, {"w": data})
+    wait_for(lambda: any(s["step"] == 7 and s["copies"].get("disk", {}).get("version") == s["version"]
+                         for s in vol.status()["steps"]), what="step 7 on the disk")
+    tierfs_command("unmount", vol.mountpoint)
+    unmount_beneath(vol.ramdisk / "lazy" / "rank-0")
+    shutil.rmtree(vol.ramdisk / "lazy" / "rank-0")
+    again = volumes(mountpoint=vol.mountpoint, prefetch=0, **options)
+    assert again.status()["restored"]["state"] == "on demand"
+    with open(again.mountpoint / "ckpt" / "7" / "w", "rb", buffering=0) as f:
+        first = f.read(256 << 10)
+        kill_daemon(again.mountpoint)
+        rest = f.read()
+    assert first + rest == data
+    restored = wait_for(lambda: (r := again.status()["restored"]) and r["state"] == "done" and r,
+                        what="the restore to finish in the successor")
+    assert restored["step"] == 7 and again.status()["connection"]["taken_over"]

@@ -41,9 +41,15 @@ def wait_gone(pid: int, timeout: float = 10) -> None:
 
 def crash(info: dict) -> None:
     """What a node's crash does to a mount: its keeper and its daemon (a registration's
-    ``keeper`` and ``pid``) killed with SIGKILL, the keeper first so that no successor
-    starts; returns once both are gone and the mount is dead."""
+    ``keeper`` and ``pid``) killed with SIGKILL at once, so that neither starts a successor
+    or a new keeper for the other; returns once both are gone and the mount is dead."""
     pids = [pid for pid in (info.get("keeper"), info.get("pid")) if pid]
+    keeper = info.get("keeper")
+    try:
+        if keeper and os.getpgid(keeper) == keeper:  # a detached keeper leads its daemons' group:
+            os.killpg(keeper, signal.SIGKILL)  # all of them at once, so none sees another die first
+    except ProcessLookupError:
+        pass
     for pid in pids:
         try:
             os.kill(pid, signal.SIGKILL)

@@ -6,8 +6,10 @@
    watch each reach a peer and GCS;
 3. every node writes step 200 with one shard in eight changed: only that shard's chunks
    travel;
-4. lose node 1: kill -9 its daemon and wipe its RAM tier;
-5. bring it back with the same rank on an empty RAM tier: the cluster agrees that step 200
+4. kill -9 node 0's daemon while a file of it is open: its keeper starts a successor,
+   which takes the live mount over; the open file reads on, byte for byte;
+5. lose node 1 (its keeper and daemon killed, as a crash of the node does) and wipe its RAM tier;
+6. bring it back with the same rank on an empty RAM tier: the cluster agrees that step 200
    is complete on every rank, its files appear at once and their bytes follow from the peer
    that holds its replica, byte for byte.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -92,7 +95,22 @@ def main() -> int:
                   f"({b['dedup_bytes'] // MiB} MiB already in GCS)")
         print(cluster.tierfs("status", cluster.nodes[1].mountpoint).stdout, end="")
 
-        say("lose node 1: kill -9 its daemon and wipe its RAM tier")
+        say("kill -9 node 0's daemon while a file is open: its keeper starts a successor")
+        shard = cluster.nodes[0].mountpoint / "200" / "shard-0"
+        with open(shard, "rb", buffering=0) as f:
+            head = f.read(SHARD // 2)
+            before = cluster.status(0)["pid"]
+            t0 = time.monotonic()
+            os.kill(before, signal.SIGKILL)
+            rest = f.read()  # waits only while no daemon serves
+            paused = time.monotonic() - t0
+        if hashlib.sha256(head + rest).hexdigest() != sums[0][shard.name]:
+            raise SystemExit("demo: the open file read differently after the daemon was killed")
+        cluster.refresh(0)
+        print(f"daemon {before} killed; pid {cluster.nodes[0].pid} serves the mount now; the open file "
+              f"read on after {paused * 1000:.0f} ms, every byte as committed")
+
+        say("lose node 1: its keeper and daemon killed (the node crashes), its RAM tier wiped")
         cluster.kill(1)
         cluster.wipe(1)
         print(f"{cluster.nodes[1].ramdisk / 'demo'} removed")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Set everything up, then run the demo (scripts/demo.py): a volume on a RAM tier backed up
-# to a local GCS emulator; a checkpoint committed, deduplicated, lost with its node and
-# restored from GCS byte for byte.
+# Set everything up, then run the demo (scripts/demo.py): three nodes replicating to each
+# other and backing up to a local GCS emulator; a daemon killed and replaced while a file
+# is open; a node lost with its RAM and restored from its peer byte for byte.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh

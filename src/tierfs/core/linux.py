@@ -76,13 +76,19 @@ class _FileHandle(ctypes.Structure):
                 ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ)]
 
 
+_handle_out = _FileHandle()  # name_to_handle's, reused: it runs for every inode the kernel is given
+_mount_id_out = ctypes.c_int()
+_handle_out_ref, _mount_id_ref = ctypes.byref(_handle_out), ctypes.byref(_mount_id_out)
+_handle_out_bytes = (ctypes.c_char * ctypes.sizeof(_FileHandle)).from_buffer(_handle_out)
+
+
 def name_to_handle(fd: int) -> bytes:
     """A handle that reopens the inode ``fd`` refers to, whatever its names become
-    (``name_to_handle_at(fd, "", AT_EMPTY_PATH)``): its type (4 bytes) and the handle."""
-    h = _FileHandle(MAX_HANDLE_SZ)
-    mount_id = ctypes.c_int()
-    _check(_libc.name_to_handle_at(fd, b"", ctypes.byref(h), ctypes.byref(mount_id), AT_EMPTY_PATH))
-    return h.handle_type.to_bytes(4, "little", signed=True) + bytes(h.f_handle[:h.handle_bytes])
+    (``name_to_handle_at(fd, "", AT_EMPTY_PATH)``): its type (4 bytes) and the handle.
+    Not thread-safe: the daemon's handlers call it from the trio thread only."""
+    _handle_out.handle_bytes = MAX_HANDLE_SZ
+    _check(_libc.name_to_handle_at(fd, b"", _handle_out_ref, _mount_id_ref, AT_EMPTY_PATH))
+    return _handle_out_bytes.raw[4:8 + _handle_out.handle_bytes]
 
 
 def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:

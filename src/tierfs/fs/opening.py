@@ -222,3 +222,6 @@ class Opening(Volume):
                 self._kill_privs.add(h.fh)
             if h.kind & recovery.DIRECT:
                 self._direct.add(h.fh)
+        for h in handles:  # released by the kernel (and answered) before the predecessor did it
+            if h.kind & recovery.RELEASING and not h.is_dir:
+                self.release_sync(h.fh)

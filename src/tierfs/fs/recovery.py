@@ -51,7 +51,7 @@ SLOT_SIZE = 256
 MAX_REPLY = SLOT_SIZE - _SLOT.size
 BEGUN, DONE = 1, 2
 FILE, DIRECTORY = 1, 2  # kinds of handle
-PASSTHROUGH, DIRECT, KILL_PRIVS, STALE_CACHE = 1 << 8, 1 << 9, 1 << 10, 1 << 11  # bits beside the kind
+PASSTHROUGH, DIRECT, KILL_PRIVS, RELEASING = 1 << 8, 1 << 9, 1 << 10, 1 << 11  # bits beside the kind
 COMPACT_AT = 1 << 20  # rewrite the node log past this size, if most of it is forgotten nodes
 MAX_INIT = 1 << 12
 HANDLES_STEP = 1 << 16  # the handle table is allocated in steps of this many bytes
@@ -244,6 +244,14 @@ class SessionState:
         if fh >= self._high:
             self._high = fh + 1
             _HEADER.pack_into(self._handles, 0, self._high)
+
+    def releasing(self, fh: int) -> None:
+        """The kernel released ``fh`` (and was answered); the release is still to be done."""
+        if 0 < fh < min(self._high, MAX_HANDLES):
+            at = fh * _HANDLE.size
+            ino, flags, backing_id, kind = _HANDLE.unpack_from(self._handles, at)
+            if kind:
+                _HANDLE.pack_into(self._handles, at, ino, flags, backing_id, kind | RELEASING)
 
     def closed(self, fh: int) -> None:
         if 0 < fh < MAX_HANDLES:

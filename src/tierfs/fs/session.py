@@ -129,7 +129,6 @@ class KernelSession(Requests):
         self._idle = 0
         self.record: SessionState | None = None  # what a successor needs, kept as we go
         self._journaled: set[int] = set()  # requests whose replies the record keeps
-        self._release_answers: list[int] = []  # releases to answer once done
         self._resend = False  # ask the kernel for the requests a predecessor left unanswered
 
     @property
@@ -317,9 +316,6 @@ class KernelSession(Requests):
         closing, self._closing = self._closing, []
         for fh in closing:
             self._releasing(self.ops.release_handle, fh)
-        answers, self._release_answers = self._release_answers, []
-        for unique in answers:  # only now: a release sent again by the kernel is one not done
-            self._reply(unique, [])
         return True
 
     @staticmethod
@@ -330,15 +326,16 @@ class KernelSession(Requests):
             log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
 
     def _release(self, unique: int, body: memoryview) -> None:
-        """RELEASE, taken at once but done, and answered, later (:meth:`_settle_releases`,
-        :meth:`_finish_releases`)."""
+        """RELEASE, answered at once but done later (:meth:`_settle_releases`,
+        :meth:`_finish_releases`); the record marks it, so that a successor finishes it if
+        this daemon dies first (the kernel, answered, does not send it again)."""
         fh = abi.RELEASE_IN.unpack_from(body)[0]
-        if not self.ops.has_handle(fh):  # sent again, its release done before a predecessor died
-            self._reply(unique, [])
-            return
-        self._released.append(fh)  # done by _settle/_finish_releases
-        self._release_answers.append(unique)
-        if self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
+        if self.ops.has_handle(fh):
+            if self.record is not None:
+                self.record.releasing(fh)
+            self._released.append(fh)  # done by _settle/_finish_releases
+        self._reply(unique, [])
+        if self.ops.has_handle(fh) and self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
             self._finish_releases()
 
     def _serve(self, req: memoryview):

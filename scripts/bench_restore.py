@@ -279,8 +279,6 @@ class Bench:
         """Start node 0 (killed and wiped) and time mount, first 4 KiB and full restore. CPU of
         the restoring daemon (the receiver), of ``others`` nodes (``sender``: the one serving) or
         of the emulator (the sender from GCS)."""
-        from tierfs.core import mounts  # noqa: PLC0415
-
         mnt, names = c.nodes[0].mountpoint, sorted(sums)
         first = mnt / "ckpt" / str(STEP) / names[0]
         with open(src / names[0], "rb") as f:
@@ -403,8 +401,6 @@ class Bench:
         return c, bucket, expected
 
     def listing(self, c, expected: dict[str, int], prefetch: int) -> dict:
-        from tierfs.core import mounts  # noqa: PLC0415
-
         mnt = c.nodes[0].mountpoint
         root = mnt / "ckpt" / str(LIST_STEP)
         self.warm(self.args.gcs_size)

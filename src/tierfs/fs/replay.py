@@ -15,7 +15,6 @@ first run made (:meth:`~tierfs.fs.opening.Opening.create_sync`).
 from __future__ import annotations
 
 import errno
-import os
 
 from tierfs.fs import abi
 

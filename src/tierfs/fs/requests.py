@@ -23,6 +23,7 @@ from tierfs.fs.backing import BackingFiles
 from tierfs.fs.messages import DirBuffer, SetattrFields, attr_out, entry_out, split_names, timeout
 
 if TYPE_CHECKING:
+    from tierfs.fs.messages import Context
     from tierfs.fs.operations import Operations
     from tierfs.fs.recovery import SessionState
 

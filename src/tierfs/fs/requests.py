@@ -130,7 +130,7 @@ class Requests:
         return []
 
     async def _again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context,
-                              began: int) -> None:
+                     began: int) -> None:
         """A journaled request sent again, begun by a daemon that died before it answered:
         run again, the errors of a first run that did its work read as success (:mod:`tierfs.fs.replay`)."""
         try:

@@ -330,12 +330,13 @@ class KernelSession(Requests):
         :meth:`_finish_releases`); the record marks it, so that a successor finishes it if
         this daemon dies first (the kernel, answered, does not send it again)."""
         fh = abi.RELEASE_IN.unpack_from(body)[0]
-        if self.ops.has_handle(fh):
+        known = self.ops.has_handle(fh)  # not: sent again, done before a predecessor died
+        if known:
             if self.record is not None:
                 self.record.releasing(fh)
             self._released.append(fh)  # done by _settle/_finish_releases
         self._reply(unique, [])
-        if self.ops.has_handle(fh) and self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
+        if known and self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
             self._finish_releases()
 
     def _serve(self, req: memoryview):
@@ -357,16 +358,13 @@ class KernelSession(Requests):
             self._release(unique, body)
             return None
         if self.record is not None and opcode in replay.JOURNALED:
-            if unique & abi.UNIQUE_RESEND:
-                state, kept = self.record.recall(unique)
-                if state == DONE:
-                    self._send(replay.with_unique(kept, unique))
-                    return None
-                self._journaled.add(unique)
-                if state == BEGUN:
-                    return self._again(opcode, unique, nodeid, body, Context(uid, gid, pid), kept)
-            else:
-                self._journaled.add(unique)
+            state, kept = self.record.recall(unique) if unique & abi.UNIQUE_RESEND else (0, 0)
+            if state == DONE:
+                self._send(replay.with_unique(kept, unique))
+                return None
+            self._journaled.add(unique)
+            if state == BEGUN:  # keeps when it first began
+                return self._again(opcode, unique, nodeid, body, Context(uid, gid, pid), kept)
             self.record.begin(unique)
         handler = self._now.get(opcode)
         if handler is not None:

@@ -7,12 +7,14 @@ NeMo, HF): see the "Filesystem behaviour" list of the MTC interface.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import mmap
 import os
 import shutil
 import stat
+import struct
 import time
 from pathlib import Path
 
@@ -451,3 +453,20 @@ def test_statfs_reports_capacity(volumes):
     (vol.mountpoint / "f").write_bytes(b"x" * (10 << 20))
     s = os.statvfs(vol.mountpoint)
     assert free0 - s.f_bavail * s.f_frsize == 10 << 20
+
+
+def test_statx_reports_the_birth_time(volume, engine):
+    """statx(2) asks for what stat(2) lacks: the birth time, which tmpfs keeps (pyfuse3 has no
+    statx handler: there the kernel reports none)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    before = time.time_ns()
+    (volume.mountpoint / "f").write_bytes(b"x")
+    buf = ctypes.create_string_buffer(256)
+    assert libc.statx(-100, bytes(volume.mountpoint / "f"), 0, 0xFFF, buf) == 0
+    mask = struct.unpack_from("<I", buf)[0]
+    if engine == "pyfuse3":
+        assert not mask & 0x800
+        return
+    assert mask & 0xFFF == 0xFFF
+    sec, nsec = struct.unpack_from("<qI", buf, 80)
+    assert before // 10**9 - 1 <= sec and sec * 10**9 + nsec <= time.time_ns()

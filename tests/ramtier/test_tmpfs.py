@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.core import mounts
+from tierfs.core import linux, mounts
 from tierfs.ramtier import RankDir, tmpfs
 
 MiB = 1 << 20
@@ -67,3 +67,24 @@ def test_on_a_plain_ramdisk_a_rank_tmpfs_has_plain_pages(small_tmpfs):
         f.seek(4 * MiB)
         f.write(b"x" * 4096)
     assert os.stat(rank.tree / "sparse").st_blocks * 512 == 4096
+
+
+def test_deleting_ram_data_takes_files_the_job_froze(shm_dir):
+    """chattr +i and +a files and directories, which tmpfs refuses to remove, go with the rest."""
+    job = shm_dir("tierfs-job")
+    rank = job / "rank-0" / "tree"
+    (rank / "frozen-dir").mkdir(parents=True)
+    (rank / "frozen-dir" / "inside").write_bytes(b"x")
+    (rank / "append-only").write_bytes(b"y")
+    (rank / "plain").write_bytes(b"z")
+    for path, flags in ((rank / "frozen-dir" / "inside", linux.FS_IMMUTABLE_FL),
+                        (rank / "frozen-dir", linux.FS_IMMUTABLE_FL), (rank / "append-only", linux.FS_APPEND_FL)):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            linux.set_flags(fd, flags)
+        finally:
+            os.close(fd)
+    with pytest.raises(PermissionError):
+        os.unlink(rank / "append-only")
+    tmpfs.delete_ram_data(job)
+    assert not job.exists()

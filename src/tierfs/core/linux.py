@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import os
 
 # The interpreter's own symbols, libc's among them: ctypes.util.find_library would run
@@ -14,6 +15,7 @@ AT_SYMLINK_NOFOLLOW = 0x100
 AT_EMPTY_PATH = 0x1000
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
+RENAME_WHITEOUT = 4
 UTIME_NOW = (1 << 30) - 1
 UTIME_OMIT = (1 << 30) - 2
 MNT_DETACH = 2
@@ -45,11 +47,51 @@ def fallocate(fd: int, mode: int, offset: int, length: int) -> None:
     _check(_libc.fallocate(fd, mode, offset, length))
 
 
-def utimens_fd(fd: int, atime_ns: int | None, mtime_ns: int | None) -> None:
+# Inode flags (``lsattr``/``chattr``), by ioctl on an open descriptor.
+FS_IOC_GETFLAGS = 0x80086601
+FS_IOC_SETFLAGS = 0x40086602
+FS_IOC_FSGETXATTR = 0x801C581F
+FS_IOC_FSSETXATTR = 0x401C5820
+FS_IMMUTABLE_FL = 0x10
+FS_APPEND_FL = 0x20
+FS_XFLAG_IMMUTABLE = 0x8
+FS_XFLAG_APPEND = 0x10
+
+
+def get_flags(fd: int) -> int:
+    buf = bytearray(8)
+    fcntl.ioctl(fd, FS_IOC_GETFLAGS, buf)
+    return int.from_bytes(buf[:4], "little")
+
+
+def set_flags(fd: int, flags: int) -> None:
+    fcntl.ioctl(fd, FS_IOC_SETFLAGS, bytearray(flags.to_bytes(8, "little")))
+
+
+STATX_BTIME = 0x800
+_STATX_SIZE = 256
+
+
+def birth_time(fd: int) -> int | None:
+    """The birth time (ns) of the file an ``O_PATH`` descriptor refers to, if its file system keeps one."""
+    buf = ctypes.create_string_buffer(_STATX_SIZE)
+    _check(_libc.statx(fd, b"", AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW, STATX_BTIME, buf))
+    if not int.from_bytes(buf.raw[:4], "little") & STATX_BTIME:
+        return None
+    sec, nsec = int.from_bytes(buf.raw[80:88], "little", signed=True), int.from_bytes(buf.raw[88:92], "little")
+    return sec * 1_000_000_000 + nsec
+
+
+NOW = object()  # a time of utimens_fd: the current one, set as "now" (UTIME_NOW), not as a chosen time
+
+
+def utimens_fd(fd: int, atime_ns: int | object | None, mtime_ns: int | object | None) -> None:
     """Set times on the file an ``O_PATH`` descriptor refers to (symlinks included); None keeps a time."""
 
-    def ts(ns: int | None) -> _Timespec:
-        return _Timespec(0, UTIME_OMIT) if ns is None else _Timespec(*divmod(ns, 1_000_000_000))
+    def ts(ns: int | object | None) -> _Timespec:
+        if ns is None or ns is NOW:
+            return _Timespec(0, UTIME_OMIT if ns is None else UTIME_NOW)
+        return _Timespec(*divmod(ns, 1_000_000_000))
 
     times = (_Timespec * 2)(ts(atime_ns), ts(mtime_ns))
     _check(_libc.utimensat(fd, b"", times, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW))

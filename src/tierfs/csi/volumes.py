@@ -36,7 +36,6 @@ import json
 import logging
 import os
 import secrets
-import shutil
 import subprocess
 import threading
 import time
@@ -68,7 +67,7 @@ from tierfs.csi.settings import (
     request_namespace,
     volume_options,
 )
-from tierfs.ramtier.tmpfs import unmount_beneath
+from tierfs.ramtier.tmpfs import delete_ram_data
 
 log = logging.getLogger("tierfs.csi")
 
@@ -466,10 +465,9 @@ class Volumes:
             if held is None and not (self.cfg.ramdisk / job).exists():
                 raise NotFound(f"job {job} has no data on node {self.cfg.node_id}")
             try:  # a rank's tmpfs of its own (--capacity) would keep its data and its directory
-                unmount_beneath(self.cfg.ramdisk / job)
+                delete_ram_data(self.cfg.ramdisk / job)
             except OSError as e:
-                raise VolumeError(f"could not unmount the RAM tier of job {job}: {e.strerror}") from None
-            shutil.rmtree(self.cfg.ramdisk / job, ignore_errors=True)
+                raise VolumeError(f"could not delete the RAM tier of job {job}: {e.strerror}") from None
             for path in (self._job_path(job), self._secret_path(job),
                          self.cfg.state_dir / "logs" / f"{job}.log"):
                 path.unlink(missing_ok=True)

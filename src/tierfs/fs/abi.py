@@ -46,11 +46,16 @@ ACCESS = 34
 CREATE = 35
 INTERRUPT = 36
 DESTROY = 38
+IOCTL = 39
 BATCH_FORGET = 42
 FALLOCATE = 43
 READDIRPLUS = 44
 RENAME2 = 45
 LSEEK = 46
+COPY_FILE_RANGE = 47
+TMPFILE = 51  # protocol 7.37
+STATX = 52  # protocol 7.39: asked for what GETATTR lacks (the birth time)
+COPY_FILE_RANGE_64 = 53  # protocol 7.45: its answer takes 64 bits
 
 # -- INIT flags (bits 32..63 travel in flags2) --------------------------------------------
 ASYNC_READ = 1 << 0
@@ -70,10 +75,12 @@ PASSTHROUGH = 1 << 37
 HAS_RESEND = 1 << 39  # offered by Linux 6.9+: FUSE_NOTIFY_RESEND is understood
 
 # -- notifications (an OUT_HEADER with unique 0 and the code as its error) -----------------
+NOTIFY_INVAL_INODE = 2  # the kernel writes back and drops its cached pages of an inode
 NOTIFY_RESEND = 7  # every request read but not answered is queued again, marked below
 UNIQUE_RESEND = 1 << 63  # set in the unique of a request the kernel sends again
 
 # -- open reply flags ----------------------------------------------------------------------
+OPEN_KILL_SUIDGID = 1 << 0  # in an open's open_flags: an O_TRUNC by a caller without CAP_FSETID
 FOPEN_DIRECT_IO = 1 << 0
 FOPEN_KEEP_CACHE = 1 << 1
 FOPEN_NOFLUSH = 1 << 5
@@ -132,6 +139,18 @@ INTERRUPT_IN = struct.Struct("<Q")
 FALLOCATE_IN = struct.Struct("<QqqII")  # fh offset length mode padding
 LSEEK_IN = struct.Struct("<QqII")  # fh offset whence padding
 LSEEK_OUT = struct.Struct("<Q")  # offset
+NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino offset length (0: to the end)
+COPY_FILE_RANGE_IN = struct.Struct("<QQQQQQQ")  # fh_in off_in nodeid_out fh_out off_out len flags
+COPY_FILE_RANGE_64_OUT = struct.Struct("<Q")  # bytes copied
+STATX_IN = struct.Struct("<IIQII")  # getattr_flags reserved fh sx_flags sx_mask
+# attr_valid attr_valid_nsec flags spare[2], then struct fuse_statx: mask blksize attributes
+# nlink uid gid mode ino size blocks attributes_mask, atime btime ctime mtime (sec nsec),
+# rdev and dev (major minor), spare
+STATX_OUT = struct.Struct("<QII16x" "IIQIIIH2xQQQQ" "qI4x" "qI4x" "qI4x" "qI4x" "IIII112x")
+STATX_BASIC_STATS = 0x7FF
+STATX_BTIME = 0x800
+IOCTL_IN = struct.Struct("<QIIQII")  # fh flags cmd arg in_size out_size
+IOCTL_OUT = struct.Struct("<iIII")  # result flags in_iovs out_iovs
 
 # -- /dev/fuse ioctls ------------------------------------------------------------------------
 BACKING_MAP = struct.Struct("<iIQ")  # fd flags padding

@@ -44,20 +44,16 @@ SYS_SETGROUPS, SYS_SETFSUID, SYS_SETFSGID = _SYSCALLS.get(platform.machine(), (1
 NGROUPS_MAX = 65536
 STATUS_MAX = 1 << 20  # /proc/<pid>/status with NGROUPS_MAX groups of 10 digits stays below
 _GidArray = ctypes.c_uint * NGROUPS_MAX
+_CAP_SYS_ADMIN = 21
 
 
 class Caller(OSError):
     """The caller's credentials cannot be taken on (it exited, or changed them meanwhile)."""
 
 
-def supplementary_groups(pid: int, uid: int, gid: int) -> list[int]:
-    """The supplementary groups of thread ``pid``, which must have fsuid ``uid`` and fsgid ``gid``.
-
-    Read without following a link and at most :data:`STATUS_MAX` bytes; a thread that is
-    gone raises ``ESRCH``, one whose credentials are not the request's ``EACCES``.
-    """
-    if pid <= 0:
-        return []
+def _status(pid: int) -> dict[bytes, list[bytes]]:
+    """The fields of ``/proc/<pid>/status``, read without following a link and at most
+    :data:`STATUS_MAX` bytes; a thread that is gone raises ``ESRCH``."""
     try:
         fd = os.open(f"/proc/{pid}/status", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except (FileNotFoundError, ProcessLookupError):
@@ -73,8 +69,31 @@ def supplementary_groups(pid: int, uid: int, gid: int) -> list[int]:
     fields = {}
     for line in text.split(b"\n"):
         key, _, value = line.partition(b":")
-        if key in (b"Uid", b"Gid", b"Groups"):
-            fields[key] = value.split()
+        fields[key] = value.split()
+    return fields
+
+
+def sys_admin(pid: int) -> bool:
+    """Whether thread ``pid`` has CAP_SYS_ADMIN in the daemon's user namespace, which is
+    what tmpfs asks before it lists ``trusted.*`` names. One the daemon cannot see has not."""
+    if pid <= 0:
+        return False
+    try:
+        caps = int(_status(pid).get(b"CapEff", [b"0"])[0], 16)
+        same_userns = os.stat(f"/proc/{pid}/ns/user").st_ino == os.stat("/proc/self/ns/user").st_ino
+    except (OSError, ValueError):
+        return False
+    return same_userns and bool(caps & (1 << _CAP_SYS_ADMIN))
+
+
+def supplementary_groups(pid: int, uid: int, gid: int) -> list[int]:
+    """The supplementary groups of thread ``pid``, which must have fsuid ``uid`` and fsgid ``gid``.
+
+    A thread that is gone raises ``ESRCH``, one whose credentials are not the request's ``EACCES``.
+    """
+    if pid <= 0:
+        return []
+    fields = _status(pid)
     try:
         fsuid, fsgid = int(fields[b"Uid"][3]), int(fields[b"Gid"][3])
         groups = [int(g) for g in fields[b"Groups"][:NGROUPS_MAX]]

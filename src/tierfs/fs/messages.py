@@ -31,7 +31,7 @@ class SetattrFields:
     """Which attributes a SETATTR changes (pyfuse3.SetattrFields' fields)."""
 
     __slots__ = ("update_atime", "update_mtime", "update_ctime", "update_mode",
-                 "update_uid", "update_gid", "update_size", "kill_suidgid")
+                 "update_uid", "update_gid", "update_size", "kill_suidgid", "atime_now", "mtime_now")
 
     def __init__(self, valid: int):
         self.update_atime = bool(valid & (abi.FATTR_ATIME | abi.FATTR_ATIME_NOW))
@@ -42,6 +42,9 @@ class SetattrFields:
         self.update_gid = bool(valid & abi.FATTR_GID)
         self.update_size = bool(valid & abi.FATTR_SIZE)
         self.kill_suidgid = bool(valid & abi.FATTR_KILL_SUIDGID)  # a truncate by a caller without CAP_FSETID
+        # "now", not a time the caller chose: allowed on an append-only file, as on tmpfs
+        self.atime_now = bool(valid & abi.FATTR_ATIME_NOW)
+        self.mtime_now = bool(valid & abi.FATTR_MTIME_NOW)
 
 
 class DirBuffer:

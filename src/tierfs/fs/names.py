@@ -73,6 +73,7 @@ class Names(Volume):
         node, parent = self.inodes[inode], self.inodes[new_parent_inode]
         with acting_as(ctx):  # protected_hardlinks is the caller's to pass
             os.link(node.proc_path, new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
+        node.orphaned = False  # an O_TMPFILE file given a name
         return self._new_entry(parent, new_name)
 
     @errors_to_fuse
@@ -93,7 +94,10 @@ class Names(Volume):
         replaced = None
         if not flags & (linux.RENAME_NOREPLACE | linux.RENAME_EXCHANGE):
             replaced = self._lstat_at(new.fd, name_new)
-        if flags:
+        if flags & linux.RENAME_WHITEOUT:  # the whiteout left behind is the caller's, as on tmpfs
+            with acting_as(ctx):
+                linux.renameat2(old.fd, name_old, new.fd, name_new, flags)
+        elif flags:
             linux.renameat2(old.fd, name_old, new.fd, name_new, flags)
         else:
             os.rename(name_old, name_new, src_dir_fd=old.fd, dst_dir_fd=new.fd)

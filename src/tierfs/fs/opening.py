@@ -19,7 +19,7 @@ from tierfs.core import linux
 from tierfs.fs import recovery
 from tierfs.fs.caller import Caller, acting_as
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode
-from tierfs.fs.volume import Volume, errors_to_fuse, has_privs
+from tierfs.fs.volume import Volume, drop_privs, errors_to_fuse, has_privs
 
 # Flags that the kernel has already acted on, or that the backing open must not see.
 # O_APPEND among them: the kernel gives every write its offset (for an O_APPEND open, the
@@ -32,13 +32,25 @@ class Opening(Volume):
     """Handlers that open files."""
 
     @errors_to_fuse
-    async def open(self, inode, flags, ctx):
+    async def open(self, inode, flags, ctx, kill_privs: bool | None = None):
+        """``kill_privs``: the kernel says the truncate of an ``O_TRUNC`` open drops set-id
+        bits (its caller lacks CAP_FSETID); pyfuse3 does not pass it on, so there a caller
+        other than root does."""
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
             await self._settle(inode)
             self.writes_done(inode)
             self._detach(self.inodes[inode])
         node = self.inodes[inode]
-        fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
+        try:
+            fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
+        except PermissionError:
+            if not flags & os.O_APPEND:
+                raise
+            # Append-only (chattr +a): tmpfs opens it for writing only with O_APPEND, which
+            # then costs nothing: the kernel writes such an open at the end anyway.
+            fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_APPEND | os.O_CLOEXEC)
+        if flags & os.O_TRUNC and (ctx.uid != 0 if kill_privs is None else kill_privs):
+            drop_privs(f"/proc/self/fd/{fd}")  # as tmpfs' truncate does (the daemon truncated as root)
         return self._open_backing(inode, node, fd, flags, ctx)
 
     def create_sync(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -79,6 +91,26 @@ class Opening(Volume):
         fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx, st)
         return fi, ino, st
 
+    @errors_to_fuse
+    async def tmpfile(self, parent_inode: int, mode: int, flags: int,
+                      ctx) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
+        """An unnamed file in ``parent_inode`` (``O_TMPFILE``), the caller's as a create's is.
+
+        Always linkable on the backing side: whether the caller may give it a name
+        (``O_EXCL`` forbids it) is the kernel's to enforce on its own inode."""
+        parent = self.inodes[parent_inode]
+        mode = stat.S_IMODE(self._creation_mode(parent, mode, ctx))
+        fd = os.open(".", (flags & ~_STRIP_OPEN_FLAGS) | os.O_TMPFILE | os.O_CLOEXEC, mode, dir_fd=parent.fd)
+        try:
+            self._give_to_caller(fd, parent, ctx)
+            ino, st = self.inodes.adopt(os.open(f"/proc/self/fd/{fd}", O_PATH_FLAGS & ~os.O_NOFOLLOW))
+        except OSError:
+            os.close(fd)
+            raise
+        node = self.inodes[ino]
+        node.orphaned = True  # its space goes at its last close, unless it is linked meanwhile
+        return self._open_backing(ino, node, fd, flags, ctx, st), ino, st
+
     @staticmethod
     def _path_fd(fd: int, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
         """An O_PATH descriptor of the file open as ``fd`` (just opened as ``name`` in
@@ -98,7 +130,6 @@ class Opening(Volume):
             os.close(path_fd)
             path_fd = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
         return path_fd, st
-
 
     def _open_raced(self, parent: Inode, name: bytes, bflags: int, mode: int, ctx) -> int:
         """Open a name another creator made between the kernel's lookup and our create.
@@ -135,17 +166,21 @@ class Opening(Volume):
             if mode & (stat.S_ISUID | stat.S_ISGID):
                 os.fchmod(fd, stat.S_IMODE(mode))
 
-    def _passes_through(self, ino: int, node: Inode, fd: int, writer_drops_privs: bool) -> bool:
-        """Whether the kernel may serve this open from the backing file itself."""
+    def _passes_through(self, ino: int, node: Inode, fd: int, privileged: bool) -> bool:
+        """Whether the kernel may serve this open from the backing file itself.
+
+        Not a file with set-id bits (``privileged``): a write by anyone but root drops them,
+        and only the daemon sees the writes it serves. Unless the inode is passed through
+        already: the kernel then fails (EIO) any open of it that is not."""
         backing = self.backing
         if backing is None or backing.failed is not None or node.kind != stat.S_IFREG:
             return False
         if self.restoring is not None and self.restoring.pending(ino):
             return False  # its reads must wait for chunks
-        if writer_drops_privs:
-            return False  # its first write must drop set-id bits, which only the daemon sees
         if node.opens - 1 > backing.opens(ino):
             return False  # an earlier open is served by the daemon: the kernel allows no mix
+        if privileged and not backing.opens(ino):
+            return False
         return backing.attach(ino, fd)
 
     def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx,
@@ -166,9 +201,14 @@ class Opening(Volume):
             node.cache_valid = False
             st = st or os.fstat(fd)
             self.space.update(st)
-        drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and has_privs((st or os.fstat(fd)).st_mode)
+        privileged = has_privs((st or os.fstat(fd)).st_mode)
+        drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and privileged
+        if accmode != os.O_RDONLY and ctx.uid != 0:
+            self._unprivileged_writers.add(fd)
         self._opened(ino, node, fd, flags)
-        if self._passes_through(ino, node, fd, drops_privs):
+        if self._passes_through(ino, node, fd, privileged):
+            if drops_privs:  # made set-id while passed through: dropped at the open, not the first write
+                drop_privs(f"/proc/self/fd/{fd}")
             self.counters["passthrough_opens"] += 1
             if accmode != os.O_RDONLY:
                 self.writing.watch(fd, st or os.fstat(fd))
@@ -190,6 +230,14 @@ class Opening(Volume):
             node.cache_valid = True
         self._record_open(fd, ino, flags, bits)
         return fi
+
+    def privileged(self, ino: int) -> None:
+        """``ino`` was just given set-id bits: the next write of each handle a caller other
+        than root has open for writing on the daemon path drops them, as on tmpfs. (One that
+        is passed through writes beside the daemon: its writes keep them.)"""
+        for fh in self._unprivileged_writers:
+            if self._files[fh] == ino and fh not in self._passthrough_writers:
+                self._kill_privs.add(fh)
 
     def _opened(self, ino: int, node: Inode, fd: int, flags: int) -> None:
         node.opens += 1

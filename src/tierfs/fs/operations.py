@@ -242,6 +242,7 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         if self.record is not None:
             self.record.closed(fh)
         self._kill_privs.discard(fh)
+        self._unprivileged_writers.discard(fh)
         self._direct.discard(fh)
         if self.backing is not None:
             self.backing.detach(fh)
@@ -292,21 +293,52 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         self.writing.wrote(0 if mode & linux.FALLOC_FL_PUNCH_HOLE else length)  # allocating costs as writing does
 
     @errors_to_fuse
+    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int,
+                              flags: int, ctx) -> int:
+        """``copy_file_range(2)`` between two open files of the volume, made by tmpfs on their
+        backing files: one copy in the kernel, and tmpfs' checks (an append-only or immutable
+        target, overlapping ranges). The target changes as by a write and follows a write's
+        rules; the source's restore and queued writes come first."""
+        if flags:
+            raise pyfuse3.FUSEError(errno.EINVAL)  # none are defined
+        ino_in = self._files[fh_in]
+        await self._settle(ino_in)
+        ino_out = self._files[fh_out]
+        await self._settle(ino_out)
+        self.writes_done(ino_in)
+        self._before_write(fh_out)
+        self.writes_done(ino_out)
+        node = self.inodes[ino_out]
+        self._detach(node)
+        length = min(length, max(0, os.fstat(fh_in).st_size - off_in))  # what the source holds
+        self.space.check_write(fh_out, off_out, length)
+        n = os.copy_file_range(fh_in, fh_out, length, off_in, off_out)
+        node.cache_valid = False
+        self.space.update(os.fstat(fh_out))
+        self._wrote(fh_out, ino_out, n)
+        return n
+
+    @errors_to_fuse
     async def lseek(self, fh: int, offset: int, whence: int) -> int:
         """``SEEK_DATA``/``SEEK_HOLE`` (the kernel answers the other kinds itself), answered
         by the backing file as tmpfs keeps it, once its writes and its restore are in.
 
         Pages written through a shared mapping of a file open for reading and writing on
         the daemon path sit in the kernel's page cache until written back, and the kernel
-        does not write them back before asking: while such an open exists the answer is
-        the one the kernel gives without a handler (the whole file is data), never a hole
-        that holds bytes. (A write-only open cannot be mapped.)
+        does not write them back before asking: while such an open exists, the engine has
+        the kernel write them back first (``write_back``). Without one, the answer is the
+        one the kernel gives without a handler (the whole file is data), never a hole that
+        holds bytes. (A write-only open cannot be mapped.)
         """
         ino = self._files[fh]
         await self._settle(ino)  # a placeholder's holes are chunks not fetched yet
         self.writes_done(ino)
-        if any(self._files[w] == ino and fcntl.fcntl(w, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-               for w in self._writable - self._passthrough_writers):
+        mappable = any(self._files[w] == ino and fcntl.fcntl(w, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+                       for w in self._writable - self._passthrough_writers)
+        if mappable and self.write_back is not None:
+            await self.write_back(ino)
+            self.writes_done(ino)
+        elif mappable:
             size = os.fstat(fh).st_size
             if offset < 0 or whence not in (os.SEEK_DATA, os.SEEK_HOLE):
                 raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))

@@ -70,7 +70,7 @@ class Requests:
         # the daemon's Python is most of each request's cost.
         self._now = {
             abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
-            abi.GETATTR: self._getattr, abi.CREATE: self._create,
+            abi.GETATTR: self._getattr, abi.STATX: self._statx, abi.CREATE: self._create,
             abi.GETXATTR: self._getxattr, abi.READ: self._read_now,
         }
         self._later = {
@@ -81,10 +81,12 @@ class Requests:
             abi.READ: self._read, abi.WRITE: self._write,
             abi.FLUSH: self._flush, abi.FSYNC: self._fsync,
             abi.FALLOCATE: self._fallocate, abi.LSEEK: self._lseek,
+            abi.COPY_FILE_RANGE: self._copy_file_range, abi.COPY_FILE_RANGE_64: self._copy_file_range_64,
             abi.OPENDIR: self._opendir, abi.READDIRPLUS: self._readdirplus,
             abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
             abi.SETXATTR: self._setxattr,
             abi.LISTXATTR: self._listxattr, abi.REMOVEXATTR: self._removexattr,
+            abi.IOCTL: self._ioctl, abi.TMPFILE: self._tmpfile,
             abi.INIT: self._init, abi.INTERRUPT: self._interrupt, abi.DESTROY: self._destroy,
         }
 
@@ -175,6 +177,18 @@ class Requests:
     def _getattr(self, nodeid, body, ctx):
         return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr_sync(nodeid)))]
 
+    def _statx(self, nodeid, body, ctx):
+        """GETATTR's answer with the birth time, which only statx(2) asks for."""
+        ino, st = self.ops.getattr_sync(nodeid)
+        (_, size, blocks, at, mt, ct, atn, mtn, ctn, mode, nlink, uid, gid, rdev, blksize, _
+         ) = self.ops.fuse_attr(ino, st)
+        born = self.ops.birth_time(nodeid)
+        mask = abi.STATX_BASIC_STATS | (abi.STATX_BTIME if born is not None else 0)
+        bt, btn = divmod(born or 0, 1_000_000_000)
+        return [abi.STATX_OUT.pack(self._attr_valid[0], self._attr_valid[1], 0, mask, blksize, 0, nlink, uid, gid,
+                                   mode, ino, size, blocks, 0, at, atn, bt, btn, ct, ctn, mt, mtn,
+                                   os.major(rdev), os.minor(rdev), 0, 0)]
+
     async def _setattr(self, nodeid, body, ctx):
         (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _
          ) = abi.SETATTR_IN.unpack_from(body)
@@ -238,13 +252,19 @@ class Requests:
         return abi.OPEN_OUT.pack(fi.fh, flags, 0)
 
     async def _open(self, nodeid, body, ctx):
-        flags, _ = abi.OPEN_IN.unpack_from(body)
-        return [self._open_out(await self.ops.open(nodeid, flags, ctx))]
+        flags, open_flags = abi.OPEN_IN.unpack_from(body)
+        kill = bool(open_flags & abi.OPEN_KILL_SUIDGID)
+        return [self._open_out(await self.ops.open(nodeid, flags, ctx, kill_privs=kill))]
 
     def _create(self, nodeid, body, ctx, resumed: int | None = None):
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         name = bytes(body[abi.CREATE_IN.size:-1])
         fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx, resumed)
+        return [self._entry_now(ino, st), self._open_out(fi)]
+
+    async def _tmpfile(self, nodeid, body, ctx):
+        flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
+        fi, ino, st = await self.ops.tmpfile(nodeid, mode, flags, ctx)
         return [self._entry_now(ino, st), self._open_out(fi)]
 
     def _read_now(self, nodeid, body, ctx):
@@ -281,6 +301,15 @@ class Requests:
         fh, offset, whence, _ = abi.LSEEK_IN.unpack_from(body)
         return [abi.LSEEK_OUT.pack(await self.ops.lseek(fh, offset, whence))]
 
+    async def _copy_file_range(self, nodeid, body, ctx, limit: int = 0xFFFFFFFF):
+        """``limit``: the most its answer can say (32 bits, before COPY_FILE_RANGE_64)."""
+        fh_in, off_in, _, fh_out, off_out, length, flags = abi.COPY_FILE_RANGE_IN.unpack_from(body)
+        n = await self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, min(length, limit), flags, ctx)
+        return [abi.WRITE_OUT.pack(n, 0) if limit == 0xFFFFFFFF else abi.COPY_FILE_RANGE_64_OUT.pack(n)]
+
+    async def _copy_file_range_64(self, nodeid, body, ctx):
+        return await self._copy_file_range(nodeid, body, ctx, limit=1 << 63)
+
     # -- directories -----------------------------------------------------------------------
 
     async def _opendir(self, nodeid, body, ctx):
@@ -310,10 +339,10 @@ class Requests:
     # -- extended attributes ---------------------------------------------------------------
 
     async def _setxattr(self, nodeid, body, ctx):
-        size, _ = abi.SETXATTR_IN.unpack_from(body)
+        size, flags = abi.SETXATTR_IN.unpack_from(body)
         rest = body[abi.SETXATTR_IN.size:]
         end = bytes(rest).index(b"\0")
-        await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1:end + 1 + size]), ctx)
+        await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1:end + 1 + size]), ctx, flags)
         return []
 
     def _getxattr(self, nodeid, body, ctx):
@@ -336,3 +365,8 @@ class Requests:
     async def _removexattr(self, nodeid, body, ctx):
         await self.ops.removexattr(nodeid, bytes(body[:-1]), ctx)
         return []
+
+    async def _ioctl(self, nodeid, body, ctx):
+        fh, _, cmd, _, in_size, out_size = abi.IOCTL_IN.unpack_from(body)
+        data = bytes(body[abi.IOCTL_IN.size:abi.IOCTL_IN.size + in_size])
+        return [abi.IOCTL_OUT.pack(0, 0, 0, 0), await self.ops.ioctl(nodeid, fh, cmd, data, out_size)]

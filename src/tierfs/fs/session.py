@@ -112,6 +112,7 @@ class KernelSession(Requests):
         self._data_pipe: Pipe | None = None  # holding the bytes of the write read last
         self._dev_poll = select.poll()  # whether more requests are queued
         ops.writes.threads = writers if self._pipes is not None else 1  # unspliced writes: answered first
+        ops.write_back = self.write_back
         self.fd: int | None = None
         self.mountpoint: str | None = None
         self.backing: BackingFiles | None = None  # set once INIT granted passthrough
@@ -197,6 +198,16 @@ class KernelSession(Requests):
                 self._nursery = nursery
                 self._workers = 1
                 nursery.start_soon(self._worker)
+
+    async def write_back(self, ino: int) -> None:
+        """Have the kernel write back its dirty pages of ``ino`` (from shared mappings),
+        dropping what it caches of it. The notification returns once those writes are
+        answered, which other workers do meanwhile: it is made from a thread."""
+        message = abi.OUT_HEADER.pack(abi.OUT_HEADER.size + abi.NOTIFY_INVAL_INODE_OUT.size, abi.NOTIFY_INVAL_INODE, 0)
+        try:
+            await trio.to_thread.run_sync(os.write, self.fd, message + abi.NOTIFY_INVAL_INODE_OUT.pack(ino, 0, 0))
+        except FileNotFoundError:
+            pass  # the kernel has forgotten the inode: it caches nothing of it
 
     def terminate(self) -> None:
         if self._cancel is not None:

@@ -132,7 +132,9 @@ def write_out(pipe: Pipe, fd: int, offset: int, size: int) -> int:
     while done < size:
         try:
             n = os.splice(pipe.r, fd, size - done, offset_dst=offset + done)
-        except OSError:
+        except OSError as e:
+            if e.errno == errno.EINVAL and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_APPEND:
+                return done + _append(pipe, fd, size - done)
             if done:
                 return done
             raise
@@ -142,3 +144,15 @@ def write_out(pipe: Pipe, fd: int, offset: int, size: int) -> int:
             raise OSError(errno.EIO, "the request's bytes are missing from its pipe")
         done += n
     return done
+
+
+def _append(pipe: Pipe, fd: int, size: int) -> int:
+    """Copy ``size`` bytes from ``pipe`` to the end of ``fd``: an append-only file (chattr +a)
+    is open with O_APPEND, which splice refuses. Its writes are at its end anyway."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(pipe.r, size - len(data))
+        if not chunk:
+            raise OSError(errno.EIO, "the request's bytes are missing from its pipe")
+        data += chunk
+    return os.write(fd, data)

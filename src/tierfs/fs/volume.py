@@ -16,10 +16,11 @@ import functools
 import logging
 import os
 import stat
-from typing import Callable, Protocol
+from typing import Awaitable, Callable, Protocol
 
 import pyfuse3
 
+from tierfs.core import linux
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.inodes import Inode, InodeTable
 from tierfs.fs.recovery import SessionState
@@ -80,10 +81,29 @@ def has_privs(mode: int) -> bool:
 
 
 def drop_privs(path: str) -> None:
-    """Clear what a write by an unprivileged user clears (the daemon writes as root, which keeps them)."""
+    """Clear what a write by an unprivileged user clears (the daemon writes as root, which keeps them).
+
+    tmpfs clears them on an append-only file too (its check of the flag comes before), where
+    a chmod is refused: the flag is lifted for the chmod and put back."""
     mode = os.stat(path).st_mode
-    if has_privs(mode):
-        os.chmod(path, stat.S_IMODE(mode) & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0))
+    if not has_privs(mode):
+        return
+    dropped = stat.S_IMODE(mode) & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0)
+    try:
+        os.chmod(path, dropped)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            flags = linux.get_flags(fd)
+            if not flags & linux.FS_APPEND_FL:
+                raise
+            linux.set_flags(fd, flags & ~linux.FS_APPEND_FL)
+            try:
+                os.fchmod(fd, dropped)
+            finally:
+                linux.set_flags(fd, flags)
+        finally:
+            os.close(fd)
 
 
 class Volume:
@@ -100,6 +120,7 @@ class Volume:
         self.backing: BackingFiles | None = None  # kernel passthrough, when the engine has it
         self.record: SessionState | None = None  # what a successor needs: set by the own engine
         self.acl = False  # the kernel enforces POSIX ACLs (and leaves the umask to us): set by the engine
+        self.write_back: Callable[[int], Awaitable[None]] | None = None  # the kernel's dirty pages of an inode
         self.writes = WriteBehind()  # applies writes only while its worker runs (``with``)
         self._tree_prefix = os.fsencode(os.path.abspath(tree)) + b"/"
         self._proc_fds = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -107,6 +128,7 @@ class Volume:
         self._writable: set[int] = set()  # fhs open for writing
         self._dirs: dict[int, list[bytes] | None] = {}  # fh -> readdir snapshot
         self._kill_privs: set[int] = set()  # fhs whose first write must drop set-id bits
+        self._unprivileged_writers: set[int] = set()  # fhs open for writing by callers other than root
         self._failed_writes: set[int] = set()  # fhs with a write that failed after its answer
         self._direct: set[int] = set()  # fhs open with direct I/O: their writes bypass the page cache
         self._read_buf = memoryview(bytearray(1 << 20))

@@ -149,19 +149,28 @@ class Snapshots:
                 os.close(fd)
             _copy_attrs(st, dst)
         elif stat.S_ISREG(st.st_mode) and st.st_ino in writing:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
-            try:
-                copy = self._copy_file(fd, dst)
-            finally:
-                os.close(fd)
-            self._on_copied(copy)
-            frozen.append((copy.st_ino, rel))
+            self._freeze_copy(dir_fd, name, dst, rel, frozen)
         elif stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode):
-            os.link(name, dst, src_dir_fd=dir_fd, follow_symlinks=False)  # the entry itself, never a target
+            try:
+                os.link(name, dst, src_dir_fd=dir_fd, follow_symlinks=False)  # the entry itself, never a target
+            except PermissionError:  # immutable or append-only (chattr): tmpfs gives it no second name
+                if not stat.S_ISREG(st.st_mode):
+                    raise
+                self._freeze_copy(dir_fd, name, dst, rel, frozen)
+                return
             linked = os.lstat(dst)
             if stat.S_ISREG(linked.st_mode):
                 frozen.append((linked.st_ino, rel))
         # fifos, sockets and devices are not checkpoint data
+
+    def _freeze_copy(self, dir_fd: int, name: str, dst: Path, rel: str, frozen: list[tuple[int, str]]) -> None:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+        try:
+            copy = self._copy_file(fd, dst)
+        finally:
+            os.close(fd)
+        self._on_copied(copy)
+        frozen.append((copy.st_ino, rel))
 
     def _make_parents(self, tree_fd: int, root: str, snap: Path) -> None:
         """Create the root's ancestors in the snapshot with the live tree's attributes."""

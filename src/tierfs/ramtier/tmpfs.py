@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 from pathlib import Path
 
 from tierfs.core import linux, mounts
@@ -84,3 +85,37 @@ def unmount_beneath(path: Path) -> list[str]:
             linux.umount(mountpoint, linux.MNT_DETACH)
             detached.append(mountpoint)
     return detached
+
+
+def delete_ram_data(path: Path) -> None:
+    """Delete a job's or a rank's RAM data for good: its own tmpfs detached first, then the
+    rest, including files the job made append-only or immutable (``chattr``), which tmpfs
+    refuses to remove until their flags are cleared."""
+    unmount_beneath(path)
+
+    def unfreeze_and_retry(func, failed: str, exc_info) -> None:
+        if not isinstance(exc_info[1], PermissionError):
+            return  # what cannot be deleted otherwise is left, as rmtree(ignore_errors) would
+        for p in (os.path.dirname(failed), failed):
+            _clear_frozen(p)
+        try:
+            func(failed)
+        except OSError:
+            pass
+
+    shutil.rmtree(path, onerror=unfreeze_and_retry)
+
+
+def _clear_frozen(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        flags = linux.get_flags(fd)
+        if flags & (linux.FS_APPEND_FL | linux.FS_IMMUTABLE_FL):
+            linux.set_flags(fd, flags & ~(linux.FS_APPEND_FL | linux.FS_IMMUTABLE_FL))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -237,15 +237,17 @@ def test_inode_flags_as_on_tmpfs(own_engine, volume, ref_dir, who):
 
 @pytest.mark.expect_log(r"tierfs.keeper: the daemon of .* was killed by SIGKILL")
 def test_flags_outlive_the_daemon(own_engine, volume):
-    p = volume.mountpoint / "f"
+    """The flags are the inode's, kept by tmpfs: a successor finds them, and an append-only
+    file held open to append through the daemon's death goes on appending."""
+    p, log = volume.mountpoint / "f", volume.mountpoint / "log"
     p.write_bytes(b"kept")
-    fd = os.open(p, os.O_RDONLY)
-    try:
-        set_flags(fd, IMMUTABLE | NODUMP)
-    finally:
-        os.close(fd)
+    log.write_bytes(b"a")
+    _chattr(p, IMMUTABLE | NODUMP)
+    _chattr(log, APPEND)
+    appender = os.open(log, os.O_WRONLY | os.O_APPEND)
     try:
         kill_daemon(volume.mountpoint)
+        os.write(appender, b"b")
         fd = os.open(p, os.O_RDONLY)
         try:
             assert get_flags(fd) == IMMUTABLE | NODUMP
@@ -253,13 +255,13 @@ def test_flags_outlive_the_daemon(own_engine, volume):
             os.close(fd)
         with pytest.raises(PermissionError):
             os.open(p, os.O_WRONLY)
-        assert p.read_bytes() == b"kept"
+        with pytest.raises(PermissionError):
+            os.open(log, os.O_WRONLY)
+        assert p.read_bytes() == b"kept" and log.read_bytes() == b"ab"
     finally:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            set_flags(fd, 0)
-        finally:
-            os.close(fd)
+        os.close(appender)
+        _chattr(p, 0)
+        _chattr(log, 0)
 
 
 def test_a_step_commits_and_goes_with_frozen_files(own_engine, volume):

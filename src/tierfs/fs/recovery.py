@@ -189,7 +189,12 @@ class SessionState:
         handle = self._nodes.get(h.ino)
         if handle is None:
             raise OSError(errno.ESTALE, "no record of the node")
-        return linux.open_by_handle(self._tree_fd, handle, flags | os.O_NOFOLLOW)
+        try:
+            return linux.open_by_handle(self._tree_fd, handle, flags | os.O_NOFOLLOW)
+        except PermissionError:
+            if not h.flags & os.O_APPEND:
+                raise  # an append-only file (chattr +a) opens for writing only so, as in Opening.open
+            return linux.open_by_handle(self._tree_fd, handle, flags | os.O_NOFOLLOW | os.O_APPEND)
 
     def reopen(self, ino: int) -> int | None:
         """An O_PATH descriptor of node ``ino``'s inode, or None if it is unknown or gone."""

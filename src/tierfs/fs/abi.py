@@ -142,7 +142,6 @@ LSEEK_OUT = struct.Struct("<Q")  # offset
 NOTIFY_INVAL_INODE_OUT = struct.Struct("<Qqq")  # ino offset length (0: to the end)
 COPY_FILE_RANGE_IN = struct.Struct("<QQQQQQQ")  # fh_in off_in nodeid_out fh_out off_out len flags
 COPY_FILE_RANGE_64_OUT = struct.Struct("<Q")  # bytes copied
-STATX_IN = struct.Struct("<IIQII")  # getattr_flags reserved fh sx_flags sx_mask
 # attr_valid attr_valid_nsec flags spare[2], then struct fuse_statx: mask blksize attributes
 # nlink uid gid mode ino size blocks attributes_mask, atime btime ctime mtime (sec nsec),
 # rdev and dev (major minor), spare

@@ -59,11 +59,11 @@ class Attributes(Volume):
             node.cache_valid = False
             self.space.update(os.fstat(node.fd))
         if fields.update_atime or fields.update_mtime:
-            linux.utimens_fd(
-                node.fd,
-                None if not fields.update_atime else linux.NOW if getattr(fields, "atime_now", False) else attr.st_atime_ns,
-                None if not fields.update_mtime else linux.NOW if getattr(fields, "mtime_now", False) else attr.st_mtime_ns,
-            )
+            # "now" stays "now" (UTIME_NOW), which tmpfs allows on an append-only file; pyfuse3
+            # passes only the time
+            atime = linux.NOW if getattr(fields, "atime_now", False) else attr.st_atime_ns
+            mtime = linux.NOW if getattr(fields, "mtime_now", False) else attr.st_mtime_ns
+            linux.utimens_fd(node.fd, atime if fields.update_atime else None, mtime if fields.update_mtime else None)
         return self._attrs(inode, os.fstat(node.fd))
 
     @errors_to_fuse

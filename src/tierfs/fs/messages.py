@@ -42,7 +42,7 @@ class SetattrFields:
         self.update_gid = bool(valid & abi.FATTR_GID)
         self.update_size = bool(valid & abi.FATTR_SIZE)
         self.kill_suidgid = bool(valid & abi.FATTR_KILL_SUIDGID)  # a truncate by a caller without CAP_FSETID
-        # "now", not a time the caller chose: allowed on an append-only file, as on tmpfs
+        # "now", not a time the caller chose (allowed on an append-only file)
         self.atime_now = bool(valid & abi.FATTR_ATIME_NOW)
         self.mtime_now = bool(valid & abi.FATTR_MTIME_NOW)
 

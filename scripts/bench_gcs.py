@@ -30,6 +30,9 @@ would take CPU from the daemon under test). Usage (``--quick``: 256M, 2 rounds):
 
     .venv/bin/python scripts/bench_gcs.py [--quick] [--json out.json] [--plot out.png]
 
+The daemon runs with a job secret, as a job should: chunks and manifests are sealed
+(``tierfs.core.bucket_seal``); ``--no-secret`` measures them in clear, as before sealing.
+
 Everything it creates (/dev/shm/bench-gcs-*, /tmp/bench-gcs-*, its mount, the emulator) is
 removed on exit, also on errors and Ctrl-C.
 
@@ -64,6 +67,7 @@ from google.cloud import storage
 from google.cloud.storage import transfer_manager
 
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
+from tierfs.core.keys import new_secret  # noqa: E402
 from tierfs.testing.gcs_emulator import GcsEmulator  # noqa: E402
 from benchlib import (progress, GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
                       interrupt_on_signals, is_mounted, no_interruptions, parse_size,
@@ -342,6 +346,10 @@ def main_twins(args) -> int:
         args.reference_src = gcs_twins.reference_src(args.reference)
         emu.start()
         os.environ.update(emu.environ(), TIERFS_RUNTIME_DIR=str(tmp / "run"))  # for the daemons too
+        if args.secret:
+            os.environ["TIERFS_SECRET"] = new_secret()  # sealed chunks and manifests (core.bucket_seal)
+        else:
+            os.environ.pop("TIERFS_SECRET", None)
         client = gcs_client()
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         cmd = shlex.join([sys.executable, *sys.argv])
@@ -400,6 +408,9 @@ def main() -> int:
     p.add_argument("--reference", metavar="DIR",
                    help="with --twins: a checkout of the code before the twins shared the upload (the baseline)")
     p.add_argument("--timeout", type=float, default=600, help="with --twins: seconds a backup may take (600)")
+    p.add_argument("--no-secret", dest="secret", action="store_false",
+                   help="run the daemon without the job's secret: chunks and manifests in clear, as before sealing "
+                        "(default: with a secret, as a job should run)")
     args = p.parse_args()
     if args.twins:
         if not args.reference:
@@ -425,17 +436,23 @@ def main() -> int:
         vol.mountpoint.mkdir()
         emu.start()
         os.environ.update(emu.environ(), TIERFS_RUNTIME_DIR=str(tmp / "run"))  # for the daemons too
+        if args.secret:
+            os.environ["TIERFS_SECRET"] = new_secret()  # sealed chunks and manifests (core.bucket_seal)
+        else:
+            os.environ.pop("TIERFS_SECRET", None)
         client = gcs_client()
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         cmd = shlex.join([sys.executable, *sys.argv])
         print(f"# bench_gcs {now}  cores {os.cpu_count()}  command: {cmd}")
         print(f"# {args.size / MiB:.0f} MiB in {args.files} files, {args.rounds} rounds, fake-gcs-server "
-              f"(memory backend) on {emu.url}; medians; ratio = tierfs / baseline", flush=True)
+              f"(memory backend) on {emu.url}; medians; ratio = tierfs / baseline; "
+              f"{'sealed (with the job secret)' if args.secret else 'in clear (no secret)'}", flush=True)
         raw = [run_round(rnd, args, client, emu, vol) for rnd in range(args.rounds)]
         summary = summarize(raw)
         print(render(summary))
         if args.json:
             settings = {"size": args.size, "files": args.files, "rounds": args.rounds, "change": args.change,
+                        "sealed": args.secret,
                         "capacity": args.capacity, "workers": WORKERS, "pool": POOL, "chunk": CHUNK,
                         "date": now, "command": cmd, "cores": os.cpu_count()}
             write_json(args.json, {"settings": settings, "raw": raw, "medians": summary})

@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import subprocess
+import tarfile
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -224,3 +225,22 @@ def gcs_bucket(gcs_emulator: GcsEmulator) -> str:
     name = f"tierfs-test-{uuid.uuid4().hex[:12]}"
     gcs_emulator.make_bucket(name)
     return name
+
+
+PREVIOUS = "b575158da5e0b6d5787091983fca61b3b5134b75"  # the release before this one
+
+
+@pytest.fixture(scope="session")
+def previous_release(tmp_path_factory) -> Path:
+    """The previous release's package, for PYTHONPATH: built from this repository's own
+    history (``git archive`` of :data:`PREVIOUS`)."""
+    out = tmp_path_factory.mktemp("previous-release")
+    repo = Path(__file__).resolve().parents[1]
+    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", PREVIOUS, "src/tierfs"],
+                             capture_output=True)
+    if archive.returncode != 0:
+        pytest.skip(f"this checkout has no history to build the previous release from: {archive.stderr.decode()}")
+    (out / "release.tar").write_bytes(archive.stdout)
+    with tarfile.open(out / "release.tar") as tar:
+        tar.extractall(out, filter="data")
+    return out / "src"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tierfs.core import mounts
 from tierfs.core.describe import build
+from tierfs.core.keys import bucket_seals, split_secrets
 from tierfs.core.manifest import Manifest
 from tierfs.testing import free_port  # noqa: F401 (the package's runners need it too)
 
@@ -105,3 +106,19 @@ def cpu_latency_limit() -> int:
         return int.from_bytes(os.pread(fd, 4, 0), "little", signed=True)
     finally:
         os.close(fd)
+
+
+def sealed_key(job: str, h: str, secret: str | None = None) -> str:
+    """The bucket object key of chunk ``h`` of ``job``, sealed under ``secret`` (default:
+    ``TIERFS_SECRET``, as the daemons the test starts have it)."""
+    secret = secret if secret is not None else os.environ["TIERFS_SECRET"]
+    return bucket_seals(job, split_secrets(secret.encode())[0])[0].object_key(h)
+
+
+def opened_manifest(body: bytes, job: str, rank: int, step: int, secret: str | None = None) -> bytes:
+    """A manifest object's bytes as a bucket holds them, opened with the job's seal under
+    ``secret`` (default: ``TIERFS_SECRET``) when sealed."""
+    secret = secret if secret is not None else os.environ["TIERFS_SECRET"]
+    data = bucket_seals(job, split_secrets(secret.encode())[0])[0].open_manifest(rank, step, body)
+    assert data is not None, f"the manifest of rank {rank} step {step} is not sealed under the job's secret"
+    return data

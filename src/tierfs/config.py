@@ -11,11 +11,12 @@ import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tierfs.core import chunks
 from tierfs.core.commit import CommitRules, parse_rules
 from tierfs.core.errors import UserError
-from tierfs.core.keys import ManifestKeys, manifest_keys, split_secrets
+from tierfs.core.keys import ManifestKeys, bucket_seals, manifest_keys, split_secrets
 from tierfs.core.parse import (
     COORDINATOR_PORT,
     check_job_id,
@@ -24,6 +25,9 @@ from tierfs.core.parse import (
     parse_gcs_url,
     parse_size,
 )
+
+if TYPE_CHECKING:
+    from tierfs.core.bucket_seal import ChunkSeal
 from tierfs.discovery.spec import parse_peers
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
@@ -281,6 +285,11 @@ class Config:
     def manifest_keys(self) -> ManifestKeys | None:
         """The keys that seal and check this job's manifests: its secret and the older ones."""
         return manifest_keys(self.job, self.secret, self.older_secrets)
+
+    @property
+    def bucket_seals(self) -> tuple[ChunkSeal, ...]:
+        """The seals of this job's chunks in buckets: its secret's, then the older ones'; none without one."""
+        return bucket_seals(self.job, self.secret, self.older_secrets)
 
     @property
     def rank_dir(self) -> Path:

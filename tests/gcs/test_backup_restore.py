@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import os
-import secrets
 import shutil
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
 from tests.conftest import tierfs
-from tests.helpers import tree_digest, wait_for, write_orbax_step
+from tests.helpers import opened_manifest, sealed_key, tree_digest, wait_for, write_orbax_step
 from tierfs.core.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
 
@@ -47,19 +46,6 @@ def client() -> storage.Client:
 
 def objects(bucket: str, prefix: str) -> list[str]:
     return sorted(b.name for b in client().list_blobs(bucket, prefix=prefix))
-
-
-@pytest.fixture
-def gcs_url(gcs_bucket) -> str:
-    return f"gs://{gcs_bucket}/backups"
-
-
-@pytest.fixture(autouse=True)
-def job_secret(monkeypatch) -> str:
-    """Backups as they should be run: with the job's secret, so every manifest is sealed."""
-    secret = secrets.token_hex(32)  # as `tierfs secret` makes them
-    monkeypatch.setenv("TIERFS_SECRET", secret)
-    return secret
 
 
 def test_round_trip_through_gcs_onto_an_empty_ram_tier(volumes, gcs_url):
@@ -187,10 +173,10 @@ def test_corrupt_or_missing_chunk_fails_only_its_reads_and_is_named(volumes, gcs
     write_orbax_step(vol.mountpoint, 1, {"a": os.urandom(3 * MiB), "b": good})
     wait_backed_up(vol, 1)
     tierfs("unmount", vol.mountpoint)
-    manifest = Manifest.from_json(client().bucket(gcs_bucket).blob(
-        objects(gcs_bucket, "backups/bad/manifests/")[0]).download_as_bytes())
+    manifest = Manifest.from_json(opened_manifest(client().bucket(gcs_bucket).blob(
+        objects(gcs_bucket, "backups/bad/manifests/")[0]).download_as_bytes(), "bad", 0, 1))
     damaged_hash = next(e for e in manifest.entries if e.path.endswith("/a")).chunks[1]
-    (name,) = [n for n in objects(gcs_bucket, "backups/bad/chunks/") if n.endswith(damaged_hash)]
+    (name,) = [n for n in objects(gcs_bucket, "backups/bad/chunks/") if n.endswith(sealed_key("bad", damaged_hash))]
     bucket = client().bucket(gcs_bucket)
     bucket.blob(name).upload_from_string(b"R" + os.urandom(MiB))  # a valid frame, wrong bytes
 

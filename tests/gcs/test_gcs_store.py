@@ -19,7 +19,7 @@ from tierfs.core.parse import parse_gcs_url
 from tierfs.testing.gcs_emulator import GcsEmulator
 from tierfs.tiers import gcs_http
 from tierfs.tiers.gcs_http import CorruptObject, GcsUnavailable, MissingObject
-from tierfs.tiers.gcs_store import Found, GcsStore, frame_md5
+from tierfs.tiers.gcs_store import Found, GcsStore, object_md5
 
 MiB = 1 << 20
 
@@ -49,7 +49,7 @@ def store(gcs_bucket: str) -> GcsStore:
 
 
 def chunks_in(store: GcsStore) -> set[str]:
-    return {info.hash for info in store.list_chunks()}
+    return {info.key for info in store.list_chunks()}
 
 
 # -- URLs and the bucket -----------------------------------------------------------------
@@ -145,7 +145,7 @@ def test_an_object_holding_the_frame_is_proven_by_its_md5_without_a_download(sto
     assert GcsStore(f"gs://{gcs_bucket}/some/prefix", "job1").put_chunk(c, frame)  # a twin's upload
     downloads, uploads = spy(monkeypatch, store, "_download"), spy(monkeypatch, store, "_upload")
     assert store.touch(c) is Found.UNPROVEN, "touched, but this store never proved that content"
-    assert store.find_chunk(c, frame_md5(frame)) is Found.CHUNK
+    assert store.find_chunk(c, object_md5(frame)) is Found.CHUNK
     assert store.put_chunk(c, frame) is False
     assert store.touch(c) is Found.CHUNK and store.touch_chunk(c)
     assert downloads == [] and uploads == [], "not a byte of the chunk moved"
@@ -157,7 +157,7 @@ def test_a_frame_another_encoder_made_is_downloaded_once_then_known(store, gcs_b
     assert frame[:1] != RAW
     assert GcsStore(f"gs://{gcs_bucket}/some/prefix", "job1").put_chunk(c, RAW + data)
     downloads = spy(monkeypatch, store, "_download")
-    assert store.find_chunk(c, frame_md5(frame)) is Found.CHUNK
+    assert store.find_chunk(c, object_md5(frame)) is Found.CHUNK
     assert store.put_chunk(c, frame) is False and store.touch_chunk(c)
     assert len(downloads) == 1
 
@@ -170,11 +170,11 @@ def test_a_planted_object_under_a_chunks_name_is_checked_once_and_replaced(store
     downloads = spy(monkeypatch, store, "_download")
     assert store.touch(c) is Found.UNPROVEN and not downloads
     for _ in range(3):  # a twin waiting for the chunk looks again and again: one download in all
-        assert store.find_chunk(c, frame_md5(frame)) is Found.UNPROVEN
+        assert store.find_chunk(c, object_md5(frame)) is Found.UNPROVEN
     assert len(downloads) == 1
     assert store.put_chunk(c, frame) is True, "replaced, not trusted"
     assert store.get_chunk_frame(c) == frame
-    assert store.find_chunk(c, frame_md5(frame)) is Found.CHUNK
+    assert store.find_chunk(c, object_md5(frame)) is Found.CHUNK
 
 
 def test_get_missing_chunk_names_its_url(store, gcs_bucket):
@@ -188,7 +188,7 @@ def test_list_chunks_reports_size_and_skips_foreign_objects(store, gcs_bucket):
     bucket = raw_client().bucket(gcs_bucket)
     bucket.blob("some/prefix/job1/chunks/README").upload_from_string(b"not a chunk")
     bucket.blob(f"some/prefix/job1/chunks/ff/{h(3)}").upload_from_string(b"wrong shard")
-    listed = {info.hash: info for info in store.list_chunks()}
+    listed = {info.key: info for info in store.list_chunks()}
     assert {k: v.size for k, v in listed.items()} == {h(1): 10, h(0x1F << 120): 20}
     assert all(info.metageneration >= 1 and info.updated > 0 for info in listed.values())
 

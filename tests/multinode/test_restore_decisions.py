@@ -19,10 +19,10 @@ from tests.multinode.test_peers import commit_step, replicated, sums
 from tests.multinode.test_restore import files_of
 from tierfs.coordination.protocol import candidates
 
-# The kill can cut rank 1's own step short on its way to node 0, or find node 0 gone before
-# it starts; node 1 says so and retries.
+# The kill can cut rank 1's own step short on its way to node 0 (even in the middle of the
+# TLS handshake), or find node 0 gone before it starts; node 1 says so and retries.
 pytestmark = pytest.mark.expect_log("peers: step \\d+ delayed, retrying", "not answer yet",
-                                    "peers: step \\d+ did not reach peer \\S+: cannot connect")
+                                    "peers: step \\d+ did not reach peer \\S+: (cannot connect|.*connection lost)")
 
 ROUNDS = int(os.environ.get("TIERFS_TEST_ROUNDS", "20"))
 SEED = int(os.environ.get("TIERFS_TEST_SEED", str(random.randrange(1 << 32))))

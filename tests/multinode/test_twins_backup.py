@@ -19,7 +19,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from tests.helpers import wait_for
+from tests.helpers import sealed_key, wait_for
 from tests.multinode.test_peers import MiB, commit_step
 from tierfs.commands.status import render
 from tierfs.core.manifest import Manifest
@@ -77,15 +77,16 @@ def moved(proxies) -> tuple[int, int, int]:
     return sum(n["up"] for n in counts), sum(n["down"] for n in counts), sum(n["requests"] for n in counts)
 
 
-def check_manifests(gcs_emulator, gcs_bucket: str, job: str, ranks) -> None:
-    """A manifest for each rank, each naming only chunks the bucket holds (manifest-last)."""
+def check_manifests(gcs_emulator, gcs_bucket: str, job: str, ranks, secret: str) -> None:
+    """A manifest for each rank, each naming only chunks the bucket holds (manifest-last),
+    sealed under the job's secret."""
     objects = bucket_objects(gcs_emulator, gcs_bucket, f"tw/{job}/")
     manifests = {name: data for name, data in objects.items() if name.endswith(".json")}
     assert sorted(manifests) == [f"tw/{job}/manifests/rank-{r}/step-{STEP:012d}.json" for r in ranks]
     chunks = {name.rsplit("/", 1)[1] for name in objects if "/chunks/" in name}
     assert len(chunks) == FILES * SHARD // MiB
     for name, data in manifests.items():
-        named = {h for entry in Manifest.from_json(data).entries for h in entry.chunks}
+        named = {sealed_key(job, h, secret) for entry in Manifest.from_json(data).entries for h in entry.chunks}
         assert len(named) == len(chunks) and named <= chunks, f"{name} names chunks GCS does not hold"
 
 
@@ -100,7 +101,7 @@ def test_four_twins_send_each_chunk_once_and_read_none_back(cluster, proxies, gc
     print(f"4 twins, {unique / MiB:.0f} MiB step: up {up / unique:.2f}x, down {down / unique:.3f}x "
           f"of the unique bytes, {requests} requests")
     assert up + down <= 1.1 * unique, f"{up} bytes up and {down} down for {unique} unique"
-    check_manifests(gcs_emulator, gcs_bucket, c.job, range(NODES))
+    check_manifests(gcs_emulator, gcs_bucket, c.job, range(NODES), c.secret)
     backups = [s["backup"] for s in states]
     assert sum(b["sent_chunks"] for b in backups) == FILES * SHARD // MiB, "each chunk sent by one twin"
     assert all(b["sent_chunks"] > 0 for b in backups), "every twin sends a share"
@@ -127,7 +128,7 @@ def test_a_twin_killed_in_the_middle_of_its_uploads_leaves_no_step_incomplete(cl
     print(f"4 twins, one killed: up {up / unique:.2f}x, down {down / unique:.3f}x of the unique bytes, "
           f"{requests} requests")
     assert up + down <= 1.5 * unique, f"{up} bytes up and {down} down for {unique} unique"
-    check_manifests(gcs_emulator, gcs_bucket, c.job, survivors)
+    check_manifests(gcs_emulator, gcs_bucket, c.job, survivors, c.secret)
     taken = {i: s["backup"]["taken_over"] for i, s in states.items()}
     assert sum(taken.values()) > 0, "the victim's chunks were taken over"
     assert sum(1 for n in taken.values() if n) >= 2, f"split among the survivors, not all on one: {taken}"

@@ -1,39 +1,18 @@
 """A job's nodes are upgraded one at a time: this release and the one before it replicate to,
 restore from and coordinate with each other, in both directions.
 
-The release before is built from this repository's own history (``git archive`` of
-:data:`PREVIOUS`) and run by one node of a real two-node cluster, the other node running
-this checkout.
+The release before is built from this repository's own history (the ``previous_release``
+fixture) and run by one node of a real two-node cluster, the other node running this
+checkout.
 """
 
 from __future__ import annotations
-
-import subprocess
-import tarfile
-from pathlib import Path
 
 import pytest
 
 from tests.multinode.test_restore import commit_everywhere, files_of
 from tests.helpers import wait_for
 from tests.multinode.test_peers import sums
-
-REPO = Path(__file__).resolve().parents[2]
-PREVIOUS = "b575158da5e0b6d5787091983fca61b3b5134b75"  # the release before this one
-
-
-@pytest.fixture(scope="module")
-def previous_release(tmp_path_factory) -> Path:
-    """The previous release's package, for PYTHONPATH."""
-    out = tmp_path_factory.mktemp("previous-release")
-    archive = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", PREVIOUS, "src/tierfs"],
-                             capture_output=True)
-    if archive.returncode != 0:
-        pytest.skip(f"this checkout has no history to build the previous release from: {archive.stderr.decode()}")
-    (out / "release.tar").write_bytes(archive.stdout)
-    with tarfile.open(out / "release.tar") as tar:
-        tar.extractall(out, filter="data")
-    return out / "src"
 
 
 @pytest.mark.expect_log(r"step 1 is no longer on peer .*: putting it on peers again")  # the wiped node's copy

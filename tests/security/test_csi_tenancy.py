@@ -76,7 +76,7 @@ def with_config(plugin_factory, tmp_path: Path, text: str, *args: str) -> Plugin
 
 # -- GCS: a job id is bound to its namespace across nodes ---------------------------------
 
-@pytest.mark.expect_log("WARNING tierfs: GCS manifests in .* are not authenticated")  # volumes without a Secret
+@pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")  # volumes without a Secret
 def test_backups_of_one_namespace_are_out_of_reach_of_another(plugin_factory, gcs_bucket, tmp_path):
     """Namespace B names job A on a node that never ran A: it neither reads nor collects A's backups."""
     defaults = f"gcs: gs://{gcs_bucket}/tierfs\nbackup-interval: '0'\nkeep: '1'\nrestore-wait: 1s\n"
@@ -107,7 +107,7 @@ def test_backups_of_one_namespace_are_out_of_reach_of_another(plugin_factory, gc
     assert [n for n in gcs_names(gcs_bucket) if not n.startswith("tierfs/team-b/")] == names
 
 
-@pytest.mark.expect_log("WARNING tierfs: GCS manifests in .* are not authenticated")  # volumes without a Secret
+@pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")  # volumes without a Secret
 def test_pods_do_not_choose_buckets_unless_the_admin_lets_them(plugin_factory, gcs_bucket, tmp_path):
     plugin = with_config(plugin_factory, tmp_path, "backup-interval: '0'\n")  # the cluster sets no bucket
     code, details = code_of(lambda: plugin.publish(plugin.target(), {**JOB, "gcs": f"gs://{gcs_bucket}/mine"}))

@@ -248,7 +248,7 @@ def test_a_registration_someone_else_wrote_is_not_believed(volume):
 # -- a restart that presents a step: set aside and linked beneath the tree ----------------------
 
 
-@pytest.mark.expect_log('is not followed through it', 'is in the way of step', 'WARNING tierfs: GCS manifests in .* are not authenticated')
+@pytest.mark.expect_log('is not followed through it', 'is in the way of step', 'WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated')
 def test_a_start_never_moves_or_links_through_a_link_the_job_swapped_in(volumes, shm_dir, gcs_bucket):
     """Rank 0 committed steps 1 and 2, rank 1 only step 1, so a restart restores step 1 and
     takes step 2 out of the volume. The job (uid 1000) moved ``ckpt`` away and put a link to
@@ -306,7 +306,7 @@ def _oversized_manifest(path: Path, elsewhere: Path) -> None:
     os.chmod(path, 0o600)
 
 
-@pytest.mark.expect_log('ERROR tierfs: unsafe ramdisk: .*tierfs did not write it', 'WARNING tierfs: GCS manifests in .* are not authenticated')
+@pytest.mark.expect_log('ERROR tierfs: unsafe ramdisk: .*tierfs did not write it', 'WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated')
 @pytest.mark.parametrize("plant", [_linked_manifest, _foreign_manifest, _oversized_manifest])
 def test_an_abandoned_restore_trusts_only_the_manifest_the_daemon_wrote(volumes, shm_dir, gcs_bucket, plant):
     """An unfinished restore of a step no longer chosen is taken out of the volume by the roots

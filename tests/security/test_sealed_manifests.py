@@ -19,7 +19,7 @@ import pytest
 
 from tests.conftest import tierfs
 from tests.gcs.test_backup_restore import objects, wait_backed_up, wipe
-from tests.helpers import write_orbax_step
+from tests.helpers import opened_manifest, sealed_key, write_orbax_step
 from tests.security.test_untrusted_bytes import manifest_name, plant, read_object
 from tierfs.core.chunks import chunk_hash, encode
 from tierfs.core.manifest import Entry, Manifest
@@ -60,7 +60,8 @@ def test_a_planted_newer_manifest_is_neither_restored_nor_a_reason_to_delete(vol
     # The planter: two newer steps of rank 0 (one unsealed, one with a made-up MAC), with a chunk.
     evil = b"the planter's bytes " * 5000
     plant(gcs_bucket, f"b/{job}/chunks/{chunk_hash(evil)[:2]}/{chunk_hash(evil)}", encode(evil))
-    chunk_size = Manifest.from_json(read_object(gcs_bucket, manifest_name(job, 0, 2))).chunk_size
+    stored = opened_manifest(read_object(gcs_bucket, manifest_name(job, 0, 2)), job, 0, 2, key.read_text())
+    chunk_size = Manifest.from_json(stored).chunk_size
     plant(gcs_bucket, manifest_name(job, 0, PLANTED), planted_manifest(job, PLANTED, evil, chunk_size).to_json())
     forged = planted_manifest(job, FORGED, evil, chunk_size).to_json()
     plant(gcs_bucket, manifest_name(job, 0, FORGED), forged + b"\nhmac-sha256 " + secrets.token_hex(32).encode() + b"\n")
@@ -73,8 +74,8 @@ def test_a_planted_newer_manifest_is_neither_restored_nor_a_reason_to_delete(vol
     assert manifest_name(job, 0, 1) not in manifests, manifests
     chunks = objects(gcs_bucket, f"b/{job}/chunks/")
     for step in (2, 3):
-        h = chunk_hash(real[step])
-        assert f"b/{job}/chunks/{h[:2]}/{h}" in chunks, f"step {step}'s chunk was collected"
+        k = sealed_key(job, chunk_hash(real[step]), key.read_text())
+        assert f"b/{job}/chunks/{k[:2]}/{k}" in chunks, f"step {step}'s chunk was collected"
 
     # A restart restores the real newest step, not the planted ones.
     tierfs("unmount", vol.mountpoint)
@@ -111,7 +112,7 @@ def test_the_store_reads_each_manifest_once_and_logs_each_unsealed_one_once(gcs_
     assert f"step-{PLANTED:012d}.json" in warned and "not sealed" in warned and "\n" not in warned
 
 
-@pytest.mark.expect_log("WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*1\\.json: its MAC does not verify")
+@pytest.mark.expect_log("WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*1\\.json: .* is sealed, but by no secret")
 def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, gcs_bucket, shm_dir):
     from tierfs.core.keys import manifest_keys
     from tierfs.core.manifest import Unauthenticated, authenticate
@@ -133,7 +134,7 @@ def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, g
     assert (again.mountpoint / "ckpt" / "1" / "a").read_bytes() == b"made under the old secret"
     write_orbax_step(again.mountpoint, 2, {"a": b"made under the new secret"})
     wait_backed_up(again, 2)
-    stored = read_object(gcs_bucket, manifest_name(job, 0, 2))
+    stored = opened_manifest(read_object(gcs_bucket, manifest_name(job, 0, 2)), job, 0, 2, new)
     authenticate(stored, manifest_keys(job, new.encode()), 0, 2)  # sealed with the new secret only
     with pytest.raises(Unauthenticated):
         authenticate(stored, manifest_keys(job, old.encode()), 0, 2)
@@ -147,11 +148,11 @@ def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, g
 
 
 
-@pytest.mark.expect_log("WARNING tierfs: GCS manifests in .* are not authenticated")
+@pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")
 def test_without_a_secret_the_daemon_says_once_that_the_bucket_decides(volumes, gcs_bucket, shm_dir):
     log = shm_dir("tierfs-log") / "daemon.log"
     vol = volumes(job=f"open-{uuid.uuid4().hex[:6]}", capacity="256M", gcs=f"gs://{gcs_bucket}/b", log_file=log)
     write_orbax_step(vol.mountpoint, 1, {"a": b"backed up as before"})
     wait_backed_up(vol, 1)
-    (line,) = [line for line in log.read_text().splitlines() if "not authenticated" in line]
+    (line,) = [line for line in log.read_text().splitlines() if "neither encrypted nor authenticated" in line]
     assert "TIERFS_SECRET" in line and "--secret-file" in line, line

@@ -1,7 +1,7 @@
 """The keys a job's secret gives: one slow stretch, then a fast key per purpose.
 
 Outsiders see values keyed from the secret: the TLS certificate every node presents, the
-handshake proofs, the MAC on every manifest in the bucket. Each of them lets whoever holds
+handshake proofs, the MAC on every manifest in the bucket, the names and seals of its chunks. Each of them lets whoever holds
 it test guesses of the secret offline, so the secret is first stretched with scrypt
 (memory-hard: a guess costs :data:`SCRYPT_MEMORY` bytes and tens of milliseconds, on a GPU
 too), salted with the job id so that one table of guesses serves one job only. Everything
@@ -22,6 +22,10 @@ import functools
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierfs.core.bucket_seal import ChunkSeal
 
 # scrypt's cost: 128 * R * N bytes of memory, about 50 ms on one core of a current server.
 SCRYPT_N = 1 << 14
@@ -35,6 +39,7 @@ _TLS_LABEL = b"tierfs peer TLS key v2"
 _HANDSHAKE_LABEL = b"tierfs peer handshake v2"
 _MANIFEST_LABEL = b"tierfs manifest MAC v1"
 _CHANNEL_LABEL = b"tierfs peer channel v1"
+_BUCKET_LABELS = (b"tierfs bucket chunk names v1", b"tierfs bucket chunk nonces v1", b"tierfs bucket chunk cipher v1")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,7 @@ class JobKeys:
     handshake: bytes  # the HMAC key of the peer handshake's proofs
     manifest: bytes  # the HMAC key of manifests
     channel: bytes  # keys each peer connection's records, with the connection's handshake nonces
+    bucket: tuple[bytes, bytes, bytes]  # name, nonce and cipher keys of chunks in buckets (core.bucket_seal)
 
 
 @dataclass(frozen=True)
@@ -71,7 +77,8 @@ def stretch(job: str, secret: bytes) -> bytes:
 def derive(job: str, secret: bytes) -> JobKeys:
     """Every key of ``secret`` for ``job`` (stretched once per process, then cached)."""
     root = stretch(job, secret)
-    return JobKeys(*(_expand(root, label) for label in (_TLS_LABEL, _HANDSHAKE_LABEL, _MANIFEST_LABEL, _CHANNEL_LABEL)))
+    return JobKeys(*(_expand(root, label) for label in (_TLS_LABEL, _HANDSHAKE_LABEL, _MANIFEST_LABEL, _CHANNEL_LABEL)),
+                   bucket=tuple(_expand(root, label) for label in _BUCKET_LABELS))
 
 
 def manifest_keys(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -> ManifestKeys | None:
@@ -80,6 +87,16 @@ def manifest_keys(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -
         return None
     seal = derive(job, secret).manifest
     return ManifestKeys(job, seal, (seal, *(derive(job, s).manifest for s in older if s and s != secret)))
+
+
+def bucket_seals(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -> tuple[ChunkSeal, ...]:
+    """The seals of chunks in buckets (:mod:`tierfs.core.bucket_seal`): the current secret's
+    first, which seals, then the older ones', which only open; none without a secret."""
+    from tierfs.core.bucket_seal import ChunkSeal  # noqa: PLC0415 (cryptography and blake3: only with a bucket)
+
+    if not secret:
+        return ()
+    return tuple(ChunkSeal(*derive(job, s).bucket) for s in (secret, *(s for s in older if s and s != secret)))
 
 
 def split_secrets(text: bytes) -> tuple[bytes, tuple[bytes, ...]]:

@@ -52,6 +52,7 @@ MAX_ID = (1 << 32) - 2  # uid/gid: 2**32 - 1 is chown's "leave as it is"
 MAX_NS = (1 << 63) - 1  # mtime_ns: what utime takes
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
+_SEAL_ID_RE = re.compile(r"[0-9a-f]{16}")
 _MAC_PREFIX = b"\nhmac-sha256 "
 _MAC_RE = re.compile(rb"\nhmac-sha256 ([0-9a-f]{64})\n\Z")
 MAC_LINE = len(_MAC_PREFIX) + 64 + 1  # the bytes a seal adds
@@ -92,6 +93,10 @@ class Manifest:
     entries: list[Entry]  # sorted by path, so parents come before their children
     created: float
     format: int = FORMAT_VERSION
+    # The seal (core.bucket_seal) its chunks are under in buckets, by id; "": in clear, as
+    # before sealing existed, and as a node without the job's secret stores them. Readers
+    # older than this field ignore it.
+    chunk_seal: str = ""
 
     def to_json(self) -> bytes:
         """Equal manifests give equal bytes, so they can be compared and hashed as stored.
@@ -102,6 +107,8 @@ class Manifest:
         # vars(), not asdict(): the same fields without asdict's deep copy, which costs more
         # than the encoding itself for a step of thousands of files.
         obj = {**vars(self), "entries": [vars(e) for e in self.entries]}
+        if not self.chunk_seal:
+            del obj["chunk_seal"]  # chunks in clear: the bytes a release before sealing wrote
         return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
     def sealed(self, keys: ManifestKeys | None) -> bytes:
@@ -145,6 +152,7 @@ class Manifest:
             entries=[_parse_entry(e) for e in entries],
             created=_get(obj, "created", (int, float), "manifest"),
             format=version,
+            chunk_seal=_get(obj, "chunk_seal", str, "manifest") if "chunk_seal" in obj else "",
         )
         manifest.validate()
         return manifest
@@ -211,6 +219,8 @@ class Manifest:
                                 f"or chunk size {self.chunk_size}")
         if max(len(self.entries), len(self.roots)) > MAX_ENTRIES:
             raise ManifestError(f"manifest has more than {MAX_ENTRIES} entries or roots")
+        if self.chunk_seal and not _SEAL_ID_RE.fullmatch(self.chunk_seal):
+            raise ManifestError(f"manifest: invalid chunk seal {self.chunk_seal[:40]!r}")
         if sum(len(e.chunks) for e in self.entries) > MAX_CHUNKS:
             raise ManifestError(f"manifest names more than {MAX_CHUNKS} chunks")
         kinds: dict[str, str] = {}

@@ -45,9 +45,10 @@ def open_gcs(cfg: Config, restorable_without: bool, warn: Callable[[str], None])
 
     sealing = cfg.manifest_keys
     if sealing is None:
-        warn(f"GCS manifests in {cfg.gcs} are not authenticated without the job's secret: whoever can "
-             "write to the bucket can choose what restores; set TIERFS_SECRET or --secret-file")
-    tier = GcsTier(cfg.gcs, cfg.job, keys=sealing)
+        warn(f"GCS objects in {cfg.gcs} are neither encrypted nor authenticated without the job's secret: "
+             "whoever can read the bucket reads the checkpoints, and whoever can write it chooses what "
+             "restores; set TIERFS_SECRET or --secret-file")
+    tier = GcsTier(cfg.gcs, cfg.job, keys=sealing, seals=cfg.bucket_seals)
     try:
         tier.check()
     except GcsUnavailable as e:

@@ -386,6 +386,8 @@ class Replicator:
                         raise
                     continue  # a file changed under the hashing: it was detached, hash the copy
                 if snapshots.detaches == detaches:
+                    seals = self.cfg.bucket_seals  # buckets get its chunks sealed: the manifest says under which
+                    manifest.chunk_seal = seals[0].id if seals else ""
                     write_atomically(snapshots.step_dir(state.step) / "manifest.json",
                                      manifest.sealed(self.cfg.manifest_keys))
                     return manifest

@@ -13,8 +13,9 @@ to the whole job.
 
 The bucket is shared by the whole job, so a rank's data-parallel twins (:meth:`GcsTier.twins`)
 split a step's uploads between them (:mod:`tierfs.tiers.twins`); an object already in the
-bucket is proven to be the chunk by its MD5 against the frame this node would upload,
-without a download (:meth:`GcsTier.present`).
+bucket is proven to be the chunk by its MD5 against the object this node would upload,
+without a download (:meth:`GcsTier.present`). With the job's secret, chunks are sealed
+(:mod:`tierfs.core.bucket_seal`), deterministically, so twins make the same objects.
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from pathlib import Path
 import trio
 
 from tierfs.core import chunks
+from tierfs.core.bucket_seal import ChunkSeal
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
+from tierfs.core.manifest import split_seal
 from tierfs.peers.placement import job_twins
 from tierfs.tiers.base import (
     Cost,
@@ -43,8 +46,9 @@ from tierfs.tiers.base import (
     check_chunk,
     check_manifest,
 )
-from tierfs.tiers.gcs_http import GcsError, GcsUnavailable, MissingObject
-from tierfs.tiers.gcs_store import REMEMBERED, Found, GcsStore, frame_md5
+from tierfs.tiers.gcs_http import CorruptObject, GcsError, GcsUnavailable, MissingObject
+from tierfs.tiers.gcs_layout import chunk_seal_of, parse_manifest_chunks
+from tierfs.tiers.gcs_store import REMEMBERED, Found, GcsStore, object_md5
 
 log = logging.getLogger(__name__)
 
@@ -60,13 +64,16 @@ class GcsTier(Tier):
     cost = Cost(read_gib_s=0.2, dollars_per_gib=0.12)  # slower than any node, and reads are paid for
     concurrency = THREADS
 
-    def __init__(self, url: str, job: str, store: GcsStore | None = None, keys: ManifestKeys | None = None):
+    def __init__(self, url: str, job: str, store: GcsStore | None = None, keys: ManifestKeys | None = None,
+                 seals: Sequence[ChunkSeal] = ()):
         super().__init__()
         self.url = url
-        self.store = store or GcsStore(url, job, keys=keys)
+        self.store = store or GcsStore(url, job, keys=keys, seals=seals)
         self._limiter = trio.CapacityLimiter(THREADS)
-        self._md5: dict[str, str] = {}  # chunk -> MD5 of the frame this node makes of it
+        self._md5: dict[str, str] = {}  # chunk -> MD5 of the object this node makes of it
         self._absent: set[str] = set()  # chunks the bucket lacked when last asked: the upload need not ask again
+        self._read_seals: list[ChunkSeal] = []  # the seals of the manifests read, the latest first
+        self._clear: set[str] = set()  # chunks that manifests read name in clear (written before sealing)
 
     @property
     def where(self) -> str:
@@ -115,7 +122,7 @@ class GcsTier(Tier):
     def _present(self, h: str, path: str, offset: int, length: int) -> bool:
         md5 = self._md5.get(h)
         if md5 is None:
-            md5 = frame_md5(self._frame(h, path, offset, length))
+            md5 = object_md5(self._body(h, path, offset, length))
             if len(self._md5) >= REMEMBERED:
                 self._md5.clear()  # computing it again is only slower
             self._md5[h] = md5
@@ -129,34 +136,47 @@ class GcsTier(Tier):
         return await self._run(self._put_chunk, h, str(path), offset, length)
 
     def _put_chunk(self, h: str, path: str, offset: int, length: int) -> Put:
-        """In a worker thread: read, check, compress if that pays, create if absent."""
-        frame = self._frame(h, path, offset, length)
+        """In a worker thread: read, check, compress if that pays, seal, create if absent."""
+        body = self._body(h, path, offset, length)
         look = h not in self._absent
         self._absent.discard(h)
-        if not self.store.put_chunk(h, frame, look=look, md5=self._md5.get(h)):
+        if not self.store.put_chunk(h, body, look=look, md5=self._md5.get(h)):
             return Put(0, 0)  # another rank uploaded the same bytes
-        return Put(length, len(frame))
+        return Put(length, len(body))
 
-    def _frame(self, h: str, path: str, offset: int, length: int) -> bytes:
-        """The frame of chunk ``h`` as this node stores it, from its local bytes."""
+    def _body(self, h: str, path: str, offset: int, length: int) -> bytes:
+        """What the object of chunk ``h`` holds as this node stores it, from its local bytes."""
         for _ in range(2):  # a detach can race with the read: the path then holds the copy
             data = _pread(path, offset, length)
             if chunks.chunk_hash(data) == h:
                 break
         else:
             raise SourceChanged(f"{path} at {offset} no longer holds chunk {h}")
-        return chunks.encode(data)
+        return self.store.body(h, chunks.encode(data))
 
     async def get_chunk(self, h: str, length: int) -> bytes:
-        """Never more than ``length`` bytes read, nor decoded."""
+        """Never more than ``length`` bytes read, nor decoded.
+
+        Under the seal of the manifests read (the current one first), and in clear only if
+        a manifest read names the chunk so: no one who can write the bucket can make a
+        sealed step read a chunk in clear."""
         check_chunk(self, h, length)
         url = self.store.chunk_url(h)
-        try:
-            frame = await self._run(self.store.get_chunk_frame, h, length)
-        except MissingObject:
-            raise NotHeld(f"chunk {url} is missing from GCS") from None
-        except GcsError as e:
-            raise TierError(f"chunk {url} is corrupt or unreadable ({e})") from None
+        tried = [*self._read_seals, *(s for s in self.store.seals if s not in self._read_seals)]
+        if h in self._clear or not self.store.seals:
+            tried.append(None)
+        for seal in tried:
+            try:
+                frame = await self._run(self.store.get_chunk_frame, h, length, seal)
+                break
+            except MissingObject:
+                continue
+            except GcsError as e:
+                raise TierError(f"chunk {url} is corrupt or unreadable ({e})") from None
+            except chunks.CorruptChunk as e:
+                raise TierError(f"chunk {url} is corrupt or not this job's ({e})") from None
+        else:
+            raise NotHeld(f"chunk {url} is missing from GCS")
         try:
             data = await trio.to_thread.run_sync(chunks.decode, frame, h, length)
         except chunks.CorruptChunk as e:
@@ -174,11 +194,32 @@ class GcsTier(Tier):
     async def get_manifest(self, rank: int, step: int) -> bytes:
         url = self.store.manifest_url(rank, step)
         try:
-            return await self._run(self.store.get_manifest, rank, step)
+            data = await self._run(self.store.get_manifest, rank, step)
         except MissingObject:
             raise NotHeld(f"{url} does not exist") from None
         except (GcsError, UserError) as e:
             raise TierError(f"cannot read {url}: {e}") from None
+        await trio.to_thread.run_sync(self._note_seal, data, url)
+        return data
+
+    def _note_seal(self, data: bytes, url: str) -> None:
+        """Remember under which seal the chunks of a manifest read are (:meth:`get_chunk`):
+        a seal of the job's, or in clear for a manifest written before sealing. Whether the
+        manifest is the job's is the reader's to check; one that is not restores nothing."""
+        data = split_seal(data)[0]
+        seal_id = chunk_seal_of(data)
+        if not seal_id:
+            try:
+                _, hashes = parse_manifest_chunks(data, url)
+            except CorruptObject:
+                return
+            if len(self._clear) + len(hashes) > REMEMBERED:
+                self._clear.clear()
+            self._clear |= hashes
+            return
+        seal = self.store.seal_by_id(seal_id)
+        if seal is not None:
+            self._read_seals = [seal, *(s for s in self._read_seals if s is not seal)]
 
     async def holdings(self) -> Holdings:
         listing = await self.list_manifests_under("")

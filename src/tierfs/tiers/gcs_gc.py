@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tierfs.core import manifest as manifest_format
 from tierfs.tiers.gcs_http import CorruptObject, MissingObject
-from tierfs.tiers.gcs_layout import ChunkInfo, last_used, parse_manifest_chunks
+from tierfs.tiers.gcs_layout import ChunkInfo, chunk_name, last_used, parse_manifest_chunks
 
 GC_THREADS = 16
 PENDING_MAX_AGE = 24 * 3600.0  # an upload marker older than this belongs to a dead upload
@@ -54,6 +54,9 @@ class GarbageCollection:
         precondition alone is enough; the read costs one request per deleted chunk and
         keeps the guarantee on servers that ignore delete preconditions (fake-gcs-server).
 
+        Chunks are objects here, by key (:mod:`~tierfs.tiers.gcs_layout`): a manifest whose
+        chunks are sealed needs the objects its seal names them by.
+
         Returns counts: manifests and chunks deleted, bytes freed, chunks kept, and
         chunks named by a kept manifest that GCS does not have (which means damage).
         """
@@ -79,8 +82,8 @@ class GarbageCollection:
             present: set[str] = set()
             candidates: list[ChunkInfo] = []
             for info in self.list_chunks():
-                present.add(info.hash)
-                if info.hash not in referenced and info.updated < cutoff:
+                present.add(info.key)
+                if info.key not in referenced and info.updated < cutoff:
                     candidates.append(info)
             collected = pool.map(functools.partial(self._collect, cutoff=cutoff), candidates)
             deleted = [info for info, gone in zip(candidates, collected) if gone]
@@ -105,14 +108,21 @@ class GarbageCollection:
         except manifest_format.Unauthenticated as e:
             # Replaced since the listing verified it: which chunks the step needs is unknown.
             raise CorruptObject(f"{url} was replaced by a manifest that is not this job's ({e})") from None
-        return parse_manifest_chunks(data, url)
+        seal_id, hashes = parse_manifest_chunks(data, url)
+        if not seal_id:
+            return hashes  # in clear: the objects are named by the chunks' hashes
+        seal = self.seal_by_id(seal_id)
+        if seal is None:  # which objects it needs is unknown here: nothing may go
+            raise CorruptObject(f"{url} has its chunks sealed under a secret this node lacks "
+                                f"(seal {seal_id}): add that secret to the older lines of the secret file")
+        return {seal.object_key(h) for h in hashes}
 
     def _collect(self, info: ChunkInfo, cutoff: float) -> bool:
         """Delete one unreferenced chunk unless it has been used since it was listed."""
-        name = self._chunk_name(info.hash)
+        name = chunk_name(self._base, info.key)
         blob = self._call(
             "read", name, lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout)
         )
         if blob is None or blob.metageneration != info.metageneration or last_used(blob) >= cutoff:
             return False
-        return self.delete_chunk(info.hash, info.metageneration)
+        return self.delete_chunk(info.key, info.metageneration)

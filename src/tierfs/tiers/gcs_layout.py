@@ -2,10 +2,12 @@
 
 Layout (with an empty PREFIX, names start at ``<job>/``)::
 
-    <prefix>/<job>/chunks/<h[0:2]>/<h>                      a chunk frame, named by its hash
+    <prefix>/<job>/chunks/<k[0:2]>/<k>                      a chunk: sealed (core.bucket_seal), its key
+                                                             64 hex digits; or a frame in clear, its
+                                                             key the chunk's hash (32 digits)
     <prefix>/<job>/manifests/rank-<R>/step-<S:012d>.json     a manifest; its presence commits step S
     <prefix>/<job>/manifests/rank-<R>/step-<S:012d>.pending  an upload in progress: JSON list of
-                                                             the chunk hashes it will reference
+                                                             the chunk keys it will reference
 
 Apart from the requests because the names are the format: a listing, an upload and the
 collector must agree on them to the character. A name counts only when it is exactly the
@@ -30,15 +32,18 @@ from tierfs.tiers.gcs_http import CorruptObject
 USED_KEY = "tierfs-used"  # chunk metadata: unix time of the last touch
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
+_KEY_RE = re.compile(r"[0-9a-f]{32}(?:[0-9a-f]{32})?")  # a chunk's hash, or a sealed chunk's key
+_SEAL_RE = re.compile(rb'^\{"chunk_seal":"([0-9a-f]{16})"')
+_SEAL_ID_RE = re.compile(r"[0-9a-f]{16}")
 # Candidates only (digit counts keep int() cheap); a name counts once it is exactly the one
 # manifest_name gives for its numbers.
 _MANIFEST_RE = re.compile(r"rank-([0-9]{1,10})/step-([0-9]{1,19})\.(json|pending)")
 
 
 class ChunkInfo(NamedTuple):
-    """One chunk as a listing saw it: enough to decide, and to delete only that version."""
+    """One chunk object as a listing saw it: enough to decide, and to delete only that version."""
 
-    hash: str
+    key: str  # the object's key: the chunk's hash in clear, or its sealed key
     size: int
     updated: float  # unix time the chunk was last written or touched
     metageneration: int
@@ -52,10 +57,10 @@ def job_base(prefix: str, job: str) -> str:
     return f"{prefix}/{job}/" if prefix else f"{job}/"
 
 
-def chunk_name(base: str, h: str) -> str:
-    if not _HASH_RE.fullmatch(h):
-        raise ValueError(f"not a chunk hash: {h!r}")
-    return f"{base}chunks/{h[:2]}/{h}"
+def chunk_name(base: str, key: str) -> str:
+    if not _KEY_RE.fullmatch(key):
+        raise ValueError(f"not a chunk key: {key!r}")
+    return f"{base}chunks/{key[:2]}/{key}"
 
 
 def manifest_name(base: str, rank: int, step: int, kind: str) -> str:
@@ -73,9 +78,9 @@ def manifest_object(base: str, name: str) -> tuple[int, int, str] | None:
 
 
 def chunk_of(prefix: str, name: str) -> str | None:
-    """The hash a name under ``chunks/`` (``prefix``) is the object of, None for any other name."""
-    shard, _, h = name[len(prefix):].partition("/")
-    return h if _HASH_RE.fullmatch(h) and shard == h[:2] else None
+    """The key a name under ``chunks/`` (``prefix``) is the object of, None for any other name."""
+    shard, _, key = name[len(prefix):].partition("/")
+    return key if _KEY_RE.fullmatch(key) and shard == key[:2] else None
 
 
 def last_used(blob: storage.Blob) -> float:
@@ -93,31 +98,43 @@ def last_used(blob: storage.Blob) -> float:
 
 
 
-def pending_marker(hashes: Iterable[str]) -> bytes:
-    """An upload marker's content: the chunks the upload will reference, each once."""
-    return json.dumps(sorted(set(hashes))).encode()
+def pending_marker(keys: Iterable[str]) -> bytes:
+    """An upload marker's content: the chunk objects the upload will reference, each once."""
+    return json.dumps(sorted(set(keys))).encode()
 
 
 def parse_pending(data: bytes, url: str) -> set[str]:
     try:
-        hashes = json.loads(data)
+        keys = json.loads(data)
     except (ValueError, RecursionError):
-        hashes = None
-    if not isinstance(hashes, list) or not all(is_hash(h) for h in hashes):
-        raise CorruptObject(f"{url} is not a JSON list of chunk hashes")
-    return set(hashes)
+        keys = None
+    if not isinstance(keys, list) or not all(isinstance(k, str) and _KEY_RE.fullmatch(k) for k in keys):
+        raise CorruptObject(f"{url} is not a JSON list of chunk keys")
+    return set(keys)
 
 
-def parse_manifest_chunks(data: bytes, url: str) -> set[str]:
-    """The chunks a manifest's JSON names; only ``entries[].chunks`` matters to the collector."""
+def parse_manifest_chunks(data: bytes, url: str) -> tuple[str, set[str]]:
+    """The seal a manifest's chunks are under ("": in clear) and the chunks it names; only
+    ``chunk_seal`` and ``entries[].chunks`` matter to the collector."""
     try:
-        entries = json.loads(data)["entries"]
+        obj = json.loads(data)
+        entries, seal = obj["entries"], obj.get("chunk_seal", "")
         hashes = {h for entry in entries for h in entry.get("chunks", ())}
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise CorruptObject(f"{url} is not a manifest: its chunks cannot be told") from None
     if not all(is_hash(h) for h in hashes):
         raise CorruptObject(f"{url} names something that is not a chunk hash")
-    return hashes
+    if seal != "" and not (isinstance(seal, str) and _SEAL_ID_RE.fullmatch(seal)):
+        raise CorruptObject(f"{url} names something that is not a chunk seal")
+    return seal, hashes
+
+
+def chunk_seal_of(data: bytes) -> str:
+    """The seal id a manifest's JSON names (``""``: chunks in clear), without parsing it all:
+    its keys are sorted and compact (:meth:`tierfs.core.manifest.Manifest.to_json`), so the
+    field, when there, opens the object."""
+    m = _SEAL_RE.match(data)
+    return m[1].decode() if m else ""
 
 
 def is_hash(h: object) -> bool:

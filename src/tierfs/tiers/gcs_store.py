@@ -7,6 +7,12 @@ they are created with ``ifGenerationMatch=0``: of two ranks uploading the same b
 wins and the other learns it can stop. Only :meth:`GcsStore.collect_garbage`
 (:mod:`tierfs.tiers.gcs_gc`) deletes chunks, and it proves each one unused first.
 
+With the job's secret, every chunk is sealed (:mod:`tierfs.core.bucket_seal`): encrypted,
+authenticated and named under keys of the secret, so that neither reading nor writing the
+bucket reveals or forges a byte. A manifest names the seal its chunks are under; chunks a
+release before sealing wrote (in clear, named by their hash) stay readable for the
+manifests that name them so.
+
 Nothing read from the bucket is trusted: anyone who can write to it can plant objects.
 Every read is bounded by the size the object can have (a chunk frame, a manifest), names
 that are not exactly the ones tierfs writes are ignored, and an existing chunk object
@@ -31,7 +37,7 @@ import hashlib
 import logging
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from google.api_core import exceptions as api
@@ -39,6 +45,8 @@ from google.cloud import storage
 
 from tierfs.core import chunks
 from tierfs.core import manifest as manifest_format
+from tierfs.core.bucket_seal import OVERHEAD, ChunkSeal
+from tierfs.core.bucket_seal import TAG as SEALED
 from tierfs.core.keys import ManifestKeys
 from tierfs.tiers.gcs_gc import GC_THREADS, GarbageCollection
 from tierfs.tiers.gcs_http import CorruptObject, GcsBucket, GcsError, MissingObject
@@ -59,6 +67,7 @@ _VANISHED = "it was deleted meanwhile"
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_FRAME = chunks.max_frame_size(chunks.MAX_CHUNK_SIZE)
+CURRENT = object()  # the seal argument's default: the job's current seal
 REMEMBERED = 1 << 20  # chunks remembered as checked (about 100 MB at most), and names as ignored
 
 
@@ -70,9 +79,9 @@ class Found(enum.Enum):
     CHUNK = "chunk"  # an object proven to hold the chunk
 
 
-def frame_md5(frame: bytes) -> str:
-    """The MD5 GCS reports for an object holding ``frame`` (``md5Hash``: base64 of the digest)."""
-    return base64.b64encode(hashlib.md5(frame).digest()).decode()
+def object_md5(body: bytes) -> str:
+    """The MD5 GCS reports for an object holding ``body`` (``md5Hash``: base64 of the digest)."""
+    return base64.b64encode(hashlib.md5(body).digest()).decode()
 
 
 class GcsStore(GarbageCollection, GcsBucket):
@@ -80,9 +89,11 @@ class GcsStore(GarbageCollection, GcsBucket):
 
     def __init__(
         self, url: str, job: str, client: storage.Client | None = None, timeout: float = 30,
-        keys: ManifestKeys | None = None,
+        keys: ManifestKeys | None = None, seals: Sequence[ChunkSeal] = (),
     ):
         super().__init__(url, client, timeout)
+        self.seals = tuple(seals)  # the job's bucket seals: the first seals, all open; none: chunks in clear
+        self.seal = self.seals[0] if self.seals else None
         self._base = job_base(self.prefix, job)
         self.job = job
         self._lock = threading.Lock()  # guards the three below; worker threads share the store
@@ -95,6 +106,13 @@ class GcsStore(GarbageCollection, GcsBucket):
 
     def chunk_url(self, h: str) -> str:
         return self.url_of(self._chunk_name(h))
+
+    def seal_by_id(self, seal_id: str) -> ChunkSeal | None:
+        return next((seal for seal in self.seals if seal.id == seal_id), None)
+
+    def body(self, h: str, frame: bytes) -> bytes:
+        """What the object of chunk ``h`` holds: ``frame``, sealed with the job's seal if it has one."""
+        return self.seal.seal(h, frame) if self.seal is not None else frame
 
     def manifest_url(self, rank: int, step: int) -> str:
         return self.url_of(self._manifest_name(rank, step, "json"))
@@ -109,30 +127,30 @@ class GcsStore(GarbageCollection, GcsBucket):
 
     # -- chunks ---------------------------------------------------------------------------
 
-    def put_chunk(self, h: str, frame: bytes, look: bool = True, md5: str | None = None) -> bool:
-        """Make the chunk's object hold ``frame``; False if it already held the chunk.
+    def put_chunk(self, h: str, body: bytes, look: bool = True, md5: str | None = None) -> bool:
+        """Make the chunk's object hold ``body`` (:meth:`body`); False if it already held the chunk.
 
         First a metadata request (``look``; skip it only right after one found nothing):
-        an object already there whose MD5 is ``frame``'s is the chunk, and nothing is sent.
+        an object already there whose MD5 is ``body``'s is the chunk, and nothing is sent.
         The create itself is conditional on nothing being there. If something is, it is
         checked: the chunk (another rank uploaded the same bytes, or a retry after a lost
         response finds the first attempt's) means there is nothing to do; anything else is
         replaced, conditionally on its generation, so a concurrent fix by another rank is
-        not undone. ``md5`` is ``frame``'s if the caller has it: computed here only when needed,
-        it costs a pass over the frame that a lone uploader never needs.
+        not undone. ``md5`` is ``body``'s if the caller has it: computed here only when needed,
+        it costs a pass over the body that a lone uploader never needs.
         """
         name = self._chunk_name(h)
         if look:
-            md5 = md5 or frame_md5(frame)
+            md5 = md5 or object_md5(body)
             if self.find_chunk(h, md5) is Found.CHUNK:
                 return False
         for _ in range(3):
             with self._lock:
                 generation = self._replace.pop(h, 0)
             try:
-                blob = self._upload(name, frame, if_generation_match=generation)
+                blob = self._upload(name, body, if_generation_match=generation)
             except api.PreconditionFailed:
-                md5 = md5 or frame_md5(frame)
+                md5 = md5 or object_md5(body)
                 if self.find_chunk(h, md5) is Found.CHUNK:
                     return False
                 continue  # gone meanwhile (create it), or bad (replace that generation)
@@ -143,7 +161,7 @@ class GcsStore(GarbageCollection, GcsBucket):
     def find_chunk(self, h: str, md5: str | None = None) -> Found:
         """Whether the bucket holds chunk ``h``, by one metadata request.
 
-        ``md5``: that of the frame this node would upload (:func:`frame_md5`). An object
+        ``md5``: that of the object this node would upload (:func:`object_md5`). An object
         with that MD5, or with the one this store last proved, is the chunk; any other is
         downloaded and decoded once (a frame another encoder made is still the chunk), and
         one that is not the chunk is noted for :meth:`put_chunk` to replace.
@@ -188,13 +206,18 @@ class GcsStore(GarbageCollection, GcsBucket):
             known = self._sound.get(h) == _content_key(blob)
         return Found.CHUNK if known else Found.UNPROVEN
 
-    def get_chunk_frame(self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE) -> bytes:
-        """The stored frame of a chunk of at most ``max_size`` bytes.
+    def get_chunk_frame(self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE,
+                        seal: ChunkSeal | None | object = CURRENT) -> bytes:
+        """The frame of a chunk of at most ``max_size`` bytes, from its object under ``seal``
+        (the job's current one unless named; None: the chunk in clear).
 
-        Read with a bound: an object larger than such a chunk's frame can be raises
-        :class:`CorruptObject` after at most one byte more than the bound.
+        Read with a bound: an object larger than such a chunk's body can be raises
+        :class:`CorruptObject` after at most one byte more than the bound. A sealed one that
+        does not open raises :class:`~tierfs.core.chunks.CorruptChunk`.
         """
-        return self._download(self._chunk_name(h), chunks.max_frame_size(max_size))
+        seal = self.seal if seal is CURRENT else seal
+        body = self._download(self._chunk_name(h, seal), chunks.max_frame_size(max_size) + OVERHEAD)
+        return seal.open(h, body) if seal is not None else body
 
     def _holds_chunk(self, h: str, blob: storage.Blob) -> bool:
         """Whether ``blob`` (as just listed, patched or read) is a frame of chunk ``h``.
@@ -227,11 +250,11 @@ class GcsStore(GarbageCollection, GcsBucket):
         return False
 
     def _chunk_problem(self, h: str, blob: storage.Blob) -> str | None:
-        if blob.size is not None and blob.size > MAX_CHUNK_FRAME:
-            return f"{blob.size} bytes, larger than any chunk frame"
+        if blob.size is not None and blob.size > MAX_CHUNK_FRAME + OVERHEAD:
+            return f"{blob.size} bytes, larger than any chunk's object"
         try:
-            frame = self._download(blob.name, MAX_CHUNK_FRAME, blob.generation)
-            chunks.decode(frame, h)
+            body = self._download(blob.name, MAX_CHUNK_FRAME + OVERHEAD, blob.generation)
+            chunks.decode(self.seal.open(h, body) if self.seal is not None else body, h)
         except MissingObject:
             return _VANISHED
         except (CorruptObject, chunks.CorruptChunk) as e:
@@ -247,17 +270,18 @@ class GcsStore(GarbageCollection, GcsBucket):
             self._unsound.pop(h, None)
 
     def list_chunks(self) -> Iterator[ChunkInfo]:
-        """Every chunk of the job; other objects are skipped, so the collector leaves them be."""
+        """Every chunk object of the job, by key (sealed or in clear); other objects are
+        skipped, so the collector leaves them be."""
         prefix = f"{self._base}chunks/"
         fields = "items(name,size,updated,metageneration,metadata)"
         for blob in self._list(prefix, fields):
-            h = chunk_of(prefix, blob.name)
-            if h is not None:
-                yield ChunkInfo(h, blob.size, last_used(blob), blob.metageneration)
+            key = chunk_of(prefix, blob.name)
+            if key is not None:
+                yield ChunkInfo(key, blob.size, last_used(blob), blob.metageneration)
 
-    def delete_chunk(self, h: str, if_metageneration_match: int) -> bool:
-        """Delete the chunk if it is unchanged since it was listed; False if changed or gone."""
-        name = self._chunk_name(h)
+    def delete_chunk(self, key: str, if_metageneration_match: int) -> bool:
+        """Delete the chunk object ``key`` if it is unchanged since it was listed; False if changed or gone."""
+        name = chunk_name(self._base, key)
         try:
             self._call(
                 "delete",
@@ -275,12 +299,23 @@ class GcsStore(GarbageCollection, GcsBucket):
     # -- manifests and upload markers -----------------------------------------------------
 
     def put_manifest(self, rank: int, step: int, data: bytes) -> None:
-        self._upload(self._manifest_name(rank, step, "json"), data)
+        """Store a manifest: sealed with the job's seal if it has one (:mod:`tierfs.core.bucket_seal`)."""
+        body = self.seal.seal_manifest(rank, step, data) if self.seal is not None else data
+        self._upload(self._manifest_name(rank, step, "json"), body)
 
     def get_manifest(self, rank: int, step: int, generation: int | None = None) -> bytes:
-        """The manifest's bytes as stored, read with the bound of the largest manifest
-        (:class:`CorruptObject` past it); the reader authenticates them."""
-        return self._download(self._manifest_name(rank, step, "json"), manifest_format.MAX_BYTES, generation)
+        """The manifest's bytes, read with the bound of the largest manifest (:class:`CorruptObject`
+        past it) and opened with whichever of the job's seals sealed it; one in clear (written
+        before sealing, or without a secret) as stored. The reader authenticates them."""
+        url_name = self._manifest_name(rank, step, "json")
+        body = self._download(url_name, manifest_format.MAX_BYTES + OVERHEAD, generation)
+        if body[:1] != SEALED:
+            return body
+        for seal in self.seals:
+            data = seal.open_manifest(rank, step, body)
+            if data is not None:
+                return data
+        raise CorruptObject(f"{self.url_of(url_name)} is sealed, but by no secret this node has")
 
     def delete_manifest(self, rank: int, step: int) -> None:
         self._delete(self._manifest_name(rank, step, "json"))
@@ -300,12 +335,14 @@ class GcsStore(GarbageCollection, GcsBucket):
         return self._list_manifests(f"{self._base}manifests/{prefix}")
 
     def put_pending(self, rank: int, step: int, hashes: Iterable[str]) -> None:
-        """Announce an upload and every chunk it will reference, before touching any of them.
+        """Announce an upload and every chunk it will reference (by its object's key), before
+        touching any of them.
 
         Putting the marker again refreshes it: an upload that may outlive
         :data:`~tierfs.tiers.gcs_gc.PENDING_MAX_AGE` must do so.
         """
-        self._upload(self._manifest_name(rank, step, "pending"), pending_marker(hashes))
+        keys = (self.seal.object_key(h) for h in hashes) if self.seal is not None else hashes
+        self._upload(self._manifest_name(rank, step, "pending"), pending_marker(keys))
 
     def delete_pending(self, rank: int, step: int) -> None:
         self._delete(self._manifest_name(rank, step, "pending"))
@@ -334,8 +371,10 @@ class GcsStore(GarbageCollection, GcsBucket):
 
     # -- names ----------------------------------------------------------------------------
 
-    def _chunk_name(self, h: str) -> str:
-        return chunk_name(self._base, h)
+    def _chunk_name(self, h: str, seal: ChunkSeal | None | object = CURRENT) -> str:
+        """The name of chunk ``h``'s object under ``seal`` (the current one unless named)."""
+        seal = self.seal if seal is CURRENT else seal
+        return chunk_name(self._base, seal.object_key(h) if seal is not None else h)
 
     def _manifest_name(self, rank: int, step: int, kind: str) -> str:
         return manifest_name(self._base, rank, step, kind)

@@ -49,6 +49,7 @@ import os
 from typing import Callable
 
 import pyfuse3
+import trio
 
 from tierfs.core import linux
 from tierfs.fs.attributes import Attributes
@@ -312,7 +313,9 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         self._detach(node)
         length = min(length, max(0, os.fstat(fh_in).st_size - off_in))  # what the source holds
         self.space.check_write(fh_out, off_out, length)
-        n = os.copy_file_range(fh_in, fh_out, length, off_in, off_out)
+        # In a thread: a copy of gigabytes would hold every other request for its length.
+        # The kernel holds the target's inode lock meanwhile, so no write of it comes between.
+        n = await trio.to_thread.run_sync(os.copy_file_range, fh_in, fh_out, length, off_in, off_out)
         node.cache_valid = False
         self.space.update(os.fstat(fh_out))
         self._wrote(fh_out, ino_out, n)

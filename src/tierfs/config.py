@@ -7,7 +7,11 @@ here and are checked once.
 
 from __future__ import annotations
 
+import errno
 import os
+import re
+import stat
+import urllib.parse
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -31,6 +35,9 @@ if TYPE_CHECKING:
 from tierfs.discovery.spec import parse_peers
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
+DEFAULT_STS_URL = "https://sts.googleapis.com/v1/token"
+DEFAULT_IAM_URL = "https://iamcredentials.googleapis.com/v1"
+MAX_TOKEN_FILE = 64 << 10  # a Kubernetes service-account token is ~1 KiB
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -75,6 +82,14 @@ OPTIONS = {
     "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
     "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
     "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
+    "gcs-token-audience": "with --gcs-token-file: the workload identity provider the job's token is exchanged "
+                          "at, //iam.googleapis.com/projects/NUM/locations/global/workloadIdentityPools/POOL/"
+                          "providers/P, or GKE's identitynamespace:PROJECT.svc.id.goog:https://container."
+                          "googleapis.com/v1/projects/P/locations/L/clusters/C",
+    "gcs-sts-url": f"with --gcs-token-file: the token exchange (STS) endpoint (default {DEFAULT_STS_URL})",
+    "gcs-service-account": "with --gcs-token-file: act as this Google service account (EMAIL), impersonated "
+                           "with the job's federated token, instead of as the job's principal itself",
+    "gcs-iam-url": f"with --gcs-service-account: the IAM credentials endpoint (default {DEFAULT_IAM_URL})",
     "listen": "HOST:PORT where this node's peer service accepts other nodes",
     "peers": "the other nodes' peer services: HOST:PORT,..., patterns like node-{0..15}:7420, "
              "dns:NAME:PORT (a headless Service's addresses) or dns+srv:NAME (SRV records)",
@@ -92,6 +107,10 @@ OPTIONS = {
 HOST_PATH_OPTIONS = {
     "disk": "local directory (e.g. on NVMe) every committed step is also written to; restores read it "
             "before peers, and when RAM is short committed steps held there leave RAM",
+    # Per job, never the plugin's own environment: the CSI plugin writes each job's token and passes its path.
+    "gcs-token-file": "file holding the job's Kubernetes service-account token (a JWT, re-read whenever a new "
+                      "access token is needed): GCS is then reached as the job's identity, exchanged at "
+                      "--gcs-token-audience, not as the node's",
 }
 # Host files for the peer service's TLS: options of `tierfs mount` and of mount -o, but not of
 # OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
@@ -158,6 +177,12 @@ class Config:
     # Set by the job through the multi-tier checkpointing protocol (replicator.yaml):
     peer_ranks: tuple[int, ...] | None = None  # the ranks holding this rank's data; None: from data_parallel
     backup_interval_steps: int = 0  # back up every N-th step at most; 0 = by time (backup_interval)
+    # The job's own GCS identity (Workload Identity Federation): none = the node's default credentials.
+    gcs_token_file: Path | None = None  # the job's Kubernetes service-account token, kept fresh by kubelet
+    gcs_token_audience: str | None = None  # the workload identity provider it is exchanged at
+    gcs_sts_url: str = DEFAULT_STS_URL
+    gcs_service_account: str | None = None  # a Google service account to impersonate, if any
+    gcs_iam_url: str = DEFAULT_IAM_URL
 
     @classmethod
     def build(cls, **values) -> "Config":
@@ -170,6 +195,11 @@ class Config:
             v["ramdisk"] = Path(os.path.abspath(v["ramdisk"]))
         if "log_file" in v:
             v["log_file"] = Path(os.path.abspath(v["log_file"]))
+        if "gcs_token_file" in v:
+            v["gcs_token_file"] = Path(os.path.abspath(v["gcs_token_file"]))
+        for key in ("gcs_token_audience", "gcs_sts_url", "gcs_service_account", "gcs_iam_url"):
+            if key in v:
+                v[key] = str(v[key]).strip()
         if "disk" in v:
             if not str(v["disk"]).strip():
                 raise UserError("invalid --disk '': give a local directory, e.g. /mnt/nvme/tierfs")
@@ -268,6 +298,7 @@ class Config:
             )
         if self.gcs is not None:
             parse_gcs_url(self.gcs)
+        _check_gcs_identity(self)
         if not isinstance(self.data_path, DataPath):
             raise UserError(f"invalid --data-path {self.data_path!r}: use auto, passthrough or daemon")
         if not isinstance(self.engine, Engine):
@@ -334,6 +365,86 @@ def _check_peer_tls(cfg: Config) -> None:
                 pass
         except OSError as e:
             raise UserError(f"cannot read --{key.replace('_', '-')} {getattr(cfg, key)}: {e.strerror}") from None
+
+
+def _check_gcs_identity(cfg: Config) -> None:
+    """The job's own GCS identity: a readable token file and an audience go together; the rest needs them."""
+    if cfg.gcs_token_file is None:
+        for key, unset in (("gcs_token_audience", None), ("gcs_service_account", None),
+                           ("gcs_sts_url", DEFAULT_STS_URL), ("gcs_iam_url", DEFAULT_IAM_URL)):
+            if getattr(cfg, key) != unset:
+                raise UserError(f"--{key.replace('_', '-')} needs --gcs-token-file, the job's Kubernetes "
+                                "service-account token: give both, or neither to use the node's credentials")
+        return
+    read_token_file(cfg.gcs_token_file)
+    audience = cfg.gcs_token_audience
+    if not audience:
+        raise UserError("--gcs-token-file needs --gcs-token-audience: the workload identity provider to exchange "
+                        "the token at, e.g. identitynamespace:PROJECT.svc.id.goog:https://container.googleapis.com/"
+                        "v1/projects/PROJECT/locations/LOCATION/clusters/CLUSTER")
+    if (not audience.startswith(("//iam.googleapis.com/", "identitynamespace:")) or len(audience) > 1024
+            or re.search(r"\s", audience)):
+        raise UserError(f"invalid --gcs-token-audience {audience[:200]!r}: use //iam.googleapis.com/projects/NUM/"
+                        "locations/global/workloadIdentityPools/POOL/providers/PROVIDER or identitynamespace:"
+                        "PROJECT.svc.id.goog:https://container.googleapis.com/v1/projects/P/locations/L/clusters/C")
+    _check_endpoint(cfg.gcs_sts_url, "gcs-sts-url")
+    _check_endpoint(cfg.gcs_iam_url, "gcs-iam-url")
+    account = cfg.gcs_service_account
+    if account is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,100}@[A-Za-z0-9.-]{1,200}\.[A-Za-z]{2,}", account):
+        raise UserError(f"invalid --gcs-service-account {account[:200]!r}: give the service account's email, "
+                        "e.g. NAME@PROJECT.iam.gserviceaccount.com")
+
+
+def _check_endpoint(url: str, flag: str) -> None:
+    """The job's token goes there: HTTPS, or plain HTTP only to this host (a stand-in in tests)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname
+        parts.port  # noqa: B018 (raises ValueError on a bad port)
+    except ValueError:
+        host, parts = None, None
+    local = host in ("127.0.0.1", "localhost", "::1")
+    if (parts is None or not host or re.search(r"\s", url) or len(url) > 1024
+            or not (parts.scheme == "https" or (parts.scheme == "http" and local))):
+        raise UserError(f"invalid --{flag} {url[:200]!r}: use an https:// URL (http:// only to 127.0.0.1)")
+
+
+def read_token_file(path: Path) -> str:
+    """The token ``path`` holds now (kubelet refreshes it, so it is read anew each time), or a UserError.
+
+    The file must be a regular file, not a symbolic link, at most :data:`MAX_TOKEN_FILE` bytes,
+    owned by root or this user, and writable by nobody else: whoever can write it chooses the
+    identity the job's backups run as.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        why = "it is a symbolic link" if e.errno == errno.ELOOP else e.strerror
+        raise UserError(f"cannot read --gcs-token-file {path}: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise UserError(f"invalid --gcs-token-file {path}: not a regular file")
+        if st.st_uid not in (0, os.geteuid()):
+            raise UserError(f"invalid --gcs-token-file {path}: owned by uid {st.st_uid}, not root")
+        if st.st_mode & 0o022:
+            raise UserError(f"invalid --gcs-token-file {path}: writable by group or others (chmod go-w)")
+        data = b""
+        while len(data) <= MAX_TOKEN_FILE and (part := os.read(fd, MAX_TOKEN_FILE + 1 - len(data))):
+            data += part
+    except OSError as e:
+        raise UserError(f"cannot read --gcs-token-file {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TOKEN_FILE:
+        raise UserError(f"invalid --gcs-token-file {path}: larger than {MAX_TOKEN_FILE >> 10} KiB, not a token")
+    try:
+        token = data.decode("ascii").strip()
+    except UnicodeDecodeError:
+        token = ""
+    if not token or re.search(r"\s", token):
+        raise UserError(f"invalid --gcs-token-file {path}: it holds no token (one line of ASCII, a JWT)")
+    return token
 
 
 def _parse_labels(text: str) -> tuple[tuple[str, str], ...]:

@@ -19,7 +19,7 @@ import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 
-from tests.helpers import sealed_key, wait_for
+from tests.helpers import opened_manifest, sealed_key, wait_for
 from tests.multinode.test_peers import MiB, commit_step
 from tierfs.commands.status import render
 from tierfs.core.manifest import Manifest
@@ -86,7 +86,9 @@ def check_manifests(gcs_emulator, gcs_bucket: str, job: str, ranks, secret: str)
     chunks = {name.rsplit("/", 1)[1] for name in objects if "/chunks/" in name}
     assert len(chunks) == FILES * SHARD // MiB
     for name, data in manifests.items():
-        named = {sealed_key(job, h, secret) for entry in Manifest.from_json(data).entries for h in entry.chunks}
+        rank = int(name.split("/rank-")[1].split("/")[0])
+        manifest = Manifest.from_json(opened_manifest(data, job, rank, STEP, secret))
+        named = {sealed_key(job, h, secret) for entry in manifest.entries for h in entry.chunks}
         assert len(named) == len(chunks) and named <= chunks, f"{name} names chunks GCS does not hold"
 
 

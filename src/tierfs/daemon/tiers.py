@@ -48,7 +48,13 @@ def open_gcs(cfg: Config, restorable_without: bool, warn: Callable[[str], None])
         warn(f"GCS objects in {cfg.gcs} are neither encrypted nor authenticated without the job's secret: "
              "whoever can read the bucket reads the checkpoints, and whoever can write it chooses what "
              "restores; set TIERFS_SECRET or --secret-file")
-    tier = GcsTier(cfg.gcs, cfg.job, keys=sealing, seals=cfg.bucket_seals)
+    client = None
+    if cfg.gcs_token_file is not None:  # the job's own identity, not the node's
+        from tierfs.tiers.gcs_http import make_client
+        from tierfs.tiers.gcs_identity import job_credentials
+
+        client = make_client(job_credentials(cfg))
+    tier = GcsTier(cfg.gcs, cfg.job, keys=sealing, seals=cfg.bucket_seals, client=client)
     try:
         tier.check()
     except GcsUnavailable as e:

@@ -54,6 +54,7 @@ class GcsProxy:
         self._chunk_upload_bytes = 0
         self._hold_after: int | None = None
         self._drop = False
+        self._authorizations: list[str | None] = []  # each request's Authorization header, in order
         self.holding = threading.Event()  # set once a chunk upload is held back
         self._released = threading.Event()
         self._server: http.server.ThreadingHTTPServer | None = None
@@ -76,10 +77,16 @@ class GcsProxy:
                     "methods": dict(self._methods), "chunk_uploads": self._chunk_uploads,
                     "chunk_upload_bytes": self._chunk_upload_bytes}
 
+    def authorizations(self) -> list[str | None]:
+        """The Authorization header of every request so far (None: sent without one), oldest first."""
+        with self._lock:
+            return list(self._authorizations)
+
     def reset(self) -> None:
         with self._lock:
             self._up = self._down = self._chunk_uploads = self._chunk_upload_bytes = 0
             self._methods.clear()
+            self._authorizations.clear()
 
     def hold_chunk_uploads(self, after: int) -> None:
         """Let ``after`` more chunk uploads through, then hold every later one until :meth:`release`."""
@@ -135,10 +142,12 @@ class GcsProxy:
 
     # -- what the handler calls -----------------------------------------------------------------
 
-    def _before(self, method: str, path: str, body: bytes) -> None:
-        """Count the request; hold it if it is a chunk upload past the limit (and maybe drop it then)."""
+    def _before(self, method: str, path: str, body: bytes, authorization: str | None = None) -> None:
+        """Count the request and note its Authorization header; hold it if it is a chunk upload
+        past the limit (and maybe drop it then)."""
         chunk_upload = method in ("POST", "PUT") and path.startswith("/upload/") and b"/chunks/" in body[:8192]
         with self._lock:
+            self._authorizations.append(authorization)
             self._methods[method] += 1
             self._up += len(body)
             if chunk_upload:
@@ -181,7 +190,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _forward(self) -> None:
         owner = self.owner
         body = self._body()
-        owner._before(self.command, self.path, body)
+        owner._before(self.command, self.path, body, self.headers.get("Authorization"))
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         conn = http.client.HTTPConnection(*owner._target, timeout=_TIMEOUT)
         try:

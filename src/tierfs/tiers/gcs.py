@@ -65,10 +65,10 @@ class GcsTier(Tier):
     concurrency = THREADS
 
     def __init__(self, url: str, job: str, store: GcsStore | None = None, keys: ManifestKeys | None = None,
-                 seals: Sequence[ChunkSeal] = ()):
+                 seals: Sequence[ChunkSeal] = (), client=None):
         super().__init__()
         self.url = url
-        self.store = store or GcsStore(url, job, keys=keys, seals=seals)
+        self.store = store or GcsStore(url, job, client=client, keys=keys, seals=seals)
         self._limiter = trio.CapacityLimiter(THREADS)
         self._md5: dict[str, str] = {}  # chunk -> MD5 of the object this node makes of it
         self._absent: set[str] = set()  # chunks the bucket lacked when last asked: the upload need not ask again

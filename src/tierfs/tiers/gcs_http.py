@@ -23,12 +23,13 @@ import requests
 import urllib3
 from google.api_core import exceptions as api
 from google.auth import exceptions as auth
-from google.auth.credentials import AnonymousCredentials
+from google.auth.credentials import AnonymousCredentials, Credentials
 from google.cloud import storage
 from google.cloud.storage.exceptions import DataCorruption
 
 from tierfs.core.errors import UserError
 from tierfs.core.parse import parse_gcs_url
+from tierfs.tiers.gcs_identity import IdentityRefused
 
 T = TypeVar("T")
 
@@ -100,7 +101,7 @@ class GcsBucket:
         if self._client is None:
             with self._client_lock:
                 if self._client is None:
-                    self._client = _make_client()
+                    self._client = make_client()
         return self._client
 
     def url_of(self, name: str) -> str:
@@ -216,12 +217,20 @@ class GcsBucket:
         except _TRANSIENT as e:
             raise GcsUnavailable(f"cannot {what} {self.url_of(name)}: {_reason(e)}") from e
         except _DENIED as e:
-            raise GcsAccessDenied(
-                f"cannot {what} {self.url_of(name)}: access denied ({_reason(e)}); "
-                f"let tierfs's credentials read and write objects in gs://{self.bucket}"
-            ) from None
+            raise GcsAccessDenied(self._denied(what, name, e)) from None
         except api.GoogleAPICallError as e:
             raise GcsError(f"cannot {what} {self.url_of(name)}: {_reason(e)}") from e
+
+    def _denied(self, what: str, name: str, e: BaseException) -> str:
+        """One line naming what to grant to whom: the node's credentials, or the job's own identity."""
+        if isinstance(e, IdentityRefused):  # the job's token was refused before GCS was asked
+            return f"cannot {what} {self.url_of(name)}: {e}"
+        grantee = getattr(getattr(self._client, "_credentials", None), "grantee", None)
+        if grantee is None:
+            return (f"cannot {what} {self.url_of(name)}: access denied ({_reason(e)}); "
+                    f"let tierfs's credentials read and write objects in gs://{self.bucket}")
+        return (f"cannot {what} {self.url_of(name)} as the job's identity: access denied ({_reason(e)}); "
+                f"grant roles/storage.objectUser on gs://{self.bucket} to {grantee()}")
 
     def _missing_bucket(self) -> MissingBucket:
         return MissingBucket(
@@ -229,9 +238,13 @@ class GcsBucket:
         )
 
 
-def _make_client() -> storage.Client:
-    """Anonymous against an emulator (STORAGE_EMULATOR_HOST), default credentials otherwise."""
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
+def make_client(credentials: Credentials | None = None) -> storage.Client:
+    """A client with ``credentials`` (the job's own identity: :mod:`tierfs.tiers.gcs_identity`),
+    even against an emulator; without, anonymous against an emulator (STORAGE_EMULATOR_HOST)
+    and default credentials otherwise."""
+    if credentials is not None:
+        client = storage.Client(credentials=credentials, project=None)
+    elif os.environ.get("STORAGE_EMULATOR_HOST"):
         client = storage.Client(credentials=AnonymousCredentials(), project="tierfs")
     else:
         try:

@@ -118,34 +118,24 @@ def test_extended_attributes_as_on_tmpfs(volume, ref_dir, who):
 
 FLAGS = r'''
 import fcntl, struct
+def on(path, fn, flags=os.O_RDONLY | os.O_NONBLOCK):
+    fd = os.open(path, flags)
+    try:
+        return fn(fd)
+    finally:
+        os.close(fd)
+def ioctl(path, request, size, arg=b""):
+    buf = bytearray(arg.ljust(size, b"\0"))
+    on(path, lambda fd: fcntl.ioctl(fd, request, buf))
+    return hex(struct.unpack_from("<I", buf)[0])
 def getflags(path):
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        buf = bytearray(8)
-        fcntl.ioctl(fd, 0x80086601, buf)
-        return hex(struct.unpack_from("<i", buf)[0])
-    finally:
-        os.close(fd)
+    return ioctl(path, 0x80086601, 8)
 def setflags(path, flags):
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        fcntl.ioctl(fd, 0x40086602, bytearray(struct.pack("<q", flags)))
-    finally:
-        os.close(fd)
+    ioctl(path, 0x40086602, 8, struct.pack("<q", flags))
 def xflags(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        buf = bytearray(28)
-        fcntl.ioctl(fd, 0x801C581F, buf)
-        return hex(struct.unpack_from("<I", buf)[0])
-    finally:
-        os.close(fd)
+    return ioctl(path, 0x801C581F, 28)
 def append(path, data):
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
-    try:
-        return str(os.write(fd, data))
-    finally:
-        os.close(fd)
+    return str(on(path, lambda fd: os.write(fd, data), os.O_WRONLY | os.O_APPEND))
 t("flags_appendonly", getflags, P("appendonly"))
 t("xflags_appendonly", xflags, P("appendonly"))
 t("flags_immutable_dir", getflags, P("frozen-dir"))

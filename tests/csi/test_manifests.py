@@ -654,7 +654,9 @@ def test_example_volumes_build_valid_configurations(workload):
         limits = config_ceilings()  # the examples ask for nothing the shipped ceilings refuse
         if options.get("listen"):
             limits.check_listen(*parse_address(options["listen"], "listen"), f"192.0.2.{n + 1}")
-        assert not {"data-path", "wake-cpus"} & set(attrs), "pods take the ConfigMap's data-path and wake-cpus"
+        assert not {"data-path", "wake-cpus", "engine"} & set(attrs), \
+            "pods take the ConfigMap's data-path, wake-cpus and engine"
+        limits.check_attributes(options, set(attrs))  # restore-wait, prefetch...: within the shipped bounds
         if "capacity" in attrs and limits.max_capacity is not None:
             assert parse_size(attrs["capacity"]) <= limits.max_capacity
         cfg = Config.build(mountpoint="/var/lib/kubelet/plugins/csi.tierfs.dev/mnt/job", secret=secret,

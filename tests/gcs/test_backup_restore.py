@@ -67,7 +67,7 @@ def test_round_trip_through_gcs_onto_an_empty_ram_tier(volumes, gcs_url):
     assert state["backup"]["bytes"] == sum(map(len, files.values()))
     assert state["backup"]["stored_bytes"] < state["backup"]["uploaded_bytes"], "zeros must compress"
     text = tierfs("status", vol.mountpoint).stdout
-    assert "step  10" in text and "in GCS after" in text
+    assert "step  10" in text and "in GCS after" in text and "UNAUTHENTICATED" not in text
 
     tierfs("unmount", vol.mountpoint)
     wipe(vol)

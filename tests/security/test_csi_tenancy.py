@@ -79,7 +79,8 @@ def with_config(plugin_factory, tmp_path: Path, text: str, *args: str) -> Plugin
 @pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")  # volumes without a Secret
 def test_backups_of_one_namespace_are_out_of_reach_of_another(plugin_factory, gcs_bucket, tmp_path):
     """Namespace B names job A on a node that never ran A: it neither reads nor collects A's backups."""
-    defaults = f"gcs: gs://{gcs_bucket}/tierfs\nbackup-interval: '0'\nkeep: '1'\nrestore-wait: 1s\n"
+    defaults = (f"gcs: gs://{gcs_bucket}/tierfs\nbackup-interval: '0'\nkeep: '1'\nrestore-wait: 1s\n"
+                'allow-unauthenticated-gcs: "true"\n')
     node_a = with_config(plugin_factory, tmp_path, defaults)
     target = node_a.target()
     node_a.publish(target, JOB, pod=node_a.new_pod("team-a"))
@@ -114,12 +115,13 @@ def test_pods_do_not_choose_buckets_unless_the_admin_lets_them(plugin_factory, g
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "\n" not in details and "gcs" in details
     assert not list(plugin.ramdisk.glob("*")), "nothing started for a refused volume"
 
-    same = with_config(plugin_factory, tmp_path, f"gcs: gs://{gcs_bucket}/tierfs\n")
+    same = with_config(plugin_factory, tmp_path, f"gcs: gs://{gcs_bucket}/tierfs\nallow-unauthenticated-gcs: \"true\"\n")
     same.publish(same.target(), {**JOB, "gcs": f"gs://{gcs_bucket}/tierfs/"})  # the cluster's own: fine
     assert json.loads((same.state_dir / "jobs" / "llama.json").read_text())["options"]["gcs"] == \
         f"gs://{gcs_bucket}/tierfs/default"
 
-    allowed = with_config(plugin_factory, tmp_path, "backup-interval: '0'\n", "--allow-pod-gcs")
+    allowed = with_config(plugin_factory, tmp_path, "backup-interval: '0'\nallow-unauthenticated-gcs: \"true\"\n",
+                          "--allow-pod-gcs")
     target = allowed.target()
     allowed.publish(target, {**JOB, "gcs": f"gs://{gcs_bucket}/theirs"}, pod=allowed.new_pod("team-c"))
     with open(os.path.join(target, "w.pt"), "wb") as f:
@@ -285,7 +287,7 @@ def _still_serving(plugin: Plugin, target: str) -> None:
     plugin.call("Identity", "Probe", pb.ProbeRequest())
     assert open(os.path.join(target, "kept")).read() == "still here"
     assert {p.name for p in plugin.base.iterdir()} <= {"state", "ram", "pods", "csi.sock", "plugin.log"}
-    assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "keepers", "lock", "node.key"}
+    assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "keepers", "lock", "locks", "tokens", "node.key"}
     for mount in mounts.mount_table():
         point = mount.mountpoint
         if point.startswith(str(plugin.base)):

@@ -156,3 +156,5 @@ def test_without_a_secret_the_daemon_says_once_that_the_bucket_decides(volumes, 
     wait_backed_up(vol, 1)
     (line,) = [line for line in log.read_text().splitlines() if "neither encrypted nor authenticated" in line]
     assert "TIERFS_SECRET" in line and "--secret-file" in line, line
+    second = tierfs("status", vol.mountpoint).stdout.splitlines()[1]
+    assert "UNAUTHENTICATED BUCKET" in second and f"gs://{gcs_bucket}/b" in second, second

@@ -12,13 +12,8 @@ import pytest
 
 from tests.conftest import tierfs
 from tests.fuse.conftest import SERVINGS
-from tests.gcs.test_backup_restore import (  # noqa: F401 (autouse: backups sealed with the job's secret)
-    job_secret,
-    objects,
-    wait_backed_up,
-    wait_restored,
-    wipe,
-)
+from tests.gcs.conftest import job_secret  # noqa: F401 (autouse: backups sealed with the job's secret)
+from tests.gcs.test_backup_restore import objects, wait_backed_up, wait_restored, wipe
 from tests.helpers import wait_for
 from tests.multinode.conftest import cluster  # noqa: F401 (the fixture)
 from tests.multinode.test_peers import replicated

@@ -47,6 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--keeper-cgroup", default=_env("keeper-cgroup"),
                    help="a cgroup (v2 directory, outside the plugin's container) to run each mount's keeper and "
                         "daemon in, so that a crash of the plugin's container leaves the mounts served")
+    p.add_argument("--volume-calls", type=int, default=_env("volume-calls", "32"),
+                   help="volume calls (publish, unpublish, stats) the plugin works on at once; more are refused "
+                        "with UNAVAILABLE and kubelet retries, so that the liveness probe always has a thread "
+                        "(default 32)")
     p.add_argument("--log-level", default=_env("log-level", "info"), choices=("debug", "info", "warning", "error"))
     p.set_defaults(func=run)
 
@@ -74,7 +78,10 @@ def run(args: argparse.Namespace) -> int:
         gc_after=parse_duration(args.gc_after, "--gc-after"),
         allow_pod_gcs=args.allow_pod_gcs,
         keeper_cgroup=Path(os.path.abspath(args.keeper_cgroup)) if args.keeper_cgroup else None,
+        volume_calls=args.volume_calls,
     )
+    if not 1 <= args.volume_calls <= 1024:
+        raise UserError(f"invalid --volume-calls {args.volume_calls}: use 1 to 1024")
     load_settings(cfg.config_file)  # a broken file or ceiling is a start-up error, not the first pod's
     if args.gc:
         try:

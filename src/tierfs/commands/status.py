@@ -50,6 +50,9 @@ def render(s: dict) -> str:
     cap = format_size(ram["capacity"]) + ("" if ram["capacity_bounded"] else " (ramdisk size)")
     lines = [
         f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  pid {s['pid']}  up {s['uptime_s']:.0f}s",
+        *([f"  UNAUTHENTICATED BUCKET: {s['gcs']['url']} is neither encrypted nor authenticated (no job secret): "
+           "whoever can read it reads these checkpoints, whoever can write it chooses what restores"]
+          if s.get("gcs") and s["gcs"].get("sealed") is False else []),
         f"  ram   {ram['path']}  ({_pages(ram)})",
         f"        used {format_size(ram['used'])} of {cap}",
         f"  io    data path {s['fuse']['data_path']} ({s['fuse']['engine']} engine; {s['fuse']['transfer']}): "

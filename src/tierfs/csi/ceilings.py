@@ -4,11 +4,19 @@ The ConfigMap's defaults are only defaults: a volume's attributes override them 
 Some attributes, though, spend the node rather than the job: ``capacity`` sizes a tmpfs
 (and, on the daemon path, RAM charged to the plugin's container), every new job id keeps
 a daemon and its RAM for ``--gc-after``, ``data-path: daemon`` puts every byte in the
-plugin's container, ``wake-cpus`` keeps the node's idle CPUs awake, and ``listen`` binds a
-port on the node's network as root. One pod asking for too much of any of them could
-starve every other tenant of the node, so for each the ConfigMap also holds a ceiling
-that a volume may stay under but never raise; a request over one is refused with one line
-naming the ceiling and the value asked, before anything starts.
+plugin's container (and so does ``engine: pyfuse3``, which serves the daemon path only),
+``wake-cpus`` keeps the node's idle CPUs awake, and ``listen`` binds a port on the node's
+network as root. The tuning attributes that spend the node's time, memory or network
+(``restore-wait``, ``prefetch``, ``chunk-size``...) have bounds of their own
+(:mod:`tierfs.csi.bounds`). One pod asking for too much of any of them could starve every
+other tenant of the node, so for each the ConfigMap also holds a ceiling that a volume may
+stay under but never raise; a request over one is refused with one line naming the
+ceiling and the value asked, before anything starts.
+
+One more is about trust rather than size: a job with a GCS tier but no peer secret
+restores manifests nobody signed, from a bucket every job's daemon on the node can write
+(they share the node's GCS identity unless Workload Identity splits it); so such a volume
+is refused unless the admin allows it (``allow-unauthenticated-gcs``).
 
 Every ceiling has a default, so a cluster whose admin sets none is still bounded.
 """
@@ -17,11 +25,12 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from tierfs.core.errors import UserError
 from tierfs.core.parse import format_size, parse_size
+from tierfs.csi import bounds
 
 WHERE = "ConfigMap tierfs-config"  # where the admin changes a ceiling, as messages name it
 MEMINFO = Path("/proc/meminfo")
@@ -36,11 +45,18 @@ KEYS = {
     "max-jobs-per-namespace": "job ids one namespace may hold on the node at once (default 4)",
     "allow-pod-data-path": "may a volume choose `data-path`? (default false: the ConfigMap's `data-path`)",
     "allow-pod-wake-cpus": "may a volume choose `wake-cpus`? (default false: the ConfigMap's `wake-cpus`)",
+    "allow-pod-engine": "may a volume choose `engine`? (default false: the ConfigMap's `engine`); `pyfuse3` "
+                        "is a choice of the daemon data path too, which also needs allow-pod-data-path",
+    "allow-unauthenticated-gcs": "may a volume with a GCS tier have no peer secret, so that its manifests in "
+                                 "GCS are not signed? (default false)",
     "listen-hosts": "addresses a volume's `listen` may name besides the plugin's --node-ip, comma-separated "
                     "(default: none)",
     "listen-ports": "the ports a volume's `listen` may name, LOW-HIGH (default 7420-7499)",
     "allow-privileged-ports": "may `listen-ports` reach below 1024? (default false)",
+    **bounds.KEYS,
 }
+SWITCHES = ("allow-pod-data-path", "allow-pod-wake-cpus", "allow-pod-engine", "allow-privileged-ports",
+            "allow-unauthenticated-gcs")
 _PORTS_RE = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
 _SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -61,6 +77,9 @@ class Ceilings:
     listen_hosts: frozenset[str] = frozenset()
     listen_ports: tuple[int, int] = (7420, 7499)
     allow_privileged_ports: bool = False
+    allow_pod_engine: bool = False
+    allow_unauthenticated_gcs: bool = False
+    limits: dict[str, float] = field(default_factory=lambda: dict(bounds.DEFAULTS))  # bounds.KEYS -> value
 
     @classmethod
     def parse(cls, raw: dict[str, str], where: str) -> "Ceilings":
@@ -88,7 +107,7 @@ class Ceilings:
                 if not text.isdigit() or not 1 <= int(text) <= 10000:
                     raise bad(key, "use a whole number from 1 to 10000")
                 v[key.replace("-", "_")] = int(text)
-        for key in ("allow-pod-data-path", "allow-pod-wake-cpus", "allow-privileged-ports"):
+        for key in SWITCHES:
             if key in raw:
                 text = raw[key].strip().lower()
                 if text not in _TRUE + _FALSE:
@@ -105,6 +124,7 @@ class Ceilings:
             if not 0 < low <= high < 65536:
                 raise bad("listen-ports", "use LOW-HIGH within 1-65535, e.g. 7420-7499")
             v["listen_ports"] = (low, high)
+        v["limits"] = bounds.parse(raw, where)
         ceilings = cls(**v)
         if ceilings.listen_ports[0] < PRIVILEGED_PORTS and not ceilings.allow_privileged_ports:
             raise bad("listen-ports", f"ports below {PRIVILEGED_PORTS} are the node's system services'; start the "
@@ -141,13 +161,47 @@ class Ceilings:
     # -- what pods may choose ----------------------------------------------------------
 
     def check_choice(self, key: str, asked: str, admins: str) -> None:
-        """``data-path`` and ``wake-cpus``: the admin's value unless pods may choose."""
-        allowed = {"data-path": self.allow_pod_data_path, "wake-cpus": self.allow_pod_wake_cpus}[key]
+        """``data-path``, ``wake-cpus`` and ``engine``: the admin's value unless pods may choose."""
+        allowed = {"data-path": self.allow_pod_data_path, "wake-cpus": self.allow_pod_wake_cpus,
+                   "engine": self.allow_pod_engine}[key]
         if allowed or _switch(key, asked) == _switch(key, admins):
             return
         raise OverCeiling(
             f"volume attribute {key!r} {asked[:40]!r} is over the node's ceiling allow-pod-{key}=false ({WHERE}: "
             f"pods take the admin's {key}={admins}): remove the attribute, or ask the admin to allow it"
+        )
+
+    def check_engine(self, asked: str, admins: str, admins_data_path: str) -> None:
+        """``engine``: the admin's unless pods may choose; and since pyfuse3 serves the daemon
+        data path only, choosing it chooses that path too, which allow-pod-data-path governs."""
+        self.check_choice("engine", asked, admins)
+        if (_switch("engine", asked) != "pyfuse3" or _switch("engine", admins) == "pyfuse3"
+                or self.allow_pod_data_path or _switch("data-path", admins_data_path) == "daemon"):
+            return
+        raise OverCeiling(
+            f"volume attribute 'engine' {asked[:40]!r} serves every byte through the daemon (data-path daemon), "
+            f"over the node's ceiling allow-pod-data-path=false ({WHERE}: pods take the admin's "
+            f"data-path={admins_data_path}): remove the attribute, or ask the admin to allow it"
+        )
+
+    def check_attributes(self, options: dict[str, str], chosen: set[str]) -> None:
+        """The tuning attributes a volume set (``chosen``) against the admin's bounds, in place of
+        the daemon's defaults where those are past a bound (:mod:`tierfs.csi.bounds`)."""
+        try:
+            bounds.check(self.limits, options, chosen)
+        except bounds.OutOfBounds as e:
+            raise OverCeiling(str(e)) from None
+        bounds.fill(self.limits, options)
+
+    def check_gcs_secret(self, job: str, gcs: str | None, secret: str | None) -> None:
+        """A GCS tier without the job's secret restores manifests nobody signed: refused unless allowed."""
+        if not gcs or secret or self.allow_unauthenticated_gcs:
+            return
+        raise OverCeiling(
+            f"job {job} backs up to GCS ({gcs[:120]}) but its volume has no peer secret, so its manifests there "
+            f"would be unsigned and any writer of the bucket could choose what it restores: reference a Secret with "
+            f"key 'secret' in the volume's nodePublishSecretRef, or ask the admin to set "
+            f"allow-unauthenticated-gcs: \"true\" ({WHERE})"
         )
 
     def check_listen(self, host: str, port: int, node_ip: str | None) -> None:
@@ -187,7 +241,11 @@ class Ceilings:
 
 
 def check_admin_defaults(defaults: dict[str, str], ceilings: Ceilings, where: str, mem_total: int) -> None:
-    """The ConfigMap's own default capacity must be one a volume could ask for."""
+    """The ConfigMap's own defaults must be ones a volume could ask for: its capacity, its tuning."""
+    try:
+        bounds.check(ceilings.limits, defaults)
+    except bounds.OutOfBounds as e:
+        raise UserError(e.for_admin(where)) from None
     if "capacity" not in defaults:
         return
     try:

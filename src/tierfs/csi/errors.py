@@ -26,3 +26,15 @@ class AlreadyExists(VolumeError):
 
 class FailedPrecondition(VolumeError):
     code = "FAILED_PRECONDITION"
+
+
+class Aborted(VolumeError):
+    """Another call is working on the same job: kubelet retries (the CSI spec's "operation pending")."""
+
+    code = "ABORTED"
+
+
+class Unavailable(VolumeError):
+    """The plugin works on as many volume calls as it may: kubelet retries, the probe is not held up."""
+
+    code = "UNAVAILABLE"

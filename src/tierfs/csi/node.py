@@ -6,7 +6,7 @@ import grpc
 
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.errors import InvalidArgument, VolumeError
-from tierfs.csi.rpc import service
+from tierfs.csi.rpc import Gate, service
 from tierfs.csi.settings import PublishRequest
 from tierfs.csi.volumes import Volumes
 
@@ -40,7 +40,8 @@ def _check_capability(request: pb.NodePublishVolumeRequest) -> None:
         raise InvalidArgument(f"mount flags {list(cap.mount.mount_flags)} are not supported: use volume attributes")
 
 
-def handler(volumes: Volumes, node_id: str) -> grpc.GenericRpcHandler:
+def handler(volumes: Volumes, node_id: str, calls: int) -> grpc.GenericRpcHandler:
+    """The Node service; at most ``calls`` of its calls run at once (:class:`tierfs.csi.rpc.Gate`)."""
     def publish(request: pb.NodePublishVolumeRequest) -> pb.NodePublishVolumeResponse:
         _require(request.volume_id, "volume_id")
         _require(request.target_path, "target_path")
@@ -96,4 +97,4 @@ def handler(volumes: Volumes, node_id: str) -> grpc.GenericRpcHandler:
         "NodeStageVolume": unimplemented("NodeStageVolume"),
         "NodeUnstageVolume": unimplemented("NodeUnstageVolume"),
         "NodeExpandVolume": unimplemented("NodeExpandVolume"),
-    })
+    }, Gate(calls, "volume calls"))

@@ -8,12 +8,14 @@ table of plain functions.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+import threading
+from contextlib import contextmanager
+from typing import Callable, ContextManager, Iterator
 
 import grpc
 
 from tierfs.csi import csi_pb2 as pb
-from tierfs.csi.errors import VolumeError
+from tierfs.csi.errors import Unavailable, VolumeError
 
 log = logging.getLogger("tierfs.csi")
 PACKAGE = "csi.v1"
@@ -28,29 +30,62 @@ def one_line(text: str, limit: int = MAX_DETAILS) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+class Gate:
+    """At most ``size`` calls of a service at once; the next one is refused at once, never queued.
+
+    A call queued behind slow ones would sit in the server's thread pool, where the
+    Identity service's calls (the liveness probe) must always find a thread free; refused
+    (UNAVAILABLE), it is retried by kubelet a moment later instead.
+    """
+
+    def __init__(self, size: int, what: str):
+        self.size, self.what = size, what
+        self._free = threading.BoundedSemaphore(size)
+
+    @contextmanager
+    def __call__(self) -> Iterator[None]:
+        if not self._free.acquire(blocking=False):
+            raise Unavailable(f"the plugin is working on {self.size} {self.what} at once already, its most "
+                              "(tierfs csi --volume-calls): kubelet retries")
+        try:
+            yield
+        finally:
+            self._free.release()
+
+
+@contextmanager
+def _open() -> Iterator[None]:
+    yield
+
+
 def _message_class(descriptor):
     return getattr(pb, descriptor.name)
 
 
-def service(name: str, methods: dict[str, Callable]) -> grpc.GenericRpcHandler:
-    """A handler for ``csi.v1.<name>``; methods missing from ``methods`` answer UNIMPLEMENTED."""
+def service(name: str, methods: dict[str, Callable],
+            gate: Callable[[], ContextManager[None]] = _open) -> grpc.GenericRpcHandler:
+    """A handler for ``csi.v1.<name>``; methods missing from ``methods`` answer UNIMPLEMENTED.
+
+    ``gate``: entered around every call (a :class:`Gate` bounds how many run at once).
+    """
     handlers = {}
     for method in pb.DESCRIPTOR.services_by_name[name].methods:
         fn = methods.get(method.name)
         if fn is None:
             continue
         handlers[method.name] = grpc.unary_unary_rpc_method_handler(
-            _answer(f"{name}.{method.name}", fn),
+            _answer(f"{name}.{method.name}", fn, gate),
             request_deserializer=_message_class(method.input_type).FromString,
             response_serializer=_message_class(method.output_type).SerializeToString,
         )
     return grpc.method_handlers_generic_handler(f"{PACKAGE}.{name}", handlers)
 
 
-def _answer(name: str, fn: Callable):
+def _answer(name: str, fn: Callable, gate: Callable[[], ContextManager[None]]):
     def call(request, context: grpc.ServicerContext):
         try:
-            return fn(request)
+            with gate():
+                return fn(request)
         except VolumeError as e:
             message = one_line(str(e))
             log.warning("%s: %s %s", name, e.code, message)

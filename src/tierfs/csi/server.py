@@ -3,6 +3,13 @@
 The main thread owns everything: it starts the server (whose worker threads it stops on
 the way out), adopts what a previous run left, then sleeps between garbage collections
 until SIGTERM or SIGINT. Daemons are separate processes and keep running when it exits.
+
+The liveness probe calls Identity.Probe() on the same socket as kubelet's volume calls, so
+no volume call may hold it up: the server has ``--volume-calls`` threads for the Node
+service, which refuses any call beyond them (UNAVAILABLE, kubelet retries), and
+``IDENTITY_THREADS`` more that only the Identity service's calls (and those refusals, which
+take microseconds) ever use. Different jobs' calls run side by side
+(:mod:`tierfs.csi.locks`), so one slow daemon start holds one thread, not the node.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from tierfs.csi.volumes import Volumes
 
 log = logging.getLogger("tierfs.csi")
 GC_CHECK_INTERVAL = 60.0
+IDENTITY_THREADS = 4  # the server's threads beyond the volume calls': the probe's
 
 
 def socket_path(endpoint: str) -> Path:
@@ -42,8 +50,9 @@ def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None)
     # Before listening: no call may race a volume being brought back or taken over, and the
     # socket appears once this plugin can answer (a rollout's new pod is ready only then).
     volumes.adopt()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="csi"))
-    server.add_generic_rpc_handlers((identity.handler(), node.handler(volumes, cfg.node_id)))
+    threads = futures.ThreadPoolExecutor(max_workers=cfg.volume_calls + IDENTITY_THREADS, thread_name_prefix="csi")
+    server = grpc.server(threads)
+    server.add_generic_rpc_handlers((identity.handler(), node.handler(volumes, cfg.node_id, cfg.volume_calls)))
     try:
         server.add_insecure_port(f"unix://{path}")
     except RuntimeError as e:

@@ -25,7 +25,7 @@ import yaml
 from tierfs.config import OPTIONS, Config
 from tierfs.core.errors import UserError
 from tierfs.core.parse import check_job_id, parse_address, parse_size
-from tierfs.csi import ceilings, kube
+from tierfs.csi import ceilings, kube, tokens
 from tierfs.csi.ceilings import Ceilings, OverCeiling
 from tierfs.csi.errors import FailedPrecondition, InvalidArgument
 
@@ -54,6 +54,7 @@ class PluginConfig:
     allow_pod_gcs: bool = False  # may a volume's `gcs` name a bucket/prefix other than the cluster's?
     tierfs: tuple[str, ...] = (sys.executable, "-m", "tierfs")  # how to run the CLI
     keeper_cgroup: Path | None = None  # a cgroup outside the plugin's container for the keepers
+    volume_calls: int = 32  # Node service calls at once; the Identity service has threads of its own
 
 
 @dataclass(frozen=True)
@@ -70,8 +71,9 @@ class PublishRequest:
         Keyed with the node's secret key, so the stored digest confirms no guess of the
         peer secret to someone who reads it without the key.
         """
-        text = json.dumps([self.target, self.read_only, sorted(self.context.items()),
-                           self.secrets.get("secret", "")])
+        # Not the service-account token: kubelet sends a fresh one with each republish.
+        context = sorted((k, v) for k, v in self.context.items() if k != tokens.TOKENS)
+        text = json.dumps([self.target, self.read_only, context, self.secrets.get("secret", "")])
         return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
 
 
@@ -178,12 +180,17 @@ def volume_options(cfg: PluginConfig, req: PublishRequest, namespace: str) -> tu
         for key, daemons_default in (("data-path", Config.data_path), ("wake-cpus", "on")):
             if key in req.context:
                 limits.check_choice(key, req.context[key], admins.get(key, daemons_default))
+        if "engine" in req.context:
+            limits.check_engine(req.context["engine"], admins.get("engine", Config.engine),
+                                admins.get("data-path", Config.data_path))
+        limits.check_attributes(options, set(req.context))
         if options.get("listen"):
             try:
                 host, port = parse_address(options["listen"], "volume attribute listen")
             except UserError as e:
                 raise InvalidArgument(str(e)) from None
             limits.check_listen(host, port, cfg.node_ip)
+        limits.check_gcs_secret(options["job"], options.get("gcs"), req.secrets.get("secret"))
     except OverCeiling as e:
         raise InvalidArgument(str(e)) from None
     if options.get("peers") and not req.secrets.get("secret"):
@@ -200,23 +207,42 @@ def volume_options(cfg: PluginConfig, req: PublishRequest, namespace: str) -> tu
     return options, limits
 
 
-def check_node_ceilings(req: PublishRequest, options: dict[str, str], limits: Ceilings, job: str, namespace: str,
-                        node_id: str, others: list[dict], new_job: bool) -> None:
-    """The ceilings that count what the node already holds: its jobs (``others``, their records) and their capacities.
+def check_expanded_peers(limits: Ceilings, options: dict[str, str]) -> None:
+    """``peers: auto``, once the plugin named the pods: as many addresses as max-peers allows."""
+    try:
+        limits.check_attributes(options, {"peers"})
+    except OverCeiling as e:
+        raise InvalidArgument(str(e)) from None
+
+
+def settle_capacity(req: PublishRequest, options: dict[str, str], limits: Ceilings) -> str:
+    """The volume's capacity, in ``options``; returns who chose it, as refusals name it.
 
     A volume without ``capacity`` gets the admin's default, or a share of the node's
-    ceiling; either way every job on the node runs with a capacity the ceilings counted.
+    ceiling; either way every job on the node runs with a capacity the ceilings count.
     """
-    try:
-        memory = ceilings.mem_total()
-    except UserError as e:
-        raise FailedPrecondition(str(e)) from None
-    fallback = f"{limits.default_capacity(memory) >> 20}M"
+    fallback = f"{limits.default_capacity(_memory()) >> 20}M"
     if "capacity" in req.context:
         what = f"volume attribute 'capacity' {options['capacity'][:40]}"
     else:
         what = f"the {'ConfigMap' if 'capacity' in options else 'node'}'s default capacity " \
                f"{options.setdefault('capacity', fallback)}"
+    try:
+        parse_size(options["capacity"], "capacity")
+    except UserError as e:
+        raise InvalidArgument(f"volume attribute capacity: {e}") from None
+    return what
+
+
+def check_node_ceilings(options: dict[str, str], what: str, limits: Ceilings, job: str, namespace: str,
+                        node_id: str, others: list[dict], new_job: bool) -> None:
+    """The ceilings that count what the node already holds: its jobs (``others``, their records) and their capacities.
+
+    Called under the node-wide lock, with the claim of the job written before it is
+    released, so that two jobs published at once never both fit into the same room.
+    """
+    memory = _memory()
+    fallback = f"{limits.default_capacity(memory) >> 20}M"
     held = 0
     for record in others:  # a record of an older plugin may have no capacity: count the default
         try:
@@ -224,21 +250,27 @@ def check_node_ceilings(req: PublishRequest, options: dict[str, str], limits: Ce
         except UserError:
             held += parse_size(fallback)
     try:
-        capacity = parse_size(options["capacity"], "capacity")
-    except UserError as e:
-        raise InvalidArgument(f"volume attribute capacity: {e}") from None
-    try:
         if new_job:
             limits.check_jobs(job, namespace, node_id, {r["job"]: r.get("namespace") for r in others})
-        limits.check_capacity(capacity, what, memory, held)
+        limits.check_capacity(parse_size(options["capacity"], "capacity"), what, memory, held)
     except OverCeiling as e:
         raise InvalidArgument(str(e)) from None
 
 
-def check_daemon_options(job: str, staging: Path, ramdisk: Path, options: dict[str, str], secret: str | None) -> None:
-    """Refuse bad attributes with the daemon's own message, before any process starts."""
+def _memory() -> int:
     try:
-        Config.build(mountpoint=staging, ramdisk=ramdisk, secret=secret,
+        return ceilings.mem_total()
+    except UserError as e:
+        raise FailedPrecondition(str(e)) from None
+
+
+def check_daemon_options(job: str, staging: Path, ramdisk: Path, options: dict[str, str], secret: str | None,
+                         token_file: Path | None = None) -> None:
+    """Refuse bad attributes with the daemon's own message, before any process starts
+    (``token_file``: the job's service-account token, as the daemon will be given it)."""
+    extra = {"gcs_token_file": token_file} if token_file is not None else {}
+    try:
+        Config.build(mountpoint=staging, ramdisk=ramdisk, secret=secret, **extra,
                      **{k.replace("-", "_"): v for k, v in options.items()})
     except UserError as e:
         raise InvalidArgument(f"job {job}: {e}") from None

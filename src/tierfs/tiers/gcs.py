@@ -257,7 +257,7 @@ class GcsTier(Tier):
         return (cfg.backup_interval, cfg.backup_interval_steps) if cfg is not None else (0.0, 0)
 
     def lane_report(self) -> dict:
-        return {"label": self.url, "url": self.url,
+        return {"label": self.url, "url": self.url, "sealed": bool(self.store.seals),
                 "backup_interval_s": self.cfg.backup_interval if self.cfg is not None else 0.0}
 
     def report(self) -> dict:

@@ -231,6 +231,12 @@ def test_the_admin_widens_listen_addresses_and_ports(plugin_factory, tmp_path):
     ("listen-ports: 80-90\n", "allow-privileged-ports"),
     ("listen-hosts: 'a b'\n", "invalid listen-hosts 'a b'"),
     ("max-capacity: [1G]\n", "single value"),
+    ("max-restore-wait: soon\n", "invalid max-restore-wait 'soon'"),
+    ("max-chunk-size: 4K\n", "invalid max-chunk-size '4K': use at least 64K"),
+    ("max-replicas: 0\n", "invalid max-replicas '0': use at least 1"),
+    ("min-log-level: loud\n", "invalid min-log-level 'loud'"),
+    ("allow-pod-engine: maybe\n", "invalid allow-pod-engine 'maybe'"),
+    ("restore-wait: 20m\n", "the default restore-wait '20m' is over the ceiling max-restore-wait=10m"),
 ])
 def test_bad_ceilings_refuse_the_plugins_start_with_one_line(tmp_path, text, what):
     config = tmp_path / "config.yaml"

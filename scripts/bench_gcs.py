@@ -68,6 +68,7 @@ from google.cloud.storage import transfer_manager
 
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
 from tierfs.core.keys import new_secret  # noqa: E402
+from tierfs.ramtier.tmpfs import delete_ram_data  # noqa: E402
 from tierfs.testing.gcs_emulator import GcsEmulator  # noqa: E402
 from benchlib import (progress, GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
                       interrupt_on_signals, is_mounted, no_interruptions, parse_size,
@@ -474,7 +475,7 @@ def main() -> int:
                 subprocess.run(["umount", "-l", str(vol.mountpoint)], capture_output=True)
                 print(f"bench_gcs: warning: {e}; detached {vol.mountpoint}", file=sys.stderr)
             emu.stop()
-            shutil.rmtree(ram, ignore_errors=True)
+            delete_ram_data(ram)  # the rank's own tmpfs (--capacity) first, then the rest
             if is_mounted(vol.mountpoint):
                 print(f"bench_gcs: warning: {vol.mountpoint} is still mounted; left {tmp}", file=sys.stderr)
             else:

@@ -68,6 +68,15 @@ a subprocess; matplotlib only for ``--plot``. Everything it creates lives under
 /dev/shm/bench-io-* and /tmp/bench-io-* and is removed (and the mounts unmounted) on exit,
 also on errors and Ctrl-C.
 
+``--metrics`` mounts the volumes with ``--metrics`` and scrapes each endpoint every second
+while measuring, as Prometheus would; ``--before CHECKOUT`` adds a volume per data path
+served by another checkout's code (``<path>-before``), measured in the same rounds, and
+prints each row's ratio to it. Together they measure what metrics cost::
+
+    git worktree add /tmp/tierfs-before <an earlier commit>
+    .venv/bin/python scripts/bench_io.py --metrics --before /tmp/tierfs-before --data-paths daemon \
+        --modes psync --bs 1M --jobs 1 --fallocate none --rounds 7
+
 ``--reference NAME=DIR`` adds a side: a directory on any other file system, measured like
 the others (e.g. libfuse's C ``passthrough_hp`` example, built by
 ``scripts/libfuse_reference.sh``, to see what a FUSE daemon written in C gets on this
@@ -92,12 +101,14 @@ import platform
 import shlex
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.request
 
 from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, cpu_idle,  # noqa: E402
                       interrupt_on_signals, last_line, parse_size, pyplot, save_figure, warm_up, write_all,
@@ -400,7 +411,7 @@ class Run:
         self.raw: list[dict] = []
 
     def sides(self) -> tuple[str, ...]:
-        return ("tmpfs", *self.args.data_paths, *(name for name, _ in self.args.reference))
+        return ("tmpfs", *self.mounts, *(name for name, _ in self.args.reference))
 
     def configs(self) -> list[dict]:
         """What each round measures: every fio configuration (written, then read; preallocated
@@ -581,6 +592,64 @@ def render_table(rows: list[dict]) -> str:
     return "\n".join([line(head), rule] + [line(b) for b in body])
 
 
+def render_before(rows: list[dict], paths: list[str]) -> str:
+    """Each volume against the same path served by ``--before``'s code, measured in the same rounds."""
+    out = []
+    for r in rows:
+        for path in paths:
+            now, then = r.get(f"{path}_gib_s"), r.get(f"{path}-before_gib_s")
+            cpu_now, cpu_then = r.get(f"{path}_cpu_s_per_gib"), r.get(f"{path}-before_cpu_s_per_gib")
+            if now and then:
+                cpu = f", daemon CPU {cpu_now / cpu_then:.3f}x" if cpu_now and cpu_then else ""
+                out.append(f"# {row_label(r)} {path}: {now / then:.3f}x the throughput of --before{cpu}")
+    return "\n".join(out)
+
+
+class Scraper:
+    """Scrapes every endpoint each second from a thread of its own, as Prometheus would, for as
+    long as the ``with`` block lasts; what the metrics cost shows in the sides' numbers."""
+
+    def __init__(self, urls: list[str]):
+        self.urls, self.done, self.failed = urls, 0, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="scraper", daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            for url in self.urls:
+                try:
+                    with urllib.request.urlopen(url, timeout=5) as r:
+                        r.read()
+                    self.done += 1
+                except OSError:
+                    self.failed += 1
+
+    def __enter__(self) -> Scraper:
+        if self.urls:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        if self.failed:
+            raise BenchError(f"{self.failed} scrapes of {', '.join(self.urls)} failed")
+
+
+def before_src(checkout: str) -> str:
+    src = os.path.join(os.path.abspath(checkout), "src")
+    if not os.path.isfile(os.path.join(src, "tierfs", "__init__.py")):
+        raise BenchError(f"--before {checkout}: no tierfs checkout there (no src/tierfs)")
+    return src
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def plot(path: str, rows: list[dict], title: str) -> str | None:
     plt = pyplot()
     if plt is None:
@@ -656,6 +725,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also measure DIR, a directory on another file system, as side NAME "
                         "(e.g. a libfuse passthrough_hp mount; repeatable)")
     p.add_argument("--capacity", help="passed to both volumes' tierfs mount --capacity")
+    p.add_argument("--metrics", action="store_true",
+                   help="mount the volumes with --metrics and scrape each endpoint every second while measuring")
+    p.add_argument("--before", metavar="CHECKOUT",
+                   help="another checkout of tierfs (e.g. a git worktree of an earlier commit): its code serves "
+                        "one more volume per data path, '<path>-before', measured in the same rounds")
     p.add_argument("--replot", metavar="JSON", help="re-render the table and --plot of a saved --json run")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: --size 128M --rounds 2 --files 200 unless given")
@@ -740,9 +814,18 @@ def main(argv: list[str] | None = None) -> int:
             mountpoint = os.path.join(tmp_root, path)
             os.mkdir(mountpoint)
             ramdisk = mkdtemp(f"bench-io-ram-{path}-", "/dev/shm")
+            metered = ("--metrics", f"127.0.0.1:{free_port()}") if args.metrics else ()
             mounts[path] = TierfsMount(mountpoint, ramdisk, runtime, data_path=path, job=f"bench-{path}",
-                                       capacity=args.capacity)
+                                       capacity=args.capacity, extra=metered)
             dirs[path] = mountpoint
+        for path in args.data_paths if args.before else ():
+            side = f"{path}-before"
+            mountpoint = os.path.join(tmp_root, side)
+            os.mkdir(mountpoint)
+            mounts[side] = TierfsMount(mountpoint, mkdtemp(f"bench-io-ram-{side}-", "/dev/shm"), runtime,
+                                       data_path=path, job=f"bench-{side}", capacity=args.capacity,
+                                       src=before_src(args.before))
+            dirs[side] = mountpoint
         dirs.update(args.reference)
 
         cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
@@ -768,13 +851,15 @@ def main(argv: list[str] | None = None) -> int:
         for path, mount in mounts.items():
             mount.mount()
             settings[f"{path}_daemon_pid"] = mount.pid
-            progress(f"mounted {mount.mountpoint} with --data-path {path} (daemon pid {mount.pid}, "
+            progress(f"mounted {mount.mountpoint} with --data-path {mount.data_path} (daemon pid {mount.pid}, "
                      f"engine {mount.status['fuse']['engine']})")
 
         started = time.monotonic()
         run = Run(args, engine, dirs, mounts, progress)
-        raw = run.run()
+        with Scraper([m.status["metrics"] for m in mounts.values() if m.status.get("metrics")]) as scraper:
+            raw = run.run()
         settings["elapsed_s"] = round(time.monotonic() - started, 1)
+        settings["scrapes"] = scraper.done
         if args.files:  # the renames committed steps on the volumes, as Orbax's do
             for path, mount in mounts.items():
                 steps = [s["step"] for s in mount.read_status().get("steps", [])]
@@ -785,6 +870,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = summarize(run.rows(), raw, run.sides())
 
         print(render_table(rows))
+        if args.before:
+            print(render_before(rows, args.data_paths))
         if args.rounds < 5:
             print(f"# note: only {args.rounds} rounds; use >= 5 for numbers to keep")
         if args.json:

@@ -73,10 +73,10 @@ def answers(mountpoint: str) -> bool:
     """Whether the daemon registered for ``mountpoint`` answers its control socket."""
     from tierfs.core import mounts  # noqa: PLC0415
     from tierfs.core.errors import UserError  # noqa: PLC0415
-    from tierfs.daemon import control  # noqa: PLC0415
+    from tierfs.core import control_client  # noqa: PLC0415
 
     try:
-        control.request(mounts.Registration(mountpoint).socket_path, {"op": "status"}, timeout=5)
+        control_client.request(mounts.Registration(mountpoint).socket_path, {"op": "status"}, timeout=5)
     except UserError:
         return False
     return True

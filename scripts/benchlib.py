@@ -331,9 +331,14 @@ def warm_up(path: str, size: int, buf: memoryview, writers: int | None = None) -
 
 # ----------------------------------------------------------------------------- a tierfs volume
 
-def tierfs_env(runtime: str | os.PathLike) -> dict[str, str]:
-    """The environment for the tierfs CLI: this checkout's code first (see SRC_DIR), a daemon registry of our own."""
-    return dict(os.environ, TIERFS_RUNTIME_DIR=str(runtime))
+def tierfs_env(runtime: str | os.PathLike, src: str | os.PathLike | None = None) -> dict[str, str]:
+    """The environment for the tierfs CLI: this checkout's code first (see SRC_DIR), or ``src``
+    (another checkout's, to measure two versions in one run), and a daemon registry of our own."""
+    env = dict(os.environ, TIERFS_RUNTIME_DIR=str(runtime))
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(src), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                                                         if p and p != str(SRC_DIR))])
+    return env
 
 
 def last_line(text: str) -> str:
@@ -350,10 +355,11 @@ class TierfsMount:
     """
 
     def __init__(self, mountpoint: str, ramdisk: str, runtime: str, data_path: str = "auto",
-                 job: str = "bench", capacity: str | None = None, extra: tuple[str, ...] = ()):
+                 job: str = "bench", capacity: str | None = None, extra: tuple[str, ...] = (),
+                 src: str | None = None):
         self.mountpoint, self.ramdisk, self.job = mountpoint, ramdisk, job
         self.data_path, self.capacity, self.extra = data_path, capacity, tuple(extra)
-        self.env = tierfs_env(runtime)
+        self.env = tierfs_env(runtime, src)
         self.pid: int | None = None
         self.status: dict = {}
         self.log_hint = runtime

@@ -18,6 +18,7 @@ command -v fio >/dev/null || need+=(fio)
 command -v nft >/dev/null || need+=(nftables)  # the fault-schedule tests cut nodes off the network
 command -v gcc >/dev/null || need+=(gcc)
 command -v setfacl >/dev/null || need+=(acl)  # the ACL conformance tests set ACLs as users would
+command -v promtool >/dev/null || need+=(prometheus)  # the monitoring tests scrape real daemons with it
 python3 -c 'import ensurepip' 2>/dev/null || need+=(python3-venv)
 python3 -c 'import sysconfig, os, sys; sys.exit(not os.path.exists(sysconfig.get_paths()["include"] + "/Python.h"))' \
     || need+=(python3-dev)

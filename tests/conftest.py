@@ -24,6 +24,7 @@ from tierfs.core import mounts
 from tierfs.ramtier.tmpfs import delete_ram_data
 from tierfs.testing import TIERFS, cleanup_mount, unmount_all_beneath
 from tierfs.testing.gcs_emulator import GcsEmulator
+from tests.prometheus import prometheus  # noqa: F401 (a fixture for every test package)
 
 SHM = Path("/dev/shm")
 
@@ -61,7 +62,8 @@ class DaemonLogs:
     ``@pytest.mark.expect_log(regex, ...)`` or ``daemon_logs.expect(regex)``.
     """
 
-    PROBLEM = re.compile(r"^\S+ \S+ \d+ (WARNING|ERROR|CRITICAL) |^Traceback ")
+    # A text line's level, a JSON line's (--log-format json), or a traceback's first line.
+    PROBLEM = re.compile(r'^\S+ \S+ \d+ (WARNING|ERROR|CRITICAL) |^\{.*"level": "(warning|error|critical)"|^Traceback ')
 
     def __init__(self, runtime_dir: Path):
         self.runtime_dir = runtime_dir

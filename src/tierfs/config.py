@@ -21,6 +21,7 @@ from tierfs.core import chunks
 from tierfs.core.commit import CommitRules, parse_rules
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys, bucket_seals, manifest_keys, split_secrets
+from tierfs.core.logs import DEFAULT_MAX_SIZE, LOG_BACKUPS, LOG_FORMATS, MIN_MAX_SIZE
 from tierfs.core.parse import (
     COORDINATOR_PORT,
     check_job_id,
@@ -99,8 +100,12 @@ OPTIONS = {
     "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
     "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
     "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
+    "mtbf": "the job's mean time between failures, e.g. 6h, for the checkpoint interval tierfs advises "
+            "(default: the failures it has seen)",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
+    "log-format": "text (the default) or json: one object per line, with time, level, job, rank and the event",
+    "log-max-size": f"rotate the log past this size, keeping {LOG_BACKUPS} older files (default 64M; 0: never)",
 }
 # Host directories of `tierfs mount` and of mount -o that a pod author must not choose either
 # (so not in OPTIONS); the CSI plugin passes TIERFS_DISK from its own environment to every daemon.
@@ -111,6 +116,12 @@ HOST_PATH_OPTIONS = {
     "gcs-token-file": "file holding the job's Kubernetes service-account token (a JWT, re-read whenever a new "
                       "access token is needed): GCS is then reached as the job's identity, exchanged at "
                       "--gcs-token-audience, not as the node's",
+}
+# Addresses on the host: `tierfs mount` options, never a pod's to choose (the CSI plugin
+# serves every daemon's metrics on its own endpoint).
+HOST_ADDRESS_OPTIONS = {
+    "metrics": "HOST:PORT to serve Prometheus metrics at /metrics (default: none; the CSI plugin "
+               "serves its daemons' metrics itself)",
 }
 # Host files for the peer service's TLS: options of `tierfs mount` and of mount -o, but not of
 # OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
@@ -147,6 +158,8 @@ class Config:
     foreground: bool = False
     log_level: str = "info"
     log_file: Path | None = None
+    log_format: str = "text"  # or "json" (tierfs.core.logs)
+    log_max_size: int = DEFAULT_MAX_SIZE  # bytes; 0 = the log never rotates
     read_only: bool = False
     start_fresh: bool = False  # start even if the tiers hold a newer complete step than the one chosen
     commit_rule: str = "default"
@@ -183,6 +196,8 @@ class Config:
     gcs_sts_url: str = DEFAULT_STS_URL
     gcs_service_account: str | None = None  # a Google service account to impersonate, if any
     gcs_iam_url: str = DEFAULT_IAM_URL
+    metrics: tuple[str, int] | None = None  # where /metrics is served
+    mtbf: float | None = None  # seconds: the operator's mean time between the job's failures
 
     @classmethod
     def build(cls, **values) -> "Config":
@@ -207,7 +222,7 @@ class Config:
         for key in ("rank", "nodes"):
             if key in v:
                 v[key] = _parse_int(v[key], key)
-        for key in ("capacity", "chunk_size"):
+        for key in ("capacity", "chunk_size", "log_max_size"):
             if key in v:
                 v[key] = parse_size(v[key], key.replace("_", "-"))
         for key in ("backup_interval", "gc_grace", "restore_wait", "survey_interval"):
@@ -218,6 +233,10 @@ class Config:
                 v[key] = _parse_int(v[key], key.replace("_", "-"))
         if "listen" in v:
             v["listen"] = parse_address(v["listen"], "--listen")
+        if "metrics" in v:
+            v["metrics"] = parse_address(v["metrics"], "--metrics")
+        if "mtbf" in v:
+            v["mtbf"] = parse_duration(v["mtbf"], "mtbf")
         if "coordinator" in v:
             text = str(v["coordinator"]).strip()
             host, port = parse_address(text if ":" in text else f"{text}:{COORDINATOR_PORT}", "--coordinator")
@@ -242,7 +261,7 @@ class Config:
         if isinstance(v.get("secret"), bytes) and "older_secrets" not in v:
             v["secret"], v["older_secrets"] = split_secrets(v["secret"])
             v["secret"] = v["secret"] or None
-        for key in ("log_level", "data_path", "engine"):
+        for key in ("log_level", "log_format", "data_path", "engine"):
             if key in v:
                 v[key] = str(v[key]).strip().lower()
         for key, choice in (("data_path", DataPath), ("engine", Engine)):
@@ -269,6 +288,8 @@ class Config:
             raise UserError(f"invalid --keep {self.keep}: keep at least 1 step in GCS")
         if self.keep_local < 1:
             raise UserError(f"invalid --keep-local {self.keep_local}: keep at least 1 step in RAM")
+        if self.mtbf is not None and self.mtbf < 60:
+            raise UserError(f"invalid --mtbf {self.mtbf:g}s: a job fails at most every minute or so; use e.g. 6h")
         if self.survey_interval < 1:
             raise UserError(f"invalid --survey-interval {self.survey_interval:g}s: use at least 1s")
         if not 0 <= self.prefetch <= 256:
@@ -307,6 +328,11 @@ class Config:
             raise UserError("--engine pyfuse3 cannot pass files through: use --data-path daemon or auto")
         if self.log_level not in LOG_LEVELS:
             raise UserError(f"invalid log level {self.log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+        if self.log_format not in LOG_FORMATS:
+            raise UserError(f"invalid --log-format {self.log_format!r}: use text or json")
+        if 0 < self.log_max_size < MIN_MAX_SIZE:
+            raise UserError(f"invalid --log-max-size {self.log_max_size}: use 0 (never rotate) or at least "
+                            f"{MIN_MAX_SIZE >> 10}K")
 
     @property
     def rules(self) -> CommitRules:

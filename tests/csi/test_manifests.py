@@ -67,7 +67,10 @@ ENV_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 # -- loading ---------------------------------------------------------------------------
 
 def yaml_files() -> list[Path]:
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml"))
+    # monitoring/ needs the Prometheus Operator's CRDs and holds Prometheus rule files:
+    # tests/csi/test_monitoring.py checks it.
+    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml")
+                  and DEPLOY / "monitoring" not in p.parents)
 
 
 @lru_cache(maxsize=None)
@@ -309,6 +312,7 @@ def test_plugin_command_is_the_contract_and_the_cli_accepts_it():
         "ramdisk": "/dev/shm/tierfs",
         "config": "/etc/tierfs/config.yaml",
         "keeper-cgroup": "/sys/fs/cgroup/tierfs.slice",
+        "metrics": "0.0.0.0:9809",
     }
     # The keepers' cgroup is the host's: its hierarchy is mounted where the flag names it.
     spec = daemonset()["spec"]["template"]["spec"]
@@ -448,7 +452,8 @@ def test_rbac_grants_get_pods_to_the_plugin_only():
     sa = one("ServiceAccount", name=ds["spec"]["template"]["spec"]["serviceAccountName"])
     assert sa["metadata"] == {**sa["metadata"], "name": "tierfs-csi", "namespace": NAMESPACE}
     role = one("ClusterRole")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]}]
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]}]
     binding = one("ClusterRoleBinding")
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
                                   "name": role["metadata"]["name"]}

@@ -40,7 +40,7 @@ def test_identity_names_the_driver_and_offers_no_controller(plugin):
     info = plugin.call("Identity", "GetPluginInfo", pb.GetPluginInfoRequest())
     assert info.name == DRIVER_NAME and info.vendor_version
     assert list(plugin.call("Identity", "GetPluginCapabilities", pb.GetPluginCapabilitiesRequest()).capabilities) == []
-    assert not plugin.call("Identity", "Probe", pb.ProbeRequest()).HasField("ready")  # unset = ready
+    assert plugin.call("Identity", "Probe", pb.ProbeRequest()).ready.value  # tests/csi/test_health.py: when not
     assert plugin.call("Node", "NodeGetInfo", pb.NodeGetInfoRequest()).node_id == "node-a"
     caps = plugin.call("Node", "NodeGetCapabilities", pb.NodeGetCapabilitiesRequest()).capabilities
     RPC = pb.NodeServiceCapability.RPC

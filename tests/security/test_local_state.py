@@ -38,7 +38,7 @@ from tests.security.test_untrusted_bytes import (
     one_line,
     sample,
 )
-from tierfs.core import mounts
+from tierfs.core import control_client, mounts
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.manifest import Entry, Manifest
@@ -220,7 +220,7 @@ def test_the_control_socket_is_never_open_to_others(tmp_path, monkeypatch):
 
         async with trio.open_nursery() as nursery:
             await nursery.start(control.serve, tmp_path / "run" / "x.sock", handler)
-            reply = await trio.to_thread.run_sync(control.request, tmp_path / "run" / "x.sock", {"op": "status"})
+            reply = await trio.to_thread.run_sync(control_client.request, tmp_path / "run" / "x.sock", {"op": "status"})
             assert reply == {"ok": True}
             nursery.cancel_scope.cancel()
 

@@ -10,9 +10,8 @@ import argparse
 import os
 from pathlib import Path
 
-from tierfs.core import mounts
+from tierfs.core import control_client, mounts
 from tierfs.core.errors import UserError
-from tierfs.daemon import control
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -30,7 +29,7 @@ def run(args: argparse.Namespace) -> int:
     if mountpoint is None:
         raise UserError(f"{path} is not inside a tierfs mount")
     rel = path.relative_to(mountpoint).as_posix()
-    reply = control.request(mounts.Registration(mountpoint).socket_path,
+    reply = control_client.request(mounts.Registration(mountpoint).socket_path,
                             {"op": "commit", "path": rel, "step": args.step})
     print(f"committed {rel} as step {reply['step']}")
     return 0

@@ -15,7 +15,8 @@ import sys
 from pathlib import Path
 
 from tierfs.config import DEFAULT_RAMDISK
-from tierfs.core.parse import parse_duration
+from tierfs.core.logs import LOG_FORMATS, JsonFormatter
+from tierfs.core.parse import parse_address, parse_duration
 
 DEFAULT_STATE_DIR = "/var/lib/kubelet/plugins/csi.tierfs.dev"
 
@@ -44,6 +45,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gc", metavar="JOB", help="delete JOB's daemon and RAM data on this node now, then exit")
     p.add_argument("--probe", action="store_true",
                    help="ask the plugin at --endpoint whether it answers (exit 0) or not (exit 1), then exit")
+    p.add_argument("--ready", action="store_true",
+                   help="as --probe, and exit 1 also when the plugin answers that it cannot serve new volumes "
+                        "(its readiness; --probe is its liveness)")
     p.add_argument("--keeper-cgroup", default=_env("keeper-cgroup"),
                    help="a cgroup (v2 directory, outside the plugin's container) to run each mount's keeper and "
                         "daemon in, so that a crash of the plugin's container leaves the mounts served")
@@ -51,7 +55,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="volume calls (publish, unpublish, stats) the plugin works on at once; more are refused "
                         "with UNAVAILABLE and kubelet retries, so that the liveness probe always has a thread "
                         "(default 32)")
+    p.add_argument("--event-interval", default=_env("event-interval", "15s"),
+                   help="how often the plugin looks at its daemons to post Kubernetes Events on their pods "
+                        "(default 15s)")
+    p.add_argument("--event-backup-lag", default=_env("event-backup-lag", "10m"),
+                   help="how long a job's GCS backup may fail or lag before a TierfsBackupFailing Event on its "
+                        "pods (default 10m)")
+    p.add_argument("--metrics", default=_env("metrics"), metavar="HOST:PORT",
+                   help="serve Prometheus metrics (the plugin's and every daemon's on the node) at /metrics, "
+                        "with /healthz and /daemons (default: none)")
     p.add_argument("--log-level", default=_env("log-level", "info"), choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-format", default=_env("log-format", "text"),
+                   help="text (the default) or json (one object per line), for the plugin's log and every daemon's; "
+                        "the plugin relays its daemons' logs to its stdout")
     p.set_defaults(func=run)
 
 
@@ -64,10 +80,14 @@ def run(args: argparse.Namespace) -> int:
     from tierfs.csi.settings import PluginConfig, load_settings
     from tierfs.csi.volumes import Volumes
 
-    if args.probe:
-        return probe(args.endpoint)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.probe or args.ready:
+        return probe(args.endpoint, ready=args.ready)
+    if args.log_format not in LOG_FORMATS:
+        raise UserError(f"invalid --log-format {args.log_format!r}: use text or json")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if args.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     cfg = PluginConfig(
         node_id=args.node_id or os.uname().nodename,
         node_ip=args.node_ip,
@@ -79,9 +99,15 @@ def run(args: argparse.Namespace) -> int:
         allow_pod_gcs=args.allow_pod_gcs,
         keeper_cgroup=Path(os.path.abspath(args.keeper_cgroup)) if args.keeper_cgroup else None,
         volume_calls=args.volume_calls,
+        event_interval=parse_duration(args.event_interval, "--event-interval"),
+        event_backup_lag=parse_duration(args.event_backup_lag, "--event-backup-lag"),
+        log_format=args.log_format,
+        metrics=parse_address(args.metrics, "--metrics") if args.metrics else None,
     )
     if not 1 <= args.volume_calls <= 1024:
         raise UserError(f"invalid --volume-calls {args.volume_calls}: use 1 to 1024")
+    if cfg.event_interval <= 0 or cfg.event_backup_lag < 0:
+        raise UserError("--event-interval must be above 0 and --event-backup-lag not below 0")
     load_settings(cfg.config_file)  # a broken file or ceiling is a start-up error, not the first pod's
     if args.gc:
         try:
@@ -96,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def probe(endpoint: str | None, timeout: float = 8.0) -> int:
-    """Call the plugin's Probe() once, as kubelet's liveness check."""
+def probe(endpoint: str | None, ready: bool = False, timeout: float = 8.0) -> int:
+    """Call the plugin's Probe() once: that it answers is its liveness; with ``ready``, that it
+    also says it can serve new volumes is its readiness."""
     import grpc  # noqa: PLC0415
 
     from tierfs.core.errors import UserError  # noqa: PLC0415
@@ -108,7 +135,9 @@ def probe(endpoint: str | None, timeout: float = 8.0) -> int:
         raise UserError("csi --probe needs --endpoint unix:///PATH")
     with grpc.insecure_channel(endpoint) as channel:
         try:
-            stub(channel, "Identity", "Probe")(pb.ProbeRequest(), timeout=timeout)
+            answer = stub(channel, "Identity", "Probe")(pb.ProbeRequest(), timeout=timeout)
         except grpc.RpcError as e:
             raise UserError(f"the CSI plugin at {endpoint} does not answer: {e.code().name}") from None
+    if ready and answer.HasField("ready") and not answer.ready.value:
+        raise UserError(f"the CSI plugin at {endpoint} cannot serve new volumes: see its log")
     return 0

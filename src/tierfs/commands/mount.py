@@ -12,9 +12,11 @@ import signal
 import sys
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import NoReturn
 
 from tierfs.config import (
+    HOST_ADDRESS_OPTIONS,
     HOST_PATH_OPTIONS,
     OPTIONS,
     TLS_FILE_OPTIONS,
@@ -22,12 +24,12 @@ from tierfs.config import (
     env_name,
     env_value,
 )
-from tierfs.core import mounts
+from tierfs.core import logs, mounts
 from tierfs.core.errors import UserError
 from tierfs.daemon import keeper
 from tierfs.peers import tls
 
-_FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **TLS_FILE_OPTIONS}
+_FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **HOST_ADDRESS_OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
 _IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users",
                           "nofail", "_netdev", "dev", "nodev", "suid", "nosuid", "exec",
@@ -70,7 +72,7 @@ def keep(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None) -
     ``fuse_fd``: a live connection taken from another keeper."""
     from tierfs.daemon import daemon, host  # noqa: PLC0415 (slow imports, for the daemon only)
 
-    host.setup_logging(cfg)
+    host.setup_logging(cfg, rotate=False)  # the daemon rotates the log; its keeper follows
     if cgroup := os.environ.get(keeper.CGROUP_ENV):
         keeper.join_cgroup(cgroup)
     if fuse_fd is None:
@@ -153,7 +155,7 @@ def spawn(cfg: Config) -> int:
     pid = os.fork()
     if pid == 0:
         os.close(read_fd)
-        _run_detached(cfg, log_fd, write_fd, fuse_fd)  # never returns
+        _run_detached(cfg, log_fd, write_fd, fuse_fd, log_path)  # never returns
     os.close(log_fd)
     os.close(write_fd)
     if fuse_fd is not None:
@@ -178,7 +180,7 @@ def spawn(cfg: Config) -> int:
     raise UserError(f"the tierfs daemon exited before mounting {cfg.mountpoint}: see {log_path}")
 
 
-def _run_detached(cfg: Config, log_fd: int, ready_fd: int, fuse_fd: int | None) -> NoReturn:
+def _run_detached(cfg: Config, log_fd: int, ready_fd: int, fuse_fd: int | None, log_path: Path) -> NoReturn:
     """The keeper's side of the fork: its own session, output to the log, exit without unwinding the CLI."""
     code = 1
     try:
@@ -191,8 +193,10 @@ def _run_detached(cfg: Config, log_fd: int, ready_fd: int, fuse_fd: int | None) 
         os.close(log_fd)
         code = keep(cfg, ready_fd, fuse_fd)
     except UserError as e:  # after the mount was ready: the log is the only place left to say it
+        logs.follow(log_path)  # the newest file, should the daemon have rotated it
         print(f"tierfs: {e}", file=sys.stderr)
     except BaseException:  # noqa: BLE001 (a bug: its traceback, in the log)
+        logs.follow(log_path)
         traceback.print_exc()
     finally:
         sys.stdout.flush()

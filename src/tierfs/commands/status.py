@@ -6,10 +6,9 @@ import argparse
 import json
 from pathlib import Path
 
-from tierfs.core import mounts
+from tierfs.core import control_client, mounts
 from tierfs.core.errors import UserError
 from tierfs.core.parse import format_size
-from tierfs.daemon import control
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -25,7 +24,7 @@ def fetch(mountpoint: Path) -> dict:
         raise UserError(f"{mountpoint} is not a tierfs mount: mount it with tierfs mount {mountpoint}")
     if mounts.is_dead(mountpoint):
         raise UserError(f"the daemon of {mountpoint} is gone: run tierfs mount again to recover it")
-    return control.request(mounts.Registration(mountpoint).socket_path, {"op": "status"})
+    return control_client.request(mounts.Registration(mountpoint).socket_path, {"op": "status"})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -116,7 +115,34 @@ def render(s: dict) -> str:
     if held:
         lines.append(f"  holds {held.get('manifests', 0)} replica step(s) of other ranks, "
                      f"{format_size(held.get('bytes', 0))}")
+    if s.get("goodput"):
+        lines += goodput_lines(s["goodput"], s.get("failures", 0))
+    if s.get("metrics"):
+        lines.append(f"  metrics {s['metrics']}")
     return "\n".join(lines)
+
+
+def _seconds(x: float | None) -> str:
+    if x is None:
+        return "unknown"
+    return f"{x:.0f}s" if x < 120 else f"{x / 60:.0f}m" if x < 7200 else f"{x / 3600:.1f}h"
+
+
+def goodput_lines(g: dict, failures: int) -> list[str]:
+    """The job's checkpointing as this rank sees it (docs/goodput.md says how it is computed)."""
+    if g.get("interval_s") is None:
+        return ["  goodput  too few commits yet to tell"]
+    cost = f"{g['cost_s']:.1f}s" if g.get("cost_s") is not None else "unknown"
+    overhead = f" ({g['overhead_ratio']:.1%})" if g.get("overhead_ratio") is not None else ""
+    risk = ", ".join(f"{tier} {_seconds(sec)}" for tier, sec in sorted((g.get("at_risk_s") or {}).items()))
+    lines = [f"  goodput  a step every {_seconds(g['interval_s'])}, each costing the job {cost}{overhead}; "
+             f"work at risk now: {risk or 'all of it'}",
+             f"           expected loss per failure {_seconds(g.get('expected_loss_s'))}; {failures} failure(s) seen"]
+    if g.get("mtbf_s") is not None and g.get("goodput_ratio") is not None:
+        best = g.get("optimal_interval_s")
+        lines.append(f"           at an MTBF of {_seconds(g['mtbf_s'])}: goodput {g['goodput_ratio']:.1%}; "
+                     f"a step every {_seconds(best)} would give {g.get('optimal_goodput_ratio') or 0:.1%}")
+    return lines
 
 
 def shared_by_twins(backup: dict) -> str:

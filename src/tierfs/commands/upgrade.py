@@ -14,9 +14,8 @@ import signal
 import time
 from pathlib import Path
 
-from tierfs.core import mounts
+from tierfs.core import control_client, mounts
 from tierfs.core.errors import UserError
-from tierfs.daemon import control
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     if "keeper" not in info or not mounts.process_alive(info["keeper"]):
         raise UserError(f"the daemon of {mountpoint} has no keeper to hand it over (mounted by an older "
                         f"tierfs): unmount it and mount it again")
-    connection = control.request(reg.socket_path, {"op": "status"}).get("connection") or {}
+    connection = control_client.request(reg.socket_path, {"op": "status"}).get("connection") or {}
     if not connection.get("kept"):
         raise UserError(f"{mountpoint} is served by pyfuse3, whose FUSE connection cannot be handed over: "
                         f"unmount it and mount it again")
@@ -48,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         now = reg.read() or {}
         if now.get("pid") not in (None, info["pid"]):
             try:
-                status = control.request(reg.socket_path, {"op": "status"}, timeout=5)
+                status = control_client.request(reg.socket_path, {"op": "status"}, timeout=5)
             except UserError:
                 status = None  # registered, not answering yet
             if status is not None:

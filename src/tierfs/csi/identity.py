@@ -1,16 +1,35 @@
-"""The CSI Identity service: who the plugin is, and whether it is ready."""
+"""The CSI Identity service: who the plugin is, and whether it is ready.
+
+Ready means the plugin can serve new volumes (:func:`tierfs.csi.health.can_serve`), not that
+every job's daemon is well: a sick daemon is its job's trouble, shown on ``/daemons`` and in
+its pods' Events, and a plugin marked unready for it would keep serving nobody better.
+"""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import grpc
+from google.protobuf.wrappers_pb2 import BoolValue
 
 from tierfs import __version__
-from tierfs.csi import DRIVER_NAME
+from tierfs.csi import DRIVER_NAME, health
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.rpc import service
+from tierfs.csi.settings import PluginConfig
+
+log = logging.getLogger("tierfs.csi")
+NOT_READY_LOG_EVERY = 60.0  # seconds
 
 
-def handler() -> grpc.GenericRpcHandler:
+def handler(cfg: PluginConfig) -> grpc.GenericRpcHandler:
+    # What the log said last, and when: probes come every few seconds, the log hears of a
+    # change at once and of an unready plugin once a minute.
+    said = {"reason": health.READY, "at": 0.0}
+    said_lock = threading.Lock()
+
     def get_plugin_info(request: pb.GetPluginInfoRequest) -> pb.GetPluginInfoResponse:
         return pb.GetPluginInfoResponse(name=DRIVER_NAME, vendor_version=__version__)
 
@@ -18,7 +37,17 @@ def handler() -> grpc.GenericRpcHandler:
         return pb.GetPluginCapabilitiesResponse()  # a node plugin only: no controller service
 
     def probe(request: pb.ProbeRequest) -> pb.ProbeResponse:
-        return pb.ProbeResponse()  # no readiness field: ready as soon as it answers
+        ready, reason = health.can_serve(cfg)
+        now = time.monotonic()
+        with said_lock:
+            tell = said["reason"] != reason or (not ready and now - said["at"] >= NOT_READY_LOG_EVERY)
+            if tell:
+                said.update(reason=reason, at=now)
+        if tell and ready:
+            log.info("ready to serve volumes again")
+        elif tell:
+            log.warning("not ready to serve volumes: %s", reason)
+        return pb.ProbeResponse(ready=BoolValue(value=ready))
 
     return service("Identity", {
         "GetPluginInfo": get_plugin_info,

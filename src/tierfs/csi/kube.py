@@ -2,7 +2,8 @@
 
 kubelet hands a CSI driver only the pod's name, namespace and uid (``podInfoOnMount``);
 the indexes that make a rank are labels on the pod, so the plugin reads the pod once at
-publish time with its service account (RBAC: ``get`` on ``pods``, nothing else).
+publish time with its service account (RBAC: ``get`` on ``pods``). The only other calls
+post Events on the pods (:mod:`tierfs.csi.events`; ``create`` and ``patch`` on ``events``).
 
 The same labels name every pod of the job (volume attribute ``peers: auto``): JobSet pods
 are ``<jobset>-<replicatedJob>-<jobIndex>-<podIndex>`` and Indexed Job pods ``<job>-<index>``,
@@ -53,6 +54,14 @@ def check_pod_name(name: str) -> str:
 
 class RankUnknown(Exception):
     """The pod carries no index the rank can come from; the message says what to set."""
+
+
+class EventRefused(Exception):
+    """The API server did not take an Event (or was not reached); the message says why."""
+
+
+class EventGone(EventRefused):
+    """The Event to update is no longer there (the API server expires Events after an hour)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,8 @@ def _range(n: int) -> str:
 
 
 class KubeClient:
-    """A read-only client for one call: GET a pod. ``api`` overrides the in-cluster address."""
+    """A client for the plugin's few calls: GET a pod, post and update Events on pods.
+    ``api`` overrides the in-cluster address."""
 
     def __init__(self, api: str | None = None):
         host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
@@ -203,3 +213,29 @@ class KubeClient:
         if not isinstance(pod, dict):
             raise RankUnknown(f"reading {where} answered JSON that is not an object")
         return pod
+
+    def post_event(self, namespace: str, event: dict) -> None:
+        """Create a core/v1 Event in ``namespace``."""
+        self._send("POST", f"/api/v1/namespaces/{quote(check_namespace(namespace))}/events", event,
+                   "application/json")
+
+    def patch_event(self, namespace: str, name: str, patch: dict) -> None:
+        """Merge ``patch`` into the Event ``name``; :class:`EventGone` if it has expired."""
+        path = f"/api/v1/namespaces/{quote(check_namespace(namespace))}/events/{quote(check_pod_name(name))}"
+        self._send("PATCH", path, patch, "application/merge-patch+json")
+
+    def _send(self, method: str, path: str, body: dict, content_type: str) -> None:
+        if not self.api:
+            raise EventRefused("the plugin has no Kubernetes API to post Events to")
+        try:
+            with requests.request(method, self.api.rstrip("/") + path, data=json.dumps(body).encode(),
+                                  headers={**self.headers, "Content-Type": content_type}, verify=self.verify,
+                                  timeout=10, stream=True) as reply:
+                status = reply.status_code
+        except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
+            raise EventRefused(f"cannot reach {self.api}: {e}") from None
+        if status == 404 and method == "PATCH":
+            raise EventGone(f"{path} is gone")
+        if not 200 <= status < 300:
+            raise EventRefused(f"{method} {path} answered HTTP {status}" + (
+                " (does the plugin's service account have create and patch on events?)" if status == 403 else ""))

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
+from tierfs.core.errors import UserError
 from tierfs.csi import csi_pb2 as pb
-from tierfs.csi.errors import InvalidArgument, VolumeError
+from tierfs.csi.errors import Aborted, InvalidArgument, VolumeError
 from tierfs.csi.rpc import Gate, service
 from tierfs.csi.settings import PublishRequest
 from tierfs.csi.volumes import Volumes
@@ -40,17 +43,27 @@ def _check_capability(request: pb.NodePublishVolumeRequest) -> None:
         raise InvalidArgument(f"mount flags {list(cap.mount.mount_flags)} are not supported: use volume attributes")
 
 
-def handler(volumes: Volumes, node_id: str, calls: int) -> grpc.GenericRpcHandler:
-    """The Node service; at most ``calls`` of its calls run at once (:class:`tierfs.csi.rpc.Gate`)."""
+def handler(volumes: Volumes, node_id: str, calls: int,
+            refused: Callable[[dict[str, str], str], None] | None = None) -> grpc.GenericRpcHandler:
+    """The Node service; at most ``calls`` of its calls run at once (:class:`tierfs.csi.rpc.Gate`).
+
+    ``refused(volume_context, message)`` hears of each publish refused for good (not a
+    busy job's ABORTED, which kubelet retries at once): the pod's TierfsStartRefused Event.
+    """
     def publish(request: pb.NodePublishVolumeRequest) -> pb.NodePublishVolumeResponse:
         _require(request.volume_id, "volume_id")
         _require(request.target_path, "target_path")
         _check_capability(request)
-        volumes.publish(PublishRequest(
-            volume_id=request.volume_id, target=request.target_path,
-            read_only=request.readonly or request.volume_capability.access_mode.mode in READ_ONLY_MODES,
-            context=dict(request.volume_context), secrets=dict(request.secrets),
-        ))
+        try:
+            volumes.publish(PublishRequest(
+                volume_id=request.volume_id, target=request.target_path,
+                read_only=request.readonly or request.volume_capability.access_mode.mode in READ_ONLY_MODES,
+                context=dict(request.volume_context), secrets=dict(request.secrets),
+            ))
+        except (VolumeError, UserError) as e:
+            if refused is not None and not isinstance(e, Aborted):
+                refused(dict(request.volume_context), str(e))
+            raise
         return pb.NodePublishVolumeResponse()
 
     def unpublish(request: pb.NodeUnpublishVolumeRequest) -> pb.NodeUnpublishVolumeResponse:

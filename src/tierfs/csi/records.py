@@ -17,10 +17,14 @@ from pathlib import Path
 
 from tierfs.core import mounts
 from tierfs.core.atomic import write_atomically
+from tierfs.csi import kube
 from tierfs.csi.locks import StateLocks
+from tierfs.csi.settings import POD_INFO, POD_NAME, POD_NAMESPACE
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 KEY_BYTES = 32
+POD_UID = POD_INFO + "pod.uid"
+_UID_CHARS = frozenset("0123456789abcdefABCDEF-")
 
 
 def read_json(path: Path) -> dict | None:
@@ -42,6 +46,25 @@ def write_json(path: Path, data: dict) -> None:
 def alive(path: Path | str) -> bool:
     entry = mounts.find_mount(path)
     return entry is not None and entry.fstype == mounts.FSTYPE and not mounts.is_dead(path)
+
+
+def pod_of(context: dict[str, str]) -> dict | None:
+    """The pod kubelet published a volume for (podInfoOnMount): its namespace, name and uid,
+    kept in the volume's record so that the plugin can post Events on the pod later on.
+
+    None when kubelet named no valid pod; a uid that is no UUID is left out (it goes into
+    the Events' JSON, never a URL). Records of older plugins have no ``pod``.
+    """
+    name, namespace, uid = context.get(POD_NAME), context.get(POD_NAMESPACE), context.get(POD_UID, "")
+    try:
+        kube.check_pod_name(name or "")
+        kube.check_namespace(namespace or "")
+    except ValueError:
+        return None
+    pod = {"namespace": namespace, "name": name}
+    if uid and len(uid) <= 64 and set(uid) <= _UID_CHARS:
+        pod["uid"] = uid
+    return pod
 
 
 class StateDir:

@@ -81,18 +81,28 @@ def service(name: str, methods: dict[str, Callable],
     return grpc.method_handlers_generic_handler(f"{PACKAGE}.{name}", handlers)
 
 
+# (method, gRPC code name) -> calls answered so: tierfs_plugin_volume_calls_total
+CALLS: dict[tuple[str, str], int] = {}
+_calls_lock = threading.Lock()
+
+
 def _answer(name: str, fn: Callable, gate: Callable[[], ContextManager[None]]):
     def call(request, context: grpc.ServicerContext):
+        code = "OK"
         try:
             with gate():
                 return fn(request)
         except VolumeError as e:
-            message = one_line(str(e))
+            code, message = e.code, one_line(str(e))
             log.warning("%s: %s %s", name, e.code, message)
             context.abort(grpc.StatusCode[e.code], message)
         except Exception as e:  # noqa: BLE001 (a bug: its traceback in the log, a clean code to kubelet)
+            code = "INTERNAL"
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, one_line(f"{type(e).__name__}: {e}"))
+        finally:
+            with _calls_lock:
+                CALLS[name, code] = CALLS.get((name, code), 0) + 1
 
     return call
 

@@ -3,6 +3,8 @@
 The main thread owns everything: it starts the server (whose worker threads it stops on
 the way out), adopts what a previous run left, then sleeps between garbage collections
 until SIGTERM or SIGINT. Daemons are separate processes and keep running when it exits.
+Threads started and joined by it post the pods' Events (:mod:`tierfs.csi.events`), relay
+the daemons' logs (:mod:`tierfs.csi.logrelay`) and serve the node's metrics (:mod:`tierfs.csi.metrics`).
 
 The liveness probe calls Identity.Probe() on the same socket as kubelet's volume calls, so
 no volume call may hold it up: the server has ``--volume-calls`` threads for the Node
@@ -25,7 +27,8 @@ from pathlib import Path
 import grpc
 
 from tierfs.core.errors import UserError
-from tierfs.csi import identity, node
+from tierfs.csi import events, identity, metrics, node
+from tierfs.csi.logrelay import LogRelay
 from tierfs.csi.settings import PluginConfig
 from tierfs.csi.volumes import Volumes
 
@@ -50,9 +53,11 @@ def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None)
     # Before listening: no call may race a volume being brought back or taken over, and the
     # socket appears once this plugin can answer (a rollout's new pod is ready only then).
     volumes.adopt()
+    watcher = events.EventWatcher(volumes, cfg)  # the pods' Events, from start() to stop()
     threads = futures.ThreadPoolExecutor(max_workers=cfg.volume_calls + IDENTITY_THREADS, thread_name_prefix="csi")
     server = grpc.server(threads)
-    server.add_generic_rpc_handlers((identity.handler(), node.handler(volumes, cfg.node_id, cfg.volume_calls)))
+    server.add_generic_rpc_handlers((identity.handler(cfg), node.handler(volumes, cfg.node_id, cfg.volume_calls,
+                                                                          refused=watcher.refused)))
     try:
         server.add_insecure_port(f"unix://{path}")
     except RuntimeError as e:
@@ -62,12 +67,21 @@ def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None)
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
     server.start()
+    relay = LogRelay(cfg.state_dir / "logs", cfg.log_format)  # the daemons' logs to stdout, from now on
+    http = None
     try:
+        relay.start()
+        watcher.start()
+        http = metrics.serve(cfg, volumes)  # /metrics, /healthz, /daemons
         log.info("serving CSI for node %s on %s", cfg.node_id, path)
         while not stop.wait(min(GC_CHECK_INTERVAL, cfg.gc_after or GC_CHECK_INTERVAL)):
             for job in volumes.collect_idle():
                 log.info("job %s was unused for %.0fs: its data on this node is gone", job, cfg.gc_after)
     finally:
+        if http is not None:
+            http.close()
         server.stop(grace=5).wait()
+        relay.stop()  # after the calls: their daemons' last lines are relayed too
+        watcher.stop()
         if path.exists():
             os.unlink(path)

@@ -34,7 +34,9 @@ EPHEMERAL = POD_INFO + "ephemeral"
 POD_NAME, POD_NAMESPACE = POD_INFO + "pod.name", POD_INFO + "pod.namespace"
 # Options a pod author must not choose: they name paths on the host.
 HOST_OPTIONS = {"ramdisk", "log-file", "secret-file"}
-ATTRIBUTES = sorted(set(OPTIONS) - HOST_OPTIONS)
+# The node's logs, the same for every daemon: the plugin relays them in its own format (tierfs.csi.logrelay).
+PLUGIN_OPTIONS = {"log-format", "log-max-size"}
+ATTRIBUTES = sorted(set(OPTIONS) - HOST_OPTIONS - PLUGIN_OPTIONS)
 PEER_PORT = 7420  # the peer service's port when a volume names peers but no listen address
 AUTO = "auto"  # volume attribute peers: auto: the pods of the pod's JobSet or Indexed Job
 MAX_ATTRIBUTE = 64 << 10  # characters in one attribute value (a 1000-node `peers` list fits)
@@ -55,6 +57,10 @@ class PluginConfig:
     tierfs: tuple[str, ...] = (sys.executable, "-m", "tierfs")  # how to run the CLI
     keeper_cgroup: Path | None = None  # a cgroup outside the plugin's container for the keepers
     volume_calls: int = 32  # Node service calls at once; the Identity service has threads of its own
+    event_interval: float = 15.0  # seconds between looks at the daemons for the pods' Events
+    event_backup_lag: float = 600.0  # seconds a job's GCS backup may fail or lag before its pods hear of it
+    log_format: str = "text"  # the plugin's and every daemon's (--log-format)
+    metrics: tuple[str, int] | None = None  # HOST:PORT of the node's /metrics, /healthz and /daemons
 
 
 @dataclass(frozen=True)
@@ -152,6 +158,7 @@ def volume_options(cfg: PluginConfig, req: PublishRequest, namespace: str) -> tu
             raise InvalidArgument(
                 f"unknown volume attribute {key[:64]!r}"
                 + (" (a host path; set by the plugin)" if key in HOST_OPTIONS else "")
+                + (" (the node's logs; set by the plugin)" if key in PLUGIN_OPTIONS else "")
                 + f": use {', '.join(ATTRIBUTES)}"
             )
         check_value(key, value)

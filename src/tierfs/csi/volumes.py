@@ -7,7 +7,7 @@ under its state directory, so a restarted plugin picks up where it was:
 
     jobs/<job>.json      the job on this node: rank (sticky), namespace, daemon options, idle since
     jobs/<job>.secret    the job's peer secret, to restart its daemon without a pod
-    volumes/<id>.json    one published volume: target path, read-only, job, request digest
+    volumes/<id>.json    one published volume: target path, read-only, job, request digest, pod
     mnt/<job>/           the daemon's FUSE mount, the source of every bind mount
     keepers/<key>.sock   where the keeper of a job's mount offers its connection to the next plugin
     logs/<job>.log       the daemon's log
@@ -60,7 +60,7 @@ from tierfs.csi.errors import (
     VolumeError,
 )
 from tierfs.csi.locks import Busy
-from tierfs.csi.records import PRIVATE_FILE, StateDir
+from tierfs.csi.records import PRIVATE_FILE, StateDir, pod_of
 from tierfs.csi.tokens import pod_token, write_token
 from tierfs.csi.records import alive as _alive
 from tierfs.csi.records import read_json as _read_json
@@ -189,7 +189,7 @@ class Volumes(StateDir):
             linux.bind_mount(str(self.staging(job)), req.target, read_only=req.read_only)
             _write_json(self._volume_path(req.volume_id), {
                 "volume_id": req.volume_id, "target": req.target, "read_only": req.read_only,
-                "job": job, "rank": rank, "request": digest, "published": time.time(),
+                "job": job, "rank": rank, "request": digest, "published": time.time(), "pod": pod_of(req.context),
             })
             self._touch_job(job, idle=False)
             log.info("published %s: job %s rank %d at %s%s", req.volume_id, job, rank, req.target,
@@ -308,7 +308,7 @@ class Volumes(StateDir):
             linux.umount(str(staging), linux.MNT_DETACH)
         staging.mkdir(parents=True, exist_ok=True)
         args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
-                "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log")]
+                "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log"), f"--log-format={self.cfg.log_format}"]
         args += [f"--{key}={value}" for key, value in sorted(options.items())]  # one word each: never a flag
         if options.get("gcs-token-audience") and self._token_path(job).exists():  # the job's GCS identity (tokens.py)
             args.append(f"--gcs-token-file={self._token_path(job)}")
@@ -479,8 +479,9 @@ class Volumes(StateDir):
             delete_ram_data(self.cfg.ramdisk / job)
         except OSError as e:
             raise VolumeError(f"could not delete the RAM tier of job {job}: {e.strerror}") from None
+        logs = self.cfg.state_dir / "logs"
         for path in (self._job_path(job), self._secret_path(job), self._token_path(job),
-                     self.cfg.state_dir / "logs" / f"{job}.log"):
+                     logs / f"{job}.log", *logs.glob(f"{job}.log.[0-9]")):  # and its rotated parts
             path.unlink(missing_ok=True)
         if staging.is_dir():
             staging.rmdir()

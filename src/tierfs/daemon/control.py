@@ -1,7 +1,10 @@
 """The daemon's control socket: one JSON request per connection, one JSON reply.
 
-Requests: ``status`` (answered by :func:`tierfs.daemon.status.report`) and ``commit`` (``tierfs
-commit PATH``, answered by :func:`commit`); :class:`Answers` routes them.
+Requests: ``status`` (answered by :func:`tierfs.daemon.status.report`), ``commit`` (``tierfs
+commit PATH``, answered by :func:`commit`) and ``metrics`` (the daemon's Prometheus series,
+which the CSI plugin serves for every daemon of its node); :class:`Answers` routes them. An
+asker that leaves early (a timeout) costs its own answer only. Commands and the
+CSI plugin ask with :func:`tierfs.core.control_client.request`.
 
 It lives in the runtime directory, not in the mount, so nothing the volume shows to a
 training job is ever a control file it could list, copy or delete by accident. It is
@@ -59,7 +62,10 @@ async def _one(handler: Handler, stream: trio.SocketStream) -> None:
     async with stream:
         buf = b""
         while not buf.endswith(b"\n") and len(buf) < MAX_REQUEST:
-            chunk = await stream.receive_some(65536)
+            try:
+                chunk = await stream.receive_some(65536)
+            except trio.BrokenResourceError:  # the asker left
+                return
             if not chunk:
                 break
             buf += chunk
@@ -71,19 +77,25 @@ async def _one(handler: Handler, stream: trio.SocketStream) -> None:
         except Exception as e:  # a bug; it must still not take the daemon down
             log.exception("control request failed")
             reply = {"error": str(e)}
-        await stream.send_all(json.dumps(reply).encode() + b"\n")
+        try:
+            await stream.send_all(json.dumps(reply).encode() + b"\n")
+        except trio.BrokenResourceError:  # the asker gave up waiting (a timeout): its loss, not the daemon's
+            log.info("a control request's asker left before its answer")
 
 
 class Answers:
     """The daemon's answers to the control socket's requests."""
 
-    def __init__(self, status: Callable[[], dict], commit: Callable[[str, int | None], dict]):
-        self._status, self._commit = status, commit
+    def __init__(self, status: Callable[[], dict], commit: Callable[[str, int | None], dict],
+                 metrics: Callable[[], str] = lambda: ""):
+        self._status, self._commit, self._metrics = status, commit, metrics
 
     async def __call__(self, request: dict) -> dict:
         op = request.get("op")
         if op == "status":
             return self._status()
+        if op == "metrics":  # the CSI plugin serves every daemon's series on the node's one endpoint
+            return {"text": self._metrics()}
         if op == "commit":
             return self._commit(request["path"], request.get("step"))
         raise ValueError(f"unknown request {op!r}")
@@ -98,20 +110,3 @@ def commit(steps: Steps, path: str, step: int | None) -> dict:
         raise ValueError(f"{path} does not exist in the volume")
     return {"step": state.step, "roots": state.roots, "version": state.version}
 
-
-def request(path: Path, message: dict, timeout: float = 10.0) -> dict:
-    """Send one request from a command-line process (plain blocking socket)."""
-    try:
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-            s.settimeout(timeout)
-            s.connect(os.fspath(path))
-            s.sendall(json.dumps(message).encode() + b"\n")
-            data = b""
-            while chunk := s.recv(65536):
-                data += chunk
-    except OSError as e:
-        raise UserError(f"cannot reach the tierfs daemon at {path} ({e.strerror or e}): is it running?") from None
-    reply = json.loads(data)
-    if "error" in reply:
-        raise UserError(f"daemon error: {reply['error']}")
-    return reply

@@ -33,6 +33,7 @@ from tierfs.core.parse import format_size
 from tierfs.daemon import control, host, status
 from tierfs.daemon.connection import Connection
 from tierfs.daemon.keeper import CANNOT_TAKE_OVER, HANDOVER
+from tierfs.daemon.metrics import Telemetry
 from tierfs.daemon.tiers import node_tiers
 from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
@@ -98,6 +99,7 @@ class Daemon:
                                    restore=lambda: self.restore, reconfigure=self._reconfigure)
         self.mtc: MtcNode | None = None  # the job's multi-tier checkpointing files, unless read-only (start)
         self.replicator: Replicator | None = None
+        self.telemetry: Telemetry | None = None  # its endpoint is bound at start: a taken port is a user error
         self.restore: Restore | None = None
         self.mounted = False
         self.ready = False
@@ -146,9 +148,11 @@ class Daemon:
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
         self.connection.keep_record(self.engine, self.ops, self.rank, self.data_path == DataPath.PASSTHROUGH)
+        self.telemetry = Telemetry(cfg, self._status, lambda: getattr(self.engine, "times", None),
+                                   self.rank.path / "goodput.json", self.started)
         self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
                                      self.retention_floor if self._beyond_ram() or self.network else None,
-                                     self._ram_short)
+                                     self._ram_short, self.telemetry.meters)
         if not cfg.read_only:
             self.mtc = self.multitier.start()
             self.replicator.dropped = self.mtc.forget
@@ -296,7 +300,7 @@ class Daemon:
             self.mounted = True
             self._register()
             log.info("took over %s from the daemon before: %d open handles", cfg.mountpoint,
-                     len(conn.taken.handles))
+                     len(conn.taken.handles), extra={"event": "took_over"})
             return
         try:
             try:
@@ -316,7 +320,7 @@ class Daemon:
         log.info(
             "mounted %s: job %s rank %d on %s (%s used)",
             cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
-        )
+            extra={"event": "mounted"})
 
     def _register(self) -> None:
         cfg = self.cfg
@@ -329,6 +333,7 @@ class Daemon:
 
     async def serve(self, ready_fd: int | None = None) -> None:
         failure: Exception | None = None
+        self.telemetry.started()
         async with trio.open_nursery() as nursery:
             if self.cfg.listen:
                 await nursery.start(self._serve_peers)
@@ -342,6 +347,7 @@ class Daemon:
                     self.restore = await self.planner.plan()
                     if self.restore is not None:
                         self.ops.restoring = self.restore
+                        self.restore.on_finish = self.telemetry.restored
                 if self.coordinating is not None:
                     self.coordinating.settled(nursery)
                 self._mount()
@@ -364,7 +370,7 @@ class Daemon:
             nursery.start_soon(self._watch_cluster)
         if self.restore is not None:
             await nursery.start(self.restore.run)
-        answers = control.Answers(self._status, self._commit)
+        answers = control.Answers(self._status, self._commit, self.telemetry.exposition)
         await nursery.start(control.serve, self.registration.socket_path, answers)
         nursery.start_soon(self._fuse_main, nursery.cancel_scope)
         # The first request through the mount completes the kernel's INIT handshake,
@@ -378,12 +384,12 @@ class Daemon:
         if self.restore is not None:
             self.restore.mounted.set()
 
-    def _status(self) -> dict:
+    def _status(self, settle: bool = True) -> dict:
         cluster = status.cluster(self.coordinating, self.view, self.planner.restore_step, self.retention_floor)
         return status.report(self.cfg, started=self.started, ops=self.ops, engine=self.engine, steps=self.steps,
                              local=self.local, tiers=self.tiers, replicator=self.replicator, network=self.network,
                              restore=self.restore, mtc=self.mtc, cluster=cluster,
-                             connection=self.connection.report())
+                             connection=self.connection.report(), telemetry=self.telemetry, settle=settle)
 
     def _commit(self, path: str, step: int | None) -> dict:
         """``tierfs commit``: what was written before the command is part of the step."""
@@ -442,10 +448,11 @@ class Daemon:
                 self.registration.remove()
         if self.ops is not None:
             self.ops.close()
-        if self.connection.record is not None:
-            self.connection.record.close()
+        for part in (self.connection.record, self.telemetry):  # None where the start failed first
+            if part is not None:
+                part.close()
         self.rank.release()
-        log.info("stopped")
+        log.info("stopped", extra={"event": "stopped"})
 
 
 def run(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None, takeover: bool = False) -> int:

@@ -10,10 +10,9 @@ import logging
 import os
 import resource
 import socket
-import sys
 
 from tierfs.config import Config
-from tierfs.core import mounts
+from tierfs.core import logs, mounts
 from tierfs.core.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -31,12 +30,19 @@ def report(fd: int | None, message: str) -> None:
             pass
 
 
-def setup_logging(cfg: Config) -> None:
-    logging.basicConfig(
-        stream=sys.stderr,
-        level=cfg.log_level.upper(),
-        format="%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s",
-    )
+def setup_logging(cfg: Config, rotate: bool = True) -> None:
+    """Log to stderr, which is the mount's log file unless the daemon runs in the foreground.
+
+    ``rotate``: this process (the daemon, not its keeper) rotates the file past
+    ``--log-max-size``; every process follows the newest file (:mod:`tierfs.core.logs`).
+    Called again in the daemon, forked from its keeper: the keeper's handler is replaced.
+    """
+    path = None if cfg.foreground else cfg.log_file or mounts.Registration(cfg.mountpoint).log_path
+    handler = logs.LogFile(path, cfg.log_max_size if rotate else 0)
+    handler.setFormatter(logs.formatter(cfg.log_format, job=cfg.job, rank=cfg.rank))
+    logging.basicConfig(handlers=[handler], level=cfg.log_level.upper(), force=True)
+    if path is not None:
+        logs.follow(path)  # a successor forked by a keeper that has not followed a rotation yet
 
 
 def raise_fd_limit() -> None:

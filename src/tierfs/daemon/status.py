@@ -20,6 +20,7 @@ from tierfs.tiers.base import Lane
 
 if TYPE_CHECKING:
     from tierfs.config import Config
+    from tierfs.daemon.metrics import Telemetry
     from tierfs.fs import Operations
     from tierfs.mtc.protocol import MtcNode
     from tierfs.peers.network import PeerNetwork
@@ -38,13 +39,22 @@ BACKUP, REPLICAS = Lane.GCS, Lane.PEERS
 
 def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps, local: LocalTier,
            tiers: Sequence[Tier], replicator: Replicator, network: PeerNetwork | None, restore: Restore | None,
-           mtc: MtcNode | None, cluster: dict | None, connection: dict | None = None) -> dict:
-    """The whole status: ``tiers`` is every tier of the node, ``local`` (its RAM, shown as ``ram``) among them."""
-    ops.writes_done()  # what is written now is what is used
+           mtc: MtcNode | None, cluster: dict | None, connection: dict | None = None,
+           telemetry: Telemetry | None = None, settle: bool = True) -> dict:
+    """The whole status: ``tiers`` is every tier of the node, ``local`` (its RAM, shown as ``ram``) among them.
+
+    ``settle``: first wait for queued writes, so that what is written now is what is used
+    (``tierfs status``); a scrape every few seconds does not hold the job's writes up for that.
+    """
+    if settle:
+        ops.writes_done()
     lanes = {BACKUP: None, REPLICAS: None} | replicator.status()
     if lanes[REPLICAS] is None and network is not None:  # peers named by DNS, none found yet
         lanes[REPLICAS] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas,
                            "known": network.status()}
+    step_reports = [step_report(s) for s in sorted(steps.states.values(), key=lambda s: s.step)]
+    observed = (telemetry.report(step_reports, list(replicator.lanes), steps.commits, steps.recent)
+                if telemetry is not None else {})
     return {
         "mountpoint": str(cfg.mountpoint),
         "pid": os.getpid(),
@@ -60,13 +70,14 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
                  # what background transfers give way to (None: the job has not written yet)
                  "since_write_s": round(time.monotonic() - last, 3) if (last := ops.last_write) else None},
         "commit_rules": [str(r) for r in steps.rules.rules],
-        "steps": [step_report(s) for s in sorted(steps.states.values(), key=lambda s: s.step)],
+        "steps": step_reports,
         "restored": restore.status() if restore is not None else None,
         "mtc": mtc.status() if mtc is not None else None,
         "cluster": cluster,
         "lanes": list(replicator.lanes),
         **lanes,
         "replicas_held": local.replicas_report(),
+        **observed,  # the metrics endpoint, commits, failures and goodput
     }
 
 

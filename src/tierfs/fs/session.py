@@ -49,12 +49,14 @@ import logging
 import os
 import select
 import stat
+import time
 from collections.abc import Awaitable
 
 import pyfuse3
 import trio
 
 from tierfs.core import linux
+from tierfs.core.meters import RequestTimes
 from tierfs.fs import abi, replay, splicing
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.messages import Context
@@ -129,6 +131,7 @@ class KernelSession(Requests):
         self._workers = 0
         self._idle = 0
         self.record: SessionState | None = None  # what a successor needs, kept as we go
+        self.times = RequestTimes()  # every request's time in the daemon, for tierfs_fuse_request_*
         self._journaled: set[int] = set()  # requests whose replies the record keeps
         self._resend = False  # ask the kernel for the requests a predecessor left unanswered
 
@@ -351,8 +354,19 @@ class KernelSession(Requests):
             self._finish_releases()
 
     def _serve(self, req: memoryview):
-        """Serve one request at once, or return what to await to serve it (a handler that may wait)."""
-        _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = abi.IN_HEADER.unpack_from(req)
+        """Serve one request at once, or return what to await to serve it (a handler that may wait);
+        either way its time is counted (:class:`~tierfs.core.meters.RequestTimes`)."""
+        started = time.perf_counter_ns()
+        header = abi.IN_HEADER.unpack_from(req)
+        opcode = header[1]
+        waiting = self._serve_now(req, header)
+        if waiting is None:
+            self.times.record(opcode, time.perf_counter_ns() - started)
+            return None
+        return self.times.timed(waiting, opcode, started)
+
+    def _serve_now(self, req: memoryview, header: tuple):
+        _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = header
         body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
         if (self._released or self._closing) and opcode not in _BEFORE_RELEASES:
             if opcode in _BEFORE_RELEASE_HANDLES:

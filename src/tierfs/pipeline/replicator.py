@@ -40,6 +40,7 @@ from tierfs.config import Config
 from tierfs.core.atomic import write_atomically
 from tierfs.core.describe import build
 from tierfs.core.manifest import Manifest, ManifestError
+from tierfs.core.meters import Meters
 from tierfs.pipeline.early import Feeds
 from tierfs.pipeline.pacing import Pacing
 from tierfs.ramtier.steps import Steps, StepState
@@ -112,8 +113,9 @@ class Replicator:
     def __init__(self, cfg: Config, steps: Steps, tiers: list[Tier],
                  last_write: Callable[[], float] = lambda: 0.0,
                  retention_floor: Callable[[], int | None] | None = None,
-                 ram_short: Callable[[], bool] = lambda: False):
+                 ram_short: Callable[[], bool] = lambda: False, meters: Meters | None = None):
         self.cfg = cfg
+        self.meters = meters or Meters(cfg.job, cfg.rank)
         # The newest step complete on every rank; alone, that is simply our newest.
         self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
         self.ram_short = ram_short  # RAM is short: steps a spill tier holds may leave it
@@ -129,6 +131,7 @@ class Replicator:
         self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
         self._trash_wake = trio.Event()
         self.lanes = lanes_of(self.tiers)
+        self.meters.lanes(self.lanes)
         self._nursery: trio.Nursery | None = None  # runs the lanes, once started
         self.dropped: Callable[[list[str]], None] = lambda roots: None  # a step left the RAM tier
         self.reconfigure(cfg)
@@ -153,6 +156,7 @@ class Replicator:
                 lane.tiers.append(tier)
             elif tier.lane is not None:
                 lane = self.lanes[tier.lane] = Lane(tier.lane, [tier])
+                self.meters.lanes([lane.name])
                 lane.interval, lane.every_steps = lane.lead.schedule()
                 if self._nursery is not None:
                     self._nursery.start_soon(self._run_lane, lane)
@@ -220,6 +224,8 @@ class Replicator:
                 if isinstance(e, (SnapshotChanged, SourceChanged)):
                     log.info("step %d changed while read for %s; again", newest.step, lane.name)
                 else:
+                    if not isinstance(e, TierError):  # a tier's own refusal was counted where it came
+                        self.meters.put_failed(lane.name)
                     transient = isinstance(e, TierUnavailable)
                     lane.set("unavailable" if transient else "failing", f"{type(e).__name__}: {e}")
                     log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, newest.step, delay, e,
@@ -258,6 +264,7 @@ class Replicator:
                 if isinstance(e, SourceChanged):
                     raise
                 errors.append(e)
+                self.meters.put_failed(lane.name)
                 log.warning("%s: step %d did not reach %s: %s", lane.name, state.step, tier.name, e)
                 if queue:
                     nursery.start_soon(place, queue.pop(0), progress)
@@ -288,10 +295,13 @@ class Replicator:
                 "twin_bytes": pushed.twin_bytes, "taken_over": pushed.taken_over,
             }
             self._save(state)
+        self.meters.step_put(lane.name, time.time() - started, pushed.sent_bytes, pushed.skipped_bytes)
         log.info("%s: step %d on %s in %.2fs: %d bytes sent, %d already there%s", lane.name, state.step,
                  ", ".join(t.name for t in placed), time.time() - started, pushed.sent_bytes, pushed.skipped_bytes,
                  f" ({pushed.sent_chunks} chunks sent here, {pushed.twin_chunks} by twins, "
-                 f"{pushed.taken_over} taken over)" if pushed.twin_chunks or pushed.taken_over else "")
+                 f"{pushed.taken_over} taken over)" if pushed.twin_chunks or pushed.taken_over else "",
+                 extra={"event": "placed", "step": state.step, "lane": lane.name, "tiers": [t.name for t in placed],
+                        "seconds": round(time.time() - started, 3), "sent_bytes": pushed.sent_bytes})
 
     async def _recheck(self, lane: Lane, state: StepState) -> None:
         """A tier that lost what it held (a peer's RAM, a replaced node) no longer has our step: put it again."""

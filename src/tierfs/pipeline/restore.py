@@ -30,6 +30,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,6 +110,7 @@ class Restore:
         self.first_byte_s: float | None = None
         self.finished_at: float | None = None
         self.demand_fetches = 0
+        self.on_finish: Callable[[dict], None] = lambda status: None  # given the status of the finished restore
 
     # -- preparing the namespace ---------------------------------------------------------
 
@@ -380,8 +382,9 @@ class Restore:
         self.finished_at = now
         took = now - self.started
         sources = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(self.sources.bytes_from.items()))
-        log.info("restored step %d: %s in %.2fs from %s", self.step,
-                 format_size(self.manifest.total_bytes), took, sources or "this node")
+        log.info("restored step %d: %s in %.2fs from %s", self.step, format_size(self.manifest.total_bytes), took,
+                 sources or "this node", extra={"event": "restored", "step": self.step, "seconds": round(took, 3)})
+        self.on_finish(self.status())
         self.steps.on_commit(state)
 
     def status(self) -> dict:

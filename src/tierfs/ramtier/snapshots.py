@@ -32,6 +32,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+from tierfs.core import linux
 from tierfs.core.atomic import UnsafeFile, private_dir
 from tierfs.core.errors import UserError
 from tierfs.core.holes import copy_data
@@ -95,10 +96,12 @@ class Snapshots:
 
     # -- freezing ------------------------------------------------------------------------
 
-    def freeze(self, step: int, root: str, writing: set[int]) -> bool:
+    def freeze(self, step: int, root: str, writing: set[int]) -> float | None:
         """Add ``root`` (a path under the tree) to ``step``'s snapshot, replacing an older copy.
 
-        Returns False if ``root`` no longer exists; raises :class:`beneath.NotBeneath` if it
+        Returns when ``root`` was made (its birth time, or 0.0 where the file system keeps
+        none): the job has been writing the step since. Returns None if ``root`` no longer
+        exists; raises :class:`beneath.NotBeneath` if it
         is not a plain path or runs through a symbolic link. ``writing`` holds the inodes
         open for writing, which are copied rather than linked.
         """
@@ -106,7 +109,8 @@ class Snapshots:
         try:
             with beneath.parent_of(tree_fd, root) as (parent_fd, name):
                 if not _lexists(name, parent_fd):
-                    return False
+                    return None
+                born = _born(name, parent_fd)
                 snap = self.step_tree(step)
                 for d in (self.step_dir(step), snap):
                     if not os.path.isdir(d):
@@ -125,12 +129,12 @@ class Snapshots:
                     self._remove(staging)
                     raise
         except FileNotFoundError:
-            return False  # an ancestor went away
+            return None  # an ancestor went away
         finally:
             os.close(tree_fd)
         for ino, rel in frozen:
             self._pins.setdefault(ino, []).append(os.path.join(dst, rel) if rel else str(dst))
-        return True
+        return born
 
     def _copy_tree(self, dir_fd: int, name: str, dst: Path, rel: str, writing: set[int],
                    frozen: list[tuple[int, str]]) -> None:
@@ -299,6 +303,18 @@ def _lexists(name: str, dir_fd: int) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+def _born(name: str, dir_fd: int) -> float:
+    """When ``name`` in ``dir_fd`` was made (seconds), or 0.0 if its file system does not say."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        ns = linux.birth_time(fd)
+    except OSError:
+        ns = None
+    finally:
+        os.close(fd)
+    return ns / 1e9 if ns is not None else 0.0
 
 
 def _unlink_quietly(path: Path | str) -> None:

@@ -16,6 +16,7 @@ import json
 import logging
 import shutil
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,7 @@ from tierfs.core.commit import CommitRules, step_of
 from tierfs.ramtier.snapshots import Snapshots
 
 log = logging.getLogger(__name__)
+RECENT_COMMITS = 32  # enough for a median interval that one odd save does not move
 
 
 @dataclass
@@ -74,6 +76,9 @@ class Steps:
         self.states: dict[int, StepState] = {}
         self.restoring: set[int] = set()  # steps whose bytes are still arriving (see tierfs.pipeline.restore)
         self.on_commit: Callable[[StepState], None] = lambda state: None
+        self.commits = 0  # by the job, since the start: tierfs_steps_committed_total
+        # (committed at, seconds its files were written before) of the newest new steps, for goodput
+        self.recent: deque[tuple[float, float]] = deque(maxlen=RECENT_COMMITS)
 
     def load(self) -> None:
         self.snapshots.load()
@@ -120,18 +125,22 @@ class Steps:
         if step in self.restoring:
             log.warning("commit of %s into step %d ignored: that step is still being restored", root, step)
             return None
-        if not self.snapshots.freeze(step, root, self._writing()):
+        born = self.snapshots.freeze(step, root, self._writing())
+        if born is None:
             log.warning("commit of %s: it is gone", root)
             return None
         state = self.states.get(step)
         if state is None:
             state = self.states[step] = StepState(step, [root], time.time())
+            self.recent.append((state.committed_at, max(0.0, state.committed_at - born) if born else 0.0))
         else:
             state.add_root(root)
             state.version += 1
             state.committed_at = time.time()
         self.save(state)
-        log.info("committed step %d: %s (version %d)", step, root, state.version)
+        self.commits += 1
+        log.info("committed step %d: %s (version %d)", step, root, state.version,
+                 extra={"event": "committed", "step": step})
         self.on_commit(state)
         return state
 

@@ -78,6 +78,9 @@ OPTIONS = {
     "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
     "keep": "committed steps kept in GCS and on --disk per rank (default 3)",
     "keep-local": "newest committed steps kept in RAM, besides any a tier still needs (default 1)",
+    "keep-every": "milestones: every step divisible by this is kept in GCS and on --disk beyond --keep "
+                  "(default 0: none)",
+    "keep-for": "how long a milestone is kept, e.g. 30d (default 0: for good)",
     "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
     "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
     "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
@@ -168,6 +171,8 @@ class Config:
     backup_interval: float = 0.0  # seconds between backups of the newest step; 0 = every commit
     keep: int = 3  # committed steps kept in GCS per rank
     keep_local: int = 1  # newest committed steps kept in RAM (plus any a tier still needs)
+    keep_every: int = 0  # milestones: steps divisible by it outlive --keep in GCS and on --disk; 0: none
+    keep_for: float = 0.0  # seconds a milestone is kept after its commit; 0: for good
     prefetch: int = 8  # background fetches of a restore at once; 0 = on demand only
     restore_wait: float = 15.0  # how long a start waits for silent peers before choosing a step
     survey_interval: float = 30.0  # seconds between views of the cluster (retention follows them)
@@ -225,10 +230,10 @@ class Config:
         for key in ("capacity", "chunk_size", "log_max_size"):
             if key in v:
                 v[key] = parse_size(v[key], key.replace("_", "-"))
-        for key in ("backup_interval", "gc_grace", "restore_wait", "survey_interval"):
+        for key in ("backup_interval", "gc_grace", "restore_wait", "survey_interval", "keep_for"):
             if key in v:
                 v[key] = parse_duration(v[key], key.replace("_", "-"))
-        for key in ("keep", "keep_local", "prefetch", "replicas", "data_parallel"):
+        for key in ("keep", "keep_local", "keep_every", "prefetch", "replicas", "data_parallel"):
             if key in v:
                 v[key] = _parse_int(v[key], key.replace("_", "-"))
         if "listen" in v:
@@ -288,6 +293,10 @@ class Config:
             raise UserError(f"invalid --keep {self.keep}: keep at least 1 step in GCS")
         if self.keep_local < 1:
             raise UserError(f"invalid --keep-local {self.keep_local}: keep at least 1 step in RAM")
+        if self.keep_every < 0 or self.keep_for < 0:
+            raise UserError("invalid --keep-every or --keep-for: use 0 (none, for good) or more")
+        if self.keep_for and not self.keep_every:
+            raise UserError(f"--keep-for {self.keep_for:g}s needs --keep-every: it says how long milestones are kept")
         if self.mtbf is not None and self.mtbf < 60:
             raise UserError(f"invalid --mtbf {self.mtbf:g}s: a job fails at most every minute or so; use e.g. 6h")
         if self.survey_interval < 1:

@@ -10,10 +10,10 @@ import argparse
 import sys
 
 from tierfs import __version__
-from tierfs.commands import commit, csi, mount, secret, status, unmount, upgrade
+from tierfs.commands import commit, csi, mount, secret, status, steps, unmount, upgrade
 from tierfs.core.errors import UserError
 
-COMMANDS = (mount, unmount, upgrade, status, commit, csi, secret)
+COMMANDS = (mount, unmount, upgrade, status, steps, commit, csi, secret)
 
 
 class _Parser(argparse.ArgumentParser):

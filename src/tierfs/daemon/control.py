@@ -1,7 +1,8 @@
 """The daemon's control socket: one JSON request per connection, one JSON reply.
 
 Requests: ``status`` (answered by :func:`tierfs.daemon.status.report`), ``commit`` (``tierfs
-commit PATH``, answered by :func:`commit`) and ``metrics`` (the daemon's Prometheus series,
+commit PATH``, answered by :func:`commit`), ``steps`` (``tierfs steps``: every step the job's
+tiers hold, :func:`tierfs.daemon.steps.answer`) and ``metrics`` (the daemon's Prometheus series,
 which the CSI plugin serves for every daemon of its node); :class:`Answers` routes them. An
 asker that leaves early (a timeout) costs its own answer only. Commands and the
 CSI plugin ask with :func:`tierfs.core.control_client.request`.
@@ -87,8 +88,8 @@ class Answers:
     """The daemon's answers to the control socket's requests."""
 
     def __init__(self, status: Callable[[], dict], commit: Callable[[str, int | None], dict],
-                 metrics: Callable[[], str] = lambda: ""):
-        self._status, self._commit, self._metrics = status, commit, metrics
+                 metrics: Callable[[], str] = lambda: "", steps: Callable[[], Awaitable[dict]] | None = None):
+        self._status, self._commit, self._metrics, self._steps = status, commit, metrics, steps
 
     async def __call__(self, request: dict) -> dict:
         op = request.get("op")
@@ -98,6 +99,8 @@ class Answers:
             return {"text": self._metrics()}
         if op == "commit":
             return self._commit(request["path"], request.get("step"))
+        if op == "steps" and self._steps is not None:  # surveys the tiers: seconds, not milliseconds
+            return await self._steps()
         raise ValueError(f"unknown request {op!r}")
 
 

@@ -30,7 +30,7 @@ from tierfs.core.atomic import read_state
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.parse import format_size
-from tierfs.daemon import control, host, status
+from tierfs.daemon import control, host, status, steps as job_steps
 from tierfs.daemon.connection import Connection
 from tierfs.daemon.keeper import CANNOT_TAKE_OVER, HANDOVER
 from tierfs.daemon.metrics import Telemetry
@@ -370,7 +370,8 @@ class Daemon:
             nursery.start_soon(self._watch_cluster)
         if self.restore is not None:
             await nursery.start(self.restore.run)
-        answers = control.Answers(self._status, self._commit, self.telemetry.exposition)
+        answers = control.Answers(self._status, self._commit, self.telemetry.exposition,
+                                  lambda: job_steps.answer(self.cfg, self.view, self.steps))
         await nursery.start(control.serve, self.registration.socket_path, answers)
         nursery.start_soon(self._fuse_main, nursery.cancel_scope)
         # The first request through the mount completes the kernel's INIT handshake,
@@ -446,9 +447,7 @@ class Daemon:
             self.engine.close(unmount=self._signalled)
             if not self.handing_over:  # only ours once mounted: a busy mountpoint is someone else's
                 self.registration.remove()
-        if self.ops is not None:
-            self.ops.close()
-        for part in (self.connection.record, self.telemetry):  # None where the start failed first
+        for part in (self.ops, self.connection.record, self.telemetry):  # None where the start failed first
             if part is not None:
                 part.close()
         self.rank.release()

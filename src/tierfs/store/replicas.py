@@ -41,6 +41,7 @@ import trio
 
 from tierfs.core.atomic import private_dir
 from tierfs.core.manifest import Manifest, ManifestError
+from tierfs.core.milestones import NO_MILESTONES, Milestones
 from tierfs.peers.wire import MAX_CHUNK, NoSpace, PeerError, brief, clip
 from tierfs.ramtier.space import PAGE, SpaceAccount
 from tierfs.store.chunkfiles import (
@@ -96,14 +97,17 @@ class ReplicaStore:
     files); ``None`` means unbounded. ``grace`` is how long a chunk nobody references is
     kept after it was last received or asked about. ``keep_from()`` is the newest step the
     whole job can restore (None while unknown): replicas of that step or newer are never
-    dropped, even when a newer replica of the same rank arrives.
+    dropped, even when a newer replica of the same rank arrives. ``milestones`` are kept
+    besides: the disk tier's steps keep them; peers' replicas in RAM keep none, RAM being
+    the scarce tier (a milestone lives in GCS and on ``--disk``).
     """
 
     def __init__(self, root: Path, space: SpaceAccount | None, local: LocalChunks | None = None,
                  *, job: str, grace: float = GRACE, keep_from: Callable[[], int | None] = lambda: None,
-                 keep_newest: int = 1):
+                 keep_newest: int = 1, milestones: Milestones = NO_MILESTONES):
         self.root = Path(root)
         self.keep_newest = keep_newest  # replicas kept per rank besides those from keep_from() on
+        self.milestones = milestones
         self.keep_from = keep_from
         self.job = job
         self.space = space
@@ -425,23 +429,41 @@ class ReplicaStore:
             self.space.drop(old.st_ino)
         self._account(st)
 
-    def retain(self) -> None:
+    def retain(self, now: float | None = None) -> None:
         """Drop replicas superseded by ``keep_newest`` newer ones of their rank that the job no longer needs.
 
         A superseded replica stays while it is at or after the newest step the whole job
-        can restore (or while that is unknown): it may be the only copy of that step.
+        can restore (or while that is unknown): it may be the only copy of that step. The
+        ``keep_newest`` newest milestones of a rank stay too, while they are ones at ``now``
+        (default: the time now).
         """
         floor = self.keep_from()
+        now = time.time() if now is None else now
         steps: dict[int, list[int]] = {}
         for r, s in self._manifests:
             steps.setdefault(r, []).append(s)
         newest = {r: sorted(ss)[-min(self.keep_newest, len(ss))] for r, ss in steps.items()}
+        # The node's disk is every job's: its milestones are bounded as its steps are (the
+        # plugin's max-keep bounds keep_newest); the bucket keeps them all (gcs_gc).
+        milestones = {(r, s) for r, ss in steps.items()
+                      for s in sorted(s for s in ss if self._milestone(r, s, now))[-self.keep_newest:]}
         for r, s in [k for k in self._manifests if k[1] < newest[k[0]]]:
-            if floor is not None and s < floor:
+            if floor is not None and s < floor and (r, s) not in milestones:
                 del self._manifests[(r, s)]
                 self._remove_file(self._manifest_path(r, s))
                 log.debug("replica of rank %d step %d dropped: superseded by step %d", r, s, newest[r])
         self.collect_garbage()
+
+    def _milestone(self, rank: int, step: int, now: float) -> bool:
+        """Whether a replica is a milestone, aged from its manifest file's mtime: it is written
+        once, at the commit here, so a step that came late is kept longer, never shorter."""
+        if not self.milestones:
+            return False
+        try:
+            committed_at = os.stat(self._manifest_path(rank, step)).st_mtime if self.milestones.keep_for else None
+        except OSError:
+            committed_at = None  # unknown: kept rather than lost
+        return self.milestones.is_milestone(step, committed_at, now)
 
     def _remove_chunk(self, h: str) -> None:
         held = self._chunks.pop(h)

@@ -3,7 +3,8 @@
 Every committed step is written here in the background, like a fast backup, and a restore
 reads from here before it asks any peer. When RAM is short (``--capacity``), committed steps
 that are safely here leave the RAM tier (:mod:`tierfs.pipeline.replicator` decides) and stay
-restorable from the disk.
+restorable from the disk. Retention keeps the ``--keep`` newest steps, and milestones
+(``--keep-every``, ``--keep-for``: :mod:`tierfs.core.milestones`) besides, as GCS does.
 
 Layout under ``DIR/<job>/rank-<N>/`` (root-only, as the peer replica store, whose code keeps
 it: a chunk file appears only under its verified name, a manifest is written atomically and
@@ -28,6 +29,7 @@ import trio
 
 from tierfs.core.atomic import UnsafeFile, private_dir
 from tierfs.core.errors import UserError
+from tierfs.core.milestones import NO_MILESTONES, Milestones
 from tierfs.store.replicas import ReplicaStore
 from tierfs.tiers.base import Cost, Lane
 from tierfs.tiers.stored import StoredTier
@@ -46,12 +48,12 @@ class DiskTier(StoredTier):
     spill = True  # when RAM is short, steps held here leave it
 
     def __init__(self, disk: Path, job: str, rank: int, keep_from: Callable[[], int | None] = lambda: None,
-                 keep_newest: int = 1):
+                 keep_newest: int = 1, milestones: Milestones = NO_MILESTONES):
         self.disk, self.root = disk, disk_root(disk, job, rank)
         self._floor: int | None = None
         self._keep_from = keep_from
         super().__init__(ReplicaStore(self.root, None, None, job=job, keep_from=lambda: self._floor,
-                                      keep_newest=keep_newest))
+                                      keep_newest=keep_newest, milestones=milestones))
         self._lock = threading.Lock()
         self._limiter = trio.CapacityLimiter(1)
         self._stats: dict = {"chunks": 0, "bytes": 0, "manifests": 0}
@@ -63,7 +65,7 @@ class DiskTier(StoredTier):
     @classmethod
     def open_for(cls, cfg, keep_from: Callable[[], int | None] = lambda: None) -> DiskTier:
         """The tier of ``--disk``, opened (UserError if its directory is not usable)."""
-        tier = cls(cfg.disk, cfg.job, cfg.rank, keep_from, cfg.keep)
+        tier = cls(cfg.disk, cfg.job, cfg.rank, keep_from, cfg.keep, Milestones.from_config(cfg))
         tier.open()
         return tier
 
@@ -107,6 +109,7 @@ class DiskTier(StoredTier):
     def configure(self, cfg) -> None:
         super().configure(cfg)
         self.store.keep_newest = cfg.keep
+        self.store.milestones = Milestones.from_config(cfg)
 
     async def retain(self) -> None:
         await self._do(self.store.retain)

@@ -32,6 +32,7 @@ from tierfs.core.bucket_seal import ChunkSeal
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
 from tierfs.core.manifest import split_seal
+from tierfs.core.milestones import Milestones
 from tierfs.peers.placement import job_twins
 from tierfs.tiers.base import (
     Cost,
@@ -246,10 +247,12 @@ class GcsTier(Tier):
         await self._run(self.store.delete_pending, rank, step)
 
     async def retain(self) -> None:
-        """One collector per job is enough (rank 0's): it covers every rank's manifests."""
+        """One collector per job is enough (rank 0's): it covers every rank's manifests and milestones."""
         cfg = self.cfg
         if cfg is not None and cfg.rank == 0:
-            result = await self._run(self.store.collect_garbage, cfg.keep, cfg.gc_grace, cfg.nodes)
+            milestones = Milestones.from_config(cfg)
+            result = await self._run(lambda: self.store.collect_garbage(
+                cfg.keep, cfg.gc_grace, cfg.nodes, milestones=milestones))
             log.info("GCS retention: %s", result)
 
     def schedule(self) -> tuple[float, int]:

@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from tierfs.core import manifest as manifest_format
+from tierfs.core.milestones import NO_MILESTONES, Milestones
 from tierfs.tiers.gcs_http import CorruptObject, MissingObject
 from tierfs.tiers.gcs_layout import ChunkInfo, chunk_name, last_used, parse_manifest_chunks
 
@@ -24,13 +25,19 @@ class GarbageCollection:
     """The collector of :class:`~tierfs.tiers.gcs_store.GcsStore`, which it is a part of."""
 
     def collect_garbage(
-        self, keep_newest: int, grace: float, nodes: int = 1, pending_max_age: float = PENDING_MAX_AGE
+        self, keep_newest: int, grace: float, nodes: int = 1, pending_max_age: float = PENDING_MAX_AGE,
+        *, milestones: Milestones = NO_MILESTONES, now: float | None = None,
     ) -> dict[str, int]:
         """Apply retention to every rank of the job, then delete the chunks nothing needs.
 
-        Each rank keeps its newest ``keep_newest`` manifests, and every manifest at or after
-        the newest step that GCS holds for every one of the job's ``nodes`` ranks: retention
-        never removes the newest step the whole job can restore from GCS. A chunk is deleted only if
+        Each rank keeps its newest ``keep_newest`` manifests, its ``milestones`` besides them,
+        and every manifest at or after the newest step that GCS holds for every one of the
+        job's ``nodes`` ranks: retention never removes the newest step the whole job can
+        restore from GCS. A milestone's age is that of its manifest object: GCS's creation
+        time of it (``timeCreated``, from the listing) is taken for the step's commit time,
+        and ``now`` (default: when the collection starts) is when ages are measured; one the
+        listing gives no time for is kept. The chunks a kept milestone names stay, as any
+        kept manifest's; an expired one goes like any old step. A chunk is deleted only if
         no remaining manifest and no live pending marker names it, and it has not been
         written or touched since ``t0 - grace``, ``t0`` being taken before any listing.
 
@@ -70,9 +77,12 @@ class GarbageCollection:
         listing = self.list_manifests()
         complete = set.intersection(*(set(listing.get(r, ())) for r in range(nodes)))
         protect = max(complete, default=None)
+        now = t0 if now is None else now
         for rank, steps in listing.items():
             for step in steps[:-keep_newest]:
-                (kept if protect is not None and step >= protect else dropped).append((rank, step))
+                keep = (protect is not None and step >= protect
+                        or milestones.is_milestone(step, listing.created.get((rank, step)), now))
+                (kept if keep else dropped).append((rank, step))
             kept += [(rank, step) for step in steps[-keep_newest:]]
 
         with ThreadPoolExecutor(GC_THREADS, thread_name_prefix="tierfs-gc") as pool:

@@ -49,6 +49,20 @@ class ChunkInfo(NamedTuple):
     metageneration: int
 
 
+class ManifestListing(dict[int, list[int]]):
+    """Committed steps by rank, oldest first, as a listing saw them: a plain mapping to every
+    caller, with when each step was committed as far as the listing tells (:attr:`created`).
+
+    That is the manifest object's creation time (``timeCreated``, GCS's clock): a manifest
+    is put once, when its step is uploaded, right after the commit (or a backup interval
+    later), and never patched. A manifest put again counts from then; None where the
+    listing does not say.
+    """
+
+    def __init__(self, steps: dict[int, list[int]], created: dict[tuple[int, int], float | None]):
+        super().__init__(steps)
+        self.created = created  # (rank, step) -> unix time, or None
+
 
 def job_base(prefix: str, job: str) -> str:
     """Where the job's objects start: ``<prefix>/<job>/``, or ``<job>/`` without a prefix."""

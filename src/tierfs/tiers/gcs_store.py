@@ -53,6 +53,7 @@ from tierfs.tiers.gcs_http import CorruptObject, GcsBucket, GcsError, MissingObj
 from tierfs.tiers.gcs_layout import (
     USED_KEY,
     ChunkInfo,
+    ManifestListing,
     chunk_name,
     chunk_of,
     job_base,
@@ -324,8 +325,9 @@ class GcsStore(GarbageCollection, GcsBucket):
         """Committed steps of one rank, oldest first (with keys: only those whose seal verifies)."""
         return self._list_manifests(f"{self._base}manifests/rank-{rank}/").get(rank, [])
 
-    def list_manifests(self, prefix: str = "") -> dict[int, list[int]]:
-        """Committed steps of every rank that has any (under ``manifests/<prefix>``), oldest first.
+    def list_manifests(self, prefix: str = "") -> ManifestListing:
+        """Committed steps of every rank that has any (under ``manifests/<prefix>``), oldest first,
+        and when each was committed (:class:`~tierfs.tiers.gcs_layout.ManifestListing`).
 
         With keys, a manifest counts only if its seal verifies: each object is read once
         (per generation) to check it, and one that fails is logged once and left alone. So a
@@ -386,7 +388,7 @@ class GcsStore(GarbageCollection, GcsBucket):
         count (:func:`~tierfs.tiers.gcs_layout.manifest_object`); the others are ignored,
         and logged once each.
         """
-        for blob in self._list(prefix, "items(name,updated,generation)"):
+        for blob in self._list(prefix, "items(name,updated,timeCreated,generation)"):
             found = manifest_object(self._base, blob.name)
             if found is not None:
                 yield *found, blob
@@ -401,7 +403,7 @@ class GcsStore(GarbageCollection, GcsBucket):
         log.warning("ignoring %r: not a manifest or upload marker name tierfs writes "
                     "(manifests/rank-<R>/step-<S, 12 digits>.json or .pending)", self.url_of(name))
 
-    def _list_manifests(self, prefix: str) -> dict[int, list[int]]:
+    def _list_manifests(self, prefix: str) -> ManifestListing:
         found = [(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix) if kind == "json"]
         if self.keys is not None:
             sealed = self._known_seals(found)
@@ -416,7 +418,8 @@ class GcsStore(GarbageCollection, GcsBucket):
         steps: dict[int, list[int]] = {}
         for rank, step, _ in found:
             steps.setdefault(rank, []).append(step)
-        return {rank: sorted(s) for rank, s in sorted(steps.items())}
+        created = {(rank, step): _created(blob) for rank, step, blob in found}
+        return ManifestListing({rank: sorted(s) for rank, s in sorted(steps.items())}, created)
 
     def _known_seals(self, found: list[tuple[int, int, storage.Blob]]) -> dict[str, bool]:
         """What earlier listings learned of these objects' seals (of the same generation only)."""
@@ -450,6 +453,11 @@ class GcsStore(GarbageCollection, GcsBucket):
         if problem is not None:
             log.warning("ignoring %s: %s", self.url_of(name), problem)
         return problem is None
+
+
+def _created(blob: storage.Blob) -> float | None:
+    """When the object (this generation of it) was created, if the listing says."""
+    return blob.time_created.timestamp() if blob.time_created is not None else None
 
 
 def _content_key(blob: storage.Blob) -> str:

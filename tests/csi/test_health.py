@@ -157,8 +157,9 @@ def test_a_job_whose_daemon_is_not_mounted_is_sick(config):
     ({"lanes": ["peers", "gcs"], "gcs": {"state": "unavailable", "error": "TierUnavailable: 503"}},
      "its gcs lane is unavailable: TierUnavailable: 503"),
     ({"lanes": ["disk"], "disk": {"state": "failing", "error": None}}, "its disk lane is failing"),
-    ({"lanes": [], "restored": {"step": 7, "state": "on demand", "chunks_failing": 2, "error": "chunk x is on no "
-                                "reachable tier"}}, "its restore of step 7 is failing: chunk x is on no reachable tier"),
+    ({"lanes": [], "restored": {"step": 7, "state": "on demand", "chunks_failing": 2,
+                                "error": "chunk x is on no reachable tier"}},
+     "its restore of step 7 is failing: chunk x is on no reachable tier"),
     ({"lanes": [], "restored": {"step": 7, "state": "done", "chunks_failing": 0, "error": None}}, None),
 ])
 def test_a_lane_in_error_or_a_failing_restore_is_sick(status, why):

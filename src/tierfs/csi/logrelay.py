@@ -11,9 +11,9 @@ The daemon rotates its file (:mod:`tierfs.core.logs`). The relay keeps the file 
 open, so when the path names a new file (another inode) it finishes the old one through
 its descriptor, whatever it is called by now, then reads the next newer one from its start
 (``.1`` if the file was rotated twice between two passes, else the new file); a file that
-shrank was truncated in place and is read again from its start. A plugin that starts begins at the end of every file there (what is in
-them was relayed by the plugin before it, or predates it); a file that appears later is
-read from its start.
+shrank was truncated in place and is read again from its start. A plugin that starts
+begins at the end of every file there (what is in them was relayed by the plugin before
+it, or predates it); a file that appears later is read from its start.
 
 Bounded: at most :data:`MAX_READ` bytes of one file per pass, lines cut at
 :data:`MAX_LINE` bytes, and a file more than :data:`MAX_BEHIND` bytes ahead of the relay is

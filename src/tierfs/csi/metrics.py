@@ -3,7 +3,8 @@
 A PodMonitor scrapes one port per node (the plugin's), however many jobs run there, so the
 plugin asks each of its daemons for its series over the control socket at every scrape and
 serves them with its own: the daemons need no port of their own, and a daemon that does not
-answer costs the scrape its series and one ``ASK_TIMEOUT``, not the node's. The same
+answer costs the scrape its series and one ``ASK_TIMEOUT`` (they are asked side by side),
+not the node's. The same
 endpoint serves ``/healthz`` (whether the plugin can take new volumes, as Probe() answers)
 and ``/daemons`` (every daemon, serving or sick, and why).
 """
@@ -22,7 +23,7 @@ from tierfs import __version__
 from tierfs.core.endpoint import Endpoint
 from tierfs.core.errors import UserError
 from tierfs.csi import events, health, rpc
-from tierfs.csi.daemons import ask, poll
+from tierfs.csi.daemons import Daemon, ask, each, poll
 from tierfs.csi.records import records
 from tierfs.csi.settings import PluginConfig
 
@@ -67,16 +68,21 @@ class PluginCollector(Collector):
         yield from merged(self._daemon_series(states))
 
     def _daemon_series(self, states) -> Iterator[Metric]:
-        for state in states:
-            if state.status is None:
-                continue  # counted as sick above; nothing to ask
-            try:
-                text = ask(state.daemon, {"op": "metrics"}).get("text")
-                if not isinstance(text, str) or len(text) > MAX_DAEMON_METRICS:
-                    raise UserError("its answer is not an exposition of a bounded size")
-                yield from text_string_to_metric_families(text)
-            except (UserError, ValueError) as e:  # one daemon's trouble costs its series, not the scrape
-                log.debug("no metrics from the daemon of job %s: %s", state.job, e)
+        answering = [s.daemon for s in states if s.status is not None]  # the others are counted sick above
+        for families in each(_series_of, answering):
+            yield from families
+
+
+def _series_of(daemon: Daemon) -> list[Metric]:
+    """One daemon's series; none if it does not answer: its trouble costs its series, not the scrape."""
+    try:
+        text = ask(daemon, {"op": "metrics"}).get("text")
+        if not isinstance(text, str) or len(text) > MAX_DAEMON_METRICS:
+            raise UserError("its answer is not an exposition of a bounded size")
+        return list(text_string_to_metric_families(text))
+    except (UserError, ValueError) as e:
+        log.debug("no metrics from the daemon of job %s: %s", daemon.job, e)
+        return []
 
 
 def merged(families: Iterator[Metric]) -> Iterator[Metric]:

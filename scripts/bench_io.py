@@ -101,7 +101,6 @@ import platform
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -113,6 +112,7 @@ import urllib.request
 from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, cpu_idle,  # noqa: E402
                       interrupt_on_signals, last_line, parse_size, pyplot, save_figure, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
+from tierfs.testing import free_port  # noqa: E402 (src/ is on sys.path through benchlib)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -642,12 +642,6 @@ def before_src(checkout: str) -> str:
     if not os.path.isfile(os.path.join(src, "tierfs", "__init__.py")):
         raise BenchError(f"--before {checkout}: no tierfs checkout there (no src/tierfs)")
     return src
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plot(path: str, rows: list[dict], title: str) -> str | None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -18,12 +17,7 @@ import pytest
 import yaml
 
 from tests.helpers import wait_for
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from tierfs.testing import free_port
 
 
 def promtool_check_metrics(text: str) -> None:

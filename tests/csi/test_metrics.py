@@ -16,7 +16,8 @@ import urllib.request
 from tests.conftest import tierfs
 from tests.csi.test_node import daemon_pid
 from tests.helpers import wait_for
-from tests.prometheus import free_port, promtool_check_metrics
+from tests.prometheus import promtool_check_metrics
+from tierfs.testing import free_port
 
 JOBS = {"llama": {"job": "llama", "rank": "0", "capacity": "64M"},
         "gemma": {"job": "gemma", "rank": "0", "capacity": "64M"}}

@@ -13,7 +13,8 @@ import pytest
 from tests.helpers import wait_for
 from tests.multinode.test_peers import commit_step
 from tests.multinode.test_restore import files_of
-from tests.prometheus import free_port, promtool_check_metrics
+from tests.prometheus import promtool_check_metrics
+from tierfs.testing import free_port
 
 STEPS = (1, 2)
 

@@ -67,6 +67,11 @@ def lane_of(tier: str) -> str:
     return Lane.PEERS if word == "peer" else word
 
 
+def held_by(steps: Sequence[dict], lane: str) -> list[dict]:
+    """The steps (as the status reports them) whose current version the lane's tiers hold."""
+    return [st for st in steps if st["copies"].get(lane, {}).get("version") == st["version"]]
+
+
 class StatusCollector(Collector):
     """Gauges (and the counters kept in the status) of one daemon, labelled with its job and rank."""
 
@@ -121,7 +126,7 @@ class StatusCollector(Collector):
         steps = s["steps"]
         held = {"ram": steps}
         for lane in s["lanes"]:
-            held[lane] = [st for st in steps if st["copies"].get(lane, {}).get("version") == st["version"]]
+            held[lane] = held_by(steps, lane)
             lag.add_metric([*self.labels, lane], (s.get(lane) or {}).get("lag_s", 0.0))
         for tier, have in held.items():
             if have:
@@ -231,7 +236,7 @@ class Telemetry:
     def report(self, steps: Sequence[dict], lanes: Sequence[str], commits: int, recent) -> dict:
         """What ``tierfs status`` adds: the endpoint, commits and failures, and the goodput estimate."""
         for lane in lanes:
-            held = [st for st in steps if st["copies"].get(lane, {}).get("version") == st["version"]]
+            held = held_by(steps, lane)
             if held:
                 self._safe[lane] = max(self._safe.get(lane, 0.0), max(st["committed_at"] for st in held))
             lags = sorted(st["copies"][lane]["lag_s"] for st in held if "lag_s" in st["copies"][lane])

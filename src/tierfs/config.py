@@ -82,6 +82,8 @@ OPTIONS = {
                   "(default 0: none)",
     "keep-for": "how long a milestone is kept, e.g. 30d (default 0: for good)",
     "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
+    "restore-step": "roll the job back: every rank restores this step instead of the newest, and steps newer "
+                    "than it are set aside (GCS keeps them until discarded); done once, however often given",
     "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
     "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
     "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
@@ -165,6 +167,7 @@ class Config:
     log_max_size: int = DEFAULT_MAX_SIZE  # bytes; 0 = the log never rotates
     read_only: bool = False
     start_fresh: bool = False  # start even if the tiers hold a newer complete step than the one chosen
+    restore_step: int | None = None  # a rollback: the step every rank restores (tierfs.pipeline.rollback)
     commit_rule: str = "default"
     gcs: str | None = None  # gs://BUCKET/PREFIX
     disk: Path | None = None  # --disk DIR: a local directory tier (DIR/<job>/rank-<N>/)
@@ -211,12 +214,9 @@ class Config:
         if "mountpoint" not in v:
             raise UserError("missing MOUNTPOINT: tierfs mount MOUNTPOINT [options]")
         v["mountpoint"] = Path(os.path.abspath(v["mountpoint"]))
-        if "ramdisk" in v:
-            v["ramdisk"] = Path(os.path.abspath(v["ramdisk"]))
-        if "log_file" in v:
-            v["log_file"] = Path(os.path.abspath(v["log_file"]))
-        if "gcs_token_file" in v:
-            v["gcs_token_file"] = Path(os.path.abspath(v["gcs_token_file"]))
+        for key in ("ramdisk", "log_file", "gcs_token_file"):
+            if key in v:
+                v[key] = Path(os.path.abspath(v[key]))
         for key in ("gcs_token_audience", "gcs_sts_url", "gcs_service_account", "gcs_iam_url"):
             if key in v:
                 v[key] = str(v[key]).strip()
@@ -224,9 +224,9 @@ class Config:
             if not str(v["disk"]).strip():
                 raise UserError("invalid --disk '': give a local directory, e.g. /mnt/nvme/tierfs")
             v["disk"] = Path(os.path.abspath(v["disk"]))
-        for key in ("rank", "nodes"):
+        for key in ("rank", "nodes", "restore_step"):
             if key in v:
-                v[key] = _parse_int(v[key], key)
+                v[key] = _parse_int(v[key], key.replace("_", "-"))
         for key in ("capacity", "chunk_size", "log_max_size"):
             if key in v:
                 v[key] = parse_size(v[key], key.replace("_", "-"))
@@ -287,6 +287,8 @@ class Config:
                 f"invalid rank {self.rank}: it must be in 0..{self.nodes - 1} for a job of "
                 f"{self.nodes} node(s); set --nodes or pick another --rank"
             )
+        if self.restore_step is not None and self.restore_step < 0:
+            raise UserError(f"invalid --restore-step {self.restore_step}: a step number is 0 or more")
         if self.capacity is not None and self.capacity < 1 << 20:
             raise UserError(f"capacity {self.capacity} bytes is too small: use at least 1M")
         if self.keep < 1:
@@ -377,7 +379,6 @@ def _parse_switch(v: dict, key: str, choices: str) -> None:
 
 
 def _parse_peer_tls(v: dict) -> None:
-    """``--peer-tls on|off`` and the TLS files' paths, in place in the raw values."""
     _parse_switch(v, "peer_tls", "on (the default: encrypted) or off (in clear, for a network you trust)")
     for key in _TLS_FILES:
         if key in v:
@@ -385,7 +386,6 @@ def _parse_peer_tls(v: dict) -> None:
 
 
 def _check_peer_tls(cfg: Config) -> None:
-    """TLS files go together and can be read, or are absent."""
     given = [key for key in _TLS_FILES if getattr(cfg, key) is not None]
     if not given:
         return

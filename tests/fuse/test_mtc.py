@@ -109,6 +109,32 @@ def test_restart_presents_the_newest_step_and_the_rename_takes_it(volumes):
     assert [s["version"] for s in again.status()["steps"] if s["step"] == 20] == [1]
 
 
+@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ', "moved 20 out of the volume",
+                        "rolling job run back to step 10")
+def test_a_rollback_the_spec_asks_for_is_made_when_the_volume_starts_again(volumes):
+    vol = volumes(job="run", keep_local=3)
+    spec = YAML.format(job="run", rank=0, nodes=1)
+    handshake(vol.mountpoint, spec)
+    for step in (10, 20):
+        write_orbax_step(vol.mountpoint, step, {"state/d/0": os.urandom(5000) + bytes([step]), **SUCCESS}, base="")
+    expected = (vol.mountpoint / "10" / "state" / "d" / "0").read_bytes()
+    # Serving already: the job is told, not handed step 20.
+    with pytest.raises(RuntimeError, match=r"asks for step 10 \(restore-step\), but this volume started from no step"):
+        handshake(vol.mountpoint, spec + "\nrestore-step: 10")
+    tierfs("unmount", vol.mountpoint)
+
+    again = volumes(job="run", keep_local=3, mountpoint=vol.mountpoint)  # the kept spec makes the rollback
+    assert handshake(again.mountpoint, spec + "\nrestore-step: 10") == (10, NO_GCS)
+    assert (again.mountpoint / "10" / "state" / "d" / "0").read_bytes() == expected
+    assert orbax_steps(again.mountpoint) == [10]
+    assert sorted(s["step"] for s in again.status()["steps"]) == [10]
+    tierfs("unmount", again.mountpoint)
+
+    third = volumes(job="run", keep_local=3, mountpoint=vol.mountpoint)  # made once: the spec still says 10
+    write_orbax_step(third.mountpoint, 20, {"state/d/0": b"new", **SUCCESS}, base="")
+    assert handshake(third.mountpoint, spec + "\nrestore-step: 10") == (20, NO_GCS)
+
+
 def handshake_inspecting(mnt: Path, text: str, entry: Path) -> tuple[int, str | None]:
     """As ``handshake``, noting what the entry was when the job took it."""
     original = os.replace

@@ -71,6 +71,8 @@ def test_build_defaults():
     ({"peer_tls": "maybe"}, "invalid --peer-tls 'maybe': use on"),
     ({"engine": "libfuse"}, "invalid --engine 'libfuse': use auto, tierfs or pyfuse3"),
     ({"engine": "PyFuse3", "data_path": "passthrough"}, "--engine pyfuse3 cannot pass files through"),
+    ({"restore_step": "-1"}, "invalid --restore-step -1: a step number is 0 or more"),
+    ({"restore_step": "latest"}, "invalid restore-step 'latest': expected a whole number"),
     ({}, None),
 ])
 def test_build_rejects(values, message):

@@ -85,3 +85,11 @@ def test_restore_entry_names_round_trip():
     name = restore_entry_name("run-7", 120, 3)
     assert name == "run-7-s120-n3-w0.restore" and restore_entry_step(name) == 120
     assert restore_entry_step("120") is None and restore_entry_step("x-s1-n2.restore") is None
+
+
+def test_a_rollback_is_read_and_refused_below_zero():
+    spec, warnings = parse_spec(ORBAX + "\nrestore-step: 300", env={})
+    assert spec.restore_step == 300 and warnings == []
+    assert parse_spec(ORBAX, env={})[0].restore_step is None
+    with pytest.raises(SpecError, match=r"'restore-step' is -1 .* must not be negative"):
+        parse_spec(ORBAX + "\nrestore-step: -1", env={})

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 from tierfs.core import control_client, mounts
@@ -64,6 +65,10 @@ def render(s: dict) -> str:
         gone = f", unreachable: {', '.join(v['unreachable_peers'])}" if v["unreachable_peers"] else ""
         lines.append(f"  job   newest step complete on every rank: {v['newest_complete']}; "
                      f"started from step {v['restore_step']}{gone}")
+        if v.get("rollback"):
+            b = v["rollback"]
+            lines.append(f"        rolled back to step {b['step']} (restore-step) at "
+                         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(b['at']))}")
         if v.get("coordination"):
             c = v["coordination"]
             lines.append(f"        reports to {', '.join(c['reported_to']) or 'no coordinator yet'}"

@@ -50,6 +50,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "(or set TIERFS_SECRET)")
     bucket.add_argument("--keep-every", type=int, metavar="N", help="the job's --keep-every, to mark milestones")
     bucket.add_argument("--keep-for", metavar="D", help="the job's --keep-for, to mark milestones")
+    bucket.add_argument("--discard-set-aside", type=int, metavar="STEP",
+                        help="delete the steps the rollback to STEP set aside (and forget that rollback)")
     p.set_defaults(func=run)
 
 
@@ -58,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
         if args.mountpoint is None:
             raise UserError("give a MOUNTPOINT, or --job JOB --gcs gs://BUCKET/PREFIX to list a bucket "
                             "without a mount")
-        given = [f"--{a.replace('_', '-')}" for a in ("job", "nodes", "secret_file", "keep_every", "keep_for")
-                 if getattr(args, a) is not None]
+        given = [f"--{a.replace('_', '-')}" for a in ("job", "nodes", "secret_file", "keep_every", "keep_for",
+                                                        "discard_set_aside") if getattr(args, a) is not None]
         if given:
             raise UserError(f"{', '.join(given)} only go with --gcs: with a MOUNTPOINT its daemon knows the job")
         steps, notes = from_daemon(Path(args.mountpoint).absolute())
@@ -69,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
                             "reaches, --gcs what the bucket holds")
         if args.job is None:
             raise UserError(f"--gcs {args.gcs} needs --job JOB: a bucket holds each job under its own name")
+        if args.discard_set_aside is not None:
+            print(discard(args.gcs, args.job, args.discard_set_aside, read_secret(args.secret_file)))
+            return 0
         steps, notes = from_bucket(args.gcs, args.job, args.nodes, read_secret(args.secret_file),
                                    args.keep_every or 0, parse_duration(args.keep_for or "0", "keep-for"))
     for note in notes:
@@ -120,31 +125,17 @@ def from_bucket(url: str, job: str, nodes: int | None, secret: bytes | None,
                 keep_every: int = 0, keep_for: float = 0.0) -> tuple[list[dict], list[str]]:
     """The job's steps in ``url``, as a bucket listing shows them (rank -> steps), with sizes
     of the newest :data:`MAX_SIZED_STEPS` (the sum over their ranks)."""
-    from tierfs.tiers.gcs_http import GcsError, GcsUnavailable  # slow imports: only for a bucket
-    from tierfs.tiers.gcs_store import GcsStore
-
-    check_job_id(job)
-    parse_gcs_url(url)
     if nodes is not None and nodes < 1:
         raise UserError(f"invalid --nodes {nodes}: a job has at least 1 node")
     if keep_every < 0 or keep_for < 0:
         raise UserError("invalid --keep-every or --keep-for: use the job's own, 0 (none, for good) or more")
     milestones = Milestones(keep_every, keep_for)
-    current, older = split_secrets(secret or b"")
-    if any(len(s) < 16 for s in (current or b"x" * 16, *older)):
-        raise UserError("the job secret is too short: use the job's own (at least 16 characters), "
-                        "from --secret-file or TIERFS_SECRET")
-    keys = manifest_keys(job, current or None, older)
-    store = GcsStore(url, job, keys=keys, seals=bucket_seals(job, current or None, older))
+    store, keys = open_bucket(url, job, secret)
     with ignored_objects() as ignored:
-        try:
+        with bucket_errors(url, "list"):
             store.check()
             listing = store.list_manifests()
-        except GcsUnavailable as e:
-            raise UserError(f"cannot reach {url} ({e}): check the network, the credentials "
-                            "or STORAGE_EMULATOR_HOST") from None
-        except GcsError as e:
-            raise UserError(f"cannot list {url}: {e}") from None
+            aside = store.list_aside()
         by_step: dict[int, list[int]] = {}
         for rank, held in listing.items():
             for step in held:
@@ -157,6 +148,12 @@ def from_bucket(url: str, job: str, nodes: int | None, secret: bytes | None,
     if ignored:
         more = f" (and {len(ignored) - 1} more like it)" if len(ignored) > 1 else ""
         notes.append(f"left out of the listing: {ignored[0]}{more}")
+    for to, held in aside.items():
+        steps = sorted({step for ranks in held.values() for step in ranks})
+        shown = ", ".join(map(str, steps[:MAX_MISSING])) + (f" and {len(steps) - MAX_MISSING} more"
+                                                            if len(steps) > MAX_MISSING else "")
+        notes.append(f"the rollback to step {to} set aside step(s) {shown}, kept until "
+                     f"'tierfs steps --job {job} --gcs {url} --discard-set-aside {to}'")
     nodes = nodes or (max(listing) + 1 if listing else 1)
     now = time.time()
     listed = []
@@ -173,6 +170,47 @@ def from_bucket(url: str, job: str, nodes: int | None, secret: bytes | None,
             "committed_at": at, "age_s": age, "milestone": milestones.is_milestone(step, at, now),
         })
     return listed, notes
+
+
+def open_bucket(url: str, job: str, secret: bytes | None) -> tuple[GcsStore, ManifestKeys | None]:
+    """The job's objects in ``url``, read with the job's secret (and older ones) if given."""
+    from tierfs.tiers.gcs_store import GcsStore  # slow import: only for a bucket
+
+    check_job_id(job)
+    parse_gcs_url(url)
+    current, older = split_secrets(secret or b"")
+    if any(len(s) < 16 for s in (current or b"x" * 16, *older)):
+        raise UserError("the job secret is too short: use the job's own (at least 16 characters), "
+                        "from --secret-file or TIERFS_SECRET")
+    keys = manifest_keys(job, current or None, older)
+    return GcsStore(url, job, keys=keys, seals=bucket_seals(job, current or None, older)), keys
+
+
+@contextmanager
+def bucket_errors(url: str, doing: str) -> Iterator[None]:
+    """A bucket that cannot be reached or refuses, in one line."""
+    from tierfs.tiers.gcs_http import GcsError, GcsUnavailable
+
+    try:
+        yield
+    except GcsUnavailable as e:
+        raise UserError(f"cannot reach {url} ({e}): check the network, the credentials "
+                        "or STORAGE_EMULATOR_HOST") from None
+    except GcsError as e:
+        raise UserError(f"cannot {doing} {url}: {e}") from None
+
+
+def discard(url: str, job: str, to: int, secret: bytes | None) -> str:
+    """Delete what the rollback to step ``to`` set aside in the bucket, and its record."""
+    store, _ = open_bucket(url, job, secret)
+    with bucket_errors(url, "discard in"):
+        held = store.list_aside().get(to)
+        gone = store.discard_aside(to)
+    steps = sorted({step for ranks in (held or {}).values() for step in ranks})
+    if not gone:
+        return f"nothing set aside by a rollback to step {to} in {url} (job {job}); its record, if any, is gone"
+    return (f"discarded {gone} manifest(s) of step(s) {', '.join(map(str, steps))} set aside by the rollback to "
+            f"step {to}; the next GC frees the chunks only they used")
 
 
 def bucket_facts(store: GcsStore, by_step: dict[int, list[int]], keys: ManifestKeys | None,

@@ -343,7 +343,7 @@ class Daemon:
                     self._follow_peers()
                 if self.coordinating is not None:
                     await self.coordinating.join(nursery)
-                if self._beyond_ram():
+                if self._beyond_ram() or self.cfg.restore_step is not None:  # a rollback of RAM alone too
                     self.restore = await self.planner.plan()
                     if self.restore is not None:
                         self.ops.restoring = self.restore
@@ -386,7 +386,7 @@ class Daemon:
             self.restore.mounted.set()
 
     def _status(self, settle: bool = True) -> dict:
-        cluster = status.cluster(self.coordinating, self.view, self.planner.restore_step, self.retention_floor)
+        cluster = status.cluster(self.coordinating, self.view, self.planner, self.retention_floor)
         return status.report(self.cfg, started=self.started, ops=self.ops, engine=self.engine, steps=self.steps,
                              local=self.local, tiers=self.tiers, replicator=self.replicator, network=self.network,
                              restore=self.restore, mtc=self.mtc, cluster=cluster,

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tierfs.mtc.protocol import MtcNode
     from tierfs.peers.network import PeerNetwork
     from tierfs.pipeline.coordinating import NodeCoordination
+    from tierfs.pipeline.planning import RestorePlanner
     from tierfs.pipeline.replicator import Replicator
     from tierfs.pipeline.restore import Restore
     from tierfs.pipeline.survey import ClusterView
@@ -81,16 +82,19 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
     }
 
 
-def cluster(coordinating: NodeCoordination | None, view: ClusterView, restore_step: int | None,
+def cluster(coordinating: NodeCoordination | None, view: ClusterView, planner: RestorePlanner,
             retention_floor: Callable[[], int | None]) -> dict | None:
-    """The job as this node knows it: from the coordinators, else from its last survey."""
+    """The job as this node knows it: from the coordinators, else from its last survey; the
+    step it started from, and the rollback it made (when asked for one)."""
     if coordinating is not None and coordinating.coordination is not None:
         known = coordinating.status()
     elif view.last is not None:
         known = view.last.summary()
     else:
         return None
-    return {**known, "restore_step": restore_step, "retention_floor": retention_floor()}
+    rollback = planner.rolled_back
+    return {**known, "restore_step": planner.restore_step, "retention_floor": retention_floor(),
+            "rollback": None if rollback is None else {"step": rollback[0], "at": rollback[1]}}
 
 
 def step_report(state: StepState) -> dict:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 
 from tierfs.core.errors import UserError
 from tierfs.mtc.protocol import MtcNode
-from tierfs.mtc.spec import REPLICATOR, ReplicatorSpec, SpecError
+from tierfs.mtc.spec import REPLICATOR, NextStart, ReplicatorSpec, SpecError
+from tierfs.pipeline.rollback import made_here
 
 if TYPE_CHECKING:
     from tierfs.config import Config
@@ -71,8 +72,9 @@ class MultiTier:
         else:
             interval = {"backup_interval": spec.backup_interval_s, "backup_interval_steps": 0}
         try:
-            new = replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism,
-                          peer_ranks=spec.peer_ranks, **interval)
+            new = replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism, peer_ranks=spec.peer_ranks,
+                          restore_step=cfg.restore_step if spec.restore_step is None else spec.restore_step,
+                          **interval)
             new._validate()
         except UserError as e:
             raise SpecError(str(e)) from None
@@ -83,7 +85,18 @@ class MultiTier:
         return warnings
 
     async def restore_target(self) -> tuple[int, str] | None:
-        """The step the job should take, and its root in the volume."""
+        """The step the job should take, and its root in the volume.
+
+        A rollback the job asks for in its spec (``restore-step``) is made when the volume
+        starts, before it serves: the spec is kept, so the next start makes it; a volume
+        serving another step until then says so rather than hand the job the wrong one.
+        """
+        wanted, made = self.cfg.restore_step, made_here(self.rank)
+        if wanted is not None and wanted != self.planner.restore_step and (made is None or made[0] != wanted):
+            now = "no step" if self.planner.restore_step is None else f"step {self.planner.restore_step}"
+            raise NextStart(f"the job asks for step {wanted} (restore-step), but this volume started from {now}: "
+                            f"the rollback is made when it starts again (on Kubernetes, set the volume "
+                            f"attribute restore-step: \"{wanted}\" on every pod of the job)")
         step = self.planner.announced_step()
         if step is None and self.steps.states:
             # The job moved on since this daemon started: the newest step every rank can restore.

@@ -53,6 +53,7 @@ from tierfs.core.atomic import (
 from tierfs.mtc.spec import (
     MAX_SPEC_BYTES,
     REPLICATOR,
+    NextStart,
     ReplicatorSpec,
     SpecError,
     parse_spec,
@@ -201,6 +202,8 @@ class MtcNode:
                 target = await self._restore_target()
             except SpecError as e:
                 problem = str(e)
+                if isinstance(e, NextStart):
+                    await trio.to_thread.run_sync(write_atomically, self.state_path, json.dumps(asdict(spec)), 0o600)
             except Exception:  # a bug must cost this answer, never the mount
                 log.exception("could not follow %s", REPLICATOR)
                 problem = f"tierfs could not follow {REPLICATOR} (an internal error, in the daemon's log)"

@@ -40,13 +40,17 @@ EXPANDABLE = frozenset({
 })
 
 _INT_KEYS = ("node-rank", "nodes", "assume-data-parallelism", "backup-interval-minutes",
-             "backup-interval-steps", "workers-per-node", "peers-per-node", "master-port")
+             "backup-interval-steps", "workers-per-node", "peers-per-node", "master-port", "restore-step")
 _REQUIRED = ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes", "peer-ranks")
 _KNOWN = set(_REQUIRED) | set(_INT_KEYS)
 
 
 class SpecError(Exception):
     """``replicator.yaml`` cannot be followed; the message names the key and the problem."""
+
+
+class NextStart(SpecError):
+    """The spec is kept, but what it asks (a rollback) is done when the volume starts again."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,7 @@ class ReplicatorSpec:
     backup_interval_minutes: int | None = None  # exactly one of the two intervals
     backup_interval_steps: int | None = None
     workers_per_node: int = 1
+    restore_step: int | None = None  # a rollback the job asks for (tierfs.pipeline.rollback)
 
     @property
     def backup_interval_s(self) -> float | None:
@@ -155,7 +160,7 @@ def parse_spec(text: str, env: Mapping[str, str] | None = None) -> tuple[Replica
         raise SpecError(f"'node-rank' {rank} is out of range for {nodes} node(s) in {REPLICATOR}")
     if dp < 1 or nodes % dp:
         raise SpecError(f"'assume-data-parallelism' {dp} must be at least 1 and divide 'nodes' ({nodes})")
-    for key in ("backup-interval-minutes", "backup-interval-steps", "workers-per-node"):
+    for key in ("backup-interval-minutes", "backup-interval-steps", "workers-per-node", "restore-step"):
         if key in ints and ints[key] < (1 if key == "workers-per-node" else 0):
             raise SpecError(f"{key!r} is {ints[key]} in {REPLICATOR}: it must not be negative"
                             + (" or zero" if key == "workers-per-node" else ""))
@@ -197,7 +202,7 @@ def parse_spec(text: str, env: Mapping[str, str] | None = None) -> tuple[Replica
         job_name=job, framework=framework, nodes=nodes, node_rank=rank, peer_ranks=peer_ranks,
         data_parallelism=dp, backup_interval_minutes=ints.get("backup-interval-minutes"),
         backup_interval_steps=ints.get("backup-interval-steps"),
-        workers_per_node=ints.get("workers-per-node", 1),
+        workers_per_node=ints.get("workers-per-node", 1), restore_step=ints.get("restore-step"),
     )
     return spec, warnings
 

@@ -26,6 +26,7 @@ from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.parse import format_size
 from tierfs.pipeline.namespace import link_into_tree, set_aside
 from tierfs.pipeline.restore import Origin, Restore, fetch_manifest, restoring_steps
+from tierfs.pipeline.rollback import Rollback, made_here
 from tierfs.pipeline.survey import ClusterView, Survey
 from tierfs.tiers.base import Tier
 from tierfs.tiers.fetch import ChunkSources
@@ -58,6 +59,7 @@ class RestorePlanner:
         self.started = started  # steps committed after this mean the job moved past the restored one
         self.restore_step: int | None = None  # the step chosen at start, announced to peers
         self.missing: list[str] = []  # the nodes' tiers that had not answered when the step was chosen
+        self.rolled_back: tuple[int, float] | None = None  # the rollback this node made (step, when), if asked
 
     def announced_step(self) -> int | None:
         """The step chosen at start, until the job commits a newer one (then it has moved on)."""
@@ -118,7 +120,21 @@ class RestorePlanner:
         return restore
 
     async def choose(self) -> tuple[Survey, int | None]:
-        """Who holds what, and the step to restore: the coordinators' answer, else a survey of every tier."""
+        """Who holds what, and the step to restore: the coordinators' answer, else a survey of every tier.
+
+        A rollback (``--restore-step``) this start makes asks every tier itself: the step must
+        be complete for every rank, older than anything the coordinators would choose.
+        """
+        if self.cfg.restore_step is not None:
+            rollback = Rollback(self.cfg, self.rank, self.steps, self.tiers, self.local)
+            due = await rollback.due()
+            if due:
+                survey = await self.view.survey(wait=self.survey_wait())
+                rollback.check(survey)
+                await rollback.make(survey)
+            self.rolled_back = made_here(self.rank)
+            if due:
+                return survey, rollback.step
         if self.coordinating is not None:
             answered = await self.coordinating.decide()
             if answered is not None:

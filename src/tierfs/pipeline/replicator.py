@@ -3,9 +3,10 @@
 One trio task owns it, started in the daemon's nursery. The tiers it is given are values
 (:mod:`tierfs.tiers`); tiers that share a *lane* (``Tier.lane``: every peer is in the
 "peers" lane) are alternatives, of which each step must reach ``copies()``. One task per
-lane, cheapest lane first, always works on the newest committed step its tiers lack. Steps
-superseded before their turn are skipped, never queued without bound, and a slow or absent
-tier only delays its own lane. Blocking work (hashing, compression, HTTP, disk writes) runs
+lane, cheapest lane first, always works on the newest committed step its tiers lack (and on
+milestones first, where they are kept: :meth:`Replicator._milestones_owed`). Steps superseded
+before their turn are skipped, never queued without bound, and a slow or absent tier only
+delays its own lane. Blocking work (hashing, compression, HTTP, disk writes) runs
 in worker threads; peer transfers are trio sockets with zero-copy sends, so the FUSE loop
 never waits for either.
 
@@ -41,6 +42,7 @@ from tierfs.core.atomic import write_atomically
 from tierfs.core.describe import build
 from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.meters import Meters
+from tierfs.core.milestones import Milestones
 from tierfs.pipeline.early import Feeds
 from tierfs.pipeline.pacing import Pacing
 from tierfs.ramtier.steps import Steps, StepState
@@ -79,10 +81,10 @@ class Lane:
         self.lead = tiers[0]  # speaks for the lane: copies, schedule, order, status
         self.interval, self.every_steps = self.lead.schedule()
         self.volatile = any(t.volatile for t in tiers)  # when idle: is the newest step still where we put it?
-        self.last_step: int | None = None
+        self.last_step: int | None = None  # the step this lane last put, and when
+        self.last_at: float | None = None
         self.wake = trio.Event()
         self.busy: int | None = None
-        self.last_at: float | None = None
         self.progress: Progress | None = None
         self.status: dict = {"state": "idle", "error": None, "since": time.time()}
 
@@ -110,8 +112,7 @@ def lanes_of(tiers: list[Tier]) -> dict[str, Lane]:
 
 
 class Replicator:
-    def __init__(self, cfg: Config, steps: Steps, tiers: list[Tier],
-                 last_write: Callable[[], float] = lambda: 0.0,
+    def __init__(self, cfg: Config, steps: Steps, tiers: list[Tier], last_write: Callable[[], float] = lambda: 0.0,
                  retention_floor: Callable[[], int | None] | None = None,
                  ram_short: Callable[[], bool] = lambda: False, meters: Meters | None = None):
         self.cfg = cfg
@@ -120,8 +121,7 @@ class Replicator:
         self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
         self.ram_short = ram_short  # RAM is short: steps a spill tier holds may leave it
         self.pacing = Pacing(last_write)  # the job's writes go first
-        self.steps = steps
-        self.tiers = list(tiers)
+        self.steps, self.tiers = steps, list(tiers)
         self._limiter = trio.CapacityLimiter(BUILD_THREADS)
         self._hashed: dict = {}  # (ino, size, mtime_ns) -> chunk hashes: unchanged files are not rehashed
         self._manifests: dict[int, tuple[int, Manifest]] = {}  # step -> (version, manifest)
@@ -185,33 +185,51 @@ class Replicator:
             while self._trash:
                 await trio.to_thread.run_sync(shutil.rmtree, self._trash.pop(), True)
 
+    def _milestones_owed(self, lane: Lane) -> list[StepState]:
+        """The milestones in RAM newer than the lane's last put step that it lacks, oldest first.
+
+        A lane puts the newest step at its schedule's pace: a milestone committed meanwhile would be
+        overtaken and leave RAM, never reaching GCS or ``--disk``, which keep it for good. So their
+        lanes put these first, unpaced, and RAM keeps them till then.
+        """
+        milestones, now, after = Milestones.from_config(self.cfg), time.time(), lane.last_step
+        if not milestones or not (lane.lead.shared or lane.lead.spill):
+            return []  # peers keep no milestones
+        return [s for _, s in sorted(self.steps.states.items())
+                if (after is None or s.step > after) and not lane.done(s) and s.refusal() is None
+                and milestones.is_milestone(s.step, s.committed_at, now)]
+
     async def _run_lane(self, lane: Lane) -> None:
         failures = 0
         while True:
-            newest = self.steps.newest()
-            early = (newest is not None and lane.every_steps and lane.last_step is not None
-                     and newest.step < lane.last_step + lane.every_steps)
-            if newest is None or lane.done(newest) or early:
+            newest, owed = self.steps.newest(), self._milestones_owed(lane)
+            state = next((s for s in owed if s is not newest), newest)  # the oldest milestone owed first
+            paced = all(s is not state for s in owed)  # the schedule paces ordinary steps only
+            early = (state is not None and paced and lane.every_steps and lane.last_step is not None
+                     and state.step < lane.last_step + lane.every_steps)
+            if state is None or lane.done(state) or early:
                 with trio.move_on_after(RECHECK if lane.volatile else math.inf):
                     await lane.wake.wait()
                     lane.wake = trio.Event()
                     continue
-                if newest is not None:
+                if state is not None:
                     try:
-                        await self._recheck(lane, newest)
+                        await self._recheck(lane, state)
                     except Exception as e:
-                        log.warning("%s: could not recheck step %d: %s", lane.name, newest.step, e)
+                        log.warning("%s: could not recheck step %d: %s", lane.name, state.step, e)
                 continue
-            wait = lane.last_at + lane.interval - time.time() if lane.interval and lane.last_at else 0.0
+            wait = lane.last_at + lane.interval - time.time() if paced and lane.interval and lane.last_at else 0.0
             if wait > 0:
-                await trio.sleep(wait)
+                with trio.move_on_after(wait):  # a commit meanwhile may be a milestone, which does not wait
+                    await lane.wake.wait()
+                    lane.wake = trio.Event()
                 continue  # the newest step may have changed meanwhile
-            lane.busy = newest.step
+            lane.busy = state.step
             before = dict(lane.status)
             lane.set("working")
             try:
-                await self._put(lane, newest)
-                lane.last_at, lane.last_step = time.time(), newest.step
+                await self._put(lane, state)
+                lane.last_at, lane.last_step = time.time(), state.step
                 lane.set("ok")
                 failures = 0
             except Exception as group:  # a tier's trouble must never take the mount down
@@ -222,24 +240,21 @@ class Replicator:
                 delay = BACKOFF[min(failures, len(BACKOFF) - 1)]
                 failures += 1
                 if isinstance(e, (SnapshotChanged, SourceChanged)):
-                    log.info("step %d changed while read for %s; again", newest.step, lane.name)
+                    log.info("step %d changed while read for %s; again", state.step, lane.name)
                 else:
                     if not isinstance(e, TierError):  # a tier's own refusal was counted where it came
                         self.meters.put_failed(lane.name)
-                    transient = isinstance(e, TierUnavailable)
-                    lane.set("unavailable" if transient else "failing", f"{type(e).__name__}: {e}")
-                    log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, newest.step, delay, e,
+                    lane.set("unavailable" if isinstance(e, TierUnavailable) else "failing", f"{type(e).__name__}: {e}")
+                    log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, state.step, delay, e,
                                 exc_info=not isinstance(e, TierError))
                     await trio.sleep(delay)
             finally:
-                lane.busy = None
-                lane.progress = None
+                lane.busy = lane.progress = None
                 self.retain_local()
 
     async def _put(self, lane: Lane, state: StepState) -> None:
         """Put the step on ``copies()`` of the lane's tiers, in the order the lane prefers."""
-        version, started = state.version, time.time()
-        wanted = lane.copies()
+        version, started, wanted = state.version, time.time(), lane.copies()
         candidates = await lane.lead.order(lane.tiers)
         early = [t for t in candidates[:wanted] if t.early]
         manifest, sent_early = await self.manifest_for(state, early)
@@ -415,11 +430,8 @@ class Replicator:
         return self._local.get(h)
 
     def _index_local(self) -> None:
-        self._local = {
-            h: (str(path), offset, length)
-            for _, manifest in self._manifests.values()
-            for h, (path, offset, length) in self.chunk_locations(manifest).items()
-        }
+        self._local = {h: (str(path), offset, length) for _, manifest in self._manifests.values()
+                       for h, (path, offset, length) in self.chunk_locations(manifest).items()}
 
     # -- local retention -------------------------------------------------------------------
 
@@ -430,15 +442,16 @@ class Replicator:
     def retain_local(self) -> None:
         """Drop local snapshots that no tier needs any more.
 
-        Kept: the ``--keep-local`` newest committed steps, the steps a lane is sending, and
-        every step from the newest one complete on every rank on (``retention_floor``;
-        everything while that is unknown): that step may exist nowhere else. When RAM is
-        short, a step a *spill* tier (``--disk``) holds in its current version may go too:
-        it is restored from there first.
+        Kept: the ``--keep-local`` newest committed steps, the steps a lane is sending or owes
+        as milestones (:meth:`_milestones_owed`), and every step from the newest one complete
+        on every rank on (``retention_floor``; everything while that is unknown): that step
+        may exist nowhere else. When RAM is short, a step a *spill* tier (``--disk``) holds in
+        its current version may go too: it is restored from there first.
         """
         floor = self.retention_floor()
         keep = set(sorted(self.steps.states)[-self.cfg.keep_local:])
         keep |= {lane.busy for lane in self.lanes.values()}
+        keep |= {s.step for lane in self.lanes.values() for s in self._milestones_owed(lane)}
         spill = [lane for lane in self.lanes.values() if lane.lead.spill]
         short = None  # asked only when a step could spill
         for step in list(self.steps.states):
@@ -470,8 +483,7 @@ class Replicator:
 
     def status(self) -> dict:
         """Each lane's state, lag and progress, with what its tiers say of themselves."""
-        now = time.time()
-        out = {}
+        now, out = time.time(), {}
         for name, lane in self.lanes.items():
             pending = [s for s in self.steps.states.values() if not lane.done(s) and s.refusal() is None]
             lag = now - min(s.committed_at for s in pending) if pending else 0.0

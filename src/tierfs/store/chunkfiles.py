@@ -15,7 +15,7 @@ import errno
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -253,3 +253,24 @@ def discard_file(path: Path | None) -> None:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def mtime(path: Path) -> float:
+    """When the file was last written; 0 (long ago) if it is gone meanwhile."""
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
+
+
+def scan(path: Path) -> Iterable[os.DirEntry]:
+    with os.scandir(path) as it:
+        return list(it)
+
+
+def mkdir_private(path: Path) -> None:
+    """A directory of a store's, root-only from its creation: the daemon's umask is 0."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass

@@ -35,7 +35,7 @@ import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Protocol
 
 import trio
 
@@ -54,6 +54,9 @@ from tierfs.store.chunkfiles import (
     create_private,
     discard_file,
     is_hash,
+    mkdir_private,
+    mtime,
+    scan,
 )
 
 log = logging.getLogger(__name__)
@@ -133,16 +136,16 @@ class ReplicaStore:
         self._manifests.clear()
         private_dir(self._chunk_dir)  # root-only, like every directory of the daemon's (umask 0)
         private_dir(self._manifest_dir)
-        for sub in _scan(self._chunk_dir):
+        for sub in scan(self._chunk_dir):
             if sub.name.startswith(_TMP):
                 discard_file(Path(sub.path))
             elif sub.is_dir(follow_symlinks=False):
-                for f in _scan(Path(sub.path)):
+                for f in scan(Path(sub.path)):
                     self._load_chunk(sub.name, f)
-        for rank_dir in _scan(self._manifest_dir):
+        for rank_dir in scan(self._manifest_dir):
             m = _RANK_RE.fullmatch(rank_dir.name)
             if m and rank_dir.is_dir(follow_symlinks=False):
-                for f in _scan(Path(rank_dir.path)):
+                for f in scan(Path(rank_dir.path)):
                     self._load_manifest(int(m.group(1)), f)
         removed = self.collect_garbage()
         log.info("replica store %s: %d manifests, %d chunks (%d bytes) held; %d unreferenced chunks removed",
@@ -283,10 +286,9 @@ class ReplicaStore:
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
         """Commit a replica of (rank, step): every chunk must be held or locally available.
 
-        Chunks available locally are copied in first, yielding to other tasks between
-        chunks. Then the manifest
-        is written atomically, older steps of the rank are dropped and unreferenced chunks
-        collected. Raises :class:`MissingChunks` (nothing written, nothing copied) when some
+        Chunks available locally are copied in first, yielding to other tasks between chunks.
+        Then the manifest is written atomically, older steps of the rank are dropped and
+        unreferenced chunks collected. Raises :class:`MissingChunks` (nothing written, nothing copied) when some
         chunk is nowhere on this node, :class:`NoSpace`, or :class:`PeerError` for a
         manifest that is unusable or is not the one it claims to be.
         """
@@ -372,7 +374,7 @@ class ReplicaStore:
             self._touch(h)
             return
         path = self._chunk_path(h)
-        _mkdir_private(path.parent)
+        mkdir_private(path.parent)
         os.rename(tmp, path)
         st = os.fstat(fd)  # after the rename, which changes the ctime
         self._account(st)
@@ -407,7 +409,7 @@ class ReplicaStore:
     def _write_manifest(self, rank: int, step: int, data: bytes) -> None:
         path = self._manifest_path(rank, step)
         self._check_space(_pages(len(data)))
-        _mkdir_private(path.parent)
+        mkdir_private(path.parent)
         tmp = path.with_name(f"{_TMP}{path.name}-{secrets.token_hex(4)}")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
@@ -454,6 +456,17 @@ class ReplicaStore:
                 log.debug("replica of rank %d step %d dropped: superseded by step %d", r, s, newest[r])
         self.collect_garbage()
 
+    def forget(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
+        """A rollback (:meth:`tierfs.tiers.base.Tier.set_aside`): drop the manifests of ``rank``
+        (None: every rank) newer than ``above`` and written before ``before``; a cache of
+        what the owner's other tiers set aside."""
+        gone = [(r, s) for r, s in self._manifests if (rank is None or r == rank) and s > above
+                and mtime(self._manifest_path(r, s)) <= before]
+        for r, s in gone:
+            del self._manifests[(r, s)]
+            self._remove_file(self._manifest_path(r, s))
+        return gone
+
     def _milestone(self, rank: int, step: int, now: float) -> bool:
         """Whether a replica is a milestone, aged from its manifest file's mtime: it is written
         once, at the commit here, so a step that came late is kept longer, never shorter."""
@@ -483,16 +496,3 @@ class ReplicaStore:
 
 def _pages(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
-
-
-def _scan(path: Path) -> Iterable[os.DirEntry]:
-    with os.scandir(path) as it:
-        return list(it)
-
-
-def _mkdir_private(path: Path) -> None:
-    """A directory of the store's, root-only from its creation: the daemon's umask is 0."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass

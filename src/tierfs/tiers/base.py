@@ -273,6 +273,23 @@ class Tier(ABC):
         node reports as its own; () for a tier that must be asked."""
         return ()
 
+    async def set_aside(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
+        """A rollback to step ``above``: take the manifests of ``rank`` (None: every rank's) newer
+        than ``above`` and committed before ``before`` (unix time) out of what the tier holds.
+
+        They are the abandoned timeline's: left in place they would count as complete steps
+        again, and the job's next commits reuse their numbers. A tier that keeps steps for
+        good moves them where no listing counts them (GCS); a cache drops them. Returns the
+        (rank, step) manifests that went; another node's tier (a peer) is never asked.
+        """
+        return []
+
+    async def rollback_at(self, step: int, *, record: bool = False) -> float | None:
+        """When the job was rolled back to ``step``, as this tier keeps it for every node of
+        the job (None: never, or this tier keeps no such record); ``record`` makes the record
+        now unless one exists, and returns its time."""
+        return None
+
     # -- what it says about itself ---------------------------------------------------------
 
     def report(self) -> dict:

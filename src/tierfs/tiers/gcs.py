@@ -233,6 +233,59 @@ class GcsTier(Tier):
         except (GcsError, UserError) as e:
             raise TierError(str(e)) from None
 
+    # -- a rollback ----------------------------------------------------------------------
+
+    async def set_aside(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
+        """Move the manifests of ``rank`` (None: every rank's) after step ``above`` and created
+        no later than ``before`` under ``aside/`` (:meth:`GcsStore.set_aside`): kept with their
+        chunks, counted by no listing. A manifest whose creation time the listing does not
+        give counts as before. Returns the (rank, step) manifests that now lie aside."""
+        what = f"cannot set aside the steps after {above} in {self.url}"
+        listing = await self._request(what, self.store.list_manifests, "" if rank is None else f"rank-{rank}/")
+        chosen = [(r, s) for r, steps in listing.items() for s in steps
+                  if s > above and _no_later(listing.created.get((r, s)), before)]
+        moved: list[tuple[int, int]] = []
+        failed: list[TierError] = []
+
+        async def move(r: int, s: int) -> None:
+            try:
+                if await self._request(what, lambda: self.store.set_aside(r, s, above, before=before)):
+                    moved.append((r, s))
+            except TierError as e:
+                failed.append(e)
+
+        async with trio.open_nursery() as nursery:
+            for r, s in chosen:
+                nursery.start_soon(move, r, s)
+        if failed:
+            raise failed[0]
+        log.info("GCS: rollback to step %d set aside %d manifests of %s committed by %.3f (steps %s)",
+                 above, len(moved), "every rank" if rank is None else f"rank {rank}", before,
+                 sorted({s for _, s in moved}))
+        return sorted(moved)
+
+    async def rollback_at(self, step: int, *, record: bool = False) -> float | None:
+        """When the job was rolled back to ``step``, as the bucket records it for every node
+        (GCS's clock); ``record`` creates the record unless one stands."""
+        fn = self.store.record_rollback if record else self.store.rollback_time
+        return await self._request(f"cannot {'record' if record else 'read'} the rollback to step {step} "
+                                   f"in {self.url}", fn, step)
+
+    async def committed_since(self, rank: int, above: int, at: float) -> list[int]:
+        """The steps of ``rank`` after ``above`` whose manifests were created after ``at`` (GCS's
+        clock): the new timeline's, once a rollback to ``above`` was made at ``at``."""
+        listing = await self._request(f"cannot list rank {rank}'s steps in {self.url}",
+                                      self.store.list_manifests, f"rank-{rank}/")
+        return [s for s in listing.get(rank, []) if s > above and not _no_later(listing.created.get((rank, s)), at)]
+
+    async def _request(self, what: str, fn, *args):
+        """``fn(*args)`` as :meth:`_run` makes it, any other GCS failure a :class:`TierError`
+        saying ``what`` could not be done, in one line."""
+        try:
+            return await self._run(fn, *args)
+        except (GcsError, UserError) as e:
+            raise TierError(f"{what}: {e}") from None
+
     # -- a step's bracket and retention --------------------------------------------------
 
     def twins(self) -> list[int]:
@@ -265,6 +318,11 @@ class GcsTier(Tier):
 
     def report(self) -> dict:
         return {**super().report(), "url": self.url}
+
+
+def _no_later(created: float | None, before: float) -> bool:
+    """Whether a manifest created at ``created`` (None: the listing does not say) counts as before ``before``."""
+    return created is None or created <= before
 
 
 def _pread(path: str, offset: int, length: int) -> bytes:

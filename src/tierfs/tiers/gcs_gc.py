@@ -37,9 +37,12 @@ class GarbageCollection:
         time of it (``timeCreated``, from the listing) is taken for the step's commit time,
         and ``now`` (default: when the collection starts) is when ages are measured; one the
         listing gives no time for is kept. The chunks a kept milestone names stay, as any
-        kept manifest's; an expired one goes like any old step. A chunk is deleted only if
-        no remaining manifest and no live pending marker names it, and it has not been
-        written or touched since ``t0 - grace``, ``t0`` being taken before any listing.
+        kept manifest's; an expired one goes like any old step. Manifests a rollback set
+        aside (:mod:`~tierfs.tiers.gcs_aside`) are not the collector's to delete: they stay,
+        with every chunk they name, until the operator discards them. A chunk is deleted only
+        if no remaining manifest, no set-aside manifest and no live pending marker names it,
+        and it has not been written or touched since ``t0 - grace``, ``t0`` being taken
+        before any listing.
 
         Why a concurrent upload never loses a chunk. An upload (1) puts its pending
         marker, (2) touches or puts every chunk, (3) puts its manifest, (4) deletes the
@@ -52,6 +55,13 @@ class GarbageCollection:
           of (2) came after ``t0``. A touch before the chunk listing makes the chunk recent; a
           touch after it bumps the metageneration, which the conditional delete requires
           unchanged; a touch after the delete finds no chunk, and the upload puts it.
+
+        Why a rollback never loses one either. Setting a manifest aside copies it under
+        ``aside/`` before its original goes, and set-aside manifests are listed after the
+        kept ones are read: a kept manifest found gone when read was copied before that, so
+        the listing finds the copy. (The one case left: a manifest this collection drops
+        while a rollback copies it; that is an old step retention removes anyway, and its
+        copy may then lack chunks.)
 
         ``grace`` must exceed the clock skew between this host and GCS, since
         ``updated`` is GCS's time and ``t0`` ours. An upload must finish, or put its
@@ -87,7 +97,9 @@ class GarbageCollection:
 
         with ThreadPoolExecutor(GC_THREADS, thread_name_prefix="tierfs-gc") as pool:
             list(pool.map(lambda rs: self.delete_manifest(*rs), dropped))
-            needed: set[str] = set().union(*pool.map(self._manifest_chunks, kept))
+            kept_names = [(self._manifest_name(rank, step, "json"), rank, step) for rank, step in kept]
+            needed: set[str] = set().union(*pool.map(self._manifest_chunks, kept_names))
+            needed.update(*pool.map(self._manifest_chunks, self._aside_names()))  # only now: see above
             referenced = needed.union(*pending.values())
             present: set[str] = set()
             candidates: list[ChunkInfo] = []
@@ -106,13 +118,20 @@ class GarbageCollection:
             "chunks_missing": len(needed - present),
         }
 
-    def _manifest_chunks(self, rank_step: tuple[int, int]) -> set[str]:
-        rank, step = rank_step
-        url = self.manifest_url(rank, step)
+    def _aside_names(self) -> list[tuple[str, int, int]]:
+        """(object name, rank, step) of every manifest set aside (:meth:`list_aside`)."""
+        return [(self._aside_name(to, rank, step), rank, step)
+                for to, listing in self.list_aside().items() for rank, steps in listing.items() for step in steps]
+
+    def _manifest_chunks(self, named: tuple[str, int, int]) -> set[str]:
+        """The chunk objects the manifest object ``name`` of (rank, step) needs: an active one
+        or a set-aside copy, read by its name and checked as the job's (rank, step)."""
+        name, rank, step = named
+        url = self.url_of(name)
         try:
-            data = self.get_manifest(rank, step)
+            data = self._read_manifest(name, rank, step)
         except MissingObject:
-            return set()  # deleted by another collector since it was listed: nothing to keep
+            return set()  # deleted since it was listed (another collector, a discard): nothing to keep
         try:
             data = manifest_format.authenticate(data, self.keys, rank, step)
         except manifest_format.Unauthenticated as e:

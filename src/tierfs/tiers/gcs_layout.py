@@ -8,6 +8,14 @@ Layout (with an empty PREFIX, names start at ``<job>/``)::
     <prefix>/<job>/manifests/rank-<R>/step-<S:012d>.json     a manifest; its presence commits step S
     <prefix>/<job>/manifests/rank-<R>/step-<S:012d>.pending  an upload in progress: JSON list of
                                                              the chunk keys it will reference
+    <prefix>/<job>/aside/to-<N:012d>/manifests/rank-<R>/step-<S:012d>.json
+                                                             a manifest of a timeline abandoned by
+                                                             the rollback to step N, byte for byte:
+                                                             no listing counts it, the collector
+                                                             keeps its chunks until it is discarded
+    <prefix>/<job>/rollbacks/to-<N:012d>.json                the rollback to step N: {"step": N};
+                                                             its creation time (GCS's clock) is when
+                                                             the job went back, for every node
 
 Apart from the requests because the names are the format: a listing, an upload and the
 collector must agree on them to the character. A name counts only when it is exactly the
@@ -38,6 +46,8 @@ _SEAL_ID_RE = re.compile(r"[0-9a-f]{16}")
 # Candidates only (digit counts keep int() cheap); a name counts once it is exactly the one
 # manifest_name gives for its numbers.
 _MANIFEST_RE = re.compile(r"rank-([0-9]{1,10})/step-([0-9]{1,19})\.(json|pending)")
+_ASIDE_RE = re.compile(r"to-([0-9]{12,19})/")
+_ROLLBACK_RE = re.compile(r"to-([0-9]{12,19})\.json")
 
 
 class ChunkInfo(NamedTuple):
@@ -89,6 +99,49 @@ def manifest_object(base: str, name: str) -> tuple[int, int, str] | None:
     if m and name == manifest_name(base, int(m[1]), int(m[2]), m[3]):
         return int(m[1]), int(m[2]), m[3]
     return None
+
+
+def aside_base(base: str, to: int) -> str:
+    """Where the manifests the rollback to step ``to`` set aside start: :func:`manifest_name`
+    under it names each one as the job's own (same rank and step, so seals still verify)."""
+    if to < 0:
+        raise ValueError(f"invalid step {to}")
+    return f"{base}aside/to-{to:012d}/"
+
+
+def aside_object(base: str, name: str) -> tuple[int, int, int] | None:
+    """(to, rank, step) of a set-aside manifest's name exactly as :func:`aside_base` and
+    :func:`manifest_name` write it, else None (as :func:`manifest_object` for the active ones)."""
+    m = _ASIDE_RE.match(name, len(f"{base}aside/"))
+    if not (m and name.startswith(base)):
+        return None
+    under = aside_base(base, int(m[1]))
+    found = manifest_object(under, name) if name.startswith(under) else None
+    return (int(m[1]), found[0], found[1]) if found is not None and found[2] == "json" else None
+
+
+def rollback_name(base: str, step: int) -> str:
+    """The record of the rollback to ``step``: one per step, created once (its time is the record)."""
+    if step < 0:
+        raise ValueError(f"invalid step {step}")
+    return f"{base}rollbacks/to-{step:012d}.json"
+
+
+def rollback_of(base: str, name: str) -> int | None:
+    """The step a rollback record's name is of, exactly as :func:`rollback_name` writes it, else None."""
+    m = _ROLLBACK_RE.fullmatch(name, len(f"{base}rollbacks/"))
+    return int(m[1]) if m and name == rollback_name(base, int(m[1])) else None
+
+
+def rollback_record(step: int) -> bytes:
+    """What the record of the rollback to ``step`` holds: only the step (its name says it too)."""
+    return json.dumps({"step": step}).encode()
+
+
+def parse_rollback(data: bytes, url: str, step: int) -> None:
+    """Check that a rollback record holds exactly what :func:`rollback_record` writes for ``step``."""
+    if data != rollback_record(step):
+        raise CorruptObject(f"{url} is not the record of the rollback to step {step}")
 
 
 def chunk_of(prefix: str, name: str) -> str | None:

@@ -1,6 +1,7 @@
 """The GCS tier: one job's chunks and manifests under gs://BUCKET/PREFIX.
 
-The names of the objects and what each holds are :mod:`tierfs.tiers.gcs_layout`.
+The names of the objects and what each holds are :mod:`tierfs.tiers.gcs_layout`; what a
+rollback does to them (manifests set aside, its record) is :mod:`tierfs.tiers.gcs_aside`.
 
 Chunks are shared by every rank and step of the job and never change once written, so
 they are created with ``ifGenerationMatch=0``: of two ranks uploading the same bytes one
@@ -48,6 +49,7 @@ from tierfs.core import manifest as manifest_format
 from tierfs.core.bucket_seal import OVERHEAD, ChunkSeal
 from tierfs.core.bucket_seal import TAG as SEALED
 from tierfs.core.keys import ManifestKeys
+from tierfs.tiers.gcs_aside import Rollback
 from tierfs.tiers.gcs_gc import GC_THREADS, GarbageCollection
 from tierfs.tiers.gcs_http import CorruptObject, GcsBucket, GcsError, MissingObject
 from tierfs.tiers.gcs_layout import (
@@ -85,7 +87,7 @@ def object_md5(body: bytes) -> str:
     return base64.b64encode(hashlib.md5(body).digest()).decode()
 
 
-class GcsStore(GarbageCollection, GcsBucket):
+class GcsStore(Rollback, GarbageCollection, GcsBucket):
     """One job's objects in one bucket; safe to share between threads."""
 
     def __init__(
@@ -308,15 +310,19 @@ class GcsStore(GarbageCollection, GcsBucket):
         """The manifest's bytes, read with the bound of the largest manifest (:class:`CorruptObject`
         past it) and opened with whichever of the job's seals sealed it; one in clear (written
         before sealing, or without a secret) as stored. The reader authenticates them."""
-        url_name = self._manifest_name(rank, step, "json")
-        body = self._download(url_name, manifest_format.MAX_BYTES + OVERHEAD, generation)
+        return self._read_manifest(self._manifest_name(rank, step, "json"), rank, step, generation)
+
+    def _read_manifest(self, name: str, rank: int, step: int, generation: int | None = None) -> bytes:
+        """:meth:`get_manifest` of the object ``name`` (a set-aside copy too): its seal binds
+        (rank, step), not the name, so a copy opens as the original did."""
+        body = self._download(name, manifest_format.MAX_BYTES + OVERHEAD, generation)
         if body[:1] != SEALED:
             return body
         for seal in self.seals:
             data = seal.open_manifest(rank, step, body)
             if data is not None:
                 return data
-        raise CorruptObject(f"{self.url_of(url_name)} is sealed, but by no secret this node has")
+        raise CorruptObject(f"{self.url_of(name)} is sealed, but by no secret this node has")
 
     def delete_manifest(self, rank: int, step: int) -> None:
         self._delete(self._manifest_name(rank, step, "json"))
@@ -395,16 +401,20 @@ class GcsStore(GarbageCollection, GcsBucket):
             else:
                 self._ignore(blob.name)
 
-    def _ignore(self, name: str) -> None:
+    def _ignore(self, name: str, expected: str = "manifests/rank-<R>/step-<S, 12 digits>.json or .pending") -> None:
         with self._lock:
             if name in self._ignored or len(self._ignored) >= REMEMBERED:
                 return
             self._ignored.add(name)
-        log.warning("ignoring %r: not a manifest or upload marker name tierfs writes "
-                    "(manifests/rank-<R>/step-<S, 12 digits>.json or .pending)", self.url_of(name))
+        log.warning("ignoring %r: not a name tierfs writes there (%s)", self.url_of(name), expected)
 
     def _list_manifests(self, prefix: str) -> ManifestListing:
-        found = [(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix) if kind == "json"]
+        return self._listing([(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix)
+                              if kind == "json"])
+
+    def _listing(self, found: list[tuple[int, int, storage.Blob]]) -> ManifestListing:
+        """The (rank, step, listed object) manifests ``found``, as a listing: with keys, only
+        those whose seal verifies (:meth:`_check_seal`)."""
         if self.keys is not None:
             sealed = self._known_seals(found)
             unknown = [f for f in found if f[2].name not in sealed]
@@ -439,7 +449,7 @@ class GcsStore(GarbageCollection, GcsBucket):
         """
         name, generation = blob.name, blob.generation or 0
         try:
-            data = self.get_manifest(rank, step, generation or None)
+            data = self._read_listed(rank, step, blob)
             manifest_format.authenticate(data, self.keys, rank, step)
             problem = None
         except MissingObject:
@@ -453,6 +463,13 @@ class GcsStore(GarbageCollection, GcsBucket):
         if problem is not None:
             log.warning("ignoring %s: %s", self.url_of(name), problem)
         return problem is None
+
+    def _read_listed(self, rank: int, step: int, blob: storage.Blob) -> bytes:
+        """The listed manifest object's bytes, of the generation listed: an active one through
+        :meth:`get_manifest`, the one reader of active manifests; a set-aside copy by its name."""
+        if blob.name == self._manifest_name(rank, step, "json"):
+            return self.get_manifest(rank, step, blob.generation or None)
+        return self._read_manifest(blob.name, rank, step, blob.generation or None)
 
 
 def _created(blob: storage.Blob) -> float | None:

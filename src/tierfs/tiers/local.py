@@ -89,6 +89,10 @@ class LocalTier(StoredTier):
     async def holdings(self) -> Holdings:
         return self.current()
 
+    async def set_aside(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
+        """The replicas held for other ranks (this rank's own steps are the daemon's to set aside)."""
+        return [] if self.store is None else await super().set_aside(rank, above, before)
+
     def current(self) -> Holdings:
         """What this node holds right now (synchronous: the retention floor asks often)."""
         own = tuple((self.own.rank, s) for s in self.own.steps())

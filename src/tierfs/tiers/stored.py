@@ -117,6 +117,9 @@ class StoredTier(Tier):
     async def holdings(self) -> Holdings:
         return Holdings(tuple(await self._do(self.store.manifests)))
 
+    async def set_aside(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
+        return await self._do(self.store.forget, rank, above, before)  # a copy: the owner's GCS keeps them
+
     def report(self) -> dict:
         return {**super().report(), **self.store.stats()}
 

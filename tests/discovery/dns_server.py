@@ -29,6 +29,7 @@ class DnsServer:
         self.udp_limit = udp_limit  # answers longer than this are truncated over UDP
         self.glue = glue  # SRV answers carry their targets' addresses
         self.queries: list[tuple[str, str, int]] = []  # (transport, name, type)
+        self.raw = None  # hostile answers: f(query, transport) -> bytes to send instead, None, or (UDP) a list
         self.lock = threading.Lock()
         server = self
 
@@ -36,8 +37,9 @@ class DnsServer:
             def handle(self):
                 data, sock = self.request
                 answer = server.answer(data, "udp")
-                if answer is not None:
-                    sock.sendto(answer, self.client_address)
+                for datagram in answer if isinstance(answer, list) else [answer]:
+                    if datagram is not None:
+                        sock.sendto(datagram, self.client_address)
 
         class Tcp(socketserver.StreamRequestHandler):
             def handle(self):
@@ -74,6 +76,8 @@ class DnsServer:
     def answer(self, query: bytes, transport: str) -> bytes | None:
         if len(query) < 12:
             return None
+        if self.raw is not None:
+            return self.raw(query, transport)
         qid, flags, qd = struct.unpack("!HHH", query[:6])
         labels, offset = [], 12
         while query[offset]:

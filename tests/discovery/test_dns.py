@@ -1,14 +1,15 @@
-"""The DNS client against a real DNS server on loopback, and its parser against hostile bytes."""
+"""The DNS client against a real DNS server on loopback, and against one answering hostile bytes."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 import struct
 
 import pytest
 import trio
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.discovery.dns_server import DnsServer
@@ -126,41 +127,86 @@ def test_resolv_conf_and_the_search_order(tmp_path):
 
 
 # -- hostile answers ----------------------------------------------------------------------
+# The server answers every query with the bytes given: dnspython parses them, and whatever
+# it finds must come out of the client as a DnsError, never as another exception.
 
 
-def answer_with(body: bytes, an: int = 1, qid: int = 7) -> bytes:
-    return struct.pack("!HHHHHH", qid, 0x8180, 0, an, 0, 0) + body
+def reply(body: bytes, an: int = 1, qd: int = 0, flags: int = 0x8180, qid_xor: int = 0):
+    """For the server's ``raw``: the query's id, a header of ``qd`` questions and ``an`` answers, ``body``.
+
+    With ``qd``, the query's own question comes first (the query ends in its 11-byte EDNS0 record).
+    """
+    def answer(query: bytes, transport: str) -> bytes:
+        qid = struct.unpack("!H", query[:2])[0] ^ qid_xor
+        return struct.pack("!HHHHHH", qid, flags, qd, an, 0, 0) + (query[12:-11] if qd else b"") + body
+    return answer
 
 
-def test_a_compression_loop_is_refused():
-    looped = answer_with(b"\xc0\x0c" + struct.pack("!HHIH", dns.A, 1, 0, 4) + b"\1\2\3\4")
-    with pytest.raises(dns.DnsError, match="loops"):
-        dns.parse_response(looped, 7)
+def ask(server: DnsServer, raw) -> object:
+    server.raw = raw
+    return trio.run(dns.query, server.address, "x.test", dns.A)
 
 
-@pytest.mark.parametrize("body, message", [
-    (b"\x05abc", "runs past the end"),
-    (b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 9) + b"\1\2\3\4", "record data runs past the end"),
-    (b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 3) + b"\1\2\3", "not 4 bytes"),
-    (b"\0" + struct.pack("!HHIH", dns.SRV, 1, 0, 7) + b"\0\1\0\1\0\1\x05ab", "past"),
-    (b"\x80", "unknown label type"),
+LOOPED = b"\xc0\x0c" + struct.pack("!HHIH", dns.A, 1, 0, 4) + b"\1\2\3\4"  # its name points at itself
+
+
+def test_a_compression_loop_is_refused(dns_server):
+    with pytest.raises(dns.DnsError, match="malformed answer from DNS server .*pointer"):
+        ask(dns_server, reply(LOOPED))
+
+
+@pytest.mark.parametrize("body", [
+    b"\x05abc",  # a name runs past the end
+    b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 9) + b"\1\2\3\4",  # record data runs past the end
+    b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 3) + b"\1\2\3",  # an A record of 3 bytes
+    b"\0" + struct.pack("!HHIH", dns.SRV, 1, 0, 7) + b"\0\1\0\1\0\1\x05ab",  # a SRV target past its record
+    b"\x80",  # an unknown label type
 ])
-def test_malformed_records_are_dns_errors(body, message):
+def test_malformed_records_are_dns_errors(dns_server, body):
+    with pytest.raises(dns.DnsError, match="malformed answer from DNS server"):
+        ask(dns_server, reply(body))
+
+
+def test_a_datagram_with_another_id_is_not_taken(dns_server):
+    """Dropped unread (a forged one cannot end the lookup), and the answer after it is taken."""
+    stray = reply(b"\x80", qid_xor=1)  # malformed too: never parsed
+    ours = reply(b"\xc0\x0c" + struct.pack("!HHIH", dns.A, 1, 0, 4) + b"\1\2\3\4", qd=1)
+    dns_server.raw = lambda query, transport: [stray(query, transport), ours(query, transport)]
+    assert trio.run(dns.addresses, "x.test", dns_server.address) == ["1.2.3.4"]
+
+
+def test_an_answer_to_another_question_is_a_dns_error(dns_server):
+    with pytest.raises(dns.DnsError, match="answer to another query"):
+        ask(dns_server, reply(b"", an=0))
+
+
+def test_a_server_failure_is_a_dns_error(dns_server):
+    with pytest.raises(dns.DnsError, match="answered SERVFAIL for x.test"):
+        ask(dns_server, reply(b"", an=0, qd=1, flags=0x8182))
+
+
+@pytest.mark.parametrize("tcp_answer, message", [
+    (None, "closed the TCP connection mid-answer"),  # truncated over UDP, then nothing over TCP
+    (reply(LOOPED), "malformed answer"),
+])
+def test_after_truncation_a_bad_tcp_answer_is_a_dns_error(dns_server, tcp_answer, message):
+    truncated = reply(b"", an=0, qd=1, flags=0x8380)
+
+    def raw(query: bytes, transport: str) -> bytes | None:
+        if transport == "udp":
+            return truncated(query, transport)
+        return tcp_answer(query, transport) if tcp_answer else None
+
     with pytest.raises(dns.DnsError, match=message):
-        dns.parse_response(answer_with(body), 7)
+        ask(dns_server, raw)
 
 
-def test_an_answer_to_another_query_is_not_taken():
-    with pytest.raises(dns.DnsError, match="another query"):
-        dns.parse_response(answer_with(b"", an=0, qid=8), 7)
-
-
-@settings(max_examples=500, deadline=None)
-@given(st.binary(max_size=600), st.integers(0, 3), st.integers(0, 3))
-def test_any_bytes_parse_or_fail_as_dns_errors(body, qd, an):
-    message = struct.pack("!HHHHHH", 7, 0x8180, qd, an, 0, 0) + body
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.binary(max_size=600), qd=st.integers(0, 3), an=st.integers(0, 3))
+def test_any_bytes_answer_or_fail_as_dns_errors(dns_server, body, qd, an):
+    dns_server.raw = reply(body, an=an, qd=qd)
     try:
-        answer = dns.parse_response(message, 7)
+        found = trio.run(dns.addresses, "x.test", dns_server.address)
     except dns.DnsError:
         return
-    assert all(isinstance(r, tuple) and len(r) == 3 for r in answer.records)
+    assert all(ipaddress.ip_address(ip) for ip in found)

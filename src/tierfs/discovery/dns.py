@@ -1,207 +1,114 @@
-"""A small DNS client for peer discovery: A, AAAA and SRV lookups, on trio, with deadlines.
+"""A DNS client for peer discovery: A, AAAA and SRV lookups, on trio, with deadlines.
 
 Why not only the system resolver: ``getaddrinfo`` has no SRV lookups, and it cannot be told
-to ask one given server (which a test, or an operator debugging discovery, needs). Queries
-go over UDP with EDNS0 (4096-byte answers) and again over TCP when the answer comes back
-truncated, as a headless Service of a thousand pods makes it.
+to ask one given server (which a test, or an operator debugging discovery, needs).
 
-Answers come from the network: every length, offset and compression pointer is checked
-before use, and anything malformed is a :class:`DnsError`, never another exception.
+Why dnspython: every answer comes from the network, and a DNS parser facing the network is
+where a missed length or compression-pointer check becomes a crash or worse. This module had
+its own; dnspython's is maintained and widely used. So dnspython builds the queries (EDNS0:
+4096-byte answers over UDP) and parses every answer, checking it answers the question
+asked. This module keeps the few lines that move the bytes on trio, over UDP and again
+over TCP when the answer comes back truncated, as a headless Service of a thousand pods
+makes it (:func:`_exchange` says why not ``dns.asyncquery``'s, :func:`_tcp` why a thread).
+
+What this module adds: the lookups discovery needs (every address of a name; every SRV
+target's addresses, from glue records or looked up, at most :data:`TARGET_LOOKUPS` at once),
+a given server or else /etc/resolv.conf's servers and search list applied as a pod's stub
+resolver does (``ndots:5``), UDP sent again every :data:`UDP_RETRY` seconds while no answer
+comes, and one error: every failure, a malformed or mismatched answer included, is a
+:class:`DnsError`, never another exception. What is read is bounded: one message is at most
+:data:`MAX_MESSAGE` bytes (so a few thousand records), and the caller bounds the time
+(``trio.fail_after``).
 """
 
 from __future__ import annotations
 
 import ipaddress
-import secrets
 import socket
 import struct
 from dataclasses import dataclass
 
+import dns.exception
+import dns.inet
+import dns.message
+import dns.name
+import dns.query
+import dns.rcode
+import dns.rdataclass
+import dns.rdatatype
 import trio
 
-A, AAAA, SRV, CNAME, OPT = 1, 28, 33, 5, 41
-NOERROR, NXDOMAIN = 0, 3
-RCODES = {1: "FORMERR", 2: "SERVFAIL", 3: "NXDOMAIN", 4: "NOTIMP", 5: "REFUSED"}
+A, AAAA, SRV = dns.rdatatype.A, dns.rdatatype.AAAA, dns.rdatatype.SRV
 UDP_PAYLOAD = 4096  # what EDNS0 tells the server this client takes over UDP
-MAX_MESSAGE = 65535  # a DNS message never exceeds this (TCP's two-byte length)
-MAX_RECORDS = 100_000  # records of one answer this client reads (a full TCP message holds fewer)
-MAX_POINTERS = 64  # compression jumps in one name (real names need a handful)
+MAX_MESSAGE = 65535  # bytes read of one answer (the UDP buffer; TCP's two-byte length)
+MAX_RECORDS = 100_000  # records of one answer this client takes (a full message holds fewer)
 TARGET_LOOKUPS = 32  # SRV targets without glue records looked up at once
 UDP_RETRY = 1.0  # seconds before a UDP query is sent again
 RESOLV_CONF = "/etc/resolv.conf"
 MAX_RESOLV_CONF = 64 << 10
-_HEADER = struct.Struct("!HHHHHH")
-_RR = struct.Struct("!HHIH")
 
 
 class DnsError(Exception):
     """A lookup failed: no answer in time, a server error, or a malformed message."""
 
 
-@dataclass(frozen=True)
-class Srv:
-    priority: int
-    weight: int
-    port: int
-    target: str
+# -- one query -----------------------------------------------------------------------------
 
 
-@dataclass
-class Answer:
-    rcode: int
-    truncated: bool
-    records: list  # (type, owner, value): an address string, a Srv, or a CNAME target
-    additional: list  # the same, from the additional section (SRV targets' addresses)
-
-
-# -- messages ------------------------------------------------------------------------------
-
-
-def encode_name(name: str) -> bytes:
-    """``a.b.c`` (or ``a.b.c.``) as DNS labels; a bad name is a DnsError naming it."""
-    labels = name.rstrip(".").split(".") if name.rstrip(".") else []
-    out = bytearray()
-    for label in labels:
-        raw = label.encode("ascii", "replace")
-        if not 0 < len(raw) < 64:
-            raise DnsError(f"invalid DNS name {name!r}: every label has 1 to 63 characters")
-        out += bytes([len(raw)]) + raw
-    out += b"\0"
-    if len(out) > 255:
-        raise DnsError(f"invalid DNS name {name[:80]!r}...: longer than 255 bytes")
-    return bytes(out)
-
-
-def build_query(qid: int, name: str, qtype: int) -> bytes:
+def _question(name: str, qtype: int) -> dns.message.Message:
     """One recursive question, with an EDNS0 record offering UDP_PAYLOAD-byte answers."""
-    header = _HEADER.pack(qid, 0x0100, 1, 0, 0, 1)  # RD; one question, one additional (OPT)
-    question = encode_name(name) + struct.pack("!HH", qtype, 1)
-    opt = b"\0" + struct.pack("!HHIH", OPT, UDP_PAYLOAD, 0, 0)
-    return header + question + opt
-
-
-def _read_name(data: bytes, offset: int) -> tuple[str, int]:
-    """The name at ``offset`` and the offset just after it (where the record goes on)."""
-    labels: list[str] = []
-    end = None
-    jumps = 0
-    total = 0
-    while True:
-        if offset >= len(data):
-            raise DnsError("malformed answer: a name runs past the end")
-        length = data[offset]
-        if length & 0xC0 == 0xC0:
-            if offset + 1 >= len(data):
-                raise DnsError("malformed answer: a cut compression pointer")
-            target = ((length & 0x3F) << 8) | data[offset + 1]
-            if end is None:
-                end = offset + 2
-            jumps += 1
-            if jumps > MAX_POINTERS or target >= offset:  # only backwards: no loops
-                raise DnsError("malformed answer: a compression pointer loops")
-            offset = target
-            continue
-        if length & 0xC0:
-            raise DnsError("malformed answer: an unknown label type")
-        offset += 1
-        if length == 0:
-            break
-        if offset + length > len(data):
-            raise DnsError("malformed answer: a label runs past the end")
-        total += length + 1
-        if total > 255:
-            raise DnsError("malformed answer: a name longer than 255 bytes")
-        labels.append(data[offset:offset + length].decode("ascii", "replace"))
-        offset += length
-    return ".".join(labels), (end if end is not None else offset)
-
-
-def parse_response(data: bytes, qid: int) -> Answer:
-    """The answer to query ``qid``: its rcode, truncation, and the records this client uses."""
-    if len(data) < _HEADER.size:
-        raise DnsError("malformed answer: shorter than a DNS header")
-    rid, flags, qd, an, ns, ar = _HEADER.unpack_from(data)
-    if rid != qid:
-        raise DnsError("answer to another query")
-    if not flags & 0x8000:
-        raise DnsError("malformed answer: not a response")
-    offset = _HEADER.size
-    for _ in range(qd):
-        _, offset = _read_name(data, offset)
-        offset += 4
-    sections: list[list] = [[], [], []]
-    if an + ns + ar > MAX_RECORDS:
-        raise DnsError(f"answer of {an + ns + ar} records: at most {MAX_RECORDS}")
-    for section, count in ((0, an), (1, ns), (2, ar)):
-        for _ in range(count):
-            owner, offset = _read_name(data, offset)
-            if offset + _RR.size > len(data):
-                raise DnsError("malformed answer: a record runs past the end")
-            rtype, _klass, _ttl, length = _RR.unpack_from(data, offset)
-            offset += _RR.size
-            if offset + length > len(data):
-                raise DnsError("malformed answer: record data runs past the end")
-            value = _record_value(data, offset, rtype, length)
-            if value is not None:
-                sections[section].append((rtype, owner.lower(), value))
-            offset += length
-    return Answer(flags & 0x000F, bool(flags & 0x0200), sections[0], sections[2])
-
-
-def _record_value(data: bytes, offset: int, rtype: int, length: int):
-    if rtype == A:
-        if length != 4:
-            raise DnsError("malformed answer: an A record that is not 4 bytes")
-        return str(ipaddress.IPv4Address(data[offset:offset + 4]))
-    if rtype == AAAA:
-        if length != 16:
-            raise DnsError("malformed answer: an AAAA record that is not 16 bytes")
-        return str(ipaddress.IPv6Address(data[offset:offset + 16]))
-    if rtype == SRV:
-        if length < 7:
-            raise DnsError("malformed answer: a SRV record shorter than 7 bytes")
-        priority, weight, port = struct.unpack_from("!HHH", data, offset)
-        target, end = _read_name(data, offset + 6)
-        if end > offset + length:
-            raise DnsError("malformed answer: a SRV target runs past its record")
-        return Srv(priority, weight, port, target.lower())
-    if rtype == CNAME:
-        return _read_name(data, offset)[0].lower()
-    return None
-
-
-# -- transport -----------------------------------------------------------------------------
-
-
-async def _udp(server: tuple[str, int], query: bytes, qid: int) -> Answer:
-    family = socket.AF_INET6 if ":" in server[0] else socket.AF_INET
-    with trio.socket.socket(family, socket.SOCK_DGRAM) as sock:
-        await sock.connect(server)  # the kernel then drops datagrams from anyone else
-        while True:
-            await sock.send(query)
-            with trio.move_on_after(UDP_RETRY):
-                while True:
-                    try:
-                        data = await sock.recv(MAX_MESSAGE)
-                    except ConnectionRefusedError:
-                        raise DnsError(f"DNS server {_name(server)} refused the connection (nothing listens)") from None
-                    try:
-                        return parse_response(data, qid)
-                    except DnsError as e:
-                        if str(e) != "answer to another query":
-                            raise
-                        # a stray or late answer to an earlier query: wait for ours
-
-
-async def _tcp(server: tuple[str, int], query: bytes, qid: int) -> Answer:
     try:
-        stream = await trio.open_tcp_stream(*server)
-    except OSError as e:
-        raise DnsError(f"cannot reach DNS server {_name(server)} over TCP: {e.strerror or e}") from None
-    async with stream:
-        await stream.send_all(struct.pack("!H", len(query)) + query)
-        head = await _receive(stream, 2)
-        return parse_response(await _receive(stream, struct.unpack("!H", head)[0]), qid)
+        qname = dns.name.from_text(name)
+    except (dns.exception.DNSException, ValueError) as e:  # a label over 63 bytes, a name over 255...
+        raise DnsError(f"invalid DNS name {name[:80]!r}: {e}") from None
+    return dns.message.make_query(qname, qtype, use_edns=0, payload=UDP_PAYLOAD)
+
+
+def _parse(wire: bytes, question: dns.message.Message, udp: bool = False) -> dns.message.Message:
+    """dnspython's reading of an answer to ``question``: a truncated one over UDP is dns.message.Truncated."""
+    answer = dns.message.from_wire(wire, ignore_trailing=True, raise_on_truncation=udp)
+    if not question.is_response(answer):  # our id, another question
+        raise dns.query.BadResponse
+    return answer
+
+
+async def _exchange(server: tuple[str, int], question: dns.message.Message) -> dns.message.Message:
+    """The answer over UDP; over TCP if it comes back truncated.
+
+    Not ``dns.asyncquery.udp``: it parses a datagram before it looks at its id, so a forged
+    one (right port, wrong id) would end the lookup in an error; or, with ``ignore_errors``,
+    a malformed answer from the server itself would cost the whole deadline, not be a
+    DnsError. Here a datagram with another id is dropped unread; ours is parsed.
+    """
+    wire = question.to_wire()
+    with trio.socket.socket(dns.inet.af_for_address(server[0]), socket.SOCK_DGRAM) as sock:
+        await sock.connect(server)  # the kernel then drops datagrams from anyone else, and says when nobody listens
+        data = await _udp(sock, wire)
+    try:
+        return _parse(data, question, udp=True)
+    except dns.message.Truncated:
+        return await _tcp(server, question)
+
+
+async def _udp(sock: trio.socket.SocketType, wire: bytes) -> bytes:
+    """The bytes of the answer with the query's id; the query sent again every UDP_RETRY seconds till then."""
+    while True:
+        await sock.send(wire)
+        with trio.move_on_after(UDP_RETRY):  # the query or its answer was lost: the same query (id) again
+            while True:
+                data = await sock.recv(MAX_MESSAGE)
+                if data[:2] == wire[:2]:
+                    return data
+                # another id: a stray or forged datagram, not ours
+
+
+async def _tcp(server: tuple[str, int], question: dns.message.Message) -> dns.message.Message:
+    """The answer too big for UDP, parsed in a worker thread: dnspython takes ~75 ms for a thousand
+    SRV records, which the trio loop (FUSE's too) should not stop for."""
+    async with await trio.open_tcp_stream(*server) as stream:
+        await stream.send_all(question.to_wire(prepend_length=True))
+        wire = await _receive(stream, struct.unpack("!H", await _receive(stream, 2))[0])
+    return await trio.to_thread.run_sync(_parse, wire, question)
 
 
 async def _receive(stream: trio.SocketStream, n: int) -> bytes:
@@ -209,24 +116,46 @@ async def _receive(stream: trio.SocketStream, n: int) -> bytes:
     while len(data) < n:
         piece = await stream.receive_some(n - len(data))
         if not piece:
-            raise DnsError("the DNS server closed the TCP connection mid-answer")
+            raise EOFError
         data += piece
     return bytes(data)
 
 
-async def query(server: tuple[str, int], name: str, qtype: int) -> Answer:
-    """Ask ``server`` once (UDP, then TCP if truncated); the caller sets the deadline."""
-    qid = secrets.randbelow(1 << 16)
-    message = build_query(qid, name, qtype)
+async def query(server: tuple[str, int], name: str, qtype: int) -> dns.message.Message:
+    """Ask ``server`` once (UDP, then TCP if truncated); the caller sets the deadline.
+
+    The answer, NOERROR or NXDOMAIN; anything else (no server, another rcode, an answer to
+    another question, bytes dnspython cannot parse) is a DnsError.
+    """
+    question = _question(name, qtype)
+    where = _name(server)
     try:
-        answer = await _udp(server, message, qid)
-        if answer.truncated:
-            answer = await _tcp(server, message, qid)
+        answer = await _exchange(server, question)
+    except ConnectionRefusedError:
+        raise DnsError(f"DNS server {where} refused the connection (nothing listens)") from None
     except OSError as e:
-        raise DnsError(f"DNS server {_name(server)}: {e.strerror or e}") from None
-    if answer.rcode not in (NOERROR, NXDOMAIN):
-        raise DnsError(f"DNS server {_name(server)} answered {RCODES.get(answer.rcode, answer.rcode)} for {name}")
+        raise DnsError(f"DNS server {where}: {e.strerror or e}") from None
+    except EOFError:
+        raise DnsError(f"DNS server {where} closed the TCP connection mid-answer") from None
+    except dns.query.BadResponse:
+        raise DnsError(f"DNS server {where} sent an answer to another query") from None
+    except (dns.exception.DNSException, ValueError) as e:  # the parser's: FormError, BadPointer, ...
+        raise DnsError(f"malformed answer from DNS server {where}: {e}") from None
+    if sum(len(rrset) for rrset in (*answer.answer, *answer.authority, *answer.additional)) > MAX_RECORDS:
+        raise DnsError(f"DNS server {where} answered with more than {MAX_RECORDS} records")
+    if answer.rcode() not in (dns.rcode.NOERROR, dns.rcode.NXDOMAIN):
+        raise DnsError(f"DNS server {where} answered {dns.rcode.to_text(answer.rcode())} for {name}")
     return answer
+
+
+def _records(section: list, rdtype: int) -> list:
+    """(owner, rdata) of every ``rdtype`` record of class IN in ``section``, whatever its owner (a CNAME's target)."""
+    return [(rrset.name, rdata) for rrset in section
+            if rrset.rdtype == rdtype and rrset.rdclass == dns.rdataclass.IN for rdata in rrset]
+
+
+def _text(name: dns.name.Name) -> str:
+    return name.to_text(omit_final_dot=True).lower()
 
 
 # -- lookups -------------------------------------------------------------------------------
@@ -271,15 +200,15 @@ def candidates(name: str, conf: ResolvConf) -> list[str]:
     return [name, *searched] if name.count(".") >= conf.ndots else [*searched, name]
 
 
-async def lookup(name: str, qtype: int, server: tuple[str, int] | None = None) -> tuple[list, list]:
-    """Records of ``qtype`` for ``name`` (answer section, additional section); empty if none exist.
+async def lookup(name: str, qtype: int, server: tuple[str, int] | None = None) -> dns.message.Message | None:
+    """The answer holding ``qtype`` records for ``name`` (their glue in its additional section); None if none exist.
 
     ``server``: ask that one; None: the system's name servers and search domains. The
     caller bounds the time (``trio.fail_after``).
     """
     if server is not None:
         answer = await query(server, name, qtype)
-        return [r for r in answer.records if r[0] == qtype], answer.additional
+        return answer if _records(answer.answer, qtype) else None
     conf = resolv_conf()
     error: DnsError | None = None
     for candidate in candidates(name, conf):
@@ -289,13 +218,12 @@ async def lookup(name: str, qtype: int, server: tuple[str, int] | None = None) -
             except DnsError as e:
                 error = e
                 continue
-            found = [r for r in answer.records if r[0] == qtype]
-            if found:
-                return found, answer.additional
+            if _records(answer.answer, qtype):
+                return answer
             break  # this server knows the name has none: try the next candidate name
     if error is not None:
         raise error
-    return [], []
+    return None
 
 
 async def addresses(name: str, server: tuple[str, int] | None = None) -> list[str]:
@@ -310,21 +238,24 @@ async def addresses(name: str, server: tuple[str, int] | None = None) -> list[st
         return _unique(info[4][0] for info in infos)
     found: list[str] = []
     for qtype in (A, AAAA):
-        records, _ = await lookup(name, qtype, server)
-        found += [value for _, _, value in records]
+        answer = await lookup(name, qtype, server)
+        if answer is not None:
+            found += [str(ipaddress.ip_address(rdata.address)) for _, rdata in _records(answer.answer, qtype)]
     return _unique(found)
 
 
 async def services(name: str, server: tuple[str, int] | None = None) -> list[tuple[str, int]]:
     """The (address, port) of every SRV target of ``name``; targets resolved as ``addresses``."""
-    records, additional = await lookup(name, SRV, server)
+    answer = await lookup(name, SRV, server)
+    if answer is None:
+        return []
     glue: dict[str, list[str]] = {}
-    for rtype, owner, value in additional:
-        if rtype in (A, AAAA):
-            glue.setdefault(owner.rstrip("."), []).append(value)
-    ordered = [srv for _, _, srv in sorted(records, key=lambda r: (r[2].priority, r[2].target, r[2].port))
-               if srv.target not in ("", ".")]  # "." means "no such service here"
-    wanted = {srv.target.rstrip(".") for srv in ordered} - glue.keys()
+    for qtype in (A, AAAA):
+        for owner, rdata in _records(answer.additional, qtype):
+            glue.setdefault(_text(owner), []).append(str(ipaddress.ip_address(rdata.address)))
+    ordered = sorted((srv.priority, _text(srv.target), srv.port) for _, srv in _records(answer.answer, SRV)
+                     if srv.target != dns.name.root)  # "." means "no such service here"
+    wanted = {target for _, target, _ in ordered} - glue.keys()
     limiter = trio.CapacityLimiter(TARGET_LOOKUPS)
 
     async def resolve(target: str) -> None:
@@ -334,7 +265,7 @@ async def services(name: str, server: tuple[str, int] | None = None) -> list[tup
     async with trio.open_nursery() as nursery:
         for target in sorted(wanted):
             nursery.start_soon(resolve, target)
-    return _unique((ip, srv.port) for srv in ordered for ip in glue.get(srv.target.rstrip("."), ()))
+    return _unique((ip, port) for _, target, port in ordered for ip in glue.get(target, ()))
 
 
 def _unique(items) -> list:

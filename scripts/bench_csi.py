@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """CSI plugin latency: how long kubelet waits on NodePublishVolume and NodeUnpublishVolume.
 
-A real ``tierfs csi`` on a unix socket (the test suite's harness, tierfs.testing.csi),
+A real ``tierfs csi`` on a unix socket (the test suite's harness, tierfs_testing.csi),
 called as kubelet calls it. For each of ``--jobs`` jobs: the first publish (which starts the
 job's daemon), an unpublish, and a publish for the job's next pod (which reuses the running
 daemon). The baseline is the daemon's own start-up: ``tierfs mount`` of the same volume by
@@ -25,8 +25,8 @@ from pathlib import Path
 
 os.environ.setdefault("TIERFS_RUNTIME_DIR", f"/dev/shm/bench-csi-run-{uuid.uuid4().hex[:6]}")
 
-from tierfs.testing import TIERFS, cleanup_mount  # noqa: E402
-from tierfs.testing.csi import Plugin, PodApi  # noqa: E402
+from tierfs_testing import TIERFS, cleanup_mount  # noqa: E402
+from tierfs_testing.csi import Plugin, PodApi  # noqa: E402
 
 
 def timed(fn) -> float:

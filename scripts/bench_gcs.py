@@ -69,7 +69,7 @@ from google.cloud.storage import transfer_manager
 from tierfs.commands.status import fetch as fetch_status  # noqa: E402
 from tierfs.core.keys import new_secret  # noqa: E402
 from tierfs.ramtier.tmpfs import delete_ram_data  # noqa: E402
-from tierfs.testing.gcs_emulator import GcsEmulator  # noqa: E402
+from tierfs_testing.gcs_emulator import GcsEmulator  # noqa: E402
 from benchlib import (progress, GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
                       interrupt_on_signals, is_mounted, no_interruptions, parse_size,
                       write_json, pyplot, NO_MATPLOTLIB, save_figure)  # (scripts/ is on sys.path)

@@ -112,7 +112,7 @@ import urllib.request
 from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, cpu_idle,  # noqa: E402
                       interrupt_on_signals, last_line, parse_size, pyplot, save_figure, warm_up, write_all,
                       write_json)  # (scripts/ is on sys.path)
-from tierfs.testing import free_port  # noqa: E402 (src/ is on sys.path through benchlib)
+from tierfs_testing import free_port  # noqa: E402 (src/ is on sys.path through benchlib)
 
 GiB = 1 << 30
 MiB = 1 << 20

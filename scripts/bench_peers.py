@@ -4,7 +4,7 @@ plain socket copy; a restore from two peers against one; writes with and without
 running.
 
 For each size of ``--sizes`` (default 1G,4G), ``--rounds`` rounds (default 3). Every part of a
-round runs in a fresh LocalCluster (tierfs.testing.cluster: nodes on 127.0.0.2-4, no GCS,
+round runs in a fresh LocalCluster (tierfs_testing.cluster: nodes on 127.0.0.2-4, no GCS,
 ``--capacity`` 4x the size), closed right after it: no two clusters, and no step a cluster
 retained, share the RAM. A step is the size's bytes of fresh random data in ``--files`` files.
 
@@ -156,7 +156,7 @@ class Bench:
     def __init__(self, args):
         from tierfs.commands.status import fetch  # the control socket from this process: no
         from tierfs.core import mounts            # Python start-up per poll on a 2-core VM
-        from tierfs.testing.cluster import LocalCluster
+        from tierfs_testing.cluster import LocalCluster
         self.fetch, self.mounts, self.LocalCluster = fetch, mounts, LocalCluster
         self.args, self.buf = args, aligned(MiB)
         self.clusters: list = []  # every cluster not closed yet, for the cleanup

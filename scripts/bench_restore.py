@@ -16,7 +16,7 @@ arrive on demand (a read waits for the chunks it covers) and by a background pre
 
 For each size of ``--sizes`` (default 1G,4G: rank 0's step), ``--rounds`` rounds; the rounds
 of the smallest size (the "GCS size") run a to c, those of the others a and b only. Each round
-builds a fresh 3-node LocalCluster (tierfs.testing.cluster: 127.0.0.2-4, ``--replicas 1``,
+builds a fresh 3-node LocalCluster (tierfs_testing.cluster: 127.0.0.2-4, ``--replicas 1``,
 ``--peer-tls`` as given, default on: TLS 1.3, the product's default; at the GCS size ``--gcs``
 on a fresh bucket of a fake-gcs-server with the memory backend; default chunk size and
 prefetch) and:
@@ -125,7 +125,7 @@ class Bench:
     def __init__(self, args, emu, client):
         from tierfs.commands.status import fetch  # the control socket from this process: no
         self.fetch = fetch                        # Python start-up per poll on a 2-core VM
-        from tierfs.testing.cluster import LocalCluster
+        from tierfs_testing.cluster import LocalCluster
         self.LocalCluster = LocalCluster
         self.args, self.emu, self.client = args, emu, client
         self.buf = aligned(MiB)
@@ -591,7 +591,7 @@ def main() -> int:
 
     interrupt_on_signals()
     compile_bytecode()
-    from tierfs.testing.gcs_emulator import GcsEmulator
+    from tierfs_testing.gcs_emulator import GcsEmulator
 
     tmp = Path(tempfile.mkdtemp(prefix="bench-restore-", dir="/tmp"))
     args.shm = tempfile.mkdtemp(prefix="bench-restore-data-", dir=args.ramdisk)

@@ -3,7 +3,7 @@
 
 The real code of tierfs.coordination (coordinators, the holdings view, the restore planner
 and the planned fetches) and the real replica placement (tierfs.peers.placement) run in
-one process over a simulated network and GCS (tierfs.testing.sim) on trio's
+one process over a simulated network and GCS (tierfs_testing.sim) on trio's
 MockClock: times are those of the model (0.25-0.35 ms one way, 50 us of CPU per message
 at the receiver, 25 Gb/s NICs, GCS reads at 50 ms to the first byte, 100 MB/s per stream
 and 25 GB/s for the whole bucket, listings at 100 ms a page of 1000 objects), not of this
@@ -27,7 +27,7 @@ c. A restore from GCS after every RAM is lost, D = 4 data-parallel twins per sha
    and for the broadcast plan with 1% of the nodes lost mid-restore and GCS 4x slow.
 d. A backup of one step to GCS, D = 16 data-parallel twins per shard (the job size rounded
    down to a multiple of 16), 32 chunks of 4 MiB per rank, every rank committing within
-   0.5 s (tierfs.testing.backups): GCS bytes up and down per unique byte (target <= 1.05),
+   0.5 s (tierfs_testing.backups): GCS bytes up and down per unique byte (target <= 1.05),
    GCS requests, and the time from the first commit until every live rank's manifest is
    in; for the twins sharing the upload (tierfs.tiers.twins), the same with one twin of
    every group dead from the start (the others wait for it, then take its chunks over;
@@ -77,8 +77,8 @@ def progress(msg: str) -> None:
 
 
 def measure(n: int, backups_only: bool = False) -> dict:
-    from tierfs.testing import scenarios  # noqa: PLC0415 (--replot needs no tierfs)
-    from tierfs.testing.sim import GcsModel
+    from tierfs_testing import scenarios  # noqa: PLC0415 (--replot needs no tierfs)
+    from tierfs_testing.sim import GcsModel
 
     t0 = time.time()
     out: dict = {"backup": measure_backups(n)}
@@ -102,7 +102,7 @@ def measure(n: int, backups_only: bool = False) -> dict:
 
 
 def measure_backups(n: int) -> dict:
-    from tierfs.testing.backups import backup  # noqa: PLC0415
+    from tierfs_testing.backups import backup  # noqa: PLC0415
 
     out = {}
     for key, _label, mode, dead in BACKUPS:
@@ -114,7 +114,7 @@ def measure_backups(n: int) -> dict:
 
 def backup_settings() -> dict:
     """What every backup row shares: the job's shape per rank and the twins' patience."""
-    from tierfs.testing import backups  # noqa: PLC0415
+    from tierfs_testing import backups  # noqa: PLC0415
     from tierfs.tiers.twins import Patience  # noqa: PLC0415
 
     return {"data_parallel": BACKUP_TWINS, "chunks_per_rank": backups.CHUNKS, "chunk_size": backups.CHUNK_SIZE,
@@ -272,7 +272,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("bench_scale: interrupted", file=sys.stderr)
         return 130
-    from tierfs.testing.scenarios import Settings  # noqa: PLC0415
+    from tierfs_testing.scenarios import Settings  # noqa: PLC0415
 
     s = Settings()
     settings["model"] = {"net": vars(s.net), "gcs": vars(s.gcs), "k": s.k, "interval_s": s.interval,

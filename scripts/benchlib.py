@@ -34,6 +34,11 @@ SRC_DIR = Path(__file__).resolve().parent.parent / "src"
 if SRC_DIR.is_dir():
     sys.path.insert(0, str(SRC_DIR))
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(SRC_DIR), os.environ.get("PYTHONPATH")) if p)
+# And this checkout's test scaffolding (tierfs_testing, a distribution of its own), in the
+# script only: the processes it starts are tierfs's, which never import it.
+TESTING_DIR = SRC_DIR.parent / "testing"
+if TESTING_DIR.is_dir():
+    sys.path.insert(0, str(TESTING_DIR))
 
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
@@ -174,7 +179,7 @@ def clean_up(name: str, mounts, created: list[str]) -> None:
     """Unmount a benchmark's volumes, then remove the directories it made (newest first),
     except one that still has a mount on it: removing through a live mount would delete
     the volume's RAM tier behind its daemon."""
-    from tierfs.testing import unmount_all_beneath  # noqa: PLC0415 (scripts that need no volume need no tierfs)
+    from tierfs_testing import unmount_all_beneath  # noqa: PLC0415 (scripts that need no volume need no tierfs)
 
     with no_interruptions():
         for mount in mounts:
@@ -476,10 +481,10 @@ def stray_processes(marker: str) -> list[int]:
 
 
 def close_cluster(cluster) -> list[str]:
-    """Close a ``tierfs.testing.cluster.LocalCluster`` for good: its own close, then any
+    """Close a ``tierfs_testing.cluster.LocalCluster`` for good: its own close, then any
     daemon or ``tierfs mount`` of its directory still running (a start cut short by Ctrl-C),
     then lazy unmounts. Removes its directory unless a mount stays; returns those left mounted."""
-    from tierfs.testing import wait_gone  # noqa: PLC0415 (scripts that need no cluster need no tierfs)
+    from tierfs_testing import wait_gone  # noqa: PLC0415 (scripts that need no cluster need no tierfs)
 
     with no_interruptions():
         cluster.close()

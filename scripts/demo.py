@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from tierfs.testing.cluster import LocalCluster
-from tierfs.testing.gcs_emulator import GcsEmulator
+from tierfs_testing.cluster import LocalCluster
+from tierfs_testing.gcs_emulator import GcsEmulator
 
 MiB = 1 << 20
 NODES, SHARDS, SHARD = 3, 8, 16 * MiB

@@ -1,9 +1,9 @@
 """The twins row of ``scripts/bench_gcs.py``: what a backup of D data-parallel twins costs in GCS.
 
 Kept apart from the single-volume rows because it runs a different rig: D real daemons
-(:class:`tierfs.testing.cluster.LocalCluster`, ``--data-parallel D``, nodes = D, every node
+(:class:`tierfs_testing.cluster.LocalCluster`, ``--data-parallel D``, nodes = D, every node
 a twin of the others) whose GCS traffic goes through a byte-counting proxy
-(:mod:`tierfs.testing.gcs_proxy`) in front of the emulator, and two builds of tierfs side
+(:mod:`tierfs_testing.gcs_proxy`) in front of the emulator, and two builds of tierfs side
 by side: this checkout and, as the baseline, the code before the twins shared the upload,
 run from another checkout (``--reference DIR``: its ``src`` first on the daemons'
 PYTHONPATH). Both sides run in the same process and rounds, so the comparison does not
@@ -17,7 +17,7 @@ node's directory renamed (t0: the first rename); each node's ``tierfs status`` p
 it shows the step backed up. Then the bytes up and down and the requests the proxy saw,
 every rank's manifest checked in the bucket, and the cluster and bucket deleted. The
 table shows medians of the rounds. D values larger than the machine can run as daemons
-(``--sim-twins``) come from the scale simulation (:mod:`tierfs.testing.backups`) with the
+(``--sim-twins``) come from the scale simulation (:mod:`tierfs_testing.backups`) with the
 same per-rank size and every twin committing at once, labelled as simulated (their
 seconds are the model's, not this machine's).
 """
@@ -34,8 +34,8 @@ from pathlib import Path
 import tierfs
 from benchlib import BenchError, aligned, drop_bucket, progress, warm_up  # (scripts/ is on sys.path)
 from tierfs.commands.status import fetch as fetch_status
-from tierfs.testing.cluster import LocalCluster
-from tierfs.testing.gcs_proxy import GcsProxy
+from tierfs_testing.cluster import LocalCluster
+from tierfs_testing.gcs_proxy import GcsProxy
 
 MiB = 1 << 20
 SIDES = ("tierfs", "baseline")
@@ -146,7 +146,7 @@ def simulate(args) -> list[dict]:
     measured here, and every twin committing at once, as the renames here do."""
     if not args.sim_twins:
         return []
-    from tierfs.testing.backups import backup  # noqa: PLC0415
+    from tierfs_testing.backups import backup  # noqa: PLC0415
 
     chunk = 4 * MiB
     rows = []

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything tierfs needs on a Debian/Ubuntu host, idempotently:
-# fuse3 and its headers, a virtualenv in .venv with tierfs and its test tools,
-# and /usr/local/bin/tierfs (mount.fuse3 looks there for `mount -t fuse.tierfs`).
+# fuse3 and its headers, a virtualenv in .venv with tierfs, its test tools and its test
+# scaffolding (testing/, editable), and /usr/local/bin/tierfs (mount.fuse3 looks there for
+# `mount -t fuse.tierfs`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -30,12 +31,15 @@ fi
 
 [ -x .venv/bin/python ] || python3 -m venv .venv
 extras=test,frameworks,bench
-stamp=.venv/.installed-$(echo "$extras" | cat - pyproject.toml | sha256sum | cut -c1-16)
+stamp=.venv/.installed-$(echo "$extras" | cat - pyproject.toml testing/pyproject.toml | sha256sum | cut -c1-16)
 if [ ! -e "$stamp" ]; then
     .venv/bin/pip install -q --disable-pip-version-check -e ".[$extras]"
+    # The test scaffolding (tierfs_testing: local cluster, GCS emulator, CSI stand-ins, the
+    # coordination simulator), a distribution of its own so that the tierfs wheel never has it.
+    .venv/bin/pip install -q --disable-pip-version-check -e ./testing
     touch "$stamp"
 fi
 # Bytecode, as a non-editable install has it: with PYTHONDONTWRITEBYTECODE set (CI images often
 # do) every tierfs command and daemon would otherwise compile its modules again on each start.
-.venv/bin/python -m compileall -q src/tierfs >/dev/null
+.venv/bin/python -m compileall -q src/tierfs testing/tierfs_testing >/dev/null
 ln -sfn "$PWD/.venv/bin/tierfs" /usr/local/bin/tierfs

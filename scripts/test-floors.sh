@@ -13,6 +13,6 @@ cd "$(dirname "$0")/.."
 [ -x .venv-floors/bin/python ] || .venv/bin/uv venv -q -p "$(command -v python3)" .venv-floors
 # Bytecode compiled at install, as pip does: the tests start many daemons.
 VIRTUAL_ENV="$PWD/.venv-floors" .venv/bin/uv pip install -q --compile-bytecode \
-    --resolution lowest-direct -e ".[test,frameworks]"
-.venv-floors/bin/python -m compileall -q src/tierfs >/dev/null
+    --resolution lowest-direct -e ".[test,frameworks]" -e ./testing
+.venv-floors/bin/python -m compileall -q src/tierfs testing/tierfs_testing >/dev/null
 exec .venv-floors/bin/python -m pytest "$@"

@@ -22,8 +22,8 @@ import pytest
 from tierfs.commands.status import fetch
 from tierfs.core import mounts
 from tierfs.ramtier.tmpfs import delete_ram_data
-from tierfs.testing import TIERFS, cleanup_mount, unmount_all_beneath
-from tierfs.testing.gcs_emulator import GcsEmulator
+from tierfs_testing import TIERFS, cleanup_mount, unmount_all_beneath
+from tierfs_testing.gcs_emulator import GcsEmulator
 from tests.prometheus import prometheus  # noqa: F401 (a fixture for every test package)
 
 SHM = Path("/dev/shm")

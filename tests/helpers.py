@@ -16,7 +16,7 @@ from tierfs.core import mounts
 from tierfs.core.describe import build
 from tierfs.core.keys import bucket_seals, split_secrets
 from tierfs.core.manifest import Manifest
-from tierfs.testing import free_port  # noqa: F401 (the package's runners need it too)
+from tierfs_testing import free_port  # noqa: F401 (the package's runners need it too)
 
 
 def kill_daemon(mountpoint) -> None:

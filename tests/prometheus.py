@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from tests.helpers import wait_for
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 
 def promtool_check_metrics(text: str) -> None:

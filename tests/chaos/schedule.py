@@ -33,8 +33,8 @@ from pathlib import Path
 
 from tests.helpers import write_orbax_step
 from tierfs.commands.status import fetch
-from tierfs.testing.cluster import LocalCluster
-from tierfs.testing.gcs_emulator import GcsEmulator
+from tierfs_testing.cluster import LocalCluster
+from tierfs_testing.gcs_emulator import GcsEmulator
 
 KILL_DELAY = 0.5  # a kill comes 0-KILL_DELAY s after the event that triggers it
 CONFIRM_WAIT = 15.0  # the longest a trigger (replica confirmed, backed up) is waited for

@@ -16,7 +16,7 @@ from tests.conftest import tierfs
 from tests.helpers import tree_digest
 from tierfs.core import mounts
 from tierfs.fs.engine import WRITERS
-from tierfs.testing import cleanup_mount, crash, wait_gone
+from tierfs_testing import cleanup_mount, crash, wait_gone
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import tierfs
 from tests.prometheus import promtool_check_metrics
 from tierfs.core import mounts
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 
 def samples(address: str) -> dict[tuple, float]:

@@ -10,7 +10,7 @@ from tests.cli.test_cli import one_line_error
 from tests.conftest import tierfs
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.core import mounts
-from tierfs.testing import crash, free_port
+from tierfs_testing import crash, free_port
 
 MiB = 1 << 20
 SIZES = {1: 3 * MiB + 11, 2: 2 * MiB + 7, 3: MiB + 5}  # bytes each step writes

@@ -1,7 +1,7 @@
 """A small job on the simulated network, for the coordination tests, and coordinators that answer as told.
 
 Every node of a :class:`Cluster` runs the real :class:`~tierfs.coordination.node.Coordination`
-behind a :class:`~tierfs.testing.sim.SimNetwork`; what it holds is set by the test. Run it
+behind a :class:`~tierfs_testing.sim.SimNetwork`; what it holds is set by the test. Run it
 on trio's MockClock (the ``autojump_clock`` fixture) so seconds of protocol pass at once.
 
 :class:`StandInCoordinators` answer a restarting node's questions with what the test
@@ -20,7 +20,7 @@ from tierfs.coordination.node import Coordination
 from tierfs.coordination.protocol import candidates
 from tierfs.coordination.view import Holdings, HoldingsView
 from tierfs.pipeline.survey import Survey
-from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 JOB = "test"
 

@@ -1,6 +1,6 @@
 """A whole job's twins backing up a step to the simulated bucket: the bytes it costs, the time it takes.
 
-The numbers ``scripts/bench_scale.py`` reports come from :mod:`tierfs.testing.backups`;
+The numbers ``scripts/bench_scale.py`` reports come from :mod:`tierfs_testing.backups`;
 these runs check, on a small job, that the bucket counts what each way of backing up
 sends and reads, and that a dead twin delays the others by the wait, not forever.
 """
@@ -11,8 +11,8 @@ import pytest
 import trio
 import trio.testing
 
-from tierfs.testing import backups
-from tierfs.testing.sim import SimGcs, SimNetwork
+from tierfs_testing import backups
+from tierfs_testing.sim import SimGcs, SimNetwork
 
 MiB = 1 << 20
 

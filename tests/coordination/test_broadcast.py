@@ -26,8 +26,8 @@ from tierfs.coordination.broadcast import (
     plan,
     plan_stats,
 )
-from tierfs.testing import scenarios
-from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs_testing import scenarios
+from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 MiB = 1 << 20
 

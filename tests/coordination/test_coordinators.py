@@ -17,7 +17,7 @@ from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
 from tierfs.coordination.protocol import DECIDE_POLL, MAX_LISTED_HOLDERS, MAX_LISTED_STEPS, RPC_TIMEOUT
 from tierfs.coordination.transport import MAX_MESSAGE, encoded
 from tierfs.coordination.view import Holdings
-from tierfs.testing.sim import GcsModel, SimGcs, SimNetwork
+from tierfs_testing.sim import GcsModel, SimGcs, SimNetwork
 
 from .harness import Cluster
 

@@ -226,7 +226,7 @@ BAD_CHUNK_ANSWERS = {
 
 @pytest.mark.parametrize("what", BAD_CHUNK_ANSWERS)
 async def test_a_malformed_await_chunk_answer_fails_that_source_and_the_next_one_is_read(autojump_clock, what):
-    from tierfs.testing.sim import NetModel, SimNetwork  # noqa: PLC0415
+    from tierfs_testing.sim import NetModel, SimNetwork  # noqa: PLC0415
 
     net = SimNetwork(NetModel(), seed=1)
     h, me, liar = chunk(1), "10.0.0.1:7070", "10.0.0.2:7070"

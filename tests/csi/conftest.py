@@ -1,4 +1,4 @@
-"""Fixtures of a real ``tierfs csi`` process on a real unix socket (:mod:`tierfs.testing.csi`),
+"""Fixtures of a real ``tierfs csi`` process on a real unix socket (:mod:`tierfs_testing.csi`),
 called the way kubelet calls it, with a local stand-in for the Kubernetes API.
 """
 
@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from tierfs.testing.csi import Mode, Plugin, PodApi, publish_request  # noqa: F401 (for the tests)
+from tierfs_testing.csi import Mode, Plugin, PodApi, publish_request  # noqa: F401 (for the tests)
 
 
 @pytest.fixture

@@ -25,9 +25,9 @@ from tierfs.commands.status import fetch
 from tierfs.csi import events, kube
 from tierfs.csi.daemons import Daemon, DaemonState
 from tierfs.csi.settings import PluginConfig
-from tierfs.testing import TIERFS
-from tierfs.testing.csi import PodApi
-from tierfs.testing.gcs_emulator import GcsEmulator
+from tierfs_testing import TIERFS
+from tierfs_testing.csi import PodApi
+from tierfs_testing.gcs_emulator import GcsEmulator
 
 SECRET = {"secret": "a-peer-secret-of-the-job-0123456789"}
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}

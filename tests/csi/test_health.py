@@ -31,7 +31,7 @@ from tierfs.csi.daemons import Daemon, DaemonState, poll
 from tierfs.csi.records import write_json
 from tierfs.csi.rpc import stub
 from tierfs.csi.settings import PluginConfig
-from tierfs.testing import crash
+from tierfs_testing import crash
 
 POD_NAME, POD_NAMESPACE, POD_UID = (f"csi.storage.k8s.io/pod.{k}" for k in ("name", "namespace", "uid"))
 

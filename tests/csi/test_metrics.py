@@ -17,7 +17,7 @@ from tests.conftest import tierfs
 from tests.csi.test_node import daemon_pid
 from tests.helpers import wait_for
 from tests.prometheus import promtool_check_metrics
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 JOBS = {"llama": {"job": "llama", "rank": "0", "capacity": "64M"},
         "gemma": {"job": "gemma", "rank": "0", "capacity": "64M"}}

@@ -16,8 +16,8 @@ from tests.helpers import wait_for
 from tierfs.core import mounts
 from tierfs.csi import DRIVER_NAME
 from tierfs.csi import csi_pb2 as pb
-from tierfs.testing import TIERFS, crash
-from tierfs.testing.csi import Mode, publish_request
+from tierfs_testing import TIERFS, crash
+from tierfs_testing.csi import Mode, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 

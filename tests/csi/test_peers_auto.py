@@ -14,7 +14,7 @@ import pytest
 from tests.conftest import tierfs
 from tests.csi.test_node import code_of
 from tierfs.csi import kube
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 # The pods' daemons start one at a time: the first ones warn of peers not up yet.
 pytestmark = pytest.mark.expect_log(r"not answer yet")

@@ -19,7 +19,7 @@ import pytest
 from tests.fuse.users import PYTHON
 from tests.helpers import wait_for
 from tierfs.core import mounts
-from tierfs.testing.csi import Plugin
+from tierfs_testing.csi import Plugin
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 POD = r"""

@@ -28,8 +28,8 @@ from tests.conftest import tierfs
 from tests.helpers import wait_for
 from tierfs.core import mounts
 from tierfs.csi import csi_pb2 as pb
-from tierfs.testing import TIERFS
-from tierfs.testing.csi import Plugin
+from tierfs_testing import TIERFS
+from tierfs_testing.csi import Plugin
 
 SECRET = {"secret": "a-peer-secret-of-the-job-0123456789"}
 WHERE = "ConfigMap tierfs-config"

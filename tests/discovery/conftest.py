@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from tests.discovery.dns_server import DnsServer
-from tierfs.testing import free_port
-from tierfs.testing.cluster import LocalCluster
+from tierfs_testing import free_port
+from tierfs_testing.cluster import LocalCluster
 
 
 def common_port(hosts: list[str]) -> int:

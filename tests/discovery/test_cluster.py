@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.core import mounts
-from tierfs.testing import TIERFS
+from tierfs_testing import TIERFS
 
 # Nodes start one at a time here: the first ones warn of peers not up yet.
 pytestmark = pytest.mark.expect_log(r"not answer yet", r"peer discovery: dns\+srv:\S+ failed", r"also serves rank", r"is already served by node")

@@ -16,10 +16,10 @@ from google.cloud import storage
 from tierfs.core.chunks import RAW, chunk_hash, encode
 from tierfs.core.errors import UserError
 from tierfs.core.parse import parse_gcs_url
-from tierfs.testing.gcs_emulator import GcsEmulator
 from tierfs.tiers import gcs_http
 from tierfs.tiers.gcs_http import CorruptObject, GcsUnavailable, MissingObject
 from tierfs.tiers.gcs_store import Found, GcsStore, object_md5
+from tierfs_testing.gcs_emulator import GcsEmulator
 
 MiB = 1 << 20
 

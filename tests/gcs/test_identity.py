@@ -24,7 +24,7 @@ from tests.gcs.test_backup_restore import wait_backed_up
 from tests.helpers import free_port, wait_for, write_orbax_step
 from tierfs.config import Config
 from tierfs.core.errors import UserError
-from tierfs.testing.gcs_proxy import GcsProxy
+from tierfs_testing.gcs_proxy import GcsProxy
 
 AUDIENCE = ("identitynamespace:proj.svc.id.goog:https://container.googleapis.com/v1/projects/proj/"
             "locations/europe-west4/clusters/train")

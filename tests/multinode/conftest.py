@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tierfs.testing.cluster import LocalCluster
+from tierfs_testing.cluster import LocalCluster
 
 
 @pytest.fixture

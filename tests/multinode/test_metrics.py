@@ -14,7 +14,7 @@ from tests.helpers import wait_for
 from tests.multinode.test_peers import commit_step
 from tests.multinode.test_restore import files_of
 from tests.prometheus import promtool_check_metrics
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 STEPS = (1, 2)
 

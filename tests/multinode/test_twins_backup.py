@@ -2,7 +2,7 @@
 
 Four nodes, ``--data-parallel 4``: every node is a twin of every other and commits the same
 bytes, as the ranks of a data-parallel job do. Each daemon reaches the GCS emulator
-through a byte-counting proxy of its own (:class:`tierfs.testing.gcs_proxy.GcsProxy`), so
+through a byte-counting proxy of its own (:class:`tierfs_testing.gcs_proxy.GcsProxy`), so
 what the backup costs is measured on the wire, request and response bodies, not taken
 from what the daemons say they sent. Without sharing, each twin would send every chunk and
 those that lost the race would read it back: about 2D-1 times the step.
@@ -23,7 +23,7 @@ from tests.helpers import opened_manifest, sealed_key, wait_for
 from tests.multinode.test_peers import MiB, commit_step
 from tierfs.commands.status import render
 from tierfs.core.manifest import Manifest
-from tierfs.testing.gcs_proxy import GcsProxy
+from tierfs_testing.gcs_proxy import GcsProxy
 
 STEP = 5
 NODES = 4

@@ -22,8 +22,8 @@ import pytest
 
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fixtures)
 from tierfs.csi import csi_pb2 as pb
-from tierfs.testing import TIERFS
-from tierfs.testing.csi import Plugin
+from tierfs_testing import TIERFS
+from tierfs_testing.csi import Plugin
 
 SECRET = {"secret": "a-peer-secret-of-the-job-0123456789"}
 WHERE = "ConfigMap tierfs-config"

@@ -32,7 +32,7 @@ from tierfs.core import linux, mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.settings import ATTRIBUTES, POD_INFO
 from tierfs.ramtier import tmpfs
-from tierfs.testing.csi import Plugin, publish_request
+from tierfs_testing.csi import Plugin, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 SECRET = "a-peer-secret-of-the-job-0123456789"

@@ -21,7 +21,7 @@ from tierfs.core.errors import UserError
 from tierfs.fs.engine import passthrough_obstacle
 from tierfs.peers import wire
 from tierfs.ramtier.tmpfs import SOURCE, own_tmpfs, unmount_beneath
-from tierfs.testing import TIERFS
+from tierfs_testing import TIERFS
 
 
 def mounts_under(path) -> list[mounts.MountEntry]:

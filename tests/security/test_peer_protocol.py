@@ -558,7 +558,7 @@ async def test_mounted_certificates_and_the_secret_are_both_required(nursery, tm
 @pytest.mark.expect_log('not answer yet')
 def test_daemons_encrypt_peer_traffic_by_default():
     """Two real daemons; node 0 reaches its peer only through a wiretap: it sees no checkpoint byte."""
-    from tierfs.testing.cluster import LocalCluster
+    from tierfs_testing.cluster import LocalCluster
 
     c = LocalCluster(Path("/dev/shm") / f"tierfs-sec-{uuid.uuid4().hex[:10]}", 2, "wiretap",
                      replicas=1, capacity="256M", restore_wait="1s")

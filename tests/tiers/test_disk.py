@@ -18,8 +18,8 @@ from tests.conftest import tierfs
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.core.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
-from tierfs.testing.cluster import LocalCluster
 from tierfs.tiers.disk import DiskTier
+from tierfs_testing.cluster import LocalCluster
 
 MiB = 1 << 20
 

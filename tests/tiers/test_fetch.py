@@ -16,10 +16,10 @@ from tests.tiers.conftest import JOB, peer_tier
 from tierfs.core.chunks import chunk_hash
 from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.replicas import ReplicaStore
-from tierfs.testing import free_port
 from tierfs.tiers.fetch import ChunkSources
 from tierfs.tiers.local import LocalTier
 from tierfs.tiers.peer import PeerTier
+from tierfs_testing import free_port
 
 CS = 64 << 10
 

@@ -15,7 +15,7 @@ broadcast restores in which each chunk leaves GCS once.
 
 It is pure: other nodes are reached only through the :class:`~.transport.Transport` it is
 given, so the same code runs in the daemon and on the simulated network and GCS of
-:mod:`tierfs.testing.sim` and :mod:`tierfs.testing.scenarios` (``scripts/bench_scale.py``,
+:mod:`tierfs_testing.sim` and :mod:`tierfs_testing.scenarios` (``scripts/bench_scale.py``,
 docs/benchmarks.md "Scale").
 
 The daemon runs it through :mod:`tierfs.pipeline.coordinating` (reports, decisions, the twins'

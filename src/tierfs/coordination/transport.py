@@ -2,7 +2,7 @@
 
 The code in this package never opens a socket itself. It is given a :class:`Transport`,
 so the same coordinators, members and planned fetches run over the simulated network of
-:mod:`tierfs.testing.sim` and, in the daemon, over the peer protocol's framing
+:mod:`tierfs_testing.sim` and, in the daemon, over the peer protocol's framing
 (docs/peer-protocol.md): a message is one JSON header, an answer is one JSON header, and
 a ``"len"`` in an answer announces a body (a chunk) the way ``get_chunk`` does.
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from tierfs.commands.status import fetch
 from tierfs.core import mounts
 from tierfs.core.keys import new_secret
-from tierfs.testing import TIERFS, crash, free_port, unmount_all_beneath
+from tierfs_testing import TIERFS, crash, free_port, unmount_all_beneath
 
 
 @dataclass

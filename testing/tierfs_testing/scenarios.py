@@ -5,7 +5,7 @@ for its step with :meth:`~tierfs.coordination.member.Member.decide`, places
 replicas with :func:`tierfs.peers.placement.choose`, plans a restore with
 :func:`~tierfs.coordination.broadcast.plan` and fetches with
 :class:`~tierfs.coordination.broadcast.PlannedFetch`. Only the wire (and GCS) is simulated
-(:mod:`tierfs.testing.sim`). Each scenario is one ``trio.run`` on a MockClock and
+(:mod:`tierfs_testing.sim`). Each scenario is one ``trio.run`` on a MockClock and
 returns what it measured as a JSON-able dict; ``scripts/bench_scale.py`` prints and plots
 them.
 
@@ -33,7 +33,7 @@ from tierfs.coordination.protocol import candidates
 from tierfs.coordination.transport import Message
 from tierfs.coordination.view import GCS, Holdings, HoldingsView
 from tierfs.peers.placement import PeerInfo, choose
-from tierfs.testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
+from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 JOB = "sim"
 MiB = 1 << 20

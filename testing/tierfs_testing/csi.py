@@ -25,7 +25,7 @@ import grpc
 from tierfs.core import mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.rpc import stub
-from tierfs.testing import TIERFS, cleanup_mount, unmount_all_beneath
+from tierfs_testing import TIERFS, cleanup_mount, unmount_all_beneath
 
 Mode = pb.VolumeCapability.AccessMode.Mode
 

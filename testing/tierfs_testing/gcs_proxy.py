@@ -3,7 +3,7 @@
 Why. What a backup costs in GCS is the bytes it moves and the requests it makes, and
 neither the daemons' own counts (they say what they meant to send) nor the emulator
 (it counts nothing) tell that. Put between the daemons and fake-gcs-server
-(:mod:`tierfs.testing.gcs_emulator`), this sees every request as GCS would: the request
+(:mod:`tierfs_testing.gcs_emulator`), this sees every request as GCS would: the request
 bodies (up), the response bodies (down) and the requests by method. One proxy per daemon
 tells the daemons apart.
 
@@ -31,7 +31,7 @@ import threading
 import urllib.parse
 from collections import Counter
 
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 HOST = "127.0.0.1"
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",

@@ -31,7 +31,7 @@ import urllib.request
 from importlib.util import find_spec
 from pathlib import Path
 
-from tierfs.testing import free_port
+from tierfs_testing import free_port
 
 HOST = "127.0.0.1"
 _START_TIMEOUT = 10.0

@@ -4,8 +4,8 @@ A backup's cost grows with the job when every twin sends every chunk, and with t
 when each chunk goes up once; which of the two a job pays is a question of GCS bytes and
 requests, and of the time until every rank's manifest is in. Answering it needs no
 coordination messages (the twins of a shard know each other from the job's shape), only
-the bucket of :mod:`tierfs.testing.sim`, which counts every byte up and down, so it lives
-apart from the coordination scenarios of :mod:`tierfs.testing.scenarios`, on the same
+the bucket of :mod:`tierfs_testing.sim`, which counts every byte up and down, so it lives
+apart from the coordination scenarios of :mod:`tierfs_testing.scenarios`, on the same
 MockClock and job model.
 
 Two ways for a rank to put its step up:
@@ -32,10 +32,10 @@ from collections import Counter
 import trio
 
 from tierfs.coordination.transport import Message
-from tierfs.testing.scenarios import JobModel, MiB, Settings, on_mock_clock
-from tierfs.testing.sim import SimGcs, SimNetwork
 from tierfs.tiers import twins
 from tierfs.tiers.gcs import THREADS
+from tierfs_testing.scenarios import JobModel, MiB, Settings, on_mock_clock
+from tierfs_testing.sim import SimGcs, SimNetwork
 
 MODES = ("today", "twins")
 STEP = 100

@@ -25,8 +25,8 @@ from pathlib import Path
 
 os.environ.setdefault("TIERFS_RUNTIME_DIR", f"/dev/shm/bench-csi-run-{uuid.uuid4().hex[:6]}")
 
-from tierfs_testing import TIERFS, cleanup_mount  # noqa: E402
-from tierfs_testing.csi import Plugin, PodApi  # noqa: E402
+from tierfs_testing import TIERFS, cleanup_mount
+from tierfs_testing.csi import Plugin, PodApi
 
 
 def timed(fn) -> float:
@@ -45,16 +45,35 @@ def main() -> int:
     config = base / "config.yaml"  # every job stays on the node until the end: room for all of them
     config.write_text(f'max-jobs-per-node: "{args.jobs}"\nmax-jobs-per-namespace: "{args.jobs}"\n')
     plugin = Plugin(base, api, ("--config", str(config)))
-    times: dict[str, list[float]] = {"tierfs mount by hand": [], "first publish (starts the daemon)": [],
-                                     "unpublish": [], "publish to the running daemon": []}
+    times: dict[str, list[float]] = {
+        "tierfs mount by hand": [],
+        "first publish (starts the daemon)": [],
+        "unpublish": [],
+        "publish to the running daemon": [],
+    }
     try:
         plugin.start()
         for i in range(args.jobs):
             by_hand = base / f"hand-{i}"
             by_hand.mkdir()
-            times["tierfs mount by hand"].append(timed(lambda: subprocess.run(
-                [*TIERFS, "mount", str(by_hand), "--ramdisk", str(base / "ram-hand"), "--job", f"h{i}",
-                 "--capacity", "64M"], check=True)))
+            times["tierfs mount by hand"].append(
+                timed(
+                    lambda: subprocess.run(
+                        [
+                            *TIERFS,
+                            "mount",
+                            str(by_hand),
+                            "--ramdisk",
+                            str(base / "ram-hand"),
+                            "--job",
+                            f"h{i}",
+                            "--capacity",
+                            "64M",
+                        ],
+                        check=True,
+                    )
+                )
+            )
             subprocess.run([*TIERFS, "unmount", str(by_hand)], check=True)
             job = {"job": f"j{i}", "rank": "0", "capacity": "64M"}
             target = plugin.target()

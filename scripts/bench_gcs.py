@@ -63,16 +63,30 @@ import time
 import uuid
 from pathlib import Path
 
+from benchlib import (
+    GCS_POOL,
+    GCS_WORKERS,
+    NO_MATPLOTLIB,
+    BenchError,
+    cpu_seconds,
+    drop_bucket,
+    gcs_client,
+    interrupt_on_signals,
+    is_mounted,
+    no_interruptions,
+    parse_size,
+    progress,
+    pyplot,
+    save_figure,
+    write_json,
+)  # (scripts/ is on sys.path)
 from google.cloud import storage
 from google.cloud.storage import transfer_manager
+from tierfs_testing.gcs_emulator import GcsEmulator
 
-from tierfs.commands.status import fetch as fetch_status  # noqa: E402
-from tierfs.core.keys import new_secret  # noqa: E402
-from tierfs.ramtier.tmpfs import delete_ram_data  # noqa: E402
-from tierfs_testing.gcs_emulator import GcsEmulator  # noqa: E402
-from benchlib import (progress, GCS_POOL, GCS_WORKERS, BenchError, cpu_seconds, drop_bucket, gcs_client,  # noqa: E402
-                      interrupt_on_signals, is_mounted, no_interruptions, parse_size,
-                      write_json, pyplot, NO_MATPLOTLIB, save_figure)  # (scripts/ is on sys.path)
+from tierfs.commands.status import fetch as fetch_status
+from tierfs.core.keys import new_secret
+from tierfs.ramtier.tmpfs import delete_ram_data
 
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 4 * MiB  # tierfs's default chunk size, and the unit step 2 rewrites
@@ -123,8 +137,14 @@ class Volume:
 
     def _run(self, *args: str, timeout: float = 900) -> float:
         t0 = time.perf_counter()
-        proc = subprocess.Popen([self.tierfs, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            [self.tierfs, *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
         interrupted, deadline = False, time.monotonic() + timeout
         while True:
             try:
@@ -142,8 +162,20 @@ class Volume:
         return time.perf_counter() - t0
 
     def mount(self, gcs_url: str) -> float:
-        return self._run("mount", str(self.mountpoint), "--ramdisk", str(self.ramdisk), "--job", JOB,
-                         "--rank", "0", "--capacity", self.capacity, "--gcs", gcs_url)
+        return self._run(
+            "mount",
+            str(self.mountpoint),
+            "--ramdisk",
+            str(self.ramdisk),
+            "--job",
+            JOB,
+            "--rank",
+            "0",
+            "--capacity",
+            self.capacity,
+            "--gcs",
+            gcs_url,
+        )
 
     def wait_restored(self, timeout: float = 1800) -> dict:
         """The status once the restore started by the mount is done (polled every 20 ms)."""
@@ -175,8 +207,12 @@ class Volume:
         while time.perf_counter() - t0 < 1800:
             st = next((s for s in fetch_status(self.mountpoint)["steps"] if s["step"] == step), None)
             if st and st["backed_up"]:
-                return {**st["backup"], "observed_s": time.perf_counter() - t0, "copy_s": copy_s,
-                        "cpu_s": [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds(daemon) - cpu0[1]]}
+                return {
+                    **st["backup"],
+                    "observed_s": time.perf_counter() - t0,
+                    "copy_s": copy_s,
+                    "cpu_s": [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds(daemon) - cpu0[1]],
+                }
             time.sleep(0.05)
         raise BenchError(f"step {step} was not backed up within 30 minutes")
 
@@ -200,30 +236,44 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
             if side == "baseline":
                 cpu0, t0 = (cpu_seconds(emu_pid), cpu_seconds()), time.perf_counter()
                 transfer_manager.upload_many_from_filenames(
-                    client.bucket(base_bucket), names, source_directory=str(src), max_workers=WORKERS,
-                    worker_type=transfer_manager.THREAD, raise_exception=True)
+                    client.bucket(base_bucket),
+                    names,
+                    source_directory=str(src),
+                    max_workers=WORKERS,
+                    worker_type=transfer_manager.THREAD,
+                    raise_exception=True,
+                )
                 r["base_upload_s"] = time.perf_counter() - t0
                 r["base_upload_cpu_s"] = [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds() - cpu0[1]]
                 progress(f"round {rnd + 1} baseline upload: {mib / r['base_upload_s']:.0f} MiB/s")
             else:
                 r["tier_empty_mount_s"] = vol.mount(f"gs://{tier_bucket}/b")
                 b1 = r["tier_step1"] = vol.commit(1, src, names, emu_pid)
-                progress(f"round {rnd + 1} tierfs backup: {mib / b1['seconds']:.0f} MiB/s "
-                         f"(commit to backed up {b1['observed_s']:.2f} s, lag_s {b1['lag_s']})")
+                progress(
+                    f"round {rnd + 1} tierfs backup: {mib / b1['seconds']:.0f} MiB/s "
+                    f"(commit to backed up {b1['observed_s']:.2f} s, lag_s {b1['lag_s']})"
+                )
         # 2. dedup: step 2 = step 1 with a tenth of its chunks rewritten
         r["changed_bytes"] = mutate(src, names, per_file, args.change, random.Random(rnd))
         hashes2 = {n: sha256(src / n) for n in names}
         b2 = r["tier_step2"] = vol.commit(2, src, names, emu_pid)
-        progress(f"round {rnd + 1} step 2: uploaded {b2['uploaded_bytes'] / b2['bytes']:.3f} of its bytes, "
-                 f"dedup {b2['dedup_bytes'] / MiB:.0f} MiB, backup {b2['seconds']:.2f} s")
+        progress(
+            f"round {rnd + 1} step 2: uploaded {b2['uploaded_bytes'] / b2['bytes']:.3f} of its bytes, "
+            f"dedup {b2['dedup_bytes'] / MiB:.0f} MiB, backup {b2['seconds']:.2f} s"
+        )
         shutil.rmtree(src)  # from here on both sides read from GCS
         vol.unmount_and_wipe()
         for side in order:  # 3. restore
             if side == "baseline":
                 cpu0, t0 = (cpu_seconds(emu_pid), cpu_seconds()), time.perf_counter()
                 transfer_manager.download_many_to_path(
-                    client.bucket(base_bucket), names, destination_directory=str(dl), max_workers=WORKERS,
-                    worker_type=transfer_manager.THREAD, raise_exception=True)
+                    client.bucket(base_bucket),
+                    names,
+                    destination_directory=str(dl),
+                    max_workers=WORKERS,
+                    worker_type=transfer_manager.THREAD,
+                    raise_exception=True,
+                )
                 r["base_download_s"] = time.perf_counter() - t0
                 r["base_download_cpu_s"] = [cpu_seconds(emu_pid) - cpu0[0], cpu_seconds() - cpu0[1]]
                 verify(dl, hashes1, "baseline download")
@@ -234,15 +284,20 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
                 r["tier_namespace_s"] = vol.mount(f"gs://{tier_bucket}/b")
                 status = vol.wait_restored()
                 r["tier_mount_s"] = time.perf_counter() - t0  # mount start to restored.state "done"
-                r["tier_restore_cpu_s"] = [cpu_seconds(emu_pid) - cpu0, cpu_seconds(status["pid"])]  # daemon: all of its life
+                r["tier_restore_cpu_s"] = [
+                    cpu_seconds(emu_pid) - cpu0,
+                    cpu_seconds(status["pid"]),
+                ]  # daemon: all of its life
                 got = r["tier_restored"] = status.get("restored") or {}
                 if got.get("step") != 2 or got.get("bytes") != r["bytes"]:
                     raise BenchError(f"the mount restored {got}, expected step 2 of {r['bytes']} bytes")
                 verify(vol.mountpoint / "ckpt" / "2", hashes2, "tierfs restore of step 2")
                 vol.unmount_and_wipe()
-                progress(f"round {rnd + 1} tierfs restore: {mib / r['tier_mount_s']:.0f} MiB/s "
-                         f"(mount start to done {r['tier_mount_s']:.2f} s, of it restore {got['seconds']:.2f} s; "
-                         f"the mount returned after {r['tier_namespace_s']:.2f} s)")
+                progress(
+                    f"round {rnd + 1} tierfs restore: {mib / r['tier_mount_s']:.0f} MiB/s "
+                    f"(mount start to done {r['tier_mount_s']:.2f} s, of it restore {got['seconds']:.2f} s; "
+                    f"the mount returned after {r['tier_namespace_s']:.2f} s)"
+                )
     finally:
         vol.unmount_and_wipe()
         shutil.rmtree(src, ignore_errors=True)
@@ -255,8 +310,10 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
     with open(f"/proc/{emu_pid}/status") as f:  # the emulator keeps every object in RAM
         kv = dict(ln.split(":", 1) for ln in f)
     r["emulator_mib"] = {k: int(kv[k].split()[0]) // 1024 for k in ("VmRSS", "VmHWM")}
-    progress(f"round {rnd + 1} done; emulator RSS {r['emulator_mib']['VmRSS']} MiB "
-             f"(peak so far {r['emulator_mib']['VmHWM']} MiB)")
+    progress(
+        f"round {rnd + 1} done; emulator RSS {r['emulator_mib']['VmRSS']} MiB "
+        f"(peak so far {r['emulator_mib']['VmHWM']} MiB)"
+    )
     return r
 
 
@@ -277,15 +334,23 @@ def summarize(raw: list[dict]) -> dict:
     s1, s2 = [r["tier_step1"] for r in raw], [r["tier_step2"] for r in raw]
     return {
         "rows": rows,
-        "commit_to_backed_up_s": med(b["observed_s"] for b in s1), "lag_s": med(b["lag_s"] for b in s1),
-        "copy_in_s": med(b["copy_s"] for b in s1), "empty_mount_s": med(r["tier_empty_mount_s"] for r in raw),
+        "commit_to_backed_up_s": med(b["observed_s"] for b in s1),
+        "lag_s": med(b["lag_s"] for b in s1),
+        "copy_in_s": med(b["copy_s"] for b in s1),
+        "empty_mount_s": med(r["tier_empty_mount_s"] for r in raw),
         "step2_changed_fraction": med(r["changed_bytes"] / r["bytes"] for r in raw),
         "step2_uploaded_fraction": med(b["uploaded_bytes"] / b["bytes"] for b in s2),
-        "step2_dedup_mib": med(b["dedup_bytes"] / MiB for b in s2), "step2_backup_s": med(b["seconds"] for b in s2),
-        "cpu_s": {k: [med(get(r)[i] for r in raw) for i in (0, 1)] for k, get in (
-            ("baseline upload", lambda r: r["base_upload_cpu_s"]), ("tierfs backup", lambda r: r["tier_step1"]["cpu_s"]),
-            ("baseline download", lambda r: r["base_download_cpu_s"]),
-            ("tierfs restore", lambda r: r["tier_restore_cpu_s"]))},
+        "step2_dedup_mib": med(b["dedup_bytes"] / MiB for b in s2),
+        "step2_backup_s": med(b["seconds"] for b in s2),
+        "cpu_s": {
+            k: [med(get(r)[i] for r in raw) for i in (0, 1)]
+            for k, get in (
+                ("baseline upload", lambda r: r["base_upload_cpu_s"]),
+                ("tierfs backup", lambda r: r["tier_step1"]["cpu_s"]),
+                ("baseline download", lambda r: r["base_download_cpu_s"]),
+                ("tierfs restore", lambda r: r["tier_restore_cpu_s"]),
+            )
+        },
         "emulator_rss_mib_max": max(r["emulator_mib"]["VmRSS"] for r in raw),
         "emulator_peak_mib": max(r["emulator_mib"]["VmHWM"] for r in raw),
     }
@@ -295,14 +360,16 @@ def render(s: dict) -> str:
     w = max(len(r["metric"]) for r in s["rows"])
     out = [f"{'metric':<{w}}  {'baseline':>9}  {'tierfs':>9}  {'ratio':>6}", "-" * (w + 32)]
     out += [f"{r['metric']:<{w}}  {r['baseline']:9.1f}  {r['tierfs']:9.1f}  {r['ratio']:6.2f}" for r in s["rows"]]
-    out += [f"# commit to backed up {s['commit_to_backed_up_s']:.2f} s (lag_s {s['lag_s']:.2f}); copy into the "
-            f"mount (untimed) {s['copy_in_s']:.2f} s; mount of an empty volume {s['empty_mount_s']:.2f} s",
-            f"# dedup: step 2 changed {s['step2_changed_fraction']:.3f} of the bytes and uploaded "
-            f"{s['step2_uploaded_fraction']:.3f} (dedup {s['step2_dedup_mib']:.0f} MiB, backup {s['step2_backup_s']:.2f} s)",
-            "# CPU seconds, emulator + client (this process, or the tierfs daemon): " + "; ".join(
-                f"{k} {e:.1f} + {c:.1f}" for k, (e, c) in s["cpu_s"].items()),
-            f"# emulator RSS after each round's cleanup <= {s['emulator_rss_mib_max']} MiB, "
-            f"peak {s['emulator_peak_mib']} MiB"]
+    out += [
+        f"# commit to backed up {s['commit_to_backed_up_s']:.2f} s (lag_s {s['lag_s']:.2f}); copy into the "
+        f"mount (untimed) {s['copy_in_s']:.2f} s; mount of an empty volume {s['empty_mount_s']:.2f} s",
+        f"# dedup: step 2 changed {s['step2_changed_fraction']:.3f} of the bytes and uploaded "
+        f"{s['step2_uploaded_fraction']:.3f} (dedup {s['step2_dedup_mib']:.0f} MiB, backup {s['step2_backup_s']:.2f} s)",
+        "# CPU seconds, emulator + client (this process, or the tierfs daemon): "
+        + "; ".join(f"{k} {e:.1f} + {c:.1f}" for k, (e, c) in s["cpu_s"].items()),
+        f"# emulator RSS after each round's cleanup <= {s['emulator_rss_mib_max']} MiB, "
+        f"peak {s['emulator_peak_mib']} MiB",
+    ]
     return "\n".join(out)
 
 
@@ -338,7 +405,7 @@ def parse_int_list(text: str) -> list[int]:
 
 def main_twins(args) -> int:
     """The twins row (scripts/gcs_twins.py): D daemons through a counting proxy, against --reference."""
-    import gcs_twins  # noqa: PLC0415 (scripts/ is on sys.path)
+    import gcs_twins
 
     interrupt_on_signals()
     tmp = Path(tempfile.mkdtemp(prefix="bench-gcs-", dir="/tmp"))
@@ -355,19 +422,35 @@ def main_twins(args) -> int:
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         cmd = shlex.join([sys.executable, *sys.argv])
         print(f"# bench_gcs twins {now}  cores {os.cpu_count()}  command: {cmd}")
-        print(f"# {args.size / MiB:.0f} MiB per rank, D = {args.twins} on daemons, {args.sim_twins} simulated, "
-              f"{args.rounds} rounds; baseline: {args.reference}; medians", flush=True)
+        print(
+            f"# {args.size / MiB:.0f} MiB per rank, D = {args.twins} on daemons, {args.sim_twins} simulated, "
+            f"{args.rounds} rounds; baseline: {args.reference}; medians",
+            flush=True,
+        )
         result = gcs_twins.run(args, emu, client)
         print(gcs_twins.render(result))
         if args.json:
-            settings = {"size": args.size, "rounds": args.rounds, "twins": args.twins, "sim_twins": args.sim_twins,
-                        "reference": args.reference, "capacity": args.capacity, "date": now, "command": cmd,
-                        "cores": os.cpu_count()}
+            settings = {
+                "size": args.size,
+                "rounds": args.rounds,
+                "twins": args.twins,
+                "sim_twins": args.sim_twins,
+                "reference": args.reference,
+                "capacity": args.capacity,
+                "date": now,
+                "command": cmd,
+                "cores": os.cpu_count(),
+            }
             write_json(args.json, {"settings": settings, **result})
         if args.plot:
-            why = gcs_twins.plot(args.plot, result, f"tierfs backup of D twins through GCS (fake-gcs-server), "
-                                                    f"{args.size / MiB:.0f} MiB per rank, {now[:10]}",
-                                 pyplot, save_figure)
+            why = gcs_twins.plot(
+                args.plot,
+                result,
+                f"tierfs backup of D twins through GCS (fake-gcs-server), "
+                f"{args.size / MiB:.0f} MiB per rank, {now[:10]}",
+                pyplot,
+                save_figure,
+            )
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except (BenchError, OSError, AssertionError) as e:
@@ -392,8 +475,10 @@ def _failed(e: BaseException, tmp: Path, emu: GcsEmulator) -> int:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="tierfs GCS backup/restore against plain google-cloud-storage "
-                                            "(fake-gcs-server, medians of alternating rounds)")
+    p = argparse.ArgumentParser(
+        description="tierfs GCS backup/restore against plain google-cloud-storage "
+        "(fake-gcs-server, medians of alternating rounds)"
+    )
     p.add_argument("--size", type=parse_size, help="checkpoint bytes per round (default 1G)")
     p.add_argument("--files", type=int, default=16, help="files the checkpoint is split into (default 16)")
     p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 3)")
@@ -402,16 +487,32 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the throughputs (needs matplotlib)")
-    p.add_argument("--twins", type=parse_int_list, metavar="D,...",
-                   help="the twins row instead: D data-parallel twins on D daemons (e.g. 1,2,4); needs --reference")
-    p.add_argument("--sim-twins", type=parse_int_list, default=[], metavar="D,...",
-                   help="with --twins: D values taken from the scale simulation (e.g. 8)")
-    p.add_argument("--reference", metavar="DIR",
-                   help="with --twins: a checkout of the code before the twins shared the upload (the baseline)")
+    p.add_argument(
+        "--twins",
+        type=parse_int_list,
+        metavar="D,...",
+        help="the twins row instead: D data-parallel twins on D daemons (e.g. 1,2,4); needs --reference",
+    )
+    p.add_argument(
+        "--sim-twins",
+        type=parse_int_list,
+        default=[],
+        metavar="D,...",
+        help="with --twins: D values taken from the scale simulation (e.g. 8)",
+    )
+    p.add_argument(
+        "--reference",
+        metavar="DIR",
+        help="with --twins: a checkout of the code before the twins shared the upload (the baseline)",
+    )
     p.add_argument("--timeout", type=float, default=600, help="with --twins: seconds a backup may take (600)")
-    p.add_argument("--no-secret", dest="secret", action="store_false",
-                   help="run the daemon without the job's secret: chunks and manifests in clear, as before sealing "
-                        "(default: with a secret, as a job should run)")
+    p.add_argument(
+        "--no-secret",
+        dest="secret",
+        action="store_false",
+        help="run the daemon without the job's secret: chunks and manifests in clear, as before sealing "
+        "(default: with a secret, as a job should run)",
+    )
     args = p.parse_args()
     if args.twins:
         if not args.reference:
@@ -431,8 +532,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="bench-gcs-", dir="/tmp"))
     ram = Path(tempfile.mkdtemp(prefix="bench-gcs-ram-", dir="/dev/shm"))
     emu = GcsEmulator(tmp / "emulator", backend="memory")
-    vol = Volume(shutil.which("tierfs", path=os.path.dirname(sys.executable)) or "tierfs",
-                 tmp / "mnt", ram, args.capacity)
+    vol = Volume(
+        shutil.which("tierfs", path=os.path.dirname(sys.executable)) or "tierfs", tmp / "mnt", ram, args.capacity
+    )
     try:
         vol.mountpoint.mkdir()
         emu.start()
@@ -445,21 +547,38 @@ def main() -> int:
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         cmd = shlex.join([sys.executable, *sys.argv])
         print(f"# bench_gcs {now}  cores {os.cpu_count()}  command: {cmd}")
-        print(f"# {args.size / MiB:.0f} MiB in {args.files} files, {args.rounds} rounds, fake-gcs-server "
-              f"(memory backend) on {emu.url}; medians; ratio = tierfs / baseline; "
-              f"{'sealed (with the job secret)' if args.secret else 'in clear (no secret)'}", flush=True)
+        print(
+            f"# {args.size / MiB:.0f} MiB in {args.files} files, {args.rounds} rounds, fake-gcs-server "
+            f"(memory backend) on {emu.url}; medians; ratio = tierfs / baseline; "
+            f"{'sealed (with the job secret)' if args.secret else 'in clear (no secret)'}",
+            flush=True,
+        )
         raw = [run_round(rnd, args, client, emu, vol) for rnd in range(args.rounds)]
         summary = summarize(raw)
         print(render(summary))
         if args.json:
-            settings = {"size": args.size, "files": args.files, "rounds": args.rounds, "change": args.change,
-                        "sealed": args.secret,
-                        "capacity": args.capacity, "workers": WORKERS, "pool": POOL, "chunk": CHUNK,
-                        "date": now, "command": cmd, "cores": os.cpu_count()}
+            settings = {
+                "size": args.size,
+                "files": args.files,
+                "rounds": args.rounds,
+                "change": args.change,
+                "sealed": args.secret,
+                "capacity": args.capacity,
+                "workers": WORKERS,
+                "pool": POOL,
+                "chunk": CHUNK,
+                "date": now,
+                "command": cmd,
+                "cores": os.cpu_count(),
+            }
             write_json(args.json, {"settings": settings, "raw": raw, "medians": summary})
         if args.plot:
-            why = plot(args.plot, summary, f"tierfs GCS tier vs google-cloud-storage (fake-gcs-server), "
-                                           f"{args.size / MiB:.0f} MiB, {args.rounds} rounds, {now[:10]}")
+            why = plot(
+                args.plot,
+                summary,
+                f"tierfs GCS tier vs google-cloud-storage (fake-gcs-server), "
+                f"{args.size / MiB:.0f} MiB, {args.rounds} rounds, {now[:10]}",
+            )
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except (BenchError, OSError) as e:

@@ -55,8 +55,11 @@ def make_files(directory: Path, count: int, size: int) -> list[str]:
 
 
 def hash_seconds(tree: str, paths: list[str], chunk_size: int) -> float:
-    proc = subprocess.run([sys.executable, "-c", TIMED, str(Path(tree) / "src"), json.dumps(paths), str(chunk_size)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", TIMED, str(Path(tree) / "src"), json.dumps(paths), str(chunk_size)],
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise BenchError(f"hashing with {tree} failed: {proc.stderr.strip().splitlines()[-1:]}")
     return float(proc.stdout)
@@ -64,8 +67,11 @@ def hash_seconds(tree: str, paths: list[str], chunk_size: int) -> float:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--trees", default=".",
-                   help="comma-separated source trees to compare, each PATH or LABEL=PATH (default: this one)")
+    p.add_argument(
+        "--trees",
+        default=".",
+        help="comma-separated source trees to compare, each PATH or LABEL=PATH (default: this one)",
+    )
     p.add_argument("--rounds", type=int, default=7, help="rounds; medians are taken over them (default 7)")
     p.add_argument("--chunk-size", type=parse_size, default=4 * MiB, help="default 4M, the volume's")
     p.add_argument("--dir", default="/dev/shm/tierfs-bench-hash", help="a tmpfs directory for the files")
@@ -89,8 +95,12 @@ def main() -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
     medians = {shape: {t: statistics.median(v) for t, v in by_tree.items()} for shape, by_tree in rates.items()}
-    print(render_table(("step", *(f"{t} GiB/s" for t in trees)),
-                       [(shape, *(f"{medians[shape][t]:.2f}" for t in trees)) for shape in SHAPES]))
+    print(
+        render_table(
+            ("step", *(f"{t} GiB/s" for t in trees)),
+            [(shape, *(f"{medians[shape][t]:.2f}" for t in trees)) for shape in SHAPES],
+        )
+    )
     if args.json:
         write_json(args.json, {"settings": vars(args), "raw": rates, "medians": medians})
     return 0

@@ -109,10 +109,23 @@ import threading
 import time
 import urllib.request
 
-from benchlib import (progress, BenchError, NO_MATPLOTLIB, TierfsMount, clean_up, cpu_idle,  # noqa: E402
-                      interrupt_on_signals, last_line, parse_size, pyplot, save_figure, warm_up, write_all,
-                      write_json)  # (scripts/ is on sys.path)
-from tierfs_testing import free_port  # noqa: E402 (src/ is on sys.path through benchlib)
+from benchlib import (
+    NO_MATPLOTLIB,
+    BenchError,
+    TierfsMount,
+    clean_up,
+    cpu_idle,
+    interrupt_on_signals,
+    last_line,
+    parse_size,
+    progress,
+    pyplot,
+    save_figure,
+    warm_up,
+    write_all,
+    write_json,
+)  # (scripts/ is on sys.path)
+from tierfs_testing import free_port
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -137,6 +150,7 @@ DAEMON_TARGET_IO, DAEMON_TARGET_REFERENCE = 0.5, 1.0
 
 # ----------------------------------------------------------------------------- helpers
 
+
 def parse_size_list(text: str) -> list[int]:
     return [parse_size(t) for t in text.split(",") if t.strip()]
 
@@ -158,6 +172,7 @@ def parse_choices(allowed: tuple[str, ...]):
         if not values or bad:
             raise argparse.ArgumentTypeError(f"invalid list {text!r}: choose from {','.join(allowed)}")
         return values
+
     return parse
 
 
@@ -167,8 +182,9 @@ def parse_reference(text: str) -> tuple[str, str]:
     if not sep or not name or not directory:
         raise argparse.ArgumentTypeError(f"invalid reference {text!r}: expected NAME=DIR")
     if name in SIDES or "_" in name or name == "warm":
-        raise argparse.ArgumentTypeError(f"invalid reference name {name!r}: not one of {', '.join(SIDES)}, "
-                                         "no underscore")
+        raise argparse.ArgumentTypeError(
+            f"invalid reference name {name!r}: not one of {', '.join(SIDES)}, no underscore"
+        )
     if not os.path.isdir(directory):
         raise argparse.ArgumentTypeError(f"reference {name}: {directory} is not a directory")
     return name, os.path.abspath(directory)
@@ -186,8 +202,8 @@ def aligned_buffer(size: int, offset: int = 0) -> memoryview:
     m = mmap.mmap(-1, size + offset + mmap.PAGESIZE)
     chunk = os.urandom(min(size, MiB))
     for pos in range(0, size, len(chunk)):
-        m[offset + pos:offset + min(size, pos + len(chunk))] = chunk[:min(size, pos + len(chunk)) - pos]
-    return memoryview(m)[offset:offset + size]
+        m[offset + pos : offset + min(size, pos + len(chunk))] = chunk[: min(size, pos + len(chunk)) - pos]
+    return memoryview(m)[offset : offset + size]
 
 
 def drop_cached(paths: list[str], offset: int, length: int) -> None:
@@ -217,18 +233,24 @@ def row_key(r: dict) -> tuple:
 
 def row_label(r: dict, short: bool = False) -> str:
     if r["mode"] == FILES_ROW:
-        return (f"{r['files']} files\n{fmt_size(r['bs'])} each" if short
-                else f"checkpoint: {r['files']} files x {fmt_size(r['bs'])}, rename")
+        return (
+            f"{r['files']} files\n{fmt_size(r['bs'])} each"
+            if short
+            else f"checkpoint: {r['files']} files x {fmt_size(r['bs'])}, rename"
+        )
     jobs = f"{r['jobs']} job{'s' if r['jobs'] > 1 else ''}"
     prealloc = r.get("fallocate", "none") != "none"
     if short:
         return f"{r['mode']}\n{r['op']}{' pre' if prealloc else ''}\n{fmt_size(r['bs'])} {r['jobs']}j"
     op = "read" if r["op"] == "cold" else r["op"]
-    return (f"{r['mode']} {op} {fmt_size(r['bs'])}, {jobs}{', preallocated' if prealloc else ''}"
-            f"{', cold' if r['op'] == 'cold' else ''}")
+    return (
+        f"{r['mode']} {op} {fmt_size(r['bs'])}, {jobs}{', preallocated' if prealloc else ''}"
+        f"{', cold' if r['op'] == 'cold' else ''}"
+    )
 
 
 # ----------------------------------------------------------------------------- engines
+
 
 class FioEngine:
     name = "fio"
@@ -242,21 +264,41 @@ class FioEngine:
     def files(self, directory: str, tag: str, jobs: int) -> list[str]:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
-    def run(self, mode: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
-            offset: int = 0, fallocate: str = "none") -> dict:
+    def run(
+        self,
+        mode: str,
+        op: str,
+        directory: str,
+        tag: str,
+        bs: int,
+        per_job: int,
+        jobs: int,
+        offset: int = 0,
+        fallocate: str = "none",
+    ) -> dict:
         cmd = [
-            self.fio, f"--name={tag}", f"--directory={directory}",
+            self.fio,
+            f"--name={tag}",
+            f"--directory={directory}",
             f"--filename_format={tag}.$jobnum",
-            f"--ioengine={mode}", f"--rw={FIO_RW[op]}", f"--bs={bs}", f"--size={per_job}", f"--offset={offset}",
-            f"--numjobs={jobs}", "--group_reporting", "--output-format=json",
-            "--direct=0", *self.align_args,
+            f"--ioengine={mode}",
+            f"--rw={FIO_RW[op]}",
+            f"--bs={bs}",
+            f"--size={per_job}",
+            f"--offset={offset}",
+            f"--numjobs={jobs}",
+            "--group_reporting",
+            "--output-format=json",
+            "--direct=0",
+            *self.align_args,
             "--invalidate=0",  # a cold read's pages were dropped before the timing (drop_cached)
             f"--fallocate={fallocate}",  # none: each write allocates its pages; native: fio's default
             *(["--end_fsync=1"] if op == "write" else []),  # the bytes are in the file when timing ends
         ]
         try:
-            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    stdin=subprocess.DEVNULL, text=True)
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+            )
         except OSError as e:
             raise BenchError(f"cannot run fio: {e}") from None
         try:
@@ -275,7 +317,7 @@ class FioEngine:
             why = last_line(stderr) or last_line(stdout) or f"exit status {proc.returncode}"
             raise BenchError(f"fio {mode} {op} bs={fmt_size(bs)} jobs={jobs} in {directory} failed: {why}")
         try:
-            data = json.loads(stdout[stdout.index("{"):])
+            data = json.loads(stdout[stdout.index("{") :])
             res = data["jobs"][0][FIO_RW[op]]
             nbytes, runtime_ms = int(res["io_bytes"]), float(res["runtime"])
         except (ValueError, KeyError, IndexError) as e:
@@ -305,8 +347,18 @@ class BuiltinEngine:
     def files(self, directory: str, tag: str, jobs: int) -> list[str]:
         return [os.path.join(directory, f"{tag}.{j}") for j in range(jobs)]
 
-    def run(self, mode: str, op: str, directory: str, tag: str, bs: int, per_job: int, jobs: int,
-            offset: int = 0, fallocate: str = "none") -> dict:
+    def run(
+        self,
+        mode: str,
+        op: str,
+        directory: str,
+        tag: str,
+        bs: int,
+        per_job: int,
+        jobs: int,
+        offset: int = 0,
+        fallocate: str = "none",
+    ) -> dict:
         if mode != "psync":
             raise BenchError(f"--engine builtin measures only psync rows, not {mode}")
         buf = self._buf(bs)
@@ -335,7 +387,7 @@ class BuiltinEngine:
                 rbuf = [buf]
                 while left > 0 and not stop.is_set():
                     if op == "write":
-                        n = os.write(fd, buf[:min(left, bs)])
+                        n = os.write(fd, buf[: min(left, bs)])
                     else:
                         n = os.readv(fd, rbuf if left >= bs else [buf[:left]])
                         if n == 0:
@@ -387,7 +439,7 @@ def checkpoint(directory: str, step: int, nfiles: int, file_size: int, buf: memo
         fd = os.open(os.path.join(tmp, f"shard-{i:04d}"), flags, 0o644)
         try:
             for pos in range(0, file_size, len(buf)):
-                write_all(fd, buf[:min(len(buf), file_size - pos)])
+                write_all(fd, buf[: min(len(buf), file_size - pos)])
         finally:
             os.close(fd)
     os.rename(tmp, final)
@@ -399,6 +451,7 @@ def checkpoint(directory: str, step: int, nfiles: int, file_size: int, buf: memo
 
 
 # ----------------------------------------------------------------------------- benchmark
+
 
 class Run:
     """One run's sides, buffers and progress."""
@@ -416,20 +469,31 @@ class Run:
     def configs(self) -> list[dict]:
         """What each round measures: every fio configuration (written, then read; preallocated
         and written), then the checkpoint."""
-        configs = [{"mode": mode, "bs": bs, "jobs": jobs, "fallocate": fa}
-                   for mode in self.args.modes for bs in self.args.bs for jobs in self.args.jobs
-                   for fa in self.args.fallocate]
+        configs = [
+            {"mode": mode, "bs": bs, "jobs": jobs, "fallocate": fa}
+            for mode in self.args.modes
+            for bs in self.args.bs
+            for jobs in self.args.jobs
+            for fa in self.args.fallocate
+        ]
         if self.args.files:
-            configs.append({"mode": FILES_ROW, "op": "write", "bs": self.args.file_size, "jobs": 1,
-                            "files": self.args.files})
+            configs.append(
+                {"mode": FILES_ROW, "op": "write", "bs": self.args.file_size, "jobs": 1, "files": self.args.files}
+            )
         return configs
 
     def rows(self) -> list[dict]:
         """The rows of the report: by mode, then operation, block size and jobs, a preallocated
         write right after its plain one; the checkpoint last."""
-        rows = [{"mode": mode, "op": op, "bs": bs, "jobs": jobs, "fallocate": fa}
-                for mode in self.args.modes for op in OPS for bs in self.args.bs for jobs in self.args.jobs
-                for fa in self.args.fallocate if op == "write" or fa == "none"]
+        rows = [
+            {"mode": mode, "op": op, "bs": bs, "jobs": jobs, "fallocate": fa}
+            for mode in self.args.modes
+            for op in OPS
+            for bs in self.args.bs
+            for jobs in self.args.jobs
+            for fa in self.args.fallocate
+            if op == "write" or fa == "none"
+        ]
         return rows + [c for c in self.configs() if c["mode"] == FILES_ROW]
 
     def _timed(self, side: str, fn) -> dict:
@@ -442,8 +506,9 @@ class Run:
             res["daemon_cpu_s"] = mount.daemon_cpu() - cpu0
         return res
 
-    def io(self, side: str, mode: str, op: str, tag: str, bs: int, per_job: int, jobs: int,
-           fallocate: str = "none") -> dict:
+    def io(
+        self, side: str, mode: str, op: str, tag: str, bs: int, per_job: int, jobs: int, fallocate: str = "none"
+    ) -> dict:
         directory = self.dirs[side]
         if op != "write":  # the read must hit exactly the files just written
             for p in self.engine.files(directory, tag, jobs):
@@ -458,8 +523,12 @@ class Run:
         for offset in range(0, per_job, seg):
             if op == "cold":
                 drop_cached(self.engine.files(directory, tag, jobs), offset, min(seg, per_job - offset))
-            part = self._timed(side, lambda: self.engine.run(mode, op, directory, tag, bs,
-                                                             min(seg, per_job - offset), jobs, offset, fallocate))
+            part = self._timed(
+                side,
+                lambda: self.engine.run(
+                    mode, op, directory, tag, bs, min(seg, per_job - offset), jobs, offset, fallocate
+                ),
+            )
             res["bytes"] += part["bytes"]
             res["seconds"] += part["seconds"]
             res["segments"] += 1
@@ -474,8 +543,10 @@ class Run:
         res.update(fields)
         self.raw.append(res)
         cpu = f", daemon {res['daemon_cpu_s_per_gib']:.2f} CPU-s/GiB" if "daemon_cpu_s_per_gib" in res else ""
-        self.progress(f"[{len(self.raw)}/{self.total}] round {fields['round'] + 1} {fields['side']:11} "
-                      f"{row_label(fields)}: {res['gib_s']:.3f} GiB/s{cpu}")
+        self.progress(
+            f"[{len(self.raw)}/{self.total}] round {fields['round'] + 1} {fields['side']:11} "
+            f"{row_label(fields)}: {res['gib_s']:.3f} GiB/s{cpu}"
+        )
 
     def run(self) -> list[dict]:
         args = self.args
@@ -503,8 +574,7 @@ class Run:
             # only written (its read would be the same read)
             for op in OPS if fa == "none" else ("write",):
                 res = self.io(side, mode, op, tag, bs, per_job, jobs, fa)
-                self.record(res, round=rnd, side=side, position=pos, mode=mode, op=op, bs=bs, jobs=jobs,
-                            fallocate=fa)
+                self.record(res, round=rnd, side=side, position=pos, mode=mode, op=op, bs=bs, jobs=jobs, fallocate=fa)
         finally:  # right after its measurement, or on any failure
             for p in self.engine.files(self.dirs[side], tag, jobs):
                 remove(p)
@@ -540,11 +610,13 @@ def summarize(rows_wanted: list[dict], raw: list[dict], sides: tuple[str, ...]) 
         row["meets_target"] = None if pt is None else pt >= row["target"]
         references = [s for s in sides[1:] if s not in VOLUMES]
         for ref in references:
-            row[f"daemon_vs_{ref}"] = (med["daemon"] / med[ref] if med.get("daemon") is not None and med[ref]
-                                       else None)
+            row[f"daemon_vs_{ref}"] = med["daemon"] / med[ref] if med.get("daemon") is not None and med[ref] else None
         if med.get("daemon") is not None:
-            checks = [row[f"daemon_vs_{ref}"] >= DAEMON_TARGET_REFERENCE for ref in references
-                      if row[f"daemon_vs_{ref}"] is not None]
+            checks = [
+                row[f"daemon_vs_{ref}"] >= DAEMON_TARGET_REFERENCE
+                for ref in references
+                if row[f"daemon_vs_{ref}"] is not None
+            ]
             if want["mode"] != FILES_ROW:
                 checks.append(row["daemon_ratio"] >= DAEMON_TARGET_IO)
             row["daemon_meets_target"] = all(checks)
@@ -554,7 +626,7 @@ def summarize(rows_wanted: list[dict], raw: list[dict], sides: tuple[str, ...]) 
 
 def compared(rows: list[dict]) -> list[str]:
     """The sides measured against tmpfs, in the run's order."""
-    return [k[:-len("_ratio")] for k in rows[0] if k.endswith("_ratio")] if rows else []
+    return [k[: -len("_ratio")] for k in rows[0] if k.endswith("_ratio")] if rows else []
 
 
 def render_table(rows: list[dict]) -> str:
@@ -564,7 +636,7 @@ def render_table(rows: list[dict]) -> str:
     head = ["row", "tmpfs GiB/s"]
     for v in vols:
         head += [f"{v} GiB/s", f"{v} ratio"]
-    refs = [k[len("daemon_vs_"):] for k in (rows[0] if rows else {}) if k.startswith("daemon_vs_")]
+    refs = [k[len("daemon_vs_") :] for k in (rows[0] if rows else {}) if k.startswith("daemon_vs_")]
     head += [f"{v} CPU s/GiB" for v in daemons] + ["target", "met"]
     if "daemon" in vols:
         head += [f"daemon/{ref}" for ref in refs] + ["daemon met"]
@@ -586,7 +658,11 @@ def render_table(rows: list[dict]) -> str:
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
 
     def line(cells):
-        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return (
+            "| "
+            + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
 
     rule = "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":") for i, w in enumerate(widths)) + "|"
     return "\n".join([line(head), rule] + [line(b) for b in body])
@@ -659,13 +735,21 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
         label = f"--data-path {v}" if v in VOLUMES else v
         bars = ax.bar(xs, ys, width, label=label, color=colors.get(v) or next(others, None))
         for b, y in zip(bars, ys):
-            ax.annotate(f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom",
-                        fontsize=6, rotation=90)
+            ax.annotate(
+                f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=6, rotation=90
+            )
     ax.axhline(TARGET_IO, color="green", linewidth=0.9, linestyle="--", label=f"{TARGET_IO}x target (large I/O)")
     files = [i for i, r in enumerate(rows) if r["mode"] == FILES_ROW]
     for i in files:
-        ax.hlines(TARGET_FILES, i - 0.45, i + 0.45, color="purple", linewidth=1.2, linestyle=":",
-                  label=f"{TARGET_FILES}x target (files)")
+        ax.hlines(
+            TARGET_FILES,
+            i - 0.45,
+            i + 0.45,
+            color="purple",
+            linewidth=1.2,
+            linestyle=":",
+            label=f"{TARGET_FILES}x target (files)",
+        )
     ax.axhline(1.0, color="grey", linewidth=0.6)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels([row_label(r, short=True) for r in rows], fontsize=7)
@@ -680,61 +764,110 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
 
 # ----------------------------------------------------------------------------- main
 
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Throughput of tierfs' passthrough and daemon data paths against plain tmpfs "
-                    "(medians of rotating rounds, balloon-safe warm-up).")
-    p.add_argument("--size", type=parse_size,
-                   help="bytes per I/O measurement, split over the jobs (default 512M)")
+        "(medians of rotating rounds, balloon-safe warm-up)."
+    )
+    p.add_argument("--size", type=parse_size, help="bytes per I/O measurement, split over the jobs (default 512M)")
     p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 5, >= 5 for real numbers)")
     p.add_argument("--bs", type=parse_size_list, default=[MiB, 4 * MiB], help="block sizes (default 1M,4M)")
-    p.add_argument("--jobs", type=parse_int_list, default=[1, 4, 8],
-                   help="fio jobs in parallel, each with its own file (default 1,4,8)")
-    p.add_argument("--modes", type=parse_choices(MODES), default=list(MODES),
-                   help="psync (read/write from page-aligned buffers) and/or mmap (default psync,mmap)")
-    p.add_argument("--fallocate", type=parse_choices(FALLOCATE), default=list(FALLOCATE),
-                   help="fio --fallocate of the writes: none (each write allocates) and/or native "
-                        "(fio's default: the file preallocated before the timing; write rows only) "
-                        "(default none,native)")
-    p.add_argument("--data-paths", type=parse_choices(VOLUMES), default=list(VOLUMES),
-                   help="volumes to measure against tmpfs (default passthrough,daemon)")
+    p.add_argument(
+        "--jobs",
+        type=parse_int_list,
+        default=[1, 4, 8],
+        help="fio jobs in parallel, each with its own file (default 1,4,8)",
+    )
+    p.add_argument(
+        "--modes",
+        type=parse_choices(MODES),
+        default=list(MODES),
+        help="psync (read/write from page-aligned buffers) and/or mmap (default psync,mmap)",
+    )
+    p.add_argument(
+        "--fallocate",
+        type=parse_choices(FALLOCATE),
+        default=list(FALLOCATE),
+        help="fio --fallocate of the writes: none (each write allocates) and/or native "
+        "(fio's default: the file preallocated before the timing; write rows only) "
+        "(default none,native)",
+    )
+    p.add_argument(
+        "--data-paths",
+        type=parse_choices(VOLUMES),
+        default=list(VOLUMES),
+        help="volumes to measure against tmpfs (default passthrough,daemon)",
+    )
     p.add_argument("--files", type=int, help="files of the checkpoint row; 0 leaves it out (default 1000)")
-    p.add_argument("--file-size", type=parse_size, default=MiB, help="bytes per file of the checkpoint row (default 1M)")
-    p.add_argument("--files-only", action="store_true",
-                   help="measure the checkpoint row alone (no fio rows)")
-    p.add_argument("--warmup", type=parse_size, default=2 * GiB,
-                   help="warm-up file written and deleted on tmpfs before each timed part (default 2G: "
-                        "a segment written through a page cache touches twice its size)")
-    p.add_argument("--warm-dir", default="/dev/shm",
-                   help="where the warm-up writes (default /dev/shm); a tmpfs mounted huge=within_size warms the "
-                        "memory large folios are taken from as well, which sides with large folios need")
-    p.add_argument("--segment", type=parse_size, default=512 * MiB,
-                   help="bytes moved per timed segment, each after its own warm-up (default 512M; "
-                        "the balloon returns freed pages to the host ~2 s after they are freed)")
-    p.add_argument("--engine", choices=("auto", "fio", "builtin"), default="auto",
-                   help="fio, the built-in Python loop (psync rows only), or auto (fio if installed; default)")
-    p.add_argument("--malloc-buffers", action="store_true",
-                   help="use 16-byte-aligned I/O buffers (fio's default) instead of page-aligned ones")
-    p.add_argument("--reference", type=parse_reference, action="append", default=[], metavar="NAME=DIR",
-                   help="also measure DIR, a directory on another file system, as side NAME "
-                        "(e.g. a libfuse passthrough_hp mount; repeatable)")
+    p.add_argument(
+        "--file-size", type=parse_size, default=MiB, help="bytes per file of the checkpoint row (default 1M)"
+    )
+    p.add_argument("--files-only", action="store_true", help="measure the checkpoint row alone (no fio rows)")
+    p.add_argument(
+        "--warmup",
+        type=parse_size,
+        default=2 * GiB,
+        help="warm-up file written and deleted on tmpfs before each timed part (default 2G: "
+        "a segment written through a page cache touches twice its size)",
+    )
+    p.add_argument(
+        "--warm-dir",
+        default="/dev/shm",
+        help="where the warm-up writes (default /dev/shm); a tmpfs mounted huge=within_size warms the "
+        "memory large folios are taken from as well, which sides with large folios need",
+    )
+    p.add_argument(
+        "--segment",
+        type=parse_size,
+        default=512 * MiB,
+        help="bytes moved per timed segment, each after its own warm-up (default 512M; "
+        "the balloon returns freed pages to the host ~2 s after they are freed)",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("auto", "fio", "builtin"),
+        default="auto",
+        help="fio, the built-in Python loop (psync rows only), or auto (fio if installed; default)",
+    )
+    p.add_argument(
+        "--malloc-buffers",
+        action="store_true",
+        help="use 16-byte-aligned I/O buffers (fio's default) instead of page-aligned ones",
+    )
+    p.add_argument(
+        "--reference",
+        type=parse_reference,
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="also measure DIR, a directory on another file system, as side NAME "
+        "(e.g. a libfuse passthrough_hp mount; repeatable)",
+    )
     p.add_argument("--capacity", help="passed to both volumes' tierfs mount --capacity")
-    p.add_argument("--metrics", action="store_true",
-                   help="mount the volumes with --metrics and scrape each endpoint every second while measuring")
-    p.add_argument("--before", metavar="CHECKOUT",
-                   help="another checkout of tierfs (e.g. a git worktree of an earlier commit): its code serves "
-                        "one more volume per data path, '<path>-before', measured in the same rounds")
+    p.add_argument(
+        "--metrics",
+        action="store_true",
+        help="mount the volumes with --metrics and scrape each endpoint every second while measuring",
+    )
+    p.add_argument(
+        "--before",
+        metavar="CHECKOUT",
+        help="another checkout of tierfs (e.g. a git worktree of an earlier commit): its code serves "
+        "one more volume per data path, '<path>-before', measured in the same rounds",
+    )
     p.add_argument("--replot", metavar="JSON", help="re-render the table and --plot of a saved --json run")
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: --size 128M --rounds 2 --files 200 unless given")
+    p.add_argument("--quick", action="store_true", help="smoke run: --size 128M --rounds 2 --files 200 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="grouped bars of the ratios (needs matplotlib)")
     return p
 
 
 def plot_title(settings: dict, date: str) -> str:
-    return (f"volume/tmpfs, {settings['engine']}, {fmt_size(settings['size'])} per I/O row, "
-            f"medians of {settings['rounds']} rounds, {date[:10]}")
+    return (
+        f"volume/tmpfs, {settings['engine']}, {fmt_size(settings['size'])} per I/O row, "
+        f"medians of {settings['rounds']} rounds, {date[:10]}"
+    )
 
 
 def replot(json_path: str, plot_path: str | None) -> int:
@@ -793,8 +926,9 @@ def main(argv: list[str] | None = None) -> int:
         # the I/O files, the warm-up, and each volume's newest committed step (kept in RAM)
         need = max(args.size, files_bytes) + args.warmup + len(args.data_paths) * files_bytes + 256 * MiB
         if st.f_bavail * st.f_frsize < need:
-            raise BenchError(f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, "
-                             f"the run needs {need / GiB:.1f} GiB")
+            raise BenchError(
+                f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, the run needs {need / GiB:.1f} GiB"
+            )
 
         def mkdtemp(prefix: str, where: str) -> str:
             path = tempfile.mkdtemp(prefix=prefix, dir=where)
@@ -809,44 +943,72 @@ def main(argv: list[str] | None = None) -> int:
             os.mkdir(mountpoint)
             ramdisk = mkdtemp(f"bench-io-ram-{path}-", "/dev/shm")
             metered = ("--metrics", f"127.0.0.1:{free_port()}") if args.metrics else ()
-            mounts[path] = TierfsMount(mountpoint, ramdisk, runtime, data_path=path, job=f"bench-{path}",
-                                       capacity=args.capacity, extra=metered)
+            mounts[path] = TierfsMount(
+                mountpoint, ramdisk, runtime, data_path=path, job=f"bench-{path}", capacity=args.capacity, extra=metered
+            )
             dirs[path] = mountpoint
         for path in args.data_paths if args.before else ():
             side = f"{path}-before"
             mountpoint = os.path.join(tmp_root, side)
             os.mkdir(mountpoint)
-            mounts[side] = TierfsMount(mountpoint, mkdtemp(f"bench-io-ram-{side}-", "/dev/shm"), runtime,
-                                       data_path=path, job=f"bench-{side}", capacity=args.capacity,
-                                       src=before_src(args.before))
+            mounts[side] = TierfsMount(
+                mountpoint,
+                mkdtemp(f"bench-io-ram-{side}-", "/dev/shm"),
+                runtime,
+                data_path=path,
+                job=f"bench-{side}",
+                capacity=args.capacity,
+                src=before_src(args.before),
+            )
             dirs[side] = mountpoint
         dirs.update(args.reference)
 
         cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        header = {"date": now, "kernel": platform.release(), "cores": os.cpu_count(), "cpuidle": cpu_idle(),
-                  "command": cmdline}
-        print(f"# bench_io {now}  kernel {header['kernel']}  cores {header['cores']}  cpuidle {header['cpuidle']}  "
-              f"command: {cmdline}")
-        settings = {
-            "engine": engine.name, "engine_version": engine.version, "size": args.size,
-            "rounds": args.rounds, "bs": args.bs, "jobs": args.jobs, "modes": args.modes,
-            "fallocate": args.fallocate,
-            "data_paths": args.data_paths, "references": dict(args.reference),
-            "files": args.files, "file_size": args.file_size,
-            "warmup": args.warmup, "segment": args.segment,
-            "buffers": "malloc (16-byte aligned)" if args.malloc_buffers else "page-aligned",
-            "dirs": dirs, "capacity": args.capacity,
+        header = {
+            "date": now,
+            "kernel": platform.release(),
+            "cores": os.cpu_count(),
+            "cpuidle": cpu_idle(),
+            "command": cmdline,
         }
-        print(f"# engine {engine.version}, {settings['buffers']} buffers, {fmt_size(args.size)} per I/O measurement, "
-              f"{args.files} x {fmt_size(args.file_size)} checkpoint, {args.rounds} rounds, each timed part after a "
-              f"{fmt_size(args.warmup)} warm-up; medians; ratio = volume/tmpfs", flush=True)
+        print(
+            f"# bench_io {now}  kernel {header['kernel']}  cores {header['cores']}  cpuidle {header['cpuidle']}  "
+            f"command: {cmdline}"
+        )
+        settings = {
+            "engine": engine.name,
+            "engine_version": engine.version,
+            "size": args.size,
+            "rounds": args.rounds,
+            "bs": args.bs,
+            "jobs": args.jobs,
+            "modes": args.modes,
+            "fallocate": args.fallocate,
+            "data_paths": args.data_paths,
+            "references": dict(args.reference),
+            "files": args.files,
+            "file_size": args.file_size,
+            "warmup": args.warmup,
+            "segment": args.segment,
+            "buffers": "malloc (16-byte aligned)" if args.malloc_buffers else "page-aligned",
+            "dirs": dirs,
+            "capacity": args.capacity,
+        }
+        print(
+            f"# engine {engine.version}, {settings['buffers']} buffers, {fmt_size(args.size)} per I/O measurement, "
+            f"{args.files} x {fmt_size(args.file_size)} checkpoint, {args.rounds} rounds, each timed part after a "
+            f"{fmt_size(args.warmup)} warm-up; medians; ratio = volume/tmpfs",
+            flush=True,
+        )
 
         for path, mount in mounts.items():
             mount.mount()
             settings[f"{path}_daemon_pid"] = mount.pid
-            progress(f"mounted {mount.mountpoint} with --data-path {mount.data_path} (daemon pid {mount.pid}, "
-                     f"engine {mount.status['fuse']['engine']})")
+            progress(
+                f"mounted {mount.mountpoint} with --data-path {mount.data_path} (daemon pid {mount.pid}, "
+                f"engine {mount.status['fuse']['engine']})"
+            )
 
         started = time.monotonic()
         run = Run(args, engine, dirs, mounts, progress)
@@ -859,8 +1021,9 @@ def main(argv: list[str] | None = None) -> int:
                 steps = [s["step"] for s in mount.read_status().get("steps", [])]
                 settings[f"{path}_committed_steps"] = steps
                 if 100 + args.rounds - 1 not in steps:
-                    raise BenchError(f"the checkpoint's rename did not commit a step on the {path} volume "
-                                     f"(steps held: {steps})")
+                    raise BenchError(
+                        f"the checkpoint's rename did not commit a step on the {path} volume (steps held: {steps})"
+                    )
         rows = summarize(run.rows(), raw, run.sides())
 
         print(render_table(rows))

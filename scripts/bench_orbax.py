@@ -42,8 +42,17 @@ import sys
 import tempfile
 import time
 
-from benchlib import (progress, BenchError, TierfsMount, aligned, clean_up, interrupt_on_signals,  # noqa: E402
-                      parse_size, warm_up, write_json)  # (scripts/ is on sys.path)
+from benchlib import (
+    BenchError,
+    TierfsMount,
+    aligned,
+    clean_up,
+    interrupt_on_signals,
+    parse_size,
+    progress,
+    warm_up,
+    write_json,
+)  # (scripts/ is on sys.path)
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -54,21 +63,21 @@ STEP0 = 100  # the step of round 0; each round saves the next one, as a training
 
 # ----------------------------------------------------------------------------- the child process
 
+
 def child(action: str, path: str, size: int, arrays: int, seed: int) -> None:
     """One timed save or restore; talks to the parent on stdin/stdout, one JSON line at the end."""
-    import hashlib  # noqa: PLC0415 (only in the child)
+    import hashlib
 
-    import jax  # noqa: PLC0415
-    import numpy as np  # noqa: PLC0415
-    import orbax.checkpoint as ocp  # noqa: PLC0415
+    import jax
+    import numpy as np
+    import orbax.checkpoint as ocp
 
     n = size // 4 // arrays
     sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     checkpointer = ocp.StandardCheckpointer()
     if action == "save":
         rng = np.random.default_rng(seed)
-        tree = {f"layer_{i}": jax.device_put(rng.random(n, dtype=np.float32) * 2 - 1, sharding)
-                for i in range(arrays)}
+        tree = {f"layer_{i}": jax.device_put(rng.random(n, dtype=np.float32) * 2 - 1, sharding) for i in range(arrays)}
         jax.block_until_ready(tree)
     else:
         target = {f"layer_{i}": jax.ShapeDtypeStruct((n,), np.float32, sharding=sharding) for i in range(arrays)}
@@ -89,17 +98,28 @@ def child(action: str, path: str, size: int, arrays: int, seed: int) -> None:
     digest = hashlib.sha256()
     for key in sorted(tree):
         digest.update(memoryview(np.asarray(tree[key])).cast("B"))
-    print(json.dumps({"seconds": seconds, "blocking_s": blocking, "bytes": n * 4 * arrays,
-                      "sha256": digest.hexdigest()}), flush=True)
+    print(
+        json.dumps({"seconds": seconds, "blocking_s": blocking, "bytes": n * 4 * arrays, "sha256": digest.hexdigest()}),
+        flush=True,
+    )
 
 
 # ----------------------------------------------------------------------------- the parent
 
+
 def measure(action: str, path: str, args, warm, mount: TierfsMount | None) -> dict:
     """Start a child, let it prepare, warm up, then time its save or restore."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    cmd = [sys.executable, os.path.abspath(__file__), "--_child", action, path,
-           str(args.size), str(args.arrays), str(args.seed)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--_child",
+        action,
+        path,
+        str(args.size),
+        str(args.arrays),
+        str(args.seed),
+    ]
     with tempfile.TemporaryFile("w+") as log:  # a file, not a pipe: JAX's warnings never block the child
         proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
 
@@ -155,10 +175,13 @@ def run_benchmark(args, dirs: dict, mounts: dict, progress) -> list[dict]:
                         raise BenchError(f"the restore of {path} gave other bytes than were saved")
                     res.update(round=rnd, side=side, action=action, position=pos)
                     raw.append(res)
-                    cpu = (f", daemon {res['daemon_cpu_s_per_gib']:.2f} CPU-s/GiB"
-                           if "daemon_cpu_s_per_gib" in res else "")
-                    progress(f"[{len(raw)}/{total}] round {rnd + 1} {side:11} {action:7}: "
-                             f"{res['gib_s']:.3f} GiB/s ({res['seconds']:.2f} s){cpu}")
+                    cpu = (
+                        f", daemon {res['daemon_cpu_s_per_gib']:.2f} CPU-s/GiB" if "daemon_cpu_s_per_gib" in res else ""
+                    )
+                    progress(
+                        f"[{len(raw)}/{total}] round {rnd + 1} {side:11} {action:7}: "
+                        f"{res['gib_s']:.3f} GiB/s ({res['seconds']:.2f} s){cpu}"
+                    )
             finally:  # right after its restore, or on any failure
                 shutil.rmtree(path, ignore_errors=True)
                 for entry in os.scandir(dirs[side]):  # a save cut short leaves its tmp directory
@@ -204,13 +227,21 @@ def render_table(rows: list[dict], sides: tuple[str, ...]) -> str:
     for r in rows:
         cells = [r["action"], f(r.get("tmpfs_gib_s"), ".3f")]
         for v in sides[1:]:
-            cells += [f(r.get(f"{v}_gib_s"), ".3f"), f(r.get(f"{v}_ratio"), ".2f"), f(r.get(f"{v}_cpu_s_per_gib"), ".2f")]
+            cells += [
+                f(r.get(f"{v}_gib_s"), ".3f"),
+                f(r.get(f"{v}_ratio"), ".2f"),
+                f(r.get(f"{v}_cpu_s_per_gib"), ".2f"),
+            ]
         cells += [f">= {r['target']:.1f}", {True: "yes", False: "**no**", None: "-"}[r["meets_target"]]]
         body.append(cells)
     widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
 
     def line(cells):
-        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        return (
+            "| "
+            + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " |"
+        )
 
     rule = "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":") for i, w in enumerate(widths)) + "|"
     return "\n".join([line(head), rule] + [line(b) for b in body])
@@ -224,15 +255,25 @@ def parse_volumes(text: str) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Orbax StandardCheckpointer save and restore on a tierfs volume "
-                                            "against plain tmpfs (medians of alternating rounds).")
+    p = argparse.ArgumentParser(
+        description="Orbax StandardCheckpointer save and restore on a tierfs volume "
+        "against plain tmpfs (medians of alternating rounds)."
+    )
     p.add_argument("--size", type=parse_size, help="bytes in the pytree (default 1G)")
     p.add_argument("--arrays", type=int, default=4, help="float32 arrays the pytree holds (default 4)")
     p.add_argument("--rounds", type=int, help="rounds; medians are taken over them (default 5)")
-    p.add_argument("--data-paths", type=parse_volumes, default=["passthrough"],
-                   help="volumes to measure against tmpfs: passthrough and/or daemon (default passthrough)")
-    p.add_argument("--warmup", type=parse_size, default=3 * GiB,
-                   help="warm-up written and deleted on tmpfs right before each timed part (default 3G)")
+    p.add_argument(
+        "--data-paths",
+        type=parse_volumes,
+        default=["passthrough"],
+        help="volumes to measure against tmpfs: passthrough and/or daemon (default passthrough)",
+    )
+    p.add_argument(
+        "--warmup",
+        type=parse_size,
+        default=3 * GiB,
+        help="warm-up written and deleted on tmpfs right before each timed part (default 3G)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the arrays' values")
     p.add_argument("--quick", action="store_true", help="smoke run: --size 256M --rounds 2 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
@@ -254,14 +295,15 @@ def main(argv: list[str] | None = None) -> int:
     mounts: dict[str, TierfsMount] = {}
     try:
         try:
-            import orbax.checkpoint  # noqa: F401, PLC0415 (fail early, with one line)
+            import orbax.checkpoint  # noqa: F401 (fail early, with one line)
         except ImportError as e:
             raise BenchError(f"orbax-checkpoint is not importable here ({e})") from None
         st = os.statvfs("/dev/shm")
         need = args.warmup + (1 + len(args.data_paths)) * args.size + 512 * MiB
         if st.f_bavail * st.f_frsize < need:
-            raise BenchError(f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, "
-                             f"the run needs {need / GiB:.1f} GiB")
+            raise BenchError(
+                f"/dev/shm has {st.f_bavail * st.f_frsize / GiB:.1f} GiB free, the run needs {need / GiB:.1f} GiB"
+            )
 
         def mkdtemp(prefix: str, where: str) -> str:
             path = tempfile.mkdtemp(prefix=prefix, dir=where)
@@ -274,23 +316,45 @@ def main(argv: list[str] | None = None) -> int:
         for path in args.data_paths:
             mountpoint = os.path.join(tmp_root, path)
             os.mkdir(mountpoint)
-            mounts[path] = TierfsMount(mountpoint, mkdtemp(f"bench-orbax-ram-{path}-", "/dev/shm"), runtime,
-                                       data_path=path, job=f"bench-orbax-{path}")
+            mounts[path] = TierfsMount(
+                mountpoint,
+                mkdtemp(f"bench-orbax-ram-{path}-", "/dev/shm"),
+                runtime,
+                data_path=path,
+                job=f"bench-orbax-{path}",
+            )
             dirs[path] = mountpoint
 
         cmdline = shlex.join([sys.executable, *sys.argv]) if argv is None else shlex.join(argv)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
-        import jax  # noqa: PLC0415
-        import orbax.checkpoint as ocp  # noqa: PLC0415
+        import jax
+        import orbax.checkpoint as ocp
 
-        header = {"date": now, "kernel": platform.release(), "cores": os.cpu_count(), "command": cmdline,
-                  "jax": jax.__version__, "orbax_checkpoint": ocp.__version__}
-        print(f"# bench_orbax {now}  kernel {header['kernel']}  cores {header['cores']}  "
-              f"jax {header['jax']}  orbax-checkpoint {header['orbax_checkpoint']}  command: {cmdline}")
-        print(f"# StandardCheckpointer, {args.arrays} float32 arrays, {args.size / GiB:.2f} GiB, {args.rounds} rounds, "
-              f"each timed part after a {args.warmup / GiB:.0f} GiB warm-up; medians; ratio = volume/tmpfs", flush=True)
-        settings = {"size": args.size, "arrays": args.arrays, "rounds": args.rounds, "warmup": args.warmup,
-                    "data_paths": args.data_paths, "dirs": dirs}
+        header = {
+            "date": now,
+            "kernel": platform.release(),
+            "cores": os.cpu_count(),
+            "command": cmdline,
+            "jax": jax.__version__,
+            "orbax_checkpoint": ocp.__version__,
+        }
+        print(
+            f"# bench_orbax {now}  kernel {header['kernel']}  cores {header['cores']}  "
+            f"jax {header['jax']}  orbax-checkpoint {header['orbax_checkpoint']}  command: {cmdline}"
+        )
+        print(
+            f"# StandardCheckpointer, {args.arrays} float32 arrays, {args.size / GiB:.2f} GiB, {args.rounds} rounds, "
+            f"each timed part after a {args.warmup / GiB:.0f} GiB warm-up; medians; ratio = volume/tmpfs",
+            flush=True,
+        )
+        settings = {
+            "size": args.size,
+            "arrays": args.arrays,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "data_paths": args.data_paths,
+            "dirs": dirs,
+        }
         for path, mount in mounts.items():
             mount.mount()
             settings[f"{path}_daemon_pid"] = mount.pid
@@ -308,8 +372,10 @@ def main(argv: list[str] | None = None) -> int:
         rows = summarize(raw, sides)
         print(render_table(rows, sides))
         for side in sides:
-            print(f"# {side}: save blocks the caller for {rows[0].get(f'{side}_blocking_s', 0):.2f} s (median), "
-                  "the rest runs in Orbax's background thread")
+            print(
+                f"# {side}: save blocks the caller for {rows[0].get(f'{side}_blocking_s', 0):.2f} s (median), "
+                "the rest runs in Orbax's background thread"
+            )
         if args.rounds < 5:
             print(f"# note: only {args.rounds} rounds; use >= 5 for numbers to keep")
         if args.json:

@@ -84,11 +84,33 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (NO_MATPLOTLIB, RAMDISK_HELP, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
-                      cpu_seconds, default_warmup, interrupt_on_signals, keep_logs, make_files, no_interruptions,
-                      parse_size, parse_sizes, plain_copy, progress, pyplot, render_table, save_figure,
-                      size_label, warm_up, write_all, write_json)  # (scripts/ is on sys.path)
-from tierfs.core.errors import UserError  # noqa: E402 (a daemon gone mid-run: one line, as for the rest)
+from benchlib import (
+    NO_MATPLOTLIB,
+    RAMDISK_HELP,
+    BenchError,
+    aligned,
+    close_cluster,
+    compile_bytecode,
+    cpu_seconds,
+    default_warmup,
+    interrupt_on_signals,
+    keep_logs,
+    make_files,
+    no_interruptions,
+    parse_size,
+    parse_sizes,
+    plain_copy,
+    progress,
+    pyplot,
+    render_table,
+    save_figure,
+    size_label,
+    warm_up,
+    write_all,
+    write_json,
+)  # (scripts/ is on sys.path)
+
+from tierfs.core.errors import UserError
 
 MiB, GiB = 1 << 20, 1 << 30
 NODE0, PEER = "127.0.0.2", "127.0.0.3"
@@ -102,6 +124,7 @@ TIMEOUT = 600.0
 
 
 # ----------------------------------------------------------------------------- writes
+
 
 @contextlib.contextmanager
 def job_log(path: Path):
@@ -127,36 +150,59 @@ def write_file(path: str, size: int, buf: memoryview) -> dict:
     """Sequential 1 MiB writes of a fresh file; start/end in time.time(), to compare with the daemon's."""
     fio, start = shutil.which("fio"), time.time()
     if fio:
-        out = subprocess.run([fio, "--name=w", f"--filename={path}", "--rw=write", "--bs=1M", f"--size={size}",
-                              "--ioengine=psync", "--direct=0", "--iomem_align=4096", "--fallocate=none",
-                              "--thread", "--output-format=json"], capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                fio,
+                "--name=w",
+                f"--filename={path}",
+                "--rw=write",
+                "--bs=1M",
+                f"--size={size}",
+                "--ioengine=psync",
+                "--direct=0",
+                "--iomem_align=4096",
+                "--fallocate=none",
+                "--thread",
+                "--output-format=json",
+            ],
+            capture_output=True,
+            text=True,
+        )
         if out.returncode:
             raise BenchError(f"fio failed: {out.stderr.strip()[-300:]}")
-        job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]
+        job = json.loads(out.stdout[out.stdout.index("{") :])["jobs"][0]
         nbytes, seconds = job["write"]["io_bytes"], job["write"]["runtime"] / 1000
         writer_cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
     else:
         fd, cpu0, t0 = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), cpu_seconds(), time.perf_counter()
         for pos in range(0, size, MiB):
-            write_all(fd, buf[:min(MiB, size - pos)])
+            write_all(fd, buf[: min(MiB, size - pos)])
         os.close(fd)
         nbytes, seconds, writer_cpu = size, time.perf_counter() - t0, cpu_seconds() - cpu0
     end = time.time()
     if nbytes != size or seconds <= 0:
         raise BenchError(f"the write moved {nbytes} bytes in {seconds}s, expected {size}")
-    return {"bytes": nbytes, "seconds": seconds, "start": end - seconds if fio else start, "end": end,
-            "cpu": {"writer": writer_cpu}}
+    return {
+        "bytes": nbytes,
+        "seconds": seconds,
+        "start": end - seconds if fio else start,
+        "end": end,
+        "cpu": {"writer": writer_cpu},
+    }
 
 
 # ----------------------------------------------------------------------------- the cluster side
+
 
 class Bench:
     """The parts of a round, each in a cluster of its own."""
 
     def __init__(self, args):
-        from tierfs.commands.status import fetch  # the control socket from this process: no
-        from tierfs.core import mounts            # Python start-up per poll on a 2-core VM
         from tierfs_testing.cluster import LocalCluster
+
+        from tierfs.commands.status import fetch  # the control socket from this process: no
+        from tierfs.core import mounts  # Python start-up per poll on a 2-core VM
+
         self.fetch, self.mounts, self.LocalCluster = fetch, mounts, LocalCluster
         self.args, self.buf = args, aligned(MiB)
         self.clusters: list = []  # every cluster not closed yet, for the cleanup
@@ -166,8 +212,13 @@ class Bench:
     @contextlib.contextmanager
     def cluster(self, name: str, nodes: int, size: int, **options):
         """A fresh cluster of ``nodes`` nodes, all started; closed (and its RAM freed) after."""
-        c = self.LocalCluster(Path(self.args.ramdisk) / f"bench-peers-{name}-{uuid.uuid4().hex[:8]}", nodes, "bench",
-                              capacity=f"{4 * size // MiB + 256}M", **options)
+        c = self.LocalCluster(
+            Path(self.args.ramdisk) / f"bench-peers-{name}-{uuid.uuid4().hex[:8]}",
+            nodes,
+            "bench",
+            capacity=f"{4 * size // MiB + 256}M",
+            **options,
+        )
         self.clusters.append(c)
         try:
             c.start_all()
@@ -193,14 +244,22 @@ class Bench:
     @staticmethod
     def replicated(step: int, copies: int = 1):
         """The step's ``replicas`` once its current version is on ``copies`` peers."""
-        return lambda st: next((s["replicas"] for s in st["steps"] if s["step"] == step
-                                and s["replicas"].get("version") == s["version"]
-                                and len(s["replicas"].get("peers") or ()) >= copies), None)
+        return lambda st: next(
+            (
+                s["replicas"]
+                for s in st["steps"]
+                if s["step"] == step
+                and s["replicas"].get("version") == s["version"]
+                and len(s["replicas"].get("peers") or ()) >= copies
+            ),
+            None,
+        )
 
     @staticmethod
     def idle(st: dict) -> bool:
-        return st["peers"]["working_on"] is None and all(s["replicas"].get("version") == s["version"]
-                                                         for s in st["steps"])
+        return st["peers"]["working_on"] is None and all(
+            s["replicas"].get("version") == s["version"] for s in st["steps"]
+        )
 
     def warm(self, size: int) -> None:
         warm_up(os.path.join(self.args.shm, "warmup"), self.args.warmup or default_warmup(size), self.buf)
@@ -236,8 +295,14 @@ class Bench:
         seen, cpu1, to = time.time(), [cpu_seconds(p) for p in pids], self.node_of(c, rep["peers"][0])
         if rep.get("sent_bytes") not in (None, size):
             raise BenchError(f"step {step}: {rep['sent_bytes']} bytes sent, expected {size}")
-        out = {"bytes": size, "seconds": rep["seconds"], "seen_s": seen - t0, "rename_s": renamed,
-               "peer": rep["peers"][0], "cpu": {"sender": cpu1[0] - cpu0[0], "receiver": cpu1[to] - cpu0[to]}}
+        out = {
+            "bytes": size,
+            "seconds": rep["seconds"],
+            "seen_s": seen - t0,
+            "rename_s": renamed,
+            "peer": rep["peers"][0],
+            "cpu": {"sender": cpu1[0] - cpu0[0], "receiver": cpu1[to] - cpu0[to]},
+        }
         try:  # the manifest is written when the step is hashed, before a byte goes out: splits hashing and transfer
             built = os.stat(c.nodes[0].ramdisk / c.job / "rank-0" / "steps" / str(step) / "manifest.json").st_mtime
             out.update(hashed_s=built - t0, transfer_s=rep["at"] - built)
@@ -276,8 +341,16 @@ class Bench:
             if got != want:
                 raise BenchError(f"restored ckpt/{r['step']}/{name} differs from the original (sha256)")
         gave = {k.split()[-1]: v for k, v in r["bytes_from"].items() if v}  # "peer HOST:PORT" -> HOST:PORT
-        return {"bytes": size, "seconds": r["seconds"], "wall_s": wall, "mount_s": mounted, "from": r["from"],
-                "bytes_from": gave, "cpu": {"sender": sum(sent.values()), "receiver": own_cpu}, "cpu_peers": sent}
+        return {
+            "bytes": size,
+            "seconds": r["seconds"],
+            "wall_s": wall,
+            "mount_s": mounted,
+            "from": r["from"],
+            "bytes_from": gave,
+            "cpu": {"sender": sum(sent.values()), "receiver": own_cpu},
+            "cpu_peers": sent,
+        }
 
     def write(self, c, tag: str, step: int | None, size: int) -> dict:
         """A fresh file written alone, or right after committing ``step`` (replicated meanwhile)."""
@@ -299,9 +372,13 @@ class Bench:
             if step is not None:
                 rep = self.wait(mnt, f"replication of step {step}", self.replicated(step))
                 over = min(rep["at"], res["end"]) - max(rep["at"] - rep["seconds"], res["start"])
-                res.update(repl_at=rep["at"], repl_seconds=rep["seconds"], overlapped=rep["at"] > res["start"],
-                           overlap=max(0.0, over) / res["seconds"],
-                           sent_during=max(0, held1 - held0) / (rep.get("sent_bytes") or size))
+                res.update(
+                    repl_at=rep["at"],
+                    repl_seconds=rep["seconds"],
+                    overlapped=rep["at"] > res["start"],
+                    overlap=max(0.0, over) / res["seconds"],
+                    sent_during=max(0, held1 - held0) / (rep.get("sent_bytes") or size),
+                )
         finally:
             if os.path.exists(path):
                 os.unlink(path)  # right after the measurement
@@ -330,8 +407,9 @@ class Bench:
                     c.kill(0)  # its RAM back before the plain copy, which then fits beside the replica
                     c.wipe(0)
                 else:
-                    out["plain_reverse"] = plain_copy(c.nodes[holder].host, NODE0, paths, recv_dir,
-                                                      lambda: self.warm(size))
+                    out["plain_reverse"] = plain_copy(
+                        c.nodes[holder].host, NODE0, paths, recv_dir, lambda: self.warm(size)
+                    )
         return out
 
     def holders(self, rnd: int, size: int) -> dict:
@@ -413,23 +491,29 @@ def round_line(r: dict) -> str:
     parts = []
     for key in (k for k in r if k.startswith("copy_")):
         x, name = r[key], TLS_NAMES[key[5:]]
-        parts.append(f"{name}: replicate {mib(x['replicate'], 'seen_s')} vs plain {mib(x['plain_forward'])}, "
-                     f"restore {mib(x['restore'], 'wall_s')} vs plain {mib(x['plain_reverse'])}")
+        parts.append(
+            f"{name}: replicate {mib(x['replicate'], 'seen_s')} vs plain {mib(x['plain_forward'])}, "
+            f"restore {mib(x['restore'], 'wall_s')} vs plain {mib(x['plain_reverse'])}"
+        )
     if "holders" in r:
         h = r["holders"]
         parts.append(f"restore from two peers {mib(h['two'], 'wall_s')} vs one {mib(h['one'], 'wall_s')}")
     if "writes" in r:
         w = r["writes"]
-        parts.append(f"write {mib(w['write_replicating'])} replicating vs {mib(w['write_alone'])} alone "
-                     f"({w['write_replicating']['sent_during']:.0%} of the step sent meanwhile)")
+        parts.append(
+            f"write {mib(w['write_replicating'])} replicating vs {mib(w['write_alone'])} alone "
+            f"({w['write_replicating']['sent_during']:.0%} of the step sent meanwhile)"
+        )
     if "log" in r:
         lg = r["log"]
-        parts.append(f"replicate {mib(lg['logging'], 'seen_s')} with the job logging vs {mib(lg['quiet'], 'seen_s')} "
-                     "without")
+        parts.append(
+            f"replicate {mib(lg['logging'], 'seen_s')} with the job logging vs {mib(lg['quiet'], 'seen_s')} without"
+        )
     return " MiB/s; ".join(parts) + " MiB/s"
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def summarize(raw: list[dict]) -> dict:
     """Medians of one size's rounds, and ratios of those medians."""
@@ -446,49 +530,83 @@ def summarize(raw: list[dict]) -> dict:
         if f"copy_{tls}" not in raw[0]:
             continue
         parts = [r[f"copy_{tls}"] for r in raw]
-        for part, key, plain, t in (("replication", "replicate", "plain_forward", "seen_s"),
-                                    ("restore", "restore", "plain_reverse", "wall_s")):
+        for part, key, plain, t in (
+            ("replication", "replicate", "plain_forward", "seen_s"),
+            ("restore", "restore", "plain_reverse", "wall_s"),
+        ):
             ours, base = [p[key] for p in parts], [p[plain] for p in parts]
-            row = {"part": part, "tls": tls, "baseline_mib_s": mib_s(base), "tierfs_mib_s": mib_s(ours, t),
-                   "daemon_mib_s": mib_s(ours), "target": TARGETS[tls], "cpu": cpu(ours), "baseline_cpu": cpu(base)}
-            row.update(ratio=row["tierfs_mib_s"] / row["baseline_mib_s"],
-                       daemon_ratio=row["daemon_mib_s"] / row["baseline_mib_s"])
+            row = {
+                "part": part,
+                "tls": tls,
+                "baseline_mib_s": mib_s(base),
+                "tierfs_mib_s": mib_s(ours, t),
+                "daemon_mib_s": mib_s(ours),
+                "target": TARGETS[tls],
+                "cpu": cpu(ours),
+                "baseline_cpu": cpu(base),
+            }
+            row.update(
+                ratio=row["tierfs_mib_s"] / row["baseline_mib_s"],
+                daemon_ratio=row["daemon_mib_s"] / row["baseline_mib_s"],
+            )
             out["rows"].append(row)
         reps = [p["replicate"] for p in parts]
         if all("hashed_s" in x for x in reps):
             out.setdefault("replication", {})[tls] = {
-                "rename_s": med(x["rename_s"] for x in reps), "hashed_s": med(x["hashed_s"] for x in reps),
-                "transfer_mib_s": mib_s(reps, "transfer_s")}
+                "rename_s": med(x["rename_s"] for x in reps),
+                "hashed_s": med(x["hashed_s"] for x in reps),
+                "transfer_mib_s": mib_s(reps, "transfer_s"),
+            }
     if len({r["tls"] for r in out["rows"]}) == 2:
         by = {(r["part"], r["tls"]): r for r in out["rows"]}
-        out["tls_over_clear"] = {part: by[part, "on"]["tierfs_mib_s"] / by[part, "off"]["tierfs_mib_s"]
-                                 for part in ("replication", "restore")}
+        out["tls_over_clear"] = {
+            part: by[part, "on"]["tierfs_mib_s"] / by[part, "off"]["tierfs_mib_s"]
+            for part in ("replication", "restore")
+        }
     if "holders" in raw[0]:
         hs = [r["holders"] for r in raw]
         two, one = [h["two"] for h in hs], [h["one"] for h in hs]
-        h = {"two_mib_s": mib_s(two, "wall_s"), "one_mib_s": mib_s(one, "wall_s"),
-             "two_daemon_mib_s": mib_s(two), "one_daemon_mib_s": mib_s(one), "two_cpu": cpu(two), "one_cpu": cpu(one),
-             "two_split": med(min(x["bytes_from"].values(), default=0) / x["bytes"] for x in two
-                              if len(x["bytes_from"]) == 2) if all(len(x["bytes_from"]) == 2 for x in two) else None,
-             "two_peers_gave": [len(x["bytes_from"]) for x in two]}
+        h = {
+            "two_mib_s": mib_s(two, "wall_s"),
+            "one_mib_s": mib_s(one, "wall_s"),
+            "two_daemon_mib_s": mib_s(two),
+            "one_daemon_mib_s": mib_s(one),
+            "two_cpu": cpu(two),
+            "one_cpu": cpu(one),
+            "two_split": med(
+                min(x["bytes_from"].values(), default=0) / x["bytes"] for x in two if len(x["bytes_from"]) == 2
+            )
+            if all(len(x["bytes_from"]) == 2 for x in two)
+            else None,
+            "two_peers_gave": [len(x["bytes_from"]) for x in two],
+        }
         h.update(ratio=h["two_mib_s"] / h["one_mib_s"], daemon_ratio=h["two_daemon_mib_s"] / h["one_daemon_mib_s"])
         out["holders"] = h
     if "writes" in raw[0]:
         ws = [r["writes"] for r in raw]
         w = [x["write_replicating"] for x in ws]
-        out["writes"] = {"alone_mib_s": mib_s([x["write_alone"] for x in ws]), "replicating_mib_s": mib_s(w),
-                         "target": TARGETS["writes"], "overlap": med(x["overlap"] for x in w),
-                         "all_overlapped": all(x["overlapped"] for x in w),
-                         "sent_during": med(x["sent_during"] for x in w),
-                         "repl_seconds": med(x["repl_seconds"] for x in w),
-                         "cpu_alone": cpu([x["write_alone"] for x in ws]), "cpu_replicating": cpu(w)}
+        out["writes"] = {
+            "alone_mib_s": mib_s([x["write_alone"] for x in ws]),
+            "replicating_mib_s": mib_s(w),
+            "target": TARGETS["writes"],
+            "overlap": med(x["overlap"] for x in w),
+            "all_overlapped": all(x["overlapped"] for x in w),
+            "sent_during": med(x["sent_during"] for x in w),
+            "repl_seconds": med(x["repl_seconds"] for x in w),
+            "cpu_alone": cpu([x["write_alone"] for x in ws]),
+            "cpu_replicating": cpu(w),
+        }
         out["writes"]["ratio"] = out["writes"]["replicating_mib_s"] / out["writes"]["alone_mib_s"]
     if "log" in raw[0]:
         ls = [r["log"] for r in raw]
-        lg = {"quiet_mib_s": mib_s([x["quiet"] for x in ls], "seen_s"),
-              "logging_mib_s": mib_s([x["logging"] for x in ls], "seen_s"), "target": TARGETS["log"],
-              "lines": med(x["logging"]["log_lines"] for x in ls),
-              "cpu_quiet": cpu([x["quiet"] for x in ls]), "cpu_logging": cpu([x["logging"] for x in ls])}
+        lg = {
+            "quiet_mib_s": mib_s([x["quiet"] for x in ls], "seen_s"),
+            "logging_mib_s": mib_s([x["logging"] for x in ls], "seen_s"),
+            "target": TARGETS["log"],
+            "lines": med(x["logging"]["log_lines"] for x in ls),
+            "cpu_quiet": cpu([x["quiet"] for x in ls]),
+            "cpu_logging": cpu([x["logging"] for x in ls]),
+        }
         lg["ratio"] = lg["logging_mib_s"] / lg["quiet_mib_s"]
         out["log"] = lg
     return out
@@ -506,67 +624,131 @@ def cpu_cell(c: dict, keys=("sender", "receiver")) -> str:
 
 
 def render(summaries: dict[int, dict]) -> str:
-    head = ("size", "row", "baseline MiB/s", "tierfs MiB/s", "ratio", "target",
-            "CPU-s/GiB snd / rcv", "baseline snd / rcv")
+    head = (
+        "size",
+        "row",
+        "baseline MiB/s",
+        "tierfs MiB/s",
+        "ratio",
+        "target",
+        "CPU-s/GiB snd / rcv",
+        "baseline snd / rcv",
+    )
     body, notes = [], []
     for size, s in summaries.items():
         label = size_label(size)
         for r in s["rows"]:
-            what = ("replication (commit to on the peer)" if r["part"] == "replication"
-                    else "restore (mount start to done)")
-            body.append((label, f"{what}, {TLS_NAMES[r['tls']]}", f"{r['baseline_mib_s']:.0f}",
-                         f"{r['tierfs_mib_s']:.0f}", f"{r['ratio']:.2f}", target_cell(r["ratio"], r["target"]),
-                         cpu_cell(r["cpu"]), cpu_cell(r["baseline_cpu"])))
+            what = (
+                "replication (commit to on the peer)" if r["part"] == "replication" else "restore (mount start to done)"
+            )
+            body.append(
+                (
+                    label,
+                    f"{what}, {TLS_NAMES[r['tls']]}",
+                    f"{r['baseline_mib_s']:.0f}",
+                    f"{r['tierfs_mib_s']:.0f}",
+                    f"{r['ratio']:.2f}",
+                    target_cell(r["ratio"], r["target"]),
+                    cpu_cell(r["cpu"]),
+                    cpu_cell(r["baseline_cpu"]),
+                )
+            )
         if "holders" in s:
             h = s["holders"]
-            body.append((label, "restore from two peers (baseline: from one), TLS", f"{h['one_mib_s']:.0f}",
-                         f"{h['two_mib_s']:.0f}", f"{h['ratio']:.2f}", "", cpu_cell(h["two_cpu"]),
-                         cpu_cell(h["one_cpu"])))
+            body.append(
+                (
+                    label,
+                    "restore from two peers (baseline: from one), TLS",
+                    f"{h['one_mib_s']:.0f}",
+                    f"{h['two_mib_s']:.0f}",
+                    f"{h['ratio']:.2f}",
+                    "",
+                    cpu_cell(h["two_cpu"]),
+                    cpu_cell(h["one_cpu"]),
+                )
+            )
         if "writes" in s:
             w = s["writes"]
-            body.append((label, "writes while replicating (baseline: alone), TLS", f"{w['alone_mib_s']:.0f}",
-                         f"{w['replicating_mib_s']:.0f}", f"{w['ratio']:.2f}", target_cell(w["ratio"], w["target"]),
-                         "", ""))
+            body.append(
+                (
+                    label,
+                    "writes while replicating (baseline: alone), TLS",
+                    f"{w['alone_mib_s']:.0f}",
+                    f"{w['replicating_mib_s']:.0f}",
+                    f"{w['ratio']:.2f}",
+                    target_cell(w["ratio"], w["target"]),
+                    "",
+                    "",
+                )
+            )
         if "log" in s:
             lg = s["log"]
-            body.append((label, "replication while the job logs every 10 ms (baseline: not logging), TLS",
-                         f"{lg['quiet_mib_s']:.0f}", f"{lg['logging_mib_s']:.0f}", f"{lg['ratio']:.2f}",
-                         target_cell(lg["ratio"], lg["target"]), cpu_cell(lg["cpu_logging"]),
-                         cpu_cell(lg["cpu_quiet"])))
+            body.append(
+                (
+                    label,
+                    "replication while the job logs every 10 ms (baseline: not logging), TLS",
+                    f"{lg['quiet_mib_s']:.0f}",
+                    f"{lg['logging_mib_s']:.0f}",
+                    f"{lg['ratio']:.2f}",
+                    target_cell(lg["ratio"], lg["target"]),
+                    cpu_cell(lg["cpu_logging"]),
+                    cpu_cell(lg["cpu_quiet"]),
+                )
+            )
         notes.append(f"# {label}:")
         if s["rows"]:
-            notes.append("#   daemon's own time (replicas.seconds / restored.seconds) / plain copy: " + ", ".join(
-                f"{r['part']} {TLS_NAMES[r['tls']]} {r['daemon_ratio']:.2f} ({r['daemon_mib_s']:.0f} MiB/s)"
-                for r in s["rows"]))
+            notes.append(
+                "#   daemon's own time (replicas.seconds / restored.seconds) / plain copy: "
+                + ", ".join(
+                    f"{r['part']} {TLS_NAMES[r['tls']]} {r['daemon_ratio']:.2f} ({r['daemon_mib_s']:.0f} MiB/s)"
+                    for r in s["rows"]
+                )
+            )
         if "tls_over_clear" in s:
             notes.append("#   TLS / in clear: " + ", ".join(f"{k} {v:.2f}" for k, v in s["tls_over_clear"].items()))
         for tls, x in s.get("replication", {}).items():
-            notes.append(f"#   replication {TLS_NAMES[tls]}: the commit's rename took {x['rename_s']:.2f} s, the step "
-                         f"was hashed {x['hashed_s']:.2f} s after the commit, then sent at "
-                         f"{x['transfer_mib_s']:.0f} MiB/s")
+            notes.append(
+                f"#   replication {TLS_NAMES[tls]}: the commit's rename took {x['rename_s']:.2f} s, the step "
+                f"was hashed {x['hashed_s']:.2f} s after the commit, then sent at "
+                f"{x['transfer_mib_s']:.0f} MiB/s"
+            )
         if "holders" in s:
             h = s["holders"]
-            split = (f"the smaller share {h['two_split']:.0%}" if h["two_split"] is not None
-                     else f"peers that gave bytes per round: {h['two_peers_gave']}")
-            notes.append(f"#   two peers / one, daemon's time: {h['daemon_ratio']:.2f} ({h['two_daemon_mib_s']:.0f} vs "
-                         f"{h['one_daemon_mib_s']:.0f} MiB/s); from two peers, {split}; sender CPU is both "
-                         "peers' together")
+            split = (
+                f"the smaller share {h['two_split']:.0%}"
+                if h["two_split"] is not None
+                else f"peers that gave bytes per round: {h['two_peers_gave']}"
+            )
+            notes.append(
+                f"#   two peers / one, daemon's time: {h['daemon_ratio']:.2f} ({h['two_daemon_mib_s']:.0f} vs "
+                f"{h['one_daemon_mib_s']:.0f} MiB/s); from two peers, {split}; sender CPU is both "
+                "peers' together"
+            )
         if "writes" in s:
             w = s["writes"]
-            notes.append(f"#   writes: the replication ran over a median {w['overlap']:.0%} of the write "
-                         f"({'in every round' if w['all_overlapped'] else 'NOT in every round'}) and sent "
-                         f"{w['sent_during']:.0%} of the step by the write's end; it took {w['repl_seconds']:.1f} s; "
-                         "CPU-s/GiB writer / node 0 / peer: alone " + cpu_cell(w["cpu_alone"], WRITE_CPU)
-                         + ", replicating " + cpu_cell(w["cpu_replicating"], WRITE_CPU))
+            notes.append(
+                f"#   writes: the replication ran over a median {w['overlap']:.0%} of the write "
+                f"({'in every round' if w['all_overlapped'] else 'NOT in every round'}) and sent "
+                f"{w['sent_during']:.0%} of the step by the write's end; it took {w['repl_seconds']:.1f} s; "
+                "CPU-s/GiB writer / node 0 / peer: alone "
+                + cpu_cell(w["cpu_alone"], WRITE_CPU)
+                + ", replicating "
+                + cpu_cell(w["cpu_replicating"], WRITE_CPU)
+            )
         if "log" in s:
-            notes.append(f"#   log: the job appended a median {s['log']['lines']:.0f} lines over the warm-up, the "
-                         "commit and the replication")
-    lines = [render_table(head, body, left=2),
-             "# ratio = tierfs / baseline MiB/s (medians); targets are printed, not asserted. Baselines: the plain "
-             "sendfile -> recv_into+write copy 127.0.0.2 -> 127.0.0.3 (restore: back) in the same part; the restore "
-             "from one holder; the same write with nothing replicating; the same replication with the job not logging",
-             "# CPU-s per GiB: sender / receiver (restore: serving peers / the new daemon, start-up included; "
-             "baseline: the plain copy's processes)", *notes]
+            notes.append(
+                f"#   log: the job appended a median {s['log']['lines']:.0f} lines over the warm-up, the "
+                "commit and the replication"
+            )
+    lines = [
+        render_table(head, body, left=2),
+        "# ratio = tierfs / baseline MiB/s (medians); targets are printed, not asserted. Baselines: the plain "
+        "sendfile -> recv_into+write copy 127.0.0.2 -> 127.0.0.3 (restore: back) in the same part; the restore "
+        "from one holder; the same write with nothing replicating; the same replication with the job not logging",
+        "# CPU-s per GiB: sender / receiver (restore: serving peers / the new daemon, start-up included; "
+        "baseline: the plain copy's processes)",
+        *notes,
+    ]
     return "\n".join(lines)
 
 
@@ -587,8 +769,9 @@ def plot(path: str, summaries: dict[int, dict], title: str) -> str | None:
             bars.append((f"{label} replication, job logging / not", s["log"]["ratio"], s["log"]["target"]))
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.4))
     ys = range(len(bars))[::-1]
-    colors = ["tab:green" if t is not None and r >= t else "tab:red" if t is not None else "tab:blue"
-              for _, r, t in bars]
+    colors = [
+        "tab:green" if t is not None and r >= t else "tab:red" if t is not None else "tab:blue" for _, r, t in bars
+    ]
     ax.barh(list(ys), [r for _, r, _ in bars], 0.6, color=colors)
     for y, (_, r, t) in zip(ys, bars):
         ax.annotate(f"{r:.2f}", (r, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
@@ -603,21 +786,38 @@ def plot(path: str, summaries: dict[int, dict], title: str) -> str | None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="Peer replication and restore, with TLS and in clear, against a plain "
-                                            "socket copy; restore from two peers against one; writes during "
-                                            "replication; replication beside a job's log (medians of alternating "
-                                            "rounds).")
-    p.add_argument("--sizes", "--size", type=parse_sizes, help="checkpoint bytes per step, comma-separated: one "
-                   "row of every part per size (default 1G,4G)")
+    p = argparse.ArgumentParser(
+        description="Peer replication and restore, with TLS and in clear, against a plain "
+        "socket copy; restore from two peers against one; writes during "
+        "replication; replication beside a job's log (medians of alternating "
+        "rounds)."
+    )
+    p.add_argument(
+        "--sizes",
+        "--size",
+        type=parse_sizes,
+        help="checkpoint bytes per step, comma-separated: one row of every part per size (default 1G,4G)",
+    )
     p.add_argument("--files", type=int, default=16, help="files per checkpoint (default 16)")
     p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 3)")
     p.add_argument("--ramdisk", default="/dev/shm", help=RAMDISK_HELP)
-    p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
-                                                     "(default twice the size, at most 4G)")
-    p.add_argument("--peer-tls", type=lambda v: v.split(","), default=["on", "off"], metavar="on,off",
-                   help="peer traffic settings of the copy part, in this order in even rounds (default on,off)")
-    p.add_argument("--parts", type=lambda v: v.split(","), default=list(PARTS), metavar=",".join(PARTS),
-                   help=f"which parts of a round to run (default {','.join(PARTS)})")
+    p.add_argument(
+        "--warmup", type=parse_size, help="tmpfs warm-up before each measurement (default twice the size, at most 4G)"
+    )
+    p.add_argument(
+        "--peer-tls",
+        type=lambda v: v.split(","),
+        default=["on", "off"],
+        metavar="on,off",
+        help="peer traffic settings of the copy part, in this order in even rounds (default on,off)",
+    )
+    p.add_argument(
+        "--parts",
+        type=lambda v: v.split(","),
+        default=list(PARTS),
+        metavar=",".join(PARTS),
+        help=f"which parts of a round to run (default {','.join(PARTS)})",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: --sizes 64M,256M --rounds 2 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="bars of every ratio against its target (needs matplotlib)")
@@ -643,15 +843,27 @@ def main() -> int:
         bench = Bench(args)
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         writer = "fio --iomem_align=4096" if shutil.which("fio") else "builtin, page-aligned"
-        settings = {"sizes": args.sizes, "files": args.files, "rounds": args.rounds, "parts": args.parts,
-                    "peer_tls": args.peer_tls, "warmup": args.warmup or "min(2x size, 4 GiB)", "writer": writer,
-                    "cores": os.cpu_count(), "kernel": os.uname().release, "date": now,
-                    "command": shlex.join([sys.executable, *sys.argv])}
-        print(f"# bench_peers {now}  {settings['cores']} cores  command: {settings['command']}\n"
-              f"# sizes {', '.join(map(size_label, args.sizes))} in {args.files} files per step, {args.rounds} rounds "
-              f"each; parts {', '.join(args.parts)}; copy: 2 nodes, --replicas 1, --peer-tls "
-              f"{' and '.join(args.peer_tls)}; holders: 3 nodes, --replicas 2, TLS; writes: 2 nodes, TLS, writer "
-              f"{writer}; log: 2 nodes, TLS, a line every {LOG_EVERY * 1000:.0f} ms; a fresh cluster per part; medians", flush=True)
+        settings = {
+            "sizes": args.sizes,
+            "files": args.files,
+            "rounds": args.rounds,
+            "parts": args.parts,
+            "peer_tls": args.peer_tls,
+            "warmup": args.warmup or "min(2x size, 4 GiB)",
+            "writer": writer,
+            "cores": os.cpu_count(),
+            "kernel": os.uname().release,
+            "date": now,
+            "command": shlex.join([sys.executable, *sys.argv]),
+        }
+        print(
+            f"# bench_peers {now}  {settings['cores']} cores  command: {settings['command']}\n"
+            f"# sizes {', '.join(map(size_label, args.sizes))} in {args.files} files per step, {args.rounds} rounds "
+            f"each; parts {', '.join(args.parts)}; copy: 2 nodes, --replicas 1, --peer-tls "
+            f"{' and '.join(args.peer_tls)}; holders: 3 nodes, --replicas 2, TLS; writes: 2 nodes, TLS, writer "
+            f"{writer}; log: 2 nodes, TLS, a line every {LOG_EVERY * 1000:.0f} ms; a fresh cluster per part; medians",
+            flush=True,
+        )
         raw: dict[int, list[dict]] = {}
         for size in args.sizes:
             for rnd in range(args.rounds):
@@ -660,16 +872,25 @@ def main() -> int:
         summaries = {size: summarize(rounds) for size, rounds in raw.items()}
         print(render(summaries))
         if args.json:
-            write_json(args.json, {"settings": settings, "raw": {str(k): v for k, v in raw.items()},
-                                   "medians": {str(k): v for k, v in summaries.items()}})
+            write_json(
+                args.json,
+                {
+                    "settings": settings,
+                    "raw": {str(k): v for k, v in raw.items()},
+                    "medians": {str(k): v for k, v in summaries.items()},
+                },
+            )
         if args.plot:
             why = plot(args.plot, summaries, f"tierfs peer tier: ratios of medians, {args.rounds} rounds, {now[:10]}")
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except (BenchError, AssertionError, OSError, subprocess.TimeoutExpired, UserError) as e:
         kept = keep_logs(os.environ["TIERFS_RUNTIME_DIR"], "bench-peers")
-        print(f"bench_peers: error: {' '.join(str(e).split())[:600] or type(e).__name__}"
-              + (f" (daemon logs kept in {kept})" if kept else ""), file=sys.stderr)
+        print(
+            f"bench_peers: error: {' '.join(str(e).split())[:600] or type(e).__name__}"
+            + (f" (daemon logs kept in {kept})" if kept else ""),
+            file=sys.stderr,
+        )
         return 1
     except KeyboardInterrupt:
         print("bench_peers: interrupted; cleaning up", file=sys.stderr)

@@ -46,8 +46,12 @@ class Feeder:
     def serve(self, opcode: int, nodeid: int, body: bytes) -> int:
         """Nanoseconds the session took to serve (and answer) one request."""
         self.unique += 2
-        req = memoryview(abi.IN_HEADER.pack(abi.IN_HEADER.size + len(body), opcode, self.unique, nodeid,
-                                            os.getuid(), os.getgid(), os.getpid(), 0, 0) + body)
+        req = memoryview(
+            abi.IN_HEADER.pack(
+                abi.IN_HEADER.size + len(body), opcode, self.unique, nodeid, os.getuid(), os.getgid(), os.getpid(), 0, 0
+            )
+            + body
+        )
         t0 = time.perf_counter_ns()
         if self.session._serve(req) is not None:
             raise SystemExit(f"bench_requests: opcode {opcode} needs an await, not the inline path")
@@ -68,12 +72,14 @@ def measure(files: int) -> dict[str, list[int]]:
             name = b"shard-%05d\0" % i
             times["getattr"].append(feed.serve(abi.GETATTR, step, abi.GETATTR_IN.pack(0, 0, 0)))
             times["lookup"].append(feed.serve(abi.LOOKUP, step, name))
-            times["create"].append(feed.serve(abi.CREATE, step, abi.CREATE_IN.pack(CREATE_FLAGS, 0o100644, 0o022, 0)
-                                              + name))
+            times["create"].append(
+                feed.serve(abi.CREATE, step, abi.CREATE_IN.pack(CREATE_FLAGS, 0o100644, 0o022, 0) + name)
+            )
             fh = max(ops._files)  # the descriptor just opened is the highest one
             ino = ops._files[fh]
-            times["getxattr"].append(feed.serve(abi.GETXATTR, ino, abi.GETXATTR_IN.pack(0, 0)
-                                                + b"security.capability\0"))
+            times["getxattr"].append(
+                feed.serve(abi.GETXATTR, ino, abi.GETXATTR_IN.pack(0, 0) + b"security.capability\0")
+            )
             times["release"].append(feed.serve(abi.RELEASE, ino, abi.RELEASE_IN.pack(fh, 0, 0, 0)))
             t0 = time.perf_counter_ns()
             session._finish_releases()

@@ -96,11 +96,35 @@ import time
 import uuid
 from pathlib import Path
 
-from benchlib import (GCS_WORKERS, NO_MATPLOTLIB, RAMDISK_HELP, BenchError, aligned, close_cluster, compile_bytecode,  # noqa: E402
-                      cpu_seconds, default_warmup, deferred_interruptions, drop_bucket, gcs_client,
-                      interrupt_on_signals, keep_logs, make_files, no_interruptions, parse_size, parse_sizes, plain_copy, progress, pyplot,
-                      render_table, save_figure, size_label, warm_up, write_all,
-                      write_json)  # (scripts/ is on sys.path)
+from benchlib import (
+    GCS_WORKERS,
+    NO_MATPLOTLIB,
+    RAMDISK_HELP,
+    BenchError,
+    aligned,
+    close_cluster,
+    compile_bytecode,
+    cpu_seconds,
+    default_warmup,
+    deferred_interruptions,
+    drop_bucket,
+    gcs_client,
+    interrupt_on_signals,
+    keep_logs,
+    make_files,
+    no_interruptions,
+    parse_size,
+    parse_sizes,
+    plain_copy,
+    progress,
+    pyplot,
+    render_table,
+    save_figure,
+    size_label,
+    warm_up,
+    write_all,
+    write_json,
+)  # (scripts/ is on sys.path)
 
 MiB, GiB = 1 << 20, 1 << 30
 NODE0 = "127.0.0.2"
@@ -124,8 +148,10 @@ def one_line(e: BaseException) -> str:
 class Bench:
     def __init__(self, args, emu, client):
         from tierfs.commands.status import fetch  # the control socket from this process: no
-        self.fetch = fetch                        # Python start-up per poll on a 2-core VM
+
+        self.fetch = fetch  # Python start-up per poll on a 2-core VM
         from tierfs_testing.cluster import LocalCluster
+
         self.LocalCluster = LocalCluster
         self.args, self.emu, self.client = args, emu, client
         self.buf = aligned(MiB)
@@ -154,8 +180,9 @@ class Bench:
         self.buckets.remove(name)
 
     def cluster(self, name: str, nodes: int, job: str, **options):
-        c = self.LocalCluster(Path(self.args.ramdisk) / f"bench-restore-{name}-{uuid.uuid4().hex[:8]}", nodes, job,
-                              **options)
+        c = self.LocalCluster(
+            Path(self.args.ramdisk) / f"bench-restore-{name}-{uuid.uuid4().hex[:8]}", nodes, job, **options
+        )
         self.clusters.append(c)
         return c
 
@@ -178,10 +205,13 @@ class Bench:
     @staticmethod
     def safe(step: int, peers: bool = True, backup: bool = True):
         """The step is committed, replicated (if there are peers) and backed up (if there is GCS)."""
+
         def pred(st: dict) -> bool:
             s = next((s for s in st["steps"] if s["step"] == step), None)
-            return bool(s and (not backup or s["backed_up"])
-                        and (not peers or s["replicas"].get("version") == s["version"]))
+            return bool(
+                s and (not backup or s["backed_up"]) and (not peers or s["replicas"].get("version") == s["version"])
+            )
+
         return pred
 
     @staticmethod
@@ -205,8 +235,15 @@ class Bench:
         out: dict = {"round": rnd, "order": list(order), "bytes": size, "others_bytes": others}
         buckets = (self.bucket(f"br-{tag}"), self.bucket(f"br-{tag}-base")) if gcs else ()
         src = Path(args.shm) / f"src-{rnd}"
-        c = self.cluster(f"r{rnd}", 3, JOB, replicas=1, capacity=f"{4 * size // MiB + 256}M",
-                         peer_tls=args.peer_tls, gcs=f"gs://{buckets[0]}/ckpt" if gcs else None)
+        c = self.cluster(
+            f"r{rnd}",
+            3,
+            JOB,
+            replicas=1,
+            capacity=f"{4 * size // MiB + 256}M",
+            peer_tls=args.peer_tls,
+            gcs=f"gs://{buckets[0]}/ckpt" if gcs else None,
+        )
         try:
             # a. setup, untimed
             c.start_all()
@@ -218,19 +255,30 @@ class Bench:
             for node in c.nodes:
                 self.commit(node.mountpoint, STEP)
             for i, node in enumerate(c.nodes):
-                st = self.wait(node.mountpoint, f"rank {i}'s step {STEP} to be replicated"
-                               + (" and backed up" if gcs else ""), self.safe(STEP, backup=gcs))
+                st = self.wait(
+                    node.mountpoint,
+                    f"rank {i}'s step {STEP} to be replicated" + (" and backed up" if gcs else ""),
+                    self.safe(STEP, backup=gcs),
+                )
                 if i == 0:
                     rep = next(s for s in st["steps"] if s["step"] == STEP)["replicas"]
             holder = next(k for k, n in enumerate(c.nodes) if n.address == rep["peers"][0])
             if gcs:
-                from google.cloud.storage import transfer_manager  # noqa: PLC0415 (slow import)
+                from google.cloud.storage import transfer_manager
+
                 transfer_manager.upload_many_from_filenames(
-                    self.client.bucket(buckets[1]), names, source_directory=str(src), max_workers=GCS_WORKERS,
-                    worker_type=transfer_manager.THREAD, raise_exception=True)
+                    self.client.bucket(buckets[1]),
+                    names,
+                    source_directory=str(src),
+                    max_workers=GCS_WORKERS,
+                    worker_type=transfer_manager.THREAD,
+                    raise_exception=True,
+                )
             out["holder"] = c.nodes[holder].address
-            progress(f"{label}: rank 0's {size_label(size)} and ranks 1-2's {size_label(others)} committed, "
-                     f"replicated{' and backed up' if gcs else ''}; rank 0's replica is on {out['holder']}")
+            progress(
+                f"{label}: rank 0's {size_label(size)} and ranks 1-2's {size_label(others)} committed, "
+                f"replicated{' and backed up' if gcs else ''}; rank 0's replica is on {out['holder']}"
+            )
 
             # b. restore from a peer
             c.kill(0)
@@ -242,11 +290,14 @@ class Bench:
                     if k == 0:
                         out["peer"]["settle_s"] = self.settle(c, gcs)
                 else:
-                    out["peer_base"] = plain_copy(c.nodes[holder].host, NODE0, paths,
-                                                  os.path.join(args.shm, "recv"), lambda: self.warm(size))
+                    out["peer_base"] = plain_copy(
+                        c.nodes[holder].host, NODE0, paths, os.path.join(args.shm, "recv"), lambda: self.warm(size)
+                    )
             p, b = out["peer"], out["peer_base"]
-            progress(f"{label} peer: mount {p['mount_s']:.2f} s, TTFB {p['ttfb_s']:.2f} s, full "
-                     f"{p['full_s']:.2f} s ({self.split(p)}) vs plain copy {b['seconds']:.2f} s")
+            progress(
+                f"{label} peer: mount {p['mount_s']:.2f} s, TTFB {p['ttfb_s']:.2f} s, full "
+                f"{p['full_s']:.2f} s ({self.split(p)}) vs plain copy {b['seconds']:.2f} s"
+            )
             if not gcs:
                 return out
 
@@ -259,9 +310,11 @@ class Bench:
                 else:
                     out["gcs_base"] = self.download(buckets[1], names, sums, size)
             g, b = out["gcs"], out["gcs_base"]
-            progress(f"{label} gcs: mount {g['mount_s']:.2f} s, TTFB {g['ttfb_s']:.2f} s, full "
-                     f"{g['full_s']:.2f} s, each less the survey of {g['survey_s']:.2f} s "
-                     f"({self.split(g)}) vs google-cloud-storage {b['seconds']:.2f} s")
+            progress(
+                f"{label} gcs: mount {g['mount_s']:.2f} s, TTFB {g['ttfb_s']:.2f} s, full "
+                f"{g['full_s']:.2f} s, each less the survey of {g['survey_s']:.2f} s "
+                f"({self.split(g)}) vs google-cloud-storage {b['seconds']:.2f} s"
+            )
         finally:
             self.close(c)
             shutil.rmtree(src, ignore_errors=True)
@@ -274,8 +327,17 @@ class Bench:
         total = sum(r["bytes_from"].values()) or 1
         return ", ".join(f"{k} {v / total:.0%}" for k, v in sorted(r["bytes_from"].items()))
 
-    def restore(self, c, src: Path, sums: dict[str, str], tier: str, size: int, sender: int | None = None,
-                others: list[int] = (), **extra) -> dict:
+    def restore(
+        self,
+        c,
+        src: Path,
+        sums: dict[str, str],
+        tier: str,
+        size: int,
+        sender: int | None = None,
+        others: list[int] = (),
+        **extra,
+    ) -> dict:
         """Start node 0 (killed and wiped) and time mount, first 4 KiB and full restore. CPU of
         the restoring daemon (the receiver), of ``others`` nodes (``sender``: the one serving) or
         of the emulator (the sender from GCS)."""
@@ -325,18 +387,32 @@ class Bench:
             survey = r["at"] - view["at"] if view["at"] <= r["at"] else None
         else:
             survey = GCS_RESTORE_WAIT_S if tier == "gcs" else None
-        res = {"bytes": size, "mount_s": mounted, "ttfb_s": ttfb, "full_s": full,
-               "restored_s": r["seconds"], "first_byte_s": r["first_byte_s"], "start_to_restore_s": r["at"] - start,
-               "survey_s": survey, "survey_from": "survey" if view.get("at") else "restore-wait",
-               "demand_fetches": r["demand_fetches"],
-               "bytes_from": {k.split()[0]: sum(v for n, v in r["bytes_from"].items() if n.split()[0] == k.split()[0])
-                              for k in r["bytes_from"]},  # "peer HOST:PORT" -> "peer"
-               "chunks": r["chunks_total"], "from": r["from"], "unreachable_peers": view.get("unreachable_peers"),
-               "cpu": cpu}
+        res = {
+            "bytes": size,
+            "mount_s": mounted,
+            "ttfb_s": ttfb,
+            "full_s": full,
+            "restored_s": r["seconds"],
+            "first_byte_s": r["first_byte_s"],
+            "start_to_restore_s": r["at"] - start,
+            "survey_s": survey,
+            "survey_from": "survey" if view.get("at") else "restore-wait",
+            "demand_fetches": r["demand_fetches"],
+            "bytes_from": {
+                k.split()[0]: sum(v for n, v in r["bytes_from"].items() if n.split()[0] == k.split()[0])
+                for k in r["bytes_from"]
+            },  # "peer HOST:PORT" -> "peer"
+            "chunks": r["chunks_total"],
+            "from": r["from"],
+            "unreachable_peers": view.get("unreachable_peers"),
+            "cpu": cpu,
+        }
         if tier == "gcs":  # the figures without the wait for the silent peers
             if survey is None:
-                raise BenchError(f"cannot tell the survey's length from the status (cluster.at {view.get('at')}, "
-                                 f"restored.at {r['at']})")
+                raise BenchError(
+                    f"cannot tell the survey's length from the status (cluster.at {view.get('at')}, "
+                    f"restored.at {r['at']})"
+                )
             res["raw"] = {k: res[k] for k in ("mount_s", "ttfb_s", "full_s")}
             res.update({k: v - survey for k, v in res["raw"].items()})
         return res
@@ -352,12 +428,14 @@ class Bench:
             if held >= len(c.nodes) and not busy and all(self.safe(STEP, backup=backup)(s) for s in sts):
                 return time.monotonic() - t0
             time.sleep(0.1)
-        progress("bench_restore: warning: the lost replica was not replaced within 120 s; the plain copy "
-                 "may overlap a replication")
+        progress(
+            "bench_restore: warning: the lost replica was not replaced within 120 s; the plain copy "
+            "may overlap a replication"
+        )
         return None
 
     def download(self, bucket: str, names: list[str], sums: dict[str, str], size: int) -> dict:
-        from google.cloud.storage import transfer_manager  # noqa: PLC0415 (slow import)
+        from google.cloud.storage import transfer_manager
 
         dl = Path(self.args.shm) / "dl"
         dl.mkdir()
@@ -365,8 +443,13 @@ class Bench:
             self.warm(size)
             cpu0, t0 = (cpu_seconds(self.emu_pid), cpu_seconds()), time.monotonic()
             transfer_manager.download_many_to_path(
-                self.client.bucket(bucket), names, destination_directory=str(dl), max_workers=GCS_WORKERS,
-                worker_type=transfer_manager.THREAD, raise_exception=True)
+                self.client.bucket(bucket),
+                names,
+                destination_directory=str(dl),
+                max_workers=GCS_WORKERS,
+                worker_type=transfer_manager.THREAD,
+                raise_exception=True,
+            )
             seconds = time.monotonic() - t0
             cpu = {"sender": cpu_seconds(self.emu_pid) - cpu0[0], "receiver": cpu_seconds() - cpu0[1]}
             bad = [n for n in names if sha256(dl / n) != sums[n]]
@@ -419,19 +502,28 @@ class Bench:
         try:
             if seen != expected:
                 wrong = sorted(set(seen.items()) ^ set(expected.items()))
-                raise BenchError(f"the listing of the restored step ({len(seen)} files) differs from the original "
-                                 f"({len(expected)} files), e.g. {wrong[:2]}")
+                raise BenchError(
+                    f"the listing of the restored step ({len(seen)} files) differs from the original "
+                    f"({len(expected)} files), e.g. {wrong[:2]}"
+                )
             if r.get("step") != LIST_STEP or r.get("tier") not in ("gcs", "local"):
                 raise BenchError(f"the listing node did not restore step {LIST_STEP} from GCS: {r}")
         finally:
             c.kill(0)  # mid-restore with prefetch: a node that dies, nothing more
             c.wipe(0)
-        return {"files": len(seen), "prefetch": prefetch, "mount_s": mounted, "seconds": walked,
-                "walk_s": walked - mounted, "bytes_here_after": r["bytes"] - r["bytes_missing"],
-                "start_to_restore_s": r["at"] - start}
+        return {
+            "files": len(seen),
+            "prefetch": prefetch,
+            "mount_s": mounted,
+            "seconds": walked,
+            "walk_s": walked - mounted,
+            "bytes_here_after": r["bytes"] - r["bytes_missing"],
+            "start_to_restore_s": r["at"] - start,
+        }
 
 
 # ----------------------------------------------------------------------------- report
+
 
 def summarize(raw: dict[int, list[dict]], listing: list[dict], gcs_size: int) -> dict:
     """Medians per row (a peer row per size, the GCS row at ``gcs_size``), ratios of medians."""
@@ -441,33 +533,63 @@ def summarize(raw: dict[int, list[dict]], listing: list[dict], gcs_size: int) ->
         rs = raw[size]
         m = {k: med(r[tier][k] for r in rs) for k in ("mount_s", "ttfb_s", "full_s", "restored_s")}
         b = med(r[base]["seconds"] for r in rs)
-        rows.append({"tier": tier, "size": size, **m, "baseline_s": b, "ratio": b / m["full_s"],
-                     "tierfs_mib_s": size / MiB / m["full_s"], "baseline_mib_s": size / MiB / b,
-                     "ratio_daemon": b / m["restored_s"],
-                     "start_to_restore_s": med(r[tier]["start_to_restore_s"] for r in rs),
-                     "daemon_at_mount_cpu_s": med(r[tier]["cpu"]["daemon_at_mount"] for r in rs),
-                     "others_bytes": rs[0]["others_bytes"],
-                     "bytes_from": {k: med(r[tier]["bytes_from"].get(k, 0) / r[tier]["bytes"] for r in rs)
-                                    for k in sorted({k for r in rs for k in r[tier]["bytes_from"]})},
-                     "cpu_s_per_gib": {
-                         "tierfs": {who: med(r[tier]["cpu"][who] / r[tier]["bytes"] * GiB for r in rs)
-                                    for who in rs[0][tier]["cpu"] if who != "daemon_at_mount"},
-                         "baseline": {who: med(r[base]["cpu"][who] / r[base]["bytes"] * GiB for r in rs)
-                                      for who in rs[0][base]["cpu"]}}})
+        rows.append(
+            {
+                "tier": tier,
+                "size": size,
+                **m,
+                "baseline_s": b,
+                "ratio": b / m["full_s"],
+                "tierfs_mib_s": size / MiB / m["full_s"],
+                "baseline_mib_s": size / MiB / b,
+                "ratio_daemon": b / m["restored_s"],
+                "start_to_restore_s": med(r[tier]["start_to_restore_s"] for r in rs),
+                "daemon_at_mount_cpu_s": med(r[tier]["cpu"]["daemon_at_mount"] for r in rs),
+                "others_bytes": rs[0]["others_bytes"],
+                "bytes_from": {
+                    k: med(r[tier]["bytes_from"].get(k, 0) / r[tier]["bytes"] for r in rs)
+                    for k in sorted({k for r in rs for k in r[tier]["bytes_from"]})
+                },
+                "cpu_s_per_gib": {
+                    "tierfs": {
+                        who: med(r[tier]["cpu"][who] / r[tier]["bytes"] * GiB for r in rs)
+                        for who in rs[0][tier]["cpu"]
+                        if who != "daemon_at_mount"
+                    },
+                    "baseline": {
+                        who: med(r[base]["cpu"][who] / r[base]["bytes"] * GiB for r in rs) for who in rs[0][base]["cpu"]
+                    },
+                },
+            }
+        )
     gcs_rounds = raw[gcs_size]
     gcs_raw = {k: med(r["gcs"]["raw"][k] for r in gcs_rounds) for k in ("mount_s", "ttfb_s", "full_s")}
     lists = {p: [x for x in listing if x["prefetch"] == p] for p in sorted({x["prefetch"] for x in listing})}
-    return {"rows": rows, "gcs_raw": gcs_raw, "gcs_survey_s": med(r["gcs"]["survey_s"] for r in gcs_rounds),
-            "gcs_survey_from": " / ".join(sorted({r["gcs"]["survey_from"] for r in gcs_rounds})),
-            "peer_survey_s": {str(n): med(r["peer"]["survey_s"] for r in rs) if all(r["peer"]["survey_s"] is not None
-                                                                              for r in rs) else None
-                              for n, rs in raw.items()},
-            "settle_s": [r["peer"].get("settle_s") for rs in raw.values() for r in rs if "settle_s" in r["peer"]],
-            "listing": {str(p): {"files": xs[0]["files"], "seconds": med(x["seconds"] for x in xs),
-                                 "mount_s": med(x["mount_s"] for x in xs), "walk_s": med(x["walk_s"] for x in xs),
-                                 "start_to_restore_s": med(x["start_to_restore_s"] for x in xs),
-                                 "max_s": max(x["seconds"] for x in xs), "under_1s": med(x["seconds"] for x in xs) < 1}
-                        for p, xs in lists.items()}}
+    return {
+        "rows": rows,
+        "gcs_raw": gcs_raw,
+        "gcs_survey_s": med(r["gcs"]["survey_s"] for r in gcs_rounds),
+        "gcs_survey_from": " / ".join(sorted({r["gcs"]["survey_from"] for r in gcs_rounds})),
+        "peer_survey_s": {
+            str(n): med(r["peer"]["survey_s"] for r in rs)
+            if all(r["peer"]["survey_s"] is not None for r in rs)
+            else None
+            for n, rs in raw.items()
+        },
+        "settle_s": [r["peer"].get("settle_s") for rs in raw.values() for r in rs if "settle_s" in r["peer"]],
+        "listing": {
+            str(p): {
+                "files": xs[0]["files"],
+                "seconds": med(x["seconds"] for x in xs),
+                "mount_s": med(x["mount_s"] for x in xs),
+                "walk_s": med(x["walk_s"] for x in xs),
+                "start_to_restore_s": med(x["start_to_restore_s"] for x in xs),
+                "max_s": max(x["seconds"] for x in xs),
+                "under_1s": med(x["seconds"] for x in xs) < 1,
+            }
+            for p, xs in lists.items()
+        },
+    }
 
 
 def row_name(r: dict, args) -> str:
@@ -476,12 +598,34 @@ def row_name(r: dict, args) -> str:
 
 
 def render(s: dict, args) -> str:
-    head = ("restore from", "mount s", "TTFB s", "full s", "baseline s", "ratio", "tierfs MiB/s", "baseline MiB/s",
-            "CPU-s/GiB snd / rcv", "baseline snd / rcv")
+    head = (
+        "restore from",
+        "mount s",
+        "TTFB s",
+        "full s",
+        "baseline s",
+        "ratio",
+        "tierfs MiB/s",
+        "baseline MiB/s",
+        "CPU-s/GiB snd / rcv",
+        "baseline snd / rcv",
+    )
     cpu = lambda c: f"{c['sender']:.2f} / {c['receiver']:.2f}"
-    body = [(row_name(r, args), f"{r['mount_s']:.2f}", f"{r['ttfb_s']:.2f}", f"{r['full_s']:.2f}",
-             f"{r['baseline_s']:.2f}", f"{r['ratio']:.2f}", f"{r['tierfs_mib_s']:.0f}", f"{r['baseline_mib_s']:.0f}",
-             cpu(r["cpu_s_per_gib"]["tierfs"]), cpu(r["cpu_s_per_gib"]["baseline"])) for r in s["rows"]]
+    body = [
+        (
+            row_name(r, args),
+            f"{r['mount_s']:.2f}",
+            f"{r['ttfb_s']:.2f}",
+            f"{r['full_s']:.2f}",
+            f"{r['baseline_s']:.2f}",
+            f"{r['ratio']:.2f}",
+            f"{r['tierfs_mib_s']:.0f}",
+            f"{r['baseline_mib_s']:.0f}",
+            cpu(r["cpu_s_per_gib"]["tierfs"]),
+            cpu(r["cpu_s_per_gib"]["baseline"]),
+        )
+        for r in s["rows"]
+    ]
     gcs = s["rows"][-1]
     raw = s["gcs_raw"]
     lines = [render_table(head, body)]
@@ -493,36 +637,54 @@ def render(s: dict, args) -> str:
         "# CPU-s per GiB (medians), sender / receiver: peer = the peer serving the restore / the restoring daemon "
         "(its whole life until done, start-up included); GCS = the emulator / the restoring daemon; baselines: the "
         "plain copy's sender / receiver, the emulator / google-cloud-storage (this process)",
-        "# ranks 1-2 committed steps of their own (the start restores a step every rank has): " + ", ".join(
+        "# ranks 1-2 committed steps of their own (the start restores a step every rank has): "
+        + ", ".join(
             size_label(r["others_bytes"]) + " each beside the " + size_label(r["size"]) + " peer row"
-            for r in s["rows"] if r["tier"] == "peer"),
+            for r in s["rows"]
+            if r["tier"] == "peer"
+        ),
         f"# GCS figures less the start's survey ({GCS_RESTORE_WAIT} --restore-wait for the 2 silent peers + the "
         "manifest GET; "
-        + ("daemon clock, survey start to restore start" if s["gcs_survey_from"] == "survey" else
-           "the status names no survey start (a coordinated start): the wait alone")
+        + (
+            "daemon clock, survey start to restore start"
+            if s["gcs_survey_from"] == "survey"
+            else "the status names no survey start (a coordinated start): the wait alone"
+        )
         + f"): median {s['gcs_survey_s']:.2f} s; raw: mount {raw['mount_s']:.2f}, "
         f"TTFB {raw['ttfb_s']:.2f}, full {raw['full_s']:.2f} s (the peer rows' survey: "
-        + ", ".join(f"{size_label(int(n))} " + (f"{v:.2f} s" if v is not None else "n/a")
-                    for n, v in s["peer_survey_s"].items()) + ")",
+        + ", ".join(
+            f"{size_label(int(n))} " + (f"{v:.2f} s" if v is not None else "n/a") for n, v in s["peer_survey_s"].items()
+        )
+        + ")",
         "# daemon's own restored.seconds (restore start to done), and when the restore started after `tierfs mount` "
-        "was started (CLI and daemon start-up, survey, manifest): " + "; ".join(
+        "was started (CLI and daemon start-up, survey, manifest): "
+        + "; ".join(
             f"{row_name(r, args)} {r['restored_s']:.2f} s (ratio {r['ratio_daemon']:.2f}), started after "
-            f"{r['start_to_restore_s']:.2f} s" for r in s["rows"]),
-        "# bytes came from (medians): " + "; ".join(
-            f"{row_name(r, args)}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items())
-            for r in s["rows"]),
-        "# CPU-s per GiB, every process watched (medians): " + "; ".join(
-            f"{row_name(r, args)}: " + ", ".join(f"{w} {v:.2f}" for w, v in r["cpu_s_per_gib"]["tierfs"].items()
-                                                  if w not in ("sender", "receiver"))
+            f"{r['start_to_restore_s']:.2f} s"
+            for r in s["rows"]
+        ),
+        "# bytes came from (medians): "
+        + "; ".join(
+            f"{row_name(r, args)}: " + ", ".join(f"{k} {v:.0%}" for k, v in r["bytes_from"].items()) for r in s["rows"]
+        ),
+        "# CPU-s per GiB, every process watched (medians): "
+        + "; ".join(
+            f"{row_name(r, args)}: "
+            + ", ".join(
+                f"{w} {v:.2f}" for w, v in r["cpu_s_per_gib"]["tierfs"].items() if w not in ("sender", "receiver")
+            )
             + f" (by the mount's return the daemon had used {r['daemon_at_mount_cpu_s']:.2f} CPU-s)"
-            for r in s["rows"]),
+            for r in s["rows"]
+        ),
     ]
     for p, x in s["listing"].items():
-        lines.append(f"listing {x['files']} files ({size_label(gcs['size'])}): {x['seconds']:.2f} s "
-                     f"(< 1 s: {'yes' if x['under_1s'] else 'NO'})"
-                     f"  [--prefetch {p}{' (no background fetches)' if p == '0' else ''}: restore began after "
-                     f"{x['start_to_restore_s']:.2f} s, mount returned after {x['mount_s']:.2f} s, walk+stat "
-                     f"{x['walk_s']:.2f} s; slowest round {x['max_s']:.2f} s]")
+        lines.append(
+            f"listing {x['files']} files ({size_label(gcs['size'])}): {x['seconds']:.2f} s "
+            f"(< 1 s: {'yes' if x['under_1s'] else 'NO'})"
+            f"  [--prefetch {p}{' (no background fetches)' if p == '0' else ''}: restore began after "
+            f"{x['start_to_restore_s']:.2f} s, mount returned after {x['mount_s']:.2f} s, walk+stat "
+            f"{x['walk_s']:.2f} s; slowest round {x['max_s']:.2f} s]"
+        )
     return "\n".join(lines)
 
 
@@ -530,20 +692,33 @@ def plot(path: str, s: dict, title: str, args) -> str | None:
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    fig, (ax, lx) = plt.subplots(1, 2, figsize=(4 + 2.2 * len(s["rows"]), 4.2),
-                                 gridspec_kw={"width_ratios": [len(s["rows"]), 1]})
-    parts = (("mount_s", "mount returned"), ("ttfb_s", "first 4 KiB"), ("full_s", "full restore"),
-             ("baseline_s", "baseline copy"))
+    fig, (ax, lx) = plt.subplots(
+        1, 2, figsize=(4 + 2.2 * len(s["rows"]), 4.2), gridspec_kw={"width_ratios": [len(s["rows"]), 1]}
+    )
+    parts = (
+        ("mount_s", "mount returned"),
+        ("ttfb_s", "first 4 KiB"),
+        ("full_s", "full restore"),
+        ("baseline_s", "baseline copy"),
+    )
     for k, (key, label) in enumerate(parts):
-        bars = ax.bar([i + (k - 1.5) * 0.2 for i in range(len(s["rows"]))], [r[key] for r in s["rows"]], 0.2,
-                      label=label)
+        bars = ax.bar(
+            [i + (k - 1.5) * 0.2 for i in range(len(s["rows"]))], [r[key] for r in s["rows"]], 0.2, label=label
+        )
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     top = max(r[key] for r in s["rows"] for key, _ in parts)
     for i, r in enumerate(s["rows"]):
         ax.annotate(f"ratio {r['ratio']:.2f}", (i, top * 1.1), ha="center", fontsize=8)
-    ax.set_xticks(range(len(s["rows"])), [row_name(r, args).replace(", ", "\n") + "\n("
-                                          + ("plain socket copy)" if r["tier"] == "peer" else "google-cloud-storage)")
-                                          for r in s["rows"]], fontsize=8)
+    ax.set_xticks(
+        range(len(s["rows"])),
+        [
+            row_name(r, args).replace(", ", "\n")
+            + "\n("
+            + ("plain socket copy)" if r["tier"] == "peer" else "google-cloud-storage)")
+            for r in s["rows"]
+        ],
+        fontsize=8,
+    )
     ax.set(ylabel="seconds from `tierfs mount` (median)", ylim=(0, top * 1.4))
     ax.legend(fontsize=7, loc="upper center", ncol=4)
     items = sorted(s["listing"].items())
@@ -551,8 +726,11 @@ def plot(path: str, s: dict, title: str, args) -> str | None:
     lx.bar_label(bars, fmt="%.2f", fontsize=7)
     lx.axhline(1.0, color="tab:red", lw=0.8, ls="--")
     lx.set_xticks(range(len(items)), [f"prefetch {p}" for p, _ in items], fontsize=8)
-    lx.set(ylabel="seconds", title=f"mount + list {items[0][1]['files']} files" if items else "listing",
-           ylim=(0, max([1.1] + [x["seconds"] * 1.2 for _, x in items])))
+    lx.set(
+        ylabel="seconds",
+        title=f"mount + list {items[0][1]['files']} files" if items else "listing",
+        ylim=(0, max([1.1] + [x["seconds"] * 1.2 for _, x in items])),
+    )
     lx.title.set_fontsize(8)
     fig.suptitle(title, fontsize=9)
     save_figure(fig, path)
@@ -560,22 +738,34 @@ def plot(path: str, s: dict, title: str, args) -> str | None:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description="Restore of a wiped node from a peer and from GCS against plain "
-                                            "copies, and the listing of a restored step (medians of alternating "
-                                            "rounds).")
-    p.add_argument("--sizes", "--size", type=parse_sizes,
-                   help="rank 0's checkpoint bytes, comma-separated: a peer row per size; the smallest also gives "
-                        "the GCS row and the listing step's bytes (default 1G,4G)")
+    p = argparse.ArgumentParser(
+        description="Restore of a wiped node from a peer and from GCS against plain "
+        "copies, and the listing of a restored step (medians of alternating "
+        "rounds)."
+    )
+    p.add_argument(
+        "--sizes",
+        "--size",
+        type=parse_sizes,
+        help="rank 0's checkpoint bytes, comma-separated: a peer row per size; the smallest also gives "
+        "the GCS row and the listing step's bytes (default 1G,4G)",
+    )
     p.add_argument("--files", type=int, default=16, help="files per rank's checkpoint (default 16)")
     p.add_argument("--list-files", type=int, help="files of the listing step (default 1000)")
     p.add_argument("--rounds", type=int, help="rounds per size; medians are taken over them (default 5)")
     p.add_argument("--ramdisk", default="/dev/shm", help=RAMDISK_HELP)
-    p.add_argument("--warmup", type=parse_size, help="tmpfs warm-up before each measurement "
-                                                     "(default twice the size, at most 4G)")
-    p.add_argument("--peer-tls", choices=("on", "off"), default="on",
-                   help="peer traffic: on (TLS 1.3, the product's default) or off (in clear)")
-    p.add_argument("--quick", action="store_true", help="smoke run: --sizes 64M,128M --rounds 2 --list-files 100 "
-                                                        "unless given")
+    p.add_argument(
+        "--warmup", type=parse_size, help="tmpfs warm-up before each measurement (default twice the size, at most 4G)"
+    )
+    p.add_argument(
+        "--peer-tls",
+        choices=("on", "off"),
+        default="on",
+        help="peer traffic: on (TLS 1.3, the product's default) or off (in clear)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: --sizes 64M,128M --rounds 2 --list-files 100 unless given"
+    )
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
     p.add_argument("--plot", metavar="PATH.png", help="bars of the medians (needs matplotlib)")
     args = p.parse_args()
@@ -602,16 +792,30 @@ def main() -> int:
         bench = Bench(args, emu, gcs_client())
         now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
         cmd = shlex.join([sys.executable, *sys.argv])
-        settings = {"sizes": args.sizes, "gcs_size": args.gcs_size, "files": args.files, "list_files": args.list_files,
-                    "rounds": args.rounds, "warmup": args.warmup or "min(2x size, 4 GiB)", "peer_tls": args.peer_tls,
-                    "gcs_workers": GCS_WORKERS, "gcs_restore_wait": GCS_RESTORE_WAIT,
-                    "cores": os.cpu_count(), "kernel": os.uname().release, "date": now, "command": cmd}
+        settings = {
+            "sizes": args.sizes,
+            "gcs_size": args.gcs_size,
+            "files": args.files,
+            "list_files": args.list_files,
+            "rounds": args.rounds,
+            "warmup": args.warmup or "min(2x size, 4 GiB)",
+            "peer_tls": args.peer_tls,
+            "gcs_workers": GCS_WORKERS,
+            "gcs_restore_wait": GCS_RESTORE_WAIT,
+            "cores": os.cpu_count(),
+            "kernel": os.uname().release,
+            "date": now,
+            "command": cmd,
+        }
         gcs = size_label(args.gcs_size)
-        print(f"# bench_restore {now}  {settings['cores']} cores  command: {cmd}\n"
-              f"# rank 0: {', '.join(map(size_label, args.sizes))} in {args.files} files, 3 ranks, replicas=1, "
-              f"--peer-tls {args.peer_tls}; at {gcs} --gcs on fake-gcs-server (memory backend), every rank {gcs}, "
-              f"default chunk size and prefetch; listing: {args.list_files} files, {gcs}; {args.rounds} rounds "
-              "per size, medians", flush=True)
+        print(
+            f"# bench_restore {now}  {settings['cores']} cores  command: {cmd}\n"
+            f"# rank 0: {', '.join(map(size_label, args.sizes))} in {args.files} files, 3 ranks, replicas=1, "
+            f"--peer-tls {args.peer_tls}; at {gcs} --gcs on fake-gcs-server (memory backend), every rank {gcs}, "
+            f"default chunk size and prefetch; listing: {args.list_files} files, {gcs}; {args.rounds} rounds "
+            "per size, medians",
+            flush=True,
+        )
         lc, list_bucket, expected = bench.listing_setup()
         raw: dict[int, list[dict]] = {}
         listing = []
@@ -622,19 +826,32 @@ def main() -> int:
                     continue
                 for prefetch in (0, 8) if rnd % 2 == 0 else (8, 0):
                     listing.append(x := bench.listing(lc, expected, prefetch) | {"round": rnd})
-                    progress(f"round {rnd + 1} listing, --prefetch {prefetch}: {x['files']} files in "
-                             f"{x['seconds']:.2f} s (mount {x['mount_s']:.2f} s + walk {x['walk_s']:.2f} s)")
+                    progress(
+                        f"round {rnd + 1} listing, --prefetch {prefetch}: {x['files']} files in "
+                        f"{x['seconds']:.2f} s (mount {x['mount_s']:.2f} s + walk {x['walk_s']:.2f} s)"
+                    )
             if size == args.gcs_size:
                 bench.close(lc)
                 bench.drop(list_bucket)
         summary = summarize(raw, listing, args.gcs_size)
         print(render(summary, args))
         if args.json:
-            write_json(args.json, {"settings": settings, "raw": {str(k): v for k, v in raw.items()},
-                                   "listing": listing, "medians": summary})
+            write_json(
+                args.json,
+                {
+                    "settings": settings,
+                    "raw": {str(k): v for k, v in raw.items()},
+                    "listing": listing,
+                    "medians": summary,
+                },
+            )
         if args.plot:
-            why = plot(args.plot, summary, f"tierfs restore, rank 0 {' / '.join(map(size_label, args.sizes))}, "
-                                           f"{args.rounds} rounds, {now[:10]}", args)
+            why = plot(
+                args.plot,
+                summary,
+                f"tierfs restore, rank 0 {' / '.join(map(size_label, args.sizes))}, {args.rounds} rounds, {now[:10]}",
+                args,
+            )
             print(f"# plot skipped: {why}" if why else f"# wrote {args.plot}")
         return 0
     except KeyboardInterrupt:
@@ -643,8 +860,11 @@ def main() -> int:
     except Exception as e:  # also a daemon's UserError, the emulator, google-cloud-storage: one line all the same
         known = isinstance(e, (BenchError, AssertionError, OSError, subprocess.TimeoutExpired))
         kept = keep_logs(tmp / "run", "bench-restore")
-        print(f"bench_restore: error: {'' if known else type(e).__name__ + ': '}{one_line(e)}"
-              + (f" (daemon logs kept in {kept})" if kept else ""), file=sys.stderr)
+        print(
+            f"bench_restore: error: {'' if known else type(e).__name__ + ': '}{one_line(e)}"
+            + (f" (daemon logs kept in {kept})" if kept else ""),
+            file=sys.stderr,
+        )
         return 1
     finally:  # no more Ctrl-C: a half-done cleanup would leave daemons and mounts behind
         with no_interruptions():

@@ -77,7 +77,7 @@ def progress(msg: str) -> None:
 
 
 def measure(n: int, backups_only: bool = False) -> dict:
-    from tierfs_testing import scenarios  # noqa: PLC0415 (--replot needs no tierfs)
+    from tierfs_testing import scenarios
     from tierfs_testing.sim import GcsModel
 
     t0 = time.time()
@@ -89,50 +89,67 @@ def measure(n: int, backups_only: bool = False) -> dict:
     progress(f"{n} nodes: report rounds ({out['rounds']['cpu_s']:.0f} CPU-s)")
     slow = scenarios.Settings(gcs=GcsModel(slow=4.0))
     out["decision"] = scenarios.decision(n, s=slow, coordinators_lost=1, nodes_lost=max(1, n // 1000))
-    progress(f"{n} nodes: restart decision in {out['decision']['decision_s_max']:.2f} s "
-             f"({out['decision']['cpu_s']:.0f} CPU-s)")
+    progress(
+        f"{n} nodes: restart decision in {out['decision']['decision_s_max']:.2f} s "
+        f"({out['decision']['cpu_s']:.0f} CPU-s)"
+    )
     out["restore"] = {}
     for key, _label, mode, gcs_slow, lost in RESTORES:
         s = scenarios.Settings(gcs=GcsModel(slow=gcs_slow))
         r = out["restore"][key] = scenarios.restore(n, s=s, mode=mode, fail=lost)
-        progress(f"{n} nodes: restore {key}: GCS {r['gcs_per_unique']:.3f}x unique, "
-                 f"{r['transfer_s_max']:.2f} s after the decision ({r['cpu_s']:.0f} CPU-s)")
+        progress(
+            f"{n} nodes: restore {key}: GCS {r['gcs_per_unique']:.3f}x unique, "
+            f"{r['transfer_s_max']:.2f} s after the decision ({r['cpu_s']:.0f} CPU-s)"
+        )
     out["wall_s"] = round(time.time() - t0, 1)
     return out
 
 
 def measure_backups(n: int) -> dict:
-    from tierfs_testing.backups import backup  # noqa: PLC0415
+    from tierfs_testing.backups import backup
 
     out = {}
     for key, _label, mode, dead in BACKUPS:
         b = out[key] = backup(n - n % BACKUP_TWINS, BACKUP_TWINS, mode, dead)
-        progress(f"{b['nodes']} nodes: backup {key}: GCS {b['up_per_unique']:.3f}x up + {b['down_per_unique']:.3f}x "
-                 f"down, every rank backed up after {b['backed_up_s_max']:.2f} s ({b['cpu_s']:.0f} CPU-s)")
+        progress(
+            f"{b['nodes']} nodes: backup {key}: GCS {b['up_per_unique']:.3f}x up + {b['down_per_unique']:.3f}x "
+            f"down, every rank backed up after {b['backed_up_s_max']:.2f} s ({b['cpu_s']:.0f} CPU-s)"
+        )
     return out
 
 
 def backup_settings() -> dict:
     """What every backup row shares: the job's shape per rank and the twins' patience."""
-    from tierfs_testing import backups  # noqa: PLC0415
-    from tierfs.tiers.twins import Patience  # noqa: PLC0415
+    from tierfs_testing import backups
 
-    return {"data_parallel": BACKUP_TWINS, "chunks_per_rank": backups.CHUNKS, "chunk_size": backups.CHUNK_SIZE,
-            "commit_spread_s": backups.COMMIT_SPREAD, "requests_at_once": backups.THREADS,
-            "patience": vars(Patience())}
+    from tierfs.tiers.twins import Patience
+
+    return {
+        "data_parallel": BACKUP_TWINS,
+        "chunks_per_rank": backups.CHUNKS,
+        "chunk_size": backups.CHUNK_SIZE,
+        "commit_spread_s": backups.COMMIT_SPREAD,
+        "requests_at_once": backups.THREADS,
+        "patience": vars(Patience()),
+    }
 
 
 def render_backups(results: dict) -> list[str]:
-    lines = [f"### Backup of one step to GCS, {BACKUP_TWINS} data-parallel twins per shard", "",
-             "| nodes | backup | GCS up / unique | GCS down / unique | (up + down) / unique | GCS requests / rank | "
-             "every live rank backed up | every chunk and manifest in GCS |",
-             "|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        f"### Backup of one step to GCS, {BACKUP_TWINS} data-parallel twins per shard",
+        "",
+        "| nodes | backup | GCS up / unique | GCS down / unique | (up + down) / unique | GCS requests / rank | "
+        "every live rank backed up | every chunk and manifest in GCS |",
+        "|---:|---|---:|---:|---:|---:|---:|---|",
+    ]
     for n in sorted(results, key=int):
         for key, label, *_ in BACKUPS:
             b = results[n]["backup"][key]
-            lines.append(f"| {b['nodes']:,} | {label} | {b['up_per_unique']:.3f} | {b['down_per_unique']:.3f} | "
-                         f"{b['gcs_per_unique']:.3f} | {b['requests_per_rank']:.1f} | {b['backed_up_s_max']:.2f} s | "
-                         f"{'yes' if b['complete'] else 'NO'} |")
+            lines.append(
+                f"| {b['nodes']:,} | {label} | {b['up_per_unique']:.3f} | {b['down_per_unique']:.3f} | "
+                f"{b['gcs_per_unique']:.3f} | {b['requests_per_rank']:.1f} | {b['backed_up_s_max']:.2f} s | "
+                f"{'yes' if b['complete'] else 'NO'} |"
+            )
     return lines
 
 
@@ -140,27 +157,44 @@ def render(results: dict) -> str:
     ns = sorted(results, key=int)
     if not all("rounds" in results[n] for n in ns):
         return "\n".join(render_backups(results))
-    lines = ["### Coordination: messages per round and the restart decision", "",
-             "| nodes | requests / node / round | messages / node / round | after losing a coordinator + 0.1% | "
-             "busiest coordinator, requests / round | today: requests / node / round | GCS listings / round "
-             "(today) | decision, slowest node | late node | all agree, rules match |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "### Coordination: messages per round and the restart decision",
+        "",
+        "| nodes | requests / node / round | messages / node / round | after losing a coordinator + 0.1% | "
+        "busiest coordinator, requests / round | today: requests / node / round | GCS listings / round "
+        "(today) | decision, slowest node | late node | all agree, rules match |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for n in ns:
         r, d = results[n]["rounds"], results[n]["decision"]
         st, af = r["steady"], r["after_failures"]
-        lines.append(f"| {int(n):,} | {st['requests_per_node']:.2f} | {st['messages_per_node']:.2f} | "
-                     f"{af['requests_per_node']:.2f} | {st['coordinator_requests_per_round']:,} | "
-                     f"{r['today']['requests_per_node']:,} | {st['gcs_list_requests_per_round']:.0f} "
-                     f"({r['today']['gcs_list_requests_per_round']:,}) | {d['decision_s_max']:.2f} s | "
-                     f"{d['late_decision_s']:.2f} s | {'yes' if d['agree'] and d['matches_rules'] else 'NO'} |")
-    lines += ["", "### Restore from GCS, 4 data-parallel twins per shard", "",
-              "| nodes | " + " | ".join(f"GCS bytes / unique: {label}" for _, label, *_ in RESTORES) + " | "
-              + " | ".join(f"restore s: {label}" for _, label, *_ in RESTORES) + " |",
-              "|---:|" + "---:|" * (2 * len(RESTORES))]
+        lines.append(
+            f"| {int(n):,} | {st['requests_per_node']:.2f} | {st['messages_per_node']:.2f} | "
+            f"{af['requests_per_node']:.2f} | {st['coordinator_requests_per_round']:,} | "
+            f"{r['today']['requests_per_node']:,} | {st['gcs_list_requests_per_round']:.0f} "
+            f"({r['today']['gcs_list_requests_per_round']:,}) | {d['decision_s_max']:.2f} s | "
+            f"{d['late_decision_s']:.2f} s | {'yes' if d['agree'] and d['matches_rules'] else 'NO'} |"
+        )
+    lines += [
+        "",
+        "### Restore from GCS, 4 data-parallel twins per shard",
+        "",
+        "| nodes | "
+        + " | ".join(f"GCS bytes / unique: {label}" for _, label, *_ in RESTORES)
+        + " | "
+        + " | ".join(f"restore s: {label}" for _, label, *_ in RESTORES)
+        + " |",
+        "|---:|" + "---:|" * (2 * len(RESTORES)),
+    ]
     for n in ns:
         rs = results[n]["restore"]
-        lines.append(f"| {int(n):,} | " + " | ".join(f"{rs[k]['gcs_per_unique']:.3f}" for k, *_ in RESTORES) + " | "
-                     + " | ".join(f"{rs[k]['transfer_s_max']:.2f}" for k, *_ in RESTORES) + " |")
+        lines.append(
+            f"| {int(n):,} | "
+            + " | ".join(f"{rs[k]['gcs_per_unique']:.3f}" for k, *_ in RESTORES)
+            + " | "
+            + " | ".join(f"{rs[k]['transfer_s_max']:.2f}" for k, *_ in RESTORES)
+            + " |"
+        )
     if all("backup" in results[n] for n in ns):
         lines += ["", *render_backups(results)]
     return "\n".join(lines)
@@ -190,29 +224,44 @@ def plot_coordination(axes: list, results: dict, ns: list[str]) -> None:
     mx, dx, gx = axes
     x = [int(n) for n in ns]
     mx.plot(x, [results[n]["rounds"]["steady"]["requests_per_node"] for n in ns], "o-", label="coordinators")
-    mx.plot(x, [results[n]["rounds"]["after_failures"]["requests_per_node"] for n in ns], "s--",
-            label="... after losing a coordinator + 0.1%")
+    mx.plot(
+        x,
+        [results[n]["rounds"]["after_failures"]["requests_per_node"] for n in ns],
+        "s--",
+        label="... after losing a coordinator + 0.1%",
+    )
     mx.plot(x, [results[n]["rounds"]["today"]["requests_per_node"] for n in ns], "^:", label="today (every peer)")
-    mx.set(xscale="log", yscale="log", xlabel="nodes", ylabel="requests per node per round",
-           title="survey / report round")
+    mx.set(
+        xscale="log", yscale="log", xlabel="nodes", ylabel="requests per node per round", title="survey / report round"
+    )
     mx.legend(fontsize=7)
     dx.plot(x, [results[n]["decision"]["decision_s_max"] for n in ns], "o-", label="slowest node")
     dx.plot(x, [results[n]["decision"]["decision_s_median"] for n in ns], "s--", label="median node")
     dx.axhline(5.0, color="tab:red", lw=0.8, ls="--", label="target")
-    dx.set(xscale="log", xlabel="nodes", ylabel="seconds from start", ylim=(0, 6),
-           title="restart decision, a coordinator lost,\n0.1% of nodes lost, GCS 4x slow")
+    dx.set(
+        xscale="log",
+        xlabel="nodes",
+        ylabel="seconds from start",
+        ylim=(0, 6),
+        title="restart decision, a coordinator lost,\n0.1% of nodes lost, GCS 4x slow",
+    )
     dx.title.set_fontsize(9)
     dx.legend(fontsize=7)
     for key, label, *_ in RESTORES:
         gx.plot(x, [results[n]["restore"][key]["gcs_per_unique"] for n in ns], "o-", label=label)
     gx.axhline(1.1, color="tab:red", lw=0.8, ls="--", label="target 1.1")
-    gx.set(xscale="log", xlabel="nodes", ylabel="GCS bytes read / unique bytes", ylim=(0, 4.5),
-           title="restore from GCS, 4 twins per shard")
+    gx.set(
+        xscale="log",
+        xlabel="nodes",
+        ylabel="GCS bytes read / unique bytes",
+        ylim=(0, 4.5),
+        title="restore from GCS, 4 twins per shard",
+    )
     gx.legend(fontsize=7)
 
 
 def plot_backups(axes: list, results: dict, ns: list[str]) -> None:
-    from matplotlib.ticker import ScalarFormatter  # noqa: PLC0415
+    from matplotlib.ticker import ScalarFormatter
 
     bx, tx = axes
     x = [results[n]["backup"][BACKUPS[0][0]]["nodes"] for n in ns]
@@ -222,10 +271,20 @@ def plot_backups(axes: list, results: dict, ns: list[str]) -> None:
         tx.plot(x, [results[n]["backup"][key]["backed_up_s_max"] for n in ns], style, label=label)
     bx.axhline(1.05, color="tab:red", lw=0.8, ls="--", label="target 1.05 (1.5 with a twin dead)")
     bx.axhline(1.5, color="tab:red", lw=0.8, ls=":")
-    bx.set(xscale="log", yscale="log", xlabel="nodes", ylabel="GCS bytes (up + down) / unique bytes",
-           title=f"backup to GCS, {BACKUP_TWINS} twins per shard")
-    tx.set(xscale="log", xlabel="nodes", ylabel="seconds from the first commit", ylim=(0, None),
-           title="backup: until every live rank is backed up")
+    bx.set(
+        xscale="log",
+        yscale="log",
+        xlabel="nodes",
+        ylabel="GCS bytes (up + down) / unique bytes",
+        title=f"backup to GCS, {BACKUP_TWINS} twins per shard",
+    )
+    tx.set(
+        xscale="log",
+        xlabel="nodes",
+        ylabel="seconds from the first commit",
+        ylim=(0, None),
+        title="backup: until every live rank is backed up",
+    )
     for ax in (bx, tx):
         ax.minorticks_off()
         ax.set_xticks(x, [f"{v:,}" for v in x])
@@ -258,8 +317,10 @@ def main() -> int:
     except ValueError:
         p.error("--nodes must be comma-separated integers, e.g. 1000,4000,10000")
     if any(n < BACKUP_TWINS or n % 4 for n in sizes):
-        p.error(f"every job size must be a multiple of 4 (the data-parallel twins of a restore) and at least "
-                f"{BACKUP_TWINS} (those of a backup)")
+        p.error(
+            f"every job size must be a multiple of 4 (the data-parallel twins of a restore) and at least "
+            f"{BACKUP_TWINS} (those of a backup)"
+        )
     logging.basicConfig(level=logging.ERROR, format="%(name)s: %(message)s")
     now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     cmd = shlex.join([sys.executable, *sys.argv])
@@ -272,11 +333,18 @@ def main() -> int:
     except KeyboardInterrupt:
         print("bench_scale: interrupted", file=sys.stderr)
         return 130
-    from tierfs_testing.scenarios import Settings  # noqa: PLC0415
+    from tierfs_testing.scenarios import Settings
 
     s = Settings()
-    settings["model"] = {"net": vars(s.net), "gcs": vars(s.gcs), "k": s.k, "interval_s": s.interval,
-                         "restore_wait_s": s.restore_wait, "fan_out": s.fan_out, "workers": s.workers}
+    settings["model"] = {
+        "net": vars(s.net),
+        "gcs": vars(s.gcs),
+        "k": s.k,
+        "interval_s": s.interval,
+        "restore_wait_s": s.restore_wait,
+        "fan_out": s.fan_out,
+        "workers": s.workers,
+    }
     settings["backup"] = backup_settings()
     print(render(results))
     if args.json:

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchlib import BenchError, TierfsMount, render_table, write_json  # noqa: E402
+from benchlib import BenchError, TierfsMount, render_table, write_json
 
 WRITER = r"""
 import json, os, sys, time
@@ -64,16 +64,18 @@ WRITERS = ("write", "create")
 
 
 def registered(mountpoint: str) -> dict:
-    from tierfs.core import mounts  # noqa: PLC0415 (after the runtime directory is set)
+    from tierfs.core import mounts
 
     return mounts.Registration(mountpoint).read() or {}
 
 
 def answers(mountpoint: str) -> bool:
     """Whether the daemon registered for ``mountpoint`` answers its control socket."""
-    from tierfs.core import mounts  # noqa: PLC0415
-    from tierfs.core.errors import UserError  # noqa: PLC0415
-    from tierfs.core import control_client  # noqa: PLC0415
+    from tierfs.core import (
+        control_client,
+        mounts,
+    )
+    from tierfs.core.errors import UserError
 
     try:
         control_client.request(mounts.Registration(mountpoint).socket_path, {"op": "status"}, timeout=5)
@@ -85,8 +87,10 @@ def answers(mountpoint: str) -> bool:
 def one_round(vol: TierfsMount, event: str, work: Path) -> dict:
     """One event while both writers run: each writer's pause, in seconds."""
     outs = {k: work / f"{k}.json" for k in WRITERS}
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(Path(vol.mountpoint) / k), k, str(outs[k])])
-             for k in WRITERS]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", WRITER, str(Path(vol.mountpoint) / k), k, str(outs[k])])
+        for k in WRITERS
+    ]
     try:
         time.sleep(2.0)  # both in their stride
         before = registered(vol.mountpoint)
@@ -137,20 +141,36 @@ def main() -> int:
             try:
                 rows: dict[str, list[dict]] = {"crash": [], "upgrade": []}
                 for r in range(args.rounds):
-                    for event in (("crash", "upgrade") if r % 2 == 0 else ("upgrade", "crash")):
+                    for event in ("crash", "upgrade") if r % 2 == 0 else ("upgrade", "crash"):
                         rows[event].append(one_round(vol, event, work))
                         print(f"{path} {event} round {r + 1}: {rows[event][-1]}", file=sys.stderr)
                 results["paths"][path] = {
-                    event: {k: {"median_s": statistics.median(x[k] for x in rounds), "max_s": max(x[k] for x in rounds)}
-                            for k in (*WRITERS, "takeover")}
-                    for event, rounds in rows.items()}
+                    event: {
+                        k: {"median_s": statistics.median(x[k] for x in rounds), "max_s": max(x[k] for x in rounds)}
+                        for k in (*WRITERS, "takeover")
+                    }
+                    for event, rounds in rows.items()
+                }
             finally:
                 vol.unmount()
     shutil.rmtree(runtime, ignore_errors=True)
-    body = [(path, event, *(f"{v[k]['median_s'] * 1000:.0f} / {v[k]['max_s'] * 1000:.0f}" for k in (*WRITERS, "takeover")))
-            for path, events in results["paths"].items() for event, v in events.items()]
-    print(render_table(("data path", "event", "1 MiB write (ms, median / max)", "create+write+close",
-                        "until the successor answers"), body))
+    body = [
+        (path, event, *(f"{v[k]['median_s'] * 1000:.0f} / {v[k]['max_s'] * 1000:.0f}" for k in (*WRITERS, "takeover")))
+        for path, events in results["paths"].items()
+        for event, v in events.items()
+    ]
+    print(
+        render_table(
+            (
+                "data path",
+                "event",
+                "1 MiB write (ms, median / max)",
+                "create+write+close",
+                "until the successor answers",
+            ),
+            body,
+        )
+    )
     if args.json:
         write_json(args.json, results)
     return 0

@@ -63,6 +63,7 @@ def pyplot():
     """matplotlib's pyplot on the file-only Agg backend, or None where matplotlib is not installed."""
     try:
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception:
@@ -105,9 +106,11 @@ def size_label(n: int) -> str:
     return f"{n / MiB:.1f} MiB" if n >= MiB else f"{n} B"
 
 
-RAMDISK_HELP = ("a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the plain "
-                "copies' receiving directory (default /dev/shm); one mounted huge=within_size measures both sides "
-                "with large folios")
+RAMDISK_HELP = (
+    "a tmpfs for every side's files: the nodes' ramdisks, the source files, the warm-up and the plain "
+    "copies' receiving directory (default /dev/shm); one mounted huge=within_size measures both sides "
+    "with large folios"
+)
 WARMUP_CAP = 4 << 30
 
 
@@ -121,8 +124,10 @@ def render_table(head: tuple[str, ...], body: list[tuple[str, ...]], left: int =
     """A plain-text table: the first ``left`` columns (the labels) left-aligned, the numbers
     right-aligned, a rule under the head."""
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
-    return "\n".join("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-                     for cells in [head, tuple("-" * w for w in widths), *body])
+    return "\n".join(
+        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        for cells in [head, tuple("-" * w for w in widths), *body]
+    )
 
 
 def cpu_seconds(pid: int | None = None) -> float:
@@ -139,12 +144,14 @@ def cpu_idle() -> str:
     every FUSE round trip): the cpuidle driver, haltpoll's guest polling if it is that, and
     a wake-up latency limit some process holds (PM QoS) if any, since it would speed up
     every side alike, hiding what the volume's own hold is worth."""
+
     def read(path: str) -> str | None:
         try:
             with open(path) as f:
                 return f.read().strip()
         except OSError:
             return None
+
     setting = read("/sys/devices/system/cpu/cpuidle/current_driver") or "none"
     if setting == "haltpoll":
         setting += f", guest_halt_poll_ns={read('/sys/module/haltpoll/parameters/guest_halt_poll_ns')}"
@@ -179,7 +186,7 @@ def clean_up(name: str, mounts, created: list[str]) -> None:
     """Unmount a benchmark's volumes, then remove the directories it made (newest first),
     except one that still has a mount on it: removing through a live mount would delete
     the volume's RAM tier behind its daemon."""
-    from tierfs_testing import unmount_all_beneath  # noqa: PLC0415 (scripts that need no volume need no tierfs)
+    from tierfs_testing import unmount_all_beneath
 
     with no_interruptions():
         for mount in mounts:
@@ -214,6 +221,7 @@ def progress(msg: str) -> None:
 
 def interrupt_on_signals() -> None:
     """SIGTERM and SIGHUP end a run as Ctrl-C does, so its cleanup runs."""
+
     def interrupt(signum, frame):
         raise KeyboardInterrupt
 
@@ -229,7 +237,9 @@ def compile_bytecode() -> None:
     its modules again: about 0.2 s of every start-up, which a deployed node does not pay.
     """
     import compileall
+
     import tierfs
+
     compileall.compile_dir(os.path.dirname(tierfs.__file__), quiet=1)
 
 
@@ -246,6 +256,7 @@ def keep_logs(runtime: str | os.PathLike, name: str) -> str | None:
 
 # ----------------------------------------------------------------------------- buffers, files, warm-up
 
+
 def aligned(n: int) -> memoryview:
     """Page-aligned random bytes (copies from a buffer 16 bytes into a page are ~4x slower here)."""
     m = mmap.mmap(-1, n)
@@ -255,7 +266,7 @@ def aligned(n: int) -> memoryview:
 
 def write_all(fd: int, data: memoryview) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]
 
 
 def random_blocks():
@@ -264,7 +275,7 @@ def random_blocks():
     itself (~0.3 GB/s, so a 4 GiB step took 14 s to make). Either way nothing repeats, so
     no tier can deduplicate or compress it."""
     try:
-        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes  # noqa: PLC0415
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
     except ImportError:
         return os.urandom
     stream = Cipher(algorithms.AES(os.urandom(32)), modes.CTR(os.urandom(16))).encryptor()
@@ -292,7 +303,7 @@ def warm_tmpfs(directory: str | os.PathLike, nbytes: int, buf: memoryview) -> No
     fd = os.open(path := os.path.join(directory, "warmup"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         for pos in range(0, nbytes, len(buf)):
-            write_all(fd, buf[:min(len(buf), nbytes - pos)])
+            write_all(fd, buf[: min(len(buf), nbytes - pos)])
     finally:
         os.close(fd)
         os.unlink(path)  # right before the measurement
@@ -313,7 +324,7 @@ def warm_up(path: str, size: int, buf: memoryview, writers: int | None = None) -
             fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             try:
                 while nbytes > 0:
-                    nbytes -= os.write(fd, buf[:min(nbytes, len(buf))])
+                    nbytes -= os.write(fd, buf[: min(nbytes, len(buf))])
             finally:
                 os.close(fd)
         except OSError as e:
@@ -336,13 +347,15 @@ def warm_up(path: str, size: int, buf: memoryview, writers: int | None = None) -
 
 # ----------------------------------------------------------------------------- a tierfs volume
 
+
 def tierfs_env(runtime: str | os.PathLike, src: str | os.PathLike | None = None) -> dict[str, str]:
     """The environment for the tierfs CLI: this checkout's code first (see SRC_DIR), or ``src``
     (another checkout's, to measure two versions in one run), and a daemon registry of our own."""
     env = dict(os.environ, TIERFS_RUNTIME_DIR=str(runtime))
     if src is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(src), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                                                         if p and p != str(SRC_DIR))])
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(src), *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p != str(SRC_DIR))]
+        )
     return env
 
 
@@ -359,9 +372,17 @@ class TierfsMount:
     checked against what the daemon reports, so a volume never silently measures the other path.
     """
 
-    def __init__(self, mountpoint: str, ramdisk: str, runtime: str, data_path: str = "auto",
-                 job: str = "bench", capacity: str | None = None, extra: tuple[str, ...] = (),
-                 src: str | None = None):
+    def __init__(
+        self,
+        mountpoint: str,
+        ramdisk: str,
+        runtime: str,
+        data_path: str = "auto",
+        job: str = "bench",
+        capacity: str | None = None,
+        extra: tuple[str, ...] = (),
+        src: str | None = None,
+    ):
         self.mountpoint, self.ramdisk, self.job = mountpoint, ramdisk, job
         self.data_path, self.capacity, self.extra = data_path, capacity, tuple(extra)
         self.env = tierfs_env(runtime, src)
@@ -371,8 +392,15 @@ class TierfsMount:
 
     def run(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-m", "tierfs", *args]
-        proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            start_new_session=True,
+        )
         interrupted = False
         deadline = time.monotonic() + timeout
         while True:
@@ -398,8 +426,9 @@ class TierfsMount:
         try:
             out = self.run(*args, *self.extra)
         except subprocess.TimeoutExpired:
-            raise BenchError(f"tierfs mount {self.mountpoint} did not return within 120 s "
-                             f"(logs in {self.log_hint})") from None
+            raise BenchError(
+                f"tierfs mount {self.mountpoint} did not return within 120 s (logs in {self.log_hint})"
+            ) from None
         if out.returncode != 0:
             why = last_line(out.stderr) or last_line(out.stdout) or f"exit status {out.returncode}"
             raise BenchError(f"mount failed: {why}")
@@ -413,8 +442,9 @@ class TierfsMount:
             raise BenchError(f"tierfs status {self.mountpoint} --json gave no daemon pid or data path") from None
         cpu_seconds(self.pid)  # the pid must be ours to read
         if self.data_path != "auto" and got != self.data_path:
-            raise BenchError(f"{self.mountpoint} was mounted with --data-path {self.data_path} "
-                             f"but serves the {got} path")
+            raise BenchError(
+                f"{self.mountpoint} was mounted with --data-path {self.data_path} but serves the {got} path"
+            )
 
     def read_status(self) -> dict:
         out = self.run("status", self.mountpoint, "--json", timeout=60)
@@ -464,6 +494,7 @@ class TierfsMount:
 
 # ----------------------------------------------------------------------------- a local cluster
 
+
 def stray_processes(marker: str) -> list[int]:
     """Processes of ours still running with ``marker`` (a directory this run created under a
     random name) in their command line: daemons whose start was interrupted before their
@@ -484,7 +515,7 @@ def close_cluster(cluster) -> list[str]:
     """Close a ``tierfs_testing.cluster.LocalCluster`` for good: its own close, then any
     daemon or ``tierfs mount`` of its directory still running (a start cut short by Ctrl-C),
     then lazy unmounts. Removes its directory unless a mount stays; returns those left mounted."""
-    from tierfs_testing import wait_gone  # noqa: PLC0415 (scripts that need no cluster need no tierfs)
+    from tierfs_testing import wait_gone
 
     with no_interruptions():
         cluster.close()
@@ -506,6 +537,7 @@ def close_cluster(cluster) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- plain socket copy
+
 
 def plain_receiver(host: str, out_dir: str) -> None:
     buf = aligned(MiB)
@@ -555,8 +587,11 @@ def plain_copy(src: str, dest: str, paths: list[str], out_dir: str, warm) -> dic
     try:
         procs.append(subprocess.Popen([*me, "--_recv", dest, out_dir], stdout=subprocess.PIPE, text=True))
         port = procs[0].stdout.readline().strip()
-        procs.append(subprocess.Popen([*me, "--_send", src, dest, port, *paths], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [*me, "--_send", src, dest, port, *paths], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+        )
         recv, send = procs
         if send.stdout.readline().strip() != "ready":
             raise ValueError
@@ -589,9 +624,9 @@ GCS_WORKERS, GCS_POOL = 8, 32  # threads of a transfer, and its connection pool 
 
 def gcs_client():
     """An anonymous client (the emulator's STORAGE_EMULATOR_HOST must be in os.environ)."""
-    import requests  # noqa: PLC0415 (slow imports, only for the GCS benchmarks)
-    from google.auth.credentials import AnonymousCredentials  # noqa: PLC0415
-    from google.cloud import storage  # noqa: PLC0415
+    import requests
+    from google.auth.credentials import AnonymousCredentials
+    from google.cloud import storage
 
     client = storage.Client(credentials=AnonymousCredentials(), project="test")
     adapter = requests.adapters.HTTPAdapter(pool_maxsize=GCS_POOL)  # 8 threads, no throwaway connections
@@ -602,7 +637,7 @@ def gcs_client():
 
 def drop_bucket(client, name: str) -> None:
     """Delete every object of a bucket, then the bucket."""
-    from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415
+    from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(GCS_WORKERS) as pool:
         list(pool.map(lambda blob: blob.delete(), client.list_blobs(name)))

@@ -67,8 +67,9 @@ def main() -> int:
         emulator.start()
         os.environ.update(emulator.environ())
         emulator.make_bucket("demo-bucket")
-        cluster = LocalCluster(base / "cluster", NODES, job="demo", replicas=1, capacity="2G",
-                               gcs="gs://demo-bucket/checkpoints")
+        cluster = LocalCluster(
+            base / "cluster", NODES, job="demo", replicas=1, capacity="2G", gcs="gs://demo-bucket/checkpoints"
+        )
         cluster.start_all()
         for node in cluster.nodes:
             print(f"node {node.index}: rank {node.index} at {node.mountpoint}, peers on {node.address}")
@@ -79,8 +80,10 @@ def main() -> int:
             write_step(n.mountpoint, 100, shards[n.index])
         for n in cluster.nodes:
             s = wait_safe(cluster, n.index, 100)
-            print(f"node {n.index}: step 100 on peer {', '.join(s['replicas']['peers'])} after "
-                  f"{s['replicas']['lag_s']:.2f}s, in GCS after {s['backup']['lag_s']:.2f}s")
+            print(
+                f"node {n.index}: step 100 on peer {', '.join(s['replicas']['peers'])} after "
+                f"{s['replicas']['lag_s']:.2f}s, in GCS after {s['backup']['lag_s']:.2f}s"
+            )
 
         say("every node writes step 200 with one shard in eight changed")
         sums = {}
@@ -90,9 +93,11 @@ def main() -> int:
         for n in cluster.nodes:
             s = wait_safe(cluster, n.index, 200)
             r, b = s["replicas"], s["backup"]
-            print(f"node {n.index}: {r['sent_bytes'] // MiB} MiB sent to the peer "
-                  f"({r['skipped_bytes'] // MiB} MiB it had), {b['uploaded_bytes'] // MiB} MiB uploaded "
-                  f"({b['dedup_bytes'] // MiB} MiB already in GCS)")
+            print(
+                f"node {n.index}: {r['sent_bytes'] // MiB} MiB sent to the peer "
+                f"({r['skipped_bytes'] // MiB} MiB it had), {b['uploaded_bytes'] // MiB} MiB uploaded "
+                f"({b['dedup_bytes'] // MiB} MiB already in GCS)"
+            )
         print(cluster.tierfs("status", cluster.nodes[1].mountpoint).stdout, end="")
 
         say("kill -9 node 0's daemon while a file is open: its keeper starts a successor")
@@ -107,8 +112,10 @@ def main() -> int:
         if hashlib.sha256(head + rest).hexdigest() != sums[0][shard.name]:
             raise SystemExit("demo: the open file read differently after the daemon was killed")
         cluster.refresh(0)
-        print(f"daemon {before} killed; pid {cluster.nodes[0].pid} serves the mount now; the open file "
-              f"read on after {paused * 1000:.0f} ms, every byte as committed")
+        print(
+            f"daemon {before} killed; pid {cluster.nodes[0].pid} serves the mount now; the open file "
+            f"read on after {paused * 1000:.0f} ms, every byte as committed"
+        )
 
         say("lose node 1: its keeper and daemon killed (the node crashes), its RAM tier wiped")
         cluster.kill(1)
@@ -126,8 +133,10 @@ def main() -> int:
             raise SystemExit("demo: restored files differ from the committed ones")
         took = time.monotonic() - started
         info = cluster.status(1)["restored"]
-        print(f"step {info['step']} (newest complete on every rank: {cluster.status(1)['cluster']['newest_complete']}) "
-              f"read back from {info['from']} in {took:.1f}s; all {len(restored)} files verified (sha256)")
+        print(
+            f"step {info['step']} (newest complete on every rank: {cluster.status(1)['cluster']['newest_complete']}) "
+            f"read back from {info['from']} in {took:.1f}s; all {len(restored)} files verified (sha256)"
+        )
         print(cluster.tierfs("status", cluster.nodes[1].mountpoint).stdout, end="")
         say("done")
         return 0

@@ -31,11 +31,12 @@ import tempfile
 import time
 from pathlib import Path
 
-import tierfs
 from benchlib import BenchError, aligned, drop_bucket, progress, warm_up  # (scripts/ is on sys.path)
-from tierfs.commands.status import fetch as fetch_status
 from tierfs_testing.cluster import LocalCluster
 from tierfs_testing.gcs_proxy import GcsProxy
+
+import tierfs
+from tierfs.commands.status import fetch as fetch_status
 
 MiB = 1 << 20
 SIDES = ("tierfs", "baseline")
@@ -65,8 +66,16 @@ def run_side(side: str, d: int, args, data: bytes, emu, proxy: GcsProxy, client,
     bucket = f"twins-{side}-{d}-{os.urandom(4).hex()}"
     emu.make_bucket(bucket)
     src = THIS_SRC if side == "tierfs" else args.reference_src
-    cluster = cluster_of(tmp / f"{side}-{d}", d, src, proxy.url, replicas=1, capacity=args.capacity,
-                         gcs=f"gs://{bucket}/t", data_parallel=d)
+    cluster = cluster_of(
+        tmp / f"{side}-{d}",
+        d,
+        src,
+        proxy.url,
+        replicas=1,
+        capacity=args.capacity,
+        gcs=f"gs://{bucket}/t",
+        data_parallel=d,
+    )
     try:
         cluster.start_all()
         for node in cluster.nodes:
@@ -81,8 +90,10 @@ def run_side(side: str, d: int, args, data: bytes, emu, proxy: GcsProxy, client,
         done: dict[int, dict] = {}
         while len(done) < d:
             if time.perf_counter() - t0 > args.timeout:
-                raise BenchError(f"{side}, D = {d}: ranks {sorted(set(range(d)) - set(done))} not backed up "
-                                 f"within {args.timeout:.0f} s")
+                raise BenchError(
+                    f"{side}, D = {d}: ranks {sorted(set(range(d)) - set(done))} not backed up "
+                    f"within {args.timeout:.0f} s"
+                )
             for i, node in enumerate(cluster.nodes):
                 if i in done:
                     continue
@@ -95,10 +106,18 @@ def run_side(side: str, d: int, args, data: bytes, emu, proxy: GcsProxy, client,
         manifests = sum(1 for b in client.list_blobs(bucket, prefix="t/") if "/manifests/" in f"/{b.name}")
         if manifests < d:
             raise BenchError(f"{side}, D = {d}: {manifests} manifests in GCS for {d} ranks")
-        return {"side": side, "d": d, "unique_bytes": len(data), "seconds": seconds,
-                "bytes_up": counts["up"], "bytes_down": counts["down"], "requests": counts["requests"],
-                "methods": counts["methods"],
-                "manifests": manifests, "ranks": done}
+        return {
+            "side": side,
+            "d": d,
+            "unique_bytes": len(data),
+            "seconds": seconds,
+            "bytes_up": counts["up"],
+            "bytes_down": counts["down"],
+            "requests": counts["requests"],
+            "methods": counts["methods"],
+            "manifests": manifests,
+            "ranks": done,
+        }
     finally:
         cluster.close()
         drop_bucket(client, bucket)
@@ -118,9 +137,11 @@ def run(args, emu, client) -> dict:
                         r = run_side(side, d, args, data, emu, proxy, client, tmp)
                         r["round"] = rnd
                         raw.append(r)
-                        progress(f"round {rnd + 1} D = {d} {side}: {r['bytes_up'] / r['unique_bytes']:.2f}x up, "
-                                 f"{r['bytes_down'] / r['unique_bytes']:.2f}x down, {r['requests']} requests, "
-                                 f"every rank backed up after {r['seconds']:.2f} s")
+                        progress(
+                            f"round {rnd + 1} D = {d} {side}: {r['bytes_up'] / r['unique_bytes']:.2f}x up, "
+                            f"{r['bytes_down'] / r['unique_bytes']:.2f}x down, {r['requests']} requests, "
+                            f"every rank backed up after {r['seconds']:.2f} s"
+                        )
                 del data
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -134,10 +155,18 @@ def medians(raw: list[dict]) -> list[dict]:
         for side in SIDES:
             runs = [r for r in raw if r["d"] == d and r["side"] == side]
             unique = runs[0]["unique_bytes"]
-            rows.append({"d": d, "side": side, "rounds": len(runs), "unique_bytes": unique,
-                         "up_per_unique": med(r["bytes_up"] for r in runs) / unique,
-                         "down_per_unique": med(r["bytes_down"] for r in runs) / unique,
-                         "requests": med(r["requests"] for r in runs), "seconds": med(r["seconds"] for r in runs)})
+            rows.append(
+                {
+                    "d": d,
+                    "side": side,
+                    "rounds": len(runs),
+                    "unique_bytes": unique,
+                    "up_per_unique": med(r["bytes_up"] for r in runs) / unique,
+                    "down_per_unique": med(r["bytes_down"] for r in runs) / unique,
+                    "requests": med(r["requests"] for r in runs),
+                    "seconds": med(r["seconds"] for r in runs),
+                }
+            )
     return rows
 
 
@@ -146,26 +175,40 @@ def simulate(args) -> list[dict]:
     measured here, and every twin committing at once, as the renames here do."""
     if not args.sim_twins:
         return []
-    from tierfs_testing.backups import backup  # noqa: PLC0415
+    from tierfs_testing.backups import backup
 
     chunk = 4 * MiB
     rows = []
     for d in args.sim_twins:
         for side, mode in (("tierfs", "twins"), ("baseline", "today")):
             b = backup(d, d, mode, chunks=max(1, args.size // chunk), chunk_size=chunk, spread=0.0)
-            rows.append({"d": d, "side": side, "simulated": True, "unique_bytes": b["unique_bytes"],
-                         "up_per_unique": b["up_per_unique"], "down_per_unique": b["down_per_unique"],
-                         "requests": b["requests"], "seconds": b["backed_up_s_max"]})
+            rows.append(
+                {
+                    "d": d,
+                    "side": side,
+                    "simulated": True,
+                    "unique_bytes": b["unique_bytes"],
+                    "up_per_unique": b["up_per_unique"],
+                    "down_per_unique": b["down_per_unique"],
+                    "requests": b["requests"],
+                    "seconds": b["backed_up_s_max"],
+                }
+            )
     return rows
 
 
 def render(result: dict) -> str:
-    out = [f"{'D':>3}  {'side':<9}  {'up/unique':>9}  {'down/unique':>11}  {'requests':>8}  "
-           f"{'commit to every rank backed up':>30}", "-" * 82]
+    out = [
+        f"{'D':>3}  {'side':<9}  {'up/unique':>9}  {'down/unique':>11}  {'requests':>8}  "
+        f"{'commit to every rank backed up':>30}",
+        "-" * 82,
+    ]
     for r in result["medians"] + result["simulated"]:
         sim = "  (simulated: model seconds)" if r.get("simulated") else ""
-        out.append(f"{r['d']:>3}  {r['side']:<9}  {r['up_per_unique']:9.3f}  {r['down_per_unique']:11.3f}  "
-                   f"{r['requests']:8.0f}  {r['seconds']:28.2f} s{sim}")
+        out.append(
+            f"{r['d']:>3}  {r['side']:<9}  {r['up_per_unique']:9.3f}  {r['down_per_unique']:11.3f}  "
+            f"{r['requests']:8.0f}  {r['seconds']:28.2f} s{sim}"
+        )
     return "\n".join(out)
 
 
@@ -179,20 +222,41 @@ def plot(path: str, result: dict, title: str, pyplot, save_figure) -> str | None
     for side, label, style in (("tierfs", "twins share the upload", "o-"), ("baseline", "code before", "s--")):
         real = [r for r in rows if r["side"] == side and not r.get("simulated")]
         sim = [r for r in rows if r["side"] == side and r.get("simulated")]
-        line, = bx.plot([r["d"] for r in real], [r["up_per_unique"] + r["down_per_unique"] for r in real], style,
-                        label=f"{label} (daemons)")
+        (line,) = bx.plot(
+            [r["d"] for r in real],
+            [r["up_per_unique"] + r["down_per_unique"] for r in real],
+            style,
+            label=f"{label} (daemons)",
+        )
         if sim:
-            bx.plot([r["d"] for r in sim], [r["up_per_unique"] + r["down_per_unique"] for r in sim], "x",
-                    color=line.get_color(), ms=9, label=f"{label} (simulated)")
+            bx.plot(
+                [r["d"] for r in sim],
+                [r["up_per_unique"] + r["down_per_unique"] for r in sim],
+                "x",
+                color=line.get_color(),
+                ms=9,
+                label=f"{label} (simulated)",
+            )
         tx.plot([r["d"] for r in real], [r["seconds"] for r in real], style, label=label)
-    bx.set(xscale="log", xlabel="data-parallel twins D (nodes)", ylabel="GCS bytes (up + down) / unique bytes",
-           title="GCS traffic of one step's backup")
+    bx.set(
+        xscale="log",
+        xlabel="data-parallel twins D (nodes)",
+        ylabel="GCS bytes (up + down) / unique bytes",
+        title="GCS traffic of one step's backup",
+    )
     bx.set_xticks(sorted({r["d"] for r in rows}), [str(d) for d in sorted({r["d"] for r in rows})])
     bx.legend(fontsize=7)
-    tx.set(xscale="log", xlabel="data-parallel twins D (nodes)", ylabel="seconds (median)",
-           title="commit to every rank backed up (daemons)", ylim=(0, None))
-    tx.set_xticks(sorted({r["d"] for r in rows if not r.get("simulated")}),
-                  [str(d) for d in sorted({r["d"] for r in rows if not r.get("simulated")})])
+    tx.set(
+        xscale="log",
+        xlabel="data-parallel twins D (nodes)",
+        ylabel="seconds (median)",
+        title="commit to every rank backed up (daemons)",
+        ylim=(0, None),
+    )
+    tx.set_xticks(
+        sorted({r["d"] for r in rows if not r.get("simulated")}),
+        [str(d) for d in sorted({r["d"] for r in rows if not r.get("simulated")})],
+    )
     tx.legend(fontsize=7)
     for ax in (bx, tx):
         ax.minorticks_off()

@@ -18,22 +18,20 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from tierfs_testing import TIERFS, cleanup_mount, unmount_all_beneath
+from tierfs_testing.gcs_emulator import GcsEmulator
 
+from tests.prometheus import prometheus  # noqa: F401 (a fixture for every test package)
 from tierfs.commands.status import fetch
 from tierfs.core import mounts
 from tierfs.ramtier.tmpfs import delete_ram_data
-from tierfs_testing import TIERFS, cleanup_mount, unmount_all_beneath
-from tierfs_testing.gcs_emulator import GcsEmulator
-from tests.prometheus import prometheus  # noqa: F401 (a fixture for every test package)
 
 SHM = Path("/dev/shm")
 
 
 def tierfs(*args: str, check: bool = True, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the ``tierfs`` command as a user would, capturing its output."""
-    proc = subprocess.run(
-        [*TIERFS, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout
-    )
+    proc = subprocess.run([*TIERFS, *map(str, args)], capture_output=True, text=True, env=env, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"tierfs {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
     return proc
@@ -99,8 +97,7 @@ def daemon_logs(request, runtime_dir) -> Iterator[DaemonLogs]:
     logs.collect(runtime_dir)
     unexpected = logs.unexpected()
     if unexpected:
-        pytest.fail("a daemon logged what this test does not expect:\n  " + "\n  ".join(unexpected[:20]),
-                    pytrace=False)
+        pytest.fail("a daemon logged what this test does not expect:\n  " + "\n  ".join(unexpected[:20]), pytrace=False)
 
 
 @pytest.fixture
@@ -131,8 +128,10 @@ def small_tmpfs(shm_dir):
 
     def make(size: int, options: str = "") -> Path:
         p = shm_dir("tierfs-small")
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777{options and ','}{options}", "tierfs-test",
-                        str(p)], check=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size},mode=1777{options and ','}{options}", "tierfs-test", str(p)],
+            check=True,
+        )
         made.append(p)
         return p
 
@@ -181,8 +180,9 @@ def volumes(shm_dir):
     ramdisk = shm_dir("tierfs-ram")
     mnt_base = shm_dir("tierfs-mnt")
 
-    def mount(job: str = "job", rank: int = 0, mountpoint: Path | None = None,
-              ramdisk_dir: Path | None = None, **options) -> Volume:
+    def mount(
+        job: str = "job", rank: int = 0, mountpoint: Path | None = None, ramdisk_dir: Path | None = None, **options
+    ) -> Volume:
         mp = mountpoint
         if mp is None:
             mp = mnt_base / f"mnt-{len(made)}"
@@ -239,8 +239,9 @@ def previous_release(tmp_path_factory) -> Path:
     history (``git archive`` of :data:`PREVIOUS`)."""
     out = tmp_path_factory.mktemp("previous-release")
     repo = Path(__file__).resolve().parents[1]
-    archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", PREVIOUS, "src/tierfs"],
-                             capture_output=True)
+    archive = subprocess.run(
+        ["git", "-C", str(repo), "archive", "--format=tar", PREVIOUS, "src/tierfs"], capture_output=True
+    )
     if archive.returncode != 0:
         pytest.skip(f"this checkout has no history to build the previous release from: {archive.stderr.decode()}")
     (out / "release.tar").write_bytes(archive.stdout)

@@ -12,11 +12,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tierfs_testing import free_port  # noqa: F401 (the package's runners need it too)
+
 from tierfs.core import mounts
 from tierfs.core.describe import build
 from tierfs.core.keys import bucket_seals, split_secrets
 from tierfs.core.manifest import Manifest
-from tierfs_testing import free_port  # noqa: F401 (the package's runners need it too)
 
 
 def kill_daemon(mountpoint) -> None:
@@ -25,8 +26,11 @@ def kill_daemon(mountpoint) -> None:
     registration = mounts.Registration(mountpoint)
     before = registration.read()
     os.kill(before["pid"], signal.SIGKILL)
-    wait_for(lambda: (registration.read() or {}).get("pid") not in (None, before["pid"]), timeout=30,
-             what="a successor to take the mount over")
+    wait_for(
+        lambda: (registration.read() or {}).get("pid") not in (None, before["pid"]),
+        timeout=30,
+        what="a successor to take the mount over",
+    )
     assert registration.read()["keeper"] == before["keeper"]
 
 
@@ -43,8 +47,9 @@ def wait_for(predicate: Callable, timeout: float = 60, what: str = "condition", 
     return value
 
 
-def write_orbax_step(mnt: Path, step: int, files: dict[str, bytes], base: str = "ckpt",
-                     prepare: Callable[[Path], None] | None = None) -> Path:
+def write_orbax_step(
+    mnt: Path, step: int, files: dict[str, bytes], base: str = "ckpt", prepare: Callable[[Path], None] | None = None
+) -> Path:
     """Commit ``files`` as Orbax does: write them into ``<base>/<step>.orbax-checkpoint-tmp``, rename it to ``<base>/<step>``.
 
     ``base=""`` writes at the root of the mount (Orbax under multi-tier checkpointing).
@@ -84,8 +89,9 @@ def tree_digest(root: Path, exact: bool = False) -> dict[str, tuple]:
     return out
 
 
-def make_step(base: Path, files: dict[str, bytes], *, job: str, rank: int, step: int,
-              chunk_size: int) -> tuple[Manifest, dict[str, tuple[str, int, int]]]:
+def make_step(
+    base: Path, files: dict[str, bytes], *, job: str, rank: int, step: int, chunk_size: int
+) -> tuple[Manifest, dict[str, tuple[str, int, int]]]:
     """A committed tree ``ckpt/`` holding ``files``, its manifest, and where each chunk lies."""
     tree = base / f"snap-{rank}-{step}-{random.random()}"
     (tree / "ckpt").mkdir(parents=True)

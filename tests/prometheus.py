@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tierfs_testing import free_port
 
 from tests.helpers import wait_for
-from tierfs_testing import free_port
 
 
 def promtool_check_metrics(text: str) -> None:
@@ -34,15 +34,26 @@ class Prometheus:
         self.port = free_port()
         # honor_labels: the series' own ``job`` (tierfs' job) wins over the scrape job's name,
         # as the PodMonitor in csi/deploy/monitoring asks too.
-        config = {"global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
-                  "scrape_configs": [{"job_name": job, "honor_labels": True, "static_configs": [{"targets": addresses}]}
-                                     for job, addresses in targets.items()]}
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "900ms"},
+            "scrape_configs": [
+                {"job_name": job, "honor_labels": True, "static_configs": [{"targets": addresses}]}
+                for job, addresses in targets.items()
+            ],
+        }
         (self.dir / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(self.dir / "prometheus.log", "wb")
         self.proc = subprocess.Popen(
-            ["prometheus", f"--config.file={self.dir / 'prometheus.yml'}", f"--storage.tsdb.path={self.dir / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            [
+                "prometheus",
+                f"--config.file={self.dir / 'prometheus.yml'}",
+                f"--storage.tsdb.path={self.dir / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--log.level=warn",
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         wait_for(self._ready, timeout=60, what="prometheus to start")
 
     def _ready(self) -> bool:
@@ -64,8 +75,10 @@ class Prometheus:
     def query(self, expr: str) -> dict[tuple, float]:
         """An instant query: each series' labels (sorted pairs, without __name__) -> its value."""
         data = self._get("/api/v1/query", query=expr)
-        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k != "__name__")): float(r["value"][1])
-                for r in data["result"]}
+        return {
+            tuple(sorted((k, v) for k, v in r["metric"].items() if k != "__name__")): float(r["value"][1])
+            for r in data["result"]
+        }
 
     def value(self, expr: str) -> float | None:
         """The value of a query that names one series, None while it has none."""
@@ -89,8 +102,10 @@ class Prometheus:
     def targets_up(self) -> dict[str, str]:
         """Each scraped endpoint -> its health (``up``, ``down``, ``unknown``) and last error."""
         data = self._get("/api/v1/targets")
-        return {t["labels"]["instance"]: t["health"] + (f": {t['lastError']}" if t["lastError"] else "")
-                for t in data["activeTargets"]}
+        return {
+            t["labels"]["instance"]: t["health"] + (f": {t['lastError']}" if t["lastError"] else "")
+            for t in data["activeTargets"]
+        }
 
     def close(self) -> None:
         self.proc.terminate()

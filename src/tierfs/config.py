@@ -22,14 +22,7 @@ from tierfs.core.commit import CommitRules, parse_rules
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys, bucket_seals, manifest_keys, split_secrets
 from tierfs.core.logs import DEFAULT_MAX_SIZE, LOG_BACKUPS, LOG_FORMATS, MIN_MAX_SIZE
-from tierfs.core.parse import (
-    COORDINATOR_PORT,
-    check_job_id,
-    parse_address,
-    parse_duration,
-    parse_gcs_url,
-    parse_size,
-)
+from tierfs.core.parse import COORDINATOR_PORT, check_job_id, parse_address, parse_duration, parse_gcs_url, parse_size
 
 if TYPE_CHECKING:
     from tierfs.core.bucket_seal import ChunkSeal
@@ -68,37 +61,37 @@ OPTIONS = {
     "nodes": "number of nodes (ranks) in the job (default 1)",
     "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
     "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
-                 "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
+    "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
     "engine": "the FUSE engine: tierfs (its own, on every kernel), pyfuse3 (libfuse; daemon path only), "
-              "or auto (tierfs', pyfuse3 where it cannot mount; the default)",
+    "or auto (tierfs', pyfuse3 where it cannot mount; the default)",
     "wake-cpus": "on (default): while a burst of file creates lasts, keep idle CPUs out of deep idle "
-                 "states (/dev/cpu_dma_latency), so each answer wakes its caller at once; off: leave them alone",
+    "states (/dev/cpu_dma_latency), so each answer wakes its caller at once; off: leave them alone",
     "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
     "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
     "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
     "keep": "committed steps kept in GCS and on --disk per rank (default 3)",
     "keep-local": "newest committed steps kept in RAM, besides any a tier still needs (default 1)",
     "keep-every": "milestones: every step divisible by this is kept in GCS and on --disk beyond --keep "
-                  "(default 0: none)",
+    "(default 0: none)",
     "keep-for": "how long a milestone is kept, e.g. 30d (default 0: for good)",
     "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
     "restore-step": "roll the job back: every rank restores this step instead of the newest, and steps newer "
-                    "than it are set aside (GCS keeps them until discarded); done once, however often given",
+    "than it are set aside (GCS keeps them until discarded); done once, however often given",
     "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
     "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
     "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
     "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
     "gcs-token-audience": "with --gcs-token-file: the workload identity provider the job's token is exchanged "
-                          "at, //iam.googleapis.com/projects/NUM/locations/global/workloadIdentityPools/POOL/"
-                          "providers/P, or GKE's identitynamespace:PROJECT.svc.id.goog:https://container."
-                          "googleapis.com/v1/projects/P/locations/L/clusters/C",
+    "at, //iam.googleapis.com/projects/NUM/locations/global/workloadIdentityPools/POOL/"
+    "providers/P, or GKE's identitynamespace:PROJECT.svc.id.goog:https://container."
+    "googleapis.com/v1/projects/P/locations/L/clusters/C",
     "gcs-sts-url": f"with --gcs-token-file: the token exchange (STS) endpoint (default {DEFAULT_STS_URL})",
     "gcs-service-account": "with --gcs-token-file: act as this Google service account (EMAIL), impersonated "
-                           "with the job's federated token, instead of as the job's principal itself",
+    "with the job's federated token, instead of as the job's principal itself",
     "gcs-iam-url": f"with --gcs-service-account: the IAM credentials endpoint (default {DEFAULT_IAM_URL})",
     "listen": "HOST:PORT where this node's peer service accepts other nodes",
     "peers": "the other nodes' peer services: HOST:PORT,..., patterns like node-{0..15}:7420, "
-             "dns:NAME:PORT (a headless Service's addresses) or dns+srv:NAME (SRV records)",
+    "dns:NAME:PORT (a headless Service's addresses) or dns+srv:NAME (SRV records)",
     "replicas": "peers that keep a copy of each committed step (default 1)",
     "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
     "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
@@ -106,7 +99,7 @@ OPTIONS = {
     "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
     "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
     "mtbf": "the job's mean time between failures, e.g. 6h, for the checkpoint interval tierfs advises "
-            "(default: the failures it has seen)",
+    "(default: the failures it has seen)",
     "log-level": "debug, info, warning or error (default info)",
     "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
     "log-format": "text (the default) or json: one object per line, with time, level, job, rank and the event",
@@ -116,17 +109,17 @@ OPTIONS = {
 # (so not in OPTIONS); the CSI plugin passes TIERFS_DISK from its own environment to every daemon.
 HOST_PATH_OPTIONS = {
     "disk": "local directory (e.g. on NVMe) every committed step is also written to; restores read it "
-            "before peers, and when RAM is short committed steps held there leave RAM",
+    "before peers, and when RAM is short committed steps held there leave RAM",
     # Per job, never the plugin's own environment: the CSI plugin writes each job's token and passes its path.
     "gcs-token-file": "file holding the job's Kubernetes service-account token (a JWT, re-read whenever a new "
-                      "access token is needed): GCS is then reached as the job's identity, exchanged at "
-                      "--gcs-token-audience, not as the node's",
+    "access token is needed): GCS is then reached as the job's identity, exchanged at "
+    "--gcs-token-audience, not as the node's",
 }
 # Addresses on the host: `tierfs mount` options, never a pod's to choose (the CSI plugin
 # serves every daemon's metrics on its own endpoint).
 HOST_ADDRESS_OPTIONS = {
     "metrics": "HOST:PORT to serve Prometheus metrics at /metrics (default: none; the CSI plugin "
-               "serves its daemons' metrics itself)",
+    "serves its daemons' metrics itself)"
 }
 # Host files for the peer service's TLS: options of `tierfs mount` and of mount -o, but not of
 # OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
@@ -208,7 +201,7 @@ class Config:
     mtbf: float | None = None  # seconds: the operator's mean time between the job's failures
 
     @classmethod
-    def build(cls, **values) -> "Config":
+    def build(cls, **values) -> Config:
         """Coerce and validate raw values (strings from flags, env or ``-o``)."""
         v = {k: val for k, val in values.items() if val is not None}
         if "mountpoint" not in v:
@@ -315,19 +308,14 @@ class Config:
         if (self.peers or self.peer_dns or self.listen) and not self.secret:
             raise UserError("the peer service needs the job's secret: set TIERFS_SECRET or --secret-file")
         if any(len(s) < 16 for s in (self.secret or b"x" * 16, *self.older_secrets)):
-            raise UserError("the job secret is too short: use at least 16 characters "
-                            "(tierfs secret makes a good one)")
+            raise UserError("the job secret is too short: use at least 16 characters (tierfs secret makes a good one)")
         _check_peer_tls(self)
         if self.peers and not self.peer_dns and not 1 <= self.replicas <= len(self.peers):
-            raise UserError(
-                f"invalid --replicas {self.replicas}: between 1 and the {len(self.peers)} peer(s) given"
-            )
+            raise UserError(f"invalid --replicas {self.replicas}: between 1 and the {len(self.peers)} peer(s) given")
         if self.peer_dns and self.replicas < 1:
             raise UserError(f"invalid --replicas {self.replicas}: at least 1")
         if self.data_parallel < 1 or self.nodes % self.data_parallel:
-            raise UserError(
-                f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}"
-            )
+            raise UserError(f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}")
         if self.gcs is not None:
             parse_gcs_url(self.gcs)
         _check_gcs_identity(self)
@@ -342,8 +330,9 @@ class Config:
         if self.log_format not in LOG_FORMATS:
             raise UserError(f"invalid --log-format {self.log_format!r}: use text or json")
         if 0 < self.log_max_size < MIN_MAX_SIZE:
-            raise UserError(f"invalid --log-max-size {self.log_max_size}: use 0 (never rotate) or at least "
-                            f"{MIN_MAX_SIZE >> 10}K")
+            raise UserError(
+                f"invalid --log-max-size {self.log_max_size}: use 0 (never rotate) or at least {MIN_MAX_SIZE >> 10}K"
+            )
 
     @property
     def rules(self) -> CommitRules:
@@ -392,8 +381,9 @@ def _check_peer_tls(cfg: Config) -> None:
     if not cfg.peer_tls:
         raise UserError("--tls-cert, --tls-key and --tls-ca need --peer-tls on: drop them, or --peer-tls off")
     if len(given) < len(_TLS_FILES):
-        raise UserError("--tls-cert, --tls-key and --tls-ca go together: give all three, or none to key "
-                        "TLS from the job's secret")
+        raise UserError(
+            "--tls-cert, --tls-key and --tls-ca go together: give all three, or none to key TLS from the job's secret"
+        )
     for key in _TLS_FILES:  # whether they hold PEM is checked where TLS is set up (tierfs.peers.tls)
         try:
             with open(getattr(cfg, key), "rb"):
@@ -405,29 +395,44 @@ def _check_peer_tls(cfg: Config) -> None:
 def _check_gcs_identity(cfg: Config) -> None:
     """The job's own GCS identity: a readable token file and an audience go together; the rest needs them."""
     if cfg.gcs_token_file is None:
-        for key, unset in (("gcs_token_audience", None), ("gcs_service_account", None),
-                           ("gcs_sts_url", DEFAULT_STS_URL), ("gcs_iam_url", DEFAULT_IAM_URL)):
+        for key, unset in (
+            ("gcs_token_audience", None),
+            ("gcs_service_account", None),
+            ("gcs_sts_url", DEFAULT_STS_URL),
+            ("gcs_iam_url", DEFAULT_IAM_URL),
+        ):
             if getattr(cfg, key) != unset:
-                raise UserError(f"--{key.replace('_', '-')} needs --gcs-token-file, the job's Kubernetes "
-                                "service-account token: give both, or neither to use the node's credentials")
+                raise UserError(
+                    f"--{key.replace('_', '-')} needs --gcs-token-file, the job's Kubernetes "
+                    "service-account token: give both, or neither to use the node's credentials"
+                )
         return
     read_token_file(cfg.gcs_token_file)
     audience = cfg.gcs_token_audience
     if not audience:
-        raise UserError("--gcs-token-file needs --gcs-token-audience: the workload identity provider to exchange "
-                        "the token at, e.g. identitynamespace:PROJECT.svc.id.goog:https://container.googleapis.com/"
-                        "v1/projects/PROJECT/locations/LOCATION/clusters/CLUSTER")
-    if (not audience.startswith(("//iam.googleapis.com/", "identitynamespace:")) or len(audience) > 1024
-            or re.search(r"\s", audience)):
-        raise UserError(f"invalid --gcs-token-audience {audience[:200]!r}: use //iam.googleapis.com/projects/NUM/"
-                        "locations/global/workloadIdentityPools/POOL/providers/PROVIDER or identitynamespace:"
-                        "PROJECT.svc.id.goog:https://container.googleapis.com/v1/projects/P/locations/L/clusters/C")
+        raise UserError(
+            "--gcs-token-file needs --gcs-token-audience: the workload identity provider to exchange "
+            "the token at, e.g. identitynamespace:PROJECT.svc.id.goog:https://container.googleapis.com/"
+            "v1/projects/PROJECT/locations/LOCATION/clusters/CLUSTER"
+        )
+    if (
+        not audience.startswith(("//iam.googleapis.com/", "identitynamespace:"))
+        or len(audience) > 1024
+        or re.search(r"\s", audience)
+    ):
+        raise UserError(
+            f"invalid --gcs-token-audience {audience[:200]!r}: use //iam.googleapis.com/projects/NUM/"
+            "locations/global/workloadIdentityPools/POOL/providers/PROVIDER or identitynamespace:"
+            "PROJECT.svc.id.goog:https://container.googleapis.com/v1/projects/P/locations/L/clusters/C"
+        )
     _check_endpoint(cfg.gcs_sts_url, "gcs-sts-url")
     _check_endpoint(cfg.gcs_iam_url, "gcs-iam-url")
     account = cfg.gcs_service_account
     if account is not None and not re.fullmatch(r"[A-Za-z0-9._-]{1,100}@[A-Za-z0-9.-]{1,200}\.[A-Za-z]{2,}", account):
-        raise UserError(f"invalid --gcs-service-account {account[:200]!r}: give the service account's email, "
-                        "e.g. NAME@PROJECT.iam.gserviceaccount.com")
+        raise UserError(
+            f"invalid --gcs-service-account {account[:200]!r}: give the service account's email, "
+            "e.g. NAME@PROJECT.iam.gserviceaccount.com"
+        )
 
 
 def _check_endpoint(url: str, flag: str) -> None:
@@ -439,8 +444,13 @@ def _check_endpoint(url: str, flag: str) -> None:
     except ValueError:
         host, parts = None, None
     local = host in ("127.0.0.1", "localhost", "::1")
-    if (parts is None or not host or re.search(r"\s", url) or len(url) > 1024
-            or not (parts.scheme == "https" or (parts.scheme == "http" and local))):
+    if (
+        parts is None
+        or not host
+        or re.search(r"\s", url)
+        or len(url) > 1024
+        or not (parts.scheme == "https" or (parts.scheme == "http" and local))
+    ):
         raise UserError(f"invalid --{flag} {url[:200]!r}: use an https:// URL (http:// only to 127.0.0.1)")
 
 

@@ -48,8 +48,16 @@ def manifest_size(chunks: int) -> int:
     return 256 + 80 * chunks
 
 
-def backup(nodes: int, data_parallel: int = 16, mode: str = "twins", dead: int = 0, chunks: int = CHUNKS,
-           chunk_size: int = CHUNK_SIZE, spread: float = COMMIT_SPREAD, s: Settings | None = None) -> dict:
+def backup(
+    nodes: int,
+    data_parallel: int = 16,
+    mode: str = "twins",
+    dead: int = 0,
+    chunks: int = CHUNKS,
+    chunk_size: int = CHUNK_SIZE,
+    spread: float = COMMIT_SPREAD,
+    s: Settings | None = None,
+) -> dict:
     """Every rank commits step :data:`STEP` within ``spread`` s of the first and backs it up.
 
     ``dead``: twins of every data-parallel group that are gone before the backup starts,
@@ -151,8 +159,14 @@ class _Rank:
                 await self.gcs.exists(h)
             return created
 
-        await twins.share(dict.fromkeys(self.chunks, self.model.chunk_size), self.rank, group,
-                          exists=present, upload=twins.one_by_one(put), workers=THREADS)
+        await twins.share(
+            dict.fromkeys(self.chunks, self.model.chunk_size),
+            self.rank,
+            group,
+            exists=present,
+            upload=twins.one_by_one(put),
+            workers=THREADS,
+        )
 
 
 async def _backup(model: JobModel, s: Settings, mode: str, dead: int, spread: float) -> dict:
@@ -176,15 +190,25 @@ async def _backup(model: JobModel, s: Settings, mode: str, dead: int, spread: fl
     done = [rank.done for rank in ranks.values()]
     per_twin = Counter({r: rank.uploaded for r, rank in ranks.items()})
     return {
-        "nodes": model.nodes, "mode": mode, "data_parallel": d, "dead_per_group": dead, "commit_spread_s": spread,
-        "rank_bytes": model.chunks * model.chunk_size, "chunk_size": model.chunk_size, "unique_bytes": unique,
-        "bytes_up": gcs.bytes_written, "bytes_down": gcs.bytes_read,
-        "up_per_unique": round(gcs.bytes_written / unique, 3), "down_per_unique": round(gcs.bytes_read / unique, 3),
+        "nodes": model.nodes,
+        "mode": mode,
+        "data_parallel": d,
+        "dead_per_group": dead,
+        "commit_spread_s": spread,
+        "rank_bytes": model.chunks * model.chunk_size,
+        "chunk_size": model.chunk_size,
+        "unique_bytes": unique,
+        "bytes_up": gcs.bytes_written,
+        "bytes_down": gcs.bytes_read,
+        "up_per_unique": round(gcs.bytes_written / unique, 3),
+        "down_per_unique": round(gcs.bytes_read / unique, 3),
         "gcs_per_unique": round((gcs.bytes_written + gcs.bytes_read) / unique, 3),
-        "requests": gcs.requests, "requests_per_rank": round(gcs.requests / len(ranks), 1),
-        "backed_up_s_max": round(max(done), 3), "backed_up_s_median": round(statistics.median(done), 3),
-        "complete": unique_chunks <= gcs.objects and all(
-            f"manifests/rank-{r}/step-{STEP}" in gcs.objects for r in ranks),
+        "requests": gcs.requests,
+        "requests_per_rank": round(gcs.requests / len(ranks), 1),
+        "backed_up_s_max": round(max(done), 3),
+        "backed_up_s_median": round(statistics.median(done), 3),
+        "complete": unique_chunks <= gcs.objects
+        and all(f"manifests/rank-{r}/step-{STEP}" in gcs.objects for r in ranks),
         "chunks_uploaded_max": max(per_twin.values()),
         "chunks_uploaded_mean": round(statistics.mean(per_twin.values()), 2),
     }

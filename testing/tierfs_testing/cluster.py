@@ -55,10 +55,12 @@ class LocalCluster:
         own = self.nodes[i].environ if i is not None else {}
         return {**os.environ, **own, "TIERFS_SECRET": self.secret}
 
-    def tierfs(self, *args, check: bool = True, timeout: float = 120, node: int | None = None
-               ) -> subprocess.CompletedProcess:
-        proc = subprocess.run([*TIERFS, *map(str, args)], capture_output=True, text=True,
-                              env=self.env(node), timeout=timeout)
+    def tierfs(
+        self, *args, check: bool = True, timeout: float = 120, node: int | None = None
+    ) -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [*TIERFS, *map(str, args)], capture_output=True, text=True, env=self.env(node), timeout=timeout
+        )
         if check and proc.returncode != 0:
             raise AssertionError(f"tierfs {' '.join(map(str, args))} failed ({proc.returncode}): {proc.stderr}")
         return proc
@@ -66,9 +68,22 @@ class LocalCluster:
     def mount_args(self, i: int, rank: int | None = None, **extra) -> list[str]:
         node = self.nodes[i]
         peers = ",".join(n.address for n in self.nodes)  # a node drops its own address
-        args = ["mount", node.mountpoint, "--ramdisk", node.ramdisk, "--job", self.job,
-                "--rank", str(i if rank is None else rank), "--nodes", str(len(self.nodes)),
-                "--listen", node.address, "--peers", peers]
+        args = [
+            "mount",
+            node.mountpoint,
+            "--ramdisk",
+            node.ramdisk,
+            "--job",
+            self.job,
+            "--rank",
+            str(i if rank is None else rank),
+            "--nodes",
+            str(len(self.nodes)),
+            "--listen",
+            node.address,
+            "--peers",
+            peers,
+        ]
         for key, value in {**self.options, **extra}.items():
             if value is not None:
                 args += [f"--{key.replace('_', '-')}", str(value)]
@@ -92,9 +107,16 @@ class LocalCluster:
         chooses the step to restore.
         """
         todo = [i for i, n in enumerate(self.nodes) if n.pid is None]
-        procs = {i: subprocess.Popen([*TIERFS, *map(str, self.mount_args(i, **extra))], env=self.env(i),
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i in todo}
+        procs = {
+            i: subprocess.Popen(
+                [*TIERFS, *map(str, self.mount_args(i, **extra))],
+                env=self.env(i),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in todo
+        }
         failures = []
         for i, proc in procs.items():
             _, err = proc.communicate(timeout=120)
@@ -156,4 +178,3 @@ class LocalCluster:
                 crash({"keeper": node.keeper, "pid": node.pid})
         unmount_all_beneath(self.base)
         shutil.rmtree(self.base, ignore_errors=True)
-

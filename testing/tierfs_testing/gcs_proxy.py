@@ -25,8 +25,8 @@ own, and its answer read whole before it goes back; enough for objects of a chun
 from __future__ import annotations
 
 import http.client
-import os
 import http.server
+import os
 import threading
 import urllib.parse
 from collections import Counter
@@ -34,8 +34,16 @@ from collections import Counter
 from tierfs_testing import free_port
 
 HOST = "127.0.0.1"
-_HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade",
-               "content-length"}
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+}
 _TIMEOUT = 120.0
 
 
@@ -73,9 +81,14 @@ class GcsProxy:
     def counts(self) -> dict:
         """Bytes of request bodies (``up``) and response bodies (``down``), requests, and object uploads under chunks/."""
         with self._lock:
-            return {"up": self._up, "down": self._down, "requests": sum(self._methods.values()),
-                    "methods": dict(self._methods), "chunk_uploads": self._chunk_uploads,
-                    "chunk_upload_bytes": self._chunk_upload_bytes}
+            return {
+                "up": self._up,
+                "down": self._down,
+                "requests": sum(self._methods.values()),
+                "methods": dict(self._methods),
+                "chunk_uploads": self._chunk_uploads,
+                "chunk_upload_bytes": self._chunk_upload_bytes,
+            }
 
     def authorizations(self) -> list[str | None]:
         """The Authorization header of every request so far (None: sent without one), oldest first."""
@@ -116,8 +129,7 @@ class GcsProxy:
 
         self._server = http.server.ThreadingHTTPServer((self.host, self.port), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, name=f"gcs-proxy-{self.port}",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name=f"gcs-proxy-{self.port}", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -194,8 +206,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
         conn = http.client.HTTPConnection(*owner._target, timeout=_TIMEOUT)
         try:
-            conn.request(self.command, self.path, body=body if body or self.command in ("POST", "PUT", "PATCH")
-                         else None, headers=headers)
+            conn.request(
+                self.command,
+                self.path,
+                body=body if body or self.command in ("POST", "PUT", "PATCH") else None,
+                headers=headers,
+            )
             response = conn.getresponse()
             data = response.read()
             reply = [(k, v) for k, v in response.getheaders() if k.lower() not in _HOP_BY_HOP]

@@ -121,17 +121,35 @@ class Settings:
 class SimNode:
     """One node: its coordination, its restore board, and the handler the network calls."""
 
-    def __init__(self, job: JobModel, rank: int, net: SimNetwork, gcs: SimGcs, s: Settings, ram: bool,
-                 order: list[str], members: frozenset[str], start: float = 0.0):
+    def __init__(
+        self,
+        job: JobModel,
+        rank: int,
+        net: SimNetwork,
+        gcs: SimGcs,
+        s: Settings,
+        ram: bool,
+        order: list[str],
+        members: frozenset[str],
+        start: float = 0.0,
+    ):
         self.job, self.rank, self.net, self.gcs = job, rank, net, gcs
         self.address = job.address(rank)
         self.transport = net.transport(self.address)
         self.held = job.holdings(rank, ram)
         prefixes = listing_prefixes(job.nodes)
         self.coordination = Coordination(
-            self.address, order, self.transport, lambda: self.held, nodes=job.nodes, members=members,
-            list_gcs=lambda: list_sharded(gcs.list_prefix, prefixes), interval=s.interval, k=s.k,
-            inc=int(start * 1e6) + 1)
+            self.address,
+            order,
+            self.transport,
+            lambda: self.held,
+            nodes=job.nodes,
+            members=members,
+            list_gcs=lambda: list_sharded(gcs.list_prefix, prefixes),
+            interval=s.interval,
+            k=s.k,
+            inc=int(start * 1e6) + 1,
+        )
         self.board = broadcast.ChunkBoard()
         self.decision = None
         self.decided_at: float | None = None  # seconds from its start to its decision
@@ -152,8 +170,11 @@ class SimNode:
         return {"error": f"unknown op {op!r}"}
 
     async def read_peer(self, address: str, h: str, length: int) -> int:
-        reply = await self.transport.request(address, {"op": "get_chunk", "hash": h, "length": length},
-                                             broadcast.RPC_TIMEOUT + length / self.net.model.bandwidth * 4)
+        reply = await self.transport.request(
+            address,
+            {"op": "get_chunk", "hash": h, "length": length},
+            broadcast.RPC_TIMEOUT + length / self.net.model.bandwidth * 4,
+        )
         if "error" in reply:
             raise broadcast.SourceFailed(reply["error"])
         return length
@@ -180,8 +201,9 @@ class Job:
         self.rank_of = {job.address(r): r for r in range(job.nodes)}
 
     def add(self, rank: int, start: float = 0.0) -> SimNode:
-        node = self.nodes[rank] = SimNode(self.model, rank, self.net, self.gcs, self.s, self.ram,
-                                          self.order, self.members, start)
+        node = self.nodes[rank] = SimNode(
+            self.model, rank, self.net, self.gcs, self.s, self.ram, self.order, self.members, start
+        )
         return node
 
     def coordinator_ranks(self, n: int) -> list[int]:
@@ -190,8 +212,14 @@ class Job:
     def kill(self, rank: int) -> None:
         self.net.down(self.model.address(rank))
 
-    async def run_node(self, node: SimNode, at: float, script: Callable | None, before: str = "refused",
-                       task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def run_node(
+        self,
+        node: SimNode,
+        at: float,
+        script: Callable | None,
+        before: str = "refused",
+        task_status=trio.TASK_STATUS_IGNORED,
+    ) -> None:
         """Start ``node`` at time ``at`` (its coordination, then ``script(node)``); stops when it goes down.
 
         ``before``: what others see until then: "refused" (its host is up, the daemon is
@@ -240,9 +268,11 @@ def _per_node(stats, ops, nodes: int, rounds: float = 1.0) -> dict:
     requests = sum(stats.requests[o] for o in ops)
     answers = sum(stats.answers[o] for o in ops)
     size = sum(stats.request_bytes[o] + stats.answer_bytes[o] for o in ops)
-    return {"requests_per_node": round(requests / nodes / rounds, 3),
-            "messages_per_node": round((requests + answers) / nodes / rounds, 3),
-            "bytes_per_node": round(size / nodes / rounds)}
+    return {
+        "requests_per_node": round(requests / nodes / rounds, 3),
+        "messages_per_node": round((requests + answers) / nodes / rounds, 3),
+        "bytes_per_node": round(size / nodes / rounds),
+    }
 
 
 # -- scenario 1: report rounds in a running job -----------------------------------------
@@ -282,26 +312,38 @@ async def _rounds(model: JobModel, s: Settings, steady: int, after: int, lost: f
             listings = job.gcs.list_requests
             await trio.sleep(n_rounds * s.interval)
             stats = job.net.stats
-            out[phase] = {**_per_node(stats, COORD_OPS, model.nodes, n_rounds),
-                          "coordinator_requests_per_round": round(max(stats.received[a] for a in coords) / n_rounds),
-                          "gcs_list_requests_per_round": round((job.gcs.list_requests - listings) / n_rounds, 1),
-                          "timeouts_per_round": round(sum(stats.timeouts.values()) / n_rounds, 1)}
+            out[phase] = {
+                **_per_node(stats, COORD_OPS, model.nodes, n_rounds),
+                "coordinator_requests_per_round": round(max(stats.received[a] for a in coords) / n_rounds),
+                "gcs_list_requests_per_round": round((job.gcs.list_requests - listings) / n_rounds, 1),
+                "timeouts_per_round": round(sum(stats.timeouts.values()) / n_rounds, 1),
+            }
         truth = job.truth(live)
         summaries = [job.nodes[r].coordination.member.summary for r in live]
-        out["views_agree"] = all(x is not None and x["newest"] == truth.newest_complete()
-                                 and x["floor"] == truth.retention_floor() for x in summaries)
+        out["views_agree"] = all(
+            x is not None and x["newest"] == truth.newest_complete() and x["floor"] == truth.retention_floor()
+            for x in summaries
+        )
         nursery.cancel_scope.cancel()
     pages = max(1, -(-model.nodes * len(model.gcs_steps) // s.gcs.page_objects))
-    out["today"] = {"requests_per_node": 4 * (model.nodes - 1),  # hello, auth, info, list to every peer
-                    "gcs_list_requests_per_round": model.nodes * pages}
+    out["today"] = {
+        "requests_per_node": 4 * (model.nodes - 1),  # hello, auth, info, list to every peer
+        "gcs_list_requests_per_round": model.nodes * pages,
+    }
     return out
 
 
 # -- scenario 2: a restart decision with a coordinator lost --------------------------------
 
 
-def decision(nodes: int, s: Settings | None = None, coordinators_lost: int = 1, nodes_lost: int = 0,
-             late: int = 1, late_at: float = 10.0) -> dict:
+def decision(
+    nodes: int,
+    s: Settings | None = None,
+    coordinators_lost: int = 1,
+    nodes_lost: int = 0,
+    late: int = 1,
+    late_at: float = 10.0,
+) -> dict:
     """Every node asks for its step at once; ``coordinators_lost`` of the first coordinators
     and ``nodes_lost`` other nodes are down for good; ``late`` nodes start ``late_at`` s later."""
     return on_mock_clock(_decision, JobModel(nodes), s or Settings(), coordinators_lost, nodes_lost, late, late_at)
@@ -336,7 +378,9 @@ async def _decision(model: JobModel, s: Settings, c_lost: int, n_lost: int, late
         for r in dead:
             job.kill(r)
         for r in live:
-            nursery.start_soon(job.run_node, job.nodes[r], starts[r], script, "timeout" if r in late_ranks else "refused")
+            nursery.start_soon(
+                job.run_node, job.nodes[r], starts[r], script, "timeout" if r in late_ranks else "refused"
+            )
         while any(job.nodes[r].decided_at is None for r in live):
             await trio.sleep(0.25)
         nursery.cancel_scope.cancel()
@@ -345,20 +389,34 @@ async def _decision(model: JobModel, s: Settings, c_lost: int, n_lost: int, late
     steps = {job.nodes[r].decision.step for r in live}
     expected = {truth.choose(r) for r in live}
     stats = job.net.stats
-    return {"nodes": model.nodes, "coordinators_lost": c_lost, "nodes_lost": n_lost, "gcs_slow": s.gcs.slow,
-            "decision_s_max": round(max(times), 3), "decision_s_median": round(statistics.median(times), 3),
-            "late_decision_s": round(max((job.nodes[r].decided_at for r in late_ranks), default=0.0), 3),
-            "all_ready": all(job.nodes[r].decision.ready for r in live),
-            "agree": len(steps) == 1, "step": sorted(steps, key=lambda x: (x is None, x))[0],
-            "matches_rules": steps == expected,
-            **_per_node(stats, COORD_OPS, len(live)), "timeouts": sum(stats.timeouts.values())}
+    return {
+        "nodes": model.nodes,
+        "coordinators_lost": c_lost,
+        "nodes_lost": n_lost,
+        "gcs_slow": s.gcs.slow,
+        "decision_s_max": round(max(times), 3),
+        "decision_s_median": round(statistics.median(times), 3),
+        "late_decision_s": round(max((job.nodes[r].decided_at for r in late_ranks), default=0.0), 3),
+        "all_ready": all(job.nodes[r].decision.ready for r in live),
+        "agree": len(steps) == 1,
+        "step": sorted(steps, key=lambda x: (x is None, x))[0],
+        "matches_rules": steps == expected,
+        **_per_node(stats, COORD_OPS, len(live)),
+        "timeouts": sum(stats.timeouts.values()),
+    }
 
 
 # -- scenario 3: D twins restore from GCS together ----------------------------------------
 
 
-def restore(nodes: int, s: Settings | None = None, mode: str = "broadcast", fail: float = 0.0,
-            chunks: int = 8, chunk_size: int = 16 * MiB) -> dict:
+def restore(
+    nodes: int,
+    s: Settings | None = None,
+    mode: str = "broadcast",
+    fail: float = 0.0,
+    chunks: int = 8,
+    chunk_size: int = 16 * MiB,
+) -> dict:
     """Every RAM is lost; every rank restores the newest step from GCS, its twins at the same time.
 
     ``mode``: "broadcast" (planned) or "today" (every node reads all its chunks from GCS).
@@ -389,8 +447,7 @@ async def _restore_node(node: SimNode, job: Job, mode: str) -> None:
         holders = [a for r in ranks for a in d.holders(r, d.step) if a != GCS]
         in_gcs = any(GCS in d.holders(r, d.step) for r in ranks)
         plan = broadcast.plan(needs, sizes, dict.fromkeys(chunks, holders), in_gcs, fan_out=s.fan_out)[node.address]
-    node.fetch = broadcast.PlannedFetch(plan, node.transport, node.read_peer, node.read_gcs, node.board,
-                                        dead=d.down)
+    node.fetch = broadcast.PlannedFetch(plan, node.transport, node.read_peer, node.read_gcs, node.board, dead=d.down)
     await node.fetch.prefetch(sizes, s.workers)
     node.restored_at = trio.current_time()
 
@@ -422,12 +479,24 @@ async def _restore(model: JobModel, s: Settings, mode: str, fail: float) -> dict
     transfer = [job.nodes[r].restored_at - job.nodes[r].decided_abs for r in live]
     failed = sum(len(job.nodes[r].fetch.failed) for r in live)
     peer_bytes = sum(v for r in live for a, v in job.nodes[r].fetch.bytes_from.items() if a != GCS)
-    return {"nodes": model.nodes, "mode": mode, "fail": fail, "victims": len(victims), "gcs_slow": s.gcs.slow,
-            "data_parallel": model.data_parallel, "rank_bytes": model.chunks * model.chunk_size,
-            "unique_bytes": unique, "gcs_bytes": job.gcs.bytes_read,
-            "gcs_per_unique": round(job.gcs.bytes_read / unique, 3),
-            "peer_bytes": peer_bytes, "decision_s_max": round(max(decided), 3),
-            "restore_s_max": round(max(done), 3), "restore_s_median": round(statistics.median(done), 3),
-            "transfer_s_max": round(max(transfer), 3), "transfer_s_median": round(statistics.median(transfer), 3),
-            "fallbacks": sum(job.nodes[r].fetch.fallbacks for r in live), "failed_chunks": failed,
-            "messages_per_node": round(job.net.stats.messages() / model.nodes, 2)}
+    return {
+        "nodes": model.nodes,
+        "mode": mode,
+        "fail": fail,
+        "victims": len(victims),
+        "gcs_slow": s.gcs.slow,
+        "data_parallel": model.data_parallel,
+        "rank_bytes": model.chunks * model.chunk_size,
+        "unique_bytes": unique,
+        "gcs_bytes": job.gcs.bytes_read,
+        "gcs_per_unique": round(job.gcs.bytes_read / unique, 3),
+        "peer_bytes": peer_bytes,
+        "decision_s_max": round(max(decided), 3),
+        "restore_s_max": round(max(done), 3),
+        "restore_s_median": round(statistics.median(done), 3),
+        "transfer_s_max": round(max(transfer), 3),
+        "transfer_s_median": round(statistics.median(transfer), 3),
+        "fallbacks": sum(job.nodes[r].fetch.fallbacks for r in live),
+        "failed_chunks": failed,
+        "messages_per_node": round(job.net.stats.messages() / model.nodes, 2),
+    }

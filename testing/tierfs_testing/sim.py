@@ -42,13 +42,7 @@ from dataclasses import dataclass, field
 
 import trio
 
-from tierfs.coordination.transport import (
-    Handler,
-    Message,
-    Refused,
-    Unreachable,
-    encoded,
-)
+from tierfs.coordination.transport import Handler, Message, Refused, Unreachable, encoded
 
 
 @dataclass

@@ -31,10 +31,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.helpers import write_orbax_step
-from tierfs.commands.status import fetch
 from tierfs_testing.cluster import LocalCluster
 from tierfs_testing.gcs_emulator import GcsEmulator
+
+from tests.helpers import write_orbax_step
+from tierfs.commands.status import fetch
 
 KILL_DELAY = 0.5  # a kill comes 0-KILL_DELAY s after the event that triggers it
 CONFIRM_WAIT = 15.0  # the longest a trigger (replica confirmed, backed up) is waited for
@@ -178,8 +179,9 @@ class Job:
             step = chosen[i] = st["cluster"]["restore_step"]
             where = f"seed {self.seed}, fault {sum(self.faults.values())} ({fault}), node {i}"
             if low is not None and (step is None or step < low):
-                raise Violation(f"{where}: restored step {step}, but step {low} is held for every rank "
-                                f"({self.summary(low)})")
+                raise Violation(
+                    f"{where}: restored step {step}, but step {low} is held for every rank ({self.summary(low)})"
+                )
             if step is not None and high is not None and step > high:
                 raise Violation(f"{where}: restored step {step}, newer than any step every rank committed ({high})")
             if low == high and step != low:
@@ -213,8 +215,10 @@ class Job:
         for name, data in files_of(i, step, self.seed).items():
             if found.get(name) != data:
                 state = "missing" if name not in found else "different"
-                raise Violation(f"{where}: {base / name} is {state}, not what rank {i} wrote at step {step} "
-                                f"(held: {sorted(self.places.get((i, step), ()))})")
+                raise Violation(
+                    f"{where}: {base / name} is {state}, not what rank {i} wrote at step {step} "
+                    f"(held: {sorted(self.places.get((i, step), ()))})"
+                )
         return True
 
     def summary(self, step: int) -> str:
@@ -260,7 +264,7 @@ def _kill_mid_commit(job: Job) -> None:
     """Some ranks commit the step; the victim dies before it does, or right after its own commit."""
     order = job.rng.sample(range(job.n), job.n)
     done = job.rng.randrange(job.n)
-    job.commit(job.step, order[:done + 1])
+    job.commit(job.step, order[: done + 1])
     victim = order[job.rng.randrange(done + 1)] if job.rng.random() < 0.5 else order[-1]
     _restart(job, [victim], f"kill mid-commit {victim} after {done + 1} of {job.n} ranks committed step {job.step}")
 
@@ -306,8 +310,17 @@ def make_job(base: Path, nodes: int, seed: int) -> tuple[Job, list]:
     closers: list = [gcs.stop]
     gcs.start()
     gcs.make_bucket("chaos")
-    cluster = LocalCluster(base / "nodes", nodes, "chaos", replicas=1, capacity="256M", chunk_size="1M",
-                           gcs="gs://chaos/ckpt", restore_wait="5s", survey_interval="2s")
+    cluster = LocalCluster(
+        base / "nodes",
+        nodes,
+        "chaos",
+        replicas=1,
+        capacity="256M",
+        chunk_size="1M",
+        gcs="gs://chaos/ckpt",
+        restore_wait="5s",
+        survey_interval="2s",
+    )
     closers.insert(0, cluster.close)
     net = NetCut(f"tierfs_chaos_{seed % 100000}")
     closers.insert(0, net.close)

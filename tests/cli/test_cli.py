@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from tierfs_testing import cleanup_mount, crash, wait_gone
 
 from tests.conftest import tierfs
 from tests.helpers import tree_digest
 from tierfs.core import mounts
 from tierfs.fs.engine import WRITERS
-from tierfs_testing import cleanup_mount, crash, wait_gone
 
 
 def one_line_error(proc: subprocess.CompletedProcess, *fragments: str) -> str:
@@ -68,7 +68,10 @@ def test_a_node_crash_mid_write_keeps_closed_files_and_remount_recovers(volumes)
     again over it brings back every file the writer closed."""
     vol = volumes(job="crash")
     writer = subprocess.Popen(
-        [sys.executable, "-c", """
+        [
+            sys.executable,
+            "-c",
+            """
 import os, sys
 root = sys.argv[1]
 for i in range(2000):
@@ -76,8 +79,12 @@ for i in range(2000):
     with open(os.path.join(root, f"f{i}"), "wb") as f:
         f.write(data)
     print(i, flush=True)
-""", str(vol.mountpoint)],
-        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+""",
+            str(vol.mountpoint),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
     )
     closed = []
     try:
@@ -117,8 +124,7 @@ def test_sigterm_to_the_keeper_unmounts(volumes):
     assert not vol.is_mounted()
 
 
-@pytest.mark.expect_log(r"giving the connection up", r"was killed by SIGKILL",
-                        r"cannot take over the FUSE connection")
+@pytest.mark.expect_log(r"giving the connection up", r"was killed by SIGKILL", r"cannot take over the FUSE connection")
 def test_a_keeper_gives_up_a_connection_no_successor_can_serve(volumes):
     """A successor that cannot start (its record gone) is retried, then given up: the mount
     answers ENOTCONN as a dead one does, and mounting again recovers it."""
@@ -140,9 +146,21 @@ def test_mount_helper_form_and_umount(shm_dir):
         pytest.fail("tierfs is not on the standard PATH: run scripts/setup.sh")
     ramdisk, mp = shm_dir("tierfs-ram"), shm_dir("tierfs-mnt")
     try:
-        subprocess.run(["mount", "-t", "fuse.tierfs", "helperjob", str(mp),
-                        "-o", f"rank=1,nodes=2,ramdisk={ramdisk},capacity=64M,nosuid,nodev"],
-                       check=True, capture_output=True, text=True, timeout=60)
+        subprocess.run(
+            [
+                "mount",
+                "-t",
+                "fuse.tierfs",
+                "helperjob",
+                str(mp),
+                "-o",
+                f"rank=1,nodes=2,ramdisk={ramdisk},capacity=64M,nosuid,nodev",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         entry = mounts.find_mount(mp)
         assert entry and entry.fstype == "fuse.tierfs" and entry.source == "helperjob"
         (mp / "f").write_text("via mount(8)")
@@ -153,8 +171,12 @@ def test_mount_helper_form_and_umount(shm_dir):
         wait_gone(pid)
         assert not mounts.process_alive(pid), "daemon kept running after umount"
         assert mounts.find_mount(mp) is None
-        bad = subprocess.run(["mount", "-t", "fuse.tierfs", "helperjob", str(mp), "-o", "bogus=1"],
-                             capture_output=True, text=True, timeout=60)
+        bad = subprocess.run(
+            ["mount", "-t", "fuse.tierfs", "helperjob", str(mp), "-o", "bogus=1"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert bad.returncode != 0 and "unknown mount option 'bogus=1'" in bad.stderr
     finally:
         cleanup_mount(mp)
@@ -180,8 +202,14 @@ def test_only_mountpoint_works_with_defaults(shm_dir):
 
 def test_options_from_environment(shm_dir):
     ramdisk, mp = shm_dir("tierfs-ram"), shm_dir("tierfs-mnt")
-    env = dict(os.environ, TIERFS_RAMDISK=str(ramdisk), TIERFS_JOB="envjob", TIERFS_RANK="2",
-               TIERFS_NODES="3", TIERFS_CAPACITY="128M")
+    env = dict(
+        os.environ,
+        TIERFS_RAMDISK=str(ramdisk),
+        TIERFS_JOB="envjob",
+        TIERFS_RANK="2",
+        TIERFS_NODES="3",
+        TIERFS_CAPACITY="128M",
+    )
     try:
         tierfs("mount", mp, env=env)
         status = json.loads(tierfs("status", mp, "--json").stdout)
@@ -217,10 +245,15 @@ def test_read_only_mount(volumes):
     assert e.value.errno == 30  # EROFS
 
 
-@pytest.mark.parametrize("asked, engine, path", [("auto", "tierfs", "passthrough"),
-                                                 ("passthrough", "tierfs", "passthrough"),
-                                                 ("daemon", "tierfs", "daemon"),
-                                                 ("auto", "pyfuse3", "daemon")])
+@pytest.mark.parametrize(
+    "asked, engine, path",
+    [
+        ("auto", "tierfs", "passthrough"),
+        ("passthrough", "tierfs", "passthrough"),
+        ("daemon", "tierfs", "daemon"),
+        ("auto", "pyfuse3", "daemon"),
+    ],
+)
 def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine, path):
     vol = volumes(job="dp", data_path=asked, engine="auto" if engine == "tierfs" else engine)
     (vol.mountpoint / "f").write_bytes(b"x" * 4096)
@@ -232,8 +265,14 @@ def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine
     assert log.count("data path: ") == 1 and f"data path: {path}" in log
     human = tierfs("status", vol.mountpoint).stdout
     assert f"data path {path} ({engine} engine; {fuse['transfer']})" in human
-    assert fuse["transfer"] == {"passthrough": "others by direct I/O", "daemon": f"writes spliced by {WRITERS} threads",
-                                "pyfuse3": "writes copied by 1 thread"}["pyfuse3" if engine == "pyfuse3" else path]
+    assert (
+        fuse["transfer"]
+        == {
+            "passthrough": "others by direct I/O",
+            "daemon": f"writes spliced by {WRITERS} threads",
+            "pyfuse3": "writes copied by 1 thread",
+        }["pyfuse3" if engine == "pyfuse3" else path]
+    )
     assert fuse["wake_cpus"] == ("off (daemon engine)" if engine == "pyfuse3" else "on")
     assert f"idle CPUs kept awake in bursts: {fuse['wake_cpus']}" in human
 
@@ -242,19 +281,26 @@ def test_the_data_path_is_chosen_logged_once_and_reported(volumes, asked, engine
 
 
 def test_error_missing_mountpoint(shm_dir):
-    p = one_line_error(tierfs("mount", "/nonexistent/mnt", "--ramdisk", shm_dir(), check=False),
-                       "/nonexistent/mnt", "does not exist")
+    p = one_line_error(
+        tierfs("mount", "/nonexistent/mnt", "--ramdisk", shm_dir(), check=False), "/nonexistent/mnt", "does not exist"
+    )
     assert "mkdir" in p
 
 
 @pytest.mark.expect_log('is already served by tierfs pid')
 def test_error_busy_mountpoint_and_rank_served_twice(volumes, shm_dir):
     vol = volumes(job="busy")
-    one_line_error(tierfs("mount", vol.mountpoint, "--ramdisk", vol.ramdisk, "--job", "other", check=False),
-                   "is busy", "tierfs unmount")
+    one_line_error(
+        tierfs("mount", vol.mountpoint, "--ramdisk", vol.ramdisk, "--job", "other", check=False),
+        "is busy",
+        "tierfs unmount",
+    )
     other_mp = shm_dir("tierfs-mnt")
-    one_line_error(tierfs("mount", other_mp, "--ramdisk", vol.ramdisk, "--job", "busy", check=False),
-                   "already served", str(vol.mountpoint))
+    one_line_error(
+        tierfs("mount", other_mp, "--ramdisk", vol.ramdisk, "--job", "busy", check=False),
+        "already served",
+        str(vol.mountpoint),
+    )
     assert mounts.find_mount(other_mp) is None
     assert (vol.mountpoint / ".").exists()  # the first mount is unharmed
 
@@ -278,20 +324,25 @@ def test_error_capacity_below_stored(volumes):
     tierfs("unmount", vol.mountpoint)
     line = one_line_error(
         tierfs("mount", vol.mountpoint, "--ramdisk", vol.ramdisk, "--job", "cap", "--capacity", "2M", check=False),
-        "below", "already stored")
+        "below",
+        "already stored",
+    )
     assert "--capacity" in line
     assert mounts.find_mount(vol.mountpoint) is None
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--rank", "5", "--nodes", "2"], "invalid rank 5"),
-    (["--rank", "-1"], "invalid rank -1"),
-    (["--rank", "one"], "expected a whole number"),
-    (["--capacity", "lots"], "invalid capacity"),
-    (["--job", "../etc"], "invalid job id"),
-    (["--log-level", "loud"], "invalid log level"),
-    (["--no-such-flag"], "unrecognized arguments"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--rank", "5", "--nodes", "2"], "invalid rank 5"),
+        (["--rank", "-1"], "invalid rank -1"),
+        (["--rank", "one"], "expected a whole number"),
+        (["--capacity", "lots"], "invalid capacity"),
+        (["--job", "../etc"], "invalid job id"),
+        (["--log-level", "loud"], "invalid log level"),
+        (["--no-such-flag"], "unrecognized arguments"),
+    ],
+)
 def test_error_bad_input(args, fragment, shm_dir):
     mp = shm_dir("tierfs-mnt")
     one_line_error(tierfs("mount", mp, "--ramdisk", shm_dir(), *args, check=False), fragment)

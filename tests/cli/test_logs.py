@@ -75,11 +75,14 @@ def test_json_lines_name_the_job_rank_and_event(volumes):
     assert "mounted" in events and "stopped" in events
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (["--log-format", "xml"], "invalid --log-format 'xml': use text or json"),
-    (["--log-max-size", "-1"], "invalid log-max-size '-1'"),
-    (["--log-max-size", "1K"], "invalid --log-max-size 1024: use 0 (never rotate) or at least 16K"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--log-format", "xml"], "invalid --log-format 'xml': use text or json"),
+        (["--log-max-size", "-1"], "invalid log-max-size '-1'"),
+        (["--log-max-size", "1K"], "invalid --log-max-size 1024: use 0 (never rotate) or at least 16K"),
+    ],
+)
 def test_bad_log_options_are_one_line(args, fragment, shm_dir):
     mp = shm_dir("tierfs-mnt")
     proc = tierfs("mount", mp, "--ramdisk", shm_dir(), *args, check=False)

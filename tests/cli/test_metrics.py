@@ -11,11 +11,11 @@ import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from tierfs_testing import free_port
 
 from tests.conftest import tierfs
 from tests.prometheus import promtool_check_metrics
 from tierfs.core import mounts
-from tierfs_testing import free_port
 
 
 def samples(address: str) -> dict[tuple, float]:
@@ -23,8 +23,11 @@ def samples(address: str) -> dict[tuple, float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
         text = r.read().decode()
     promtool_check_metrics(text)
-    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("job", "rank")))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("job", "rank")))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def status(mountpoint) -> dict:
@@ -51,15 +54,18 @@ def test_a_mount_serves_its_series_and_status_names_the_endpoint(volumes):
     assert got[("tierfs_steps_committed_total", ())] == 3
     assert got[("tierfs_newest_step", (("tier", "ram"),))] == 3
     assert got[("tierfs_ram_capacity_bytes", ())] == 64 << 20
-    assert got[("tierfs_info", (("data_path", "daemon"), ("engine", s["fuse"]["engine"]),
-                                ("version", s["version"])))] == 1
+    assert (
+        got[("tierfs_info", (("data_path", "daemon"), ("engine", s["fuse"]["engine"]), ("version", s["version"])))] == 1
+    )
     # Every byte crossed the daemon: the request counts and byte counters see them.
     assert got[("tierfs_fuse_written_bytes_total", ())] == 3 << 20
     assert got[("tierfs_fuse_read_bytes_total", ())] >= 1 << 20
     assert got[("tierfs_fuse_request_duration_seconds_count", (("operation", "create"),))] >= 3
     assert got[("tierfs_fuse_request_duration_seconds_count", (("operation", "write"),))] >= 3
-    assert got[("tierfs_fuse_request_duration_seconds_bucket", (("le", "+Inf"), ("operation", "write")))] \
+    assert (
+        got[("tierfs_fuse_request_duration_seconds_bucket", (("le", "+Inf"), ("operation", "write")))]
         == got[("tierfs_fuse_request_duration_seconds_count", (("operation", "write"),))]
+    )
     # Goodput from what it saw: three commits give an interval and a write window each.
     g = s["goodput"]
     assert g["interval_s"] is not None and g["interval_s"] > 0
@@ -75,8 +81,9 @@ def test_a_taken_metrics_port_refuses_the_mount_in_one_line(volumes, shm_dir):
         busy.listen()
         port = busy.getsockname()[1]
         mp = shm_dir("tierfs-mnt-busy")
-        proc = tierfs("mount", mp, "--ramdisk", volumes.ramdisk, "--job", "busy", "--metrics", f"127.0.0.1:{port}",
-                      check=False)
+        proc = tierfs(
+            "mount", mp, "--ramdisk", volumes.ramdisk, "--job", "busy", "--metrics", f"127.0.0.1:{port}", check=False
+        )
     assert proc.returncode != 0
     assert proc.stderr.strip().count("\n") == 0 and f"cannot serve metrics on 127.0.0.1:{port}" in proc.stderr
     assert mounts.find_mount(mp) is None

@@ -6,11 +6,12 @@ import json
 import os
 import secrets
 
+from tierfs_testing import crash, free_port
+
 from tests.cli.test_cli import one_line_error
 from tests.conftest import tierfs
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.core import mounts
-from tierfs_testing import crash, free_port
 
 MiB = 1 << 20
 SIZES = {1: 3 * MiB + 11, 2: 2 * MiB + 7, 3: MiB + 5}  # bytes each step writes
@@ -24,8 +25,7 @@ def backed_up(vol, step: int) -> bool:
     return any(s["step"] == step and s["backed_up"] for s in vol.status()["steps"])
 
 
-def test_a_mount_lists_its_steps_in_ram_and_gcs_and_the_bucket_lists_them_without_it(volumes, gcs_bucket,
-                                                                                      monkeypatch):
+def test_a_mount_lists_its_steps_in_ram_and_gcs_and_the_bucket_lists_them_without_it(volumes, gcs_bucket, monkeypatch):
     secret = secrets.token_hex(32)
     monkeypatch.setenv("TIERFS_SECRET", secret)
     url = f"gs://{gcs_bucket}/steps"
@@ -48,8 +48,9 @@ def test_a_mount_lists_its_steps_in_ram_and_gcs_and_the_bucket_lists_them_withou
 
     # From a machine without a mount: the bucket alone, verified with the job's secret.
     bucket = listed("--job", "stp", "--gcs", url, "--keep-every", "2")
-    assert [(s["step"], s["tiers"], s["complete"], s["nodes"], s["size"], s["milestone"]) for s in bucket] == \
-        [(step, ["gcs"], 1, 1, SIZES[step], step == 2) for step in (3, 2, 1)]
+    assert [(s["step"], s["tiers"], s["complete"], s["nodes"], s["size"], s["milestone"]) for s in bucket] == [
+        (step, ["gcs"], 1, 1, SIZES[step], step == 2) for step in (3, 2, 1)
+    ]
     two = listed("--job", "stp", "--gcs", url, "--nodes", "2")
     assert [(s["complete"], s["nodes"], s["missing_ranks"]) for s in two] == [(1, 2, [1])] * 3
     # Without it the manifests cannot be verified: one line says so, and no size is guessed.
@@ -72,11 +73,12 @@ def test_bad_input_is_one_line(volumes, gcs_emulator, tmp_path):
     one_line_error(tierfs("steps", "--job", "j", "--gcs", "s3://b/p", check=False), "invalid GCS URL")
     one_line_error(tierfs("steps", "--gcs", "gs://some-bucket/p", check=False), "--job")
     one_line_error(tierfs("steps", tmp_path, "--job", "j", check=False), "--job", "--gcs")
-    one_line_error(tierfs("steps", "--job", "j", "--gcs", "gs://no-such-bucket-here/p", check=False),
-                   "does not exist")
+    one_line_error(tierfs("steps", "--job", "j", "--gcs", "gs://no-such-bucket-here/p", check=False), "does not exist")
     nowhere = {**os.environ, "STORAGE_EMULATOR_HOST": f"http://127.0.0.1:{free_port()}"}
-    one_line_error(tierfs("steps", "--job", "j", "--gcs", "gs://some-bucket/p", check=False, env=nowhere),
-                   "cannot reach gs://some-bucket/p")
+    one_line_error(
+        tierfs("steps", "--job", "j", "--gcs", "gs://some-bucket/p", check=False, env=nowhere),
+        "cannot reach gs://some-bucket/p",
+    )
     vol = volumes(job="gone")
     assert listed(vol.mountpoint) == []
     assert tierfs("steps", vol.mountpoint).stdout.strip() == "no steps on any tier"

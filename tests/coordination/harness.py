@@ -14,20 +14,28 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import trio
+from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
 from tierfs.coordination.node import Coordination
 from tierfs.coordination.protocol import candidates
 from tierfs.coordination.view import Holdings, HoldingsView
 from tierfs.pipeline.survey import Survey
-from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 JOB = "test"
 
 
 class Cluster:
-    def __init__(self, n: int, held: dict[int, Holdings] | None = None, gcs: dict[int, list[int]] | None = None,
-                 k: int = 3, interval: float = 30.0, model: NetModel | None = None, gcs_model: GcsModel | None = None):
+    def __init__(
+        self,
+        n: int,
+        held: dict[int, Holdings] | None = None,
+        gcs: dict[int, list[int]] | None = None,
+        k: int = 3,
+        interval: float = 30.0,
+        model: NetModel | None = None,
+        gcs_model: GcsModel | None = None,
+    ):
         self.n, self.k, self.interval = n, k, interval
         self.net = SimNetwork(model or NetModel(), seed=1)
         self.gcs = None if gcs is None else SimGcs(self.net, gcs_model or GcsModel(), gcs)
@@ -49,9 +57,18 @@ class Cluster:
         if self.gcs is not None:
             prefixes = listing_prefixes(self.n)
             list_gcs = lambda: list_sharded(self.gcs.list_prefix, prefixes)  # noqa: E731
-        node = Coordination(address, self.order, self.net.transport(address), lambda: self.held[rank],
-                            nodes=self.n, list_gcs=list_gcs, interval=self.interval, k=self.k,
-                            members=self.members, inc=self.starts)
+        node = Coordination(
+            address,
+            self.order,
+            self.net.transport(address),
+            lambda: self.held[rank],
+            nodes=self.n,
+            list_gcs=list_gcs,
+            interval=self.interval,
+            k=self.k,
+            members=self.members,
+            inc=self.starts,
+        )
         self.nodes[rank] = node
         self.net.listen(address, node.handle)
         return node

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import trio
 import trio.testing
-
 from tierfs_testing import backups
 from tierfs_testing.sim import SimGcs, SimNetwork
 

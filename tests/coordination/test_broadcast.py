@@ -13,6 +13,8 @@ from collections import Counter
 import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tierfs_testing import scenarios
+from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 from tierfs.coordination.broadcast import (
     GCS,
@@ -26,8 +28,6 @@ from tierfs.coordination.broadcast import (
     plan,
     plan_stats,
 )
-from tierfs_testing import scenarios
-from tierfs_testing.sim import GcsModel, NetModel, SimGcs, SimNetwork
 
 MiB = 1 << 20
 
@@ -196,14 +196,26 @@ async def test_waiting_for_a_peer_ends_at_its_deadline_or_at_once_when_it_will_n
         assert answers == [{"ok": True, "have": True, "pending": False, "fetching": False, "progress": 1, "via": []}]
 
         t0 = trio.current_time()
-        assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": False, "fetching": False, "progress": 1, "via": []}
+        assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == {
+            "ok": True,
+            "have": False,
+            "pending": False,
+            "fetching": False,
+            "progress": 1,
+            "via": [],
+        }
         assert trio.current_time() == t0  # not in its plan: no wait at all
 
         board.set_plan([other])
         t0 = trio.current_time()
-        assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == \
-            {"ok": True, "have": False, "pending": True, "fetching": False, "progress": 1, "via": []}
+        assert await board.handle("x", {"op": "await_chunk", "hash": other, "wait": 3}) == {
+            "ok": True,
+            "have": False,
+            "pending": True,
+            "fetching": False,
+            "progress": 1,
+            "via": [],
+        }
         assert abs(trio.current_time() - t0 - 3) < 1e-9  # in its plan, not there: the whole wait
 
         nursery.start_soon(ask, other)
@@ -241,10 +253,12 @@ async def test_a_slow_source_that_keeps_receiving_chunks_is_waited_for_past_the_
     gcs = SimGcs(net, GcsModel(first_byte=0.0, stream=MiB))
     first, second = chunk(1), chunk(2)
     seed, child = Node(net, gcs, "10.0.0.1:7070"), Node(net, gcs, "10.0.0.2:7070")
-    seed_plan = NodePlan(seed.address, [first, second], {first: (GCS_SOURCE,), second: (GCS_SOURCE,)},
-                         {first: 0, second: 0})
-    child_plan = NodePlan(child.address, [second], {second: (Source(seed.address, after_fetch=True), GCS_SOURCE)},
-                          {second: 1})
+    seed_plan = NodePlan(
+        seed.address, [first, second], {first: (GCS_SOURCE,), second: (GCS_SOURCE,)}, {first: 0, second: 0}
+    )
+    child_plan = NodePlan(
+        child.address, [second], {second: (Source(seed.address, after_fetch=True), GCS_SOURCE)}, {second: 1}
+    )
     async with trio.open_nursery() as nursery:
         await nursery.start(net.run)
         nursery.start_soon(seed.fetcher(seed_plan).prefetch, dict.fromkeys([first, second], 4 * MiB), 1)

@@ -11,13 +11,13 @@ import json
 
 import trio
 import trio.testing
+from tierfs_testing.sim import GcsModel, SimGcs, SimNetwork
 
 from tierfs.coordination.coordinator import REFUSED_GRACE, Coordinator
 from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
 from tierfs.coordination.protocol import DECIDE_POLL, MAX_LISTED_HOLDERS, MAX_LISTED_STEPS, RPC_TIMEOUT
 from tierfs.coordination.transport import MAX_MESSAGE, encoded
 from tierfs.coordination.view import Holdings
-from tierfs_testing.sim import GcsModel, SimGcs, SimNetwork
 
 from .harness import Cluster
 
@@ -220,9 +220,14 @@ async def test_without_a_ready_view_the_best_answer_comes_at_the_restore_wait(au
 
 async def test_malformed_messages_get_one_line_errors(autojump_clock):
     coordinator = Coordinator("a:1", ["a:1", "b:1"], SimNetwork().transport("a:1"), nodes=2)
-    for message in ({"op": "coord_report", "report": {"rank": "x"}}, {"op": "coord_decide", "rank": -1},
-                    {"op": "coord_decide", "rank": 1, "wait": 1e9}, {"op": "coord_decide", "rank": 1, "group": "x"},
-                    {"op": "nope"}, {}):
+    for message in (
+        {"op": "coord_report", "report": {"rank": "x"}},
+        {"op": "coord_decide", "rank": -1},
+        {"op": "coord_decide", "rank": 1, "wait": 1e9},
+        {"op": "coord_decide", "rank": 1, "group": "x"},
+        {"op": "nope"},
+        {},
+    ):
         answer = await coordinator.handle("b:1", message)
         assert set(answer) == {"error"} and "\n" not in answer["error"], message
 

@@ -80,10 +80,14 @@ async def test_malformed_reports_and_questions_are_refused_and_the_coordinator_k
         coordinator = c.nodes[c.coordinator(0)].coordinator
         hostile = c.net.transport(c.addresses[1])  # a member with the secret, sending what it likes
         before = coordinator.view.version
-        messages = {**{f"coord_report with {k}": {"op": "coord_report", "report": v} for k, v in BAD_REPORTS.items()},
-                    **{f"coord_report with {k}": {"op": "coord_report", "report": report(), "suspects": v}
-                       for k, v in BAD_SUSPECTS.items()},
-                    **{f"coord_decide with {k}": v for k, v in BAD_QUESTIONS.items()}}
+        messages = {
+            **{f"coord_report with {k}": {"op": "coord_report", "report": v} for k, v in BAD_REPORTS.items()},
+            **{
+                f"coord_report with {k}": {"op": "coord_report", "report": report(), "suspects": v}
+                for k, v in BAD_SUSPECTS.items()
+            },
+            **{f"coord_decide with {k}": v for k, v in BAD_QUESTIONS.items()},
+        }
         for what, message in messages.items():
             answer = await hostile.request(target, message, 1.0)
             assert set(answer) == {"error"}, what
@@ -94,8 +98,9 @@ async def test_malformed_reports_and_questions_are_refused_and_the_coordinator_k
         answer = await hostile.request(target, decide(), 1.0)
         assert answer["ok"] and answer["ranks"]["1"]["choice"] == 20
         # Replicas it claims of a rank beyond the job are left out: that rank would hold every step back.
-        answer = await hostile.request(target, {"op": "coord_report", "report": report(
-            replicas=[[0, 10], [0, 20], [N + 5, 20]], inc=1 << 40)}, 1.0)
+        answer = await hostile.request(
+            target, {"op": "coord_report", "report": report(replicas=[[0, 10], [0, 20], [N + 5, 20]], inc=1 << 40)}, 1.0
+        )
         assert answer["ok"] and answer["summary"]["newest"] == 20
         assert coordinator.view.steps_of(N + 5) is None and coordinator.view.holds(c.addresses[1], 0, 20)
         nursery.cancel_scope.cancel()
@@ -104,8 +109,15 @@ async def test_malformed_reports_and_questions_are_refused_and_the_coordinator_k
 async def test_a_member_answering_pulls_with_junk_counts_as_silent_and_its_claims_never_count(autojump_clock):
     c = Cluster(N, honest())
     liar = next(r for r in range(N) if r not in (c.coordinator(i) for i in range(3)))
-    junk = iter([{"ok": True, "report": report(rank=N + 1)}, {"ok": True, "report": report(rank=liar, steps=["x"])},
-                 {"ok": True, "report": "everything"}, {"ok": True}] * 20)
+    junk = iter(
+        [
+            {"ok": True, "report": report(rank=N + 1)},
+            {"ok": True, "report": report(rank=liar, steps=["x"])},
+            {"ok": True, "report": "everything"},
+            {"ok": True},
+        ]
+        * 20
+    )
 
     async def answers_junk(source, message):
         return next(junk)
@@ -154,7 +166,8 @@ BAD_SUMMARIES = {
 
 @pytest.mark.parametrize("what", BAD_SUMMARIES)
 async def test_a_report_answer_with_a_malformed_summary_is_dropped_and_the_next_coordinator_taken(
-        autojump_clock, what, caplog):
+    autojump_clock, what, caplog
+):
     caplog.set_level(logging.INFO, "tierfs.coordination")
     c = Cluster(N, honest())
     spoil = BAD_SUMMARIES[what]
@@ -162,9 +175,15 @@ async def test_a_report_answer_with_a_malformed_summary_is_dropped_and_the_next_
         await nursery.start(c.net.run)
         await c.start(nursery)
         await trio.sleep(c.interval + 2)
-        bad = await hostile_first(c, "coord_report", lambda m: {"ok": True, "down": [],
-                                                "summary": {"newest": 20, "floor": 20, "decisions": [],
-                                                            "complete": [10, 20], "ranks": N, **spoil}})
+        bad = await hostile_first(
+            c,
+            "coord_report",
+            lambda m: {
+                "ok": True,
+                "down": [],
+                "summary": {"newest": 20, "floor": 20, "decisions": [], "complete": [10, 20], "ranks": N, **spoil},
+            },
+        )
         member = c.nodes[next(r for r in range(N) if c.addresses[r] != bad)].member
         summary = await member.report()
         assert summary is not None and summary["floor"] == 20 and summary["newest"] == 20, what
@@ -180,6 +199,7 @@ def spoiled(field_path: tuple, value):
             target = target[key]
         target[field_path[-1]] = value
         return answer
+
     return spoil
 
 
@@ -226,7 +246,7 @@ BAD_CHUNK_ANSWERS = {
 
 @pytest.mark.parametrize("what", BAD_CHUNK_ANSWERS)
 async def test_a_malformed_await_chunk_answer_fails_that_source_and_the_next_one_is_read(autojump_clock, what):
-    from tierfs_testing.sim import NetModel, SimNetwork  # noqa: PLC0415
+    from tierfs_testing.sim import NetModel, SimNetwork
 
     net = SimNetwork(NetModel(), seed=1)
     h, me, liar = chunk(1), "10.0.0.1:7070", "10.0.0.2:7070"

@@ -17,13 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tierfs.coordination.transport import MAX_MESSAGE, BadMessage, encoded
-from tierfs.coordination.view import (
-    GCS,
-    MAX_REPLICAS,
-    Holdings,
-    HoldingsView,
-    choose_step,
-)
+from tierfs.coordination.view import GCS, MAX_REPLICAS, Holdings, HoldingsView, choose_step
 from tierfs.pipeline.survey import Survey
 
 STEPS = st.integers(0, 6).map(lambda s: s * 10)
@@ -36,9 +30,11 @@ def clusters(draw):
     for i in range(draw(st.integers(1, 10))):
         rank = draw(st.integers(0, nodes + 1))  # a few ranks beyond the job's size, like stale ones
         reports[f"10.0.0.{i}:7070"] = Holdings(
-            rank, tuple(sorted(draw(st.sets(STEPS, max_size=4)))),
+            rank,
+            tuple(sorted(draw(st.sets(STEPS, max_size=4)))),
             tuple(sorted(draw(st.sets(st.tuples(st.integers(0, nodes + 1), STEPS), max_size=6)))),
-            draw(st.none() | STEPS))
+            draw(st.none() | STEPS),
+        )
     gcs = draw(st.dictionaries(st.integers(0, nodes + 1), st.lists(STEPS, max_size=4, unique=True), max_size=nodes + 2))
     me = draw(st.sampled_from(sorted(reports)))
     return nodes, reports, gcs, me
@@ -90,7 +86,9 @@ def test_rules_agree_with_survey_on_random_holdings(cluster):
     for rank in range(nodes + 3):
         assert view.choose(rank) == survey.choose(rank), rank
         mine = view.steps_of(rank)
-        assert choose_step(view.newest_complete(), view.decisions(), None if mine is None else mine) == survey.choose(rank)
+        assert choose_step(view.newest_complete(), view.decisions(), None if mine is None else mine) == survey.choose(
+            rank
+        )
     named = {"local": me, "gcs": GCS}
     for rank, by_step in survey.holders.items():
         for step, tiers in by_step.items():
@@ -115,8 +113,12 @@ def test_updates_by_difference_equal_a_view_built_afresh(cluster, changes, new_n
             current.pop(address, None)
         else:
             old = current.get(address) or Holdings(0)
-            new = Holdings(old.rank, tuple(s + 10 * (i % 2) for s in old.steps)[:3], old.replicas[1:],
-                           None if old.restore_step else 10)
+            new = Holdings(
+                old.rank,
+                tuple(s + 10 * (i % 2) for s in old.steps)[:3],
+                old.replicas[1:],
+                None if old.restore_step else 10,
+            )
             view.put_holdings(address, new)
             current[address] = new
     view.set_nodes(new_nodes)
@@ -147,10 +149,15 @@ def test_report_round_trips_and_malformed_reports_are_refused():
     h = Holdings(7, (10, 20), ((3, 10), (4, 20)), 10, (("rack", "r1"),), inc=5, seq=9)
     assert Holdings.from_wire(json.loads(encoded(h.to_wire()))) == h
     bad = [
-        None, [], {"rank": -1, "inc": 0, "seq": 0}, {"rank": True, "inc": 0, "seq": 0},
-        {"rank": 1, "steps": [1.5], "inc": 0, "seq": 0}, {"rank": 1, "replicas": [[1]], "inc": 0, "seq": 0},
+        None,
+        [],
+        {"rank": -1, "inc": 0, "seq": 0},
+        {"rank": True, "inc": 0, "seq": 0},
+        {"rank": 1, "steps": [1.5], "inc": 0, "seq": 0},
+        {"rank": 1, "replicas": [[1]], "inc": 0, "seq": 0},
         {"rank": 1, "replicas": [[0, 1]] * (MAX_REPLICAS + 1), "inc": 0, "seq": 0},
-        {"rank": 1, "topology": [["k", "v" * 200]], "inc": 0, "seq": 0}, {"rank": 1, "inc": 0},
+        {"rank": 1, "topology": [["k", "v" * 200]], "inc": 0, "seq": 0},
+        {"rank": 1, "inc": 0},
         {"rank": 1, "steps": [1 << 63], "inc": 0, "seq": 0},
     ]
     for data in bad:
@@ -159,8 +166,15 @@ def test_report_round_trips_and_malformed_reports_are_refused():
 
 
 def test_a_full_report_stays_under_the_wire_limit_and_bigger_messages_are_refused():
-    biggest = Holdings(1 << 30, tuple(range(256)), tuple((1 << 30, 1 << 40) for _ in range(MAX_REPLICAS)), 1 << 40,
-                       tuple((f"k{i}" * 30, "v" * 128) for i in range(16)), 1 << 60, 1 << 60)
+    biggest = Holdings(
+        1 << 30,
+        tuple(range(256)),
+        tuple((1 << 30, 1 << 40) for _ in range(MAX_REPLICAS)),
+        1 << 40,
+        tuple((f"k{i}" * 30, "v" * 128) for i in range(16)),
+        1 << 60,
+        1 << 60,
+    )
     assert len(encoded({"op": "coord_report", "report": biggest.to_wire()})) < MAX_MESSAGE // 4
     with pytest.raises(BadMessage, match="limit"):
         encoded({"op": "x", "pad": "x" * MAX_MESSAGE})

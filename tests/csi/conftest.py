@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from tierfs_testing.csi import Mode, Plugin, PodApi, publish_request  # noqa: F401 (for the tests)
 
 
@@ -39,4 +38,3 @@ def plugin_factory(shm_dir, pod_api):
 @pytest.fixture
 def plugin(plugin_factory) -> Plugin:
     return plugin_factory()
-

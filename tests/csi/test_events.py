@@ -19,15 +19,15 @@ from pathlib import Path
 
 import grpc
 import pytest
+from tierfs_testing import TIERFS
+from tierfs_testing.csi import PodApi
+from tierfs_testing.gcs_emulator import GcsEmulator
 
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.commands.status import fetch
 from tierfs.csi import events, kube
 from tierfs.csi.daemons import Daemon, DaemonState
 from tierfs.csi.settings import PluginConfig
-from tierfs_testing import TIERFS
-from tierfs_testing.csi import PodApi
-from tierfs_testing.gcs_emulator import GcsEmulator
 
 SECRET = {"secret": "a-peer-secret-of-the-job-0123456789"}
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
@@ -81,9 +81,13 @@ class EventApi(PodApi):
     def on(self, pod: dict[str, str], reason: str) -> list[dict]:
         """The Events of ``reason`` on the pod kubelet described with ``pod`` (its volume context)."""
         with self._lock:
-            return [e for e in self.events.values() if e["reason"] == reason
-                    and e["involvedObject"]["name"] == pod[POD_NAME]
-                    and e["involvedObject"]["namespace"] == pod[POD_NAMESPACE]]
+            return [
+                e
+                for e in self.events.values()
+                if e["reason"] == reason
+                and e["involvedObject"]["name"] == pod[POD_NAME]
+                and e["involvedObject"]["namespace"] == pod[POD_NAMESPACE]
+            ]
 
 
 @pytest.fixture
@@ -117,8 +121,11 @@ def test_a_restore_from_gcs_is_told_to_the_pod_it_was_for(plugin_factory, tmp_pa
     write_orbax_step(Path(target), 10, {"shard": os.urandom(1 << 20), "meta.json": b"{}"})
     wait_for(lambda: backed_up(plugin, 10), timeout=60, what="step 10 in GCS")
     plugin.unpublish(volume, target)
-    gc = subprocess.run([*TIERFS, "csi", "--state-dir", str(plugin.state_dir), "--ramdisk", str(plugin.ramdisk),
-                         "--gc", "llama"], capture_output=True, text=True)
+    gc = subprocess.run(
+        [*TIERFS, "csi", "--state-dir", str(plugin.state_dir), "--ramdisk", str(plugin.ramdisk), "--gc", "llama"],
+        capture_output=True,
+        text=True,
+    )
     assert gc.returncode == 0, gc.stderr
 
     second = plugin.new_pod()  # the job's next pod: a fresh daemon, an empty RAM tier
@@ -127,8 +134,13 @@ def test_a_restore_from_gcs_is_told_to_the_pod_it_was_for(plugin_factory, tmp_pa
     assert event["type"] == "Normal" and event["count"] == 1
     assert event["message"].startswith("restored step 10 from gcs in "), event["message"]
     assert event["message"].endswith(f" s ({(1 << 20) + 2} bytes)"), event["message"]
-    assert event["involvedObject"] == {"apiVersion": "v1", "kind": "Pod", "namespace": "default",
-                                       "name": second[POD_NAME], "uid": second[POD_UID]}
+    assert event["involvedObject"] == {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "namespace": "default",
+        "name": second[POD_NAME],
+        "uid": second[POD_UID],
+    }
     assert event["source"] == {"component": "tierfs-csi", "host": "node-a"}
     assert event["metadata"]["namespace"] == "default" and event["firstTimestamp"] == event["lastTimestamp"]
     assert pod_api.on(first, "TierfsRestored") == [], "the first pod restored nothing"
@@ -185,6 +197,7 @@ def test_a_refused_start_is_told_to_the_pod_once(plugin, pod_api):
 
 
 # -- in-process: repeats, failures, the thread ----------------------------------------------
+
 
 class Clock:
     def __init__(self):

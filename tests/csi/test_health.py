@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
+from tierfs_testing import crash
 
 from tests.conftest import tierfs
 from tests.csi.test_node import JOB, registered
@@ -31,7 +32,6 @@ from tierfs.csi.daemons import Daemon, DaemonState, poll
 from tierfs.csi.records import write_json
 from tierfs.csi.rpc import stub
 from tierfs.csi.settings import PluginConfig
-from tierfs_testing import crash
 
 POD_NAME, POD_NAMESPACE, POD_UID = (f"csi.storage.k8s.io/pod.{k}" for k in ("name", "namespace", "uid"))
 
@@ -50,14 +50,16 @@ def config(tmp_path) -> PluginConfig:
 
 # -- the plugin's own --------------------------------------------------------------------------
 
+
 def test_a_sick_job_leaves_the_plugin_ready_and_shows_in_the_report(plugin):
     assert ready(plugin)
     pod, target = plugin.new_pod(), plugin.target()
     plugin.publish(target, JOB, pod=pod)
     view = SimpleNamespace(state_dir=plugin.state_dir)
     identity_of = {"namespace": "default", "name": pod[POD_NAME], "uid": pod[POD_UID]}
-    assert health.daemons_report(view) == [{"job": "llama", "rank": 0, "pod": identity_of, "pods": [identity_of],
-                                            "state": "serving", "why": None}]
+    assert health.daemons_report(view) == [
+        {"job": "llama", "rank": 0, "pod": identity_of, "pods": [identity_of], "state": "serving", "why": None}
+    ]
 
     crash(registered(plugin, "llama"))  # keeper and daemon: the pod's mount is dead
     wait_for(lambda: mounts.is_dead(target), timeout=20, what="the daemon to die")
@@ -80,8 +82,14 @@ def test_a_read_only_state_directory_makes_the_plugin_unready_until_it_is_writab
         refused = tierfs("csi", "--ready", endpoint, check=False)
         assert refused.returncode == 1 and refused.stderr.strip().count("\n") == 0
         assert "cannot serve new volumes" in refused.stderr
-        wait_for(lambda: f"not ready to serve volumes: the state directory {state} is not writable: "
-                         "Read-only file system" in plugin.log(), timeout=10, what="the reason in the plugin's log")
+        wait_for(
+            lambda: (
+                f"not ready to serve volumes: the state directory {state} is not writable: "
+                "Read-only file system" in plugin.log()
+            ),
+            timeout=10,
+            what="the reason in the plugin's log",
+        )
     finally:
         subprocess.run(["umount", state], check=True)
     assert ready(plugin)
@@ -104,8 +112,10 @@ def test_probe_without_a_fuse_device_is_not_ready_and_logs_why(config, tmp_path,
                 assert not probe(pb.ProbeRequest(), timeout=10).ready.value
                 assert not probe(pb.ProbeRequest(), timeout=10).ready.value
             said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-            assert said == [f"not ready to serve volumes: cannot open {tmp_path / 'no-fuse'}: No such file or "
-                            "directory; no FUSE mount can be made (does the container have it?)"], said
+            assert said == [
+                f"not ready to serve volumes: cannot open {tmp_path / 'no-fuse'}: No such file or "
+                "directory; no FUSE mount can be made (does the container have it?)"
+            ], said
             monkeypatch.undo()
             assert probe(pb.ProbeRequest(), timeout=10).ready.value
     finally:
@@ -117,8 +127,10 @@ def test_can_serve_names_what_keeps_the_plugin_from_serving(config, tmp_path):
     assert not (config.ramdisk).exists(), "the first daemon makes the ramdisk: its absence is no problem"
 
     gone = replace(config, state_dir=tmp_path / "nowhere")
-    assert health.can_serve(gone) == (False, f"the state directory {tmp_path / 'nowhere'} is not writable: "
-                                             "No such file or directory")
+    assert health.can_serve(gone) == (
+        False,
+        f"the state directory {tmp_path / 'nowhere'} is not writable: No such file or directory",
+    )
     (tmp_path / "ram").write_text("a file")
     ok, why = health.can_serve(config)
     assert not ok and why == f"the ramdisk {config.ramdisk} is not a directory"
@@ -140,6 +152,7 @@ def test_can_serve_names_what_keeps_the_plugin_from_serving(config, tmp_path):
 
 # -- the jobs' daemons -------------------------------------------------------------------------
 
+
 def test_a_job_whose_daemon_is_not_mounted_is_sick(config):
     for sub in ("jobs", "volumes"):
         (config.state_dir / sub).mkdir()
@@ -148,20 +161,35 @@ def test_a_job_whose_daemon_is_not_mounted_is_sick(config):
     (state,) = poll(config)
     assert state.status is None and state.error == f"job gpt is not mounted at {config.state_dir / 'mnt' / 'gpt'}"
     assert state.daemon.pods == () and state.pod is None, "an older plugin's record names no pod"
-    assert health.daemons_report(config) == [{"job": "gpt", "rank": 3, "pod": None, "pods": [], "state": "sick",
-                                              "why": state.error}]
+    assert health.daemons_report(config) == [
+        {"job": "gpt", "rank": 3, "pod": None, "pods": [], "state": "sick", "why": state.error}
+    ]
 
 
-@pytest.mark.parametrize("status, why", [
-    ({"lanes": ["peers", "gcs"], "peers": {"state": "ok"}, "gcs": {"state": "working", "error": None}}, None),
-    ({"lanes": ["peers", "gcs"], "gcs": {"state": "unavailable", "error": "TierUnavailable: 503"}},
-     "its gcs lane is unavailable: TierUnavailable: 503"),
-    ({"lanes": ["disk"], "disk": {"state": "failing", "error": None}}, "its disk lane is failing"),
-    ({"lanes": [], "restored": {"step": 7, "state": "on demand", "chunks_failing": 2,
-                                "error": "chunk x is on no reachable tier"}},
-     "its restore of step 7 is failing: chunk x is on no reachable tier"),
-    ({"lanes": [], "restored": {"step": 7, "state": "done", "chunks_failing": 0, "error": None}}, None),
-])
+@pytest.mark.parametrize(
+    "status, why",
+    [
+        ({"lanes": ["peers", "gcs"], "peers": {"state": "ok"}, "gcs": {"state": "working", "error": None}}, None),
+        (
+            {"lanes": ["peers", "gcs"], "gcs": {"state": "unavailable", "error": "TierUnavailable: 503"}},
+            "its gcs lane is unavailable: TierUnavailable: 503",
+        ),
+        ({"lanes": ["disk"], "disk": {"state": "failing", "error": None}}, "its disk lane is failing"),
+        (
+            {
+                "lanes": [],
+                "restored": {
+                    "step": 7,
+                    "state": "on demand",
+                    "chunks_failing": 2,
+                    "error": "chunk x is on no reachable tier",
+                },
+            },
+            "its restore of step 7 is failing: chunk x is on no reachable tier",
+        ),
+        ({"lanes": [], "restored": {"step": 7, "state": "done", "chunks_failing": 0, "error": None}}, None),
+    ],
+)
 def test_a_lane_in_error_or_a_failing_restore_is_sick(status, why):
     daemon = Daemon("gpt", 0, Path("/nowhere"))
     assert health.sick_because(DaemonState(daemon, status)) == why

@@ -14,14 +14,17 @@ import pytest
 from tests.csi.test_node import JOB, code_of, daemon_pid
 from tierfs.csi.tokens import TOKENS
 
-
-AUDIENCE = {"gcs-token-audience": "identitynamespace:example.svc.id.goog:https://container.googleapis.com/v1/"
-                                    "projects/example/locations/here/clusters/c"}  # the admin's, usually
+AUDIENCE = {
+    "gcs-token-audience": "identitynamespace:example.svc.id.goog:https://container.googleapis.com/v1/"
+    "projects/example/locations/here/clusters/c"
+}  # the admin's, usually
 
 
 def tokens(token: str) -> dict[str, str]:
     """What kubelet puts in the volume context: one audience's token."""
-    return {TOKENS: json.dumps({"example.svc.id.goog": {"token": token, "expirationTimestamp": "2026-11-29T10:00:00Z"}})}
+    return {
+        TOKENS: json.dumps({"example.svc.id.goog": {"token": token, "expirationTimestamp": "2026-11-29T10:00:00Z"}})
+    }
 
 
 def test_the_pods_token_reaches_the_daemon_and_each_republish_refreshes_it(plugin):
@@ -40,8 +43,16 @@ def test_the_pods_token_reaches_the_daemon_and_each_republish_refreshes_it(plugi
     assert daemon_pid(plugin, "llama") == pid, "a fresh token is no new daemon"
 
 
-@pytest.mark.parametrize("raw", [json.dumps({}), json.dumps({"a": {"token": "x"}, "b": {"token": "y"}}),
-                                 "not json", json.dumps({"a": {"token": "two words"}}), "x" * (65 << 10)])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        json.dumps({}),
+        json.dumps({"a": {"token": "x"}, "b": {"token": "y"}}),
+        "not json",
+        json.dumps({"a": {"token": "two words"}}),
+        "x" * (65 << 10),
+    ],
+)
 def test_a_malformed_token_is_refused_in_one_line(plugin, raw):
     code, details = code_of(lambda: plugin.publish(plugin.target(), {**JOB, **AUDIENCE, TOKENS: raw}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and TOKENS in details and "\n" not in details

@@ -19,9 +19,14 @@ JOB = {"job": "relayed", "rank": "0", "capacity": "64M"}
 
 def test_the_plugin_relays_its_daemons_lines_with_the_job(plugin):
     plugin.publish(plugin.target(), JOB)
-    line = wait_for(lambda: next((line for line in plugin.log().splitlines()
-                                  if line.startswith("job=relayed ") and " mounted " in line), None),
-                    timeout=10, what="the daemon's 'mounted' line on the plugin's stdout")
+    line = wait_for(
+        lambda: next(
+            (line for line in plugin.log().splitlines() if line.startswith("job=relayed ") and " mounted " in line),
+            None,
+        ),
+        timeout=10,
+        what="the daemon's 'mounted' line on the plugin's stdout",
+    )
     assert "INFO tierfs: mounted" in line  # the daemon's own line, after the prefix
 
 
@@ -44,13 +49,15 @@ def test_json_plugin_passes_its_daemons_json_lines_on(plugin_factory):
 
 
 def test_a_bad_plugin_log_format_is_one_line(shm_dir):
-    proc = tierfs("csi", "--log-format", "xml", "--endpoint", f"unix://{shm_dir()}/csi.sock", "--node-id", "n",
-                  check=False)
+    proc = tierfs(
+        "csi", "--log-format", "xml", "--endpoint", f"unix://{shm_dir()}/csi.sock", "--node-id", "n", check=False
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines() == ["tierfs: invalid --log-format 'xml': use text or json"]
 
 
 # -- the relay alone ---------------------------------------------------------------------
+
 
 @pytest.fixture
 def logs(tmp_path) -> Path:
@@ -128,7 +135,9 @@ def test_relay_in_json_passes_objects_and_wraps_the_rest(logs):
     relay._scan(at_end=True)
     append(logs / "old.log", '{"job": "old", "rank": 2, "message": "hi"}\nTraceback (most recent call last):\n')
     assert [json.loads(line) for line in relayed(relay, out)] == [
-        {"job": "old", "rank": 2, "message": "hi"}, {"job": "old", "message": "Traceback (most recent call last):"}]
+        {"job": "old", "rank": 2, "message": "hi"},
+        {"job": "old", "message": "Traceback (most recent call last):"},
+    ]
 
 
 def test_relay_thread_stops_and_relays_what_came_last(logs):

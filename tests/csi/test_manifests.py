@@ -26,7 +26,7 @@ import base64
 import copy
 import re
 import shlex
-from functools import lru_cache
+from functools import cache
 from pathlib import Path, PurePosixPath
 
 import kubernetes_validate
@@ -53,8 +53,18 @@ HOST_PATH_OPTIONS = {"ramdisk", "log-file", "secret-file"}
 PER_JOB_OPTIONS = {"job", "rank", "nodes", "peers", "listen", "coordinator", "data-parallel", "topology"}
 JOBSET_API = "jobset.x-k8s.io/v1alpha2"
 # Fields of JobSet v1alpha2 (sigs.k8s.io/jobset api/jobset/v1alpha2/jobset_types.go).
-JOBSET_SPEC_FIELDS = {"replicatedJobs", "network", "successPolicy", "failurePolicy", "startupPolicy",
-                      "suspend", "coordinator", "managedBy", "ttlSecondsAfterFinished", "volumeClaimPolicies"}
+JOBSET_SPEC_FIELDS = {
+    "replicatedJobs",
+    "network",
+    "successPolicy",
+    "failurePolicy",
+    "startupPolicy",
+    "suspend",
+    "coordinator",
+    "managedBy",
+    "ttlSecondsAfterFinished",
+    "volumeClaimPolicies",
+}
 JOBSET_NETWORK_FIELDS = {"enableDNSHostnames", "subdomain", "publishNotReadyAddresses"}
 JOBSET_FAILURE_POLICY_FIELDS = {"maxRestarts", "restartStrategy", "rules"}
 JOBSET_REPLICATED_JOB_FIELDS = {"name", "groupName", "template", "replicas", "dependsOn"}
@@ -66,14 +76,16 @@ ENV_REF = re.compile(r"(?<!\$)\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 # -- loading ---------------------------------------------------------------------------
 
+
 def yaml_files() -> list[Path]:
     # monitoring/ needs the Prometheus Operator's CRDs and holds Prometheus rule files:
     # tests/csi/test_monitoring.py checks it.
-    return sorted(p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml")
-                  and DEPLOY / "monitoring" not in p.parents)
+    return sorted(
+        p for p in DEPLOY.rglob("*") if p.suffix in (".yaml", ".yml") and DEPLOY / "monitoring" not in p.parents
+    )
 
 
-@lru_cache(maxsize=None)
+@cache
 def _load(path: Path) -> tuple:
     return tuple(doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None)
 
@@ -87,9 +99,13 @@ def all_documents() -> list[tuple[Path, int, dict]]:
 
 
 def one(kind: str, where: Path = DEPLOY, name: str | None = None) -> dict:
-    found = [doc for path, _, doc in all_documents()
-             if doc.get("kind") == kind and (name is None or doc.get("metadata", {}).get("name") == name)
-             and (path.parent == where)]
+    found = [
+        doc
+        for path, _, doc in all_documents()
+        if doc.get("kind") == kind
+        and (name is None or doc.get("metadata", {}).get("name") == name)
+        and (path.parent == where)
+    ]
     assert len(found) == 1, f"expected one {kind}{' ' + name if name else ''} in {where}, found {len(found)}"
     return found[0]
 
@@ -130,7 +146,7 @@ def volume(pod_spec: dict, name: str) -> dict:
 
 def unix_path(endpoint: str) -> str:
     assert endpoint.startswith("unix:///"), endpoint
-    return endpoint[len("unix://"):]
+    return endpoint[len("unix://") :]
 
 
 def pod_specs() -> list[tuple[str, dict]]:
@@ -181,6 +197,7 @@ def secret_value(secret: dict, key: str) -> str:
 
 # -- schemas ---------------------------------------------------------------------------
 
+
 def kubernetes_versions() -> list[str]:
     """Every release kubernetes-validate ships schemas for, from MIN_KUBERNETES on."""
     schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
@@ -196,11 +213,16 @@ def schema_cases() -> list:
         base = f"{path.relative_to(DEPLOY)}#{i}:{doc.get('kind')}/{(doc.get('metadata') or {}).get('name')}"
         if doc.get("kind") == "JobSet":
             for rj in doc["spec"]["replicatedJobs"]:
-                job = {"apiVersion": "batch/v1", "kind": "Job",
-                       "metadata": {**rj["template"].get("metadata", {}),
-                                    "name": f"{doc['metadata']['name']}-{rj['name']}-0",
-                                    "namespace": doc["metadata"].get("namespace", "default")},
-                       "spec": rj["template"]["spec"]}
+                job = {
+                    "apiVersion": "batch/v1",
+                    "kind": "Job",
+                    "metadata": {
+                        **rj["template"].get("metadata", {}),
+                        "name": f"{doc['metadata']['name']}-{rj['name']}-0",
+                        "namespace": doc["metadata"].get("namespace", "default"),
+                    },
+                    "spec": rj["template"]["spec"],
+                }
                 cases.append((f"{base}/replicatedJobs/{rj['name']}", job))
         elif doc.get("kind") not in NOT_KUBERNETES_API:
             cases.append((base, doc))
@@ -256,6 +278,7 @@ def test_every_document_is_a_complete_object():
 
 # -- the JobSet, by hand ---------------------------------------------------------------
 
+
 def test_jobset_fields():
     js = one("JobSet", EXAMPLES)
     assert js["apiVersion"] == JOBSET_API
@@ -283,6 +306,7 @@ def test_jobset_fields():
 
 
 # -- the plugin and kubelet ------------------------------------------------------------
+
 
 def test_csidriver_is_the_contract():
     driver = one("CSIDriver")
@@ -349,8 +373,10 @@ def test_registrar_and_probe_reach_the_plugin_socket():
     assert volume(spec, mounts["/registration"]["name"])["hostPath"]["path"] == "/var/lib/kubelet/plugins_registry"
     for sidecar in (registrar,):
         address = flags(sidecar["args"])["csi-address"]
-        holder = max((m for m in sidecar["volumeMounts"] if address.startswith(m["mountPath"].rstrip("/") + "/")),
-                     key=lambda m: len(m["mountPath"]))
+        holder = max(
+            (m for m in sidecar["volumeMounts"] if address.startswith(m["mountPath"].rstrip("/") + "/")),
+            key=lambda m: len(m["mountPath"]),
+        )
         host_dir = volume(spec, holder["name"])["hostPath"]["path"]
         on_host = str(PurePosixPath(host_dir) / PurePosixPath(address).relative_to(holder["mountPath"]))
         assert on_host == socket, f"{sidecar['name']} dials {address}, which is {on_host} on the host, not {socket}"
@@ -364,8 +390,9 @@ def test_plugin_sees_host_paths_where_the_host_has_them():
     got = flags(c["args"])
 
     def mount_of(path: str) -> tuple[dict, dict]:
-        holders = [m for m in c["volumeMounts"]
-                   if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+        holders = [
+            m for m in c["volumeMounts"] if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")
+        ]
         assert holders, f"{path} is not mounted into the plugin"
         m = max(holders, key=lambda m: len(m["mountPath"]))
         return m, volume(spec, m["name"])
@@ -419,8 +446,10 @@ def test_daemonset_runs_everywhere_and_rolls_with_a_surge():
     ds = daemonset()
     spec = ds["spec"]["template"]["spec"]
     # The new pod takes the mounts over before the old one goes (tests/csi/test_rollout.py).
-    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate",
-                                            "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    assert ds["spec"]["updateStrategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+    }
     assert spec["hostNetwork"] is True and spec["dnsPolicy"] == "ClusterFirstWithHostNet"
     assert spec["priorityClassName"] == "system-node-critical"
     assert {"operator": "Exists"} in spec["tolerations"]  # every taint, every effect
@@ -452,11 +481,16 @@ def test_rbac_grants_get_pods_to_the_plugin_only():
     sa = one("ServiceAccount", name=ds["spec"]["template"]["spec"]["serviceAccountName"])
     assert sa["metadata"] == {**sa["metadata"], "name": "tierfs-csi", "namespace": NAMESPACE}
     role = one("ClusterRole")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
-                             {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["events"], "verbs": ["create", "patch"]},
+    ]
     binding = one("ClusterRoleBinding")
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                                  "name": role["metadata"]["name"]}
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "ClusterRole",
+        "name": role["metadata"]["name"],
+    }
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tierfs-csi", "namespace": NAMESPACE}]
 
 
@@ -468,8 +502,9 @@ def test_everything_installs_into_its_namespace():
     # GKE admits system-*-critical pods only in a namespace whose quota covers their class.
     priority = daemonset()["spec"]["template"]["spec"]["priorityClassName"]
     quota = one("ResourceQuota")
-    assert {"scopeName": "PriorityClass", "operator": "In", "values": [priority]} in \
-        quota["spec"]["scopeSelector"]["matchExpressions"]
+    assert {"scopeName": "PriorityClass", "operator": "In", "values": [priority]} in quota["spec"]["scopeSelector"][
+        "matchExpressions"
+    ]
     assert int(quota["spec"]["hard"]["pods"]) >= 15000  # a node's plugin pod, on the largest clusters
     for path, _, doc in all_documents():
         if path.parent == DEPLOY and doc["kind"] in ("ServiceAccount", "ConfigMap", "DaemonSet", "ResourceQuota"):
@@ -490,6 +525,7 @@ def test_kustomization_lists_every_file():
 
 
 # -- volume attributes and defaults ----------------------------------------------------
+
 
 def test_host_path_and_per_job_options_exist():
     """The sets this module reasons with name real `tierfs mount` options."""
@@ -515,8 +551,10 @@ def test_ceilings_are_valid_and_the_commented_ones_too():
     values, text = config_values()
     assert set(ceilings.KEYS) & set(values), "config.yaml shows no ceiling"
     commented = dict(re.findall(r"^\s*#\s*([a-z][a-z-]*):\s*(.+)$", text, flags=re.MULTILINE))
-    every = {**{k: yaml.safe_load(v) for k, v in commented.items() if k in ceilings.KEYS},
-             **{k: v for k, v in values.items() if k in ceilings.KEYS}}
+    every = {
+        **{k: yaml.safe_load(v) for k, v in commented.items() if k in ceilings.KEYS},
+        **{k: v for k, v in values.items() if k in ceilings.KEYS},
+    }
     assert set(every) == set(ceilings.KEYS), f"config.yaml does not show {set(ceilings.KEYS) - set(every)}"
     ceilings.Ceilings.parse({k: str(v) for k, v in every.items()}, "config.yaml")
     assert config_ceilings() == ceilings.Ceilings(), "the shipped ceilings are the plugin's documented defaults"
@@ -549,10 +587,15 @@ def _pods(workload: dict) -> list[dict]:
     if workload["kind"] == "Job":
         spec = workload["spec"]
         for index in range(spec["completions"]):
-            pods.append({"labels": {"batch.kubernetes.io/job-completion-index": str(index)},
-                         "hostname": f"{workload['metadata']['name']}-{index}",
-                         "subdomain": spec["template"]["spec"]["subdomain"], "namespace": ns,
-                         "spec": spec["template"]["spec"]})
+            pods.append(
+                {
+                    "labels": {"batch.kubernetes.io/job-completion-index": str(index)},
+                    "hostname": f"{workload['metadata']['name']}-{index}",
+                    "subdomain": spec["template"]["spec"]["subdomain"],
+                    "namespace": ns,
+                    "spec": spec["template"]["spec"],
+                }
+            )
         return pods
     jobs = workload["spec"]["replicatedJobs"]
     global_replicas = sum(rj.get("replicas", 1) for rj in jobs)
@@ -562,11 +605,19 @@ def _pods(workload: dict) -> list[dict]:
         for job_index in range(rj.get("replicas", 1)):
             job_spec = rj["template"]["spec"]
             for index in range(job_spec["completions"]):
-                pods.append({"labels": {"batch.kubernetes.io/job-completion-index": str(index),
-                                        "jobset.sigs.k8s.io/job-global-index": str(global_index),
-                                        "jobset.sigs.k8s.io/global-replicas": str(global_replicas)},
-                             "hostname": f"{workload['metadata']['name']}-{rj['name']}-{job_index}-{index}",
-                             "subdomain": subdomain, "namespace": ns, "spec": job_spec["template"]["spec"]})
+                pods.append(
+                    {
+                        "labels": {
+                            "batch.kubernetes.io/job-completion-index": str(index),
+                            "jobset.sigs.k8s.io/job-global-index": str(global_index),
+                            "jobset.sigs.k8s.io/global-replicas": str(global_replicas),
+                        },
+                        "hostname": f"{workload['metadata']['name']}-{rj['name']}-{job_index}-{index}",
+                        "subdomain": subdomain,
+                        "namespace": ns,
+                        "spec": job_spec["template"]["spec"],
+                    }
+                )
             global_index += 1
     return pods
 
@@ -659,23 +710,28 @@ def test_example_volumes_build_valid_configurations(workload):
         limits = config_ceilings()  # the examples ask for nothing the shipped ceilings refuse
         if options.get("listen"):
             limits.check_listen(*parse_address(options["listen"], "listen"), f"192.0.2.{n + 1}")
-        assert not {"data-path", "wake-cpus", "engine"} & set(attrs), \
+        assert not {"data-path", "wake-cpus", "engine"} & set(attrs), (
             "pods take the ConfigMap's data-path, wake-cpus and engine"
+        )
         limits.check_attributes(options, set(attrs))  # restore-wait, prefetch...: within the shipped bounds
         if "capacity" in attrs and limits.max_capacity is not None:
             assert parse_size(attrs["capacity"]) <= limits.max_capacity
-        cfg = Config.build(mountpoint="/var/lib/kubelet/plugins/csi.tierfs.dev/mnt/job", secret=secret,
-                           **{k.replace("-", "_"): v for k, v in options.items()})
+        cfg = Config.build(
+            mountpoint="/var/lib/kubelet/plugins/csi.tierfs.dev/mnt/job",
+            secret=secret,
+            **{k.replace("-", "_"): v for k, v in options.items()},
+        )
         assert cfg.job == attrs["job"] and cfg.nodes == len(_pods(workload))
 
 
 # -- the image -------------------------------------------------------------------------
 
+
 def test_dockerfile_copies_what_exists_and_leaves_compilers_behind():
     lines = [line.strip() for line in (ROOT / "csi" / "Dockerfile").read_text().splitlines()]
     stages = [line for line in lines if line.upper().startswith("FROM ")]
     assert len(stages) == 2, "a build stage (compilers) and a runtime stage"
-    runtime = lines[lines.index(stages[1]):]
+    runtime = lines[lines.index(stages[1]) :]
     for line in lines:
         if line.upper().startswith("COPY ") and "--from=" not in line:
             *sources, _dest = shlex.split(line)[1:]

@@ -13,14 +13,17 @@ import signal
 import urllib.error
 import urllib.request
 
+from tierfs_testing import free_port
+
 from tests.conftest import tierfs
 from tests.csi.test_node import daemon_pid
 from tests.helpers import wait_for
 from tests.prometheus import promtool_check_metrics
-from tierfs_testing import free_port
 
-JOBS = {"llama": {"job": "llama", "rank": "0", "capacity": "64M"},
-        "gemma": {"job": "gemma", "rank": "0", "capacity": "64M"}}
+JOBS = {
+    "llama": {"job": "llama", "rank": "0", "capacity": "64M"},
+    "gemma": {"job": "gemma", "rank": "0", "capacity": "64M"},
+}
 
 
 def get(address: str, path: str) -> tuple[int, bytes]:
@@ -72,8 +75,13 @@ def test_one_endpoint_per_node_serves_the_plugin_and_every_daemon(plugin_factory
     hung = daemon_pid(plugin, "gemma")
     os.kill(hung, signal.SIGSTOP)
     try:
-        wait_for(lambda: {d["job"]: d["state"] for d in json.loads(get(address, "/daemons")[1])}
-                 == {"llama": "serving", "gemma": "sick"}, what="gemma's daemon reported sick")
+        wait_for(
+            lambda: (
+                {d["job"]: d["state"] for d in json.loads(get(address, "/daemons")[1])}
+                == {"llama": "serving", "gemma": "sick"}
+            ),
+            what="gemma's daemon reported sick",
+        )
         prom.wait_value('tierfs_plugin_daemons{state="sick"}', 1)
         prom.wait_value('up{job="tierfs-csi"}', 1)
         assert prom.value('tierfs_steps_committed_total{job="llama",rank="0"}') == 1

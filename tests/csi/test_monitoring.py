@@ -22,7 +22,7 @@ import json
 import re
 import shutil
 import subprocess
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import jsonschema
@@ -48,37 +48,78 @@ ANNOTATION_LIMIT = 256 * 1024
 
 # The metric catalogue (docs/monitoring.md explains each).
 COUNTERS = {
-    "tierfs_steps_committed", "tierfs_tier_sent_bytes", "tierfs_tier_dedup_bytes", "tierfs_tier_steps",
-    "tierfs_tier_errors", "tierfs_tier_received_bytes", "tierfs_restores", "tierfs_failures",
-    "tierfs_fuse_read_bytes", "tierfs_fuse_written_bytes",
-    "tierfs_plugin_volume_calls", "tierfs_plugin_events",
+    "tierfs_steps_committed",
+    "tierfs_tier_sent_bytes",
+    "tierfs_tier_dedup_bytes",
+    "tierfs_tier_steps",
+    "tierfs_tier_errors",
+    "tierfs_tier_received_bytes",
+    "tierfs_restores",
+    "tierfs_failures",
+    "tierfs_fuse_read_bytes",
+    "tierfs_fuse_written_bytes",
+    "tierfs_plugin_volume_calls",
+    "tierfs_plugin_events",
 }
 HISTOGRAMS = {
-    "tierfs_step_copy_duration_seconds", "tierfs_restore_duration_seconds", "tierfs_fuse_request_duration_seconds",
+    "tierfs_step_copy_duration_seconds",
+    "tierfs_restore_duration_seconds",
+    "tierfs_fuse_request_duration_seconds",
 }
 GAUGES = {
-    "tierfs_newest_step", "tierfs_newest_step_timestamp_seconds", "tierfs_lag_seconds",
-    "tierfs_ram_used_bytes", "tierfs_ram_capacity_bytes", "tierfs_peers", "tierfs_restore_missing_bytes",
-    "tierfs_info", "tierfs_start_time_seconds",
-    "tierfs_checkpoint_interval_seconds", "tierfs_checkpoint_cost_seconds", "tierfs_checkpoint_overhead_ratio",
-    "tierfs_work_at_risk_seconds", "tierfs_expected_loss_per_failure_seconds", "tierfs_mtbf_seconds",
-    "tierfs_optimal_checkpoint_interval_seconds", "tierfs_goodput_ratio",
-    "tierfs_plugin_info", "tierfs_plugin_volumes", "tierfs_plugin_daemons", "tierfs_plugin_job_pods",
+    "tierfs_newest_step",
+    "tierfs_newest_step_timestamp_seconds",
+    "tierfs_lag_seconds",
+    "tierfs_ram_used_bytes",
+    "tierfs_ram_capacity_bytes",
+    "tierfs_peers",
+    "tierfs_restore_missing_bytes",
+    "tierfs_info",
+    "tierfs_start_time_seconds",
+    "tierfs_checkpoint_interval_seconds",
+    "tierfs_checkpoint_cost_seconds",
+    "tierfs_checkpoint_overhead_ratio",
+    "tierfs_work_at_risk_seconds",
+    "tierfs_expected_loss_per_failure_seconds",
+    "tierfs_mtbf_seconds",
+    "tierfs_optimal_checkpoint_interval_seconds",
+    "tierfs_goodput_ratio",
+    "tierfs_plugin_info",
+    "tierfs_plugin_volumes",
+    "tierfs_plugin_daemons",
+    "tierfs_plugin_job_pods",
 }
 CATALOGUE = COUNTERS | HISTOGRAMS | GAUGES
-SERIES = ({f"{c}_total" for c in COUNTERS} | GAUGES
-          | {f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("bucket", "count", "sum")})
+SERIES = (
+    {f"{c}_total" for c in COUNTERS}
+    | GAUGES
+    | {f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("bucket", "count", "sum")}
+)
 # Label values the catalogue defines; a typo in a matcher selects nothing, silently.
 LABEL_VALUES = {
     "tier": {"ram", "peers", "gcs", "disk"},
     "source": {"local", "peers", "gcs", "disk"},
     "state": {"up", "down", "unknown", "serving", "sick"},  # tierfs_peers also says unknown
 }
-PROMQL_WORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left", "group_right", "bool",
-                "offset", "inf", "nan"}
+PROMQL_WORDS = {
+    "and",
+    "or",
+    "unless",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "offset",
+    "inf",
+    "nan",
+}
 
 
 # -- loading ---------------------------------------------------------------------------
+
 
 def load_yaml(path: Path) -> dict:
     return yaml.safe_load(path.read_text())
@@ -86,6 +127,7 @@ def load_yaml(path: Path) -> dict:
 
 # test_manifests.py has helpers like these; importing that module would tie this one's
 # collection to every manifest it reads, so the few needed here are kept small and local.
+
 
 def daemonset() -> dict:
     return load_yaml(DEPLOY / "daemonset.yaml")
@@ -131,6 +173,7 @@ def dashboard_panels() -> list[dict]:
         for p in panels:
             yield p
             yield from walk(p.get("panels", []))  # a collapsed row holds its panels
+
     return list(walk(dashboard()["panels"]))
 
 
@@ -173,11 +216,15 @@ def metric_names(expr: str) -> set[str]:
 
 def matchers(expr: str) -> list[tuple[str, str, str]]:
     """(label, operator, value) of every label matcher in the expression."""
-    return [m.groups() for block in re.findall(r"\{([^}]*)\}", expr)
-            for m in re.finditer(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', block)]
+    return [
+        m.groups()
+        for block in re.findall(r"\{([^}]*)\}", expr)
+        for m in re.finditer(r'(\w+)\s*(=~|!~|!=|=)\s*"((?:[^"\\]|\\.)*)"', block)
+    ]
 
 
 # -- the folder and its kustomization --------------------------------------------------
+
 
 def test_kustomization_lists_every_file():
     k = kustomization()
@@ -204,6 +251,7 @@ def test_kustomize_builds_what_this_module_checks():
 
 # -- schemas ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("version", kubernetes_versions())
 def test_generated_configmaps_validate_strictly(version):
     configmaps = generated_configmaps()
@@ -226,8 +274,11 @@ def strict(schema: dict) -> dict:
 
     def walk(node):
         if isinstance(node, dict):
-            if ("properties" in node and "additionalProperties" not in node
-                    and not node.get("x-kubernetes-preserve-unknown-fields")):
+            if (
+                "properties" in node
+                and "additionalProperties" not in node
+                and not node.get("x-kubernetes-preserve-unknown-fields")
+            ):
                 node["additionalProperties"] = False
             for value in node.values():
                 walk(value)
@@ -239,7 +290,7 @@ def strict(schema: dict) -> dict:
     return schema
 
 
-@lru_cache(maxsize=None)
+@cache
 def crd_validator(plural: str) -> jsonschema.Draft7Validator:
     schema = strict(load_yaml(SCHEMAS / f"monitoring.coreos.com_{plural}.v1.yaml"))
     # A well-formed schema; its patterns are not checked as Python regexes: they are Go's
@@ -287,8 +338,9 @@ PROMETHEUS_RULE_WRAP = (
 @pytest.mark.skipif(not (shutil.which("bash") and shutil.which("sed")), reason="bash or sed is not installed")
 def test_alerts_wrapped_as_a_prometheusrule_validate_against_its_crd():
     assert PROMETHEUS_RULE_WRAP in DOCS.read_text(), "docs/monitoring.md no longer wraps alerts.yaml this way"
-    out = subprocess.run(["bash", "-c", PROMETHEUS_RULE_WRAP], cwd=ROOT, capture_output=True,
-                         text=True, timeout=30, check=True).stdout
+    out = subprocess.run(
+        ["bash", "-c", PROMETHEUS_RULE_WRAP], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+    ).stdout
     rule = yaml.safe_load(out)
     assert rule["spec"] == load_yaml(MONITORING / "alerts.yaml")  # the same rules, nothing added or lost
     assert rule["metadata"]["namespace"] == NAMESPACE
@@ -296,6 +348,7 @@ def test_alerts_wrapped_as_a_prometheusrule_validate_against_its_crd():
 
 
 # -- the PodMonitor and the plugin -----------------------------------------------------
+
 
 def relabel(labels: dict[str, str], configs: list[dict]) -> dict[str, str] | None:
     """Prometheus's relabeling of a target (the actions the PodMonitor uses); None: dropped."""
@@ -345,10 +398,16 @@ def test_podmonitor_scrapes_the_plugins_metrics_address():
     # operator's own relabelings.
     for container in spec["containers"]:
         for pod_ip, address in (("10.1.2.3", f"10.1.2.3:{port}"), ("fd00::7", f"[fd00::7]:{port}")):
-            target = relabel({"__address__": pod_ip, "__meta_kubernetes_pod_ip": pod_ip,
-                              "__meta_kubernetes_pod_container_name": container["name"],
-                              "__meta_kubernetes_pod_node_name": "node-a",
-                              "job": "tierfs-system/tierfs-csi-node"}, relabelings)
+            target = relabel(
+                {
+                    "__address__": pod_ip,
+                    "__meta_kubernetes_pod_ip": pod_ip,
+                    "__meta_kubernetes_pod_container_name": container["name"],
+                    "__meta_kubernetes_pod_node_name": "node-a",
+                    "job": "tierfs-system/tierfs-csi-node",
+                },
+                relabelings,
+            )
             if container["name"] == plugin()["name"]:
                 assert target is not None, "the plugin's container is dropped"
                 assert target["__address__"] == address
@@ -364,17 +423,20 @@ def test_the_plugin_down_alert_watches_the_podmonitors_job():
 
 # -- alerts ----------------------------------------------------------------------------
 
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) is not installed")
 def test_promtool_accepts_the_rules():
-    out = subprocess.run(["promtool", "check", "rules", "alerts.yaml"], cwd=MONITORING,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["promtool", "check", "rules", "alerts.yaml"], cwd=MONITORING, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) is not installed")
 def test_promtool_unit_tests_pass():
-    out = subprocess.run(["promtool", "test", "rules", "alerts_test.yaml"], cwd=MONITORING,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["promtool", "test", "rules", "alerts_test.yaml"], cwd=MONITORING, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stdout + out.stderr
 
 
@@ -410,11 +472,16 @@ def test_every_alert_is_tested_firing_and_silent():
 
 # -- expressions and the catalogue -----------------------------------------------------
 
+
 def test_metric_names_reads_promql():
-    assert metric_names('sum by (job) (rate(a_total{x="y"}[5m])) > on (i) group_left b unless c') == \
-        {"a_total", "b", "c"}
-    assert metric_names('histogram_quantile(0.99, sum by (le) (increase(h_bucket{job=~"$job"}[$__rate_interval])))') \
-        == {"h_bucket"}
+    assert metric_names('sum by (job) (rate(a_total{x="y"}[5m])) > on (i) group_left b unless c') == {
+        "a_total",
+        "b",
+        "c",
+    }
+    assert metric_names(
+        'histogram_quantile(0.99, sum by (le) (increase(h_bucket{job=~"$job"}[$__rate_interval])))'
+    ) == {"h_bucket"}
     assert metric_names('time() - t{tier="ram"} > 3600 and ignoring (tier) u offset 5m') == {"t", "u"}
 
 
@@ -457,6 +524,7 @@ def test_dashboard_expressions_parse(tmp_path):
 
 # -- the dashboard ---------------------------------------------------------------------
 
+
 def test_dashboard_is_well_formed():
     d = dashboard()
     assert d["uid"] == "tierfs" and d["schemaVersion"] >= 36
@@ -495,6 +563,7 @@ def test_daemon_panels_follow_the_job_and_rank_variables():
 
 
 # -- docs ------------------------------------------------------------------------------
+
 
 def test_docs_explain_every_metric_and_alert():
     text = DOCS.read_text()

@@ -10,14 +10,14 @@ import subprocess
 
 import grpc
 import pytest
+from tierfs_testing import TIERFS, crash
+from tierfs_testing.csi import Mode, publish_request
 
 from tests.conftest import tierfs
 from tests.helpers import wait_for
 from tierfs.core import mounts
 from tierfs.csi import DRIVER_NAME
 from tierfs.csi import csi_pb2 as pb
-from tierfs_testing import TIERFS, crash
-from tierfs_testing.csi import Mode, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 
@@ -98,42 +98,53 @@ def test_publish_and_unpublish_are_idempotent(plugin):
     plugin.unpublish("csi-never-published", plugin.target())
 
 
-@pytest.mark.parametrize("change, what", [
-    (lambda r: r.ClearField("volume_id"), "volume_id is missing"),
-    (lambda r: r.ClearField("target_path"), "target_path is missing"),
-    (lambda r: r.ClearField("volume_capability"), "volume_capability is missing"),
-    (lambda r: r.volume_capability.block.SetInParent(), "block access"),
-    (lambda r: r.volume_capability.access_mode.__setattr__("mode", Mode.MULTI_NODE_MULTI_WRITER), "one node"),
-    (lambda r: r.volume_capability.mount.mount_flags.append("noatime"), "mount flags"),
-    (lambda r: r.volume_context.__delitem__("job"), "'job' is missing"),
-    (lambda r: r.volume_context.__setitem__("job", "../etc"), "invalid job id"),
-    (lambda r: r.volume_context.__setitem__("colour", "blue"), "unknown volume attribute 'colour'"),
-    (lambda r: r.volume_context.__setitem__("ramdisk", "/etc"), "a host path"),
-    (lambda r: r.volume_context.__setitem__("capacity", "lots"), "capacity"),
-    (lambda r: r.volume_context.__setitem__("rank", "7"), "invalid rank 7"),
-    (lambda r: r.volume_context.__setitem__("peers", "127.0.0.9:7420"), "nodePublishSecretRef"),
-    (lambda r: r.volume_context.__setitem__("csi.storage.k8s.io/ephemeral", "false"), "ephemeral"),
-])
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        (lambda r: r.ClearField("volume_id"), "volume_id is missing"),
+        (lambda r: r.ClearField("target_path"), "target_path is missing"),
+        (lambda r: r.ClearField("volume_capability"), "volume_capability is missing"),
+        (lambda r: r.volume_capability.block.SetInParent(), "block access"),
+        (lambda r: r.volume_capability.access_mode.__setattr__("mode", Mode.MULTI_NODE_MULTI_WRITER), "one node"),
+        (lambda r: r.volume_capability.mount.mount_flags.append("noatime"), "mount flags"),
+        (lambda r: r.volume_context.__delitem__("job"), "'job' is missing"),
+        (lambda r: r.volume_context.__setitem__("job", "../etc"), "invalid job id"),
+        (lambda r: r.volume_context.__setitem__("colour", "blue"), "unknown volume attribute 'colour'"),
+        (lambda r: r.volume_context.__setitem__("ramdisk", "/etc"), "a host path"),
+        (lambda r: r.volume_context.__setitem__("capacity", "lots"), "capacity"),
+        (lambda r: r.volume_context.__setitem__("rank", "7"), "invalid rank 7"),
+        (lambda r: r.volume_context.__setitem__("peers", "127.0.0.9:7420"), "nodePublishSecretRef"),
+        (lambda r: r.volume_context.__setitem__("csi.storage.k8s.io/ephemeral", "false"), "ephemeral"),
+    ],
+)
 def test_bad_publish_requests_are_invalid_arguments(plugin, change, what):
     request = publish_request("csi-bad", plugin.target(), {**plugin.new_pod(), **JOB})
     change(request)
     code, details = code_of(lambda: plugin.call("Node", "NodePublishVolume", request))
     assert code == grpc.StatusCode.INVALID_ARGUMENT, details
     assert what in details
-    assert not (plugin.state_dir / "mnt" / "llama").exists() or mounts.find_mount(plugin.state_dir / "mnt" / "llama") is None
+    assert (
+        not (plugin.state_dir / "mnt" / "llama").exists()
+        or mounts.find_mount(plugin.state_dir / "mnt" / "llama") is None
+    )
 
 
 def test_other_node_calls_answer_with_the_spec_codes(plugin):
-    code, _ = code_of(lambda: plugin.call("Node", "NodeGetVolumeStats", pb.NodeGetVolumeStatsRequest(
-        volume_id="csi-unknown", volume_path="/nowhere")))
+    code, _ = code_of(
+        lambda: plugin.call(
+            "Node", "NodeGetVolumeStats", pb.NodeGetVolumeStatsRequest(volume_id="csi-unknown", volume_path="/nowhere")
+        )
+    )
     assert code == grpc.StatusCode.NOT_FOUND
     code, _ = code_of(lambda: plugin.call("Node", "NodeGetVolumeStats", pb.NodeGetVolumeStatsRequest(volume_id="x")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     code, _ = code_of(lambda: plugin.call("Node", "NodeUnpublishVolume", pb.NodeUnpublishVolumeRequest(volume_id="x")))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    for method, request in (("NodeStageVolume", pb.NodeStageVolumeRequest(volume_id="x")),
-                            ("NodeUnstageVolume", pb.NodeUnstageVolumeRequest(volume_id="x")),
-                            ("NodeExpandVolume", pb.NodeExpandVolumeRequest(volume_id="x"))):
+    for method, request in (
+        ("NodeStageVolume", pb.NodeStageVolumeRequest(volume_id="x")),
+        ("NodeUnstageVolume", pb.NodeUnstageVolumeRequest(volume_id="x")),
+        ("NodeExpandVolume", pb.NodeExpandVolumeRequest(volume_id="x")),
+    ):
         code, _ = code_of(lambda: plugin.call("Node", method, request))
         assert code == grpc.StatusCode.UNIMPLEMENTED, method
 
@@ -153,18 +164,26 @@ def test_read_only_publish_refuses_writes_while_another_pod_writes(plugin):
 def test_rank_comes_from_the_jobset_index_and_sticks_to_the_node(plugin):
     attrs = {"job": "gpt", "nodes": "4", "capacity": "64M", "coordinator": "trainer-0.gpt:1234"}
     # JobSet of 2 Jobs with 2 pods each: Job 1, completion index 1 -> rank 3.
-    pod = plugin.new_pod(labels={"jobset.sigs.k8s.io/job-global-index": "1",
-                                 "jobset.sigs.k8s.io/global-replicas": "2",
-                                 "batch.kubernetes.io/job-completion-index": "1"})
+    pod = plugin.new_pod(
+        labels={
+            "jobset.sigs.k8s.io/job-global-index": "1",
+            "jobset.sigs.k8s.io/global-replicas": "2",
+            "batch.kubernetes.io/job-completion-index": "1",
+        }
+    )
     target = plugin.target()
     vol = plugin.publish(target, attrs, pod=pod)
     assert open(os.path.join(target, "jax-init-info.txt")).read() == "3\ntrainer-0.gpt:1234\n"
     plugin.unpublish(vol, target)
 
     # The job restarts and another pod index lands here: the node keeps rank 3 and its data.
-    pod = plugin.new_pod(labels={"batch.kubernetes.io/job-completion-index": "0",
-                                 "jobset.sigs.k8s.io/job-global-index": "0",
-                                 "jobset.sigs.k8s.io/global-replicas": "2"})
+    pod = plugin.new_pod(
+        labels={
+            "batch.kubernetes.io/job-completion-index": "0",
+            "jobset.sigs.k8s.io/job-global-index": "0",
+            "jobset.sigs.k8s.io/global-replicas": "2",
+        }
+    )
     target = plugin.target()
     plugin.publish(target, attrs, pod=pod)
     assert open(os.path.join(target, "jax-init-info.txt")).read().split()[0] == "3"

@@ -10,11 +10,11 @@ import uuid
 
 import grpc
 import pytest
+from tierfs_testing import free_port
 
 from tests.conftest import tierfs
 from tests.csi.test_node import code_of
 from tierfs.csi import kube
-from tierfs_testing import free_port
 
 # The pods' daemons start one at a time: the first ones warn of peers not up yet.
 pytestmark = pytest.mark.expect_log(r"not answer yet")
@@ -56,18 +56,29 @@ def hosts_entries(entries: dict[str, str]):
 
 
 def jobset_pod(plugin, jobset: str, job_index: int, pod_index: int, jobs: int = 2) -> dict[str, str]:
-    pod = plugin.new_pod(labels={
-        "jobset.sigs.k8s.io/jobset-name": jobset, "jobset.sigs.k8s.io/replicatedjob-name": "slice",
-        "jobset.sigs.k8s.io/replicatedjob-replicas": str(jobs), "jobset.sigs.k8s.io/global-replicas": str(jobs),
-        "jobset.sigs.k8s.io/job-index": str(job_index), "jobset.sigs.k8s.io/job-global-index": str(job_index),
-        "batch.kubernetes.io/job-completion-index": str(pod_index)})
+    pod = plugin.new_pod(
+        labels={
+            "jobset.sigs.k8s.io/jobset-name": jobset,
+            "jobset.sigs.k8s.io/replicatedjob-name": "slice",
+            "jobset.sigs.k8s.io/replicatedjob-replicas": str(jobs),
+            "jobset.sigs.k8s.io/global-replicas": str(jobs),
+            "jobset.sigs.k8s.io/job-index": str(job_index),
+            "jobset.sigs.k8s.io/job-global-index": str(job_index),
+            "batch.kubernetes.io/job-completion-index": str(pod_index),
+        }
+    )
     spec_of(plugin, pod).update(hostname=f"{jobset}-slice-{job_index}-{pod_index}", subdomain=jobset)
     return pod
 
 
 def job_pod(plugin, job: str, index: int, subdomain: str | None) -> dict[str, str]:
-    pod = plugin.new_pod(labels={"batch.kubernetes.io/job-name": job, "job-name": job,
-                                 "batch.kubernetes.io/job-completion-index": str(index)})
+    pod = plugin.new_pod(
+        labels={
+            "batch.kubernetes.io/job-name": job,
+            "job-name": job,
+            "batch.kubernetes.io/job-completion-index": str(index),
+        }
+    )
     spec_of(plugin, pod).update(hostname=f"{job}-{index}", **({"subdomain": subdomain} if subdomain else {}))
     return pod
 
@@ -92,12 +103,19 @@ def known_peers(plugin, job: str) -> set[str]:
 
 def test_a_jobset_pod_gets_every_pod_of_its_replicated_job_as_peers(plugin):
     jobset, port = f"js{uuid.uuid4().hex[:6]}", free_port("127.0.0.1")
-    names = {f"{jobset}-slice-{j}-{p}.{jobset}.default.svc": f"127.0.0.{60 + 2 * j + p}"
-             for j in range(2) for p in range(2)}
+    names = {
+        f"{jobset}-slice-{j}-{p}.{jobset}.default.svc": f"127.0.0.{60 + 2 * j + p}" for j in range(2) for p in range(2)
+    }
     mine = f"{jobset}-slice-1-0.{jobset}.default.svc"
     names[mine] = "127.0.0.1"  # this node: the plugin's --node-ip
-    attrs = {"job": jobset, "nodes": "4", "peers": "auto", "listen": f":{port}", "capacity": "64M",
-             "restore-wait": "1s"}
+    attrs = {
+        "job": jobset,
+        "nodes": "4",
+        "peers": "auto",
+        "listen": f":{port}",
+        "capacity": "64M",
+        "restore-wait": "1s",
+    }
     with hosts_entries(names):
         target = plugin.target()
         plugin.publish(target, attrs, pod=jobset_pod(plugin, jobset, 1, 0), secrets=SECRET)
@@ -118,11 +136,14 @@ def test_an_indexed_job_pod_gets_every_index_in_its_subdomain(plugin):
         assert known_peers(plugin, job) == {f"{job}-{i}.workers.default.svc:{port}" for i in (0, 2)}
 
 
-@pytest.mark.parametrize("make_pod, message", [
-    (lambda p: job_pod(p, "ij", 0, None), "the pod has no spec.subdomain"),
-    (lambda p: p.new_pod(labels={"batch.kubernetes.io/job-completion-index": "0"}), "neither a JobSet nor"),
-    (lambda p: _renamed(p, job_pod(p, "ij", 0, "w")), "the pod's hostname 'other' is not 'ij-0'"),
-])
+@pytest.mark.parametrize(
+    "make_pod, message",
+    [
+        (lambda p: job_pod(p, "ij", 0, None), "the pod has no spec.subdomain"),
+        (lambda p: p.new_pod(labels={"batch.kubernetes.io/job-completion-index": "0"}), "neither a JobSet nor"),
+        (lambda p: _renamed(p, job_pod(p, "ij", 0, "w")), "the pod's hostname 'other' is not 'ij-0'"),
+    ],
+)
 def test_peers_auto_without_pod_names_is_a_clear_error(plugin, make_pod, message):
     attrs = {"job": "autojob", "nodes": "2", "peers": "auto", "capacity": "64M"}
     code, details = code_of(lambda: plugin.publish(plugin.target(), attrs, pod=make_pod(plugin), secrets=SECRET))
@@ -144,20 +165,31 @@ def pod_object(labels: dict[str, str], **spec) -> dict:
 
 
 def test_jobset_pattern_defaults_the_subdomain_to_the_jobset_name():
-    labels = {kube.JOBSET_NAME: "train", kube.REPLICATED_JOB_NAME: "w", kube.JOBSET_GLOBAL_REPLICAS: "4",
-              kube.JOBSET_JOB_INDEX: "3", kube.JOB_COMPLETION_INDEX: "7"}
+    labels = {
+        kube.JOBSET_NAME: "train",
+        kube.REPLICATED_JOB_NAME: "w",
+        kube.JOBSET_GLOBAL_REPLICAS: "4",
+        kube.JOBSET_JOB_INDEX: "3",
+        kube.JOB_COMPLETION_INDEX: "7",
+    }
     assert kube.peer_pattern(pod_object(labels), "ml", 32, 7420) == "train-w-{0..3}-{0..7}.train.ml.svc:7420"
     one_job = {**labels, kube.REPLICATED_JOB_REPLICAS: "1", kube.JOBSET_JOB_INDEX: "0"}
     assert kube.peer_pattern(pod_object(one_job, subdomain="net"), "ml", 8, 1) == "train-w-0-{0..7}.net.ml.svc:1"
 
 
-@pytest.mark.parametrize("labels, nodes, message", [
-    ({kube.JOBSET_NAME: "t", kube.REPLICATED_JOB_NAME: "w", kube.JOBSET_GLOBAL_REPLICAS: "3"}, 4,
-     "nodes=4 is not a multiple of the 3 Jobs"),
-    ({kube.JOBSET_NAME: "t"}, 4, "no label jobset.sigs.k8s.io/replicatedjob-name"),
-    ({kube.JOBSET_NAME: "T_T", kube.REPLICATED_JOB_NAME: "w"}, 4, "is not a DNS label"),
-    ({kube.JOBSET_NAME: "t", kube.REPLICATED_JOB_NAME: "w", kube.JOBSET_GLOBAL_REPLICAS: "x"}, 4, "is not a count"),
-])
+@pytest.mark.parametrize(
+    "labels, nodes, message",
+    [
+        (
+            {kube.JOBSET_NAME: "t", kube.REPLICATED_JOB_NAME: "w", kube.JOBSET_GLOBAL_REPLICAS: "3"},
+            4,
+            "nodes=4 is not a multiple of the 3 Jobs",
+        ),
+        ({kube.JOBSET_NAME: "t"}, 4, "no label jobset.sigs.k8s.io/replicatedjob-name"),
+        ({kube.JOBSET_NAME: "T_T", kube.REPLICATED_JOB_NAME: "w"}, 4, "is not a DNS label"),
+        ({kube.JOBSET_NAME: "t", kube.REPLICATED_JOB_NAME: "w", kube.JOBSET_GLOBAL_REPLICAS: "x"}, 4, "is not a count"),
+    ],
+)
 def test_bad_jobset_labels_say_what_is_wrong(labels, nodes, message):
     with pytest.raises(kube.PeersUnknown, match=message):
         kube.peer_pattern(pod_object(labels), "ml", nodes, 7420)

@@ -18,23 +18,36 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # (message, field) -> number, from the CSI spec v1 csi.proto.
 SPEC_NUMBERS = {
-    ("GetPluginInfoResponse", "name"): 1, ("GetPluginInfoResponse", "vendor_version"): 2,
+    ("GetPluginInfoResponse", "name"): 1,
+    ("GetPluginInfoResponse", "vendor_version"): 2,
     ("GetPluginInfoResponse", "manifest"): 3,
     ("GetPluginCapabilitiesResponse", "capabilities"): 1,
     ("ProbeResponse", "ready"): 1,
-    ("NodePublishVolumeRequest", "volume_id"): 1, ("NodePublishVolumeRequest", "publish_context"): 2,
-    ("NodePublishVolumeRequest", "staging_target_path"): 3, ("NodePublishVolumeRequest", "target_path"): 4,
-    ("NodePublishVolumeRequest", "volume_capability"): 5, ("NodePublishVolumeRequest", "readonly"): 6,
-    ("NodePublishVolumeRequest", "secrets"): 7, ("NodePublishVolumeRequest", "volume_context"): 8,
-    ("NodeUnpublishVolumeRequest", "volume_id"): 1, ("NodeUnpublishVolumeRequest", "target_path"): 2,
-    ("NodeGetVolumeStatsRequest", "volume_id"): 1, ("NodeGetVolumeStatsRequest", "volume_path"): 2,
-    ("NodeGetVolumeStatsResponse", "usage"): 1, ("NodeGetVolumeStatsResponse", "volume_condition"): 2,
-    ("VolumeUsage", "available"): 1, ("VolumeUsage", "total"): 2, ("VolumeUsage", "used"): 3,
+    ("NodePublishVolumeRequest", "volume_id"): 1,
+    ("NodePublishVolumeRequest", "publish_context"): 2,
+    ("NodePublishVolumeRequest", "staging_target_path"): 3,
+    ("NodePublishVolumeRequest", "target_path"): 4,
+    ("NodePublishVolumeRequest", "volume_capability"): 5,
+    ("NodePublishVolumeRequest", "readonly"): 6,
+    ("NodePublishVolumeRequest", "secrets"): 7,
+    ("NodePublishVolumeRequest", "volume_context"): 8,
+    ("NodeUnpublishVolumeRequest", "volume_id"): 1,
+    ("NodeUnpublishVolumeRequest", "target_path"): 2,
+    ("NodeGetVolumeStatsRequest", "volume_id"): 1,
+    ("NodeGetVolumeStatsRequest", "volume_path"): 2,
+    ("NodeGetVolumeStatsResponse", "usage"): 1,
+    ("NodeGetVolumeStatsResponse", "volume_condition"): 2,
+    ("VolumeUsage", "available"): 1,
+    ("VolumeUsage", "total"): 2,
+    ("VolumeUsage", "used"): 3,
     ("VolumeUsage", "unit"): 4,
     ("NodeGetCapabilitiesResponse", "capabilities"): 1,
-    ("NodeGetInfoResponse", "node_id"): 1, ("NodeGetInfoResponse", "max_volumes_per_node"): 2,
+    ("NodeGetInfoResponse", "node_id"): 1,
+    ("NodeGetInfoResponse", "max_volumes_per_node"): 2,
     ("NodeGetInfoResponse", "accessible_topology"): 3,
-    ("VolumeCapability", "block"): 1, ("VolumeCapability", "mount"): 2, ("VolumeCapability", "access_mode"): 3,
+    ("VolumeCapability", "block"): 1,
+    ("VolumeCapability", "mount"): 2,
+    ("VolumeCapability", "access_mode"): 3,
 }
 
 
@@ -55,6 +68,7 @@ def test_checked_in_module_is_generated_from_the_proto(tmp_path):
     source = (tmp_path / "csi_pb2.py").read_text()
     checked_in = Path(pb.__file__).read_text()
     marker = "AddSerializedFile("  # the serialized descriptor: everything but the header
-    fresh = source[source.index(marker):].split("\n", 1)[0]
-    assert fresh == checked_in[checked_in.index(marker):].split("\n", 1)[0], \
+    fresh = source[source.index(marker) :].split("\n", 1)[0]
+    assert fresh == checked_in[checked_in.index(marker) :].split("\n", 1)[0], (
         "src/tierfs/csi/csi_pb2.py is stale: run scripts/gen-csi-proto.sh"
+    )

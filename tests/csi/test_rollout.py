@@ -15,11 +15,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from tierfs_testing.csi import Plugin
 
 from tests.fuse.users import PYTHON
 from tests.helpers import wait_for
 from tierfs.core import mounts
-from tierfs_testing.csi import Plugin
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 POD = r"""
@@ -73,8 +73,11 @@ class Containers:
         """What a container's end does to the processes in it."""
         for sub in sorted(cgroup.rglob("cgroup.kill"), key=lambda p: -len(p.parts)):
             sub.write_text("1")
-        wait_for(lambda: not any(p.read_text().strip() for p in cgroup.rglob("cgroup.procs")),
-                 timeout=30, what=f"every process of {cgroup.name} to end")
+        wait_for(
+            lambda: not any(p.read_text().strip() for p in cgroup.rglob("cgroup.procs")),
+            timeout=30,
+            what=f"every process of {cgroup.name} to end",
+        )
 
     def close(self) -> None:
         self.kill(self.root)
@@ -122,8 +125,12 @@ def test_rollouts_and_container_crashes_never_reach_a_pods_open_files(shm_dir, p
         target = old.target()
         old.publish(target, JOB)
         first_keeper = keepers_of(old)
-        pod = subprocess.Popen(["unshare", "-m", "--propagation", "private", PYTHON, "-c", POD, target, str(stop)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        pod = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", PYTHON, "-c", POD, target, str(stop)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
         def goes_on(loops: int = 20) -> None:
             for _ in range(loops):

@@ -16,20 +16,20 @@ import subprocess
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import grpc
 import pytest
+from tierfs_testing import TIERFS
+from tierfs_testing.csi import Plugin
 
 from tests.conftest import tierfs
 from tests.helpers import wait_for
 from tierfs.core import mounts
 from tierfs.csi import csi_pb2 as pb
-from tierfs_testing import TIERFS
-from tierfs_testing.csi import Plugin
 
 SECRET = {"secret": "a-peer-secret-of-the-job-0123456789"}
 WHERE = "ConfigMap tierfs-config"
@@ -40,6 +40,7 @@ SILENT = r"peer 127\.0\.0\.1:\d+ does not answer yet"  # what a slow job's daemo
 
 
 # -- helpers -------------------------------------------------------------------------------
+
 
 def with_config(plugin_factory, tmp_path: Path, text: str, *args: str) -> Plugin:
     config = tmp_path / f"config-{uuid.uuid4().hex[:6]}.yaml"
@@ -146,12 +147,29 @@ def slow_publishes(plugin: Plugin, count: int, wait_s: int = SLOW_WAIT) -> Itera
     """
     peers, ports = SilentPeers(count), free_ports(count)
     pool = ThreadPoolExecutor(max_workers=count)
-    calls = [pool.submit(plugin.publish, plugin.target(), {
-        "job": f"slow-{i}", "rank": "0", "nodes": "2", "capacity": "16M", "peers": peers.address(i),
-        "listen": f":{ports[i]}", "restore-wait": f"{wait_s}s"}, secrets=SECRET) for i in range(count)]
+    calls = [
+        pool.submit(
+            plugin.publish,
+            plugin.target(),
+            {
+                "job": f"slow-{i}",
+                "rank": "0",
+                "nodes": "2",
+                "capacity": "16M",
+                "peers": peers.address(i),
+                "listen": f":{ports[i]}",
+                "restore-wait": f"{wait_s}s",
+            },
+            secrets=SECRET,
+        )
+        for i in range(count)
+    ]
     try:
-        wait_for(lambda: peers.reached() + sum(c.done() for c in calls) >= count, timeout=60,
-                 what="every slow daemon to reach its silent peer")
+        wait_for(
+            lambda: peers.reached() + sum(c.done() for c in calls) >= count,
+            timeout=60,
+            what="every slow daemon to reach its silent peer",
+        )
         yield calls
     finally:
         wait(calls, timeout=3 * wait_s + 120)
@@ -161,13 +179,15 @@ def slow_publishes(plugin: Plugin, count: int, wait_s: int = SLOW_WAIT) -> Itera
 
 # -- GCS needs the job's secret --------------------------------------------------------------
 
+
 @pytest.mark.expect_log("neither encrypted nor authenticated without the job's secret")
 def test_gcs_without_a_secret_is_refused_unless_the_admin_allows_it(plugin_factory, tmp_path, gcs_bucket):
     config = f"gcs: gs://{gcs_bucket}/tierfs\n"
     plugin = with_config(plugin_factory, tmp_path, config)
     details = refused(plugin, {"job": "open", "rank": "0", "capacity": "16M"})
-    assert details.startswith(f"job open backs up to GCS (gs://{gcs_bucket}/tierfs/default) but its volume has "
-                              "no peer secret"), details
+    assert details.startswith(
+        f"job open backs up to GCS (gs://{gcs_bucket}/tierfs/default) but its volume has no peer secret"
+    ), details
     assert "nodePublishSecretRef" in details and 'allow-unauthenticated-gcs: "true"' in details, details
     mounted(plugin, {"job": "sealed", "rank": "0", "capacity": "16M"}, secrets=SECRET)
 
@@ -180,18 +200,23 @@ def test_gcs_without_a_secret_is_refused_unless_the_admin_allows_it(plugin_facto
 
 # -- engine and the tuning attributes --------------------------------------------------------
 
+
 def test_engine_is_the_admins_unless_allowed(plugin_factory, tmp_path):
     plugin = with_config(plugin_factory, tmp_path, "")
     details = refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", "engine": "pyfuse3"})
-    assert details.startswith("volume attribute 'engine' 'pyfuse3' is over the node's ceiling "
-                              f"allow-pod-engine=false ({WHERE}: pods take the admin's engine=auto)"), details
+    assert details.startswith(
+        "volume attribute 'engine' 'pyfuse3' is over the node's ceiling "
+        f"allow-pod-engine=false ({WHERE}: pods take the admin's engine=auto)"
+    ), details
     mounted(plugin, {"job": "j", "rank": "0", "capacity": "16M", "engine": "auto"})  # the admin's own: fine
 
     # Allowed to choose the engine, but not the data path: pyfuse3 is the daemon path.
     engines = with_config(plugin_factory, tmp_path, 'allow-pod-engine: "true"\n')
     details = refused(engines, {"job": "j", "rank": "0", "capacity": "16M", "engine": "pyfuse3"})
-    assert details.startswith("volume attribute 'engine' 'pyfuse3' serves every byte through the daemon") \
-        and "allow-pod-data-path=false" in details, details
+    assert (
+        details.startswith("volume attribute 'engine' 'pyfuse3' serves every byte through the daemon")
+        and "allow-pod-data-path=false" in details
+    ), details
     mounted(engines, {"job": "j", "rank": "0", "capacity": "16M", "engine": "tierfs"})
 
     both = with_config(plugin_factory, tmp_path, 'allow-pod-engine: "true"\nallow-pod-data-path: "true"\n')
@@ -199,24 +224,53 @@ def test_engine_is_the_admins_unless_allowed(plugin_factory, tmp_path):
     assert job_options(both, "j")["engine"] == "pyfuse3"
 
 
-@pytest.mark.parametrize("attrs, config, line", [
-    ({"restore-wait": "11m"}, "",
-     "volume attribute 'restore-wait' '11m' is over the node's ceiling max-restore-wait=10m"),
-    ({"restore-wait": "45s"}, "max-restore-wait: 30s\n",
-     "volume attribute 'restore-wait' '45s' is over the node's ceiling max-restore-wait=30s"),
-    ({"prefetch": "64"}, "", "volume attribute 'prefetch' '64' is over the node's ceiling max-prefetch=32"),
-    ({"chunk-size": "32M"}, "", "volume attribute 'chunk-size' '32M' is over the node's ceiling max-chunk-size=16M"),
-    ({"keep": "11"}, "", "volume attribute 'keep' '11' is over the node's ceiling max-keep=10"),
-    ({"replicas": "4", "peers": "127.0.0.9:{7420..7424}"}, "",
-     "volume attribute 'replicas' '4' is over the node's ceiling max-replicas=3"),
-    ({"peers": "node-{0..4999}.svc:7420"}, "",
-     "volume attribute 'peers' (5000 addresses) is over the node's ceiling max-peers=4096"),
-    ({"survey-interval": "2s"}, "",
-     "volume attribute 'survey-interval' '2s' is under the node's floor min-survey-interval=10s"),
-    ({"backup-interval": "5m"}, "min-backup-interval: 10m\n",
-     "volume attribute 'backup-interval' '5m' is under the node's floor min-backup-interval=10m"),
-    ({"log-level": "debug"}, "", "volume attribute 'log-level' 'debug' is under the node's floor min-log-level=info"),
-])
+@pytest.mark.parametrize(
+    "attrs, config, line",
+    [
+        (
+            {"restore-wait": "11m"},
+            "",
+            "volume attribute 'restore-wait' '11m' is over the node's ceiling max-restore-wait=10m",
+        ),
+        (
+            {"restore-wait": "45s"},
+            "max-restore-wait: 30s\n",
+            "volume attribute 'restore-wait' '45s' is over the node's ceiling max-restore-wait=30s",
+        ),
+        ({"prefetch": "64"}, "", "volume attribute 'prefetch' '64' is over the node's ceiling max-prefetch=32"),
+        (
+            {"chunk-size": "32M"},
+            "",
+            "volume attribute 'chunk-size' '32M' is over the node's ceiling max-chunk-size=16M",
+        ),
+        ({"keep": "11"}, "", "volume attribute 'keep' '11' is over the node's ceiling max-keep=10"),
+        (
+            {"replicas": "4", "peers": "127.0.0.9:{7420..7424}"},
+            "",
+            "volume attribute 'replicas' '4' is over the node's ceiling max-replicas=3",
+        ),
+        (
+            {"peers": "node-{0..4999}.svc:7420"},
+            "",
+            "volume attribute 'peers' (5000 addresses) is over the node's ceiling max-peers=4096",
+        ),
+        (
+            {"survey-interval": "2s"},
+            "",
+            "volume attribute 'survey-interval' '2s' is under the node's floor min-survey-interval=10s",
+        ),
+        (
+            {"backup-interval": "5m"},
+            "min-backup-interval: 10m\n",
+            "volume attribute 'backup-interval' '5m' is under the node's floor min-backup-interval=10m",
+        ),
+        (
+            {"log-level": "debug"},
+            "",
+            "volume attribute 'log-level' 'debug' is under the node's floor min-log-level=info",
+        ),
+    ],
+)
 def test_tuning_past_a_ceiling_is_refused_with_one_line(plugin_factory, tmp_path, attrs, config, line):
     plugin = with_config(plugin_factory, tmp_path, config)
     details = refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", **attrs}, secrets=SECRET)
@@ -225,22 +279,33 @@ def test_tuning_past_a_ceiling_is_refused_with_one_line(plugin_factory, tmp_path
 
 
 def test_tuning_within_the_ceilings_mounts_and_unset_values_take_the_ceiling(plugin_factory, tmp_path):
-    plugin = with_config(plugin_factory, tmp_path, 'max-prefetch: "4"\nmin-log-level: warning\n'
-                                                   "max-restore-wait: 30s\n")
-    mounted(plugin, {"job": "j", "rank": "0", "capacity": "16M", "restore-wait": "30s", "prefetch": "2",
-                     "keep": "10", "survey-interval": "10s", "log-level": "error"})
+    plugin = with_config(plugin_factory, tmp_path, 'max-prefetch: "4"\nmin-log-level: warning\nmax-restore-wait: 30s\n')
+    mounted(
+        plugin,
+        {
+            "job": "j",
+            "rank": "0",
+            "capacity": "16M",
+            "restore-wait": "30s",
+            "prefetch": "2",
+            "keep": "10",
+            "survey-interval": "10s",
+            "log-level": "error",
+        },
+    )
     assert job_options(plugin, "j")["prefetch"] == "2" and job_options(plugin, "j")["log-level"] == "error"
     mounted(plugin, {"job": "k", "rank": "0", "capacity": "16M"})  # the daemon's defaults are 8 and info
     assert job_options(plugin, "k")["prefetch"] == "4" and job_options(plugin, "k")["log-level"] == "warning"
 
 
-
 # -- no pod stalls the node ------------------------------------------------------------------
+
 
 @pytest.mark.expect_log(SILENT)
 def test_slow_daemon_starts_hold_up_neither_the_probe_nor_other_jobs(plugin_factory, tmp_path):
-    plugin = with_config(plugin_factory, tmp_path, 'max-jobs-per-node: "32"\nmax-jobs-per-namespace: "32"\n'
-                                                   'listen-ports: "1024-65535"\n')
+    plugin = with_config(
+        plugin_factory, tmp_path, 'max-jobs-per-node: "32"\nmax-jobs-per-namespace: "32"\nlisten-ports: "1024-65535"\n'
+    )
     steady = {"job": "steady", "rank": "0", "capacity": "16M"}
     mounted(plugin, steady)
     with slow_publishes(plugin, SLOW_JOBS) as calls:
@@ -268,8 +333,7 @@ def test_volume_calls_past_the_limit_are_refused_and_the_probe_answers(plugin_fa
     with slow_publishes(plugin, 2, wait_s=8) as calls:
         assert timed(lambda: plugin.call("Identity", "Probe", pb.ProbeRequest())) < FAST
         start = time.monotonic()
-        details = refused(plugin, {"job": "third", "rank": "0", "capacity": "16M"},
-                          code=grpc.StatusCode.UNAVAILABLE)
+        details = refused(plugin, {"job": "third", "rank": "0", "capacity": "16M"}, code=grpc.StatusCode.UNAVAILABLE)
         assert time.monotonic() - start < FAST and "--volume-calls" in details, details
         assert timed(lambda: plugin.call("Identity", "GetPluginInfo", pb.GetPluginInfoRequest())) < FAST
         assert not any(c.done() for c in calls)

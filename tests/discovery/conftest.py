@@ -8,10 +8,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-
-from tests.discovery.dns_server import DnsServer
 from tierfs_testing import free_port
 from tierfs_testing.cluster import LocalCluster
+
+from tests.discovery.dns_server import DnsServer
 
 
 def common_port(hosts: list[str]) -> int:

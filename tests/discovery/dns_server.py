@@ -82,10 +82,10 @@ class DnsServer:
         labels, offset = [], 12
         while query[offset]:
             n = query[offset]
-            labels.append(query[offset + 1:offset + 1 + n].decode())
+            labels.append(query[offset + 1 : offset + 1 + n].decode())
             offset += 1 + n
-        qtype = struct.unpack("!H", query[offset + 1:offset + 3])[0]
-        question = query[12:offset + 5]
+        qtype = struct.unpack("!H", query[offset + 1 : offset + 3])[0]
+        question = query[12 : offset + 5]
         name = ".".join(labels).lower()
         with self.lock:
             self.queries.append((transport, name, qtype))

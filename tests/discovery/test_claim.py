@@ -26,13 +26,17 @@ def test_the_later_claimant_is_refused_in_one_line_naming_the_other():
     assert str(e.value) == (
         "rank 3 of job llama is already served by node host-a:/dev/shm/tierfs at 127.0.0.2:7000 (up since "
         "1970-01-01 00:16:40 UTC): not starting a second one; give this node another --rank, or stop tierfs on "
-        "host-a:/dev/shm/tierfs first")
+        "host-a:/dev/shm/tierfs first"
+    )
     check(incumbent, "llama", 3, {B: info(newcomer, 3)})  # the incumbent goes on
 
 
 def test_both_sides_agree_on_who_yields():
-    for a, b in [(ident("a", 5.0), ident("b", 5.5)), (ident("b", 5.0), ident("a", 5.0)),
-                 (ident("a", 5.0, "x2"), ident("a2", 5.0, "x1"))]:
+    for a, b in [
+        (ident("a", 5.0), ident("b", 5.5)),
+        (ident("b", 5.0), ident("a", 5.0)),
+        (ident("a", 5.0, "x2"), ident("a2", 5.0, "x1")),
+    ]:
         assert a.precedes(b) != b.precedes(a)
         refused = []
         for me, other, where in ((a, b, B), (b, a, A)):
@@ -51,8 +55,12 @@ def test_a_restart_of_the_same_node_is_no_rival():
 
 def test_other_ranks_this_daemon_and_peers_that_do_not_say_are_no_rivals():
     me = ident("b", 20.0)
-    answers = {A: info(ident("a", 1.0), 4), B: info(me, 3), ("127.0.0.4", 1): {"rank": 3},
-               ("127.0.0.5", 1): {"rank": 3, "node": 5, "instance": "x", "started": "soon"}}
+    answers = {
+        A: info(ident("a", 1.0), 4),
+        B: info(me, 3),
+        ("127.0.0.4", 1): {"rank": 3},
+        ("127.0.0.5", 1): {"rank": 3, "node": 5, "instance": "x", "started": "soon"},
+    }
     assert rivals(me, 3, answers) == []
 
 

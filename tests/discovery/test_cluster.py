@@ -8,13 +8,15 @@ import subprocess
 import time
 
 import pytest
+from tierfs_testing import TIERFS
 
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.core import mounts
-from tierfs_testing import TIERFS
 
 # Nodes start one at a time here: the first ones warn of peers not up yet.
-pytestmark = pytest.mark.expect_log(r"not answer yet", r"peer discovery: dns\+srv:\S+ failed", r"also serves rank", r"is already served by node")
+pytestmark = pytest.mark.expect_log(
+    r"not answer yet", r"peer discovery: dns\+srv:\S+ failed", r"also serves rank", r"is already served by node"
+)
 
 MiB = 1 << 20
 
@@ -108,8 +110,16 @@ def test_a_second_node_claiming_a_served_rank_is_refused(cluster):
 
 def test_two_nodes_claiming_one_rank_at_once_leave_exactly_one(cluster):
     c = cluster(2, capacity="256M", restore_wait="1s")
-    procs = [subprocess.Popen([*TIERFS, *map(str, c.mount_args(i, rank=0))], env=c.env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in (0, 1)]
+    procs = [
+        subprocess.Popen(
+            [*TIERFS, *map(str, c.mount_args(i, rank=0))],
+            env=c.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in (0, 1)
+    ]
     results = [p.communicate(timeout=120) + (p.returncode,) for p in procs]
     ok = [i for i, (_, _, code) in enumerate(results) if code == 0]
     assert len(ok) == 1, results

@@ -116,12 +116,18 @@ def test_late_records_appear_at_the_next_lookup(dns_server):
 
 def test_resolv_conf_and_the_search_order(tmp_path):
     conf = tmp_path / "resolv.conf"
-    conf.write_text("# kube\nnameserver 10.96.0.10\nnameserver bogus\n"
-                    "search ns.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5 timeout:1\n")
+    conf.write_text(
+        "# kube\nnameserver 10.96.0.10\nnameserver bogus\n"
+        "search ns.svc.cluster.local svc.cluster.local cluster.local\noptions ndots:5 timeout:1\n"
+    )
     rc = dns.resolv_conf(str(conf))
     assert rc.nameservers == (("10.96.0.10", 53),) and rc.ndots == 5
-    assert dns.candidates("a.b.ns.svc", rc) == ["a.b.ns.svc.ns.svc.cluster.local", "a.b.ns.svc.svc.cluster.local",
-                                                "a.b.ns.svc.cluster.local", "a.b.ns.svc"]
+    assert dns.candidates("a.b.ns.svc", rc) == [
+        "a.b.ns.svc.ns.svc.cluster.local",
+        "a.b.ns.svc.svc.cluster.local",
+        "a.b.ns.svc.cluster.local",
+        "a.b.ns.svc",
+    ]
     assert dns.candidates("x.", rc) == ["x."]
     assert dns.resolv_conf(str(tmp_path / "absent")).nameservers == (("127.0.0.1", 53),)
 
@@ -136,9 +142,11 @@ def reply(body: bytes, an: int = 1, qd: int = 0, flags: int = 0x8180, qid_xor: i
 
     With ``qd``, the query's own question comes first (the query ends in its 11-byte EDNS0 record).
     """
+
     def answer(query: bytes, transport: str) -> bytes:
         qid = struct.unpack("!H", query[:2])[0] ^ qid_xor
         return struct.pack("!HHHHHH", qid, flags, qd, an, 0, 0) + (query[12:-11] if qd else b"") + body
+
     return answer
 
 
@@ -155,13 +163,16 @@ def test_a_compression_loop_is_refused(dns_server):
         ask(dns_server, reply(LOOPED))
 
 
-@pytest.mark.parametrize("body", [
-    b"\x05abc",  # a name runs past the end
-    b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 9) + b"\1\2\3\4",  # record data runs past the end
-    b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 3) + b"\1\2\3",  # an A record of 3 bytes
-    b"\0" + struct.pack("!HHIH", dns.SRV, 1, 0, 7) + b"\0\1\0\1\0\1\x05ab",  # a SRV target past its record
-    b"\x80",  # an unknown label type
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x05abc",  # a name runs past the end
+        b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 9) + b"\1\2\3\4",  # record data runs past the end
+        b"\0" + struct.pack("!HHIH", dns.A, 1, 0, 3) + b"\1\2\3",  # an A record of 3 bytes
+        b"\0" + struct.pack("!HHIH", dns.SRV, 1, 0, 7) + b"\0\1\0\1\0\1\x05ab",  # a SRV target past its record
+        b"\x80",  # an unknown label type
+    ],
+)
 def test_malformed_records_are_dns_errors(dns_server, body):
     with pytest.raises(dns.DnsError, match="malformed answer from DNS server"):
         ask(dns_server, reply(body))
@@ -185,10 +196,13 @@ def test_a_server_failure_is_a_dns_error(dns_server):
         ask(dns_server, reply(b"", an=0, qd=1, flags=0x8182))
 
 
-@pytest.mark.parametrize("tcp_answer, message", [
-    (None, "closed the TCP connection mid-answer"),  # truncated over UDP, then nothing over TCP
-    (reply(LOOPED), "malformed answer"),
-])
+@pytest.mark.parametrize(
+    "tcp_answer, message",
+    [
+        (None, "closed the TCP connection mid-answer"),  # truncated over UDP, then nothing over TCP
+        (reply(LOOPED), "malformed answer"),
+    ],
+)
 def test_after_truncation_a_bad_tcp_answer_is_a_dns_error(dns_server, tcp_answer, message):
     truncated = reply(b"", an=0, qd=1, flags=0x8380)
 

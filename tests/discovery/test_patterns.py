@@ -45,14 +45,17 @@ def test_ranges_may_stand_in_the_address_and_the_port():
 
 
 def test_duplicates_are_dropped_and_the_listen_address_is_not_a_peer():
-    cfg = Config.build(mountpoint="/mnt/x", secret=SECRET, listen="127.0.0.3:7000",
-                       peers="127.0.0.{2..4}:7000,127.0.0.2:7000")
+    cfg = Config.build(
+        mountpoint="/mnt/x", secret=SECRET, listen="127.0.0.3:7000", peers="127.0.0.{2..4}:7000,127.0.0.2:7000"
+    )
     assert cfg.peers == (("127.0.0.2", 7000), ("127.0.0.4", 7000))
 
 
 def test_dns_items_become_sources_resolved_later():
-    spec = parse_peers("dns:Train.default.svc.cluster.local:7420,dns+srv:_tierfs._tcp.train.default.svc,"
-                       "dns+srv:_t._tcp.x@127.0.0.53,dns:x.y:1@[::1]:5353")
+    spec = parse_peers(
+        "dns:Train.default.svc.cluster.local:7420,dns+srv:_tierfs._tcp.train.default.svc,"
+        "dns+srv:_t._tcp.x@127.0.0.53,dns:x.y:1@[::1]:5353"
+    )
     assert spec.addresses == ()
     assert spec.sources == (
         DnsSource("dns", "train.default.svc.cluster.local", 7420),
@@ -60,39 +63,55 @@ def test_dns_items_become_sources_resolved_later():
         DnsSource("dns+srv", "_t._tcp.x", None, ("127.0.0.53", 53)),
         DnsSource("dns", "x.y", 1, ("::1", 5353)),
     )
-    assert [str(s) for s in spec.sources] == ["dns:train.default.svc.cluster.local:7420",
-                                              "dns+srv:_tierfs._tcp.train.default.svc",
-                                              "dns+srv:_t._tcp.x@127.0.0.53:53", "dns:x.y:1@[::1]:5353"]
+    assert [str(s) for s in spec.sources] == [
+        "dns:train.default.svc.cluster.local:7420",
+        "dns+srv:_tierfs._tcp.train.default.svc",
+        "dns+srv:_t._tcp.x@127.0.0.53:53",
+        "dns:x.y:1@[::1]:5353",
+    ]
 
 
 def test_the_cap_counts_before_expanding():
-    n = 10 ** 5
+    n = 10**5
     assert len(parse_peers(f"n{{1..{n}}}:1").addresses) == MAX_PEERS
     with pytest.raises(UserError) as e:
         parse_peers(f"n{{1..{n}}}:1,m:1")
-    assert str(e.value) == ("--peers expands to 100,001 addresses, more than the 100,000 allowed: "
-                            "narrow the ranges, or use dns+srv:NAME")
+    assert str(e.value) == (
+        "--peers expands to 100,001 addresses, more than the 100,000 allowed: narrow the ranges, or use dns+srv:NAME"
+    )
     with pytest.raises(UserError, match="expands to over 1,000,000 addresses"):
         parse_peers("n{0..999999}-{0..999999}-{0..999999}:1")  # refused at once, not after expanding
 
 
-@pytest.mark.parametrize("text, message", [
-    ("n{3..1}:7", "invalid range {3..1} in --peers item 'n{3..1}:7': it counts down; write {1..3}"),
-    ("n{a..b}:7", "invalid range {a..b} in --peers item 'n{a..b}:7': use whole numbers, e.g. {0..15} or {000..999}"),
-    ("n{1..}:7", "invalid range {1..} in --peers item"),
-    ("n{0..1:7", "invalid --peers: a '{' without its '}' in 'n{0..1:7'"),
-    ("n0..1}:7", "invalid --peers: a '}' without its '{' in 'n0..1}:7'"),
-    ("n{a,b}:7", "invalid --peers: braces hold a numeric range like {0..15}, not a list"),
-    ("n{0..1}", "invalid --peers item 'n{0..1}' (which gives 'n0'): use HOST:PORT, a pattern like"),
-    ("node", "invalid --peers item 'node': use HOST:PORT"),
-    ("n:99999", "invalid --peers item 'n:99999': use HOST:PORT"),
-    ("dns:train.svc", "invalid --peers item 'dns:train.svc': dns: needs a port"),
-    ("dns:bad name:7", "invalid --peers item 'dns:bad name:7': 'bad name' is not a DNS name"),
-    ("dns+srv:", "invalid --peers item 'dns+srv:': '' is not a DNS name"),
-    ("dns+srv:a..b", "invalid --peers item 'dns+srv:a..b': 'a..b' is not a DNS name"),
-    ("dns+srv:_t._tcp.x@dns.example", "invalid --peers item 'dns+srv:_t._tcp.x@dns.example': after '@' give the DNS server's IP[:PORT]"),
-    ("dns+srv:_t._tcp.x@127.0.0.1:0", "invalid --peers item 'dns+srv:_t._tcp.x@127.0.0.1:0': after '@' give the DNS server's IP[:PORT]"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("n{3..1}:7", "invalid range {3..1} in --peers item 'n{3..1}:7': it counts down; write {1..3}"),
+        (
+            "n{a..b}:7",
+            "invalid range {a..b} in --peers item 'n{a..b}:7': use whole numbers, e.g. {0..15} or {000..999}",
+        ),
+        ("n{1..}:7", "invalid range {1..} in --peers item"),
+        ("n{0..1:7", "invalid --peers: a '{' without its '}' in 'n{0..1:7'"),
+        ("n0..1}:7", "invalid --peers: a '}' without its '{' in 'n0..1}:7'"),
+        ("n{a,b}:7", "invalid --peers: braces hold a numeric range like {0..15}, not a list"),
+        ("n{0..1}", "invalid --peers item 'n{0..1}' (which gives 'n0'): use HOST:PORT, a pattern like"),
+        ("node", "invalid --peers item 'node': use HOST:PORT"),
+        ("n:99999", "invalid --peers item 'n:99999': use HOST:PORT"),
+        ("dns:train.svc", "invalid --peers item 'dns:train.svc': dns: needs a port"),
+        ("dns:bad name:7", "invalid --peers item 'dns:bad name:7': 'bad name' is not a DNS name"),
+        ("dns+srv:", "invalid --peers item 'dns+srv:': '' is not a DNS name"),
+        ("dns+srv:a..b", "invalid --peers item 'dns+srv:a..b': 'a..b' is not a DNS name"),
+        (
+            "dns+srv:_t._tcp.x@dns.example",
+            "invalid --peers item 'dns+srv:_t._tcp.x@dns.example': after '@' give the DNS server's IP[:PORT]",
+        ),
+        (
+            "dns+srv:_t._tcp.x@127.0.0.1:0",
+            "invalid --peers item 'dns+srv:_t._tcp.x@127.0.0.1:0': after '@' give the DNS server's IP[:PORT]",
+        ),
+    ],
+)
 def test_a_bad_pattern_is_one_line_naming_it(text, message):
     with pytest.raises(UserError) as e:
         parse_peers(text)
@@ -114,8 +133,9 @@ def test_dns_peers_need_the_secret_and_leave_replicas_to_run_time():
 
 
 def test_many_silent_peers_are_one_warning():
-    assert unanswered(["a:1", "b:1"]) == [f"peer {n} does not answer yet; replication uses the others and "
-                                          "retries it" for n in ("a:1", "b:1")]
+    assert unanswered(["a:1", "b:1"]) == [
+        f"peer {n} does not answer yet; replication uses the others and retries it" for n in ("a:1", "b:1")
+    ]
     (line,) = unanswered([f"n{i}:1" for i in range(1000)])
     assert line.startswith("1000 peers do not answer yet (n0:1, n1:1, n2:1 and 997 more)")
 

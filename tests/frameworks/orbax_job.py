@@ -17,9 +17,7 @@ from absl import flags
 from etils import epath
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from orbax.checkpoint.experimental.emergency import replicator_checkpoint_manager as rcm
-from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import (
-    initialization,
-)
+from orbax.checkpoint.experimental.emergency.multi_tier_checkpointing import initialization
 
 
 def state_at(step: int) -> dict:
@@ -30,8 +28,8 @@ def main() -> None:
     flags.FLAGS(sys.argv[:1])  # Orbax reads absl flags, as under MaxText's app.run
     local, run_name, action = epath.Path(sys.argv[1]), sys.argv[2], sys.argv[3]
     initialization.initialize_multi_tier_checkpointing(
-        local, backup_interval_steps=1, run_name=run_name, num_slices=1,
-        jax_initialization_timeout_seconds=60)
+        local, backup_interval_steps=1, run_name=run_name, num_slices=1, jax_initialization_timeout_seconds=60
+    )
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec())
     manager = rcm.ReplicatorCheckpointManager(local, global_mesh=mesh)
@@ -44,8 +42,9 @@ def main() -> None:
     else:
         target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), state_at(0))
         restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=sharding), target)
-        restored = manager.restore(None, args=ocp.args.Composite(
-            state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args)))
+        restored = manager.restore(
+            None, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(item=target, restore_args=restore_args))
+        )
         expected = state_at(out["latest"])
         out["equal"] = all(np.array_equal(np.asarray(restored["state"][k]), np.asarray(expected[k])) for k in expected)
     manager.close()

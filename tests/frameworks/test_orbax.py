@@ -25,18 +25,39 @@ JOB = Path(__file__).with_name("orbax_job.py")
 def run_job(mnt: Path, action: str, *args: str) -> dict:
     # JAX on CPU learns the process count from a cluster environment; Slurm's variables are
     # the smallest one. The rank and coordinator come from jax-init-info.txt, as on GKE.
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SLURM_JOB_ID": "1", "SLURM_STEP_NODELIST": "localhost",
-           "SLURM_NTASKS": "1", "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
-    proc = subprocess.run([sys.executable, str(JOB), str(mnt), "orbax-run", action, *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_NODELIST": "localhost",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(JOB), str(mnt), "orbax-run", action, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.expect_log('not answer yet', 'delayed, retrying', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier')
+@pytest.mark.expect_log(
+    'not answer yet', 'delayed, retrying', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier'
+)
 def test_orbax_restores_after_node_loss_from_a_peer_then_from_gcs(cluster, gcs_bucket):
-    c = cluster(2, job="orbax-run", replicas=1, keep_local=2, restore_wait="2s",
-                gcs=f"gs://{gcs_bucket}/mtc", coordinator=f"127.0.0.1:{free_port('127.0.0.1')}")
+    c = cluster(
+        2,
+        job="orbax-run",
+        replicas=1,
+        keep_local=2,
+        restore_wait="2s",
+        gcs=f"gs://{gcs_bucket}/mtc",
+        coordinator=f"127.0.0.1:{free_port('127.0.0.1')}",
+    )
     c.start_all()
     mnt = c.nodes[0].mountpoint
     saved = run_job(mnt, "save", "3")

@@ -21,8 +21,9 @@ STEPS = 2
 
 
 def run_job(mnt: Path, action: str, *args: str) -> dict:
-    proc = subprocess.run([sys.executable, str(JOB), str(mnt), action, *args],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, str(JOB), str(mnt), action, *args], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -34,7 +35,9 @@ def assert_restored(result: dict) -> None:
     assert result["pt_tensors"] == result["dcp_tensors"] == 24, result  # 6 parameters, 3 Adam tensors each
 
 
-@pytest.mark.expect_log('not answer yet', 'delayed, retrying', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier')
+@pytest.mark.expect_log(
+    'not answer yet', 'delayed, retrying', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier'
+)
 def test_torch_save_and_dcp_restore_after_node_loss_from_a_peer_then_from_gcs(cluster, gcs_bucket: str) -> None:
     c = cluster(2, job="torch-run", replicas=1, restore_wait="2s", gcs=f"gs://{gcs_bucket}/pt")
     c.start_all()

@@ -60,8 +60,9 @@ class AppState(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        set_state_dict(self.model, self.optimizer,
-                       model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"])
+        set_state_dict(
+            self.model, self.optimizer, model_state_dict=state_dict["model"], optim_state_dict=state_dict["optim"]
+        )
 
 
 def step_dir(mnt: Path, step: int) -> Path:
@@ -77,8 +78,7 @@ def save(mnt: Path, steps: int) -> dict:
         # torch.save opens the file, writes the archive and closes it: tierfs's default
         # ``file:*.pt`` rule commits the file on that close, as step <N> (the last number
         # in its path).
-        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step},
-                   out / "model.pt")
+        torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "step": step}, out / "model.pt")
         # DCP writes its data files, then ``.metadata.tmp``, and renames that to
         # ``.metadata`` last: the ``marker:.metadata`` rule commits the directory on the
         # rename, into the same step (a second root of step <N>).
@@ -89,8 +89,13 @@ def save(mnt: Path, steps: int) -> dict:
 def same(a: Any, b: Any) -> tuple[bool, int]:
     """Whether two state trees are equal, tensors compared exactly; and how many tensors."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype \
-            and a.shape == b.shape and torch.equal(a, b)
+        ok = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
         return ok, 1
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
@@ -122,8 +127,15 @@ def load(mnt: Path) -> dict:
     dcp.load({"app": AppState(model, optimizer)}, checkpoint_id=step_dir(mnt, step) / "dcp")
     loaded = {"model": model.state_dict(), "optim": optimizer.state_dict()}
     dcp_equal, dcp_tensors = same(loaded, expected)
-    return {"steps": steps, "step": step, "pt_step": pt["step"], "pt_equal": pt_equal,
-            "pt_tensors": pt_tensors, "dcp_equal": dcp_equal, "dcp_tensors": dcp_tensors}
+    return {
+        "steps": steps,
+        "step": step,
+        "pt_step": pt["step"],
+        "pt_equal": pt_equal,
+        "pt_tensors": pt_tensors,
+        "dcp_equal": dcp_equal,
+        "dcp_tensors": dcp_tensors,
+    }
 
 
 def main() -> None:

@@ -95,8 +95,16 @@ class Map:
 class Run:
     """One seeded sequence on one file."""
 
-    def __init__(self, path: str, seed: int, initial: bytes | None, lazy: int, unsupported: set[str],
-                 source_path: str | None = None, progress: int = 0):
+    def __init__(
+        self,
+        path: str,
+        seed: int,
+        initial: bytes | None,
+        lazy: int,
+        unsupported: set[str],
+        source_path: str | None = None,
+        progress: int = 0,
+    ):
         self.path, self.seed, self.lazy, self.unsupported = path, seed, lazy, unsupported
         self.progress = progress
         self.rng = random.Random(seed)
@@ -158,7 +166,7 @@ class Run:
     def put(self, offset: int, data: bytes) -> None:
         if offset > len(self.model):
             self.model.extend(bytes(offset - len(self.model)))
-        self.model[offset:offset + len(data)] = data
+        self.model[offset : offset + len(data)] = data
 
     def resize(self, size: int) -> None:
         if size < len(self.model):
@@ -180,8 +188,9 @@ class Run:
         if self.index < self.lazy:
             flags = os.O_RDONLY
         else:
-            flags = self.rng.choice([os.O_RDWR, os.O_RDWR, os.O_RDONLY, os.O_WRONLY,
-                                     os.O_RDWR | os.O_APPEND, os.O_WRONLY | os.O_APPEND])
+            flags = self.rng.choice(
+                [os.O_RDWR, os.O_RDWR, os.O_RDONLY, os.O_WRONLY, os.O_RDWR | os.O_APPEND, os.O_WRONLY | os.O_APPEND]
+            )
             if flags & os.O_ACCMODE != os.O_RDONLY and self.rng.random() < 0.04:
                 flags |= os.O_TRUNC
         f = Fd(os.open(self.path, flags | os.O_CLOEXEC), flags & ~os.O_TRUNC)
@@ -224,7 +233,7 @@ class Run:
         if f is None:
             return self.op_open()
         off, n = self.offset(), self.length()
-        self.expect(f"pread({f}, {n} @ {off})", os.pread(f.fd, n, off), self.model[off:off + n])
+        self.expect(f"pread({f}, {n} @ {off})", os.pread(f.fd, n, off), self.model[off : off + n])
         return f"pread({f}, {n} @ {off})", f
 
     def op_read(self):
@@ -232,7 +241,7 @@ class Run:
         if f is None:
             return self.op_open()
         n = self.length()
-        want = self.model[f.pos:f.pos + n]
+        want = self.model[f.pos : f.pos + n]
         self.expect(f"read({f}, {n} @ pos {f.pos})", os.read(f.fd, n), want)
         f.pos += len(want)
         return f"read({f}, {n} @ pos {f.pos - len(want)})", f
@@ -272,7 +281,7 @@ class Run:
                 raise Mismatch(f"{name} = {got}: outside [{off}, {size}]")
             if whence == SEEK_DATA and any(self.model[off:got]):
                 raise Mismatch(f"{name} = {got}: data before it")
-            if whence == SEEK_HOLE and got < size and any(self.model[got:min(size, (got // PAGE + 1) * PAGE)]):
+            if whence == SEEK_HOLE and got < size and any(self.model[got : min(size, (got // PAGE + 1) * PAGE)]):
                 raise Mismatch(f"{name} = {got}: not a hole")
         os.lseek(f.fd, f.pos, os.SEEK_SET)  # the position stays the model's, whatever the answer
         return name, f
@@ -296,8 +305,18 @@ class Run:
         f = self.fd("writable_at")
         if f is None:
             return self.op_open()
-        mode = self.rng.choice([0, 0, FALLOC_FL_KEEP_SIZE, FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
-                                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, FALLOC_FL_ZERO_RANGE, FALLOC_FL_PUNCH_HOLE])
+        mode = self.rng.choice(
+            [
+                0,
+                0,
+                FALLOC_FL_KEEP_SIZE,
+                FALLOC_FL_KEEP_SIZE,
+                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                FALLOC_FL_ZERO_RANGE,
+                FALLOC_FL_PUNCH_HOLE,
+            ]
+        )
         off, n = self.offset(), self.length()
         name = f"fallocate({f}, mode {mode}, {n} @ {off})"
         # tmpfs has no ZERO_RANGE, and a hole punched must keep the size (vfs_fallocate)
@@ -346,7 +365,7 @@ class Run:
                 break
         self.expect(f"{name} copied", done, want)
         if want:
-            self.put(off_dst, src_data[off_src:off_src + want])
+            self.put(off_dst, src_data[off_src : off_src + want])
         return name, dst
 
     def op_fsync(self):
@@ -362,8 +381,7 @@ class Run:
             return self.op_pwrite()
         writable = f.flags & os.O_ACCMODE == os.O_RDWR
         prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
-        m = Map(mmap.mmap(f.fd, len(self.model), mmap.MAP_SHARED, prot), len(self.model), writable,
-                str(self.map_names))
+        m = Map(mmap.mmap(f.fd, len(self.model), mmap.MAP_SHARED, prot), len(self.model), writable, str(self.map_names))
         self.map_names += 1
         self.maps.append(m)
         return f"mmap({f}, {m})", f
@@ -391,7 +409,7 @@ class Run:
         if picked is None:
             return self.op_mmap()
         m, off, n = picked
-        self.expect(f"{m} read {n} @ {off}", m.m[off:off + n], self.model[off:off + n])
+        self.expect(f"{m} read {n} @ {off}", m.m[off : off + n], self.model[off : off + n])
         return f"{m} read {n} @ {off}", None
 
     def op_mmap_write(self):
@@ -400,20 +418,42 @@ class Run:
             return self.op_mmap()
         m, off, n = picked
         data = self.data(n)
-        m.m[off:off + n] = data
+        m.m[off : off + n] = data
         self.put(off, data)
         if self.rng.random() < 0.3:
             m.m.flush()
         return f"{m} write {n} @ {off}", None
 
     WRITING = [
-        (op_pwrite, 14), (op_write, 8), (op_pread, 10), (op_read, 5), (op_seek, 3),
-        (op_seek_data_hole, 3), (op_ftruncate, 8), (op_truncate_path, 2), (op_fallocate, 5),
-        (op_copy_file_range, 5), (op_fsync, 2), (op_open, 5), (op_close, 4), (op_mmap, 3),
-        (op_munmap, 2), (op_mmap_read, 5), (op_mmap_write, 6),
+        (op_pwrite, 14),
+        (op_write, 8),
+        (op_pread, 10),
+        (op_read, 5),
+        (op_seek, 3),
+        (op_seek_data_hole, 3),
+        (op_ftruncate, 8),
+        (op_truncate_path, 2),
+        (op_fallocate, 5),
+        (op_copy_file_range, 5),
+        (op_fsync, 2),
+        (op_open, 5),
+        (op_close, 4),
+        (op_mmap, 3),
+        (op_munmap, 2),
+        (op_mmap_read, 5),
+        (op_mmap_write, 6),
     ]
-    READING = [(op_pread, 10), (op_read, 5), (op_seek, 2), (op_seek_data_hole, 2), (op_open, 2),
-               (op_close, 2), (op_mmap, 2), (op_munmap, 1), (op_mmap_read, 6)]
+    READING = [
+        (op_pread, 10),
+        (op_read, 5),
+        (op_seek, 2),
+        (op_seek_data_hole, 2),
+        (op_open, 2),
+        (op_close, 2),
+        (op_mmap, 2),
+        (op_munmap, 1),
+        (op_mmap_read, 6),
+    ]
 
     # -- checking ---------------------------------------------------------------------------
 
@@ -471,8 +511,10 @@ def describe_difference(got: bytes, want: bytes) -> str:
         return f"{len(got)} bytes, expected {len(want)}"
     first = next(i for i in range(len(got)) if got[i] != want[i])
     last = next(i for i in reversed(range(len(got))) if got[i] != want[i])
-    return (f"bytes {first}..{last} of {len(got)} differ "
-            f"(got {got[first:first + 8].hex()}, expected {want[first:first + 8].hex()})")
+    return (
+        f"bytes {first}..{last} of {len(got)} differ "
+        f"(got {got[first : first + 8].hex()}, expected {want[first : first + 8].hex()})"
+    )
 
 
 def main(argv=None) -> int:

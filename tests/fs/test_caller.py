@@ -99,9 +99,11 @@ async def test_names_are_made_only_where_the_caller_may_and_never_chowned_after(
     put(victim, 0o600, 0, 0)
     node = ops.lookup_sync(ROOT, b"victim")[0]
     assert errno_of(ops.create_sync, ROOT, b"victim", 0o100644, os.O_RDWR | os.O_CREAT, caller) == "EACCES"
-    for make in (lambda: ops.mknod(ROOT, b"n", stat.S_IFREG | 0o644, 0, caller),
-                 lambda: ops.mkdir(ROOT, b"d", 0o755, caller),
-                 lambda: ops.symlink(ROOT, b"l", b"victim", caller)):
+    for make in (
+        lambda: ops.mknod(ROOT, b"n", stat.S_IFREG | 0o644, 0, caller),
+        lambda: ops.mkdir(ROOT, b"d", 0o755, caller),
+        lambda: ops.symlink(ROOT, b"l", b"victim", caller),
+    ):
         with pytest.raises(pyfuse3.FUSEError) as refused:
             await make()
         assert refused.value.errno == errno.EACCES
@@ -137,8 +139,10 @@ async def test_a_caller_that_is_gone_or_changed_gets_a_clean_error(ops, caller):
     gone = subprocess.Popen(["true"], user=ALICE, group=ALICE)
     gone.wait()
     parent = ops.lookup_sync(ROOT, b"open")[0]
-    for ctx, expected in ((Context(ALICE, ALICE, gone.pid), errno.ESRCH),
-                          (Context(BOB, BOB, caller.pid), errno.EACCES)):  # not that process's ids
+    for ctx, expected in (
+        (Context(ALICE, ALICE, gone.pid), errno.ESRCH),
+        (Context(BOB, BOB, caller.pid), errno.EACCES),
+    ):  # not that process's ids
         with pytest.raises(pyfuse3.FUSEError) as refused:
             await ops.mkdir(parent, b"d", 0o755, ctx)
         assert refused.value.errno == expected
@@ -161,6 +165,7 @@ def test_only_the_calling_thread_takes_on_the_callers_credentials(caller):
     worker.start()
     parked.wait(10)
     try:
+
         def creds(task: int) -> tuple[str, str]:
             with open(f"/proc/self/task/{task}/status") as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)

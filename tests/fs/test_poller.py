@@ -20,8 +20,10 @@ from tierfs.fs.poller import Poller
 
 def pressure(avg10: float, stalled_us: int) -> bytes:
     """/proc/pressure/cpu as the kernel writes it."""
-    return (f"some avg10={avg10:.2f} avg60=0.00 avg300=0.00 total={stalled_us}\n"
-            f"full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n").encode()
+    return (
+        f"some avg10={avg10:.2f} avg60=0.00 avg300=0.00 total={stalled_us}\n"
+        f"full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+    ).encode()
 
 
 IDLE = pressure(0.0, 1)

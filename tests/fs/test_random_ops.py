@@ -81,10 +81,13 @@ def outcome(proc: subprocess.CompletedProcess, seed: int, where: str) -> None:
     report = proc.stdout.decode(errors="replace")
     if not report:  # killed (SIGBUS: a mapping read past what the file really holds): what it was doing
         started = proc.stderr.decode(errors="replace").splitlines()
-        report = (f"exit status {proc.returncode} (seed {seed}); last operations started:\n  "
-                  + "\n  ".join(started[-5:]))
-    pytest.fail(f"random operations on {where} disagree with the model (replay: TIERFS_RANDOM_OPS_SEED={seed})\n"
-                f"{report}", pytrace=False)
+        report = f"exit status {proc.returncode} (seed {seed}); last operations started:\n  " + "\n  ".join(
+            started[-5:]
+        )
+    pytest.fail(
+        f"random operations on {where} disagree with the model (replay: TIERFS_RANDOM_OPS_SEED={seed})\n{report}",
+        pytrace=False,
+    )
 
 
 def run_sequences(directory: Path, where: str, ops: int, count: int, *extra: str, user: int | None = None) -> None:
@@ -94,8 +97,9 @@ def run_sequences(directory: Path, where: str, ops: int, count: int, *extra: str
         os.chown(directory, user, user)
     for seed in seeds(count):
         path = directory / f"file-{seed}"
-        proc = subprocess.run(driver_command(path, seed, ops, *extra, user=user), capture_output=True,
-                              timeout=600, user=user, group=user)
+        proc = subprocess.run(
+            driver_command(path, seed, ops, *extra, user=user), capture_output=True, timeout=600, user=user, group=user
+        )
         outcome(proc, seed, where)
 
 
@@ -141,8 +145,11 @@ def test_random_operations_agree_with_the_model_while_the_daemon_is_killed(place
     successor takes the descriptors and mappings over, and the model still agrees."""
     directory, extra = place(kind)
     seed = seeds()[0]
-    proc = subprocess.Popen(driver_command(directory / f"file-{seed}", seed, OPS, "--progress", str(KILL_EVERY),
-                                           *extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        driver_command(directory / f"file-{seed}", seed, OPS, "--progress", str(KILL_EVERY), *extra),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     kills, stderr = 0, []
     try:
         for line in proc.stderr:
@@ -155,8 +162,11 @@ def test_random_operations_agree_with_the_model_while_the_daemon_is_killed(place
     finally:
         proc.kill()
         proc.wait()
-    outcome(subprocess.CompletedProcess(proc.args, proc.returncode, out, b"".join(stderr)), seed,
-            f"{kind} with its daemon killed {kills} times")
+    outcome(
+        subprocess.CompletedProcess(proc.args, proc.returncode, out, b"".join(stderr)),
+        seed,
+        f"{kind} with its daemon killed {kills} times",
+    )
     assert kills == OPS // KILL_EVERY
 
 
@@ -196,8 +206,12 @@ async def session_sequences(shm_dir, ops: int, count: int) -> None:
     async with own_session_without_passthrough(shm_dir) as mountpoint:
         for seed in seeds(count):
             with trio.fail_after(600):
-                proc = await trio.run_process(driver_command(mountpoint / f"file-{seed}", seed, ops),
-                                              capture_stdout=True, capture_stderr=True, check=False)
+                proc = await trio.run_process(
+                    driver_command(mountpoint / f"file-{seed}", seed, ops),
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
             done.append((proc, seed))
             if proc.returncode:
                 break
@@ -218,8 +232,9 @@ async def test_long_random_operations_on_the_own_session_without_passthrough(shm
 
 
 def on_disk(status: dict, step: int) -> bool:
-    return any(s["step"] == step and s["copies"].get("disk", {}).get("version") == s["version"]
-               for s in status["steps"])
+    return any(
+        s["step"] == step and s["copies"].get("disk", {}).get("version") == s["version"] for s in status["steps"]
+    )
 
 
 @pytest.mark.parametrize("kind", ["passthrough", "daemon", "pyfuse3"])
@@ -245,10 +260,22 @@ def test_random_operations_on_a_file_being_restored(volumes, shm_dir, tmp_path, 
     initial = shm_dir("tierfs-initial") / "w"
     initial.write_bytes(data)
     seed = seeds()[0]
-    proc = subprocess.run(driver_command(again.mountpoint / "ckpt" / "7" / "w", seed, OPS, "--initial", str(initial),
-                                         "--lazy", "300", "--source", str(again.mountpoint / "source"),
-                                         *unsupported(kind)),
-                          capture_output=True, timeout=600)
+    proc = subprocess.run(
+        driver_command(
+            again.mountpoint / "ckpt" / "7" / "w",
+            seed,
+            OPS,
+            "--initial",
+            str(initial),
+            "--lazy",
+            "300",
+            "--source",
+            str(again.mountpoint / "source"),
+            *unsupported(kind),
+        ),
+        capture_output=True,
+        timeout=600,
+    )
     outcome(proc, seed, f"a file being restored ({kind})")
     restored = again.status()["restored"]
     assert restored["demand_fetches"] > 0 and restored["state"] == "done", restored

@@ -44,8 +44,13 @@ async def mounted(shm_dir, nursery):
     """Factory: mount ``ops_class`` over a fresh tree with a session; unmounted afterwards."""
     made: list[KernelSession] = []
 
-    async def mount(want_passthrough: bool = True, ops_class=Operations, wake_cpus: bool = True,
-                    capacity: int | None = None, writers: int = 1) -> Mounted:
+    async def mount(
+        want_passthrough: bool = True,
+        ops_class=Operations,
+        wake_cpus: bool = True,
+        capacity: int | None = None,
+        writers: int = 1,
+    ) -> Mounted:
         tree, mountpoint = shm_dir("tierfs-tree"), shm_dir("tierfs-mnt")
         os.chmod(tree, 0o1777)
         ops = ops_class(tree, SpaceAccount(capacity, tree))
@@ -112,7 +117,8 @@ def test_the_daemon_engine_logs_a_reply_the_kernel_dropped_only_at_debug(caplog)
         pyfuse3_log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
         pyfuse3_log.error("fuse_write(): fuse_reply_* failed with %s", os.strerror(errno.EINVAL))
     assert [r.getMessage() for r in caplog.records] == [
-        f"fuse_write(): fuse_reply_* failed with {os.strerror(errno.EINVAL)}"]
+        f"fuse_write(): fuse_reply_* failed with {os.strerror(errno.EINVAL)}"
+    ]
     with caplog.at_level(logging.DEBUG, logger="pyfuse3"):
         pyfuse3_log.error("fuse_release(): fuse_reply_* failed with %s", os.strerror(errno.ENOENT))
     assert caplog.records[-1].levelname == "DEBUG"
@@ -155,8 +161,12 @@ async def test_a_session_without_passthrough_serves_every_byte(mounted):
         os.setxattr(m.mountpoint / "d" / "f", "user.k", b"v")
         os.symlink("f", m.mountpoint / "d" / "l")
         os.rename(m.mountpoint / "d", m.mountpoint / "e")
-        return ((m.mountpoint / "e" / "l").read_bytes(), os.getxattr(m.mountpoint / "e" / "f", "user.k"),
-                sorted(os.listdir(m.mountpoint / "e")), os.statvfs(m.mountpoint).f_bsize)
+        return (
+            (m.mountpoint / "e" / "l").read_bytes(),
+            os.getxattr(m.mountpoint / "e" / "f", "user.k"),
+            sorted(os.listdir(m.mountpoint / "e")),
+            os.statvfs(m.mountpoint).f_bsize,
+        )
 
     content, xattr, names, bsize = await m.run(use)
     assert content == data[: 1 << 20] and xattr == b"v" and names == ["f", "l"] and bsize == 4096
@@ -170,7 +180,7 @@ def unaligned(data: bytes) -> memoryview:
     buf = bytearray(len(data) + 4096)
     start = 100 - (ctypes.addressof(ctypes.c_char.from_buffer(buf)) % 4096) % 4096
     start %= 4096
-    view = memoryview(buf)[start:start + len(data)]
+    view = memoryview(buf)[start : start + len(data)]
     view[:] = data
     return view
 
@@ -184,8 +194,13 @@ async def test_daemon_path_writes_are_spliced_whole_from_several_writers_at_once
     m = await mounted(want_passthrough=False, writers=2)
     assert m.session.transfer == "writes spliced by 2 threads" and m.session.max_write < 1 << 20
     rng = random.Random(11)
-    plans = [[(rng.randrange(0, 4 << 20), rng.choice([1, 4096, 65536, m.session.max_write, 1 << 20, 3 << 20]))
-              for _ in range(40)] for _ in range(4)]
+    plans = [
+        [
+            (rng.randrange(0, 4 << 20), rng.choice([1, 4096, 65536, m.session.max_write, 1 << 20, 3 << 20]))
+            for _ in range(40)
+        ]
+        for _ in range(4)
+    ]
 
     def write(w: int) -> bytes:
         model = bytearray()
@@ -194,8 +209,8 @@ async def test_daemon_path_writes_are_spliced_whole_from_several_writers_at_once
             for i, (offset, size) in enumerate(plans[w]):
                 data = bytes([(w * 40 + i) % 251 + 1]) * size
                 assert os.pwrite(fd, unaligned(data) if i % 2 else data, offset) == size
-                model[len(model):] = bytes(max(0, offset + size - len(model)))
-                model[offset:offset + size] = data
+                model[len(model) :] = bytes(max(0, offset + size - len(model)))
+                model[offset : offset + size] = data
         finally:
             os.close(fd)
         return bytes(model)
@@ -297,8 +312,11 @@ async def test_fallocate_and_seek_holes_are_served_on_the_backing_file(mounted, 
             os.pwrite(fd, b"d" * MiB, 2 * MiB)
             out["punch"] = attempt(fd, punch, 0, 2 * MiB + 4096), m.ops.space.used
             out["read"] = os.pread(reader, 8, 2 * MiB + 4092), os.pread(reader, 4, 3 * MiB - 4)
-            out["seek"] = (os.lseek(reader, 0, os.SEEK_DATA), os.lseek(reader, 2 * MiB + 4096, os.SEEK_HOLE),
-                           os.lseek(fd, 3 * MiB, os.SEEK_HOLE))
+            out["seek"] = (
+                os.lseek(reader, 0, os.SEEK_DATA),
+                os.lseek(reader, 2 * MiB + 4096, os.SEEK_HOLE),
+                os.lseek(fd, 3 * MiB, os.SEEK_HOLE),
+            )
             out["keep size fits"] = attempt(fd, keep, 8 * MiB, 9 * MiB), os.fstat(reader).st_size
         finally:
             os.close(fd)

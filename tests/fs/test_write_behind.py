@@ -13,8 +13,8 @@ import pytest
 
 from tests.helpers import wait_for
 from tierfs.fs import abi
-from tierfs.fs.operations import Operations
 from tierfs.fs.messages import SetattrFields
+from tierfs.fs.operations import Operations
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.ramtier import SpaceAccount
 
@@ -36,8 +36,8 @@ def test_overlapping_writes_land_in_the_order_they_came(shm_dir):
                 off, n = rng.randrange(0, 2 * MiB), rng.randrange(1, 256 << 10)
                 data = bytes([i % 251]) * n
                 writes.submit(1, fd, off, data)
-                model[len(model):] = bytes(max(0, off + n - len(model)))
-                model[off:off + n] = data
+                model[len(model) :] = bytes(max(0, off + n - len(model)))
+                model[off : off + n] = data
             writes.wait(1)
             assert not writes.pending(1)
             assert os.pread(fd, len(model) + 1, 0) == bytes(model)
@@ -164,7 +164,7 @@ async def create(ops: Operations, name: bytes, flags: int) -> tuple[int, int]:
 
 async def write_all(ops: Operations, fh: int, data: bytes, block: int = MiB) -> None:
     for off in range(0, len(data), block):
-        assert await ops.write(fh, off, data[off:off + block]) == len(data[off:off + block])
+        assert await ops.write(fh, off, data[off : off + block]) == len(data[off : off + block])
 
 
 async def test_answered_writes_are_visible_to_reads_and_attributes(ops):
@@ -174,7 +174,7 @@ async def test_answered_writes_are_visible_to_reads_and_attributes(ops):
     assert ops.writes.pending(ino)
     assert (await ops.getattr(ino)).st_size == len(data)
     await write_all(ops, fh, data[::-1])
-    assert bytes(await ops.read(fh, MiB, MiB)) == data[::-1][MiB:2 * MiB]
+    assert bytes(await ops.read(fh, MiB, MiB)) == data[::-1][MiB : 2 * MiB]
     assert ops.space.used >= len(data)
     await ops.release(fh)
 

@@ -180,9 +180,25 @@ OFFSETS = [0, 1, 100, 4095, 4096, 8192, 100000, 1 << 20, 3 << 20]
 TARGETS = ["f", "../f", "d", "nowhere", "s/l", "d/s/f"]
 LONG_SUFFIX = "n" * 250
 XATTR_NAMES = [
-    b"user.a", b"user.a", b"user.b", b"user.b", b"user.a.b", b"trusted.t", b"security.s", b"user." + LONG_SUFFIX.encode(), b"user." + LONG_SUFFIX.encode() + b"x",
-    b"user.", b"trusted.t", b"trusted.overlay.x", b"security.s", b"security.capability",
-    b"system.posix_acl_access", b"system.posix_acl_default", b"system.other", b"noprefix", b"os2.a",
+    b"user.a",
+    b"user.a",
+    b"user.b",
+    b"user.b",
+    b"user.a.b",
+    b"trusted.t",
+    b"security.s",
+    b"user." + LONG_SUFFIX.encode(),
+    b"user." + LONG_SUFFIX.encode() + b"x",
+    b"user.",
+    b"trusted.t",
+    b"trusted.overlay.x",
+    b"security.s",
+    b"security.capability",
+    b"system.posix_acl_access",
+    b"system.posix_acl_default",
+    b"system.other",
+    b"noprefix",
+    b"os2.a",
 ]
 ACLS = [
     acl((1, 7, 0xFFFFFFFF), (4, 5, 0xFFFFFFFF), (0x20, 4, 0xFFFFFFFF)),  # the mode as an ACL
@@ -208,12 +224,34 @@ class Client:
         self.named: list[str] = []  # the paths and slots the current call names
         self.named_slots: list[int] = []
         ops = [
-            (self.open, 12), (self.close, 5), (self.write, 10), (self.read, 5), (self.truncate, 3),
-            (self.mkdir, 4), (self.rmdir, 2), (self.unlink, 3), (self.symlink, 2), (self.readlink, 1),
-            (self.link, 2), (self.rename, 5), (self.mkfifo, 1), (self.chmod, 3), (self.chown, 2),
-            (self.utime, 1), (self.stat, 4), (self.listdir, 2), (self.access, 1), (self.umask, 1),
-            (self.copy_range, 2), (self.sendfile, 1), (self.seek, 3), (self.sync, 1),
-            (self.setxattr, 10), (self.getxattr, 6), (self.listxattr, 4), (self.removexattr, 4),
+            (self.open, 12),
+            (self.close, 5),
+            (self.write, 10),
+            (self.read, 5),
+            (self.truncate, 3),
+            (self.mkdir, 4),
+            (self.rmdir, 2),
+            (self.unlink, 3),
+            (self.symlink, 2),
+            (self.readlink, 1),
+            (self.link, 2),
+            (self.rename, 5),
+            (self.mkfifo, 1),
+            (self.chmod, 3),
+            (self.chown, 2),
+            (self.utime, 1),
+            (self.stat, 4),
+            (self.listdir, 2),
+            (self.access, 1),
+            (self.umask, 1),
+            (self.copy_range, 2),
+            (self.sendfile, 1),
+            (self.seek, 3),
+            (self.sync, 1),
+            (self.setxattr, 10),
+            (self.getxattr, 6),
+            (self.listxattr, 4),
+            (self.removexattr, 4),
         ]
         if "fallocate" not in without:
             ops.append((self.fallocate, 3))
@@ -284,8 +322,11 @@ class Client:
         from the other tree's shows at the call that made it so, not only at the end."""
         seen = []
         for p in self.named:
-            for look in (lambda: summary(os.stat(self.full(p), follow_symlinks=False)),
-                         lambda: summary(os.stat(self.full(p))), lambda: xattr_list(self.full(p), 65536)):
+            for look in (
+                lambda: summary(os.stat(self.full(p), follow_symlinks=False)),
+                lambda: summary(os.stat(self.full(p))),
+                lambda: xattr_list(self.full(p), 65536),
+            ):
                 try:
                     seen.append(look())
                 except OSError as e:
@@ -299,15 +340,22 @@ class Client:
         passes no statx attributes), which is the side the comparison asks."""
         targets = [(self.slots[s], "", False) for s in self.named_slots if s in self.slots]
         for p in self.named:
-            targets += [(-100, self.full(p), False), (-100, self.full(p), True), (-100, self.full(os.path.dirname(p)), True)]
-        return any(statx_attributes(fd, path, follow) & (STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND)
-                   for fd, path, follow in targets)
+            targets += [
+                (-100, self.full(p), False),
+                (-100, self.full(p), True),
+                (-100, self.full(os.path.dirname(p)), True),
+            ]
+        return any(
+            statx_attributes(fd, path, follow) & (STATX_ATTR_IMMUTABLE | STATX_ATTR_APPEND)
+            for fd, path, follow in targets
+        )
 
     def on_slot(self, s: int, fn):
         def run():
             if s not in self.slots:
                 return "no-slot"
             return fn(self.slots[s])
+
         return run
 
     # -- the operations: each returns (description, the call) ----------------------------
@@ -315,9 +363,19 @@ class Client:
     def open(self):
         p, s = self.path(), self.slot()
         acc = self.rng.choice([os.O_RDONLY, os.O_WRONLY, os.O_RDWR])
-        extra = [f for f, p in ((os.O_CREAT, 0.6), (os.O_EXCL, 0.15), (os.O_TRUNC, 0.15), (os.O_APPEND, 0.2),
-                                (os.O_NOFOLLOW, 0.1), (os.O_DIRECTORY, 0.1), (os.O_NOATIME, 0.1))
-                 if self.rng.random() < p]
+        extra = [
+            f
+            for f, p in (
+                (os.O_CREAT, 0.6),
+                (os.O_EXCL, 0.15),
+                (os.O_TRUNC, 0.15),
+                (os.O_APPEND, 0.2),
+                (os.O_NOFOLLOW, 0.1),
+                (os.O_DIRECTORY, 0.1),
+                (os.O_NOATIME, 0.1),
+            )
+            if self.rng.random() < p
+        ]
         flags = acc | os.O_NONBLOCK | sum(extra)  # O_NONBLOCK: a fifo never blocks the run
         mode = self.rng.choice(MODES)
 
@@ -325,6 +383,7 @@ class Client:
             fd = os.open(self.full(p), flags, mode)
             self._put(s, fd)
             return ["fd", fst(fd)]
+
         return f"open {p} {flags:#o} {mode:#o} -> {s}", run
 
     def tmpfile(self):
@@ -338,6 +397,7 @@ class Client:
             fd = os.open(self.full(d), O_TMPFILE | acc | excl, mode)
             self._put(s, fd)
             return ["fd", fst(fd)]
+
         return f"tmpfile {d or '.'} {acc | excl:#o} {mode:#o} -> {s}", run
 
     def link_fd(self):
@@ -345,6 +405,7 @@ class Client:
 
         def link(fd):
             link_fd(fd, self.full(p))
+
         return f"linkat fd {s} {p}", self.on_slot(s, link)
 
     def _put(self, s: int, fd: int) -> None:
@@ -359,6 +420,7 @@ class Client:
             if s not in self.slots:
                 return "no-slot"
             os.close(self.slots.pop(s))
+
         return f"close {s}", run
 
     def write(self):
@@ -381,8 +443,18 @@ class Client:
 
     def fallocate(self):
         s = self.open_slot()
-        mode = self.rng.choice([0, KEEP_SIZE, PUNCH_HOLE | KEEP_SIZE, ZERO_RANGE, ZERO_RANGE | KEEP_SIZE,
-                                COLLAPSE_RANGE, INSERT_RANGE, PUNCH_HOLE])
+        mode = self.rng.choice(
+            [
+                0,
+                KEEP_SIZE,
+                PUNCH_HOLE | KEEP_SIZE,
+                ZERO_RANGE,
+                ZERO_RANGE | KEEP_SIZE,
+                COLLAPSE_RANGE,
+                INSERT_RANGE,
+                PUNCH_HOLE,
+            ]
+        )
         off, n = self.rng.choice(OFFSETS), self.rng.choice([1, 4096, 8192, 65536, 1 << 20])
         return f"fallocate {s} {mode:#x} {n}@{off}", self.on_slot(s, lambda fd: fallocate(fd, mode, off, n))
 
@@ -397,6 +469,7 @@ class Client:
             if whence != os.SEEK_SET and whence != os.SEEK_CUR and stat.S_ISDIR(os.fstat(fd).st_mode):
                 return "directory"  # FUSE seeks directories as files: tmpfs knows only SET and CUR there
             return os.lseek(fd, off, whence)
+
         return f"lseek {s} {off} {whence}", self.on_slot(s, seek)
 
     def sync(self):
@@ -411,6 +484,7 @@ class Client:
             if src not in self.slots or dst not in self.slots:
                 return "no-slot"
             return os.copy_file_range(self.slots[src], self.slots[dst], n, src_off, dst_off)
+
         return f"copy_file_range {src}@{src_off} {dst}@{dst_off} {n}", run
 
     def sendfile(self):
@@ -422,6 +496,7 @@ class Client:
             if src == dst:  # within one file, overlapping: what it leaves depends on how it is cut up
                 return "one file: left out"
             return os.sendfile(self.slots[dst], self.slots[src], off, n)
+
         return f"sendfile {src}@{off} {dst} {n}", run
 
     def mkdir(self):
@@ -466,6 +541,7 @@ class Client:
                     # a write passed through to tmpfs would not drop them (docs/architecture.md)
                     return "set-id bits for a file this user has open for writing: left out"
             return os.chmod(self.full(p), mode)
+
         return f"chmod {p} {mode:#o}", run
 
     def writing(self, path: str) -> bool:
@@ -474,13 +550,16 @@ class Client:
             st = os.stat(path)
         except OSError:
             return False
-        return any(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
-                   and (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (st.st_ino, st.st_dev) for fd in self.slots.values())
+        return any(
+            fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+            and (os.fstat(fd).st_ino, os.fstat(fd).st_dev) == (st.st_ino, st.st_dev)
+            for fd in self.slots.values()
+        )
 
     def chown(self):
         p, uid, gid = self.path(), self.rng.choice(UIDS), self.rng.choice(UIDS + [2000])
         if uid == gid == -1:  # the kernel asks FUSE for it as for a write's dropping of set-id bits
-            gid = 2000        # (docs/architecture.md): a difference of the protocol, left out
+            gid = 2000  # (docs/architecture.md): a difference of the protocol, left out
         follow = self.rng.random() < 0.5
         return f"chown {p} {uid} {gid} {follow}", lambda: os.chown(self.full(p), uid, gid, follow_symlinks=follow)
 
@@ -537,6 +616,7 @@ class Client:
         def run():
             target = resolve()
             return "no-slot" if target is None else fn(target, follow)
+
         return f"{describe} {desc}", run
 
     def setxattr(self):
@@ -548,13 +628,15 @@ class Client:
                 flags = XATTR_REPLACE
             if name == b"security.capability" and flags == XATTR_CREATE:  # nor one it cannot read back
                 flags = 0
-        return self.with_target(f"setxattr {name!r} {len(value)} {flags}",
-                                lambda t, follow: xattr_set(t, name, value, flags, follow))
+        return self.with_target(
+            f"setxattr {name!r} {len(value)} {flags}", lambda t, follow: xattr_set(t, name, value, flags, follow)
+        )
 
     def getxattr(self):
         name, size = self.xattr_name(), self.rng.choice([0, 1, 16, 256, 65536])
-        return self.with_target(f"getxattr {name!r} {size}",
-                                lambda t, follow: value_of(xattr_get(t, name, size, follow)))
+        return self.with_target(
+            f"getxattr {name!r} {size}", lambda t, follow: value_of(xattr_get(t, name, size, follow))
+        )
 
     def listxattr(self):
         size = self.rng.choice([0, 1, 7, 64, 65536])
@@ -566,8 +648,9 @@ class Client:
 
     def ioctl(self):
         s = self.open_slot()
-        kind = self.rng.choice(["getflags", "getflags", "setflags", "setflags", "fsgetxattr", "fssetxattr",
-                                "getversion"])
+        kind = self.rng.choice(
+            ["getflags", "getflags", "setflags", "setflags", "fsgetxattr", "fssetxattr", "getversion"]
+        )
         if kind == "setflags":
             flags = self.rng.choice(FLAG_SETS)
             return f"ioctl {s} SETFLAGS {flags:#x}", self.on_slot(s, lambda fd: set_flags(fd, flags))
@@ -591,8 +674,14 @@ def value_of(v):
 
 def summary(st: os.stat_result) -> list:
     """What must agree of a status: not inode numbers, devices or times."""
-    return [stat.filemode(st.st_mode), st.st_nlink, st.st_uid, st.st_gid,
-            st.st_size if not stat.S_ISDIR(st.st_mode) else None, st.st_blocks if stat.S_ISREG(st.st_mode) else None]
+    return [
+        stat.filemode(st.st_mode),
+        st.st_nlink,
+        st.st_uid,
+        st.st_gid,
+        st.st_size if not stat.S_ISDIR(st.st_mode) else None,
+        st.st_blocks if stat.S_ISREG(st.st_mode) else None,
+    ]
 
 
 def fst(fd: int) -> list:
@@ -656,8 +745,13 @@ def main(argv: list[str]) -> int:
     parser.add_argument("root")
     parser.add_argument("seed", type=int, nargs="?", default=0)
     parser.add_argument("count", type=int, nargs="?", default=0)
-    parser.add_argument("--without", nargs="*", default=[], choices=FEATURES,
-                        help="leave out calls the file system under test has no handler for")
+    parser.add_argument(
+        "--without",
+        nargs="*",
+        default=[],
+        choices=FEATURES,
+        help="leave out calls the file system under test has no handler for",
+    )
     args = parser.parse_args(argv)
     if args.command == "run":
         os.umask(0o022)

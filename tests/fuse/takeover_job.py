@@ -102,12 +102,12 @@ def main():
             logged += line
         at = (loop * 4160) % (MAP_SIZE - 64)
         value = b"%063d\n" % loop
-        mapped[at:at + 64] = value
-        model[at:at + 64] = value
-        if mapped[at:at + 64] != value:
+        mapped[at : at + 64] = value
+        model[at : at + 64] = value
+        if mapped[at : at + 64] != value:
             fail("mapped bytes differ")
         offset = (loop * 7919 * 9) % len(readme)
-        if os.pread(reader.fileno(), 4096, offset) != readme[offset:offset + 4096]:
+        if os.pread(reader.fileno(), 4096, offset) != readme[offset : offset + 4096]:
             fail(f"read at {offset} differs")
         if listing is None:
             os.lseek(dir_fd, 0, os.SEEK_SET)

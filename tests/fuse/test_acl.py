@@ -81,6 +81,7 @@ acl("inherit_acl", P("inherit"))
 
 def prepare(root: Path) -> None:
     """The same files and ACLs, set by root, on both sides."""
+
     def setfacl(*args):
         subprocess.run([SETFACL, *args], check=True, capture_output=True)
 
@@ -104,8 +105,11 @@ def prepare(root: Path) -> None:
 
 
 def run_as(root: Path, who: str) -> dict:
-    users = {"root": {}, "alice": dict(user=ALICE, group=ALICE, extra_groups=[SUPP]),
-             "bob": dict(user=BOB, group=BOB, extra_groups=[])}
+    users = {
+        "root": {},
+        "alice": dict(user=ALICE, group=ALICE, extra_groups=[SUPP]),
+        "bob": dict(user=BOB, group=BOB, extra_groups=[]),
+    }
     return run_script(SCRIPT, root, who, **users[who])
 
 

@@ -53,11 +53,14 @@ def test_committed_files_are_isolated_from_later_changes(volume):
     assert os.stat(final / "a").st_mode & 0o777 == 0o600
 
 
-@pytest.mark.parametrize("relpath, root", [
-    ("dcp/step_3/.metadata", "dcp/step_3"),
-    ("hf/checkpoint-40/trainer_state.json", "hf/checkpoint-40"),
-    ("model-12.pt", "model-12.pt"),
-])
+@pytest.mark.parametrize(
+    "relpath, root",
+    [
+        ("dcp/step_3/.metadata", "dcp/step_3"),
+        ("hf/checkpoint-40/trainer_state.json", "hf/checkpoint-40"),
+        ("model-12.pt", "model-12.pt"),
+    ],
+)
 def test_markers_and_single_files_commit_when_closed(volume, relpath, root):
     path = volume.mountpoint / relpath
     path.parent.mkdir(parents=True, exist_ok=True)

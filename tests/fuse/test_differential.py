@@ -53,9 +53,11 @@ def first_difference(seed: int, phase: str, got: list, expected: list) -> str | 
     """The first call whose result differs, with the five calls before it, or None."""
     for n, ((i, desc, result, after), (_, _, want, want_after)) in enumerate(zip(got, expected)):
         if not agrees(result, want) or after != want_after:
-            before = "\n".join(f"  #{j} {d}: {r}" for j, d, r, _ in got[max(0, n - 5):n])
-            return (f"seed {seed}, {phase}: call #{i} {desc}\n  volume: {result} leaving {after}\n"
-                    f"  tmpfs:  {want} leaving {want_after}\ncalls before it:\n{before}")
+            before = "\n".join(f"  #{j} {d}: {r}" for j, d, r, _ in got[max(0, n - 5) : n])
+            return (
+                f"seed {seed}, {phase}: call #{i} {desc}\n  volume: {result} leaving {after}\n"
+                f"  tmpfs:  {want} leaving {want_after}\ncalls before it:\n{before}"
+            )
     return None if len(got) == len(expected) else f"seed {seed}, {phase}: {len(got)} calls against {len(expected)}"
 
 
@@ -65,8 +67,10 @@ def tree_differences(got: dict, expected: dict) -> dict:
 
 def compare(seed: int, count: int, volume_root: Path, ref_root: Path, without: list[str]) -> None:
     """Run the seed on both trees as root, then as a user (and another seed), and compare."""
-    phases = [("root", seed, count, {}),
-              (f"uid {USER}", seed + 1, count, {"user": USER, "group": USER, "extra_groups": [SUPP]})]
+    phases = [
+        ("root", seed, count, {}),
+        (f"uid {USER}", seed + 1, count, {"user": USER, "group": USER, "extra_groups": [SUPP]}),
+    ]
     try:
         for root in (volume_root, ref_root):
             os.chmod(root, 0o1777)
@@ -76,7 +80,9 @@ def compare(seed: int, count: int, volume_root: Path, ref_root: Path, without: l
             got = client(*[str(volume_root) if a is None else a for a in args], **credentials)
             diff = first_difference(phase_seed, phase, got, expected)
             assert diff is None, diff
-        trees = [client("tree", str(root), *(["--without", *without] if without else [])) for root in (volume_root, ref_root)]
+        trees = [
+            client("tree", str(root), *(["--without", *without] if without else [])) for root in (volume_root, ref_root)
+        ]
         diff = tree_differences(*trees)
         assert not diff, f"seed {seed}: the trees differ (volume, tmpfs): {json.dumps(diff, indent=1)[:4000]}"
     finally:

@@ -134,8 +134,9 @@ def observe(root, user: int | None = None) -> dict:
         root.mkdir()
         os.chown(root, user, user)
     python = sys.executable if user is None else SYSTEM_PYTHON
-    proc = subprocess.run([python, "-c", SCRIPT, str(root)], capture_output=True, text=True, timeout=120,
-                          user=user, group=user)
+    proc = subprocess.run(
+        [python, "-c", SCRIPT, str(root)], capture_output=True, text=True, timeout=120, user=user, group=user
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 
@@ -154,8 +155,16 @@ def own_engine(engine):
         pytest.skip("pyfuse3 has no fallocate or lseek handler (see test_pyfuse3_refuses_fallocate_cleanly)")
 
 
-@pytest.mark.parametrize("user", ["root", pytest.param("user", marks=pytest.mark.skipif(
-    SYSTEM_PYTHON is None, reason="needs a system python3 that any user can run"))])
+@pytest.mark.parametrize(
+    "user",
+    [
+        "root",
+        pytest.param(
+            "user",
+            marks=pytest.mark.skipif(SYSTEM_PYTHON is None, reason="needs a system python3 that any user can run"),
+        ),
+    ],
+)
 def test_same_as_tmpfs(own_engine, volume, ref_dir, user):
     uid = USER if user == "user" else None
     expected = observe(ref_dir, uid)
@@ -207,7 +216,7 @@ def test_a_committed_step_is_unchanged_by_fallocate_on_the_live_file(own_engine,
         assert fallocate(fd, linux.FALLOC_FL_KEEP_SIZE, MiB, MiB) == "ok"
     finally:
         os.close(fd)
-    assert (final / "w").read_bytes() == bytes(128 << 10) + data[128 << 10:] + bytes(MiB - len(data))
+    assert (final / "w").read_bytes() == bytes(128 << 10) + data[128 << 10 :] + bytes(MiB - len(data))
     assert snap.read_bytes() == data and os.stat(snap).st_size == len(data)
     assert os.stat(final / "w").st_nlink == 1
 
@@ -239,7 +248,7 @@ def test_seek_data_finds_bytes_written_through_a_shared_mapping(own_engine, volu
     try:
         os.ftruncate(fd, 4 * MiB)
         with mmap.mmap(fd, 4 * MiB) as m:
-            m[2 * MiB:2 * MiB + 5] = b"hello"
+            m[2 * MiB : 2 * MiB + 5] = b"hello"
             assert os.lseek(fd, 0, os.SEEK_DATA) == 2 * MiB
             assert os.lseek(fd, 2 * MiB, os.SEEK_HOLE) == 2 * MiB + 4096
         assert os.pread(fd, 5, 2 * MiB) == b"hello"

@@ -109,8 +109,9 @@ def test_restart_presents_the_newest_step_and_the_rename_takes_it(volumes):
     assert [s["version"] for s in again.status()["steps"] if s["step"] == 20] == [1]
 
 
-@pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ', "moved 20 out of the volume",
-                        "rolling job run back to step 10")
+@pytest.mark.expect_log(
+    'ERROR tierfs.mtc.protocol: replicator.yaml: ', "moved 20 out of the volume", "rolling job run back to step 10"
+)
 def test_a_rollback_the_spec_asks_for_is_made_when_the_volume_starts_again(volumes):
     vol = volumes(job="run", keep_local=3)
     spec = YAML.format(job="run", rank=0, nodes=1)
@@ -156,13 +157,16 @@ def handshake_inspecting(mnt: Path, text: str, entry: Path) -> tuple[int, str | 
     return result
 
 
-@pytest.mark.parametrize(("text", "message"), [
-    (YAML.format(job="run", rank=0, nodes=1).replace("nodes: 1", ""), "lacks 'nodes'"),
-    (YAML.format(job="run", rank=3, nodes=2), "'node-rank' 3 is out of range for 2 node(s)"),
-    (YAML.format(job="run", rank=0, nodes=4).replace("[]", "[2, 2]"), "lists rank 2 more than once"),
-    (YAML.format(job="run", rank=0, nodes=1) + "\nbackup-interval-steps: 5", "(both given)"),
-    (YAML.format(job="run", rank=1, nodes=2), "'node-rank' is 1 but this volume holds rank 0's data"),
-])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        (YAML.format(job="run", rank=0, nodes=1).replace("nodes: 1", ""), "lacks 'nodes'"),
+        (YAML.format(job="run", rank=3, nodes=2), "'node-rank' 3 is out of range for 2 node(s)"),
+        (YAML.format(job="run", rank=0, nodes=4).replace("[]", "[2, 2]"), "lists rank 2 more than once"),
+        (YAML.format(job="run", rank=0, nodes=1) + "\nbackup-interval-steps: 5", "(both given)"),
+        (YAML.format(job="run", rank=1, nodes=2), "'node-rank' is 1 but this volume holds rank 0's data"),
+    ],
+)
 @pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 def test_a_malformed_spec_fails_the_job_with_its_reason(volumes, text, message):
     vol = volumes(job="run")
@@ -233,7 +237,13 @@ def test_a_job_running_as_another_user_consumes_the_answers(volumes):
     bad = YAML.format(job="run", rank=5, nodes=2)  # replicator.failed
     good = YAML.format(job="run", rank=0, nodes=1) + "\ncolour: blue"  # errors, prerestore, a .restore entry
     python = shutil.which("python3", path="/usr/bin:/bin")
-    out = subprocess.run([python, "-c", script, str(vol.mountpoint), bad, good], user=1000, group=1000,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [python, "-c", script, str(vol.mountpoint), bad, good],
+        user=1000,
+        group=1000,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(["run-s10-n0-w0.restore"]), "every answer file is gone; the step remains"

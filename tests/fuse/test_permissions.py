@@ -117,8 +117,7 @@ def test_non_root_user_sees_tmpfs_permissions(volume, ref_dir):
 def test_backing_files_owned_like_the_view(volume):
     """What a non-root user creates is owned by them on the RAM tier too (it survives restarts)."""
     subprocess.run(
-        [PYTHON, "-c", f"open({str(volume.mountpoint / 'f')!r}, 'w').write('x')"],
-        check=True, user=USER, group=GROUP,
+        [PYTHON, "-c", f"open({str(volume.mountpoint / 'f')!r}, 'w').write('x')"], check=True, user=USER, group=GROUP
     )
     st = os.stat(volume.tree / "f")
     assert (st.st_uid, st.st_gid) == (USER, GROUP)

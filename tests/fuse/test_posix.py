@@ -378,7 +378,7 @@ def writes_in_flight(root: Path):
     rw = os.open(p, os.O_RDWR)  # page cache
     out = []
     for off in range(0, 4 * MiB, MiB):
-        os.pwrite(wo, data[off:off + MiB], off)
+        os.pwrite(wo, data[off : off + MiB], off)
         out.append((st(p), os.pread(rw, 16, off + MiB - 16)))
     ro = os.open(p, os.O_RDONLY)
     out.append(os.pread(ro, 4 * MiB, 0) == data)
@@ -399,9 +399,24 @@ def writes_in_flight(root: Path):
     return out
 
 
-SCENARIOS = [open_flags, holes_and_truncate, renames, rename_flags, removal, symlinks,
-             hard_links, attributes, readdir, sync_ops, locks, mmaps, xattrs, preallocate,
-             checkpoint_flow, writes_in_flight]
+SCENARIOS = [
+    open_flags,
+    holes_and_truncate,
+    renames,
+    rename_flags,
+    removal,
+    symlinks,
+    hard_links,
+    attributes,
+    readdir,
+    sync_ops,
+    locks,
+    mmaps,
+    xattrs,
+    preallocate,
+    checkpoint_flow,
+    writes_in_flight,
+]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda f: f.__name__)

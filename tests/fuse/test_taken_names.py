@@ -23,8 +23,10 @@ PYTHON = shutil.which("python3", path="/usr/bin:/bin")
 ATTEMPTS = {"file": 3000, "dir": 20000}  # a mkdir is cheap, and its window narrow
 SECONDS = 20
 
-pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root"),
-              pytest.mark.skipif(PYTHON is None, reason="needs a system python3 that any user can run")]
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="switching users needs root"),
+    pytest.mark.skipif(PYTHON is None, reason="needs a system python3 that any user can run"),
+]
 
 # Beside the kernel, as root: bob's private file (or a root-only directory) appears under
 # NAME and is taken away again, over and over. Directories taken away are set aside and
@@ -115,11 +117,18 @@ def race(volume, kind: str) -> tuple[dict, dict]:
     where.mkdir()
     os.chmod(where, 0o777)
     backing = volume.tree / where.name
-    churn = subprocess.Popen([sys.executable, "-c", CHURN, str(backing), kind, str(SECONDS + 10)],
-                             stdout=subprocess.PIPE, text=True)
+    churn = subprocess.Popen(
+        [sys.executable, "-c", CHURN, str(backing), kind, str(SECONDS + 10)], stdout=subprocess.PIPE, text=True
+    )
     try:
-        alice = subprocess.run([PYTHON, "-c", CREATE, str(where), kind, str(ATTEMPTS[kind]), str(SECONDS)],
-                               capture_output=True, text=True, timeout=SECONDS + 30, user=ALICE, group=ALICE)
+        alice = subprocess.run(
+            [PYTHON, "-c", CREATE, str(where), kind, str(ATTEMPTS[kind]), str(SECONDS)],
+            capture_output=True,
+            text=True,
+            timeout=SECONDS + 30,
+            user=ALICE,
+            group=ALICE,
+        )
         assert alice.returncode == 0, alice.stderr
         out, _ = churn.communicate(timeout=30)
     finally:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -43,8 +43,7 @@ def safe_steps(vol) -> set[int]:
         steps = vol.status()["steps"]
     except (OSError, UserError):
         return set()
-    return {s["step"] for s in steps
-            if TIERS <= {t for t, c in s["copies"].items() if c["version"] == s["version"]}}
+    return {s["step"] for s in steps if TIERS <= {t for t, c in s["copies"].items() if c["version"] == s["version"]}}
 
 
 class Job:
@@ -57,8 +56,13 @@ class Job:
         os.chown(root, uid, uid)
         os.chmod(control, 0o777)
         self.vol, self.control, self.acked = vol, control, set()
-        self.proc = subprocess.Popen([PYTHON, "-c", JOB, str(root), str(control)], stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, text=True, **USERS[who])
+        self.proc = subprocess.Popen(
+            [PYTHON, "-c", JOB, str(root), str(control)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **USERS[who],
+        )
 
     def tick(self) -> None:
         """Fail if the job failed; let it commit its next step once the last is safe."""
@@ -73,8 +77,7 @@ class Job:
         out, err = self.proc.communicate(timeout=120)
         assert self.proc.returncode == 0, err
         steps = set(range(1, int(out.split("steps ")[-1]) + 1))
-        wait_for(lambda: safe_steps(self.vol) >= steps, timeout=60,
-                 what="every committed step on the disk and in GCS")
+        wait_for(lambda: safe_steps(self.vol) >= steps, timeout=60, what="every committed step on the disk and in GCS")
         return len(steps)
 
     def close(self) -> None:
@@ -89,8 +92,14 @@ def job(volumes, gcs_bucket, shm_dir, monkeypatch, own_engine):
     started = []
 
     def start(who: str = "root", job_id: str = "takeover") -> Job:
-        vol = volumes(job=job_id, disk=shm_dir("tierfs-disk"), gcs=f"gs://{gcs_bucket}/{job_id}",
-                      backup_interval="0s", keep=1000, keep_local=1000)
+        vol = volumes(
+            job=job_id,
+            disk=shm_dir("tierfs-disk"),
+            gcs=f"gs://{gcs_bucket}/{job_id}",
+            backup_interval="0s",
+            keep=1000,
+            keep_local=1000,
+        )
         started.append(Job(vol, shm_dir("tierfs-control"), who))
         return started[-1]
 
@@ -161,8 +170,10 @@ def test_a_keeper_killed_is_replaced_and_the_mount_still_survives_its_daemon(vol
         held.write(b"before ")
         first = registered(vol)
         os.kill(first["keeper"], signal.SIGKILL)
-        wait_for(lambda: registered(vol).get("keeper") not in (None, first["keeper"]),
-                 what="the daemon to start another keeper")
+        wait_for(
+            lambda: registered(vol).get("keeper") not in (None, first["keeper"]),
+            what="the daemon to start another keeper",
+        )
         assert registered(vol)["pid"] == first["pid"]
         kill_daemon(vol.mountpoint)  # the new keeper, not the daemon's parent, starts a successor
         held.write(b"after")
@@ -178,8 +189,12 @@ def test_a_restore_in_progress_goes_on_in_the_successor(volumes, shm_dir, own_en
     vol = volumes(**options)
     data = random.randbytes(1 << 20)
     write_orbax_step(vol.mountpoint, 7, {"w": data})
-    wait_for(lambda: any(s["step"] == 7 and s["copies"].get("disk", {}).get("version") == s["version"]
-                         for s in vol.status()["steps"]), what="step 7 on the disk")
+    wait_for(
+        lambda: any(
+            s["step"] == 7 and s["copies"].get("disk", {}).get("version") == s["version"] for s in vol.status()["steps"]
+        ),
+        what="step 7 on the disk",
+    )
     tierfs_command("unmount", vol.mountpoint)
     unmount_beneath(vol.ramdisk / "lazy" / "rank-0")
     shutil.rmtree(vol.ramdisk / "lazy" / "rank-0")
@@ -190,6 +205,8 @@ def test_a_restore_in_progress_goes_on_in_the_successor(volumes, shm_dir, own_en
         kill_daemon(again.mountpoint)
         rest = f.read()
     assert first + rest == data
-    restored = wait_for(lambda: (r := again.status()["restored"]) and r["state"] == "done" and r,
-                        what="the restore to finish in the successor")
+    restored = wait_for(
+        lambda: (r := again.status()["restored"]) and r["state"] == "done" and r,
+        what="the restore to finish in the successor",
+    )
     assert restored["step"] == 7 and again.status()["connection"]["taken_over"]

@@ -41,7 +41,11 @@ def test_a_bulk_write_is_seen_growing_the_file_and_rewriting_it(volume):
             wait_for(lambda: (s := since_write(volume)) is None or s >= 0.3, 30, "the held-open file to count as quiet")
             before = time.monotonic()
             os.pwrite(fd, b"x" * (4 * WRITING), 0)
-            wait_for(lambda: (s := since_write(volume)) is not None and s <= time.monotonic() - before + 0.001, 10,
-                     f"the daemon to see a write {write}", interval=0.01)
+            wait_for(
+                lambda: (s := since_write(volume)) is not None and s <= time.monotonic() - before + 0.001,
+                10,
+                f"the daemon to see a write {write}",
+                interval=0.01,
+            )
     finally:
         os.close(fd)

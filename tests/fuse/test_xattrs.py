@@ -108,7 +108,11 @@ def test_extended_attributes_as_on_tmpfs(volume, ref_dir, who):
     assert not differences(got, expected), differences(got, expected)
     # what the comparison stands on: tmpfs really answered these
     assert expected["create_taken"] == "EEXIST" and expected["replace_missing"] == "ENODATA"
-    assert expected["short_buffer"] == "ERANGE" and expected["size_query"] == "size 5" and expected["list_short"] == "ERANGE"
+    assert (
+        expected["short_buffer"] == "ERANGE"
+        and expected["size_query"] == "size 5"
+        and expected["list_short"] == "ERANGE"
+    )
     assert expected["largest_read"] == "65536" and expected["too_large"] == "E2BIG"
     shown = expected["other_users_list"]
     assert ("trusted.hidden" in shown) == (who == "root") and "user.shown" in shown
@@ -260,8 +264,9 @@ def test_a_step_commits_and_goes_with_frozen_files(own_engine, volume):
     after its commit is first detached from the step, which stays as committed and can be
     dropped like any other."""
     prepare = lambda tmp: _chattr(tmp / "frozen", IMMUTABLE)  # noqa: E731
-    final = write_orbax_step(volume.mountpoint, 1, {"frozen": b"cold", "later": b"warm",
-                                                    "_CHECKPOINT_METADATA": b"{}"}, prepare=prepare)
+    final = write_orbax_step(
+        volume.mountpoint, 1, {"frozen": b"cold", "later": b"warm", "_CHECKPOINT_METADATA": b"{}"}, prepare=prepare
+    )
     steps = volume.ramdisk / volume.job / f"rank-{volume.rank}" / "steps"
     try:
         snap = steps / "1" / "tree" / "ckpt" / "1"

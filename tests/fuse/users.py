@@ -51,8 +51,9 @@ def run_script(body: str, root: Path, *args: str, **credentials) -> dict:
     umask 022, as ``credentials`` (``user``, ``group``, ``extra_groups`` of
     :func:`subprocess.run`; none: as root). Its results, by key."""
     script = PRELUDE + body + "print(json.dumps(out, sort_keys=True))\n"
-    proc = subprocess.run([PYTHON, "-c", script, str(root), *args], capture_output=True, text=True,
-                          timeout=60, umask=0o022, **credentials)
+    proc = subprocess.run(
+        [PYTHON, "-c", script, str(root), *args], capture_output=True, text=True, timeout=60, umask=0o022, **credentials
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(proc.stdout)
 

@@ -67,15 +67,20 @@ def test_names_are_built_and_parsed_exactly():
     assert aside_object(BASE, manifest_name(under, 1, 4, "json")) == (3, 1, 4)
     assert rollback_name(BASE, 3) == "r/job1/rollbacks/to-000000000003.json"
     assert rollback_of(BASE, rollback_name(BASE, 3)) == 3
-    for planted in ["r/job1/aside/to-3/manifests/rank-1/step-000000000004.json",
-                    "r/job1/aside/to-0000000000003/manifests/rank-1/step-000000000004.json",
-                    "r/job1/aside/to-000000000003/manifests/rank-01/step-000000000004.json",
-                    "r/job1/aside/to-000000000003/manifests/rank-1/step-000000000004.pending",
-                    "r/job1/aside/to-000000000003/rank-1/step-000000000004.json",
-                    "x/job1/aside/to-000000000003/manifests/rank-1/step-000000000004.json"]:
+    for planted in [
+        "r/job1/aside/to-3/manifests/rank-1/step-000000000004.json",
+        "r/job1/aside/to-0000000000003/manifests/rank-1/step-000000000004.json",
+        "r/job1/aside/to-000000000003/manifests/rank-01/step-000000000004.json",
+        "r/job1/aside/to-000000000003/manifests/rank-1/step-000000000004.pending",
+        "r/job1/aside/to-000000000003/rank-1/step-000000000004.json",
+        "x/job1/aside/to-000000000003/manifests/rank-1/step-000000000004.json",
+    ]:
         assert aside_object(BASE, planted) is None, planted
-    for planted in ["r/job1/rollbacks/to-3.json", "r/job1/rollbacks/to-000000000003.json.bak",
-                    "r/job1/rollbacks/to-+00000000003.json"]:
+    for planted in [
+        "r/job1/rollbacks/to-3.json",
+        "r/job1/rollbacks/to-000000000003.json.bak",
+        "r/job1/rollbacks/to-+00000000003.json",
+    ]:
         assert rollback_of(BASE, planted) is None, planted
 
 
@@ -194,8 +199,10 @@ def test_sealed_manifests_survive_the_move_and_keep_their_chunks(gcs_bucket):
     chunk_seal = seals[0]
 
     def sealed(step: int) -> bytes:
-        body = json.dumps({"chunk_seal": chunk_seal.id, "entries": [
-            {"path": "f", "kind": "file", "chunks": [own(0, step)]}]}, separators=(",", ":")).encode()
+        body = json.dumps(
+            {"chunk_seal": chunk_seal.id, "entries": [{"path": "f", "kind": "file", "chunks": [own(0, step)]}]},
+            separators=(",", ":"),
+        ).encode()
         return seal(body, keys, 0, step)
 
     for step in (1, 2, 3):
@@ -208,7 +215,8 @@ def test_sealed_manifests_survive_the_move_and_keep_their_chunks(gcs_bucket):
     assert authenticate(store.get_aside(2, 0, 3), keys, 0, 3) == authenticate(sealed(3), keys, 0, 3)
     # With keys, an aside copy counts only if its seal verifies: a planted one is ignored.
     raw_client().bucket(gcs_bucket).blob(manifest_name(aside_base(BASE, 2), 0, 9, "json")).upload_from_string(
-        json.dumps({"entries": []}).encode())
+        json.dumps({"entries": []}).encode()
+    )
     assert store.list_aside() == {2: {0: [3]}}
 
     store.collect_garbage(keep_newest=1, grace=0)

@@ -25,8 +25,9 @@ def step_state(vol, step: int) -> dict | None:
 
 
 def wait_backed_up(vol, step: int, timeout: float = 60) -> dict:
-    return wait_for(lambda: (s := step_state(vol, step)) and s["backed_up"] and s, timeout,
-                    f"step {step} to be backed up")
+    return wait_for(
+        lambda: (s := step_state(vol, step)) and s["backed_up"] and s, timeout, f"step {step} to be backed up"
+    )
 
 
 def wait_restored(vol) -> dict:
@@ -126,8 +127,9 @@ def test_outage_delays_backup_without_blocking_work_and_snapshot_holds(volumes, 
         (final / "b").unlink()
         write_orbax_step(vol.mountpoint, 3, {"c": os.urandom(MiB)}, base="other")
         assert time.monotonic() - started < 5, "local work must not wait for GCS"
-        gcs = wait_for(lambda: (g := vol.status()["gcs"])["state"] == "unavailable" and g, 30,
-                       "the outage to show in status")
+        gcs = wait_for(
+            lambda: (g := vol.status()["gcs"])["state"] == "unavailable" and g, 30, "the outage to show in status"
+        )
         assert gcs["error"] and gcs["lag_s"] > 0
         assert not step_state(vol, 3)["backed_up"]
     finally:
@@ -166,15 +168,25 @@ def test_a_step_changed_during_its_backup_is_uploaded_as_committed(volumes, gcs_
         assert (again.mountpoint / "ckpt" / "7" / name).read_bytes() == data
 
 
-@pytest.mark.expect_log('restore of step \\d+: chunk \\w+ is on no reachable tier', 'chunk \\w+ from gcs failed', 'read of restoring step \\d+ failed: chunk')
+@pytest.mark.expect_log(
+    'restore of step \\d+: chunk \\w+ is on no reachable tier',
+    'chunk \\w+ from gcs failed',
+    'read of restoring step \\d+ failed: chunk',
+)
 def test_corrupt_or_missing_chunk_fails_only_its_reads_and_is_named(volumes, gcs_url, gcs_bucket):
     vol = volumes(job="bad", capacity="256M", gcs=gcs_url, chunk_size="1M")
     good = os.urandom(MiB)
     write_orbax_step(vol.mountpoint, 1, {"a": os.urandom(3 * MiB), "b": good})
     wait_backed_up(vol, 1)
     tierfs("unmount", vol.mountpoint)
-    manifest = Manifest.from_json(opened_manifest(client().bucket(gcs_bucket).blob(
-        objects(gcs_bucket, "backups/bad/manifests/")[0]).download_as_bytes(), "bad", 0, 1))
+    manifest = Manifest.from_json(
+        opened_manifest(
+            client().bucket(gcs_bucket).blob(objects(gcs_bucket, "backups/bad/manifests/")[0]).download_as_bytes(),
+            "bad",
+            0,
+            1,
+        )
+    )
     damaged_hash = next(e for e in manifest.entries if e.path.endswith("/a")).chunks[1]
     (name,) = [n for n in objects(gcs_bucket, "backups/bad/chunks/") if n.endswith(sealed_key("bad", damaged_hash))]
     bucket = client().bucket(gcs_bucket)
@@ -184,8 +196,7 @@ def test_corrupt_or_missing_chunk_fails_only_its_reads_and_is_named(volumes, gcs
         if damage == "missing":
             bucket.blob(name).delete()
         wipe(vol)
-        again = volumes(job="bad", capacity="256M", gcs=gcs_url, chunk_size="1M", mountpoint=vol.mountpoint,
-                        prefetch=0)
+        again = volumes(job="bad", capacity="256M", gcs=gcs_url, chunk_size="1M", mountpoint=vol.mountpoint, prefetch=0)
         step = again.mountpoint / "ckpt" / "1"
         assert (step / "b").read_bytes() == good  # the rest of the step is there
         with pytest.raises(OSError) as err:
@@ -204,11 +215,19 @@ def test_retention_keeps_newest_steps_and_only_their_chunks(volumes, gcs_url, gc
         write_orbax_step(vol.mountpoint, step, {"shared": shared, "own": os.urandom(MiB)})
         wait_backed_up(vol, step)
     manifests = "backups/ret/manifests/rank-0/"
-    wait_for(lambda: objects(gcs_bucket, manifests) == [manifests + "step-000000000003.json",
-                                                        manifests + "step-000000000004.json"],
-             30, "retention to delete steps 1 and 2")
-    wait_for(lambda: len(objects(gcs_bucket, "backups/ret/chunks/")) == 3, 30,
-             "chunks only steps 1 and 2 used to be collected")
+    wait_for(
+        lambda: (
+            objects(gcs_bucket, manifests)
+            == [manifests + "step-000000000003.json", manifests + "step-000000000004.json"]
+        ),
+        30,
+        "retention to delete steps 1 and 2",
+    )
+    wait_for(
+        lambda: len(objects(gcs_bucket, "backups/ret/chunks/")) == 3,
+        30,
+        "chunks only steps 1 and 2 used to be collected",
+    )
     tierfs("unmount", vol.mountpoint)
     wipe(vol)
     again = volumes(job="ret", capacity="256M", gcs=gcs_url, mountpoint=vol.mountpoint)
@@ -232,8 +251,7 @@ def test_backup_interval_backs_up_the_newest_step_at_most_that_often(volumes, gc
 @pytest.mark.expect_log('GCS bucket gs://\\S+ does not exist')
 def test_missing_bucket_is_a_one_line_error(volumes, gcs_emulator, shm_dir):
     mp = shm_dir("tierfs-mnt")
-    proc = tierfs("mount", mp, "--ramdisk", shm_dir("tierfs-ram"), "--gcs", "gs://no-such-bucket-here/x",
-                  check=False)
+    proc = tierfs("mount", mp, "--ramdisk", shm_dir("tierfs-ram"), "--gcs", "gs://no-such-bucket-here/x", check=False)
     assert proc.returncode != 0
     (line,) = proc.stderr.strip().splitlines()
     assert "no-such-bucket-here" in line and "does not exist" in line

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
+from tierfs_testing.gcs_emulator import GcsEmulator
 
 from tierfs.core.chunks import RAW, chunk_hash, encode
 from tierfs.core.errors import UserError
@@ -19,7 +20,6 @@ from tierfs.core.parse import parse_gcs_url
 from tierfs.tiers import gcs_http
 from tierfs.tiers.gcs_http import CorruptObject, GcsUnavailable, MissingObject
 from tierfs.tiers.gcs_store import Found, GcsStore, object_md5
-from tierfs_testing.gcs_emulator import GcsEmulator
 
 MiB = 1 << 20
 
@@ -31,12 +31,9 @@ def h(n: int) -> str:
 
 def manifest(*hashes: str) -> bytes:
     """Just enough of a manifest for the collector: a file naming chunks, and a directory."""
-    return json.dumps({
-        "entries": [
-            {"path": "d", "kind": "dir"},
-            {"path": "d/f", "kind": "file", "chunks": list(hashes)},
-        ]
-    }).encode()
+    return json.dumps(
+        {"entries": [{"path": "d", "kind": "dir"}, {"path": "d/f", "kind": "file", "chunks": list(hashes)}]}
+    ).encode()
 
 
 def raw_client() -> storage.Client:
@@ -70,8 +67,19 @@ def test_parse_gcs_url_splits_bucket_and_prefix(url, expected):
 
 @pytest.mark.parametrize(
     "url",
-    ["s3://bucket/x", "bucket/x", "gs://", "gs:///x", "gs://Bucket", "gs://ab", "gs://-bucket",
-     "gs://a..b", "gs://bucket//x", "gs://bucket/a\nb", "gs://bu cket"],
+    [
+        "s3://bucket/x",
+        "bucket/x",
+        "gs://",
+        "gs:///x",
+        "gs://Bucket",
+        "gs://ab",
+        "gs://-bucket",
+        "gs://a..b",
+        "gs://bucket//x",
+        "gs://bucket/a\nb",
+        "gs://bu cket",
+    ],
 )
 def test_parse_gcs_url_rejects_malformed_urls_in_one_line(url):
     with pytest.raises(UserError) as info:
@@ -336,9 +344,7 @@ def test_gc_spares_a_chunk_touched_after_it_started(store, monkeypatch, moment):
     """An uploader reusing an orphan chunk, after the collector listed manifests or chunks."""
     store.put_chunk(h(0x99), b"orphan")
     store.put_chunk(h(0x98), b"orphan too")
-    monkeypatch.setattr(
-        store, moment, wrap_then(getattr(store, moment), lambda: store.touch_chunk(h(0x99)))
-    )
+    monkeypatch.setattr(store, moment, wrap_then(getattr(store, moment), lambda: store.touch_chunk(h(0x99))))
     result = store.collect_garbage(keep_newest=1, grace=0)
     assert chunks_in(store) == {h(0x99)}
     assert result["chunks_deleted"] == 1

@@ -18,18 +18,22 @@ import urllib.parse
 from pathlib import Path
 
 import pytest
+from tierfs_testing.gcs_proxy import GcsProxy
 
 from tests.conftest import tierfs
 from tests.gcs.test_backup_restore import wait_backed_up
 from tests.helpers import free_port, wait_for, write_orbax_step
 from tierfs.config import Config
 from tierfs.core.errors import UserError
-from tierfs_testing.gcs_proxy import GcsProxy
 
-AUDIENCE = ("identitynamespace:proj.svc.id.goog:https://container.googleapis.com/v1/projects/proj/"
-            "locations/europe-west4/clusters/train")
-PRINCIPAL = ("principal://iam.googleapis.com/projects/PROJECT_NUMBER/locations/global/workloadIdentityPools/"
-             "proj.svc.id.goog/subject/ns/team-a/sa/trainer")
+AUDIENCE = (
+    "identitynamespace:proj.svc.id.goog:https://container.googleapis.com/v1/projects/proj/"
+    "locations/europe-west4/clusters/train"
+)
+PRINCIPAL = (
+    "principal://iam.googleapis.com/projects/PROJECT_NUMBER/locations/global/workloadIdentityPools/"
+    "proj.svc.id.goog/subject/ns/team-a/sa/trainer"
+)
 ACCOUNT = "ckpt-writer@proj.iam.gserviceaccount.com"
 OTHER = "someone-else@proj.iam.gserviceaccount.com"
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
@@ -45,6 +49,7 @@ BEARER = re.compile(r"Bearer ((?:job|sa)-token-\d+)")
 
 def ksa_token(serial: int) -> str:
     """A JWT-shaped Kubernetes service-account token (the stand-in checks no signature)."""
+
     def part(obj: dict) -> str:
         return base64.urlsafe_b64encode(json.dumps(obj).encode()).rstrip(b"=").decode()
 
@@ -87,7 +92,7 @@ class TokenService:
             def log_message(self, format, *args):  # noqa: A002
                 pass
 
-            def do_POST(self):  # noqa: N802
+            def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 status, reply = service.answer(self.path, body, self.headers.get("Authorization"))
                 data = json.dumps(reply).encode()
@@ -141,18 +146,32 @@ class TokenService:
         token = f"job-token-{self._serial}"
         self.exchanges.append((subject, token))
         self.scopes[token] = scope
-        return 200, {"access_token": token, "issued_token_type": EXPECTED_FORM["requested_token_type"],
-                     "token_type": "Bearer", "expires_in": 2}
+        return 200, {
+            "access_token": token,
+            "issued_token_type": EXPECTED_FORM["requested_token_type"],
+            "token_type": "Bearer",
+            "expires_in": 2,
+        }
 
     def _impersonate(self, account: str, body: dict, authorization: str | None) -> tuple[int, dict]:
         bearer = (authorization or "").removeprefix("Bearer ")
         if account != ACCOUNT:  # the job's principal may impersonate this one account
-            return 403, {"error": {"code": 403, "message": "Permission 'iam.serviceAccounts.getAccessToken' denied",
-                                   "status": "PERMISSION_DENIED"}}
+            return 403, {
+                "error": {
+                    "code": 403,
+                    "message": "Permission 'iam.serviceAccounts.getAccessToken' denied",
+                    "status": "PERMISSION_DENIED",
+                }
+            }
         if self.scopes.get(bearer) != IAM_SCOPE or body.get("scope") != [SCOPE]:
             self.problems.append(f"impersonation of {account} with {authorization!r}, {body}")
-            return 403, {"error": {"code": 403, "message": "Permission 'iam.serviceAccounts.getAccessToken' denied",
-                                   "status": "PERMISSION_DENIED"}}
+            return 403, {
+                "error": {
+                    "code": 403,
+                    "message": "Permission 'iam.serviceAccounts.getAccessToken' denied",
+                    "status": "PERMISSION_DENIED",
+                }
+            }
         self._serial += 1
         token = f"sa-token-{self._serial}"
         self.impersonations.append((account, bearer, token))
@@ -207,9 +226,16 @@ def serial(token: str) -> int:
 
 
 def test_every_request_carries_the_jobs_token_and_follows_kubelets_refresh(
-        volumes, gcs_url, token_file, token_service, proxy):
-    vol = volumes(job="wi", capacity="256M", gcs=gcs_url, gcs_token_file=token_file,
-                  gcs_token_audience=AUDIENCE, gcs_sts_url=token_service.sts_url)
+    volumes, gcs_url, token_file, token_service, proxy
+):
+    vol = volumes(
+        job="wi",
+        capacity="256M",
+        gcs=gcs_url,
+        gcs_token_file=token_file,
+        gcs_token_audience=AUDIENCE,
+        gcs_sts_url=token_service.sts_url,
+    )
     write_orbax_step(vol.mountpoint, 1, {"a": os.urandom(1 << 20), "b": b"b" * 1000})
     wait_backed_up(vol, 1)
     first = bearers(proxy)
@@ -229,15 +255,18 @@ def test_every_request_carries_the_jobs_token_and_follows_kubelets_refresh(
     renewed = {t for s, t in later if s == ksa_token(2)}
     tokens = bearers(proxy)
     assert set(tokens) <= token_service.issued()
-    assert renewed & set(tokens[len(first):]), "requests after the refresh carry access tokens of the new token"
+    assert renewed & set(tokens[len(first) :]), "requests after the refresh carry access tokens of the new token"
     assert max(map(serial, tokens)) in {serial(t) for t in renewed}
 
 
 @pytest.mark.parametrize("status", [400, 401])
-@pytest.mark.expect_log(r"gcs: step \d+ delayed, retrying in \d+s: .*token exchange at http://127\.0\.0\.1:\d+"
-                        r"/v1/token refused the job's token \(invalid_grant")
+@pytest.mark.expect_log(
+    r"gcs: step \d+ delayed, retrying in \d+s: .*token exchange at http://127\.0\.0\.1:\d+"
+    r"/v1/token refused the job's token \(invalid_grant"
+)
 def test_a_refused_exchange_is_one_clear_line_and_the_mount_keeps_serving(
-        volumes, gcs_url, token_file, token_service, proxy, monkeypatch, status):
+    volumes, gcs_url, token_file, token_service, proxy, monkeypatch, status
+):
     # Options from the environment, as a DaemonSet or the plugin passes them.
     monkeypatch.setenv("TIERFS_GCS_TOKEN_FILE", str(token_file))
     monkeypatch.setenv("TIERFS_GCS_TOKEN_AUDIENCE", AUDIENCE)
@@ -248,8 +277,7 @@ def test_a_refused_exchange_is_one_clear_line_and_the_mount_keeps_serving(
 
     token_service.refuse = status
     write_orbax_step(vol.mountpoint, 2, {"a": b"two" * 1000})
-    lane = wait_for(lambda: (g := vol.status()["gcs"])["state"] == "failing" and g, 30,
-                    "the refusal to show in status")
+    lane = wait_for(lambda: (g := vol.status()["gcs"])["state"] == "failing" and g, 30, "the refusal to show in status")
     assert "refused the job's token (invalid_grant: the subject token is not trusted)" in lane["error"]
     assert "--gcs-token-audience" in lane["error"]
     (line,) = [x for x in tierfs("status", vol.mountpoint).stdout.splitlines() if "refused the job" in x]
@@ -266,9 +294,16 @@ def test_a_refused_exchange_is_one_clear_line_and_the_mount_keeps_serving(
 
 
 def test_impersonating_a_service_account(volumes, gcs_url, token_file, token_service, proxy):
-    vol = volumes(job="imp", capacity="256M", gcs=gcs_url, gcs_token_file=token_file,
-                  gcs_token_audience=AUDIENCE, gcs_sts_url=token_service.sts_url,
-                  gcs_service_account=ACCOUNT, gcs_iam_url=token_service.iam_url)
+    vol = volumes(
+        job="imp",
+        capacity="256M",
+        gcs=gcs_url,
+        gcs_token_file=token_file,
+        gcs_token_audience=AUDIENCE,
+        gcs_sts_url=token_service.sts_url,
+        gcs_service_account=ACCOUNT,
+        gcs_iam_url=token_service.iam_url,
+    )
     write_orbax_step(vol.mountpoint, 1, {"a": b"x" * 5000})
     wait_backed_up(vol, 1)
     tokens = set(bearers(proxy))
@@ -280,10 +315,25 @@ def test_impersonating_a_service_account(volumes, gcs_url, token_file, token_ser
 
 @pytest.mark.expect_log(r"cannot \w+ gs://\S+: impersonating someone-else@proj\.iam\.gserviceaccount\.com was refused")
 def test_a_refused_impersonation_names_the_grant(volumes, gcs_url, token_file, token_service, proxy, shm_dir):
-    proc = tierfs("mount", shm_dir("tierfs-mnt"), "--ramdisk", shm_dir("tierfs-ram"), "--gcs", gcs_url,
-                  "--gcs-token-file", token_file, "--gcs-token-audience", AUDIENCE,
-                  "--gcs-sts-url", token_service.sts_url, "--gcs-service-account", OTHER,
-                  "--gcs-iam-url", token_service.iam_url, check=False)
+    proc = tierfs(
+        "mount",
+        shm_dir("tierfs-mnt"),
+        "--ramdisk",
+        shm_dir("tierfs-ram"),
+        "--gcs",
+        gcs_url,
+        "--gcs-token-file",
+        token_file,
+        "--gcs-token-audience",
+        AUDIENCE,
+        "--gcs-sts-url",
+        token_service.sts_url,
+        "--gcs-service-account",
+        OTHER,
+        "--gcs-iam-url",
+        token_service.iam_url,
+        check=False,
+    )
     assert proc.returncode != 0
     (line,) = proc.stderr.strip().splitlines()
     assert f"impersonating {OTHER} was refused (HTTP 403 Permission" in line
@@ -291,8 +341,12 @@ def test_a_refused_impersonation_names_the_grant(volumes, gcs_url, token_file, t
 
 
 def test_options_are_checked_with_one_line_each(token_file, shm_dir, tmp_path):
-    base = {"mountpoint": "/mnt/x", "gcs": "gs://bucket/p", "gcs_token_file": str(token_file),
-            "gcs_token_audience": AUDIENCE}
+    base = {
+        "mountpoint": "/mnt/x",
+        "gcs": "gs://bucket/p",
+        "gcs_token_file": str(token_file),
+        "gcs_token_audience": AUDIENCE,
+    }
     cfg = Config.build(**base)
     assert cfg.gcs_sts_url == "https://sts.googleapis.com/v1/token" and cfg.gcs_service_account is None
     link = token_file.with_name("link")
@@ -313,8 +367,11 @@ def test_options_are_checked_with_one_line_each(token_file, shm_dir, tmp_path):
         "invalid --gcs-sts-url": {"gcs_sts_url": "http://sts.example.com/v1/token"},
         "invalid --gcs-iam-url": {"gcs_iam_url": "ftp://x\nsecond line"},
         "invalid --gcs-service-account": {"gcs_service_account": "not an email"},
-        "--gcs-service-account needs --gcs-token-file": {"gcs_token_file": None, "gcs_token_audience": None,
-                                                         "gcs_service_account": ACCOUNT},
+        "--gcs-service-account needs --gcs-token-file": {
+            "gcs_token_file": None,
+            "gcs_token_audience": None,
+            "gcs_service_account": ACCOUNT,
+        },
     }
     for expected, change in cases.items():
         with pytest.raises(UserError) as err:

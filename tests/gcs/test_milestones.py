@@ -41,8 +41,9 @@ def store(gcs_bucket: str) -> GcsStore:
 async def test_retention_keeps_milestones_besides_the_newest_with_their_chunks(store, gcs_bucket):
     """Through the tier, as the daemon's rank 0 runs it: the flags reach the collector."""
     tier = GcsTier(f"gs://{gcs_bucket}/m", "job1", store=store)
-    tier.configure(Config.build(mountpoint="/nonexistent", job="job1", rank=0, nodes=2, keep=2,
-                                keep_every=300, gc_grace="0s"))
+    tier.configure(
+        Config.build(mountpoint="/nonexistent", job="job1", rank=0, nodes=2, keep=2, keep_every=300, gc_grace="0s")
+    )
     await tier.retain()
 
     assert store.list_manifests() == {0: [300, 600, 800, 900], 1: [300, 600, 800, 900]}
@@ -56,8 +57,7 @@ def test_a_milestone_goes_once_keep_for_has_passed_since_its_upload(store):
     assert result["manifests_deleted"] == 10 and result["chunks_missing"] == 0
 
     # Two hours on, by the manifests' creation times in GCS: 300 and 600 are ordinary old steps.
-    result = store.collect_garbage(keep_newest=2, grace=0, nodes=2, milestones=milestones,
-                                   now=time.time() + 7200)
+    result = store.collect_garbage(keep_newest=2, grace=0, nodes=2, milestones=milestones, now=time.time() + 7200)
     assert store.list_manifests() == {0: [800, 900], 1: [800, 900]}
     assert chunks_in(store) == chunks_of([800, 900])
     assert result["manifests_deleted"] == 4 and result["chunks_deleted"] == 4

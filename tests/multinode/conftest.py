@@ -6,7 +6,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from tierfs_testing.cluster import LocalCluster
 
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+from tierfs_testing import free_port
 
 from tests.helpers import wait_for
 from tests.multinode.test_peers import commit_step
 from tests.multinode.test_restore import files_of
 from tests.prometheus import promtool_check_metrics
-from tierfs_testing import free_port
 
 STEPS = (1, 2)
 

@@ -53,7 +53,9 @@ def test_node_loss_restores_from_a_peer_without_gcs(cluster):
     assert c.status(0)["gcs"] is None
 
 
-@pytest.mark.expect_log('replica chunk \\w+ in \\S+ is unusable', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier')
+@pytest.mark.expect_log(
+    'replica chunk \\w+ in \\S+ is unusable', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier'
+)
 def test_two_replicas_and_a_corrupt_one_is_never_used(cluster):
     c = cluster(3, replicas=2, capacity="512M", chunk_size="1M")
     c.start_all()
@@ -205,7 +207,9 @@ def test_one_gib_checkpoint_comes_back_from_a_peer_without_gcs(cluster):
     print(f"1 GiB restored from {restored['from']} in {restored['seconds']:.1f}s")
 
 
-@pytest.mark.expect_log('replica chunk \\w+ in \\S+ is unusable', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier')
+@pytest.mark.expect_log(
+    'replica chunk \\w+ in \\S+ is unusable', 'chunk \\w+ from \\S+( \\S+)? failed', 'trying the next tier'
+)
 def test_chunks_no_peer_can_give_come_from_gcs(cluster, gcs_bucket):
     c = cluster(2, replicas=1, capacity="256M", chunk_size="1M", gcs=f"gs://{gcs_bucket}/m")
     c.start_all()
@@ -213,8 +217,9 @@ def test_chunks_no_peer_can_give_come_from_gcs(cluster, gcs_bucket):
     expected = commit_step(c.nodes[0].mountpoint, 8, files)
     wait_for(lambda: replicated(c, 0, 8), what="replication")
     wait_for(lambda: next(s for s in c.status(0)["steps"] if s["step"] == 8)["backed_up"], what="backup")
-    chunk_files = sorted(p for p in (c.nodes[1].ramdisk / c.job / "rank-1" / "replicas" / "chunks").rglob("*")
-                         if p.is_file())
+    chunk_files = sorted(
+        p for p in (c.nodes[1].ramdisk / c.job / "rank-1" / "replicas" / "chunks").rglob("*") if p.is_file()
+    )
     assert len(chunk_files) == 4
     damaged = chunk_files[0]
     damaged.write_bytes(bytes(MiB))  # the peer's copy of one chunk rots

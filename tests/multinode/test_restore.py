@@ -89,15 +89,18 @@ def test_namespace_appears_at_once_and_a_read_fetches_only_what_it_needs(cluster
     step = mnt / "ckpt" / "5"
     after = {n: os.lstat(step / n) for n in ("big", "small", "link")}
     for n in before:
-        assert (after[n].st_size, after[n].st_mode, after[n].st_mtime_ns) == \
-            (before[n].st_size, before[n].st_mode, before[n].st_mtime_ns), n
+        assert (after[n].st_size, after[n].st_mode, after[n].st_mtime_ns) == (
+            before[n].st_size,
+            before[n].st_mode,
+            before[n].st_mtime_ns,
+        ), n
     assert os.readlink(step / "link") == "big"
     restored = c.status(0)["restored"]
     assert restored["bytes_missing"] == 64 * MiB + 100 and restored["bytes_from"] == {}
 
     with open(step / "big", "rb") as f:
         f.seek(63 * MiB)
-        assert f.read() == big[63 * MiB:]
+        assert f.read() == big[63 * MiB :]
     restored = c.status(0)["restored"]
     assert sum(restored["bytes_from"].values()) == MiB  # one chunk, not the file
     assert restored["files_pending"] == 2 and restored["state"] == "on demand"
@@ -137,11 +140,11 @@ def test_restore_falls_back_from_a_dead_peer_to_gcs_mid_file(cluster, gcs_bucket
     path = c.nodes[0].mountpoint / "ckpt" / "7" / "w"
     peer = f"peer {c.nodes[1].address}"
     with open(path, "rb") as f:
-        assert f.read(4 * MiB) == data[:4 * MiB]
+        assert f.read(4 * MiB) == data[: 4 * MiB]
         before = c.status(0)["restored"]["bytes_from"]
         assert list(before) == [peer] and 4 * MiB <= before[peer] <= 6 * MiB  # plus the kernel's read-ahead
         c.kill(1)  # the peer dies in the middle of the file
-        assert f.read() == data[4 * MiB:]
+        assert f.read() == data[4 * MiB :]
     assert sums(c.nodes[0].mountpoint, 7, ["w"]) == expected
     after = c.status(0)["restored"]["bytes_from"]
     assert after == {peer: before[peer], "gcs": 16 * MiB - before[peer]}, after
@@ -167,8 +170,10 @@ def test_gc_never_removes_the_only_copy_of_the_newest_complete_step(cluster):
 
     # Once step 2 is complete everywhere, the older copies are collected.
     commit_everywhere(c, 2, ranks=[2])
-    wait_for(lambda: sorted(p.name for p in held.iterdir()) == ["step-000000000002.json"],
-             what="the superseded replica to go")
+    wait_for(
+        lambda: sorted(p.name for p in held.iterdir()) == ["step-000000000002.json"],
+        what="the superseded replica to go",
+    )
     wait_for(lambda: [s["step"] for s in c.status(1)["steps"]] == [2], what="local retention")
 
 
@@ -183,7 +188,7 @@ def test_a_killed_restore_resumes_without_refetching(cluster):
     c.start(0, prefetch=0)
     path = c.nodes[0].mountpoint / "ckpt" / "4" / "w"
     with open(path, "rb") as f:
-        assert f.read(3 * MiB) == data[:3 * MiB]
+        assert f.read(3 * MiB) == data[: 3 * MiB]
     fetched = sum(c.status(0)["restored"]["bytes_from"].values())  # 3 MiB and the read-ahead
     assert 3 * MiB <= fetched < 8 * MiB
     c.kill(0)  # mid-restore
@@ -213,7 +218,7 @@ def test_a_write_to_a_file_being_restored_waits_for_its_bytes(cluster):
     with open(path, "r+b") as f:  # opening for writing completes the file first
         f.seek(MiB)
         f.write(b"new")
-    assert path.read_bytes() == data[:MiB] + b"new" + data[MiB + 3:]
+    assert path.read_bytes() == data[:MiB] + b"new" + data[MiB + 3 :]
     restored = c.status(0)["restored"]
     assert restored["state"] == "done" and sum(restored["bytes_from"].values()) == 6 * MiB
     # The committed step keeps the restored bytes: a replica made from it now is the original.
@@ -222,8 +227,9 @@ def test_a_write_to_a_file_being_restored_waits_for_its_bytes(cluster):
     assert stat.S_IMODE(os.stat(path).st_mode) == stat.S_IMODE(os.stat(snap).st_mode)
 
 
-@pytest.mark.expect_log('not answer yet', 'peers: step \\d+ delayed, retrying',
-                        'step \\d+ is not confirmed by peer')  # node 2 starts before the peers it replicated to
+@pytest.mark.expect_log(
+    'not answer yet', 'peers: step \\d+ delayed, retrying', 'step \\d+ is not confirmed by peer'
+)  # node 2 starts before the peers it replicated to
 def test_a_replacement_node_given_another_rank_gets_that_ranks_data(cluster):
     c = cluster(3, replicas=2, capacity="256M", restore_wait="3s")  # started one by one below
     c.start_all()

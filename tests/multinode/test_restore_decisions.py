@@ -21,8 +21,11 @@ from tierfs.coordination.protocol import candidates
 
 # The kill can cut rank 1's own step short on its way to node 0 (even in the middle of the
 # TLS handshake), or find node 0 gone before it starts; node 1 says so and retries.
-pytestmark = pytest.mark.expect_log("peers: step \\d+ delayed, retrying", "not answer yet",
-                                    "peers: step \\d+ did not reach peer \\S+: (cannot connect|.*connection lost)")
+pytestmark = pytest.mark.expect_log(
+    "peers: step \\d+ delayed, retrying",
+    "not answer yet",
+    "peers: step \\d+ did not reach peer \\S+: (cannot connect|.*connection lost)",
+)
 
 ROUNDS = int(os.environ.get("TIERFS_TEST_ROUNDS", "20"))
 SEED = int(os.environ.get("TIERFS_TEST_SEED", str(random.randrange(1 << 32))))
@@ -38,8 +41,9 @@ def kill_soon_after_replication(c, step: int, rng: random.Random) -> dict[int, d
     """Commit ``step`` on every node, wait until rank 0's copy is confirmed on its peer, then
     kill node 0 within 0-500 ms (the delay is the fault's, drawn from the seed, mostly short:
     the sooner the restart, the staler a periodic report), and wipe its RAM."""
-    expected = {i: commit_step(c.nodes[i].mountpoint, step, files_of(i, step, big=256 << 10))
-                for i in range(len(c.nodes))}
+    expected = {
+        i: commit_step(c.nodes[i].mountpoint, step, files_of(i, step, big=256 << 10)) for i in range(len(c.nodes))
+    }
     wait_for(lambda: replicated(c, 0, step), what=f"replication of rank 0 step {step}", interval=0.02)
     time.sleep(rng.choice([0.0, rng.uniform(0.0, 0.1), rng.uniform(0.0, 0.5)]))
     c.kill(0)

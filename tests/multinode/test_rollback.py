@@ -35,8 +35,9 @@ def commit_all(c, step: int, ranks=(1, 2, 0)) -> dict[int, dict[str, str]]:
     return expected
 
 
-@pytest.mark.expect_log("moved ckpt/\\d+ out of the volume", "rolling job \\S+ back to step 300",
-                        "cannot roll job \\S+ back to step 500")
+@pytest.mark.expect_log(
+    "moved ckpt/\\d+ out of the volume", "rolling job \\S+ back to step 300", "cannot roll job \\S+ back to step 500"
+)
 def test_every_node_rolls_back_to_a_milestone_once_and_a_step_another_rank_lacks_is_refused(cluster, gcs_bucket):
     url = f"gs://{gcs_bucket}/rollback"
     c = cluster(3, replicas=1, capacity="256M", gcs=url, keep=2, keep_every=300)
@@ -47,7 +48,11 @@ def test_every_node_rolls_back_to_a_milestone_once_and_a_step_another_rank_lacks
     wait_for(lambda: sorted(listed(c)) == [300, 600, 800, 900], what="retention of steps 100-900", timeout=60)
     seen = listed(c, 1)
     assert {s: (v["tiers"], v["complete"]) for s, v in seen.items()} == {
-        300: (["gcs"], 3), 600: (["gcs"], 3), 800: (["gcs"], 3), 900: (["ram", "peers", "gcs"], 3)}
+        300: (["gcs"], 3),
+        600: (["gcs"], 3),
+        800: (["gcs"], 3),
+        900: (["ram", "peers", "gcs"], 3),
+    }
     assert sorted(s for s, v in seen.items() if v["milestone"]) == [300, 600, 900]
 
     # Every node restarts with --restore-step 300: step 300 is in GCS only.
@@ -84,16 +89,20 @@ def test_every_node_rolls_back_to_a_milestone_once_and_a_step_another_rank_lacks
     c.kill(1)
     proc = c.start(1, check=False, restore_step=500)
     assert proc.returncode != 0
-    line, = proc.stderr.strip().splitlines()
+    (line,) = proc.stderr.strip().splitlines()
     assert line.startswith(f"tierfs: cannot roll job {c.job} back to step 500: rank(s) 1, 2 hold no copy of it"), line
     assert c.tierfs("status", c.nodes[1].mountpoint, check=False).returncode != 0
 
     # From a machine with no mount: the bucket names what the rollback set aside; the operator discards it.
     proc = c.tierfs("steps", "--job", c.job, "--gcs", url)
     assert [s.split()[0] for s in proc.stdout.splitlines()[1:]] == ["500", "400", "300"]
-    assert proc.stderr == (f"tierfs: note: the rollback to step 300 set aside step(s) 600, 800, 900, kept until "
-                           f"'tierfs steps --job {c.job} --gcs {url} --discard-set-aside 300'\n")
+    assert proc.stderr == (
+        f"tierfs: note: the rollback to step 300 set aside step(s) 600, 800, 900, kept until "
+        f"'tierfs steps --job {c.job} --gcs {url} --discard-set-aside 300'\n"
+    )
     proc = c.tierfs("steps", "--job", c.job, "--gcs", url, "--discard-set-aside", "300")
-    assert proc.stdout.startswith("discarded 9 manifest(s) of step(s) 600, 800, 900 set aside by the rollback to step 300")
+    assert proc.stdout.startswith(
+        "discarded 9 manifest(s) of step(s) 600, 800, 900 set aside by the rollback to step 300"
+    )
     assert GcsStore(url, c.job).list_aside() == {}
     assert c.tierfs("steps", "--job", c.job, "--gcs", url).stderr == ""

@@ -48,6 +48,7 @@ def test_every_node_counts_the_ranks_that_hold_each_step(cluster):
         os.kill(c.nodes[1].pid, signal.SIGCONT)
     seen = {s["step"]: s for s in json.loads(proc.stdout)}
     assert (seen[1]["complete"], seen[1]["tiers"], seen[2]["complete"]) == (2, ["ram"], 1)
-    note, = proc.stderr.strip().splitlines()
-    assert note.startswith(f"tierfs: note: peer {c.nodes[1].address} did not answer (") and \
-        note.endswith("): what it holds is not counted"), note
+    (note,) = proc.stderr.strip().splitlines()
+    assert note.startswith(f"tierfs: note: peer {c.nodes[1].address} did not answer (") and note.endswith(
+        "): what it holds is not counted"
+    ), note

@@ -18,12 +18,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
+from tierfs_testing.gcs_proxy import GcsProxy
 
 from tests.helpers import opened_manifest, sealed_key, wait_for
 from tests.multinode.test_peers import MiB, commit_step
 from tierfs.commands.status import render
 from tierfs.core.manifest import Manifest
-from tierfs_testing.gcs_proxy import GcsProxy
 
 STEP = 5
 NODES = 4
@@ -43,14 +43,22 @@ def proxies(gcs_emulator) -> Iterator[list[GcsProxy]]:
 
 def bucket_objects(gcs_emulator, bucket: str, prefix: str) -> dict[str, bytes]:
     """The objects under ``prefix``, read from the emulator itself (not through a proxy, not counted)."""
-    client = storage.Client(credentials=AnonymousCredentials(), project="test",
-                            client_options={"api_endpoint": gcs_emulator.url})
+    client = storage.Client(
+        credentials=AnonymousCredentials(), project="test", client_options={"api_endpoint": gcs_emulator.url}
+    )
     return {b.name: b.download_as_bytes() for b in client.list_blobs(bucket, prefix=prefix)}
 
 
 def twins_cluster(cluster, proxies, gcs_bucket):
-    c = cluster(NODES, replicas=1, capacity="512M", chunk_size="1M", gcs=f"gs://{gcs_bucket}/tw",
-                data_parallel=NODES, job=f"tw-{uuid.uuid4().hex[:6]}")
+    c = cluster(
+        NODES,
+        replicas=1,
+        capacity="512M",
+        chunk_size="1M",
+        gcs=f"gs://{gcs_bucket}/tw",
+        data_parallel=NODES,
+        job=f"tw-{uuid.uuid4().hex[:6]}",
+    )
     for node, proxy in zip(c.nodes, proxies):
         node.environ = proxy.environ()
     c.start_all()
@@ -68,8 +76,11 @@ def commit_everywhere(c, ranks) -> dict[str, bytes]:
 
 
 def backed_up(c, i: int) -> dict:
-    return wait_for(lambda: next((s for s in c.status(i)["steps"] if s["step"] == STEP and s["backed_up"]), None),
-                    120, f"node {i} to back up step {STEP}")
+    return wait_for(
+        lambda: next((s for s in c.status(i)["steps"] if s["step"] == STEP and s["backed_up"]), None),
+        120,
+        f"node {i} to back up step {STEP}",
+    )
 
 
 def moved(proxies) -> tuple[int, int, int]:
@@ -100,8 +111,10 @@ def test_four_twins_send_each_chunk_once_and_read_none_back(cluster, proxies, gc
     states = [backed_up(c, i) for i in range(NODES)]
     unique = FILES * SHARD
     up, down, requests = moved(proxies)
-    print(f"4 twins, {unique / MiB:.0f} MiB step: up {up / unique:.2f}x, down {down / unique:.3f}x "
-          f"of the unique bytes, {requests} requests")
+    print(
+        f"4 twins, {unique / MiB:.0f} MiB step: up {up / unique:.2f}x, down {down / unique:.3f}x "
+        f"of the unique bytes, {requests} requests"
+    )
     assert up + down <= 1.1 * unique, f"{up} bytes up and {down} down for {unique} unique"
     check_manifests(gcs_emulator, gcs_bucket, c.job, range(NODES), c.secret)
     backups = [s["backup"] for s in states]
@@ -112,10 +125,16 @@ def test_four_twins_send_each_chunk_once_and_read_none_back(cluster, proxies, gc
     assert f"({backups[0]['sent_chunks']} chunks sent here, {backups[0]['twin_chunks']} by twins)" in line, line
 
 
-@pytest.mark.expect_log("not answer yet", "delayed, retrying", "step 5 did not reach peer ",
-                        "step 5 is not confirmed by peer", "peer 127.0.0.4:\\d+")
-def test_a_twin_killed_in_the_middle_of_its_uploads_leaves_no_step_incomplete(cluster, proxies, gcs_emulator,
-                                                                              gcs_bucket):
+@pytest.mark.expect_log(
+    "not answer yet",
+    "delayed, retrying",
+    "step 5 did not reach peer ",
+    "step 5 is not confirmed by peer",
+    "peer 127.0.0.4:\\d+",
+)
+def test_a_twin_killed_in_the_middle_of_its_uploads_leaves_no_step_incomplete(
+    cluster, proxies, gcs_emulator, gcs_bucket
+):
     c = twins_cluster(cluster, proxies, gcs_bucket)
     victim = 2
     proxies[victim].hold_chunk_uploads(after=3)
@@ -127,8 +146,10 @@ def test_a_twin_killed_in_the_middle_of_its_uploads_leaves_no_step_incomplete(cl
     states = {i: backed_up(c, i) for i in survivors}
     unique = FILES * SHARD
     up, down, requests = moved(proxies)
-    print(f"4 twins, one killed: up {up / unique:.2f}x, down {down / unique:.3f}x of the unique bytes, "
-          f"{requests} requests")
+    print(
+        f"4 twins, one killed: up {up / unique:.2f}x, down {down / unique:.3f}x of the unique bytes, "
+        f"{requests} requests"
+    )
     assert up + down <= 1.5 * unique, f"{up} bytes up and {down} down for {unique} unique"
     check_manifests(gcs_emulator, gcs_bucket, c.job, survivors, c.secret)
     taken = {i: s["backup"]["taken_over"] for i, s in states.items()}

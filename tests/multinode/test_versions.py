@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multinode.test_restore import commit_everywhere, files_of
 from tests.helpers import wait_for
 from tests.multinode.test_peers import sums
+from tests.multinode.test_restore import commit_everywhere, files_of
 
 
 @pytest.mark.expect_log(r"step 1 is no longer on peer .*: putting it on peers again")  # the wiped node's copy
@@ -29,8 +29,9 @@ def test_this_release_and_the_one_before_replicate_and_restore_each_other(cluste
         c.kill_all()
         c.wipe(lost)  # restored from the other build's replica
         c.start_all()
-        restored = wait_for(lambda: (r := c.status(lost)["restored"]) and r["state"] == "done" and r,
-                            what=f"rank {lost}'s restore")
+        restored = wait_for(
+            lambda: (r := c.status(lost)["restored"]) and r["state"] == "done" and r, what=f"rank {lost}'s restore"
+        )
         assert (restored["step"], restored["tier"]) == (1, "peer"), restored
         for i in (old, new):
             assert sums(c.nodes[i].mountpoint, 1, files_of(i, 1)) == expected[i]

@@ -60,9 +60,16 @@ class SimNode:
 
     async def serve(self, port: int = 0, task_status=trio.TASK_STATUS_IGNORED) -> None:
         with trio.CancelScope() as self.scope:
-            await serve((self.host, port), job=JOB, secret=SECRET, store=self.store, info=self.info,
-                        tls=tls.from_secret(JOB, SECRET),  # as the nodes' configs have it by default
-                        timeouts=TIMEOUTS, task_status=task_status)
+            await serve(
+                (self.host, port),
+                job=JOB,
+                secret=SECRET,
+                store=self.store,
+                info=self.info,
+                tls=tls.from_secret(JOB, SECRET),  # as the nodes' configs have it by default
+                timeouts=TIMEOUTS,
+                task_status=task_status,
+            )
 
     def stop(self) -> None:
         self.scope.cancel()
@@ -70,8 +77,15 @@ class SimNode:
 
 def manifest(rank: int, step: int) -> bytes:
     """A step with no chunks: the view needs only the manifest's presence."""
-    m = Manifest(job=JOB, rank=rank, step=step, chunk_size=1 << 20, roots=["ckpt"],
-                 entries=[Entry("ckpt", "dir", 0o755, 0, 0, 0, 0)], created=0.0)
+    m = Manifest(
+        job=JOB,
+        rank=rank,
+        step=step,
+        chunk_size=1 << 20,
+        roots=["ckpt"],
+        entries=[Entry("ckpt", "dir", 0o755, 0, 0, 0, 0)],
+        created=0.0,
+    )
     return m.to_json()
 
 
@@ -89,11 +103,18 @@ async def start_cluster(nursery, tmp_path: Path) -> list[SimNode]:
 
 
 def view_of(node: SimNode, nodes: list[SimNode], gcs=None) -> ClusterView:
-    cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=node.rank, nodes=N,
-                       listen=f"{node.host}:{node.port}", secret=SECRET.decode(),
-                       peers=",".join(f"{n.host}:{n.port}" for n in nodes))
-    local = LocalTier(node.store, OwnSteps(node.rank, steps=lambda: list(node.steps),
-                                           restore_step=lambda: node.restore_step))
+    cfg = Config.build(
+        mountpoint="/nonexistent",
+        job=JOB,
+        rank=node.rank,
+        nodes=N,
+        listen=f"{node.host}:{node.port}",
+        secret=SECRET.decode(),
+        peers=",".join(f"{n.host}:{n.port}" for n in nodes),
+    )
+    local = LocalTier(
+        node.store, OwnSteps(node.rank, steps=lambda: list(node.steps), restore_step=lambda: node.restore_step)
+    )
     return ClusterView(N, [*peer_tiers(PeerNetwork(cfg, timeout=TIMEOUT)), *([gcs] if gcs else [])], local)
 
 
@@ -141,8 +162,9 @@ async def test_sixteen_nodes_agree_and_keep_agreeing_when_holders_die(nursery, t
     nodes[8].stop()
     alive = [n for n in nodes if n.rank not in (0, 7, 8)]
     survey = await view_of(alive[0], nodes).survey()
-    assert 7 not in survey.holders and set(survey.missing) == {f"peer {n.host}:{n.port}" for n in
-                                                              (nodes[0], nodes[7], nodes[8])}
+    assert 7 not in survey.holders and set(survey.missing) == {
+        f"peer {n.host}:{n.port}" for n in (nodes[0], nodes[7], nodes[8])
+    }
     assert await answers(nodes, alive) == {30}
 
 
@@ -192,4 +214,3 @@ async def test_waiting_for_a_late_peer(nursery, tmp_path):
     nursery.start_soon(come_back_later)
     survey = await view.survey(wait=10)
     assert survey.missing == [] and survey.newest_complete() == 10
-

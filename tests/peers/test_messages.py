@@ -26,15 +26,26 @@ async def start_service(nursery: trio.Nursery, root: Path, messages) -> tuple[st
     root.mkdir(parents=True)
     store = ReplicaStore(root, SpaceAccount(None, root), None, job=JOB)
     store.load()
-    port = await nursery.start(functools.partial(
-        serve, (HOST, 0), job=JOB, secret=SECRET, store=store, timeouts=FAST, tls=None,
-        info=lambda: {"rank": 0}, messages=messages))
+    port = await nursery.start(
+        functools.partial(
+            serve,
+            (HOST, 0),
+            job=JOB,
+            secret=SECRET,
+            store=store,
+            timeouts=FAST,
+            tls=None,
+            info=lambda: {"rank": 0},
+            messages=messages,
+        )
+    )
     return HOST, port
 
 
 def transport(source_host: str = "127.0.0.3") -> PeerTransport:
     def connect(address, timeout):
         return PeerClient.connect(address, job=JOB, secret=SECRET, tls=None, timeout=timeout, local_host=source_host)
+
     return PeerTransport(f"{source_host}:7000", connect)
 
 
@@ -67,8 +78,9 @@ async def test_a_sender_naming_an_address_on_another_host_is_refused(nursery, tm
         assert "must name its sender's address on that host" in reply["error"]
         reply = await c.call({"op": "coord_pull"}, 2.0)
         assert "error" in reply
-        assert (await c.call({"op": "coord_pull", "from": "127.0.0.3:9"}, 2.0)) == {"ok": True}, \
+        assert (await c.call({"op": "coord_pull", "from": "127.0.0.3:9"}, 2.0)) == {"ok": True}, (
             "the connection stayed in step after the refusals"
+        )
     assert called == ["127.0.0.3:9"]
 
 

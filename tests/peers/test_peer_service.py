@@ -59,16 +59,34 @@ class Node:
         return sorted(p for p in (self.root / "chunks").rglob("*") if p.is_file())
 
 
-async def start_node(nursery: trio.Nursery, host: str, root: Path, *, capacity: int | None = None,
-                     local=None, grace: float = 0.0, timeouts: Timeouts = FAST,
-                     keep_from=lambda: 10**9, tls=None) -> Node:
+async def start_node(
+    nursery: trio.Nursery,
+    host: str,
+    root: Path,
+    *,
+    capacity: int | None = None,
+    local=None,
+    grace: float = 0.0,
+    timeouts: Timeouts = FAST,
+    keep_from=lambda: 10**9,
+    tls=None,
+) -> Node:
     root.mkdir(parents=True)
     space = SpaceAccount(capacity, root)
     store = ReplicaStore(root, space, local, job=JOB, grace=grace, keep_from=keep_from)
     store.load()
-    port = await nursery.start(functools.partial(
-        serve, (host, 0), job=JOB, secret=SECRET, store=store, timeouts=timeouts, tls=tls,
-        info=lambda: {"rank": 1, "topology": [["zone", "a"]], "free": 123}))
+    port = await nursery.start(
+        functools.partial(
+            serve,
+            (host, 0),
+            job=JOB,
+            secret=SECRET,
+            store=store,
+            timeouts=timeouts,
+            tls=tls,
+            info=lambda: {"rank": 1, "topology": [["zone", "a"]], "free": 123},
+        )
+    )
     return Node(host, port, store, space, root)
 
 
@@ -137,8 +155,9 @@ async def test_wrong_secret_is_refused_and_nothing_is_stored(nursery, tmp_path):
         await s.send_all(frame({"op": "hello", "version": wire.VERSION, "job": JOB, "nonce": nonce}))
         challenge = await wire.recv_msg(s)
         bad = wire.proof(b"not-the-secret-at-all", "client", JOB, nonce, challenge["nonce"])
-        await s.send_all(frame({"op": "auth", "proof": bad})
-                         + frame({"op": "put_chunk", "hash": chunk_hash(body)}, body))
+        await s.send_all(
+            frame({"op": "auth", "proof": bad}) + frame({"op": "put_chunk", "hash": chunk_hash(body)}, body)
+        )
         answer = await read_until_closed(s)
     assert b'"error":"authentication failed"' in answer and body[:64] not in answer
     assert node.files() == [] and node.store.stats()["chunks"] == 0
@@ -299,10 +318,10 @@ async def test_no_space_is_refused_before_the_chunk_is_stored(nursery, tmp_path)
     assert node.space.used <= node.space.capacity
 
 
-
 @pytest.mark.parametrize("sealed", [False, True], ids=["clear", "sealed"])
-async def test_a_ram_tier_that_fills_mid_chunk_answers_no_space_and_stays_in_step(nursery, tmp_path, small_tmpfs,
-                                                                                  sealed):
+async def test_a_ram_tier_that_fills_mid_chunk_answers_no_space_and_stays_in_step(
+    nursery, tmp_path, small_tmpfs, sealed
+):
     """A chunk larger than what is left of the tmpfs: found by the write, after part of the body
     is stored; the rest is still read, so the answer arrives on a connection that goes on."""
     channel = peer_tls.from_secret(JOB, SECRET) if sealed else None
@@ -379,9 +398,14 @@ async def test_many_chunks_come_back_in_one_request_and_absent_ones_are_named(nu
         async with await node.connect(tls=channel) as client:
             await client.put_chunks(chunks)
             h, _, _, length = chunks[0]
-            asks = [(h, length, fd, 0), (absent, 10, fd, 0), (chunks[1][0], CS, fd, 4 << 20),
-                    (h, length + 1, fd, 0),  # a length the chunk does not have: not it
-                    (chunks[2][0], 2 << 20, fd, 8 << 20), (chunks[3][0], 0, fd, 0)]
+            asks = [
+                (h, length, fd, 0),
+                (absent, 10, fd, 0),
+                (chunks[1][0], CS, fd, 4 << 20),
+                (h, length + 1, fd, 0),  # a length the chunk does not have: not it
+                (chunks[2][0], 2 << 20, fd, 8 << 20),
+                (chunks[3][0], 0, fd, 0),
+            ]
             assert await client.get_chunks_into(asks) == [True, False, True, False, True, True]
             assert await client.get_chunks_into([(absent, 10, fd, 0)]) == [False]  # nothing comes: no body
             assert (await client.info())["rank"] == 1  # in step
@@ -393,6 +417,7 @@ async def test_many_chunks_come_back_in_one_request_and_absent_ones_are_named(nu
 
 async def hostile_node(nursery, answer: dict, body: bytes) -> tuple[str, int]:
     """A peer holding the job's secret that answers any request with ``answer`` and ``body``."""
+
     async def serve_one(stream: trio.SocketStream) -> None:
         async with stream:
             await wire.authenticate(stream, job=JOB, secret=SECRET)
@@ -407,13 +432,17 @@ async def hostile_node(nursery, answer: dict, body: bytes) -> tuple[str, int]:
     return "127.0.0.3", listeners[0].socket.getsockname()[1]
 
 
-@pytest.mark.parametrize("answer, body, error", [
-    ({"ok": True, "held": [True, True], "len": 2 * CS}, bytes(2 * CS), "do not hash"),
-    ({"ok": True, "held": [True], "len": CS}, bytes(CS), "does not match the question"),
-    ({"ok": True, "held": [True, "yes"], "len": 2 * CS}, bytes(2 * CS), "does not match the question"),
-    ({"ok": True, "held": [True, False], "len": 2 * CS}, bytes(2 * CS), "for the chunks it says it holds"),
-    ({"ok": True, "held": [True, True], "len": (64 << 20) + 1}, b"", "exceeds"),
-], ids=["wrong bytes", "short list", "not booleans", "body too long", "over the cap"])
+@pytest.mark.parametrize(
+    "answer, body, error",
+    [
+        ({"ok": True, "held": [True, True], "len": 2 * CS}, bytes(2 * CS), "do not hash"),
+        ({"ok": True, "held": [True], "len": CS}, bytes(CS), "does not match the question"),
+        ({"ok": True, "held": [True, "yes"], "len": 2 * CS}, bytes(2 * CS), "does not match the question"),
+        ({"ok": True, "held": [True, False], "len": 2 * CS}, bytes(2 * CS), "for the chunks it says it holds"),
+        ({"ok": True, "held": [True, True], "len": (64 << 20) + 1}, b"", "exceeds"),
+    ],
+    ids=["wrong bytes", "short list", "not booleans", "body too long", "over the cap"],
+)
 async def test_a_peer_s_answer_to_many_chunks_is_checked(nursery, tmp_path, answer, body, error):
     address = await hostile_node(nursery, answer, body)
     chunks = chunks_of(tmp_path / "a", [CS, CS], 18)
@@ -429,8 +458,12 @@ async def test_a_peer_s_answer_to_many_chunks_is_checked(nursery, tmp_path, answ
 async def test_a_client_refuses_a_batch_no_peer_takes(tmp_path):
     client = PeerClient(trio.testing.memory_stream_pair()[0], ("127.0.0.2", 1), 1.0)
     one = chunks_of(tmp_path / "src", [10], 16)[0]
-    for chunks in ([], [one] * (wire.MAX_BATCH + 1), [one[:3] + (wire.MAX_CHUNK + 1,)],
-                   [one[:3] + (wire.MAX_CHUNK,), one]):
+    for chunks in (
+        [],
+        [one] * (wire.MAX_BATCH + 1),
+        [one[:3] + (wire.MAX_CHUNK + 1,)],
+        [one[:3] + (wire.MAX_CHUNK,), one],
+    ):
         with pytest.raises(ValueError):
             await client.put_chunks(chunks)
         with pytest.raises(ValueError):
@@ -449,8 +482,15 @@ BAD_BATCHES = {
 }
 
 
-@pytest.mark.parametrize("op, bad", [(op, bad) for op in ("put_chunks", "get_chunks") for bad in BAD_BATCHES
-                                     if (op, bad) != ("get_chunks", "length mismatch")])  # a get has no body
+@pytest.mark.parametrize(
+    "op, bad",
+    [
+        (op, bad)
+        for op in ("put_chunks", "get_chunks")
+        for bad in BAD_BATCHES
+        if (op, bad) != ("get_chunks", "length mismatch")
+    ],
+)  # a get has no body
 async def test_a_malformed_batch_is_refused_before_its_body_is_read(nursery, tmp_path, op, bad):
     node = await start_node(nursery, "127.0.0.2", tmp_path / "n")
     header = {"op": op, **BAD_BATCHES[bad]}

@@ -49,6 +49,7 @@ async def forge(node, wire_bytes: Callable[[Channel], bytes]) -> bytes:
 
     The answer's records are opened in order: a forged record ends the connection.
     """
+
     def run() -> bytes:
         channel = open_channel(node.address, TLS, JOB, SECRET)
         try:
@@ -157,8 +158,7 @@ async def test_bodies_of_a_batch_in_each_other_s_places_are_refused_and_nothing_
     a, b = chunk_hash(first), chunk_hash(second)
 
     def swapped(channel: Channel) -> bytes:  # each body sealed for itself, sent in the other's place
-        head = channel.record(wire.encode_header({"op": "put_chunks", "chunks": [[a, MiB], [b, MiB]],
-                                                  "len": 2 * MiB}))
+        head = channel.record(wire.encode_header({"op": "put_chunks", "chunks": [[a, MiB], [b, MiB]], "len": 2 * MiB}))
         return head + body_record(channel, second, b, 0) + body_record(channel, first, a, 0)
 
     assert b'"ok":true' not in await forge(node, swapped)
@@ -222,10 +222,12 @@ async def test_a_body_and_messages_around_it_keep_their_order(tmp_path):
     hasher = xxhash.xxh3_128()
     try:
         async with sealed_pair(tmp_path / "src", data) as (a, b, fd), trio.open_nursery() as nursery:
+
             async def send():
                 await wire.send_msg(a, {"op": "first"})
                 await bodies.send_file(a, fd, 0, len(data), b"label")
                 await wire.send_msg(a, {"op": "after"}, b"a small body")
+
             nursery.start_soon(send)
             assert await wire.recv_msg(b) == {"op": "first"}
             await bodies.receive_into_file(b, len(data), out, hasher, 0, b"label")
@@ -247,9 +249,11 @@ async def test_a_body_under_another_label_fails_to_open(tmp_path):
 async def test_cancelling_a_body_midway_waits_for_its_thread_and_closes_cleanly(tmp_path):
     written = []
     async with sealed_pair(tmp_path / "src", randbytes(8 * MiB, 6)) as (a, b, fd), trio.open_nursery() as nursery:
+
         async def send():
             await bodies.send_file(a, fd, 0, 4 * MiB, b"x")  # half of what is announced below
             await trio.sleep_forever()
+
         nursery.start_soon(send)
         with trio.move_on_after(1) as scope:
             await bodies.receive(b, 8 * MiB, lambda piece, at: written.append((at, len(piece))), b"x")
@@ -260,6 +264,11 @@ async def test_cancelling_a_body_midway_waits_for_its_thread_and_closes_cleanly(
 
 async def test_a_peer_with_the_wrong_secret_gets_no_record(node):
     with pytest.raises(PeerError):
-        await PeerClient.connect(node.address, job=JOB, secret=b"not the secret of this job",
-                                 tls=tls.from_secret(JOB, b"not the secret of this job"), timeout=3)
+        await PeerClient.connect(
+            node.address,
+            job=JOB,
+            secret=b"not the secret of this job",
+            tls=tls.from_secret(JOB, b"not the secret of this job"),
+            timeout=3,
+        )
     await still_serving(node)

@@ -62,8 +62,9 @@ async def test_a_header_too_big_to_send_is_refused_locally():
         await wire.send_msg(a, {"op": "have", "hashes": ["0" * 32] * 40_000})
 
 
-@pytest.mark.parametrize("raw", [b"[1, 2]", b"{not json", b"\xff\xfe", b'{"len": -1}', b'{"len": true}',
-                                 b'{"len": "5"}'])
+@pytest.mark.parametrize(
+    "raw", [b"[1, 2]", b"{not json", b"\xff\xfe", b'{"len": -1}', b'{"len": true}', b'{"len": "5"}']
+)
 async def test_malformed_headers_are_protocol_errors(raw):
     a, b = trio.testing.memory_stream_pair()
     await a.send_all(struct.pack(">I", len(raw)) + raw)
@@ -181,8 +182,9 @@ async def test_send_file_refuses_to_send_past_the_end_of_the_file(big_file):
 # -- handshake ----------------------------------------------------------------------------
 
 
-async def _handshake(client_job: str, client_secret: bytes, server_job: str = JOB,
-                     server_secret: bytes = SECRET) -> dict:
+async def _handshake(
+    client_job: str, client_secret: bytes, server_job: str = JOB, server_secret: bytes = SECRET
+) -> dict:
     a, b = trio.testing.memory_stream_pair()
     result: dict = {}
 
@@ -218,16 +220,19 @@ async def test_wrong_secret_or_job_fails_the_same_way(job, secret):
     assert isinstance(result["server"], PeerUnavailable)
 
 
-@pytest.mark.parametrize("hello, speaks, chosen", [
-    ({"version": 3}, (3, 3), 3),  # a peer from before the negotiation, which sends one version
-    ({"version": 3}, (3, 4), 3),  # ... met by a newer build that still speaks it
-    ({"version": 4, "versions": [3, 4]}, (3, 3), 3),  # a newer peer, met by this build: the older one wins
-    ({"version": 4, "versions": [3, 4]}, (2, 5), 4),  # the newest both speak
-    ({"version": 5, "versions": [5, 6]}, (3, 4), None),  # nothing in common
-    ({"version": 2}, (3, 4), None),
-    ({"version": True, "versions": [True, 9]}, (3, 4), None),  # booleans are not versions
-    ({"version": 3, "versions": "3..4"}, (3, 4), 3),  # a malformed range: the one version asked for
-])
+@pytest.mark.parametrize(
+    "hello, speaks, chosen",
+    [
+        ({"version": 3}, (3, 3), 3),  # a peer from before the negotiation, which sends one version
+        ({"version": 3}, (3, 4), 3),  # ... met by a newer build that still speaks it
+        ({"version": 4, "versions": [3, 4]}, (3, 3), 3),  # a newer peer, met by this build: the older one wins
+        ({"version": 4, "versions": [3, 4]}, (2, 5), 4),  # the newest both speak
+        ({"version": 5, "versions": [5, 6]}, (3, 4), None),  # nothing in common
+        ({"version": 2}, (3, 4), None),
+        ({"version": True, "versions": [True, 9]}, (3, 4), None),  # booleans are not versions
+        ({"version": 3, "versions": "3..4"}, (3, 4), 3),  # a malformed range: the one version asked for
+    ],
+)
 def test_the_newest_version_both_sides_speak_is_chosen(hello, speaks, chosen):
     assert wire.choose_version(hello, speaks) == chosen
 
@@ -240,8 +245,14 @@ async def test_a_peer_before_the_negotiation_and_this_build_agree(monkeypatch):
         hello = await wire.recv_msg(b, wire.HELLO_MAX_HEADER)
         assert hello["version"] == 3 and hello["versions"] == [wire.OLDEST, wire.VERSION]
         server_nonce = wire.new_nonce()
-        await wire.send_msg(b, {"op": "challenge", "nonce": server_nonce,
-                                "proof": wire.proof(SECRET, "server", JOB, hello["nonce"], server_nonce)})
+        await wire.send_msg(
+            b,
+            {
+                "op": "challenge",
+                "nonce": server_nonce,
+                "proof": wire.proof(SECRET, "server", JOB, hello["nonce"], server_nonce),
+            },
+        )
         await wire.recv_msg(b, wire.HELLO_MAX_HEADER)
         await wire.send_msg(b, {"ok": True})
 
@@ -256,8 +267,9 @@ async def test_a_version_nobody_speaks_is_refused_in_one_line():
     async with trio.open_nursery() as nursery:
 
         async def client():
-            await wire.send_msg(a, {"op": "hello", "version": 99, "versions": [99, 100], "job": JOB,
-                                    "nonce": wire.new_nonce()})
+            await wire.send_msg(
+                a, {"op": "hello", "version": 99, "versions": [99, 100], "job": JOB, "nonce": wire.new_nonce()}
+            )
             answer = await wire.recv_msg(a, wire.HELLO_MAX_HEADER)
             assert answer["error"] == f"unsupported protocol version 99: this peer speaks {wire.OLDEST}..{wire.VERSION}"
 

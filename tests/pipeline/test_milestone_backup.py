@@ -34,8 +34,9 @@ class Rank:
     """Rank 0's RAM tier and its replicator, putting steps on ``tiers`` (made from the config)."""
 
     def __init__(self, base: Path, tiers: Callable[[Config], list[Tier]], **options):
-        self.cfg = Config.build(mountpoint=base / "mnt", ramdisk=base / "ram", job=JOB, rank=0, nodes=1,
-                                chunk_size=CS, **options)
+        self.cfg = Config.build(
+            mountpoint=base / "mnt", ramdisk=base / "ram", job=JOB, rank=0, nodes=1, chunk_size=CS, **options
+        )
         rank = RankDir(self.cfg.rank_dir)
         rank.prepare_home()
         rank.prepare()

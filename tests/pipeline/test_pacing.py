@@ -84,6 +84,7 @@ async def test_a_cancelled_hashing_stops_waiting_for_the_jobs_writes(tmp_path):
 
 async def test_what_the_thread_raises_is_raised_as_itself():
     """Callers tell a step no manifest can describe by the error's own type, never by a group."""
+
     def refuse(pace):
         pace()
         raise ValueError("no manifest can describe it")

@@ -28,8 +28,9 @@ def rank_home(ramdisk: Path) -> Path:
     return home
 
 
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").exists(),
-                    reason="a kernel without transparent huge pages")
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="a kernel without transparent huge pages"
+)
 def test_a_rank_tmpfs_takes_the_large_folios_of_its_ramdisk(small_tmpfs):
     home = rank_home(small_tmpfs(64 * MiB, "huge=within_size"))
     assert tmpfs.own_tmpfs(home, 16 * MiB)
@@ -77,8 +78,11 @@ def test_deleting_ram_data_takes_files_the_job_froze(shm_dir):
     (rank / "frozen-dir" / "inside").write_bytes(b"x")
     (rank / "append-only").write_bytes(b"y")
     (rank / "plain").write_bytes(b"z")
-    for path, flags in ((rank / "frozen-dir" / "inside", linux.FS_IMMUTABLE_FL),
-                        (rank / "frozen-dir", linux.FS_IMMUTABLE_FL), (rank / "append-only", linux.FS_APPEND_FL)):
+    for path, flags in (
+        (rank / "frozen-dir" / "inside", linux.FS_IMMUTABLE_FL),
+        (rank / "frozen-dir", linux.FS_IMMUTABLE_FL),
+        (rank / "append-only", linux.FS_APPEND_FL),
+    ):
         fd = os.open(path, os.O_RDONLY)
         try:
             linux.set_flags(fd, flags)

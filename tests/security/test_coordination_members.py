@@ -52,8 +52,14 @@ def commit(tree: Path, steps: Steps, step: int, cfg: Config, manifest: bool = Tr
     (root / "w").write_bytes(f"step {step}".encode() * 100)
     steps.commit(f"ckpt/{step}", step)
     if manifest:
-        m = build(steps.snapshots.step_tree(step), [f"ckpt/{step}"], job=cfg.job, rank=cfg.rank, step=step,
-                  chunk_size=cfg.chunk_size)
+        m = build(
+            steps.snapshots.step_tree(step),
+            [f"ckpt/{step}"],
+            job=cfg.job,
+            rank=cfg.rank,
+            step=step,
+            chunk_size=cfg.chunk_size,
+        )
         write_atomically(steps.snapshots.step_dir(step) / "manifest.json", m.to_json())  # as the replicator does
 
 
@@ -61,8 +67,9 @@ class RamTier:
     """Rank 0's real RAM tier under ``base``, with steps committed as a job commits them."""
 
     def __init__(self, base: Path, nodes: int = 2, start_fresh: bool = False):
-        self.cfg = Config.build(mountpoint=base / "mnt", ramdisk=base / "ram", job="job", rank=0, nodes=nodes,
-                                start_fresh=start_fresh)
+        self.cfg = Config.build(
+            mountpoint=base / "mnt", ramdisk=base / "ram", job="job", rank=0, nodes=nodes, start_fresh=start_fresh
+        )
         self.rank = RankDir(self.cfg.rank_dir)
         self.rank.prepare_home()
         self.rank.prepare()
@@ -83,14 +90,25 @@ class RamTier:
 
 def planner(ram: RamTier, coordinators: StandInCoordinators, seen: dict[tuple[int, int], str]) -> RestorePlanner:
     """The restore planner of a node with ``ram``; its own survey of the tiers it reaches shows ``seen``."""
+
     async def survey(wait: float = 0.0) -> Survey:
         s = Survey()
         for (rank, step), tier in seen.items():
             s.add(rank, step, tier)
         return s
 
-    return RestorePlanner(ram.cfg, rank=ram.rank, steps=ram.steps, snapshots=ram.snapshots, space=None, tiers=[],
-                          local=None, view=SimpleNamespace(survey=survey), coordinating=coordinators, started=0.0)
+    return RestorePlanner(
+        ram.cfg,
+        rank=ram.rank,
+        steps=ram.steps,
+        snapshots=ram.snapshots,
+        space=None,
+        tiers=[],
+        local=None,
+        view=SimpleNamespace(survey=survey),
+        coordinating=coordinators,
+        started=0.0,
+    )
 
 
 # Both ranks hold steps 1 and 2 complete: rank 0 here, rank 1 on its own node.
@@ -148,8 +166,9 @@ async def test_an_older_answer_the_nodes_own_survey_confirms_is_followed_and_the
 # -- the retention floor, from a hostile coordinator over the peer wire ---------------------
 
 
-async def hostile_service(nursery: trio.Nursery, root: Path, address: tuple[str, int], job: str,
-                          summary: dict) -> list[str]:
+async def hostile_service(
+    nursery: trio.Nursery, root: Path, address: tuple[str, int], job: str, summary: dict
+) -> list[str]:
     """A peer service holding the job's secret whose coordination answers carry ``summary``; returns who it answered."""
     answered = []
 
@@ -162,9 +181,19 @@ async def hostile_service(nursery: trio.Nursery, root: Path, address: tuple[str,
     root.mkdir(parents=True)
     store = ReplicaStore(root, SpaceAccount(None, root), None, job=job)
     store.load()
-    await nursery.start(functools.partial(
-        serve, address, job=job, secret=SECRET, store=store, tls=None, info=lambda: {"rank": 1},
-        timeouts=Timeouts(handshake=2.0, idle=10.0, request=5.0), messages=answer))
+    await nursery.start(
+        functools.partial(
+            serve,
+            address,
+            job=job,
+            secret=SECRET,
+            store=store,
+            tls=None,
+            info=lambda: {"rank": 1},
+            timeouts=Timeouts(handshake=2.0, idle=10.0, request=5.0),
+            messages=answer,
+        )
+    )
     return answered
 
 
@@ -178,8 +207,18 @@ async def daemon_told(base: Path, nursery: trio.Nursery, summary: dict) -> Daemo
     members = [f"{host}:{port}", f"{listen[0]}:{listen[1]}"]
     job = next(j for j in (f"job-{i}" for i in range(1000)) if candidates(j, members)[0] == members[0])
     answered = await hostile_service(nursery, base / "hostile", (host, port), job, summary)
-    cfg = Config.build(mountpoint=base / "mnt", ramdisk=base / "ram", job=job, rank=0, nodes=2, keep_local=1,
-                       listen=f"{listen[0]}:{listen[1]}", peers=f"{host}:{port}", secret=SECRET, peer_tls="off")
+    cfg = Config.build(
+        mountpoint=base / "mnt",
+        ramdisk=base / "ram",
+        job=job,
+        rank=0,
+        nodes=2,
+        keep_local=1,
+        listen=f"{listen[0]}:{listen[1]}",
+        peers=f"{host}:{port}",
+        secret=SECRET,
+        peer_tls="off",
+    )
     d = Daemon(cfg)
     d.rank.prepare_home()
     d.rank.prepare()
@@ -198,8 +237,11 @@ async def daemon_told(base: Path, nursery: trio.Nursery, summary: dict) -> Daemo
 
 
 async def test_a_hostile_floor_never_makes_retention_delete_the_newest_step_held_complete_here(shm_dir, nursery):
-    d = await daemon_told(shm_dir("tierfs-floor"), nursery, {"newest": 10**15, "floor": 10**15, "decisions": [],
-                                                            "complete": [10**15], "ranks": 2})
+    d = await daemon_told(
+        shm_dir("tierfs-floor"),
+        nursery,
+        {"newest": 10**15, "floor": 10**15, "decisions": [], "complete": [10**15], "ranks": 2},
+    )
     assert d.coordinating.summary()["floor"] == 10**15  # a well-formed floor, only not true
     assert d.retention_floor() == 2
     d.replicator.retain_local()
@@ -209,8 +251,9 @@ async def test_a_hostile_floor_never_makes_retention_delete_the_newest_step_held
 
 async def test_a_floor_that_is_no_step_is_refused_in_one_line_and_retention_goes_on(shm_dir, nursery, caplog):
     caplog.set_level(logging.INFO, "tierfs")
-    d = await daemon_told(shm_dir("tierfs-floor"), nursery, {"newest": 2, "floor": "2", "decisions": [],
-                                                            "complete": [2], "ranks": 2})
+    d = await daemon_told(
+        shm_dir("tierfs-floor"), nursery, {"newest": 2, "floor": "2", "decisions": [], "complete": [2], "ranks": 2}
+    )
     d.replicator.retain_local()  # no TypeError
     assert sorted(d.steps.states) == [1, 2, 3]
     summary = d.coordinating.summary()

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from tierfs_testing import TIERFS
+from tierfs_testing.csi import Plugin
 
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fixtures)
 from tierfs.csi import csi_pb2 as pb
-from tierfs_testing import TIERFS
-from tierfs_testing.csi import Plugin
 
 SECRET = {"secret": "a-peer-secret-of-the-job-0123456789"}
 WHERE = "ConfigMap tierfs-config"
@@ -86,11 +86,13 @@ def free_port_in(low: int, high: int) -> int:
 
 # -- capacity ----------------------------------------------------------------------------
 
+
 def test_capacity_over_max_capacity_is_refused(plugin_factory, tmp_path):
     plugin = with_config(plugin_factory, tmp_path, "max-capacity: 64M\n")
     details = refused(plugin, {"job": "big", "rank": "0", "capacity": "4T"})
-    assert details.startswith("volume attribute 'capacity' 4T is over the node's ceiling max-capacity=64M "
-                              f"({WHERE})"), details
+    assert details.startswith(
+        f"volume attribute 'capacity' 4T is over the node's ceiling max-capacity=64M ({WHERE})"
+    ), details
     refused(plugin, {"job": "big", "rank": "0", "capacity": "65M"})
     # The ceiling is the admin's: a pod naming it is refused, whatever it asks.
     details = refused(plugin, {"job": "big", "rank": "0", "capacity": "4T", "max-capacity": "8T"})
@@ -103,14 +105,16 @@ def test_capacities_on_a_node_add_up_to_at_most_its_share_of_ram(plugin_factory,
     plugin = with_config(plugin_factory, tmp_path, "max-capacity-share: 1%\n")
     share_mib = mem_total() // 100 >> 20
     details = refused(plugin, {"job": "a", "rank": "0", "capacity": f"{share_mib + 1}M"})
-    assert details.startswith(f"volume attribute 'capacity' {share_mib + 1}M is over the node's ceiling "
-                              "max-capacity-share=1% of its "), details
+    assert details.startswith(
+        f"volume attribute 'capacity' {share_mib + 1}M is over the node's ceiling max-capacity-share=1% of its "
+    ), details
     first = share_mib * 6 // 10
     mounted(plugin, {"job": "a", "rank": "0", "capacity": f"{first}M"})
     details = refused(plugin, {"job": "b", "rank": "0", "capacity": f"{first}M"}, namespace="team-b")
     assert "max-capacity-share=1%" in details and "the node's other jobs hold" in details, details
-    details = refused(plugin, {"job": "b", "rank": "0", "capacity": f"{first}M", "max-capacity-share": "100%"},
-                      namespace="team-b")
+    details = refused(
+        plugin, {"job": "b", "rank": "0", "capacity": f"{first}M", "max-capacity-share": "100%"}, namespace="team-b"
+    )
     assert "unknown volume attribute 'max-capacity-share'" in details, details
     mounted(plugin, {"job": "b", "rank": "0", "capacity": f"{share_mib - first}M"}, namespace="team-b")
 
@@ -126,23 +130,28 @@ def test_a_volume_without_capacity_gets_a_bounded_default(plugin_factory, tmp_pa
     # The admin's own default capacity over the admin's ceiling is a start-up error.
     config = tmp_path / "over.yaml"
     config.write_text("capacity: 4T\nmax-capacity: 64G\n")
-    proc = subprocess.run([*TIERFS, "csi", "--endpoint", f"unix://{tmp_path}/never.sock", "--node-id", "n",
-                           "--config", str(config)], capture_output=True, text=True)
+    proc = subprocess.run(
+        [*TIERFS, "csi", "--endpoint", f"unix://{tmp_path}/never.sock", "--node-id", "n", "--config", str(config)],
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert "capacity 4T is over the node's ceiling max-capacity=64G" in proc.stderr
 
 
 # -- jobs ---------------------------------------------------------------------------------
 
+
 def test_jobs_per_namespace_are_bounded(plugin_factory, tmp_path):
     plugin = with_config(plugin_factory, tmp_path, "max-jobs-per-namespace: 2\n")
     for job in ("j1", "j2"):
         mounted(plugin, {"job": job, "rank": "0", "capacity": "16M"}, namespace="team-a")
     details = refused(plugin, {"job": "j3", "rank": "0", "capacity": "16M"}, namespace="team-a")
-    assert details.startswith("job j3 would make 3 jobs of namespace team-a on node node-a, over the node's "
-                              f"ceiling max-jobs-per-namespace=2 ({WHERE})"), details
-    refused(plugin, {"job": "j3", "rank": "0", "capacity": "16M", "max-jobs-per-namespace": "100"},
-            namespace="team-a")
+    assert details.startswith(
+        "job j3 would make 3 jobs of namespace team-a on node node-a, over the node's "
+        f"ceiling max-jobs-per-namespace=2 ({WHERE})"
+    ), details
+    refused(plugin, {"job": "j3", "rank": "0", "capacity": "16M", "max-jobs-per-namespace": "100"}, namespace="team-a")
     mounted(plugin, {"job": "j1", "rank": "0", "capacity": "16M"}, namespace="team-a")  # a job it holds
     mounted(plugin, {"job": "j3", "rank": "0", "capacity": "16M"}, namespace="team-b")  # another namespace
 
@@ -152,11 +161,14 @@ def test_jobs_per_node_are_bounded_and_a_removed_job_frees_its_place(plugin_fact
     vol_target = {}
     for job, ns in (("j1", "team-a"), ("j2", "team-b")):
         target = plugin.target()
-        vol_target[job] = (plugin.publish(target, {"job": job, "rank": "0", "capacity": "16M"},
-                                          pod=plugin.new_pod(ns)), target)
+        vol_target[job] = (
+            plugin.publish(target, {"job": job, "rank": "0", "capacity": "16M"}, pod=plugin.new_pod(ns)),
+            target,
+        )
     details = refused(plugin, {"job": "j3", "rank": "0", "capacity": "16M"}, namespace="team-c")
-    assert details.startswith("job j3 would make 3 jobs on node node-a, over the node's ceiling "
-                              f"max-jobs-per-node=2 ({WHERE})"), details
+    assert details.startswith(
+        f"job j3 would make 3 jobs on node node-a, over the node's ceiling max-jobs-per-node=2 ({WHERE})"
+    ), details
     # Unpublished jobs still hold their RAM (kept for --gc-after): they count until removed.
     plugin.unpublish(*vol_target["j1"])
     refused(plugin, {"job": "j3", "rank": "0", "capacity": "16M"}, namespace="team-c")
@@ -167,13 +179,14 @@ def test_jobs_per_node_are_bounded_and_a_removed_job_frees_its_place(plugin_fact
 
 # -- what pods may choose ------------------------------------------------------------------
 
-@pytest.mark.parametrize("key, admins, other", [("data-path", "daemon", "passthrough"),
-                                                ("wake-cpus", "off", "on")])
+
+@pytest.mark.parametrize("key, admins, other", [("data-path", "daemon", "passthrough"), ("wake-cpus", "off", "on")])
 def test_data_path_and_wake_cpus_are_the_admins_unless_allowed(plugin_factory, tmp_path, key, admins, other):
     plugin = with_config(plugin_factory, tmp_path, f'{key}: "{admins}"\n')
     details = refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", key: other})
-    assert details.startswith(f"volume attribute '{key}' '{other}' is over the node's ceiling "
-                              f"allow-pod-{key}=false ({WHERE}"), details
+    assert details.startswith(
+        f"volume attribute '{key}' '{other}' is over the node's ceiling allow-pod-{key}=false ({WHERE}"
+    ), details
     refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", key: other, f"allow-pod-{key}": "true"})
     mounted(plugin, {"job": "j", "rank": "0", "capacity": "16M", key: admins})  # repeating the admin's: fine
 
@@ -191,6 +204,7 @@ def test_daemon_path_is_refused_when_the_admin_set_nothing(plugin):
 
 # -- listen --------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("listen", ["0.0.0.0:7420", "127.0.0.2:7420", "[::]:7420", "localhost:7420"])
 def test_listen_addresses_are_the_nodes(plugin, listen):
     details = refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", "listen": listen}, secrets=SECRET)
@@ -202,15 +216,19 @@ def test_listen_addresses_are_the_nodes(plugin, listen):
 def test_listen_ports_outside_the_range_are_refused(plugin, listen):
     details = refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", "listen": listen}, secrets=SECRET)
     port = listen.rpartition(":")[2]
-    assert details.startswith(f"volume attribute 'listen' port {port} is outside the node's ceiling "
-                              f"listen-ports=7420-7499 ({WHERE})"), details
+    assert details.startswith(
+        f"volume attribute 'listen' port {port} is outside the node's ceiling listen-ports=7420-7499 ({WHERE})"
+    ), details
 
 
 def test_the_admin_widens_listen_addresses_and_ports(plugin_factory, tmp_path):
     plugin = with_config(plugin_factory, tmp_path, 'listen-hosts: "127.0.0.2"\nlisten-ports: "20000-29999"\n')
     refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", "listen": ":7420"}, secrets=SECRET)
-    refused(plugin, {"job": "j", "rank": "0", "capacity": "16M", "listen": ":25000", "listen-ports": "1-65535"},
-            secrets=SECRET)
+    refused(
+        plugin,
+        {"job": "j", "rank": "0", "capacity": "16M", "listen": ":25000", "listen-ports": "1-65535"},
+        secrets=SECRET,
+    )
     port = free_port_in(20000, 29999)
     mounted(plugin, {"job": "j", "rank": "0", "capacity": "16M", "listen": f"127.0.0.2:{port}"}, secrets=SECRET)
     assert job_options(plugin, "j")["listen"] == f"127.0.0.2:{port}"
@@ -218,31 +236,39 @@ def test_the_admin_widens_listen_addresses_and_ports(plugin_factory, tmp_path):
 
 # -- the admin's configuration ---------------------------------------------------------------
 
-@pytest.mark.parametrize("text, what", [
-    ("max-capacity: lots\n", "invalid max-capacity 'lots'"),
-    ("max-capacity: 10K\n", "invalid max-capacity '10K': use at least 1M"),
-    ("max-capacity-share: 50\n", "invalid max-capacity-share '50'"),
-    ("max-capacity-share: 150%\n", "invalid max-capacity-share '150%'"),
-    ("max-capacity-share: 0%\n", "invalid max-capacity-share '0%'"),
-    ("max-jobs-per-node: 0\n", "invalid max-jobs-per-node '0'"),
-    ("max-jobs-per-namespace: -1\n", "invalid max-jobs-per-namespace '-1'"),
-    ("allow-pod-data-path: maybe\n", "invalid allow-pod-data-path 'maybe'"),
-    ("listen-ports: 9000-8000\n", "invalid listen-ports '9000-8000'"),
-    ("listen-ports: 80-90\n", "allow-privileged-ports"),
-    ("listen-hosts: 'a b'\n", "invalid listen-hosts 'a b'"),
-    ("max-capacity: [1G]\n", "single value"),
-    ("max-restore-wait: soon\n", "invalid max-restore-wait 'soon'"),
-    ("max-chunk-size: 4K\n", "invalid max-chunk-size '4K': use at least 64K"),
-    ("max-replicas: 0\n", "invalid max-replicas '0': use at least 1"),
-    ("min-log-level: loud\n", "invalid min-log-level 'loud'"),
-    ("allow-pod-engine: maybe\n", "invalid allow-pod-engine 'maybe'"),
-    ("restore-wait: 20m\n", "the default restore-wait '20m' is over the ceiling max-restore-wait=10m"),
-])
+
+@pytest.mark.parametrize(
+    "text, what",
+    [
+        ("max-capacity: lots\n", "invalid max-capacity 'lots'"),
+        ("max-capacity: 10K\n", "invalid max-capacity '10K': use at least 1M"),
+        ("max-capacity-share: 50\n", "invalid max-capacity-share '50'"),
+        ("max-capacity-share: 150%\n", "invalid max-capacity-share '150%'"),
+        ("max-capacity-share: 0%\n", "invalid max-capacity-share '0%'"),
+        ("max-jobs-per-node: 0\n", "invalid max-jobs-per-node '0'"),
+        ("max-jobs-per-namespace: -1\n", "invalid max-jobs-per-namespace '-1'"),
+        ("allow-pod-data-path: maybe\n", "invalid allow-pod-data-path 'maybe'"),
+        ("listen-ports: 9000-8000\n", "invalid listen-ports '9000-8000'"),
+        ("listen-ports: 80-90\n", "allow-privileged-ports"),
+        ("listen-hosts: 'a b'\n", "invalid listen-hosts 'a b'"),
+        ("max-capacity: [1G]\n", "single value"),
+        ("max-restore-wait: soon\n", "invalid max-restore-wait 'soon'"),
+        ("max-chunk-size: 4K\n", "invalid max-chunk-size '4K': use at least 64K"),
+        ("max-replicas: 0\n", "invalid max-replicas '0': use at least 1"),
+        ("min-log-level: loud\n", "invalid min-log-level 'loud'"),
+        ("allow-pod-engine: maybe\n", "invalid allow-pod-engine 'maybe'"),
+        ("restore-wait: 20m\n", "the default restore-wait '20m' is over the ceiling max-restore-wait=10m"),
+    ],
+)
 def test_bad_ceilings_refuse_the_plugins_start_with_one_line(tmp_path, text, what):
     config = tmp_path / "config.yaml"
     config.write_text(text)
-    proc = subprocess.run([*TIERFS, "csi", "--endpoint", f"unix://{tmp_path}/never.sock", "--node-id", "n",
-                           "--config", str(config)], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [*TIERFS, "csi", "--endpoint", f"unix://{tmp_path}/never.sock", "--node-id", "n", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert proc.stderr.startswith(f"tierfs: --config {config}: ") and what in proc.stderr, proc.stderr
 
@@ -255,10 +281,18 @@ def test_privileged_ports_only_when_the_admin_allows_them(plugin_factory, tmp_pa
 
 def test_a_request_under_every_ceiling_still_mounts(plugin_factory, tmp_path):
     port = free_port_in(7420, 7499)
-    plugin = with_config(plugin_factory, tmp_path, (
-        "max-capacity: 64M\nmax-capacity-share: 50%\nmax-jobs-per-node: 2\nmax-jobs-per-namespace: 1\n"
-        'data-path: auto\nwake-cpus: "on"\nlisten-ports: "7420-7499"\n'))
-    target = mounted(plugin, {"job": "fits", "rank": "0", "capacity": "64M", "data-path": "auto",
-                              "wake-cpus": "on", "listen": f":{port}"}, secrets=SECRET)
+    plugin = with_config(
+        plugin_factory,
+        tmp_path,
+        (
+            "max-capacity: 64M\nmax-capacity-share: 50%\nmax-jobs-per-node: 2\nmax-jobs-per-namespace: 1\n"
+            'data-path: auto\nwake-cpus: "on"\nlisten-ports: "7420-7499"\n'
+        ),
+    )
+    target = mounted(
+        plugin,
+        {"job": "fits", "rank": "0", "capacity": "64M", "data-path": "auto", "wake-cpus": "on", "listen": f":{port}"},
+        secrets=SECRET,
+    )
     assert size_of(target) == 64 << 20 and open(os.path.join(target, "ok")).read() == "written"
     assert job_options(plugin, "fits")["listen"] == f"127.0.0.1:{port}"

@@ -24,6 +24,7 @@ from google.auth.credentials import AnonymousCredentials
 from google.cloud import storage
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tierfs_testing.csi import Plugin, publish_request
 
 from tests.conftest import tierfs
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (fixtures)
@@ -32,7 +33,6 @@ from tierfs.core import linux, mounts
 from tierfs.csi import csi_pb2 as pb
 from tierfs.csi.settings import ATTRIBUTES, POD_INFO
 from tierfs.ramtier import tmpfs
-from tierfs_testing.csi import Plugin, publish_request
 
 JOB = {"job": "llama", "rank": "0", "capacity": "64M"}
 SECRET = "a-peer-secret-of-the-job-0123456789"
@@ -65,7 +65,8 @@ def backed_up(bucket: str, prefix: str) -> bool:
     """A committed manifest under ``prefix``, and no upload half done."""
     names = gcs_names(bucket, prefix)
     return any("/manifests/" in n and n.endswith(".json") for n in names) and not any(
-        n.endswith(".pending") for n in names)
+        n.endswith(".pending") for n in names
+    )
 
 
 def with_config(plugin_factory, tmp_path: Path, text: str, *args: str) -> Plugin:
@@ -76,11 +77,16 @@ def with_config(plugin_factory, tmp_path: Path, text: str, *args: str) -> Plugin
 
 # -- GCS: a job id is bound to its namespace across nodes ---------------------------------
 
-@pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")  # volumes without a Secret
+
+@pytest.mark.expect_log(
+    "WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated"
+)  # volumes without a Secret
 def test_backups_of_one_namespace_are_out_of_reach_of_another(plugin_factory, gcs_bucket, tmp_path):
     """Namespace B names job A on a node that never ran A: it neither reads nor collects A's backups."""
-    defaults = (f"gcs: gs://{gcs_bucket}/tierfs\nbackup-interval: '0'\nkeep: '1'\nrestore-wait: 1s\n"
-                'allow-unauthenticated-gcs: "true"\n')
+    defaults = (
+        f"gcs: gs://{gcs_bucket}/tierfs\nbackup-interval: '0'\nkeep: '1'\nrestore-wait: 1s\n"
+        'allow-unauthenticated-gcs: "true"\n'
+    )
     node_a = with_config(plugin_factory, tmp_path, defaults)
     target = node_a.target()
     node_a.publish(target, JOB, pod=node_a.new_pod("team-a"))
@@ -92,8 +98,11 @@ def test_backups_of_one_namespace_are_out_of_reach_of_another(plugin_factory, gc
 
     node_b = with_config(plugin_factory, tmp_path, defaults)  # a fresh node
     # Naming A's prefix outright is refused.
-    code, details = code_of(lambda: node_b.publish(node_b.target(), {**JOB, "gcs": f"gs://{gcs_bucket}/tierfs/team-a"},
-                                                   pod=node_b.new_pod("team-b")))
+    code, details = code_of(
+        lambda: node_b.publish(
+            node_b.target(), {**JOB, "gcs": f"gs://{gcs_bucket}/tierfs/team-a"}, pod=node_b.new_pod("team-b")
+        )
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "\n" not in details
     assert "gcs" in details and "ConfigMap" in details
     # With the cluster's bucket, B's job lives under B's namespace: nothing of A's shows.
@@ -108,20 +117,27 @@ def test_backups_of_one_namespace_are_out_of_reach_of_another(plugin_factory, gc
     assert [n for n in gcs_names(gcs_bucket) if not n.startswith("tierfs/team-b/")] == names
 
 
-@pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")  # volumes without a Secret
+@pytest.mark.expect_log(
+    "WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated"
+)  # volumes without a Secret
 def test_pods_do_not_choose_buckets_unless_the_admin_lets_them(plugin_factory, gcs_bucket, tmp_path):
     plugin = with_config(plugin_factory, tmp_path, "backup-interval: '0'\n")  # the cluster sets no bucket
     code, details = code_of(lambda: plugin.publish(plugin.target(), {**JOB, "gcs": f"gs://{gcs_bucket}/mine"}))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "\n" not in details and "gcs" in details
     assert not list(plugin.ramdisk.glob("*")), "nothing started for a refused volume"
 
-    same = with_config(plugin_factory, tmp_path, f"gcs: gs://{gcs_bucket}/tierfs\nallow-unauthenticated-gcs: \"true\"\n")
+    same = with_config(
+        plugin_factory, tmp_path, f"gcs: gs://{gcs_bucket}/tierfs\nallow-unauthenticated-gcs: \"true\"\n"
+    )
     same.publish(same.target(), {**JOB, "gcs": f"gs://{gcs_bucket}/tierfs/"})  # the cluster's own: fine
-    assert json.loads((same.state_dir / "jobs" / "llama.json").read_text())["options"]["gcs"] == \
-        f"gs://{gcs_bucket}/tierfs/default"
+    assert (
+        json.loads((same.state_dir / "jobs" / "llama.json").read_text())["options"]["gcs"]
+        == f"gs://{gcs_bucket}/tierfs/default"
+    )
 
-    allowed = with_config(plugin_factory, tmp_path, "backup-interval: '0'\nallow-unauthenticated-gcs: \"true\"\n",
-                          "--allow-pod-gcs")
+    allowed = with_config(
+        plugin_factory, tmp_path, "backup-interval: '0'\nallow-unauthenticated-gcs: \"true\"\n", "--allow-pod-gcs"
+    )
     target = allowed.target()
     allowed.publish(target, {**JOB, "gcs": f"gs://{gcs_bucket}/theirs"}, pod=allowed.new_pod("team-c"))
     with open(os.path.join(target, "w.pt"), "wb") as f:
@@ -146,8 +162,9 @@ def test_a_hostile_pod_name_never_reaches_the_api_server(plugin, pod_api):
     pod["csi.storage.k8s.io/pod.name"] = "../../../apis/x"
     code, details = code_of(lambda: plugin.publish(plugin.target(), {"job": "gpt", "nodes": "2"}, pod=pod))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "pod name" in details
-    assert all(re.fullmatch(r"/api/v1/namespaces/[a-z0-9-]+/pods/[a-z0-9.-]+", p) for p in pod_api.requests), \
+    assert all(re.fullmatch(r"/api/v1/namespaces/[a-z0-9-]+/pods/[a-z0-9.-]+", p) for p in pod_api.requests), (
         pod_api.requests
+    )
 
 
 def test_ram_data_no_namespace_owns_is_not_handed_out(plugin):
@@ -165,8 +182,10 @@ def test_oversized_input_from_the_cluster_gets_one_line(plugin, tmp_path):
     """The ConfigMap and the API server's answer are read with a cap, like everything else."""
     endpoint = f"unix://{tmp_path}/never.sock"
     config = tmp_path / "config.yaml"
-    for text, what in (("capacity: 64M\n" + "#" * (1 << 20), "larger than 1 MiB"),
-                       ("capacity: [64M, 1G]\n", "single value")):
+    for text, what in (
+        ("capacity: 64M\n" + "#" * (1 << 20), "larger than 1 MiB"),
+        ("capacity: [64M, 1G]\n", "single value"),
+    ):
         config.write_text(text)
         proc = tierfs("csi", "--endpoint", endpoint, "--node-id", "n", "--config", str(config), check=False)
         assert proc.returncode == 1 and proc.stderr.count("\n") == 1 and what in proc.stderr, proc.stderr
@@ -185,6 +204,7 @@ def test_a_hostile_peer_secret_gets_one_line(plugin, secret):
 
 
 # -- bind mounts into pods ----------------------------------------------------------------
+
 
 def test_bind_mounts_into_pods_are_nosuid_and_nodev(plugin):
     writer, reader = plugin.target(), plugin.target()
@@ -217,6 +237,7 @@ def test_bind_mount_adds_nosuid_nodev_and_keeps_the_source_noexec(small_tmpfs, s
 
 # -- the plugin's records -----------------------------------------------------------------
 
+
 def test_records_are_root_only_and_hold_nothing_to_check_a_guess_against(plugin):
     target = plugin.target()
     pod = plugin.new_pod()
@@ -236,8 +257,9 @@ def test_records_are_root_only_and_hold_nothing_to_check_a_guess_against(plugin)
     assert not any(d in text for d in digests)
     # The record still tells a repeat from a different call.
     plugin.publish(target, JOB, pod=pod, volume_id=vol, secrets={"secret": SECRET})
-    code, _ = code_of(lambda: plugin.publish(target, JOB, pod=pod, volume_id=vol,
-                                             secrets={"secret": SECRET + "-other"}))
+    code, _ = code_of(
+        lambda: plugin.publish(target, JOB, pod=pod, volume_id=vol, secrets={"secret": SECRET + "-other"})
+    )
     assert code == grpc.StatusCode.ALREADY_EXISTS
 
 
@@ -262,11 +284,39 @@ def test_records_of_an_older_plugin_are_made_private_at_start(plugin):
 
 # -- fuzzing the volume attributes --------------------------------------------------------
 
-HOSTILE = st.sampled_from([
-    "", " ", "0", "-1", "1e999", "9" * 5000, "../../etc", "/etc/passwd", "--ramdisk=/etc", "-o", "a\nb", "a\x00b",
-    "gs://other-bucket/x", "gs://", "127.0.0.1:1", "0:0", ":1", "x" * 70000, "true", "default", "💥", "\u202e",
-    "dir:**", "file:*.pt,marker:../../x", "slice=a,rack", "=", "%s%n", "${HOME}", "$(reboot)",
-])
+HOSTILE = st.sampled_from(
+    [
+        "",
+        " ",
+        "0",
+        "-1",
+        "1e999",
+        "9" * 5000,
+        "../../etc",
+        "/etc/passwd",
+        "--ramdisk=/etc",
+        "-o",
+        "a\nb",
+        "a\x00b",
+        "gs://other-bucket/x",
+        "gs://",
+        "127.0.0.1:1",
+        "0:0",
+        ":1",
+        "x" * 70000,
+        "true",
+        "default",
+        "💥",
+        "\u202e",
+        "dir:**",
+        "file:*.pt,marker:../../x",
+        "slice=a,rack",
+        "=",
+        "%s%n",
+        "${HOME}",
+        "$(reboot)",
+    ]
+)
 VALUES = st.one_of(HOSTILE, st.text(max_size=40))
 POD_KEYS = [POD_INFO + k for k in ("pod.name", "pod.namespace", "pod.uid", "ephemeral", "serviceAccount.name")]
 
@@ -287,7 +337,17 @@ def _still_serving(plugin: Plugin, target: str) -> None:
     plugin.call("Identity", "Probe", pb.ProbeRequest())
     assert open(os.path.join(target, "kept")).read() == "still here"
     assert {p.name for p in plugin.base.iterdir()} <= {"state", "ram", "pods", "csi.sock", "plugin.log"}
-    assert {p.name for p in plugin.state_dir.iterdir()} <= {"jobs", "volumes", "mnt", "logs", "keepers", "lock", "locks", "tokens", "node.key"}
+    assert {p.name for p in plugin.state_dir.iterdir()} <= {
+        "jobs",
+        "volumes",
+        "mnt",
+        "logs",
+        "keepers",
+        "lock",
+        "locks",
+        "tokens",
+        "node.key",
+    }
     for mount in mounts.mount_table():
         point = mount.mountpoint
         if point.startswith(str(plugin.base)):
@@ -303,8 +363,11 @@ def _publish_fuzzed(plugin: Plugin, context: dict[str, str]) -> None:
     try:
         plugin.call("Node", "NodePublishVolume", request)
     except grpc.RpcError as e:
-        assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), \
-            (e.code(), e.details(), context)
+        assert e.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION), (
+            e.code(),
+            e.details(),
+            context,
+        )
         assert "\n" not in e.details() and len(e.details()) <= 1024 and "Traceback" not in e.details()
         assert not os.path.exists(target), "a refused publish creates nothing"
     else:  # the fuzz found a valid volume: it must be a proper nosuid,nodev mount
@@ -316,24 +379,32 @@ FUZZ = settings(max_examples=60, deadline=None, suppress_health_check=list(Healt
 
 
 @FUZZ
-@given(extra=st.dictionaries(st.text(min_size=0, max_size=30).filter(lambda k: k not in ATTRIBUTES
-                                                                     and not k.startswith(POD_INFO)),
-                             VALUES, min_size=1, max_size=4))
+@given(
+    extra=st.dictionaries(
+        st.text(min_size=0, max_size=30).filter(lambda k: k not in ATTRIBUTES and not k.startswith(POD_INFO)),
+        VALUES,
+        min_size=1,
+        max_size=4,
+    )
+)
 def test_fuzzed_unknown_attributes_are_invalid_arguments(holder, extra):
     plugin, target = holder
     context = {**plugin.new_pod("team-a"), "job": "fuzz", "rank": "0", "capacity": "64M", **extra}
-    code, details = code_of(lambda: plugin.call("Node", "NodePublishVolume",
-                                                publish_request("csi-fuzz", plugin.target(), context)))
+    code, details = code_of(
+        lambda: plugin.call("Node", "NodePublishVolume", publish_request("csi-fuzz", plugin.target(), context))
+    )
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "unknown volume attribute" in details
     assert "\n" not in details and len(details) <= 1024
     _still_serving(plugin, target)
 
 
 @FUZZ
-@given(attrs=st.dictionaries(st.sampled_from([*ATTRIBUTES, *POD_KEYS, "ramdisk", "log-file", "secret-file"]),
-                             VALUES, min_size=1, max_size=4))
+@given(
+    attrs=st.dictionaries(
+        st.sampled_from([*ATTRIBUTES, *POD_KEYS, "ramdisk", "log-file", "secret-file"]), VALUES, min_size=1, max_size=4
+    )
+)
 def test_fuzzed_attribute_values_get_one_clear_line(holder, attrs):
     plugin, target = holder
     _publish_fuzzed(plugin, {**plugin.new_pod("team-a"), "job": "fuzz", "rank": "0", "capacity": "64M", **attrs})
     _still_serving(plugin, target)
-

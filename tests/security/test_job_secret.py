@@ -42,8 +42,11 @@ def expand(root: bytes, label: bytes) -> bytes:
 
 
 def raw_public(seed: bytes) -> bytes:
-    return ed25519.Ed25519PrivateKey.from_private_bytes(seed).public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    return (
+        ed25519.Ed25519PrivateKey.from_private_bytes(seed)
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    )
 
 
 def test_the_certificate_a_stranger_gets_costs_a_scrypt_per_guess(tmp_path):
@@ -52,16 +55,21 @@ def test_the_certificate_a_stranger_gets_costs_a_scrypt_per_guess(tmp_path):
         stranger.check_hostname, stranger.verify_mode = False, ssl.CERT_NONE
         with stranger.wrap_socket(socket.create_connection(server.address, timeout=5)) as sock:
             der = sock.getpeercert(binary_form=True)
-    public = x509.load_der_x509_certificate(der).public_key().public_bytes(
-        serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    public = (
+        x509.load_der_x509_certificate(der)
+        .public_key()
+        .public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    )
     fast = HKDF(hashes.SHA256(), 32, salt=b"tierfs peer TLS key v1", info=JOB.encode()).derive(SECRET)
     assert public != raw_public(fast), "the certificate is a fast HKDF of the secret: guesses are cheap"
     assert public == raw_public(expand(stretched(SECRET), b"tierfs peer TLS key v2"))
 
 
 def test_the_handshake_proof_a_stranger_gets_costs_a_scrypt_per_guess(tmp_path):
-    with ThreadedServer(tmp_path / "replicas", None) as server, \
-            socket.create_connection(server.address, timeout=5) as sock:
+    with (
+        ThreadedServer(tmp_path / "replicas", None) as server,
+        socket.create_connection(server.address, timeout=5) as sock,
+    ):
         nonce = wire.new_nonce()
         sock.sendall(wire.encode_header({"op": "hello", "version": wire.VERSION, "job": JOB, "nonce": nonce}))
         challenge = recv_frame(sock)

@@ -13,6 +13,7 @@ import os
 import subprocess
 
 import pytest
+from tierfs_testing import TIERFS
 
 from tests.csi.conftest import plugin, plugin_factory, pod_api  # noqa: F401 (the fixtures)
 from tierfs.config import Config
@@ -21,7 +22,6 @@ from tierfs.core.errors import UserError
 from tierfs.fs.engine import passthrough_obstacle
 from tierfs.peers import wire
 from tierfs.ramtier.tmpfs import SOURCE, own_tmpfs, unmount_beneath
-from tierfs_testing import TIERFS
 
 
 def mounts_under(path) -> list[mounts.MountEntry]:

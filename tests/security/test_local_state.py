@@ -67,7 +67,9 @@ def write_step(vol, parent: str, step: int) -> None:
         "open(os.path.join(tmp, 'weights'), 'wb').write(b'w' * 4096);"
         "open(os.path.join(tmp, 'commit_success.txt'), 'w').close();"
         "os.rename(tmp, os.path.join(base, sys.argv[3]))",
-        vol.mountpoint, parent, step,
+        vol.mountpoint,
+        parent,
+        step,
     )
 
 
@@ -75,13 +77,19 @@ def test_the_daemons_own_files_are_root_only(volumes, shm_dir, tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("a-job-secret-of-some-length")
     ramdisk = shm_dir("tierfs-ram") / "new" / "ramdisk"  # nothing of it exists yet
-    vol = volumes(job="run", ramdisk_dir=ramdisk, listen=f"127.0.0.29:{free_port('127.0.0.29')}",
-                  secret_file=secret)
+    vol = volumes(job="run", ramdisk_dir=ramdisk, listen=f"127.0.0.29:{free_port('127.0.0.29')}", secret_file=secret)
     handshake(vol.mountpoint, YAML.format(job="run", rank=0, nodes=1))
     write_step(vol, "ckpt", 1)
     rank = ramdisk / "run" / "rank-0"
-    private_dirs = [ramdisk.parent, ramdisk, ramdisk / "run", rank, rank / "steps", rank / "steps" / "1",
-                    rank / "replicas"]
+    private_dirs = [
+        ramdisk.parent,
+        ramdisk,
+        ramdisk / "run",
+        rank,
+        rank / "steps",
+        rank / "steps" / "1",
+        rank / "replicas",
+    ]
     private_files = [rank / "mtc.json", rank / "daemon.lock", rank / "steps" / "1" / "state.json"]
     reg = mounts.Registration(vol.mountpoint)
     private_files += [reg.info_path, reg.socket_path]
@@ -127,8 +135,10 @@ def _linked_lock(rank: Path, elsewhere: Path) -> str:
     return "daemon.lock"
 
 
-@pytest.mark.parametrize("plant", [_planted_steps_link, _foreign_mtc_state, _writable_step_state,
-                                   _foreign_job_dir, _foreign_ramdisk, _linked_lock])
+@pytest.mark.parametrize(
+    "plant",
+    [_planted_steps_link, _foreign_mtc_state, _writable_step_state, _foreign_job_dir, _foreign_ramdisk, _linked_lock],
+)
 @pytest.mark.expect_log('ERROR tierfs: ')
 def test_a_start_refuses_state_it_did_not_write(volumes, shm_dir, plant):
     """What a local user planted where the daemon keeps its state must not steer the next start."""
@@ -177,8 +187,12 @@ def test_retention_never_deletes_through_a_link_the_job_swapped_in(volumes, shm_
     (victim / "ckpt" / "1").mkdir(parents=True)
     (victim / "ckpt" / "1" / "weights").write_bytes(b"another job's checkpoint")
     write_step(vol, "ckpt", 1)
-    as_job("import os, sys; m = sys.argv[1]; os.rename(os.path.join(m, 'ckpt'), os.path.join(m, 'moved'));"
-           "os.symlink(sys.argv[2], os.path.join(m, 'ckpt'))", vol.mountpoint, victim / "ckpt")
+    as_job(
+        "import os, sys; m = sys.argv[1]; os.rename(os.path.join(m, 'ckpt'), os.path.join(m, 'moved'));"
+        "os.symlink(sys.argv[2], os.path.join(m, 'ckpt'))",
+        vol.mountpoint,
+        victim / "ckpt",
+    )
     write_step(vol, "moved", 2)  # commits step 2; retention drops step 1, whose root was ckpt/1
     assert sorted(s["step"] for s in vol.status()["steps"]) == [2]
     # The node answers replicator.yaml only after the deletions queued before it: a barrier.
@@ -248,7 +262,11 @@ def test_a_registration_someone_else_wrote_is_not_believed(volume):
 # -- a restart that presents a step: set aside and linked beneath the tree ----------------------
 
 
-@pytest.mark.expect_log('is not followed through it', 'is in the way of step', 'WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated')
+@pytest.mark.expect_log(
+    'is not followed through it',
+    'is in the way of step',
+    'WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated',
+)
 def test_a_start_never_moves_or_links_through_a_link_the_job_swapped_in(volumes, shm_dir, gcs_bucket):
     """Rank 0 committed steps 1 and 2, rank 1 only step 1, so a restart restores step 1 and
     takes step 2 out of the volume. The job (uid 1000) moved ``ckpt`` away and put a link to
@@ -265,8 +283,12 @@ def test_a_start_never_moves_or_links_through_a_link_the_job_swapped_in(volumes,
     victim = shm_dir("tierfs-victim")
     (victim / "2").mkdir()
     (victim / "2" / "weights").write_bytes(b"another job's checkpoint")
-    as_job("import os, sys; m = sys.argv[1]; os.rename(os.path.join(m, 'ckpt'), os.path.join(m, 'moved'));"
-           "os.symlink(sys.argv[2], os.path.join(m, 'ckpt'))", vol0.mountpoint, victim)
+    as_job(
+        "import os, sys; m = sys.argv[1]; os.rename(os.path.join(m, 'ckpt'), os.path.join(m, 'moved'));"
+        "os.symlink(sys.argv[2], os.path.join(m, 'ckpt'))",
+        vol0.mountpoint,
+        victim,
+    )
     tierfs("unmount", vol0.mountpoint)
 
     volumes(job="run", rank=0, nodes=2, gcs=gcs, mountpoint=vol0.mountpoint)
@@ -284,10 +306,30 @@ def test_a_start_never_moves_or_links_through_a_link_the_job_swapped_in(volumes,
 
 
 def _manifest_of_step_7() -> bytes:
-    return json.dumps({"format": 1, "job": "run", "rank": 0, "step": 7, "chunk_size": 4 << 20,
-                       "created": 1.0, "roots": ["ckpt"],
-                       "entries": [{"path": "ckpt", "kind": "dir", "mode": 0o755, "uid": USER, "gid": USER,
-                                    "size": 0, "mtime_ns": 0, "target": None, "chunks": []}]}).encode()
+    return json.dumps(
+        {
+            "format": 1,
+            "job": "run",
+            "rank": 0,
+            "step": 7,
+            "chunk_size": 4 << 20,
+            "created": 1.0,
+            "roots": ["ckpt"],
+            "entries": [
+                {
+                    "path": "ckpt",
+                    "kind": "dir",
+                    "mode": 0o755,
+                    "uid": USER,
+                    "gid": USER,
+                    "size": 0,
+                    "mtime_ns": 0,
+                    "target": None,
+                    "chunks": [],
+                }
+            ],
+        }
+    ).encode()
 
 
 def _linked_manifest(path: Path, elsewhere: Path) -> None:
@@ -306,7 +348,10 @@ def _oversized_manifest(path: Path, elsewhere: Path) -> None:
     os.chmod(path, 0o600)
 
 
-@pytest.mark.expect_log('ERROR tierfs: unsafe ramdisk: .*tierfs did not write it', 'WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated')
+@pytest.mark.expect_log(
+    'ERROR tierfs: unsafe ramdisk: .*tierfs did not write it',
+    'WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated',
+)
 @pytest.mark.parametrize("plant", [_linked_manifest, _foreign_manifest, _oversized_manifest])
 def test_an_abandoned_restore_trusts_only_the_manifest_the_daemon_wrote(volumes, shm_dir, gcs_bucket, plant):
     """An unfinished restore of a step no longer chosen is taken out of the volume by the roots
@@ -319,8 +364,9 @@ def test_an_abandoned_restore_trusts_only_the_manifest_the_daemon_wrote(volumes,
     rank = vol.ramdisk / "run" / "rank-0"
     step_dir = rank / "steps" / "7"
     os.mkdir(step_dir, 0o700)
-    (step_dir / "restore.json").write_text(json.dumps({"step": 7, "prepared": True, "linked": True,
-                                                        "peers": [], "in_gcs": True}))
+    (step_dir / "restore.json").write_text(
+        json.dumps({"step": 7, "prepared": True, "linked": True, "peers": [], "in_gcs": True})
+    )
     os.chmod(step_dir / "restore.json", 0o600)
     plant(step_dir / "manifest.json", shm_dir("tierfs-elsewhere"))
 
@@ -381,8 +427,18 @@ def test_every_file_and_directory_the_daemon_makes_for_itself_is_root_only(clust
     assert wrong == [], "\n".join(wrong)
 
 
-OBSTACLES = st.sampled_from(["none", "dir", "dir", "file", "link to a directory outside",
-                             "link to a file outside", "dangling link", "link inside the tree"])
+OBSTACLES = st.sampled_from(
+    [
+        "none",
+        "dir",
+        "dir",
+        "file",
+        "link to a directory outside",
+        "link to a file outside",
+        "dangling link",
+        "link inside the tree",
+    ]
+)
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=list(HealthCheck))
@@ -394,16 +450,16 @@ def test_whatever_the_job_left_in_the_way_a_restored_step_lands_in_its_tree(shm_
     sandbox = Sandbox(shm_dir("tierfs-sec"))
     parts = [f"d{i}" for i in range(depth)] + ["500"]
     root = "/".join(parts)
-    entries = [Entry("/".join(parts[:i + 1]), "dir", 0o755, USER, USER, 0, 10 + i) for i in range(len(parts))]
+    entries = [Entry("/".join(parts[: i + 1]), "dir", 0o755, USER, USER, 0, 10 + i) for i in range(len(parts))]
     entries.append(Entry(f"{root}/a.bin", "file", 0o644, USER, USER, 9, 20, chunks=[H("0"), H("1"), H("2")]))
     manifest = Manifest(job="llama", rank=3, step=500, chunk_size=4, roots=[root], created=1.0, entries=entries)
 
     tree, planted = sandbox.rank.tree, {}
-    for i, what in enumerate(obstacles[:len(parts)]):
-        path = tree / "/".join(parts[:i + 1])
+    for i, what in enumerate(obstacles[: len(parts)]):
+        path = tree / "/".join(parts[: i + 1])
         if what == "none":
             break
-        planted["/".join(parts[:i + 1])] = what
+        planted["/".join(parts[: i + 1])] = what
         if what == "dir":
             path.mkdir()
             (path / "mine").write_bytes(b"the job's")
@@ -411,9 +467,15 @@ def test_whatever_the_job_left_in_the_way_a_restored_step_lands_in_its_tree(shm_
         if what == "file":
             path.write_bytes(b"the job's")
         else:
-            os.symlink({"link to a directory outside": sandbox.sentinel, "link to a file outside":
-                        sandbox.sentinel / "keep", "dangling link": sandbox.base / "nowhere",
-                        "link inside the tree": tree}[what], path)
+            os.symlink(
+                {
+                    "link to a directory outside": sandbox.sentinel,
+                    "link to a file outside": sandbox.sentinel / "keep",
+                    "dangling link": sandbox.base / "nowhere",
+                    "link inside the tree": tree,
+                }[what],
+                path,
+            )
         break  # nothing can be planted beneath a file or a link without leaving the tree
 
     for rel in planted:  # a newer step the whole job cannot restore, under each planted name
@@ -449,12 +511,20 @@ def _plant_private(path: Path, data: bytes) -> None:
 PROGRESS = st.one_of(
     st.binary(max_size=200),
     JSON.map(lambda v: json.dumps(v).encode()),
-    st.fixed_dictionaries({"step": st.sampled_from([500, 7, "500", None]), "prepared": JSON | st.booleans(),
-                           "linked": JSON | st.booleans()}).map(lambda d: json.dumps(d).encode()),
+    st.fixed_dictionaries(
+        {
+            "step": st.sampled_from([500, 7, "500", None]),
+            "prepared": JSON | st.booleans(),
+            "linked": JSON | st.booleans(),
+        }
+    ).map(lambda d: json.dumps(d).encode()),
 )
-JOURNALS = st.one_of(st.binary(max_size=200),
-                     st.lists(st.sampled_from([H("0"), H("1"), H("2"), "zz", "", "\x00" * 3]), max_size=6)
-                     .map(lambda names: "\n".join(names).encode()))
+JOURNALS = st.one_of(
+    st.binary(max_size=200),
+    st.lists(st.sampled_from([H("0"), H("1"), H("2"), "zz", "", "\x00" * 3]), max_size=6).map(
+        lambda names: "\n".join(names).encode()
+    ),
+)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -38,16 +38,7 @@ from hypothesis import strategies as st
 
 from tests.helpers import wait_for, write_orbax_step
 from tests.peers.sealing import Channel, handshake
-from tests.peers.test_peer_service import (
-    JOB,
-    SECRET,
-    frame,
-    make_step,
-    push,
-    randbytes,
-    read_until_closed,
-    start_node,
-)
+from tests.peers.test_peer_service import JOB, SECRET, frame, make_step, push, randbytes, read_until_closed, start_node
 from tierfs.config import Config
 from tierfs.core.chunks import chunk_hash
 from tierfs.core.errors import UserError
@@ -191,7 +182,7 @@ def make_certificates(directory: Path) -> dict[str, Path]:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509.oid import NameOID
 
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     files: dict[str, Path] = {}
 
     def name(cn: str) -> x509.Name:
@@ -202,35 +193,58 @@ def make_certificates(directory: Path) -> dict[str, Path]:
         files[f"{tag}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         if key is not None:
             files[f"{tag}.key"] = directory / f"{tag}.key"
-            files[f"{tag}.key"].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                                              serialization.PrivateFormat.PKCS8,
-                                                              serialization.NoEncryption()))
+            files[f"{tag}.key"].write_bytes(
+                key.private_bytes(
+                    serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+                )
+            )
 
     def ca(tag: str):
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(tag)).issuer_name(name(tag))
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=9))
-                .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-                .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                             content_commitment=False, key_encipherment=False,
-                                             data_encipherment=False, key_agreement=False,
-                                             encipher_only=False, decipher_only=False), critical=True)
-                .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-                .sign(key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(tag))
+            .issuer_name(name(tag))
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=9))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .add_extension(
+                x509.KeyUsage(
+                    digital_signature=True,
+                    key_cert_sign=True,
+                    crl_sign=True,
+                    content_commitment=False,
+                    key_encipherment=False,
+                    data_encipherment=False,
+                    key_agreement=False,
+                    encipher_only=False,
+                    decipher_only=False,
+                ),
+                critical=True,
+            )
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256())
+        )
         write(tag, cert, key)
         return cert, key
 
     def leaf(tag: str, issuer) -> None:
         issuer_cert, issuer_key = issuer
         key = ec.generate_private_key(ec.SECP256R1())
-        cert = (x509.CertificateBuilder().subject_name(name(tag)).issuer_name(issuer_cert.subject)
-                .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=9))
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-                               critical=False)
-                .sign(issuer_key, hashes.SHA256()))
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name(tag))
+            .issuer_name(issuer_cert.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=9))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+            .sign(issuer_key, hashes.SHA256())
+        )
         write(tag, cert, key)
 
     cluster_ca, other_ca = ca("cluster-ca"), ca("other-ca")
@@ -328,9 +342,19 @@ async def test_connections_are_capped_and_strangers_cannot_hold_a_slot(nursery, 
     root.mkdir()
     store = ReplicaStore(root, SpaceAccount(None, root), job=JOB)
     store.load()
-    port = await nursery.start(functools.partial(
-        serve, ("127.0.0.2", 0), job=JOB, secret=SECRET, store=store, info=lambda: INFO, tls=None,
-        timeouts=Timeouts(handshake=30, idle=30, request=5), max_connections=3))
+    port = await nursery.start(
+        functools.partial(
+            serve,
+            ("127.0.0.2", 0),
+            job=JOB,
+            secret=SECRET,
+            store=store,
+            info=lambda: INFO,
+            tls=None,
+            timeouts=Timeouts(handshake=30, idle=30, request=5),
+            max_connections=3,
+        )
+    )
     address = ("127.0.0.2", port)
     idle = [await trio.open_tcp_stream(*address) for _ in range(3)]
     with pytest.raises(PeerUnavailable):  # every slot is taken: not served
@@ -352,9 +376,19 @@ async def test_silent_and_stalled_handshakes_are_dropped_at_the_deadline(nursery
         root.mkdir()
         store = ReplicaStore(root, SpaceAccount(None, root), job=JOB)
         store.load()
-        port = await nursery.start(functools.partial(
-            serve, ("127.0.0.2", 0), job=JOB, secret=SECRET, store=store, info=lambda: INFO, tls=mode,
-            timeouts=Timeouts(handshake=0.5, idle=30, request=5), max_connections=2))
+        port = await nursery.start(
+            functools.partial(
+                serve,
+                ("127.0.0.2", 0),
+                job=JOB,
+                secret=SECRET,
+                store=store,
+                info=lambda: INFO,
+                tls=mode,
+                timeouts=Timeouts(handshake=0.5, idle=30, request=5),
+                max_connections=2,
+            )
+        )
         address = ("127.0.0.2", port)
         silent = await trio.open_tcp_stream(*address)  # connects, says nothing
         stalled = await trio.open_tcp_stream(*address)  # starts a handshake, never finishes it
@@ -442,9 +476,18 @@ async def start_tls_node(nursery, host: str, root: Path, mode):
     root.mkdir(parents=True)
     store = ReplicaStore(root, SpaceAccount(None, root), job=JOB, grace=0.0, keep_from=lambda: 10**9)
     store.load()
-    port = await nursery.start(functools.partial(
-        serve, (host, 0), job=JOB, secret=SECRET, store=store, info=lambda: INFO, tls=mode,
-        timeouts=Timeouts(handshake=2, idle=5, request=5)))
+    port = await nursery.start(
+        functools.partial(
+            serve,
+            (host, 0),
+            job=JOB,
+            secret=SECRET,
+            store=store,
+            info=lambda: INFO,
+            tls=mode,
+            timeouts=Timeouts(handshake=2, idle=5, request=5),
+        )
+    )
     return (host, port), store
 
 
@@ -490,8 +533,7 @@ async def test_peer_traffic_is_encrypted_and_a_wiretap_sees_no_data(nursery, tmp
         relay = Relay(address)
         try:
             manifest, where = make_step(tmp_path, 2, 10, {"a": data})
-            async with await PeerClient.connect(relay.address, job=JOB, secret=SECRET, tls=mode,
-                                                timeout=5) as client:
+            async with await PeerClient.connect(relay.address, job=JOB, secret=SECRET, tls=mode, timeout=5) as client:
                 await push(client, manifest, where)  # sendfile in clear, TLS records encrypted
                 h = next(iter(where))
                 assert await client.get_chunk(h) == read_range_bytes(where[h])
@@ -512,8 +554,9 @@ async def test_without_the_secret_tls_cannot_even_complete(nursery, tmp_path, pe
     for wrong in (tls.from_secret(JOB, b"not-the-secret-at-all"), tls.from_secret("other-job", SECRET)):
         with pytest.raises(AuthFailed, match="certificate"):
             await PeerClient.connect(address, job=JOB, secret=SECRET, tls=wrong, timeout=3)
-    async with await PeerClient.connect(address, job=JOB, secret=SECRET, tls=tls.from_secret(JOB, SECRET),
-                                        timeout=3) as client:
+    async with await PeerClient.connect(
+        address, job=JOB, secret=SECRET, tls=tls.from_secret(JOB, SECRET), timeout=3
+    ) as client:
         assert await client.info() == INFO
     records = peer_log.since(0)
     assert_clean_log(records)
@@ -560,8 +603,14 @@ def test_daemons_encrypt_peer_traffic_by_default():
     """Two real daemons; node 0 reaches its peer only through a wiretap: it sees no checkpoint byte."""
     from tierfs_testing.cluster import LocalCluster
 
-    c = LocalCluster(Path("/dev/shm") / f"tierfs-sec-{uuid.uuid4().hex[:10]}", 2, "wiretap",
-                     replicas=1, capacity="256M", restore_wait="1s")
+    c = LocalCluster(
+        Path("/dev/shm") / f"tierfs-sec-{uuid.uuid4().hex[:10]}",
+        2,
+        "wiretap",
+        replicas=1,
+        capacity="256M",
+        restore_wait="1s",
+    )
     relay = None
     try:
         c.start(1)
@@ -569,8 +618,11 @@ def test_daemons_encrypt_peer_traffic_by_default():
         c.start(0, peers=f"{relay.address[0]}:{relay.address[1]}")
         data = os.urandom(2 * MiB)
         write_orbax_step(c.nodes[0].mountpoint, 3, {"shard": data})
-        wait_for(lambda: any(s["step"] == 3 and s["replicas"].get("peers") for s in c.status(0)["steps"]),
-                 60, "step 3 to be replicated")
+        wait_for(
+            lambda: any(s["step"] == 3 and s["replicas"].get("peers") for s in c.status(0)["steps"]),
+            60,
+            "step 3 to be replicated",
+        )
         assert c.status(1)["replicas_held"]["manifests"] == 1
         recorded = relay.recorded
         assert len(recorded) > len(data)
@@ -599,9 +651,18 @@ class ThreadedServer:
         async with trio.open_nursery() as nursery:
             self._scope = nursery.cancel_scope
             self._token = trio.lowlevel.current_trio_token()
-            self.port = await nursery.start(functools.partial(
-                serve, ("127.0.0.1", 0), job=JOB, secret=SECRET, store=store, info=lambda: INFO, tls=self.mode,
-                timeouts=Timeouts(handshake=2, idle=2, request=2)))
+            self.port = await nursery.start(
+                functools.partial(
+                    serve,
+                    ("127.0.0.1", 0),
+                    job=JOB,
+                    secret=SECRET,
+                    store=store,
+                    info=lambda: INFO,
+                    tls=self.mode,
+                    timeouts=Timeouts(handshake=2, idle=2, request=2),
+                )
+            )
             self._ready.set()
 
     def __enter__(self) -> ThreadedServer:
@@ -731,8 +792,9 @@ def assert_clear_refusals(frames: list[dict], *, authenticated: bool) -> None:
 
 def outside(base: Path, root: Path) -> dict[str, tuple[int, int]]:
     """Every file beside the store's tree, with its size and mtime."""
-    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in base.rglob("*")
-            if root not in p.parents and p != root}
+    return {
+        str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in base.rglob("*") if root not in p.parents and p != root
+    }
 
 
 @pytest.fixture(scope="module")
@@ -782,20 +844,44 @@ def fuzz_plain(server: ThreadedServer, base: Path, log: LogRecorder, payload: by
 
 HASH = chunk_hash(b"fuzz")
 OPS = ["hello", "auth", "info", "have", "put_chunk", "put_manifest", "list", "get_manifest", "get_chunk"]
-scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70)
-           | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=40))
-json_values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4)
-                           | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=40)
+)
+json_values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 hashes = st.sampled_from([HASH, "../../etc/passwd", "0" * 32, "A" * 32, "/" + "a" * 31, ""]) | st.text(max_size=40)
 counts = st.integers(-5, (70 << 20)) | st.sampled_from([2**63, 2**64 + 1, True]) | json_values
-requests = st.fixed_dictionaries({}, optional={
-    "op": st.sampled_from(OPS) | st.text(max_size=12), "hash": hashes, "len": counts, "offset": counts,
-    "length": counts, "rank": counts, "step": counts, "hashes": st.lists(hashes, max_size=6) | json_values,
-    "version": st.integers(-1, 3) | json_values, "job": st.sampled_from([JOB, "other"]) | st.text(max_size=10),
-    "nonce": st.sampled_from([wire.new_nonce()]) | st.text(max_size=40), "proof": st.text(max_size=70),
-}) | st.dictionaries(st.text(max_size=8), json_values, max_size=5) | json_values
-nested = st.integers(1, 3000).map(lambda d: json.dumps({"op": "have"})[:-1].encode()
-                                  + b',"hashes":' + b"[" * d + b"]" * d + b"}")
+requests = (
+    st.fixed_dictionaries(
+        {},
+        optional={
+            "op": st.sampled_from(OPS) | st.text(max_size=12),
+            "hash": hashes,
+            "len": counts,
+            "offset": counts,
+            "length": counts,
+            "rank": counts,
+            "step": counts,
+            "hashes": st.lists(hashes, max_size=6) | json_values,
+            "version": st.integers(-1, 3) | json_values,
+            "job": st.sampled_from([JOB, "other"]) | st.text(max_size=10),
+            "nonce": st.sampled_from([wire.new_nonce()]) | st.text(max_size=40),
+            "proof": st.text(max_size=70),
+        },
+    )
+    | st.dictionaries(st.text(max_size=8), json_values, max_size=5)
+    | json_values
+)
+nested = st.integers(1, 3000).map(
+    lambda d: json.dumps({"op": "have"})[:-1].encode() + b',"hashes":' + b"[" * d + b"]" * d + b"}"
+)
 
 
 def encode(value) -> bytes:
@@ -803,13 +889,17 @@ def encode(value) -> bytes:
     return struct.pack(">I", len(data)) + data
 
 
-frames = (st.builds(lambda h, body: encode(h) + body, requests, st.binary(max_size=300))
-          | nested.map(encode)
-          | st.builds(lambda n, rest: struct.pack(">I", n) + rest, st.integers(0, 2**32 - 1), st.binary(max_size=200))
-          | st.binary(max_size=300))
-FUZZ = settings(max_examples=120, deadline=None,
-                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
-                                       HealthCheck.data_too_large])
+frames = (
+    st.builds(lambda h, body: encode(h) + body, requests, st.binary(max_size=300))
+    | nested.map(encode)
+    | st.builds(lambda n, rest: struct.pack(">I", n) + rest, st.integers(0, 2**32 - 1), st.binary(max_size=200))
+    | st.binary(max_size=300)
+)
+FUZZ = settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 
 
 @FUZZ

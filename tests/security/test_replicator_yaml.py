@@ -28,9 +28,11 @@ MARK = "S3CR3T-VALUE-7f1c9e"  # every environment value below contains it: it mu
 ENV = {"TIERFS_SECRET": MARK, "HOME": f"/home/{MARK}", **{name: f"{MARK}-{name}" for name in EXPANDABLE}}
 GOOD = YAML.format(job="run", rank=0, nodes=1)
 DEEP = "job-name: " + "[" * 10_000 + "]" * 10_000  # within the size cap; 1000 levels overflow the stack
-BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(5)
-) + GOOD.replace("peer-ranks: []", "peer-ranks: *f")  # 10^6 elements once expanded; 3 more lines make 10^9
+BOMB = (
+    "a: &a [x, x, x, x, x, x, x, x, x, x]\n"
+    + "".join(f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(5))
+    + GOOD.replace("peer-ranks: []", "peer-ranks: *f")
+)  # 10^6 elements once expanded; 3 more lines make 10^9
 
 
 def check(text: str, env: dict[str, str] = ENV) -> SpecError | None:
@@ -70,8 +72,9 @@ def test_a_file_larger_than_the_cap_is_refused_unread():
 def test_only_the_jobs_shape_expands_from_the_environment():
     """The daemon's secret (or anything else of its environment) never becomes a value."""
     for key in ("job-name", "framework", "peer-ranks", "nodes"):
-        text = "\n".join(f"{k}: $TIERFS_SECRET" if k == key else line
-                         for line in GOOD.splitlines() for k in [line.partition(":")[0]])
+        text = "\n".join(
+            f"{k}: $TIERFS_SECRET" if k == key else line for line in GOOD.splitlines() for k in [line.partition(":")[0]]
+        )
         assert "does not expand" in str(check(text))
     assert "does not expand" in str(check(GOOD.replace("run", "${HOME}")))
     spec, _ = parse_spec(GOOD.replace("node-rank: 0", "node-rank: $NODE_RANK"), env={"NODE_RANK": "0"})
@@ -80,10 +83,12 @@ def test_only_the_jobs_shape_expands_from_the_environment():
 
 def test_an_error_never_repeats_a_value():
     env = {**ENV, "NODE_RANK": f"{MARK}-not-a-number"}
-    for text in (GOOD.replace("node-rank: 0", "node-rank: $NODE_RANK"),
-                 GOOD.replace("peer-ranks: []", "peer-ranks: ${JOBSET_NAME}"),
-                 GOOD.replace("peer-ranks: []", "peer-ranks: [$JOB_INDEX]"),
-                 GOOD.replace("framework: orbax", "framework: [$HOSTNAME]")):
+    for text in (
+        GOOD.replace("node-rank: 0", "node-rank: $NODE_RANK"),
+        GOOD.replace("peer-ranks: []", "peer-ranks: ${JOBSET_NAME}"),
+        GOOD.replace("peer-ranks: []", "peer-ranks: [$JOB_INDEX]"),
+        GOOD.replace("framework: orbax", "framework: [$HOSTNAME]"),
+    ):
         assert check(text, env) is not None
 
 
@@ -93,19 +98,48 @@ def test_a_job_name_is_one_file_name(name):
 
 
 def test_odd_scalars_are_spec_errors():
-    for value in ("1" * 5000, "2001-02-30", "!!binary '%%%'", "!!python/object:os.system x", "1:" * 20_000 + "1",
-                  ".inf", "!!set {1, 2}", "99999999999999999999"):
+    for value in (
+        "1" * 5000,
+        "2001-02-30",
+        "!!binary '%%%'",
+        "!!python/object:os.system x",
+        "1:" * 20_000 + "1",
+        ".inf",
+        "!!set {1, 2}",
+        "99999999999999999999",
+    ):
         assert check(GOOD.replace("nodes: 1", f"nodes: {value}")) is not None
 
 
 # -- fuzzing the parser ----------------------------------------------------------------------
 
-scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=True), st.text(max_size=20),
-                    st.sampled_from(["$TIERFS_SECRET", "${HOME}", "$NODE_RANK", "$", "$$", "${", "[$JOB_INDEX]"]))
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
-                      max_leaves=20)
-keys = st.sampled_from(["job-name", "framework", "assume-data-parallelism", "node-rank", "nodes", "peer-ranks",
-                        "backup-interval-minutes", "backup-interval-steps", "workers-per-node", "master-port"])
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.sampled_from(["$TIERFS_SECRET", "${HOME}", "$NODE_RANK", "$", "$$", "${", "[$JOB_INDEX]"]),
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=5),
+    max_leaves=20,
+)
+keys = st.sampled_from(
+    [
+        "job-name",
+        "framework",
+        "assume-data-parallelism",
+        "node-rank",
+        "nodes",
+        "peer-ranks",
+        "backup-interval-minutes",
+        "backup-interval-steps",
+        "workers-per-node",
+        "master-port",
+    ]
+)
 documents = st.dictionaries(keys | st.text(max_size=10), values, max_size=12)
 FUZZ = settings(max_examples=300, deadline=2000, suppress_health_check=[HealthCheck.too_slow])
 
@@ -123,8 +157,11 @@ def test_fuzz_any_yaml_structure_is_a_spec_or_a_one_line_spec_error(doc, flow):
 
 
 @FUZZ
-@given(st.lists(st.tuples(st.integers(0, len(GOOD)), st.text(alphabet=string.printable + "&*!{}[]$", max_size=6)),
-                max_size=6))
+@given(
+    st.lists(
+        st.tuples(st.integers(0, len(GOOD)), st.text(alphabet=string.printable + "&*!{}[]$", max_size=6)), max_size=6
+    )
+)
 def test_fuzz_a_damaged_orbax_spec_is_a_spec_or_a_one_line_spec_error(edits):
     text = GOOD
     for at, piece in edits:
@@ -183,10 +220,15 @@ def test_a_hostile_replicator_yaml_leaves_the_mount_serving(volumes, hostile_env
     mnt = vol.mountpoint
     outside = sorted(os.listdir(mnt.parent))
     escape = f"escape-{os.getpid()}"
-    for text in (DEEP, BOMB, "x" * (MAX_SPEC_BYTES + 1), "\0\x01\x02binary",
-                 GOOD.replace("job-name: run", "job-name: $TIERFS_SECRET"),
-                 GOOD.replace("peer-ranks: []", "peer-ranks: ${TIERFS_SECRET}"),
-                 GOOD.replace("job-name: run", f"job-name: ../../{escape}")):
+    for text in (
+        DEEP,
+        BOMB,
+        "x" * (MAX_SPEC_BYTES + 1),
+        "\0\x01\x02binary",
+        GOOD.replace("job-name: run", "job-name: $TIERFS_SECRET"),
+        GOOD.replace("peer-ranks: []", "peer-ranks: ${TIERFS_SECRET}"),
+        GOOD.replace("job-name: run", f"job-name: ../../{escape}"),
+    ):
         place(mnt, text)
         assert_clean_answer(vol, answered(mnt))
         still_serving(mnt)
@@ -227,8 +269,9 @@ def one_mount(volumes, hostile_env):
     return volumes(job="run")
 
 
-@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                HealthCheck.too_slow])
+@settings(
+    max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @pytest.mark.expect_log('ERROR tierfs.mtc.protocol: replicator.yaml: ')
 @given(st.one_of(st.text(max_size=300), documents.map(yaml.safe_dump)))
 def test_fuzz_through_the_mount(one_mount, text):

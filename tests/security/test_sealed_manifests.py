@@ -38,14 +38,25 @@ def secret_file(directory: Path, *lines: str) -> Path:
 def planted_manifest(job: str, step: int, data: bytes, chunk_size: int) -> Manifest:
     """What a planter writes: well formed, the right job, rank and name, its own bytes."""
     common = dict(mode=0o755, uid=0, gid=0, mtime_ns=0)
-    return Manifest(job=job, rank=0, step=step, chunk_size=chunk_size, roots=[f"ckpt/{step}"], created=0.0,
-                    entries=[Entry("ckpt", "dir", size=0, **common),
-                             Entry(f"ckpt/{step}", "dir", size=0, **common),
-                             Entry(f"ckpt/{step}/a", "file", size=len(data), chunks=[chunk_hash(data)], **common)])
+    return Manifest(
+        job=job,
+        rank=0,
+        step=step,
+        chunk_size=chunk_size,
+        roots=[f"ckpt/{step}"],
+        created=0.0,
+        entries=[
+            Entry("ckpt", "dir", size=0, **common),
+            Entry(f"ckpt/{step}", "dir", size=0, **common),
+            Entry(f"ckpt/{step}/a", "file", size=len(data), chunks=[chunk_hash(data)], **common),
+        ],
+    )
 
 
-@pytest.mark.expect_log(f"WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*{PLANTED}\\.json: it is not sealed",
-                        f"WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*{FORGED}\\.json: its MAC does not verify")
+@pytest.mark.expect_log(
+    f"WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*{PLANTED}\\.json: it is not sealed",
+    f"WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*{FORGED}\\.json: its MAC does not verify",
+)
 def test_a_planted_newer_manifest_is_neither_restored_nor_a_reason_to_delete(volumes, gcs_bucket, shm_dir):
     job = f"plant-{uuid.uuid4().hex[:6]}"
     url = f"gs://{gcs_bucket}/b"
@@ -64,7 +75,9 @@ def test_a_planted_newer_manifest_is_neither_restored_nor_a_reason_to_delete(vol
     chunk_size = Manifest.from_json(stored).chunk_size
     plant(gcs_bucket, manifest_name(job, 0, PLANTED), planted_manifest(job, PLANTED, evil, chunk_size).to_json())
     forged = planted_manifest(job, FORGED, evil, chunk_size).to_json()
-    plant(gcs_bucket, manifest_name(job, 0, FORGED), forged + b"\nhmac-sha256 " + secrets.token_hex(32).encode() + b"\n")
+    plant(
+        gcs_bucket, manifest_name(job, 0, FORGED), forged + b"\nhmac-sha256 " + secrets.token_hex(32).encode() + b"\n"
+    )
 
     # Rank 0's retention after step 3 keeps the 2 newest *real* steps, and their chunks.
     write_orbax_step(vol.mountpoint, 3, {"a": real[3]})
@@ -112,7 +125,9 @@ def test_the_store_reads_each_manifest_once_and_logs_each_unsealed_one_once(gcs_
     assert f"step-{PLANTED:012d}.json" in warned and "not sealed" in warned and "\n" not in warned
 
 
-@pytest.mark.expect_log("WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*1\\.json: .* is sealed, but by no secret")
+@pytest.mark.expect_log(
+    "WARNING tierfs.tiers.gcs_store: ignoring gs://.*/step-0*1\\.json: .* is sealed, but by no secret"
+)
 def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, gcs_bucket, shm_dir):
     from tierfs.core.keys import manifest_keys
     from tierfs.core.manifest import Unauthenticated, authenticate
@@ -128,8 +143,9 @@ def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, g
     wipe(vol)
 
     # Rotating: the new secret first, the old one on the next line.
-    again = volumes(job=job, capacity="256M", gcs=url, secret_file=secret_file(keys, new, old),
-                    mountpoint=vol.mountpoint)
+    again = volumes(
+        job=job, capacity="256M", gcs=url, secret_file=secret_file(keys, new, old), mountpoint=vol.mountpoint
+    )
     assert again.status()["restored"]["step"] == 1
     assert (again.mountpoint / "ckpt" / "1" / "a").read_bytes() == b"made under the old secret"
     write_orbax_step(again.mountpoint, 2, {"a": b"made under the new secret"})
@@ -145,7 +161,6 @@ def test_a_rotated_secret_still_restores_steps_made_under_the_old_one(volumes, g
     last = volumes(job=job, capacity="256M", gcs=url, secret_file=secret_file(keys, new), mountpoint=vol.mountpoint)
     assert last.status()["restored"]["step"] == 2
     assert (last.mountpoint / "ckpt" / "2" / "a").read_bytes() == b"made under the new secret"
-
 
 
 @pytest.mark.expect_log("WARNING tierfs: GCS objects in .* are neither encrypted nor authenticated")

@@ -76,8 +76,11 @@ def test_a_petabyte_sparse_file_is_refused_at_once_and_never_holds_back_the_next
     step_dir = write_step(mnt, 2, {"w": os.urandom(MiB)}, {"huge": (PETABYTE, {})})
     assert (step_dir / "huge").stat().st_size == 1 << 50
     bound = generous_bound(c.nodes[0].ramdisk / c.job / "rank-0" / "steps" / "2")
-    refused = wait_for(lambda: (s := next((s for s in c.status(0)["steps"] if s["step"] == 2), None))
-                       and s.get("refused") and s, bound, "step 2 to be refused")
+    refused = wait_for(
+        lambda: (s := next((s for s in c.status(0)["steps"] if s["step"] == 2), None)) and s.get("refused") and s,
+        bound,
+        "step 2 to be refused",
+    )
     reason = refused["refused"]
     assert "'ckpt/2/huge'" in reason and f"{1 << 50} bytes" in reason and "\n" not in reason
     assert not refused["backed_up"] and not replicated(c, 0, 2)
@@ -85,8 +88,11 @@ def test_a_petabyte_sparse_file_is_refused_at_once_and_never_holds_back_the_next
     (line,) = [line for line in text.splitlines() if "no tier can take it" in line]
     print(line)
     assert line.startswith("  step  2  ckpt/2") and "'ckpt/2/huge'" in line
-    wait_for(lambda: {(s := c.status(0))["gcs"]["state"], s["peers"]["state"]} <= {"ok", "idle"}, bound,
-             "the lanes to be idle again: the step is refused, not the lanes")
+    wait_for(
+        lambda: {(s := c.status(0))["gcs"]["state"], s["peers"]["state"]} <= {"ok", "idle"},
+        bound,
+        "the lanes to be idle again: the step is refused, not the lanes",
+    )
 
     # The next step goes everywhere as usual, within the same bound: nothing waits for step 2.
     write_step(mnt, 3, {"w": os.urandom(MiB)}, {})
@@ -94,7 +100,9 @@ def test_a_petabyte_sparse_file_is_refused_at_once_and_never_holds_back_the_next
     assert c.status(0)["gcs"]["lag_s"] < bound, "a refused step is no backlog"
     assert daemon_log(mnt).count("step 2 cannot be replicated or backed up") == 1
     assert [n.rsplit("/", 1)[1] for n in objects(gcs_bucket, "sparse/job/manifests/")] == [
-        "step-000000000001.json", "step-000000000003.json"]
+        "step-000000000001.json",
+        "step-000000000003.json",
+    ]
 
 
 @pytest.fixture
@@ -150,7 +158,8 @@ def serving(request, monkeypatch) -> str:
 
 
 def test_a_sparse_file_within_the_limits_is_backed_up_and_restored_at_the_cost_of_its_data(
-        volumes, gcs_url, shm_dir, serving):
+    volumes, gcs_url, shm_dir, serving
+):
     vol = volumes(job="sparse", capacity="1G", gcs=gcs_url)
     pid = vol.pid
     before = bytes_moved(pid)

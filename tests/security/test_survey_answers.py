@@ -53,9 +53,18 @@ async def peer_service(nursery: trio.Nursery, root: Path, host: str, info: dict,
     root.mkdir()
     store = ListedStore(root, listed)
     store.load()
-    port = await nursery.start(functools.partial(
-        serve, (host, 0), job=JOB, secret=SECRET, store=store, info=lambda: info, tls=tls.from_secret(JOB, SECRET),
-        timeouts=Timeouts(handshake=2, idle=5, request=5)))
+    port = await nursery.start(
+        functools.partial(
+            serve,
+            (host, 0),
+            job=JOB,
+            secret=SECRET,
+            store=store,
+            info=lambda: info,
+            tls=tls.from_secret(JOB, SECRET),
+            timeouts=Timeouts(handshake=2, idle=5, request=5),
+        )
+    )
     return host, port
 
 
@@ -63,9 +72,15 @@ async def view_with(nursery: trio.Nursery, base: Path, info: dict, listed: list)
     """Rank 0's cluster view of the honest rank 1 and a hostile peer answering ``info`` and ``listed``."""
     honest = await peer_service(nursery, base / "honest", "127.0.0.41", HONEST, [])
     hostile = await peer_service(nursery, base / "hostile", "127.0.0.42", info, listed)
-    cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, nodes=2, secret=SECRET.decode(),
-                       listen=f"127.0.0.40:{free_port('127.0.0.40')}",
-                       peers=",".join(f"{h}:{p}" for h, p in (honest, hostile)))
+    cfg = Config.build(
+        mountpoint="/nonexistent",
+        job=JOB,
+        rank=0,
+        nodes=2,
+        secret=SECRET.decode(),
+        listen=f"127.0.0.40:{free_port('127.0.0.40')}",
+        peers=",".join(f"{h}:{p}" for h, p in (honest, hostile)),
+    )
     (base / "own").mkdir()
     store = ReplicaStore(base / "own", None, job=JOB)
     store.load()
@@ -89,17 +104,26 @@ HOSTILE = [  # (what, its info answer, its list answer, the field the one line n
     ("manifests that are no pairs", HONEST, ["123", [1, 2]], "each manifest must be a [rank, step] pair"),
     ("a rank of the wrong type", {**HONEST, "rank": "1", "steps": ["2"]}, [], "rank must be a rank"),
     ("a rank past any job", {**HONEST, "rank": 2**40, "steps": [2]}, [], "rank must be a rank"),
-    ("a huge topology label", {**HONEST, "steps": [1, 2], "topology": [["zone", "x" * 100_000]]}, [],
-     "topology label must be a [key, value] pair"),
+    (
+        "a huge topology label",
+        {**HONEST, "steps": [1, 2], "topology": [["zone", "x" * 100_000]]},
+        [],
+        "topology label must be a [key, value] pair",
+    ),
     ("free bytes of the wrong type", {**HONEST, "steps": [1, 2], "free": "lots"}, [], "free must be"),
-    ("a huge node name", {**HONEST, "steps": [1, 2], "node": "n" * 100_000, "instance": "i", "started": 1.0}, [],
-     "node must be a printable name"),
+    (
+        "a huge node name",
+        {**HONEST, "steps": [1, 2], "node": "n" * 100_000, "instance": "i", "started": 1.0},
+        [],
+        "node must be a printable name",
+    ),
 ]
 
 
 @pytest.mark.parametrize("what,info,listed,field", HOSTILE, ids=[h[0] for h in HOSTILE])
 async def test_a_hostile_answer_makes_the_peer_count_as_unanswered_and_moves_nothing(
-        nursery, shm_dir, caplog, what, info, listed, field):
+    nursery, shm_dir, caplog, what, info, listed, field
+):
     caplog.set_level(logging.INFO, "tierfs")
     view, peer = await view_with(nursery, shm_dir("tierfs-survey"), info, listed)
     survey = await view.survey(wait=1.2)  # asked three times: still one line
@@ -126,8 +150,9 @@ async def test_a_peer_beyond_the_job_answers_but_its_own_steps_and_decision_do_n
     # A spare node that only keeps replicas (or one left from before the job shrank): it may
     # hold this job's replicas, but its own steps and restore step are no rank's of the job.
     caplog.set_level(logging.INFO, "tierfs")
-    view, peer = await view_with(nursery, shm_dir("tierfs-survey"),
-                                 {**HONEST, "rank": 2, "steps": [2], "restore_step": 2}, [[1, 1]])
+    view, peer = await view_with(
+        nursery, shm_dir("tierfs-survey"), {**HONEST, "rank": 2, "steps": [2], "restore_step": 2}, [[1, 1]]
+    )
     survey = await view.survey()
     assert survey.missing == [] and survey.errors == {}
     assert 2 not in survey.holders and f"peer {peer}" not in survey.decisions
@@ -138,8 +163,9 @@ async def test_a_peer_beyond_the_job_answers_but_its_own_steps_and_decision_do_n
 
 async def test_placement_never_sees_a_peer_whose_info_is_malformed(nursery, shm_dir, caplog):
     caplog.set_level(logging.INFO, "tierfs")
-    view, peer = await view_with(nursery, shm_dir("tierfs-survey"), {**HONEST, "rank": 5, "topology": [["zone", 1]]},
-                                 [])
+    view, peer = await view_with(
+        nursery, shm_dir("tierfs-survey"), {**HONEST, "rank": 5, "topology": [["zone", 1]]}, []
+    )
     network = view.tiers[0].network
     known = await network.discover()
     assert [p.rank for p in known] == [1] and [p.name for p in known] != [peer]

@@ -103,14 +103,18 @@ def test_frames_the_writer_never_makes_are_refused():
 
 
 @FUZZ
-@given(st.one_of(
-    st.binary(max_size=300),
-    st.tuples(st.sampled_from([b"R", b"Z", b"P"]), st.binary(max_size=300)).map(b"".join),
-    st.tuples(st.sampled_from([b"Z", b"P"]), st.integers(0, 1 << 62), st.binary(max_size=50))
-      .map(lambda t: t[0] + zstd_header_claiming(t[1], t[2])),
-    st.tuples(st.binary(min_size=1, max_size=2000), st.integers(0, 40), st.binary(max_size=4))
-      .map(lambda t: _damaged(encode(t[0] * 50), t[1], t[2])),
-))
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.tuples(st.sampled_from([b"R", b"Z", b"P"]), st.binary(max_size=300)).map(b"".join),
+        st.tuples(st.sampled_from([b"Z", b"P"]), st.integers(0, 1 << 62), st.binary(max_size=50)).map(
+            lambda t: t[0] + zstd_header_claiming(t[1], t[2])
+        ),
+        st.tuples(st.binary(min_size=1, max_size=2000), st.integers(0, 40), st.binary(max_size=4)).map(
+            lambda t: _damaged(encode(t[0] * 50), t[1], t[2])
+        ),
+    )
+)
 def test_decoding_arbitrary_bytes_gives_data_or_corrupt_chunk(frame):
     try:
         data = decode(frame, max_size=64 << 10)
@@ -122,7 +126,7 @@ def test_decoding_arbitrary_bytes_gives_data_or_corrupt_chunk(frame):
 
 def _damaged(frame: bytes, at: int, junk: bytes) -> bytes:
     at = min(at, len(frame))
-    return frame[:at] + junk + frame[at + len(junk):]
+    return frame[:at] + junk + frame[at + len(junk) :]
 
 
 # -- manifests -----------------------------------------------------------------------------
@@ -134,7 +138,12 @@ def H(label: str) -> str:
 
 def sample() -> Manifest:
     return Manifest(
-        job="llama", rank=3, step=500, chunk_size=4, roots=["ckpt/500"], created=1700000000.25,
+        job="llama",
+        rank=3,
+        step=500,
+        chunk_size=4,
+        roots=["ckpt/500"],
+        created=1700000000.25,
         entries=[
             Entry("ckpt", "dir", 0o755, 1000, 1000, 0, 10),
             Entry("ckpt/500", "dir", 0o1777, 1000, 1000, 0, 11),
@@ -156,22 +165,25 @@ def nested(depth: int) -> bytes:
     return b'{"format":1,"job":' + b"[" * depth + b"]" * depth + b"}"
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (set_entry(3, target="/etc/shadow"), "target '/etc/shadow' is absolute"),
-    (set_entry(3, target="../../../etc/shadow"), "has a '..' component"),
-    (set_entry(3, target="a/../../x"), "has a '..' component"),
-    (set_entry(3, target="a\0b"), "NUL"),
-    (set_entry(3, target=""), "target '' is empty"),
-    (set_entry(3, target="x" * 4097), "longer than 4096 bytes"),
-    (set_entry(2, path="ckpt/500/" + "x" * 256), "longer than 255 bytes"),
-    (set_entry(2, path="ckpt/500/\ud800"), "not a file name"),
-    (set_entry(2, uid=1 << 32), "uid"),
-    (set_entry(2, gid=-1), "gid"),
-    (set_entry(2, mtime_ns=1 << 64), "mtime"),
-    (lambda d: d.update(chunk_size=128 << 20), "chunk size"),
-    (lambda d: d.update(rank=1 << 40), "rank"),
-    (lambda d: d.update(job="x" * 300), "job"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (set_entry(3, target="/etc/shadow"), "target '/etc/shadow' is absolute"),
+        (set_entry(3, target="../../../etc/shadow"), "has a '..' component"),
+        (set_entry(3, target="a/../../x"), "has a '..' component"),
+        (set_entry(3, target="a\0b"), "NUL"),
+        (set_entry(3, target=""), "target '' is empty"),
+        (set_entry(3, target="x" * 4097), "longer than 4096 bytes"),
+        (set_entry(2, path="ckpt/500/" + "x" * 256), "longer than 255 bytes"),
+        (set_entry(2, path="ckpt/500/\ud800"), "not a file name"),
+        (set_entry(2, uid=1 << 32), "uid"),
+        (set_entry(2, gid=-1), "gid"),
+        (set_entry(2, mtime_ns=1 << 64), "mtime"),
+        (lambda d: d.update(chunk_size=128 << 20), "chunk size"),
+        (lambda d: d.update(rank=1 << 40), "rank"),
+        (lambda d: d.update(job="x" * 300), "job"),
+    ],
+)
 def test_manifest_fields_that_could_escape_or_overflow_are_refused(mutate, message):
     d = sample_dict()
     mutate(d)
@@ -199,8 +211,11 @@ def test_manifest_sizes_are_capped(monkeypatch):
 def test_identity_is_checked_against_what_was_asked_for():
     m = sample()
     m.check_identity("llama", 3, 500)
-    for job, rank, step, what in [("other", 3, 500, "job 'llama'"), ("llama", 2, 500, "rank 3"),
-                                  ("llama", 3, 9, "step 500")]:
+    for job, rank, step, what in [
+        ("other", 3, 500, "job 'llama'"),
+        ("llama", 2, 500, "rank 3"),
+        ("llama", 3, 9, "step 500"),
+    ]:
         with pytest.raises(ManifestError, match=what) as err:
             m.check_identity(job, rank, step)
         one_line(err.value)
@@ -267,8 +282,7 @@ class Sandbox:
         self.job_dir = base / "ram" / job
         self.rank = RankDir(self.job_dir / f"rank-{rank}")
         self.rank.prepare()
-        self.cfg = Config.build(mountpoint=base / "mnt", ramdisk=base / "ram", job=job, rank=rank,
-                                nodes=rank + 1)
+        self.cfg = Config.build(mountpoint=base / "mnt", ramdisk=base / "ram", job=job, rank=rank, nodes=rank + 1)
 
     def restore(self, manifest: Manifest) -> Restore:
         space = SpaceAccount(None, self.rank.tree)
@@ -283,8 +297,11 @@ class Sandbox:
         return restore
 
     def outside_untouched(self) -> bool:
-        return sorted(os.listdir(self.base)) == ["outside", "ram"] and os.listdir(self.sentinel) == ["keep"] \
+        return (
+            sorted(os.listdir(self.base)) == ["outside", "ram"]
+            and os.listdir(self.sentinel) == ["keep"]
             and os.listdir(self.base / "ram") == [self.job_dir.name]
+        )
 
 
 def check_restored_tree(sandbox: Sandbox) -> None:
@@ -322,9 +339,11 @@ SAFE = ["a", "b", "500", "latest"]
 HOSTILE = ["..", ".", "", "/abs", "n\0ul", "\udcff", "\ud800", "z" * 300, "x/y"]
 NAMES = st.sampled_from(SAFE * 6 + HOSTILE)
 TARGETS = st.one_of(NAMES, st.sampled_from(["/etc/shadow", "../../..", "a/../b", "./a", "a/b/c", "../x"]))
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
-                    max_leaves=10)
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=10,
+)
 
 
 @st.composite
@@ -357,9 +376,16 @@ def hostile_manifests(draw) -> bytes:
         path = "/".join(parts)
         if path not in entries:
             add(path, draw(st.sampled_from(["dir", "file", "file", "symlink", "fifo"])))
-    obj = {"format": 1, "job": "llama", "rank": 3, "step": 500, "chunk_size": 4, "created": 1.0,
-           "roots": draw(st.lists(st.sampled_from(sorted(entries)), min_size=1, max_size=2)),
-           "entries": sorted(entries.values(), key=lambda e: e["path"])}
+    obj = {
+        "format": 1,
+        "job": "llama",
+        "rank": 3,
+        "step": 500,
+        "chunk_size": 4,
+        "created": 1.0,
+        "roots": draw(st.lists(st.sampled_from(sorted(entries)), min_size=1, max_size=2)),
+        "entries": sorted(entries.values(), key=lambda e: e["path"]),
+    }
     if draw(st.integers(0, 3)) == 0:
         key = draw(st.sampled_from(sorted(obj)))
         obj[key] = draw(JSON)
@@ -371,8 +397,14 @@ def hostile_manifests(draw) -> bytes:
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=500), JSON.map(lambda v: json.dumps(v).encode()), hostile_manifests(),
-                 st.integers(1000, 100_000).map(nested)))
+@given(
+    st.one_of(
+        st.binary(max_size=500),
+        JSON.map(lambda v: json.dumps(v).encode()),
+        hostile_manifests(),
+        st.integers(1000, 100_000).map(nested),
+    )
+)
 def test_parsing_arbitrary_bytes_gives_a_manifest_or_one_clear_error(data):
     try:
         Manifest.from_json(data)
@@ -394,8 +426,14 @@ def test_whatever_a_manifest_says_a_restore_stays_in_the_jobs_tree(shm_dir, data
 
 
 @FUZZ
-@given(st.one_of(st.binary(max_size=300), JSON.map(lambda v: json.dumps(v).encode()), hostile_manifests(),
-                 st.integers(1000, 100_000).map(lambda n: b"[" * n)))
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        JSON.map(lambda v: json.dumps(v).encode()),
+        hostile_manifests(),
+        st.integers(1000, 100_000).map(lambda n: b"[" * n),
+    )
+)
 def test_the_collector_reads_any_object_as_chunk_names_or_corrupt_object(data):
     for parse in (lambda d, u: parse_manifest_chunks(d, u)[1], parse_pending):
         try:
@@ -470,8 +508,13 @@ def test_a_corrupt_chunk_object_is_replaced_not_trusted(store, gcs_bucket):
 def test_manifest_names_that_are_not_canonical_are_ignored_and_logged_once(store, gcs_bucket, caplog):
     for step in (1, 2, 3):
         store.put_manifest(0, step, b'{"entries": []}')
-    planted = ["step-99999.json", "step-7.json", "step-0000000000010.json", "step-+00000000005.json",
-               "step-00000000000\u0664.json"]
+    planted = [
+        "step-99999.json",
+        "step-7.json",
+        "step-0000000000010.json",
+        "step-+00000000005.json",
+        "step-00000000000\u0664.json",
+    ]
     for name in planted:
         plant(gcs_bucket, f"p/job1/manifests/rank-0/{name}", b'{"entries": []}')
     plant(gcs_bucket, "p/job1/manifests/rank-00/step-000000000004.json", b'{"entries": []}')
@@ -504,7 +547,11 @@ def read_object(bucket: str, name: str) -> bytes:
     return client().bucket(bucket).blob(name).download_as_bytes()
 
 
-@pytest.mark.expect_log('restore of step \\d+: chunk \\w+ is on no reachable tier', 'chunk \\w+ from gcs failed', 'read of restoring step \\d+ failed: chunk')
+@pytest.mark.expect_log(
+    'restore of step \\d+: chunk \\w+ is on no reachable tier',
+    'chunk \\w+ from gcs failed',
+    'read of restoring step \\d+ failed: chunk',
+)
 def test_hostile_chunk_frames_fail_their_reads_and_the_daemon_keeps_serving(volumes, gcs_url, gcs_bucket):
     job = f"bomb-{uuid.uuid4().hex[:6]}"
     vol = volumes(job=job, capacity="256M", gcs=gcs_url, chunk_size="1M")
@@ -536,14 +583,15 @@ def test_hostile_chunk_frames_fail_their_reads_and_the_daemon_keeps_serving(volu
 def test_backups_replace_corrupt_chunk_objects_instead_of_trusting_them(volumes, gcs_url, gcs_bucket):
     job = f"heal-{uuid.uuid4().hex[:6]}"
     files = {"a": os.urandom(2 * MiB), "b": os.urandom(MiB)}
-    names = {chunk_hash(d[i:i + MiB]): d[i:i + MiB] for d in files.values() for i in range(0, len(d), MiB)}
+    names = {chunk_hash(d[i : i + MiB]): d[i : i + MiB] for d in files.values() for i in range(0, len(d), MiB)}
     bad = [b"R" + os.urandom(MiB), b"Z" + zstd_header_claiming(1 << 40), b"R" + os.urandom(5 * MiB)]
     for h, frame in zip(names, bad):  # planted under the chunks' names before the first backup
         plant(gcs_bucket, f"b/{job}/chunks/{h[:2]}/{h}", frame)
 
     def sound() -> bool:
-        return all(decode(read_object(gcs_bucket, f"b/{job}/chunks/{h[:2]}/{h}"), h) == data
-                   for h, data in names.items())
+        return all(
+            decode(read_object(gcs_bucket, f"b/{job}/chunks/{h[:2]}/{h}"), h) == data for h, data in names.items()
+        )
 
     vol = volumes(job=job, capacity="256M", gcs=gcs_url, chunk_size="1M")
     write_orbax_step(vol.mountpoint, 1, files)
@@ -576,8 +624,9 @@ def test_a_manifest_planted_under_another_steps_name_is_refused(volumes, gcs_url
     assert not vol.is_mounted()
 
     # Its own name, but a link out of the volume: refused in one line, nothing created.
-    nine["entries"].append({**nine["entries"][-1], "path": "ckpt/9/z", "kind": "symlink", "size": 0,
-                            "chunks": [], "target": "/etc/shadow"})
+    nine["entries"].append(
+        {**nine["entries"][-1], "path": "ckpt/9/z", "kind": "symlink", "size": 0, "chunks": [], "target": "/etc/shadow"}
+    )
     plant(gcs_bucket, manifest_name(job, 0, 9), json.dumps(nine).encode())
     proc = tierfs("mount", vol.mountpoint, "--ramdisk", vol.ramdisk, "--job", job, "--gcs", gcs_url, check=False)
     assert proc.returncode != 0

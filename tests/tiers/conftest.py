@@ -88,8 +88,7 @@ async def subject(kind, where, nursery) -> Subject:
 
     def damage(h: str, data: bytes) -> None:
         # A valid frame of other bytes under the chunk's name: decodes fine, hashes wrong.
-        tier.store.client.bucket(where["bucket"]).blob(tier.store._chunk_name(h)).upload_from_string(
-            chunks.RAW + data)
+        tier.store.client.bucket(where["bucket"]).blob(tier.store._chunk_name(h)).upload_from_string(chunks.RAW + data)
 
     return Subject(tier, damage)
 
@@ -100,11 +99,21 @@ async def peer_tier(nursery, host: str, store: ReplicaStore, port: int | None = 
     from tierfs.tiers.peer import PeerTier
 
     if port is None:
-        port = await nursery.start(functools.partial(
-            serve, (host, 0), job=JOB, secret=SECRET, store=store, tls=tls.from_secret(JOB, SECRET),
-            timeouts=Timeouts(handshake=2, idle=5, request=5), info=lambda: {"rank": 1, "steps": [], "topology": []}))
-    cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, nodes=3, secret=SECRET.decode(),
-                       peers=f"{host}:{port}")
+        port = await nursery.start(
+            functools.partial(
+                serve,
+                (host, 0),
+                job=JOB,
+                secret=SECRET,
+                store=store,
+                tls=tls.from_secret(JOB, SECRET),
+                timeouts=Timeouts(handshake=2, idle=5, request=5),
+                info=lambda: {"rank": 1, "steps": [], "topology": []},
+            )
+        )
+    cfg = Config.build(
+        mountpoint="/nonexistent", job=JOB, rank=0, nodes=3, secret=SECRET.decode(), peers=f"{host}:{port}"
+    )
     tier = PeerTier(PeerNetwork(cfg, timeout=5), (host, port))
     tier.configure(cfg)
     return tier

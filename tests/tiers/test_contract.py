@@ -10,23 +10,14 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.lowlevel
 
 from tests import helpers
 from tests.tiers.conftest import JOB, SECRET
 from tierfs.core.chunks import chunk_hash
 from tierfs.core.keys import manifest_keys
 from tierfs.core.manifest import Manifest, authenticate
-from tierfs.tiers.base import (
-    MAX_CHUNK,
-    MAX_MANIFEST,
-    Holdings,
-    NotHeld,
-    Progress,
-    Tier,
-    TierError,
-    by_cost,
-    put_step,
-)
+from tierfs.tiers.base import MAX_CHUNK, MAX_MANIFEST, Holdings, NotHeld, Progress, Tier, TierError, by_cost, put_step
 
 CS = 64 << 10
 
@@ -124,9 +115,12 @@ async def test_sizes_beyond_any_chunk_or_manifest_are_refused_before_any_transfe
     tier = subject.tier
     small = files(b"x" * 10)
     h = chunk_hash(b"x" * 10)
-    for call in (tier.put_chunk(h, small, 0, MAX_CHUNK + 1), tier.get_chunk(h, MAX_CHUNK + 1),
-                 tier.put_chunk("not-a-hash", small, 0, 10),
-                 tier.put_manifest(0, 1, b" " * (MAX_MANIFEST + 1))):
+    for call in (
+        tier.put_chunk(h, small, 0, MAX_CHUNK + 1),
+        tier.get_chunk(h, MAX_CHUNK + 1),
+        tier.put_chunk("not-a-hash", small, 0, 10),
+        tier.put_manifest(0, 1, b" " * (MAX_MANIFEST + 1)),
+    ):
         with pytest.raises(TierError) as err:
             await call
         one_line(err.value)
@@ -194,7 +188,7 @@ async def test_a_manifest_put_again_replaces_the_old_one_whole(subject, tmp_path
             data = await tier.get_manifest(0, 9)
             assert data in versions, "a reader saw a partial or foreign manifest"
             seen.add(data)
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(writer)

@@ -13,20 +13,21 @@ from pathlib import Path
 
 import pytest
 import trio
+from tierfs_testing.cluster import LocalCluster
 
 from tests.conftest import tierfs
 from tests.helpers import wait_for, write_orbax_step
 from tierfs.core.manifest import Manifest
 from tierfs.ramtier.tmpfs import unmount_beneath
 from tierfs.tiers.disk import DiskTier
-from tierfs_testing.cluster import LocalCluster
 
 MiB = 1 << 20
 
 
 def on_disk(status: dict, step: int) -> bool:
-    return any(s["step"] == step and s["copies"].get("disk", {}).get("version") == s["version"]
-               for s in status["steps"])
+    return any(
+        s["step"] == step and s["copies"].get("disk", {}).get("version") == s["version"] for s in status["steps"]
+    )
 
 
 def digest(files: dict[str, bytes]) -> dict[str, str]:
@@ -46,8 +47,15 @@ def disk_dir(tmp_path) -> Path:
 @pytest.fixture
 def two_nodes(disk_dir, gcs_bucket):
     """Two real daemons on loopback that replicate to each other, back up to GCS and write to --disk."""
-    c = LocalCluster(Path("/dev/shm") / f"tierfs-disk-{uuid.uuid4().hex[:10]}", 2, "dj", replicas=1,
-                     capacity="256M", gcs=f"gs://{gcs_bucket}/d", disk=disk_dir)
+    c = LocalCluster(
+        Path("/dev/shm") / f"tierfs-disk-{uuid.uuid4().hex[:10]}",
+        2,
+        "dj",
+        replicas=1,
+        capacity="256M",
+        gcs=f"gs://{gcs_bucket}/d",
+        disk=disk_dir,
+    )
     try:
         yield c
     finally:

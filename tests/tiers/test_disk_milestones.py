@@ -30,8 +30,9 @@ def own(step: int) -> bytes:
 async def commit_steps(tier, tmp_path: Path, rank: int = 0) -> None:
     """Steps 100..900 of ``rank``, each a chunk of its own and the shared one, put as the replicator puts them."""
     for step in STEPS:
-        manifest, where = helpers.make_step(tmp_path, {"shared": SHARED, "own": own(step)},
-                                            job=JOB, rank=rank, step=step, chunk_size=CS)
+        manifest, where = helpers.make_step(
+            tmp_path, {"shared": SHARED, "own": own(step)}, job=JOB, rank=rank, step=step, chunk_size=CS
+        )
         await put_step(tier, manifest, where)
 
 
@@ -57,8 +58,9 @@ async def test_disk_keeps_milestones_besides_the_newest_with_their_chunks(tmp_pa
 
 
 async def test_a_milestone_on_disk_goes_once_keep_for_has_passed_since_it_was_written(tmp_path):
-    tier = DiskTier(tmp_path / "disk", JOB, 0, keep_from=lambda: 900, keep_newest=3,
-                    milestones=Milestones(300, keep_for=3600))
+    tier = DiskTier(
+        tmp_path / "disk", JOB, 0, keep_from=lambda: 900, keep_newest=3, milestones=Milestones(300, keep_for=3600)
+    )
     tier.open()
     await commit_steps(tier, tmp_path)
     old = time.time() - 7200

@@ -86,7 +86,7 @@ async def test_a_step_hashed_already_sends_nothing_early(subject):
 async def test_a_tier_that_fails_only_ends_its_head_start(subject, files, tmp_path):
     """A chunk whose bytes changed under it (a detached snapshot) is refused: the build goes on regardless."""
     feeds = Feeds()
-    (h, (path, offset, length)), = chunk_files(files, 1)
+    ((h, (path, offset, length)),) = chunk_files(files, 1)
     with open(path, "r+b") as f:
         f.write(b"not the bytes it was hashed from")
 
@@ -137,12 +137,12 @@ async def test_files_hashed_one_at_a_time_keep_every_worker_busy(subject, files)
     async def build() -> str:
         feed = feeds.begin(5, 5)
         try:
-            for n, place in enumerate(places[:gated.concurrency], 1):
+            for n, place in enumerate(places[: gated.concurrency], 1):
                 feed.add([place])
                 with trio.fail_after(10):  # its put starts while the ones before it are still under way
                     while gated.in_flight < n:
                         await trio.sleep(0.01)
-            feed.add(places[gated.concurrency:])  # queued behind the busy workers
+            feed.add(places[gated.concurrency :])  # queued behind the busy workers
             gated.gate.set()
             with trio.fail_after(10):
                 while not all(await subject.tier.has_chunks([h for h, _ in places])):

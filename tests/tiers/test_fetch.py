@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import trio
+from tierfs_testing import free_port
 
 from tests.tiers.conftest import JOB, peer_tier
 from tierfs.core.chunks import chunk_hash
@@ -19,7 +20,6 @@ from tierfs.store.replicas import ReplicaStore
 from tierfs.tiers.fetch import ChunkSources
 from tierfs.tiers.local import LocalTier
 from tierfs.tiers.peer import PeerTier
-from tierfs_testing import free_port
 
 CS = 64 << 10
 

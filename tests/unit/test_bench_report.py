@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_io  # noqa: E402
+import bench_io
 
 ROW = {"mode": bench_io.FILES_ROW, "op": "write", "bs": 1 << 20, "jobs": 1, "files": 10}
 
@@ -42,13 +42,21 @@ def test_the_daemon_path_is_judged_against_tmpfs_and_every_reference():
 
     rows = bench_io.summarize(
         [io_row, ROW],
-        raw(io_row, "tmpfs", 4.0) + raw(io_row, "daemon", 2.2) + raw(io_row, "hp", 2.0)
-        + raw(ROW, "tmpfs", 4.0) + raw(ROW, "daemon", 1.0) + raw(ROW, "hp", 1.1),
-        ("tmpfs", "daemon", "hp"))
+        raw(io_row, "tmpfs", 4.0)
+        + raw(io_row, "daemon", 2.2)
+        + raw(io_row, "hp", 2.0)
+        + raw(ROW, "tmpfs", 4.0)
+        + raw(ROW, "daemon", 1.0)
+        + raw(ROW, "hp", 1.1),
+        ("tmpfs", "daemon", "hp"),
+    )
     assert rows[0]["daemon_vs_hp"] == pytest.approx(1.1) and rows[0]["daemon_meets_target"] is True
     assert rows[1]["daemon_vs_hp"] == pytest.approx(1.0 / 1.1) and rows[1]["daemon_meets_target"] is False
-    rows = bench_io.summarize([io_row], raw(io_row, "tmpfs", 4.0) + raw(io_row, "daemon", 1.9)
-                              + raw(io_row, "hp", 1.0), ("tmpfs", "daemon", "hp"))
+    rows = bench_io.summarize(
+        [io_row],
+        raw(io_row, "tmpfs", 4.0) + raw(io_row, "daemon", 1.9) + raw(io_row, "hp", 1.0),
+        ("tmpfs", "daemon", "hp"),
+    )
     assert rows[0]["daemon_meets_target"] is False  # twice passthrough_hp, but under half of tmpfs
     table = bench_io.render_table(rows).splitlines()
     assert "daemon/hp" in table[0] and "daemon met" in table[0] and table[2].endswith("**no** |")
@@ -74,8 +82,12 @@ def test_a_preallocated_write_is_a_row_of_its_own_beside_the_plain_one():
     run = bench_io.Run.__new__(bench_io.Run)
     run.args = args
     rows = run.rows()
-    assert [(r["op"], r["fallocate"]) for r in rows] == [("write", "none"), ("write", "native"), ("read", "none"),
-                                                          ("cold", "none")]
+    assert [(r["op"], r["fallocate"]) for r in rows] == [
+        ("write", "none"),
+        ("write", "native"),
+        ("read", "none"),
+        ("cold", "none"),
+    ]
     assert bench_io.row_label(rows[3]) == "psync read 1M, 1 job, cold"
     assert bench_io.row_label(rows[1]) == "psync write 1M, 1 job, preallocated"
     plain, pre = (dict(r, side="tmpfs", round=0, gib_s=v) for r, v in ((rows[0], 2.0), (rows[1], 5.0)))
@@ -112,8 +124,11 @@ def test_a_cold_read_is_timed_after_its_cached_pages_were_dropped(tmp_path, monk
             return {"bytes": per_job * jobs, "seconds": 1.0}
 
     monkeypatch.setattr(bench_io, "warm_up", lambda *a: None)
-    monkeypatch.setattr(bench_io, "drop_cached", lambda paths, offset, length: events.append(
-        ("dropped", [Path(p).name for p in paths], offset, length)))
+    monkeypatch.setattr(
+        bench_io,
+        "drop_cached",
+        lambda paths, offset, length: events.append(("dropped", [Path(p).name for p in paths], offset, length)),
+    )
     run = bench_io.Run.__new__(bench_io.Run)
     run.args = argparse.Namespace(segment=8192, warmup=0)
     run.engine, run.dirs, run.mounts, run.warm_path, run.warm_buf = Engine(), {"tmpfs": str(tmp_path)}, {}, None, None

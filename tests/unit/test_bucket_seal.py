@@ -33,9 +33,13 @@ def test_a_frame_seals_the_same_on_every_node_and_opens_only_as_its_chunk():
 
 
 def test_keys_are_the_jobs_and_the_secrets():
-    seal, = bucket_seals("job", SECRET)
+    (seal,) = bucket_seals("job", SECRET)
     h = chunk_hash(b"x")
-    names = {seal.object_key(h), bucket_seals("job", OTHER)[0].object_key(h), bucket_seals("job2", SECRET)[0].object_key(h)}
+    names = {
+        seal.object_key(h),
+        bucket_seals("job", OTHER)[0].object_key(h),
+        bucket_seals("job2", SECRET)[0].object_key(h),
+    }
     assert len(names) == 3 and all(len(k) == 64 and int(k, 16) >= 0 for k in names)
     assert h not in seal.object_key(h) and len(seal.id) == 16
     with pytest.raises(CorruptChunk):
@@ -46,7 +50,7 @@ def test_keys_are_the_jobs_and_the_secrets():
 
 
 def test_a_manifest_opens_only_as_its_rank_and_step():
-    seal, = bucket_seals("job", SECRET)
+    (seal,) = bucket_seals("job", SECRET)
     body = seal.seal_manifest(3, 700, b'{"format":1}')
     assert b"format" not in body and body != seal.seal_manifest(3, 700, b'{"format":1}')  # a fresh nonce each time
     assert seal.open_manifest(3, 700, body) == b'{"format":1}'

@@ -7,28 +7,23 @@ import random
 import threading
 from array import array
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import xxhash
 import zstandard
 
 from tierfs.core import chunks
-from tierfs.core.chunks import (
-    HASH_PIECE,
-    CorruptChunk,
-    chunk_hash,
-    decode,
-    encode,
-    hash_file,
-    read_chunk,
+from tierfs.core.chunks import HASH_PIECE, CorruptChunk, chunk_hash, decode, encode, hash_file, read_chunk
+
+TEXT = b"".join(
+    b'{"name": "layers.%d.attention.wq.weight", "shape": [4096, 4096], "dtype": "bfloat16", '
+    b'"offset": %d}\n' % (i, i << 25)
+    for i in range(2000)
 )
 
-TEXT = b"".join(b'{"name": "layers.%d.attention.wq.weight", "shape": [4096, 4096], "dtype": "bfloat16", '
-                b'"offset": %d}\n' % (i, i << 25) for i in range(2000))
 
-
-@lru_cache(maxsize=None)
+@cache
 def bf16_in_fp32(count: int, seed: int = 0) -> bytes:
     """fp32 words holding bf16 values, as a bf16 model upcast for saving: low 16 bits zero."""
     rng = random.Random(seed)
@@ -111,8 +106,9 @@ def test_memoryview_input_encodes_like_bytes():
 def test_falls_back_to_raw_when_the_whole_chunk_does_not_shrink(monkeypatch):
     real = chunks._compress
     # The sample compresses well, the whole chunk (larger than a sample) does not.
-    monkeypatch.setattr(chunks, "_compress", lambda tag, data: real(tag, data)
-                        if len(data) <= 256 << 10 else b"x" * len(data))
+    monkeypatch.setattr(
+        chunks, "_compress", lambda tag, data: real(tag, data) if len(data) <= 256 << 10 else b"x" * len(data)
+    )
     data = bytes(1 << 20)
     assert encode(data) == b"R" + data
 
@@ -123,8 +119,9 @@ def test_wrong_expected_hash_is_corrupt():
         decode(encode(data), "0" * 32)
 
 
-@pytest.mark.parametrize("data, tag", [(os.urandom(5000), b"R"), (TEXT, b"Z"), (bf16_in_fp32(16 << 10), b"P")],
-                         ids=["raw", "zstd", "planes"])
+@pytest.mark.parametrize(
+    "data, tag", [(os.urandom(5000), b"R"), (TEXT, b"Z"), (bf16_in_fp32(16 << 10), b"P")], ids=["raw", "zstd", "planes"]
+)
 def test_tampered_frame_is_corrupt(data, tag):
     frame = bytearray(encode(data))
     assert frame[:1] == tag
@@ -183,8 +180,9 @@ def test_hash_file_names_chunks_larger_than_its_read_piece(tmp_path):
     assert hash_file(path, cs) == [chunk_hash(data[i : i + cs]) for i in range(0, len(data), cs)]
 
 
-@pytest.mark.parametrize(("cs", "size", "dribble"), [(4096, 50_000, 999),
-                                                     (HASH_PIECE + 4096, 3 * HASH_PIECE + 13_287, 99_999)])
+@pytest.mark.parametrize(
+    ("cs", "size", "dribble"), [(4096, 50_000, 999), (HASH_PIECE + 4096, 3 * HASH_PIECE + 13_287, 99_999)]
+)
 def test_hash_file_fills_whole_chunks_across_short_reads(tmp_path, cs, size, dribble):
     data = os.urandom(size)
     fifo = tmp_path / "pipe"
@@ -320,8 +318,9 @@ def test_hash_file_paces_itself_before_every_chunk_it_reads(shm_dir):
     writer.start()
     paced.clear()
     try:
-        assert hash_file(fifo, CS, lambda: paced.append(1)) == [chunk_hash(data[i : i + CS])
-                                                                for i in range(0, len(data), CS)]
+        assert hash_file(fifo, CS, lambda: paced.append(1)) == [
+            chunk_hash(data[i : i + CS]) for i in range(0, len(data), CS)
+        ]
     finally:
         writer.join()
     assert len(paced) == 5  # before each of the four chunks, and before the read that finds the end

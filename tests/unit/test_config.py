@@ -13,10 +13,18 @@ from tierfs.core.errors import UserError
 from tierfs.core.parse import format_size, parse_duration, parse_size
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("4096", 4096), ("1K", 1024), ("64G", 64 << 30), ("512MiB", 512 << 20), ("1.5T", 3 << 39),
-    ("2gb", 2 << 30), (" 8 M ", 8 << 20),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("4096", 4096),
+        ("1K", 1024),
+        ("64G", 64 << 30),
+        ("512MiB", 512 << 20),
+        ("1.5T", 3 << 39),
+        ("2gb", 2 << 30),
+        (" 8 M ", 8 << 20),
+    ],
+)
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
@@ -27,9 +35,9 @@ def test_parse_size_rejects(text):
         parse_size(text)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("90", 90), ("30s", 30), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("2d", 172800),
-])
+@pytest.mark.parametrize(
+    "text, expected", [("90", 90), ("30s", 30), ("5m", 300), ("1h30m", 5400), ("250ms", 0.25), ("2d", 172800)]
+)
 def test_parse_duration(text, expected):
     assert parse_duration(text) == expected
 
@@ -58,23 +66,26 @@ def test_build_defaults():
     assert (cfg.ramdisk, cfg.job, cfg.rank, cfg.nodes, cfg.capacity) == (Path("/dev/shm/tierfs"), "default", 0, 1, None)
 
 
-@pytest.mark.parametrize("values, message", [
-    ({"rank": "4", "nodes": "4"}, "invalid rank 4: it must be in 0..3"),
-    ({"rank": "-1"}, "invalid rank -1"),
-    ({"nodes": "0"}, "invalid --nodes 0"),
-    ({"job": "a/b"}, "invalid job id"),
-    ({"job": ".hidden"}, "invalid job id"),
-    ({"job": "x" * 129}, "invalid job id"),
-    ({"capacity": "100K"}, "too small"),
-    ({"log_level": "chatty"}, "invalid log level"),
-    ({"wake_cpus": "sometimes"}, "invalid --wake-cpus 'sometimes': use on"),
-    ({"peer_tls": "maybe"}, "invalid --peer-tls 'maybe': use on"),
-    ({"engine": "libfuse"}, "invalid --engine 'libfuse': use auto, tierfs or pyfuse3"),
-    ({"engine": "PyFuse3", "data_path": "passthrough"}, "--engine pyfuse3 cannot pass files through"),
-    ({"restore_step": "-1"}, "invalid --restore-step -1: a step number is 0 or more"),
-    ({"restore_step": "latest"}, "invalid restore-step 'latest': expected a whole number"),
-    ({}, None),
-])
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"rank": "4", "nodes": "4"}, "invalid rank 4: it must be in 0..3"),
+        ({"rank": "-1"}, "invalid rank -1"),
+        ({"nodes": "0"}, "invalid --nodes 0"),
+        ({"job": "a/b"}, "invalid job id"),
+        ({"job": ".hidden"}, "invalid job id"),
+        ({"job": "x" * 129}, "invalid job id"),
+        ({"capacity": "100K"}, "too small"),
+        ({"log_level": "chatty"}, "invalid log level"),
+        ({"wake_cpus": "sometimes"}, "invalid --wake-cpus 'sometimes': use on"),
+        ({"peer_tls": "maybe"}, "invalid --peer-tls 'maybe': use on"),
+        ({"engine": "libfuse"}, "invalid --engine 'libfuse': use auto, tierfs or pyfuse3"),
+        ({"engine": "PyFuse3", "data_path": "passthrough"}, "--engine pyfuse3 cannot pass files through"),
+        ({"restore_step": "-1"}, "invalid --restore-step -1: a step number is 0 or more"),
+        ({"restore_step": "latest"}, "invalid restore-step 'latest': expected a whole number"),
+        ({}, None),
+    ],
+)
 def test_build_rejects(values, message):
     if message is None:
         with pytest.raises(UserError, match="missing MOUNTPOINT"):
@@ -90,11 +101,14 @@ def test_wake_cpus_is_on_unless_turned_off():
     assert Config.build(mountpoint="/m", wake_cpus="yes").wake_cpus is True
 
 
-@pytest.mark.parametrize("argv, env, expected", [
-    (["mount", "/mnt/x"], {}, False),
-    (["mount", "/mnt/x", "--start-fresh"], {}, True),
-    (["mount", "/mnt/x"], {"TIERFS_START_FRESH": "1"}, True),
-])
+@pytest.mark.parametrize(
+    "argv, env, expected",
+    [
+        (["mount", "/mnt/x"], {}, False),
+        (["mount", "/mnt/x", "--start-fresh"], {}, True),
+        (["mount", "/mnt/x"], {"TIERFS_START_FRESH": "1"}, True),
+    ],
+)
 def test_start_fresh_from_the_flag_or_the_environment(monkeypatch, argv, env, expected):
     for name, value in env.items():
         monkeypatch.setenv(name, value)

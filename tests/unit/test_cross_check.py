@@ -25,16 +25,26 @@ def survey_of(holdings: dict[tuple[int, int], str], decisions: dict[str, int] | 
     return s
 
 
-def planner(coordinators: StandInCoordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2,
-            steps=None) -> RestorePlanner:
+def planner(
+    coordinators: StandInCoordinators, seen: Survey, start_fresh: bool = False, nodes: int = 2, steps=None
+) -> RestorePlanner:
     """``steps``: this node's own committed steps (:class:`tierfs.ramtier.steps.Steps`), none by default."""
+
     async def survey(wait: float = 0.0) -> Survey:
         return seen
 
-    return RestorePlanner(SimpleNamespace(rank=0, nodes=nodes, job="job", start_fresh=start_fresh),
-                          rank=None, steps=steps if steps is not None else SimpleNamespace(verifiable=list),
-                          snapshots=None, space=None, tiers=[], local=None, view=SimpleNamespace(survey=survey),
-                          coordinating=coordinators, started=0.0)
+    return RestorePlanner(
+        SimpleNamespace(rank=0, nodes=nodes, job="job", start_fresh=start_fresh),
+        rank=None,
+        steps=steps if steps is not None else SimpleNamespace(verifiable=list),
+        snapshots=None,
+        space=None,
+        tiers=[],
+        local=None,
+        view=SimpleNamespace(survey=survey),
+        coordinating=coordinators,
+        started=0.0,
+    )
 
 
 # Step 3 of both ranks is on node 1: its own and rank 0's replica.

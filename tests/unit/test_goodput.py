@@ -16,15 +16,30 @@ T0 = 1_763_900_000.0
 HOURS_6 = 6 * 3600.0
 
 
-def observed(every: float = 600.0, write: float = 30.0, n: int = 10, *, safe_at: dict | None = None,
-             copy_s: dict | None = None, restore_s: float | None = 60.0, failures: int = 0,
-             observed_s: float = 4 * HOURS_6, mtbf_s: float | None = HOURS_6) -> Observed:
+def observed(
+    every: float = 600.0,
+    write: float = 30.0,
+    n: int = 10,
+    *,
+    safe_at: dict | None = None,
+    copy_s: dict | None = None,
+    restore_s: float | None = 60.0,
+    failures: int = 0,
+    observed_s: float = 4 * HOURS_6,
+    mtbf_s: float | None = HOURS_6,
+) -> Observed:
     """A job that commits every ``every`` seconds from T0, each save blocking it ``write`` seconds."""
     commits = [(T0 + k * every, write) for k in range(n)]
     last = commits[-1][0] if commits else T0
-    return Observed(commits, {"peers": last, "gcs": last - every} if safe_at is None else safe_at,
-                    {"peers": 2.0, "gcs": 120.0} if copy_s is None else copy_s,
-                    restore_s, failures, observed_s, mtbf_s)
+    return Observed(
+        commits,
+        {"peers": last, "gcs": last - every} if safe_at is None else safe_at,
+        {"peers": 2.0, "gcs": 120.0} if copy_s is None else copy_s,
+        restore_s,
+        failures,
+        observed_s,
+        mtbf_s,
+    )
 
 
 def test_commits_every_ten_minutes_with_a_six_hour_mtbf():
@@ -56,11 +71,14 @@ def test_restoring_from_gcs_counts_its_lag_and_not_the_peers():
     assert g.optimal_goodput_ratio == pytest.approx(0.9389621, abs=1e-6)
 
 
-@pytest.mark.parametrize("tiers, used", [
-    ({"disk": T0, "gcs": T0}, "disk"),  # no peers: the node's disk, then GCS
-    ({"gcs": T0}, "gcs"),
-    ({"gcs": T0, "disk": T0, "peers": T0}, "peers"),
-])
+@pytest.mark.parametrize(
+    "tiers, used",
+    [
+        ({"disk": T0, "gcs": T0}, "disk"),  # no peers: the node's disk, then GCS
+        ({"gcs": T0}, "gcs"),
+        ({"gcs": T0, "disk": T0, "peers": T0}, "peers"),
+    ],
+)
 def test_without_the_tier_asked_for_the_first_of_peers_disk_gcs_counts(tiers, used):
     lags = {"peers": 2.0, "disk": 5.0, "gcs": 120.0}
     g = estimate(observed(safe_at=tiers, copy_s=lags), now=T0)
@@ -162,9 +180,17 @@ def test_only_the_last_window_of_commits_counts():
 def test_as_dict_is_rounded_json():
     d = estimate(observed(), now=T0 + 9 * 600 + 10.123456).as_dict()
     assert json.loads(json.dumps(d, allow_nan=False)) == d
-    assert d == {"interval_s": 600.0, "cost_s": 30.0, "mtbf_s": 21600.0, "expected_loss_s": 362.0,
-                 "optimal_interval_s": 1138.42, "overhead_ratio": 0.05, "goodput_ratio": 0.9332,
-                 "optimal_goodput_ratio": 0.9444, "at_risk_s": {"gcs": 610.12, "peers": 10.12}}
+    assert d == {
+        "interval_s": 600.0,
+        "cost_s": 30.0,
+        "mtbf_s": 21600.0,
+        "expected_loss_s": 362.0,
+        "optimal_interval_s": 1138.42,
+        "overhead_ratio": 0.05,
+        "goodput_ratio": 0.9332,
+        "optimal_goodput_ratio": 0.9444,
+        "at_risk_s": {"gcs": 610.12, "peers": 10.12},
+    }
     empty = Goodput(None, None, None, {}, None, None, None, None, None).as_dict()
     assert set(empty) == set(d) and empty["at_risk_s"] == {}
     assert all(v is None for k, v in empty.items() if k != "at_risk_s")
@@ -180,12 +206,12 @@ def test_non_finite_observations_are_skipped():
 
 
 @settings(max_examples=300, deadline=None)
-@given(cost=st.floats(0.1, 3600), mtbf=st.floats(60, 30 * 86400), lag=st.floats(0, 3600),
-       restore=st.floats(0, 3600))
+@given(cost=st.floats(0.1, 3600), mtbf=st.floats(60, 30 * 86400), lag=st.floats(0, 3600), restore=st.floats(0, 3600))
 def test_the_optimal_interval_maximises_goodput_over_a_grid(cost, mtbf, lag, restore):
     def at(every: float) -> Goodput:
-        return estimate(observed(every=every, write=cost, copy_s={"peers": lag}, restore_s=restore, mtbf_s=mtbf),
-                        now=T0)
+        return estimate(
+            observed(every=every, write=cost, copy_s={"peers": lag}, restore_s=restore, mtbf_s=mtbf), now=T0
+        )
 
     best = at(600).optimal_interval_s
     g = at(best)
@@ -217,30 +243,36 @@ def test_history_round_trips_and_keeps_the_last_restores():
     assert History(T0).typical_restore_s() is None
 
 
-@pytest.mark.parametrize("d", [
-    [], None, "history", 7,
-    {},  # no first_seen
-    {"first_seen": "yesterday"},
-    {"first_seen": True},
-    {"first_seen": math.nan},  # json.loads reads NaN
-    {"first_seen": math.inf},
-    {"first_seen": -1.0},
-    {"first_seen": 10**400},
-    {"first_seen": None},
-    {"first_seen": T0, "failures": -1},
-    {"first_seen": T0, "failures": 1.0},
-    {"first_seen": T0, "failures": True},
-    {"first_seen": T0, "failures": "3"},
-    {"first_seen": T0, "failures": 2**40},
-    {"first_seen": T0, "restore_s": [1.0] * (MAX_RESTORES + 1)},
-    {"first_seen": T0, "restore_s": [0.0] * 1_000_000},
-    {"first_seen": T0, "restore_s": {"a": 1}},
-    {"first_seen": T0, "restore_s": "12"},
-    {"first_seen": T0, "restore_s": [[1.0]]},
-    {"first_seen": T0, "restore_s": [None]},
-    {"first_seen": T0, "restore_s": [-1.0]},
-    {"first_seen": T0, "restore_s": [False]},
-])
+@pytest.mark.parametrize(
+    "d",
+    [
+        [],
+        None,
+        "history",
+        7,
+        {},  # no first_seen
+        {"first_seen": "yesterday"},
+        {"first_seen": True},
+        {"first_seen": math.nan},  # json.loads reads NaN
+        {"first_seen": math.inf},
+        {"first_seen": -1.0},
+        {"first_seen": 10**400},
+        {"first_seen": None},
+        {"first_seen": T0, "failures": -1},
+        {"first_seen": T0, "failures": 1.0},
+        {"first_seen": T0, "failures": True},
+        {"first_seen": T0, "failures": "3"},
+        {"first_seen": T0, "failures": 2**40},
+        {"first_seen": T0, "restore_s": [1.0] * (MAX_RESTORES + 1)},
+        {"first_seen": T0, "restore_s": [0.0] * 1_000_000},
+        {"first_seen": T0, "restore_s": {"a": 1}},
+        {"first_seen": T0, "restore_s": "12"},
+        {"first_seen": T0, "restore_s": [[1.0]]},
+        {"first_seen": T0, "restore_s": [None]},
+        {"first_seen": T0, "restore_s": [-1.0]},
+        {"first_seen": T0, "restore_s": [False]},
+    ],
+)
 def test_hostile_history_is_refused(d):
     with pytest.raises(ValueError):
         History.from_json(d)

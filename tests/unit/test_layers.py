@@ -21,20 +21,20 @@ SCAFFOLDING = ROOT / "testing"
 
 # Bottom first. A module may import its own layer and the layers listed before it.
 LAYERS = [
-    "core",          # formats, parsers, system calls: what everything builds on
+    "core",  # formats, parsers, system calls: what everything builds on
     "coordination",  # the coordination protocol and its decisions, pure (no I/O of its own)
-    "discovery",     # the --peers grammar, DNS, the current list of peer addresses
-    "config",        # the one configuration object
-    "ramtier",       # this node's RAM tier: layout, snapshots, committed steps
-    "fs",            # the FUSE file system over the RAM tier
-    "peers",         # the peer protocol: framing, TLS, the client of one peer
-    "store",         # this node's chunk and replica store, and the service that serves it
-    "tiers",         # every tier as a value behind one interface
-    "pipeline",      # survey, restore choice and plan, restore, replication
-    "mtc",           # GKE multi-tier checkpointing's file protocol
-    "csi",           # the Kubernetes CSI node plugin
-    "daemon",        # the composition root
-    "commands",      # the CLI
+    "discovery",  # the --peers grammar, DNS, the current list of peer addresses
+    "config",  # the one configuration object
+    "ramtier",  # this node's RAM tier: layout, snapshots, committed steps
+    "fs",  # the FUSE file system over the RAM tier
+    "peers",  # the peer protocol: framing, TLS, the client of one peer
+    "store",  # this node's chunk and replica store, and the service that serves it
+    "tiers",  # every tier as a value behind one interface
+    "pipeline",  # survey, restore choice and plan, restore, replication
+    "mtc",  # GKE multi-tier checkpointing's file protocol
+    "csi",  # the Kubernetes CSI node plugin
+    "daemon",  # the composition root
+    "commands",  # the CLI
 ]
 ENTRY_POINTS = {"tierfs", "tierfs.__main__"}
 GENERATED = {"tierfs.csi.csi_pb2"}
@@ -85,8 +85,13 @@ def test_every_module_sits_in_a_layer():
 
 
 def test_imports_only_point_down():
-    upward = [f"{name} -> {target}" for name, targets in GRAPH.items() if name not in ENTRY_POINTS
-              for target in targets if target not in ENTRY_POINTS and _layer(target) > _layer(name)]
+    upward = [
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if name not in ENTRY_POINTS
+        for target in targets
+        if target not in ENTRY_POINTS and _layer(target) > _layer(name)
+    ]
     assert not upward, "imports pointing up the layers:\n" + "\n".join(sorted(upward))
 
 
@@ -112,8 +117,12 @@ def test_the_scaffolding_lives_outside_the_package():
 
 
 def test_the_product_never_imports_the_test_scaffolding():
-    users = [f"{name} -> {target}" for name, path in MODULES.items() for target in _absolute_imports(path)
-             if target.split(".")[0] == "tierfs_testing" or target.startswith("tierfs.testing")]
+    users = [
+        f"{name} -> {target}"
+        for name, path in MODULES.items()
+        for target in _absolute_imports(path)
+        if target.split(".")[0] == "tierfs_testing" or target.startswith("tierfs.testing")
+    ]
     assert not users, "the product imports the test scaffolding:\n" + "\n".join(sorted(users))
 
 

@@ -11,8 +11,15 @@ from tierfs.core.logs import JsonFormatter, formatter
 
 def record(**kwargs) -> logging.LogRecord:
     return logging.getLogger("tierfs.test").makeRecord(
-        "tierfs.test", logging.WARNING, __file__, 1, "step %d: %s", (7, "a\nb"), kwargs.pop("exc_info", None),
-        extra=kwargs or None)
+        "tierfs.test",
+        logging.WARNING,
+        __file__,
+        1,
+        "step %d: %s",
+        (7, "a\nb"),
+        kwargs.pop("exc_info", None),
+        extra=kwargs or None,
+    )
 
 
 def test_a_line_names_the_process_fields_and_the_event():

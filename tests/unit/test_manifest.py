@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,12 @@ def H(label: str) -> str:
 
 def sample() -> Manifest:
     return Manifest(
-        job="llama", rank=3, step=500, chunk_size=4, roots=["ckpt/500"], created=1700000000.25,
+        job="llama",
+        rank=3,
+        step=500,
+        chunk_size=4,
+        roots=["ckpt/500"],
+        created=1700000000.25,
         entries=[
             Entry("ckpt", "dir", 0o755, 1000, 1000, 0, 10),
             Entry("ckpt/500", "dir", 0o1777, 1000, 1000, 0, 11),
@@ -70,41 +75,47 @@ def set_entry(index, **fields):
     return lambda d: d["entries"][index].update(fields)
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda d: d.update(format=2),
-     r"^manifest format 2 is newer than this tierfs supports \(1\): upgrade tierfs$"),
-    (lambda d: d.update(format=0), "format 0 does not exist"),
-    (set_entry(2, path="ckpt/../../etc/passwd"), r"'ckpt/../../etc/passwd' has a '\.\.' component"),
-    (set_entry(2, path="/etc/passwd"), "'/etc/passwd' is absolute"),
-    (set_entry(2, path=""), "path '' is empty"),
-    (set_entry(2, path="ckpt//500/a.bin"), "is not normalized"),
-    (set_entry(2, path="ckpt/./500/a.bin"), "is not normalized"),
-    (lambda d: d["entries"].insert(3, dict(d["entries"][2])), "duplicate path 'ckpt/500/a.bin'"),
-    (lambda d: d["entries"].insert(2, d["entries"].pop(3)),
-     "not sorted by path: 'ckpt/500/a.bin' after 'ckpt/500/b.bin'"),
-    (lambda d: d["entries"][2]["chunks"].pop(), r"2 chunks for 9 bytes, expected 3 of 4 bytes"),
-    (set_entry(2, size=13), "3 chunks for 13 bytes, expected 4"),
-    (set_entry(0, chunks=[H("0")]), "1 chunks for 0 bytes, expected 0"),
-    (drop("chunk_size"), "missing field 'chunk_size'"),
-    (drop("entries"), "missing field 'entries'"),
-    (lambda d: d["entries"][3].pop("mode"), r"entry 'ckpt/500/b.bin': missing field 'mode'"),
-    (lambda d: d.update(rank="3"), "field 'rank' has the wrong type"),
-    (lambda d: d.update(step=True), "field 'step' has the wrong type"),
-    (set_entry(2, uid=None), "field 'uid' has the wrong type"),
-    (lambda d: d.update(chunk_size=0), "chunk size 0"),
-    (lambda d: d.update(roots=["ckpt/600"]), "root 'ckpt/600' has no entry"),
-    (lambda d: d.update(roots=["../ckpt"]), "root path '../ckpt' has a"),
-    (lambda d: d["entries"].pop(0), "parent 'ckpt' is not a directory entry"),
-    (lambda d: d["entries"].append(dict(d["entries"][3], path="ckpt/500/latest/x")),
-     "parent 'ckpt/500/latest' is not a directory entry"),
-    (set_entry(2, kind="fifo"), "unknown kind 'fifo'"),
-    (set_entry(2, mode=0o100644), "is not permission bits"),
-    (set_entry(2, target="b.bin"), "a symlink needs a target"),
-    (set_entry(4, target=None), "a symlink needs a target"),
-    (set_entry(1, size=4096), "a dir has no size"),
-    (set_entry(3, chunks=["XYZ"]), "'XYZ' is not a chunk hash"),
-    (set_entry(3, chunks=[H("0").upper()]), "is not a chunk hash"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(format=2), r"^manifest format 2 is newer than this tierfs supports \(1\): upgrade tierfs$"),
+        (lambda d: d.update(format=0), "format 0 does not exist"),
+        (set_entry(2, path="ckpt/../../etc/passwd"), r"'ckpt/../../etc/passwd' has a '\.\.' component"),
+        (set_entry(2, path="/etc/passwd"), "'/etc/passwd' is absolute"),
+        (set_entry(2, path=""), "path '' is empty"),
+        (set_entry(2, path="ckpt//500/a.bin"), "is not normalized"),
+        (set_entry(2, path="ckpt/./500/a.bin"), "is not normalized"),
+        (lambda d: d["entries"].insert(3, dict(d["entries"][2])), "duplicate path 'ckpt/500/a.bin'"),
+        (
+            lambda d: d["entries"].insert(2, d["entries"].pop(3)),
+            "not sorted by path: 'ckpt/500/a.bin' after 'ckpt/500/b.bin'",
+        ),
+        (lambda d: d["entries"][2]["chunks"].pop(), r"2 chunks for 9 bytes, expected 3 of 4 bytes"),
+        (set_entry(2, size=13), "3 chunks for 13 bytes, expected 4"),
+        (set_entry(0, chunks=[H("0")]), "1 chunks for 0 bytes, expected 0"),
+        (drop("chunk_size"), "missing field 'chunk_size'"),
+        (drop("entries"), "missing field 'entries'"),
+        (lambda d: d["entries"][3].pop("mode"), r"entry 'ckpt/500/b.bin': missing field 'mode'"),
+        (lambda d: d.update(rank="3"), "field 'rank' has the wrong type"),
+        (lambda d: d.update(step=True), "field 'step' has the wrong type"),
+        (set_entry(2, uid=None), "field 'uid' has the wrong type"),
+        (lambda d: d.update(chunk_size=0), "chunk size 0"),
+        (lambda d: d.update(roots=["ckpt/600"]), "root 'ckpt/600' has no entry"),
+        (lambda d: d.update(roots=["../ckpt"]), "root path '../ckpt' has a"),
+        (lambda d: d["entries"].pop(0), "parent 'ckpt' is not a directory entry"),
+        (
+            lambda d: d["entries"].append(dict(d["entries"][3], path="ckpt/500/latest/x")),
+            "parent 'ckpt/500/latest' is not a directory entry",
+        ),
+        (set_entry(2, kind="fifo"), "unknown kind 'fifo'"),
+        (set_entry(2, mode=0o100644), "is not permission bits"),
+        (set_entry(2, target="b.bin"), "a symlink needs a target"),
+        (set_entry(4, target=None), "a symlink needs a target"),
+        (set_entry(1, size=4096), "a dir has no size"),
+        (set_entry(3, chunks=["XYZ"]), "'XYZ' is not a chunk hash"),
+        (set_entry(3, chunks=[H("0").upper()]), "is not a chunk hash"),
+    ],
+)
 def test_from_json_rejects(mutate, message):
     d = sample_dict()
     mutate(d)
@@ -112,11 +123,10 @@ def test_from_json_rejects(mutate, message):
         Manifest.from_json(json.dumps(d).encode())
 
 
-@pytest.mark.parametrize("data, message", [
-    (b'{"format": 1,', "not valid JSON"),
-    (b"\xff\xfe\xfa", "not valid JSON"),
-    (b"[]", "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [(b'{"format": 1,', "not valid JSON"), (b"\xff\xfe\xfa", "not valid JSON"), (b"[]", "not a JSON object")],
+)
 def test_from_json_rejects_non_manifests(data, message):
     with pytest.raises(ManifestError, match=message):
         Manifest.from_json(data)
@@ -163,20 +173,24 @@ def test_build_describes_a_directory_checkpoint(snap):
     m = build(snap, ["checkpoints/500"], job="llama", rank=2, step=500, chunk_size=CS)
     assert (m.job, m.rank, m.step, m.chunk_size, m.roots) == ("llama", 2, 500, CS, ["checkpoints/500"])
     entries = by_path(m)
-    assert [e.path for e in m.entries] == sorted(entries) == [
-        "checkpoints",
-        "checkpoints/500",
-        "checkpoints/500/dangling",
-        "checkpoints/500/latest",
-        "checkpoints/500/model",
-        "checkpoints/500/model/layers",
-        "checkpoints/500/model/layers/empty",
-        "checkpoints/500/model/layers/exact",
-        "checkpoints/500/model/layers/plus-one",
-        "checkpoints/500/optimizer",
-        "checkpoints/500/optimizer/state",
-        "checkpoints/500/run.sh",
-    ]  # the fifo, the absolute and the climbing symlink are skipped
+    assert (
+        [e.path for e in m.entries]
+        == sorted(entries)
+        == [
+            "checkpoints",
+            "checkpoints/500",
+            "checkpoints/500/dangling",
+            "checkpoints/500/latest",
+            "checkpoints/500/model",
+            "checkpoints/500/model/layers",
+            "checkpoints/500/model/layers/empty",
+            "checkpoints/500/model/layers/exact",
+            "checkpoints/500/model/layers/plus-one",
+            "checkpoints/500/optimizer",
+            "checkpoints/500/optimizer/state",
+            "checkpoints/500/run.sh",
+        ]
+    )  # the fifo, the absolute and the climbing symlink are skipped
     for path, e in entries.items():
         st = os.lstat(snap / path)
         assert (e.mode, e.uid, e.gid) == (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid)
@@ -217,11 +231,14 @@ def test_build_records_every_ancestor_of_a_deep_root(snap):
     assert by_path(m)["checkpoints/500"].mode == 0o1777
 
 
-@pytest.mark.parametrize("roots, same_as", [
-    (["checkpoints/500", "checkpoints/500/model"], "checkpoints/500"),
-    (["checkpoints/500/model", "checkpoints/500"], "checkpoints/500"),
-    (["checkpoints/500/optimizer/state", "checkpoints", "checkpoints/500"], "checkpoints"),
-])
+@pytest.mark.parametrize(
+    "roots, same_as",
+    [
+        (["checkpoints/500", "checkpoints/500/model"], "checkpoints/500"),
+        (["checkpoints/500/model", "checkpoints/500"], "checkpoints/500"),
+        (["checkpoints/500/optimizer/state", "checkpoints", "checkpoints/500"], "checkpoints"),
+    ],
+)
 def test_overlapping_roots_give_each_entry_once(snap, roots, same_as):
     m = build(snap, roots, job="j", rank=0, step=500, chunk_size=CS)
     assert m.entries == build(snap, [same_as], job="j", rank=0, step=500, chunk_size=CS).entries
@@ -369,7 +386,7 @@ def test_a_sparse_file_within_the_limits_is_described_without_reading_its_holes(
     assert entry.size == size and len(entry.chunks) == size >> 22
     data_chunk = (5 << 30) >> 22
     assert entry.chunks[data_chunk] == chunk_hash(chunks.read_chunk(big, data_chunk, 4 << 20))
-    assert set(entry.chunks[:data_chunk] + entry.chunks[data_chunk + 1:]) == {chunks.zero_hash(4 << 20)}
+    assert set(entry.chunks[:data_chunk] + entry.chunks[data_chunk + 1 :]) == {chunks.zero_hash(4 << 20)}
     assert Manifest.from_json(m.to_json()) == m  # what is backed up can be restored
     assert m.chunk_sizes() == {chunks.zero_hash(4 << 20): 4 << 20, entry.chunks[data_chunk]: 4 << 20}
 
@@ -393,11 +410,19 @@ def test_a_manifest_whose_json_would_be_too_large_is_refused(snap, monkeypatch, 
 
 def test_nonzero_bytes_leaves_out_chunks_of_zeros_whole_and_short():
     z, zs = chunks.zero_hash(4), chunks.zero_hash(1)
-    m = Manifest(job="j", rank=0, step=1, chunk_size=4, roots=["a"], created=0.0, entries=[
-        Entry("a", "dir", 0o755, 0, 0, 0, 0),
-        Entry("a/data", "file", 0o644, 0, 0, 9, 0, chunks=[H("0"), z, H("2")]),  # 4 + 0 + 1
-        Entry("a/hole", "file", 0o644, 0, 0, 9, 0, chunks=[z, z, zs]),  # all hole
-        Entry("a/short", "file", 0o644, 0, 0, 6, 0, chunks=[z, H("3")]),  # 0 + 2
-        Entry("a/empty", "file", 0o644, 0, 0, 0, 0),
-    ])
+    m = Manifest(
+        job="j",
+        rank=0,
+        step=1,
+        chunk_size=4,
+        roots=["a"],
+        created=0.0,
+        entries=[
+            Entry("a", "dir", 0o755, 0, 0, 0, 0),
+            Entry("a/data", "file", 0o644, 0, 0, 9, 0, chunks=[H("0"), z, H("2")]),  # 4 + 0 + 1
+            Entry("a/hole", "file", 0o644, 0, 0, 9, 0, chunks=[z, z, zs]),  # all hole
+            Entry("a/short", "file", 0o644, 0, 0, 6, 0, chunks=[z, H("3")]),  # 0 + 2
+            Entry("a/empty", "file", 0o644, 0, 0, 0, 0),
+        ],
+    )
     assert m.nonzero_bytes() == 7 and m.total_bytes == 24

@@ -30,15 +30,24 @@ def test_an_opcode_beyond_fuses_counts_as_other():
 
 def test_each_family_appears_once_with_every_daemons_samples():
     def exposition(job: str, value: int) -> str:
-        return (f"# HELP tierfs_steps_committed_total Steps\n# TYPE tierfs_steps_committed_total counter\n"
-                f'tierfs_steps_committed_total{{job="{job}",rank="0"}} {value}\n')
+        return (
+            f"# HELP tierfs_steps_committed_total Steps\n# TYPE tierfs_steps_committed_total counter\n"
+            f'tierfs_steps_committed_total{{job="{job}",rank="0"}} {value}\n'
+        )
 
-    families = list(merged(f for text in (exposition("a", 1), exposition("b", 2))
-                           for f in text_string_to_metric_families(text)))
+    families = list(
+        merged(f for text in (exposition("a", 1), exposition("b", 2)) for f in text_string_to_metric_families(text))
+    )
     assert [f.name for f in families] == ["tierfs_steps_committed"]
     assert {s.labels["job"]: s.value for s in families[0].samples} == {"a": 1, "b": 2}
 
 
 def test_tier_names_map_to_their_lanes():
-    assert [lane_of(t) for t in ("peer 10.0.0.2:7420", "peer", "gcs", "disk", "local", "")] == \
-        ["peers", "peers", "gcs", "disk", "local", "local"]
+    assert [lane_of(t) for t in ("peer 10.0.0.2:7420", "peer", "gcs", "disk", "local", "")] == [
+        "peers",
+        "peers",
+        "gcs",
+        "disk",
+        "local",
+        "local",
+    ]

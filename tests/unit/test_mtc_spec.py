@@ -55,21 +55,24 @@ def test_unknown_keys_and_frameworks_are_warnings():
     assert any("'colour'" in w for w in warnings) and any("'jaxlike'" in w for w in warnings)
 
 
-@pytest.mark.parametrize(("changes", "message"), [
-    ({"nodes": None}, r"lacks 'nodes'"),
-    ({"job_name": None, "peer_ranks": None}, r"lacks 'job-name', 'peer-ranks'"),
-    ({"node_rank": "4"}, r"'node-rank' 4 is out of range for 4 node\(s\)"),
-    ({"node_rank": "-1"}, r"'node-rank' -1 is out of range"),
-    ({"peer_ranks": "[3, 3]"}, r"'peer-ranks' lists rank 3 more than once"),
-    ({"peer_ranks": "[7]"}, r"'peer-ranks' has rank 7, out of range"),
-    ({"peer_ranks": "[1]"}, r"'peer-ranks' has this node's own rank 1"),
-    ({"peer_ranks": "3"}, r"'peer-ranks' must be a list"),
-    ({"backup_interval_steps": "10"}, r"exactly one of .* \(both given\)"),
-    ({"backup_interval_minutes": None}, r"exactly one of .* \(neither given\)"),
-    ({"nodes": "four"}, r"'nodes' must be a whole number"),
-    ({"assume_data_parallelism": "3"}, r"'assume-data-parallelism' 3 must .* divide 'nodes' \(4\)"),
-    ({"backup_interval_minutes": "-5"}, r"'backup-interval-minutes' is -5 .* must not be negative"),
-])
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"nodes": None}, r"lacks 'nodes'"),
+        ({"job_name": None, "peer_ranks": None}, r"lacks 'job-name', 'peer-ranks'"),
+        ({"node_rank": "4"}, r"'node-rank' 4 is out of range for 4 node\(s\)"),
+        ({"node_rank": "-1"}, r"'node-rank' -1 is out of range"),
+        ({"peer_ranks": "[3, 3]"}, r"'peer-ranks' lists rank 3 more than once"),
+        ({"peer_ranks": "[7]"}, r"'peer-ranks' has rank 7, out of range"),
+        ({"peer_ranks": "[1]"}, r"'peer-ranks' has this node's own rank 1"),
+        ({"peer_ranks": "3"}, r"'peer-ranks' must be a list"),
+        ({"backup_interval_steps": "10"}, r"exactly one of .* \(both given\)"),
+        ({"backup_interval_minutes": None}, r"exactly one of .* \(neither given\)"),
+        ({"nodes": "four"}, r"'nodes' must be a whole number"),
+        ({"assume_data_parallelism": "3"}, r"'assume-data-parallelism' 3 must .* divide 'nodes' \(4\)"),
+        ({"backup_interval_minutes": "-5"}, r"'backup-interval-minutes' is -5 .* must not be negative"),
+    ],
+)
 def test_malformed_specs_name_their_problem(changes, message):
     with pytest.raises(SpecError, match=message):
         parse_spec(spec_with(**changes), env={})

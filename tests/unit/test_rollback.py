@@ -32,10 +32,14 @@ def test_a_step_every_writing_rank_holds_passes():
 
 def test_the_refusal_names_the_ranks_that_lack_the_step_and_who_did_not_answer():
     with pytest.raises(UserError) as e:
-        rollback_to(500).check(survey_of({r: [300, 500] if r == 0 else [300] for r in range(12)}, ["peer 10.0.0.9:7420"]))
-    assert str(e.value) == ("cannot roll job run back to step 500: rank(s) 1, 2, 3, 4, 5, 6, 7, 8 and 3 more hold no "
-                            "copy of it on any tier reached (not answering: peer 10.0.0.9:7420); pick a step "
-                            "'tierfs steps' shows complete for every rank")
+        rollback_to(500).check(
+            survey_of({r: [300, 500] if r == 0 else [300] for r in range(12)}, ["peer 10.0.0.9:7420"])
+        )
+    assert str(e.value) == (
+        "cannot roll job run back to step 500: rank(s) 1, 2, 3, 4, 5, 6, 7, 8 and 3 more hold no "
+        "copy of it on any tier reached (not answering: peer 10.0.0.9:7420); pick a step "
+        "'tierfs steps' shows complete for every rank"
+    )
 
 
 def test_a_job_with_no_step_anywhere_is_refused():

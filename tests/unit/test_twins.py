@@ -53,16 +53,29 @@ def step(n: int, size: int = 4 * MiB) -> dict[str, int]:
     return {f"{i:032x}": size for i in range(n)}
 
 
-async def run_twins(chunks: dict[str, int], ranks: list[int], bucket: Bucket, *, dead: dict[int, int] | None = None,
-                    late: dict[int, float] | None = None) -> dict[int, tuple[ShareResult, float]]:
+async def run_twins(
+    chunks: dict[str, int],
+    ranks: list[int],
+    bucket: Bucket,
+    *,
+    dead: dict[int, int] | None = None,
+    late: dict[int, float] | None = None,
+) -> dict[int, tuple[ShareResult, float]]:
     """Every twin's share of one step; the result and the time each one's manifest went, by rank."""
     dead, late = dead or {}, late or {}
     out: dict[int, tuple[ShareResult, float]] = {}
 
     async def twin(rank: int) -> None:
         await trio.sleep(late.get(rank, 0.0))
-        result = await share(chunks, rank, ranks, exists=bucket.exists, upload=one_by_one(bucket.uploader(rank, chunks,
-                             dead.get(rank))), workers=4, patience=PATIENCE)
+        result = await share(
+            chunks,
+            rank,
+            ranks,
+            exists=bucket.exists,
+            upload=one_by_one(bucket.uploader(rank, chunks, dead.get(rank))),
+            workers=4,
+            patience=PATIENCE,
+        )
         missing = set(chunks) - bucket.objects
         assert not missing, f"rank {rank} would write its manifest before {len(missing)} of its chunks are there"
         out[rank] = (result, trio.current_time())

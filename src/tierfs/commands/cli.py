@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    known = set(parser._subparsers._group_actions[0].choices)  # noqa: SLF001
+    known = set(parser._subparsers._group_actions[0].choices)
     try:
         if argv and not argv[0].startswith("-") and argv[0] not in known:
             return mount.run_helper(argv)  # fuse3's helper form: tierfs JOB MOUNTPOINT -o ...

@@ -29,8 +29,9 @@ def run(args: argparse.Namespace) -> int:
     if mountpoint is None:
         raise UserError(f"{path} is not inside a tierfs mount")
     rel = path.relative_to(mountpoint).as_posix()
-    reply = control_client.request(mounts.Registration(mountpoint).socket_path,
-                            {"op": "commit", "path": rel, "step": args.step})
+    reply = control_client.request(
+        mounts.Registration(mountpoint).socket_path, {"op": "commit", "path": rel, "step": args.step}
+    )
     print(f"committed {rel} as step {reply['step']}")
     return 0
 

@@ -30,44 +30,80 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--endpoint", default=_env("endpoint"), help="unix:///PATH of the socket kubelet calls")
     p.add_argument("--node-id", default=_env("node-id"), help="this node's name, as kubelet knows it")
     p.add_argument("--node-ip", default=_env("node-ip"), help="address peers reach this node's daemons at")
-    p.add_argument("--state-dir", default=_env("state-dir", DEFAULT_STATE_DIR),
-                   help=f"the plugin's records and the daemons' mounts (default {DEFAULT_STATE_DIR})")
-    p.add_argument("--ramdisk", default=_env("ramdisk", str(DEFAULT_RAMDISK)),
-                   help=f"the host tmpfs directory holding every job's RAM tier (default {DEFAULT_RAMDISK})")
+    p.add_argument(
+        "--state-dir",
+        default=_env("state-dir", DEFAULT_STATE_DIR),
+        help=f"the plugin's records and the daemons' mounts (default {DEFAULT_STATE_DIR})",
+    )
+    p.add_argument(
+        "--ramdisk",
+        default=_env("ramdisk", str(DEFAULT_RAMDISK)),
+        help=f"the host tmpfs directory holding every job's RAM tier (default {DEFAULT_RAMDISK})",
+    )
     p.add_argument("--config", default=_env("config"), help="YAML file of cluster-wide volume attribute defaults")
-    p.add_argument("--allow-pod-gcs", action="store_true",
-                   default=(_env("allow-pod-gcs") or "").lower() in ("1", "true", "yes"),
-                   help="let a volume's `gcs` attribute name its own bucket and prefix (default: only --config's "
-                        "`gcs`); either way a job backs up under PREFIX/<pod namespace>/")
+    p.add_argument(
+        "--allow-pod-gcs",
+        action="store_true",
+        default=(_env("allow-pod-gcs") or "").lower() in ("1", "true", "yes"),
+        help="let a volume's `gcs` attribute name its own bucket and prefix (default: only --config's "
+        "`gcs`); either way a job backs up under PREFIX/<pod namespace>/",
+    )
     p.add_argument("--kube-api", default=_env("kube-api"), help="Kubernetes API URL (default: in-cluster)")
-    p.add_argument("--gc-after", default=_env("gc-after", "24h"),
-                   help="delete a job's data once no pod used it on this node this long; 0 never (default 24h)")
+    p.add_argument(
+        "--gc-after",
+        default=_env("gc-after", "24h"),
+        help="delete a job's data once no pod used it on this node this long; 0 never (default 24h)",
+    )
     p.add_argument("--gc", metavar="JOB", help="delete JOB's daemon and RAM data on this node now, then exit")
-    p.add_argument("--probe", action="store_true",
-                   help="ask the plugin at --endpoint whether it answers (exit 0) or not (exit 1), then exit")
-    p.add_argument("--ready", action="store_true",
-                   help="as --probe, and exit 1 also when the plugin answers that it cannot serve new volumes "
-                        "(its readiness; --probe is its liveness)")
-    p.add_argument("--keeper-cgroup", default=_env("keeper-cgroup"),
-                   help="a cgroup (v2 directory, outside the plugin's container) to run each mount's keeper and "
-                        "daemon in, so that a crash of the plugin's container leaves the mounts served")
-    p.add_argument("--volume-calls", type=int, default=_env("volume-calls", "32"),
-                   help="volume calls (publish, unpublish, stats) the plugin works on at once; more are refused "
-                        "with UNAVAILABLE and kubelet retries, so that the liveness probe always has a thread "
-                        "(default 32)")
-    p.add_argument("--event-interval", default=_env("event-interval", "15s"),
-                   help="how often the plugin looks at its daemons to post Kubernetes Events on their pods "
-                        "(default 15s)")
-    p.add_argument("--event-backup-lag", default=_env("event-backup-lag", "10m"),
-                   help="how long a job's GCS backup may fail or lag before a TierfsBackupFailing Event on its "
-                        "pods (default 10m)")
-    p.add_argument("--metrics", default=_env("metrics"), metavar="HOST:PORT",
-                   help="serve Prometheus metrics (the plugin's and every daemon's on the node) at /metrics, "
-                        "with /healthz and /daemons (default: none)")
+    p.add_argument(
+        "--probe",
+        action="store_true",
+        help="ask the plugin at --endpoint whether it answers (exit 0) or not (exit 1), then exit",
+    )
+    p.add_argument(
+        "--ready",
+        action="store_true",
+        help="as --probe, and exit 1 also when the plugin answers that it cannot serve new volumes "
+        "(its readiness; --probe is its liveness)",
+    )
+    p.add_argument(
+        "--keeper-cgroup",
+        default=_env("keeper-cgroup"),
+        help="a cgroup (v2 directory, outside the plugin's container) to run each mount's keeper and "
+        "daemon in, so that a crash of the plugin's container leaves the mounts served",
+    )
+    p.add_argument(
+        "--volume-calls",
+        type=int,
+        default=_env("volume-calls", "32"),
+        help="volume calls (publish, unpublish, stats) the plugin works on at once; more are refused "
+        "with UNAVAILABLE and kubelet retries, so that the liveness probe always has a thread "
+        "(default 32)",
+    )
+    p.add_argument(
+        "--event-interval",
+        default=_env("event-interval", "15s"),
+        help="how often the plugin looks at its daemons to post Kubernetes Events on their pods (default 15s)",
+    )
+    p.add_argument(
+        "--event-backup-lag",
+        default=_env("event-backup-lag", "10m"),
+        help="how long a job's GCS backup may fail or lag before a TierfsBackupFailing Event on its pods (default 10m)",
+    )
+    p.add_argument(
+        "--metrics",
+        default=_env("metrics"),
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics (the plugin's and every daemon's on the node) at /metrics, "
+        "with /healthz and /daemons (default: none)",
+    )
     p.add_argument("--log-level", default=_env("log-level", "info"), choices=("debug", "info", "warning", "error"))
-    p.add_argument("--log-format", default=_env("log-format", "text"),
-                   help="text (the default) or json (one object per line), for the plugin's log and every daemon's; "
-                        "the plugin relays its daemons' logs to its stdout")
+    p.add_argument(
+        "--log-format",
+        default=_env("log-format", "text"),
+        help="text (the default) or json (one object per line), for the plugin's log and every daemon's; "
+        "the plugin relays its daemons' logs to its stdout",
+    )
     p.set_defaults(func=run)
 
 
@@ -85,8 +121,11 @@ def run(args: argparse.Namespace) -> int:
     if args.log_format not in LOG_FORMATS:
         raise UserError(f"invalid --log-format {args.log_format!r}: use text or json")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if args.log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if args.log_format == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     logging.basicConfig(level=args.log_level.upper(), handlers=[handler])
     cfg = PluginConfig(
         node_id=args.node_id or os.uname().nodename,

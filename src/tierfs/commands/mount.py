@@ -31,9 +31,27 @@ from tierfs.peers import tls
 
 _FLAGS = {**OPTIONS, **HOST_PATH_OPTIONS, **HOST_ADDRESS_OPTIONS, **TLS_FILE_OPTIONS}
 # Generic mount(8) options that mean nothing to a FUSE daemon, passed by mount.fuse3.
-_IGNORED_MOUNT_OPTIONS = {"rw", "defaults", "auto", "noauto", "user", "nouser", "users",
-                          "nofail", "_netdev", "dev", "nodev", "suid", "nosuid", "exec",
-                          "noexec", "async", "atime", "noatime", "relatime"}
+_IGNORED_MOUNT_OPTIONS = {
+    "rw",
+    "defaults",
+    "auto",
+    "noauto",
+    "user",
+    "nouser",
+    "users",
+    "nofail",
+    "_netdev",
+    "dev",
+    "nodev",
+    "suid",
+    "nosuid",
+    "exec",
+    "noexec",
+    "async",
+    "atime",
+    "noatime",
+    "relatime",
+}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,23 +59,38 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     for name, text in _FLAGS.items():
         p.add_argument(f"--{name}", default=env_value(name), help=f"{text}; env {env_name(name)}")
-    p.add_argument("--foreground", action="store_true",
-                   default=(env_value("foreground") or "").lower() in ("1", "true", "yes"),
-                   help="run the daemon in this process instead of returning once mounted")
-    p.add_argument("--read-only", action="store_true",
-                   default=(env_value("read_only") or "").lower() in ("1", "true", "yes"),
-                   help="mount read-only")
-    p.add_argument("--start-fresh", action="store_true",
-                   default=(env_value("start_fresh") or "").lower() in ("1", "true", "yes"),
-                   help="start even if the tiers hold a newer step complete for every rank than the one the "
-                        "coordinators chose (by default such a start is refused); env TIERFS_START_FRESH")
+    p.add_argument(
+        "--foreground",
+        action="store_true",
+        default=(env_value("foreground") or "").lower() in ("1", "true", "yes"),
+        help="run the daemon in this process instead of returning once mounted",
+    )
+    p.add_argument(
+        "--read-only",
+        action="store_true",
+        default=(env_value("read_only") or "").lower() in ("1", "true", "yes"),
+        help="mount read-only",
+    )
+    p.add_argument(
+        "--start-fresh",
+        action="store_true",
+        default=(env_value("start_fresh") or "").lower() in ("1", "true", "yes"),
+        help="start even if the tiers hold a newer step complete for every rank than the one the "
+        "coordinators chose (by default such a start is refused); env TIERFS_START_FRESH",
+    )
     p.set_defaults(func=run)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
     values = {name.replace("-", "_"): getattr(args, name.replace("-", "_")) for name in _FLAGS}
-    return Config.build(mountpoint=args.mountpoint, foreground=args.foreground, read_only=args.read_only,
-                        start_fresh=args.start_fresh, secret=env_value("secret"), **values)
+    return Config.build(
+        mountpoint=args.mountpoint,
+        foreground=args.foreground,
+        read_only=args.read_only,
+        start_fresh=args.start_fresh,
+        secret=env_value("secret"),
+        **values,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,8 +111,13 @@ def keep(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None) -
     if fuse_fd is None:
         fuse_fd = keeper.inherited_connection()
     watch = os.environ.pop(keeper.WATCH_ENV, None)
-    code = keeper.Keeper(cfg, daemon.run, fuse_fd, offer_at=os.environ.get(keeper.SOCKET_ENV),
-                         watch=int(watch) if watch and watch.isdigit() else None).run(ready_fd)
+    code = keeper.Keeper(
+        cfg,
+        daemon.run,
+        fuse_fd,
+        offer_at=os.environ.get(keeper.SOCKET_ENV),
+        watch=int(watch) if watch and watch.isdigit() else None,
+    ).run(ready_fd)
     return 0 if code == keeper.HANDED_OVER else code
 
 
@@ -113,8 +151,15 @@ def run_helper(argv: list[str]) -> int:
             raise UserError(f"unknown mount option {opt!r}: known are {', '.join(sorted(_FLAGS))}, ro, start-fresh")
     for name in _FLAGS:  # environment fills what -o leaves out, as for the flags
         values.setdefault(name.replace("-", "_"), env_value(name))
-    return spawn(Config.build(mountpoint=positional[1], read_only=switches["ro"], start_fresh=switches["start-fresh"],
-                              secret=env_value("secret"), **values))
+    return spawn(
+        Config.build(
+            mountpoint=positional[1],
+            read_only=switches["ro"],
+            start_fresh=switches["start-fresh"],
+            secret=env_value("secret"),
+            **values,
+        )
+    )
 
 
 def spawn(cfg: Config) -> int:
@@ -130,8 +175,9 @@ def spawn(cfg: Config) -> int:
         try:
             fuse_fd = keeper.adopt(adopt_from)
         except OSError as e:
-            raise UserError(f"cannot take {cfg.mountpoint} over from the keeper at {adopt_from}: "
-                            f"{e.strerror or e}") from None
+            raise UserError(
+                f"cannot take {cfg.mountpoint} over from the keeper at {adopt_from}: {e.strerror or e}"
+            ) from None
     else:
         mounts.prepare_mountpoint(cfg.mountpoint)  # fail fast, before any process starts
     # The child inherits both: the TLS contexts (built once; this also refuses TLS files that
@@ -140,6 +186,7 @@ def spawn(cfg: Config) -> int:
     with ThreadPoolExecutor(max_workers=1) as pool:
         keyed = pool.submit(tls.for_config, cfg)
         from tierfs.daemon import daemon  # noqa: F401, PLC0415 (the CLI's other commands do not need it)
+
         keyed.result()
     reg = mounts.Registration(cfg.mountpoint)
     log_path = cfg.log_file or reg.log_path
@@ -176,7 +223,7 @@ def spawn(cfg: Config) -> int:
         pass
     os.waitpid(pid, 0)
     if message.startswith("error: "):
-        raise UserError(message[len("error: "):])
+        raise UserError(message[len("error: ") :])
     raise UserError(f"the tierfs daemon exited before mounting {cfg.mountpoint}: see {log_path}")
 
 

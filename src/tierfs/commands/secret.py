@@ -12,8 +12,7 @@ from tierfs.core.keys import new_secret
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("secret", help="print a new random job secret",
-                       description=__doc__.splitlines()[0])
+    p = sub.add_parser("secret", help="print a new random job secret", description=__doc__.splitlines()[0])
     p.set_defaults(func=run)
 
 

@@ -50,9 +50,14 @@ def render(s: dict) -> str:
     cap = format_size(ram["capacity"]) + ("" if ram["capacity_bounded"] else " (ramdisk size)")
     lines = [
         f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  pid {s['pid']}  up {s['uptime_s']:.0f}s",
-        *([f"  UNAUTHENTICATED BUCKET: {s['gcs']['url']} is neither encrypted nor authenticated (no job secret): "
-           "whoever can read it reads these checkpoints, whoever can write it chooses what restores"]
-          if s.get("gcs") and s["gcs"].get("sealed") is False else []),
+        *(
+            [
+                f"  UNAUTHENTICATED BUCKET: {s['gcs']['url']} is neither encrypted nor authenticated (no job secret): "
+                "whoever can read it reads these checkpoints, whoever can write it chooses what restores"
+            ]
+            if s.get("gcs") and s["gcs"].get("sealed") is False
+            else []
+        ),
         f"  ram   {ram['path']}  ({_pages(ram)})",
         f"        used {format_size(ram['used'])} of {cap}",
         f"  io    data path {s['fuse']['data_path']} ({s['fuse']['engine']} engine; {s['fuse']['transfer']}): "
@@ -63,21 +68,29 @@ def render(s: dict) -> str:
     if s.get("cluster"):
         v = s["cluster"]
         gone = f", unreachable: {', '.join(v['unreachable_peers'])}" if v["unreachable_peers"] else ""
-        lines.append(f"  job   newest step complete on every rank: {v['newest_complete']}; "
-                     f"started from step {v['restore_step']}{gone}")
+        lines.append(
+            f"  job   newest step complete on every rank: {v['newest_complete']}; "
+            f"started from step {v['restore_step']}{gone}"
+        )
         if v.get("rollback"):
             b = v["rollback"]
-            lines.append(f"        rolled back to step {b['step']} (restore-step) at "
-                         f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(b['at']))}")
+            lines.append(
+                f"        rolled back to step {b['step']} (restore-step) at "
+                f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(b['at']))}"
+            )
         if v.get("coordination"):
             c = v["coordination"]
-            lines.append(f"        reports to {', '.join(c['reported_to']) or 'no coordinator yet'}"
-                         f"{'; coordinates the job' if c['coordinating'] else ''}")
+            lines.append(
+                f"        reports to {', '.join(c['reported_to']) or 'no coordinator yet'}"
+                f"{'; coordinates the job' if c['coordinating'] else ''}"
+            )
     if s.get("restored"):
         r = s["restored"]
-        lines.append(f"  restore step {r['step']} ({r['state']}) from {r['from'] or 'this node'}: "
-                     f"{format_size(r['bytes'] - r['bytes_missing'])} of {format_size(r['bytes'])} here, "
-                     f"{r['files']} files, {r['seconds']:.1f}s")
+        lines.append(
+            f"  restore step {r['step']} ({r['state']}) from {r['from'] or 'this node'}: "
+            f"{format_size(r['bytes'] - r['bytes_missing'])} of {format_size(r['bytes'])} here, "
+            f"{r['files']} files, {r['seconds']:.1f}s"
+        )
     lanes = s.get("lanes", ("peers", "gcs"))
     for tier in lanes:
         lane = s.get(tier)
@@ -96,16 +109,20 @@ def render(s: dict) -> str:
         b, r = st["backup"], st["replicas"]
         where = [f"from {st['source']}" if st["source"] != "local" else "committed"]
         if st.get("refused"):
-            lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {where[0]}; on this node only, "
-                         f"no tier can take it: {st['refused']}")
+            lines.append(
+                f"  step  {st['step']}  {', '.join(st['roots'])}  {where[0]}; on this node only, "
+                f"no tier can take it: {st['refused']}"
+            )
             continue
         if r.get("peers"):
             where.append(f"on {', '.join(r['peers'])} ({format_size(r['sent_bytes'])} sent)")
         elif s.get("peers"):
             where.append("not replicated yet")
         if st["backed_up"] and not b.get("restored"):
-            where.append(f"in GCS after {b['seconds']:.1f}s: {format_size(b['uploaded_bytes'])} uploaded, "
-                         f"{format_size(b['dedup_bytes'])} deduplicated{shared_by_twins(b)}")
+            where.append(
+                f"in GCS after {b['seconds']:.1f}s: {format_size(b['uploaded_bytes'])} uploaded, "
+                f"{format_size(b['dedup_bytes'])} deduplicated{shared_by_twins(b)}"
+            )
         elif st["backed_up"]:
             where.append("in GCS")
         elif s.get("gcs"):
@@ -118,8 +135,9 @@ def render(s: dict) -> str:
         lines.append(f"  step  {st['step']}  {', '.join(st['roots'])}  {'; '.join(where)}")
     held = s.get("replicas_held")
     if held:
-        lines.append(f"  holds {held.get('manifests', 0)} replica step(s) of other ranks, "
-                     f"{format_size(held.get('bytes', 0))}")
+        lines.append(
+            f"  holds {held.get('manifests', 0)} replica step(s) of other ranks, {format_size(held.get('bytes', 0))}"
+        )
     if s.get("goodput"):
         lines += goodput_lines(s["goodput"], s.get("failures", 0))
     if s.get("metrics"):
@@ -140,13 +158,17 @@ def goodput_lines(g: dict, failures: int) -> list[str]:
     cost = f"{g['cost_s']:.1f}s" if g.get("cost_s") is not None else "unknown"
     overhead = f" ({g['overhead_ratio']:.1%})" if g.get("overhead_ratio") is not None else ""
     risk = ", ".join(f"{tier} {_seconds(sec)}" for tier, sec in sorted((g.get("at_risk_s") or {}).items()))
-    lines = [f"  goodput  a step every {_seconds(g['interval_s'])}, each costing the job {cost}{overhead}; "
-             f"work at risk now: {risk or 'all of it'}",
-             f"           expected loss per failure {_seconds(g.get('expected_loss_s'))}; {failures} failure(s) seen"]
+    lines = [
+        f"  goodput  a step every {_seconds(g['interval_s'])}, each costing the job {cost}{overhead}; "
+        f"work at risk now: {risk or 'all of it'}",
+        f"           expected loss per failure {_seconds(g.get('expected_loss_s'))}; {failures} failure(s) seen",
+    ]
     if g.get("mtbf_s") is not None and g.get("goodput_ratio") is not None:
         best = g.get("optimal_interval_s")
-        lines.append(f"           at an MTBF of {_seconds(g['mtbf_s'])}: goodput {g['goodput_ratio']:.1%}; "
-                     f"a step every {_seconds(best)} would give {g.get('optimal_goodput_ratio') or 0:.1%}")
+        lines.append(
+            f"           at an MTBF of {_seconds(g['mtbf_s'])}: goodput {g['goodput_ratio']:.1%}; "
+            f"a step every {_seconds(best)} would give {g.get('optimal_goodput_ratio') or 0:.1%}"
+        )
     return lines
 
 

@@ -46,36 +46,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bucket.add_argument("--job", help="the job id")
     bucket.add_argument("--gcs", metavar="gs://BUCKET/PREFIX", help="the job's --gcs")
     bucket.add_argument("--nodes", type=int, help="ranks in the job (default: the highest rank listed, plus 1)")
-    bucket.add_argument("--secret-file", metavar="F", help="the job's secret, to verify the manifests "
-                        "(or set TIERFS_SECRET)")
+    bucket.add_argument(
+        "--secret-file", metavar="F", help="the job's secret, to verify the manifests (or set TIERFS_SECRET)"
+    )
     bucket.add_argument("--keep-every", type=int, metavar="N", help="the job's --keep-every, to mark milestones")
     bucket.add_argument("--keep-for", metavar="D", help="the job's --keep-for, to mark milestones")
-    bucket.add_argument("--discard-set-aside", type=int, metavar="STEP",
-                        help="delete the steps the rollback to STEP set aside (and forget that rollback)")
+    bucket.add_argument(
+        "--discard-set-aside",
+        type=int,
+        metavar="STEP",
+        help="delete the steps the rollback to STEP set aside (and forget that rollback)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.gcs is None:
         if args.mountpoint is None:
-            raise UserError("give a MOUNTPOINT, or --job JOB --gcs gs://BUCKET/PREFIX to list a bucket "
-                            "without a mount")
-        given = [f"--{a.replace('_', '-')}" for a in ("job", "nodes", "secret_file", "keep_every", "keep_for",
-                                                        "discard_set_aside") if getattr(args, a) is not None]
+            raise UserError("give a MOUNTPOINT, or --job JOB --gcs gs://BUCKET/PREFIX to list a bucket without a mount")
+        given = [
+            f"--{a.replace('_', '-')}"
+            for a in ("job", "nodes", "secret_file", "keep_every", "keep_for", "discard_set_aside")
+            if getattr(args, a) is not None
+        ]
         if given:
             raise UserError(f"{', '.join(given)} only go with --gcs: with a MOUNTPOINT its daemon knows the job")
         steps, notes = from_daemon(Path(args.mountpoint).absolute())
     else:
         if args.mountpoint is not None:
-            raise UserError(f"give MOUNTPOINT or --gcs, not both: {args.mountpoint} lists what its daemon "
-                            "reaches, --gcs what the bucket holds")
+            raise UserError(
+                f"give MOUNTPOINT or --gcs, not both: {args.mountpoint} lists what its daemon "
+                "reaches, --gcs what the bucket holds"
+            )
         if args.job is None:
             raise UserError(f"--gcs {args.gcs} needs --job JOB: a bucket holds each job under its own name")
         if args.discard_set_aside is not None:
             print(discard(args.gcs, args.job, args.discard_set_aside, read_secret(args.secret_file)))
             return 0
-        steps, notes = from_bucket(args.gcs, args.job, args.nodes, read_secret(args.secret_file),
-                                   args.keep_every or 0, parse_duration(args.keep_for or "0", "keep-for"))
+        steps, notes = from_bucket(
+            args.gcs,
+            args.job,
+            args.nodes,
+            read_secret(args.secret_file),
+            args.keep_every or 0,
+            parse_duration(args.keep_for or "0", "keep-for"),
+        )
     for note in notes:
         print(f"tierfs: note: {note}", file=sys.stderr)
     print(json.dumps(steps, indent=2) if args.json else render(steps))
@@ -89,16 +104,19 @@ def from_daemon(mountpoint: Path) -> tuple[list[dict], list[str]]:
     """The daemon's answer (:func:`tierfs.daemon.steps.answer`): the steps, and what it could not reach."""
     entry = mounts.find_mount(mountpoint)
     if entry is None or entry.fstype != mounts.FSTYPE:
-        raise UserError(f"{mountpoint} is not a tierfs mount: give the mountpoint of a volume, "
-                        "or --job and --gcs to list a bucket without one")
+        raise UserError(
+            f"{mountpoint} is not a tierfs mount: give the mountpoint of a volume, "
+            "or --job and --gcs to list a bucket without one"
+        )
     if mounts.is_dead(mountpoint):
         raise UserError(f"the daemon of {mountpoint} is gone: run tierfs mount again to recover it")
     try:
         reply = control_client.request(mounts.Registration(mountpoint).socket_path, {"op": "steps"}, ASK_TIMEOUT)
     except UserError as e:
         if "unknown request" in str(e):
-            raise UserError(f"the daemon of {mountpoint} predates tierfs steps: "
-                            f"run tierfs upgrade {mountpoint}") from None
+            raise UserError(
+                f"the daemon of {mountpoint} predates tierfs steps: run tierfs upgrade {mountpoint}"
+            ) from None
         raise
     silent = sorted(reply.get("unanswered", {}).items())
     notes = [f"{name} did not answer ({why}): what it holds is not counted" for name, why in silent[:MAX_NOTES]]
@@ -121,8 +139,9 @@ def read_secret(secret_file: str | None) -> bytes | None:
     return secret.encode() if secret else None
 
 
-def from_bucket(url: str, job: str, nodes: int | None, secret: bytes | None,
-                keep_every: int = 0, keep_for: float = 0.0) -> tuple[list[dict], list[str]]:
+def from_bucket(
+    url: str, job: str, nodes: int | None, secret: bytes | None, keep_every: int = 0, keep_for: float = 0.0
+) -> tuple[list[dict], list[str]]:
     """The job's steps in ``url``, as a bucket listing shows them (rank -> steps), with sizes
     of the newest :data:`MAX_SIZED_STEPS` (the sum over their ranks)."""
     if nodes is not None and nodes < 1:
@@ -143,17 +162,22 @@ def from_bucket(url: str, job: str, nodes: int | None, secret: bytes | None,
         facts, sealed = bucket_facts(store, by_step, keys, job)
     notes = []
     if sealed:
-        notes.append(f"the manifests in {url} are sealed with the job's secret: without it their steps are "
-                     "listed unverified and their sizes are unknown; give --secret-file F or TIERFS_SECRET")
+        notes.append(
+            f"the manifests in {url} are sealed with the job's secret: without it their steps are "
+            "listed unverified and their sizes are unknown; give --secret-file F or TIERFS_SECRET"
+        )
     if ignored:
         more = f" (and {len(ignored) - 1} more like it)" if len(ignored) > 1 else ""
         notes.append(f"left out of the listing: {ignored[0]}{more}")
     for to, held in aside.items():
         steps = sorted({step for ranks in held.values() for step in ranks})
-        shown = ", ".join(map(str, steps[:MAX_MISSING])) + (f" and {len(steps) - MAX_MISSING} more"
-                                                            if len(steps) > MAX_MISSING else "")
-        notes.append(f"the rollback to step {to} set aside step(s) {shown}, kept until "
-                     f"'tierfs steps --job {job} --gcs {url} --discard-set-aside {to}'")
+        shown = ", ".join(map(str, steps[:MAX_MISSING])) + (
+            f" and {len(steps) - MAX_MISSING} more" if len(steps) > MAX_MISSING else ""
+        )
+        notes.append(
+            f"the rollback to step {to} set aside step(s) {shown}, kept until "
+            f"'tierfs steps --job {job} --gcs {url} --discard-set-aside {to}'"
+        )
     nodes = nodes or (max(listing) + 1 if listing else 1)
     now = time.time()
     listed = []
@@ -162,13 +186,20 @@ def from_bucket(url: str, job: str, nodes: int | None, secret: bytes | None,
         known = [f for r in sorted(ranks) if (f := facts.get((r, step))) is not None]
         at = max((f.created for f in known), default=None)
         age = round(max(0.0, now - at), 1) if at is not None else None
-        listed.append({
-            "step": step, "tiers": ["gcs"], "peers": [],
-            "complete": sum(1 for r in ranks if 0 <= r < nodes), "nodes": nodes,
-            "missing_ranks": [r for r in range(nodes) if r not in ranks][:MAX_MISSING],
-            "size": sum(f.size for f in known) if len(known) == len(ranks) else None,  # of every rank, or unknown
-            "committed_at": at, "age_s": age, "milestone": milestones.is_milestone(step, at, now),
-        })
+        listed.append(
+            {
+                "step": step,
+                "tiers": ["gcs"],
+                "peers": [],
+                "complete": sum(1 for r in ranks if 0 <= r < nodes),
+                "nodes": nodes,
+                "missing_ranks": [r for r in range(nodes) if r not in ranks][:MAX_MISSING],
+                "size": sum(f.size for f in known) if len(known) == len(ranks) else None,  # of every rank, or unknown
+                "committed_at": at,
+                "age_s": age,
+                "milestone": milestones.is_milestone(step, at, now),
+            }
+        )
     return listed, notes
 
 
@@ -180,8 +211,10 @@ def open_bucket(url: str, job: str, secret: bytes | None) -> tuple[GcsStore, Man
     parse_gcs_url(url)
     current, older = split_secrets(secret or b"")
     if any(len(s) < 16 for s in (current or b"x" * 16, *older)):
-        raise UserError("the job secret is too short: use the job's own (at least 16 characters), "
-                        "from --secret-file or TIERFS_SECRET")
+        raise UserError(
+            "the job secret is too short: use the job's own (at least 16 characters), "
+            "from --secret-file or TIERFS_SECRET"
+        )
     keys = manifest_keys(job, current or None, older)
     return GcsStore(url, job, keys=keys, seals=bucket_seals(job, current or None, older)), keys
 
@@ -194,8 +227,9 @@ def bucket_errors(url: str, doing: str) -> Iterator[None]:
     try:
         yield
     except GcsUnavailable as e:
-        raise UserError(f"cannot reach {url} ({e}): check the network, the credentials "
-                        "or STORAGE_EMULATOR_HOST") from None
+        raise UserError(
+            f"cannot reach {url} ({e}): check the network, the credentials or STORAGE_EMULATOR_HOST"
+        ) from None
     except GcsError as e:
         raise UserError(f"cannot {doing} {url}: {e}") from None
 
@@ -209,12 +243,15 @@ def discard(url: str, job: str, to: int, secret: bytes | None) -> str:
     steps = sorted({step for ranks in (held or {}).values() for step in ranks})
     if not gone:
         return f"nothing set aside by a rollback to step {to} in {url} (job {job}); its record, if any, is gone"
-    return (f"discarded {gone} manifest(s) of step(s) {', '.join(map(str, steps))} set aside by the rollback to "
-            f"step {to}; the next GC frees the chunks only they used")
+    return (
+        f"discarded {gone} manifest(s) of step(s) {', '.join(map(str, steps))} set aside by the rollback to "
+        f"step {to}; the next GC frees the chunks only they used"
+    )
 
 
-def bucket_facts(store: GcsStore, by_step: dict[int, list[int]], keys: ManifestKeys | None,
-                 job: str) -> tuple[dict[tuple[int, int], Facts], bool]:
+def bucket_facts(
+    store: GcsStore, by_step: dict[int, list[int]], keys: ManifestKeys | None, job: str
+) -> tuple[dict[tuple[int, int], Facts], bool]:
     """Facts of the manifests of the newest steps (step -> ranks listed), read in parallel; and
     whether, no secret given, the manifests are sealed (then none is read past the first)."""
     from tierfs.tiers.gcs_http import CorruptObject, GcsError
@@ -282,8 +319,15 @@ def render(steps: list[dict]) -> str:
         return "no steps on any tier"
     rows = [("STEP", "TIERS", "COMPLETE", "SIZE", "AGE", "MILESTONE")]
     for s in steps:
-        rows.append((str(s["step"]), ",".join(s["tiers"]), f"{s['complete']}/{s['nodes']}",
-                     format_size(s["size"]) if s["size"] is not None else "-", _age(s["age_s"]),
-                     "yes" if s["milestone"] else ""))
+        rows.append(
+            (
+                str(s["step"]),
+                ",".join(s["tiers"]),
+                f"{s['complete']}/{s['nodes']}",
+                format_size(s["size"]) if s["size"] is not None else "-",
+                _age(s["age_s"]),
+                "yes" if s["milestone"] else "",
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -13,8 +13,9 @@ from tierfs.core import mounts
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("unmount", aliases=["umount"], help="unmount a tierfs volume",
-                       description=__doc__.splitlines()[0])
+    p = sub.add_parser(
+        "unmount", aliases=["umount"], help="unmount a tierfs volume", description=__doc__.splitlines()[0]
+    )
     p.add_argument("mountpoint", metavar="MOUNTPOINT")
     p.set_defaults(func=run)
 

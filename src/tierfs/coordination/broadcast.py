@@ -120,9 +120,15 @@ class _Everything:
         return True
 
 
-def plan(needs: Mapping[str, Sequence[str]], sizes: Mapping[str, int],
-         holders: Mapping[str, Iterable[str]] | None = None, in_gcs: Container[str] | bool = True,
-         fan_out: int = FAN_OUT, fallbacks: int = FALLBACKS, dead: Container[str] = ()) -> dict[str, NodePlan]:
+def plan(
+    needs: Mapping[str, Sequence[str]],
+    sizes: Mapping[str, int],
+    holders: Mapping[str, Iterable[str]] | None = None,
+    in_gcs: Container[str] | bool = True,
+    fan_out: int = FAN_OUT,
+    fallbacks: int = FALLBACKS,
+    dead: Container[str] = (),
+) -> dict[str, NodePlan]:
     """Per-node plans for ``needs`` (node -> chunks it needs, in the order it wants them).
 
     ``holders``: chunk -> nodes that hold it now; ``in_gcs``: the chunks GCS has (True:
@@ -176,8 +182,17 @@ def plan(needs: Mapping[str, Sequence[str]], sizes: Mapping[str, int],
     return plans
 
 
-def _tree(h: str, size: int, roots: list[str], needers: list[str], index: int, fan_out: int,
-          served: Counter, parent: dict[str, str], depth: dict[str, int]) -> None:
+def _tree(
+    h: str,
+    size: int,
+    roots: list[str],
+    needers: list[str],
+    index: int,
+    fan_out: int,
+    served: Counter,
+    parent: dict[str, str],
+    depth: dict[str, int],
+) -> None:
     """Hang ``needers`` under ``roots``, ``fan_out`` per node, least-loaded parents first."""
     if not needers:
         return
@@ -201,8 +216,9 @@ def _tree(h: str, size: int, roots: list[str], needers: list[str], index: int, f
             heapq.heappush(layer, (served[p], p))
 
 
-def _sources(node: str, parent: dict[str, str], held: list[str], restoring: set[str],
-             gcs: bool, fallbacks: int) -> tuple[Source, ...]:
+def _sources(
+    node: str, parent: dict[str, str], held: list[str], restoring: set[str], gcs: bool, fallbacks: int
+) -> tuple[Source, ...]:
     out: list[Source] = []
     p = parent.get(node)
     if p == GCS:
@@ -232,9 +248,12 @@ def plan_stats(plans: Mapping[str, NodePlan], sizes: Mapping[str, int]) -> dict:
         for h, src in p.sources.items():
             if src and not src[0].is_gcs:
                 served[src[0].address] += sizes[h]
-    return {"unique_bytes": sum(sizes[h] for h in unique), "gcs_bytes": gcs,
-            "max_served_bytes": max(served.values(), default=0),
-            "max_depth": max((d for p in plans.values() for d in p.depth.values()), default=0)}
+    return {
+        "unique_bytes": sum(sizes[h] for h in unique),
+        "gcs_bytes": gcs,
+        "max_served_bytes": max(served.values(), default=0),
+        "max_depth": max((d for p in plans.values() for d in p.depth.values()), default=0),
+    }
 
 
 # -- runtime -----------------------------------------------------------------------------
@@ -335,8 +354,14 @@ class ChunkBoard:
         if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT:
             return {"error": f"malformed await_chunk: wait must be a number of seconds in [0, {MAX_WAIT:g}]"}
         have = await self.wait(h, wait)
-        return {"ok": True, "have": have, "pending": self.pending(h), "fetching": h in self._fetching,
-                "progress": self.progress, "via": self._upstream.get(h, [])}
+        return {
+            "ok": True,
+            "have": have,
+            "pending": self.pending(h),
+            "fetching": h in self._fetching,
+            "progress": self.progress,
+            "via": self._upstream.get(h, []),
+        }
 
 
 ReadPeer = Callable[[str, str, int], Awaitable[object]]  # (address, chunk, length) -> its bytes
@@ -354,9 +379,19 @@ class PlannedFetch:
     the chunk is where this node's service reads it from (written, in the daemon).
     """
 
-    def __init__(self, plan: NodePlan, transport: Transport, read_peer: ReadPeer, read_gcs: ReadGcs | None,
-                 board: ChunkBoard | None = None, *, wait: float = WAIT, rpc_timeout: float = RPC_TIMEOUT,
-                 dead: Iterable[str] = (), announce: bool = True):
+    def __init__(
+        self,
+        plan: NodePlan,
+        transport: Transport,
+        read_peer: ReadPeer,
+        read_gcs: ReadGcs | None,
+        board: ChunkBoard | None = None,
+        *,
+        wait: float = WAIT,
+        rpc_timeout: float = RPC_TIMEOUT,
+        dead: Iterable[str] = (),
+        announce: bool = True,
+    ):
         self.plan, self.transport, self.read_peer, self.read_gcs = plan, transport, read_peer, read_gcs
         self.announce = announce
         self.board = board if board is not None else ChunkBoard()
@@ -420,8 +455,9 @@ class PlannedFetch:
         try:
             while True:
                 wait = min(POLL, max(0.0, deadline - trio.current_time()))
-                reply = await self.transport.request(source, {"op": "await_chunk", "hash": h, "wait": wait},
-                                                     wait + self.rpc_timeout)
+                reply = await self.transport.request(
+                    source, {"op": "await_chunk", "hash": h, "wait": wait}, wait + self.rpc_timeout
+                )
                 if "error" in reply:
                     raise SourceFailed(str(reply["error"])[:200])
                 try:
@@ -441,8 +477,9 @@ class PlannedFetch:
                 if me in chain:
                     cycle = [*chain[: chain.index(me)], me]
                     if min(cycle, key=lambda a: priority(h, a)) == me:
-                        log.info("chunk %s: %s waits in a cycle (%s): going to the next source", h,
-                                 me, " -> ".join(cycle))
+                        log.info(
+                            "chunk %s: %s waits in a cycle (%s): going to the next source", h, me, " -> ".join(cycle)
+                        )
                         return False
         finally:
             self.board.waiting_on(h, None)

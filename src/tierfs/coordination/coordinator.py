@@ -39,7 +39,6 @@ from tierfs.coordination import fields
 from tierfs.coordination.protocol import (
     DECIDE_POLL,
     INTERVAL,
-    K,
     MAX_GROUP,
     MAX_LISTED_DOWN,
     MAX_LISTED_HOLDERS,
@@ -49,6 +48,7 @@ from tierfs.coordination.protocol import (
     RPC_TIMEOUT,
     TICK,
     Clock,
+    K,
 )
 from tierfs.coordination.reports import Reports
 from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable
@@ -72,11 +72,22 @@ class Coordinator:
     ``list_gcs``: the job's manifests in GCS (rank -> committed steps), or None without GCS.
     """
 
-    def __init__(self, address: str, order: Sequence[str], transport: Transport, *, nodes: int,
-                 list_gcs: Callable[[], Awaitable[dict[int, list[int]]]] | None = None,
-                 interval: float = INTERVAL, rpc_timeout: float = RPC_TIMEOUT, k: int = K,
-                 pull_after: float = PULL_AFTER, down_after: int = DOWN_AFTER, clock: Clock = trio.current_time,
-                 members: frozenset[str] | None = None):
+    def __init__(
+        self,
+        address: str,
+        order: Sequence[str],
+        transport: Transport,
+        *,
+        nodes: int,
+        list_gcs: Callable[[], Awaitable[dict[int, list[int]]]] | None = None,
+        interval: float = INTERVAL,
+        rpc_timeout: float = RPC_TIMEOUT,
+        k: int = K,
+        pull_after: float = PULL_AFTER,
+        down_after: int = DOWN_AFTER,
+        clock: Clock = trio.current_time,
+        members: frozenset[str] | None = None,
+    ):
         self.address, self.transport, self.list_gcs = address, transport, list_gcs
         self.members = frozenset(order) if members is None else members  # shared, never copied
         self.order, self.k = order, k
@@ -273,8 +284,11 @@ class Coordinator:
             return now
         key = (source, question)
         if key not in self._questions:
-            while len(self._questions) >= MAX_QUESTIONS or self._questions and \
-                    now - next(iter(self._questions.values())) > MAX_WAIT + DECIDE_POLL:
+            while (
+                len(self._questions) >= MAX_QUESTIONS
+                or self._questions
+                and now - next(iter(self._questions.values())) > MAX_WAIT + DECIDE_POLL
+            ):
                 del self._questions[next(iter(self._questions))]
             self._questions[key] = now
         return self._questions[key]
@@ -308,8 +322,9 @@ class Coordinator:
         """The leading coordinator candidates found down: members skip them without a timeout."""
         return sorted(a for a in self.reports.down if a in self._leading) if self.reports.down else []
 
-    def answer(self, rank: int, group: Iterable[int] = (), source: str | None = None,
-               asked: float | None = None) -> Message:
+    def answer(
+        self, rank: int, group: Iterable[int] = (), source: str | None = None, asked: float | None = None
+    ) -> Message:
         """What ``coord_decide`` returns for ``rank`` and its ``group`` (the ranks holding the same data).
 
         Ready only when a round begun at or after ``asked`` is complete (None: the view as it is).
@@ -318,16 +333,27 @@ class Coordinator:
         for r in dict.fromkeys([rank, *group]):
             steps = self.view.steps_of(r) or {}
             listed = sorted(steps)[-MAX_LISTED_STEPS:]
-            ranks[str(r)] = {"choice": self.view.choose(r),
-                             "steps": {str(s): steps[s][:MAX_LISTED_HOLDERS] for s in listed},
-                             "nodes": sorted(self.reports.ranks.get(r, ()))[:MAX_LISTED_HOLDERS]}
+            ranks[str(r)] = {
+                "choice": self.view.choose(r),
+                "steps": {str(s): steps[s][:MAX_LISTED_HOLDERS] for s in listed},
+                "nodes": sorted(self.reports.ranks.get(r, ()))[:MAX_LISTED_HOLDERS],
+            }
         down = sorted(self.reports.down)
         ready = self.ready() if asked is None else self.answered(asked)
-        return {"ok": True, "ready": ready, "you": source in self.reports.held, "silent": [] if ready else self._silent(),
-                "coordinating": self.active_since is not None and self.coordinating(), "summary": self.view.summary(),
-                "reported": len(self.reports.fresh), "members": len(self.members),
-                "down": down[:MAX_LISTED_DOWN], "down_count": len(down),
-                "gcs": {"listed": self.gcs_at is not None, "error": self.gcs_error}, "ranks": ranks}
+        return {
+            "ok": True,
+            "ready": ready,
+            "you": source in self.reports.held,
+            "silent": [] if ready else self._silent(),
+            "coordinating": self.active_since is not None and self.coordinating(),
+            "summary": self.view.summary(),
+            "reported": len(self.reports.fresh),
+            "members": len(self.members),
+            "down": down[:MAX_LISTED_DOWN],
+            "down_count": len(down),
+            "gcs": {"listed": self.gcs_at is not None, "error": self.gcs_error},
+            "ranks": ranks,
+        }
 
     # -- duties ---------------------------------------------------------------------------
 
@@ -347,8 +373,12 @@ class Coordinator:
         now = self.clock()
         coordinating = self.coordinating()
         # Periodic listings; a round starts its own (_begin_round, and _list once the running one ends).
-        if (coordinating and self.list_gcs is not None and not self._listing
-                and (self.gcs_at is None or now - self.gcs_at >= self.interval)):
+        if (
+            coordinating
+            and self.list_gcs is not None
+            and not self._listing
+            and (self.gcs_at is None or now - self.gcs_at >= self.interval)
+        ):
             self._listing = True
             nursery.start_soon(self._list)
         for member in self._suspects - self._pulling - self.reports.down.keys():  # a member could not reach it
@@ -363,7 +393,13 @@ class Coordinator:
         if not coordinating:
             return
         if len(self.reports.fresh) + len(self.reports.down) < len(self.members):  # silent members
-            for member in self.members - self.reports.fresh - self.reports.down.keys() - self._pulling - self.reports.starting.keys():
+            for member in (
+                self.members
+                - self.reports.fresh
+                - self.reports.down.keys()
+                - self._pulling
+                - self.reports.starting.keys()
+            ):
                 self._pulling.add(member)
                 nursery.start_soon(self._pull, member)
         for member, report in self.reports.held.items():  # overdue members (a gone node's holdings go soon)
@@ -426,4 +462,3 @@ class _Round:
     at: float
     known: set[str] = field(default_factory=set)  # members whose holdings were read in this round
     down: set[str] = field(default_factory=set)  # members found down in this round
-

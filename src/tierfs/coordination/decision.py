@@ -67,13 +67,20 @@ class Decision:
         if not (gcs.get("error") is None or isinstance(gcs.get("error"), str)):
             raise BadMessage("gcs error must be a string or null")
         fields.count(answer.get("down_count", 0), "down_count")
-        return cls(ranks[rank].choice, fields.flag(answer.get("ready"), "ready"), coordinator,
-                   fields.summary(answer.get("summary")), ranks,
-                   fields.count(answer.get("reported"), "reported"), fields.count(answer.get("members"), "members"),
-                   fields.addresses(answer.get("down", []), "down", MAX_LISTED_DOWN), at,
-                   fields.addresses(answer.get("silent", []), "silent", MAX_LISTED_DOWN),
-                   fields.flag(answer.get("you", False), "you"),
-                   fields.flag(answer.get("coordinating", False), "coordinating"))
+        return cls(
+            ranks[rank].choice,
+            fields.flag(answer.get("ready"), "ready"),
+            coordinator,
+            fields.summary(answer.get("summary")),
+            ranks,
+            fields.count(answer.get("reported"), "reported"),
+            fields.count(answer.get("members"), "members"),
+            fields.addresses(answer.get("down", []), "down", MAX_LISTED_DOWN),
+            at,
+            fields.addresses(answer.get("silent", []), "silent", MAX_LISTED_DOWN),
+            fields.flag(answer.get("you", False), "you"),
+            fields.flag(answer.get("coordinating", False), "coordinating"),
+        )
 
     def holders(self, rank: int, step: int) -> list[str]:
         view = self.ranks.get(rank)

@@ -36,8 +36,7 @@ def address(value: object, what: str) -> str:
     """A node's ``HOST:PORT`` as other nodes name it."""
     m = _ADDRESS.fullmatch(value) if isinstance(value, str) and len(value) <= MAX_ADDRESS else None
     if m is None or not 0 < int(m.group(1)) < 65536:
-        raise BadMessage(f"{what} must be a HOST:PORT address of at most {MAX_ADDRESS} characters, "
-                         f"not {_what(value)}")
+        raise BadMessage(f"{what} must be a HOST:PORT address of at most {MAX_ADDRESS} characters, not {_what(value)}")
     return value
 
 
@@ -109,11 +108,13 @@ def report(value: object, nodes: int) -> Holdings:
 def summary(value: object) -> dict:
     """SUMMARY of :mod:`tierfs.coordination.protocol`: the floor and newest step every node acts on."""
     data = obj(value, "summary")
-    return {"newest": step(data.get("newest"), "summary newest", optional=True),
-            "floor": step(data.get("floor"), "summary floor", optional=True),
-            "decisions": steps(data.get("decisions", []), "summary decisions", MAX_DECISIONS),
-            "complete": steps(data.get("complete", []), "summary complete", MAX_COMPLETE),
-            "ranks": count(data.get("ranks", 0), "summary ranks")}
+    return {
+        "newest": step(data.get("newest"), "summary newest", optional=True),
+        "floor": step(data.get("floor"), "summary floor", optional=True),
+        "decisions": steps(data.get("decisions", []), "summary decisions", MAX_DECISIONS),
+        "complete": steps(data.get("complete", []), "summary complete", MAX_COMPLETE),
+        "ranks": count(data.get("ranks", 0), "summary ranks"),
+    }
 
 
 # -- the coordinator side: questions from members -------------------------------------------
@@ -148,8 +149,13 @@ class Question:
         if not isinstance(question, str) or len(question) > MAX_QUESTION or not question.isprintable():
             raise BadMessage(f"q must be a printable string of at most {MAX_QUESTION} characters")
         held = message.get("report")
-        return cls(asked, tuple(rank(g, "group", nodes) for g in group), float(wait), question,
-                   None if held is None else report(held, nodes))
+        return cls(
+            asked,
+            tuple(rank(g, "group", nodes) for g in group),
+            float(wait),
+            question,
+            None if held is None else report(held, nodes),
+        )
 
 
 # -- the member side: answers from coordinators -----------------------------------------------
@@ -189,8 +195,10 @@ def rank_answer(value: object, what: str, max_steps: int, max_holders: int) -> t
 def chunk_status(reply: Message, max_via: int) -> tuple[bool, bool, bool, int | None, list[str]]:
     """An ``await_chunk`` answer: (have, pending, fetching, progress, via)."""
     progress = reply.get("progress")
-    return (flag(reply.get("have", False), "have"), flag(reply.get("pending", False), "pending"),
-            flag(reply.get("fetching", False), "fetching"),
-            None if progress is None else count(progress, "progress"),
-            addresses(reply.get("via", []), "via", max_via))
-
+    return (
+        flag(reply.get("have", False), "have"),
+        flag(reply.get("pending", False), "pending"),
+        flag(reply.get("fetching", False), "fetching"),
+        None if progress is None else count(progress, "progress"),
+        addresses(reply.get("via", []), "via", max_via),
+    )

@@ -32,8 +32,11 @@ def listing_prefixes(nodes: int) -> list[str]:
     return exact + shared
 
 
-async def list_sharded(list_prefix: Callable[[str], Awaitable[dict[int, list[int]]]],
-                       prefixes: Sequence[str], at_once: int = LISTINGS_AT_ONCE) -> dict[int, list[int]]:
+async def list_sharded(
+    list_prefix: Callable[[str], Awaitable[dict[int, list[int]]]],
+    prefixes: Sequence[str],
+    at_once: int = LISTINGS_AT_ONCE,
+) -> dict[int, list[int]]:
     """One listing from many prefix listings run concurrently (any failure fails the listing)."""
     merged: dict[int, list[int]] = {}
     limit = trio.CapacityLimiter(at_once)
@@ -47,4 +50,3 @@ async def list_sharded(list_prefix: Callable[[str], Awaitable[dict[int, list[int
         for prefix in prefixes:
             nursery.start_soon(one, prefix)
     return {r: sorted(set(s)) for r, s in merged.items()}
-

@@ -29,13 +29,13 @@ from tierfs.coordination.decision import Decision
 from tierfs.coordination.protocol import (
     DECIDE_POLL,
     INTERVAL,
-    K,
     MAX_GROUP,
     MAX_LISTED_DOWN,
     MAX_SUSPECTS,
     RPC_TIMEOUT,
     TICK,
     Clock,
+    K,
 )
 from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable
 from tierfs.coordination.view import Holdings
@@ -49,10 +49,20 @@ REFUSED_FOR = 1.0  # one that refused (its daemon is starting) is asked again th
 class Member:
     """The member side of a node: reports to the coordinators and asks them for decisions."""
 
-    def __init__(self, address: str, order: Sequence[str], transport: Transport,
-                 holdings: Callable[[], Holdings], *, k: int = K,
-                 rpc_timeout: float = RPC_TIMEOUT, suspect_for: float = SUSPECT_FOR,
-                 local: Coordinator | None = None, clock: Clock = trio.current_time, inc: int | None = None):
+    def __init__(
+        self,
+        address: str,
+        order: Sequence[str],
+        transport: Transport,
+        holdings: Callable[[], Holdings],
+        *,
+        k: int = K,
+        rpc_timeout: float = RPC_TIMEOUT,
+        suspect_for: float = SUSPECT_FOR,
+        local: Coordinator | None = None,
+        clock: Clock = trio.current_time,
+        inc: int | None = None,
+    ):
         self.address, self.transport, self._holdings = address, transport, holdings
         self.order = order  # candidates(job, members), shared
         self.k, self.rpc_timeout, self.suspect_for = k, rpc_timeout, suspect_for
@@ -139,8 +149,9 @@ class Member:
                 if suspects:  # the coordinators check them at once, and tell everyone who is down
                     message["suspects"] = suspects
                 try:
-                    answers[address] = fields.report_answer(await self._ask(address, message, self.rpc_timeout),
-                                                            MAX_LISTED_DOWN)
+                    answers[address] = fields.report_answer(
+                        await self._ask(address, message, self.rpc_timeout), MAX_LISTED_DOWN
+                    )
                 except BadMessage as e:
                     self.suspect(address, BadMessage(f"malformed coord_report answer: {e}"))
                     continue
@@ -169,8 +180,14 @@ class Member:
         now = self.clock()
         return [a for a, at in self._silent.items() if now - at <= 2 * self.interval][:MAX_SUSPECTS]
 
-    async def decide(self, rank: int, group: Sequence[int] = (), wait: float = 15.0,
-                     poll: float = DECIDE_POLL, exclude: Collection[str] = ()) -> Decision:
+    async def decide(
+        self,
+        rank: int,
+        group: Sequence[int] = (),
+        wait: float = 15.0,
+        poll: float = DECIDE_POLL,
+        exclude: Collection[str] = (),
+    ) -> Decision:
         """The step ``rank`` restores, from the first coordinator (not in ``exclude``) whose answer is ready.
 
         Waits up to ``wait`` seconds for a ready answer (--restore-wait), then takes the
@@ -189,8 +206,14 @@ class Member:
             for address in self.coordinators(extra=len(exclude)):
                 if address in exclude:
                     continue
-                message = {"op": "coord_decide", "rank": rank, "group": group, "wait": min(poll, left),
-                           "q": question, "report": self.report_now().to_wire()}
+                message = {
+                    "op": "coord_decide",
+                    "rank": rank,
+                    "group": group,
+                    "wait": min(poll, left),
+                    "q": question,
+                    "report": self.report_now().to_wire(),
+                }
                 try:
                     answer = await self._ask(address, message, min(poll, left) + self.rpc_timeout)
                     decision = Decision.from_answer(rank, group, answer, address, self.clock())
@@ -214,8 +237,12 @@ class Member:
         if best is None:
             log.warning("no coordinator answered within %.0fs", wait)
             return Decision(None, False, None, at=self.clock())
-        log.info("deciding on a view that is not ready: %d of %d members reported, %d down",
-                 best.reported, best.members, len(best.down))
+        log.info(
+            "deciding on a view that is not ready: %d of %d members reported, %d down",
+            best.reported,
+            best.members,
+            len(best.down),
+        )
         return best
 
     async def run(self, interval: float = INTERVAL, task_status: trio.TaskStatus = trio.TASK_STATUS_IGNORED) -> None:

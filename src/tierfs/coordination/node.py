@@ -14,7 +14,7 @@ import trio
 
 from tierfs.coordination.coordinator import DOWN_AFTER, PULL_AFTER, Coordinator
 from tierfs.coordination.member import SUSPECT_FOR, Member
-from tierfs.coordination.protocol import INTERVAL, K, RPC_TIMEOUT, Clock
+from tierfs.coordination.protocol import INTERVAL, RPC_TIMEOUT, Clock, K
 from tierfs.coordination.transport import Message, Transport
 from tierfs.coordination.view import Holdings
 
@@ -22,20 +22,53 @@ from tierfs.coordination.view import Holdings
 class Coordination:
     """A node's member and coordinator sides together, behind one handler for the peer service."""
 
-    def __init__(self, address: str, order: Sequence[str], transport: Transport,
-                 holdings: Callable[[], Holdings], *, nodes: int,
-                 list_gcs: Callable[[], Awaitable[dict[int, list[int]]]] | None = None,
-                 interval: float = INTERVAL, k: int = K, rpc_timeout: float = RPC_TIMEOUT,
-                 pull_after: float = PULL_AFTER, down_after: int = DOWN_AFTER,
-                 suspect_for: float = SUSPECT_FOR, clock: Clock = trio.current_time, inc: int | None = None,
-                 members: frozenset[str] | None = None):
+    def __init__(
+        self,
+        address: str,
+        order: Sequence[str],
+        transport: Transport,
+        holdings: Callable[[], Holdings],
+        *,
+        nodes: int,
+        list_gcs: Callable[[], Awaitable[dict[int, list[int]]]] | None = None,
+        interval: float = INTERVAL,
+        k: int = K,
+        rpc_timeout: float = RPC_TIMEOUT,
+        pull_after: float = PULL_AFTER,
+        down_after: int = DOWN_AFTER,
+        suspect_for: float = SUSPECT_FOR,
+        clock: Clock = trio.current_time,
+        inc: int | None = None,
+        members: frozenset[str] | None = None,
+    ):
         """``order``: :func:`candidates` of the job's members (this node included)."""
         self.interval = interval
-        self.coordinator = Coordinator(address, order, transport, nodes=nodes, list_gcs=list_gcs,
-                                       interval=interval, rpc_timeout=rpc_timeout, k=k, pull_after=pull_after,
-                                       down_after=down_after, clock=clock, members=members)
-        self.member = Member(address, order, transport, holdings, k=k, rpc_timeout=rpc_timeout,
-                             suspect_for=suspect_for, local=self.coordinator, clock=clock, inc=inc)
+        self.coordinator = Coordinator(
+            address,
+            order,
+            transport,
+            nodes=nodes,
+            list_gcs=list_gcs,
+            interval=interval,
+            rpc_timeout=rpc_timeout,
+            k=k,
+            pull_after=pull_after,
+            down_after=down_after,
+            clock=clock,
+            members=members,
+        )
+        self.member = Member(
+            address,
+            order,
+            transport,
+            holdings,
+            k=k,
+            rpc_timeout=rpc_timeout,
+            suspect_for=suspect_for,
+            local=self.coordinator,
+            clock=clock,
+            inc=inc,
+        )
         self.coordinator.own = self.member.report_now
 
     OPS = ("coord_report", "coord_decide", "coord_pull")

@@ -48,8 +48,9 @@ def encoded(message: Message) -> bytes:
     """``message`` as the wire carries it; BadMessage if it is larger than the header limit."""
     data = json.dumps(message, separators=(",", ":")).encode()
     if len(data) > MAX_MESSAGE:
-        raise BadMessage(f"a {message.get('op', 'reply')!r} message of {len(data)} bytes is over the "
-                         f"{MAX_MESSAGE}-byte limit")
+        raise BadMessage(
+            f"a {message.get('op', 'reply')!r} message of {len(data)} bytes is over the {MAX_MESSAGE}-byte limit"
+        )
     return data
 
 

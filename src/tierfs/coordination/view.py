@@ -47,7 +47,7 @@ MAX_TOPOLOGY = 16  # topology labels, each at most MAX_LABEL characters
 MAX_LABEL = 128
 MAX_DECISIONS = 256  # distinct restore steps carried in an answer (the newest ones)
 MAX_RANK = (1 << 31) - 1
-MAX_STEP = (1 << 62)
+MAX_STEP = 1 << 62
 
 
 @dataclass(frozen=True)
@@ -71,9 +71,16 @@ class Holdings:
         return other is None or (self.inc, self.seq) > (other.inc, other.seq)
 
     def to_wire(self) -> dict:
-        return {"rank": self.rank, "steps": list(self.steps), "replicas": [list(p) for p in self.replicas],
-                "restore": self.restore_step, "topology": [list(t) for t in self.topology],
-                "inc": self.inc, "seq": self.seq, **({"backed": list(self.backed)} if self.backed else {})}
+        return {
+            "rank": self.rank,
+            "steps": list(self.steps),
+            "replicas": [list(p) for p in self.replicas],
+            "restore": self.restore_step,
+            "topology": [list(t) for t in self.topology],
+            "inc": self.inc,
+            "seq": self.seq,
+            **({"backed": list(self.backed)} if self.backed else {}),
+        }
 
     @classmethod
     def from_wire(cls, data: object) -> Holdings:
@@ -87,9 +94,16 @@ class Holdings:
         backed = int_list(data.get("backed", []), "backed", MAX_STEPS)
         if any(s > MAX_STEP for s in steps + backed):
             raise BadMessage("a step is out of range")
-        return cls(rank, tuple(steps), tuple(pairs), int_field(data, "restore", hi=MAX_STEP, optional=True),
-                   labels, int_field(data, "inc", hi=1 << 62), int_field(data, "seq", hi=1 << 62),
-                   tuple(backed))
+        return cls(
+            rank,
+            tuple(steps),
+            tuple(pairs),
+            int_field(data, "restore", hi=MAX_STEP, optional=True),
+            labels,
+            int_field(data, "inc", hi=1 << 62),
+            int_field(data, "seq", hi=1 << 62),
+            tuple(backed),
+        )
 
 
 def topology_labels(value: object) -> tuple[tuple[str, str], ...]:
@@ -256,14 +270,20 @@ class HoldingsView:
 
     def summary(self) -> dict:
         """The rank-independent part of every answer (JSON-able, bounded)."""
-        return {"newest": self.newest_complete(), "floor": self.retention_floor(),
-                "decisions": self.decisions()[-MAX_DECISIONS:], "complete": self.complete_steps()[-5:],
-                "ranks": len(self._holders)}
+        return {
+            "newest": self.newest_complete(),
+            "floor": self.retention_floor(),
+            "decisions": self.decisions()[-MAX_DECISIONS:],
+            "complete": self.complete_steps()[-5:],
+            "ranks": len(self._holders),
+        }
 
     def holders_by_rank(self) -> dict[int, dict[int, list[str]]]:
         """Rank -> step -> sources holding its manifest: what a survey of every source would record."""
-        return {rank: {step: sorted(sources) for step, sources in by_step.items()}
-                for rank, by_step in self._holders.items()}
+        return {
+            rank: {step: sorted(sources) for step, sources in by_step.items()}
+            for rank, by_step in self._holders.items()
+        }
 
     def decision_by_source(self) -> dict[str, int]:
         """Source -> the step it restored and still runs from."""

@@ -128,8 +128,10 @@ def private_dir(path: Path, *, own: bool = True, mode: int = 0o700) -> Path:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
-            raise UnsafeFile(f"{path} is not a directory but a {'symbolic link' if os.path.islink(path) else 'file'}: "
-                             "remove it, tierfs makes its own") from None
+            raise UnsafeFile(
+                f"{path} is not a directory but a {'symbolic link' if os.path.islink(path) else 'file'}: "
+                "remove it, tierfs makes its own"
+            ) from None
         raise
     try:
         st = os.fstat(fd)
@@ -140,7 +142,9 @@ def private_dir(path: Path, *, own: bool = True, mode: int = 0o700) -> Path:
         try:
             check_private(st, path, shared_ok=not own)
         except UnsafeFile as e:
-            raise UnsafeFile(f"{e}: {'remove it, tierfs makes its own' if own else 'give it to root and chmod go-w it'}") from None
+            raise UnsafeFile(
+                f"{e}: {'remove it, tierfs makes its own' if own else 'give it to root and chmod go-w it'}"
+            ) from None
     finally:
         os.close(fd)
     return path

@@ -89,7 +89,7 @@ class ChunkSeal:
         if len(body) < OVERHEAD or body[:1] != TAG:
             return None
         try:
-            return AESGCM(self.cipher_key).decrypt(body[1:1 + NONCE], body[1 + NONCE:], ad)
+            return AESGCM(self.cipher_key).decrypt(body[1 : 1 + NONCE], body[1 + NONCE :], ad)
         except InvalidTag:
             return None
 

@@ -124,8 +124,7 @@ def max_frame_size(chunk_length: int) -> int:
     return chunk_length + 1
 
 
-def decode(frame: bytes | memoryview, expected_hash: str | None = None,
-           max_size: int = MAX_CHUNK_SIZE) -> bytes:
+def decode(frame: bytes | memoryview, expected_hash: str | None = None, max_size: int = MAX_CHUNK_SIZE) -> bytes:
     """Unframe a chunk of at most ``max_size`` bytes; with ``expected_hash``, prove it is the one asked for.
 
     Chunks come back from disks, peers and GCS, so every failure to decode is reported as
@@ -135,8 +134,10 @@ def decode(frame: bytes | memoryview, expected_hash: str | None = None,
     if not frame:
         raise CorruptChunk("empty frame: no tag byte")
     if len(frame) > max_frame_size(max_size):
-        raise CorruptChunk(f"frame of {len(frame)} bytes is too large: a chunk of at most {max_size} "
-                           f"bytes is stored in at most {max_frame_size(max_size)}")
+        raise CorruptChunk(
+            f"frame of {len(frame)} bytes is too large: a chunk of at most {max_size} "
+            f"bytes is stored in at most {max_frame_size(max_size)}"
+        )
     tag, body = bytes(frame[:1]), memoryview(frame)[1:]
     try:
         if tag == RAW:
@@ -169,8 +170,9 @@ def _decompress(body: memoryview, max_size: int, tag: bytes) -> bytes:
     if size == -1:
         raise CorruptChunk(f"bad {tag.decode()} frame: its zstd header does not record the content size")
     if not 0 < size <= max_size:
-        raise CorruptChunk(f"bad {tag.decode()} frame: its zstd header claims {size} bytes, "
-                           f"the chunk has at most {max_size}")
+        raise CorruptChunk(
+            f"bad {tag.decode()} frame: its zstd header claims {size} bytes, the chunk has at most {max_size}"
+        )
     return _codecs()[1].decompress(body, allow_extra_data=False)
 
 

@@ -112,8 +112,9 @@ class CommitRules:
     def __init__(self, rules: tuple[Rule, ...]):
         self.rules = rules
         # One expression per kind: this runs at every close after writing.
-        self._by_kind = {k: re.compile("|".join(fnmatch.translate(r.pattern) for r in rules if r.kind == k) or "(?!)")
-                         for k in KINDS}
+        self._by_kind = {
+            k: re.compile("|".join(fnmatch.translate(r.pattern) for r in rules if r.kind == k) or "(?!)") for k in KINDS
+        }
 
     def _matches(self, kind: str, name: str) -> bool:
         return self._by_kind[kind].match(name) is not None

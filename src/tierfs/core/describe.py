@@ -38,10 +38,18 @@ FileKey = tuple[int, int, int]  # (st_ino, st_size, st_mtime_ns)
 HASH_THREADS = min(4, os.cpu_count() or 1)  # files hashed at once: a few cores, not the training job's
 
 
-def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: int,
-          chunk_size: int, known: dict[FileKey, list[str]] | None = None,
-          hashed: Callable[[str, int, list[str]], None] | None = None,
-          pace: Callable[[], None] = lambda: None) -> Manifest:
+def build(
+    snapshot_root: Path,
+    roots: list[str],
+    *,
+    job: str,
+    rank: int,
+    step: int,
+    chunk_size: int,
+    known: dict[FileKey, list[str]] | None = None,
+    hashed: Callable[[str, int, list[str]], None] | None = None,
+    pace: Callable[[], None] = lambda: None,
+) -> Manifest:
     """Describe the committed ``roots`` of a snapshot tree that nothing writes to any more.
 
     Symlinks are recorded, never followed; fifos, sockets and devices are skipped, since no
@@ -86,12 +94,14 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
                 ancestors[path] = _describe(top, path, st)
         _walk(top, root, found, files, tally)
         if root not in found:
-            raise ManifestError(f"root {root!r} is not a file, directory or symlink "
-                                "(or is a symlink no restore could recreate)")
+            raise ManifestError(
+                f"root {root!r} is not a file, directory or symlink (or is a symlink no restore could recreate)"
+            )
     names: dict[FileKey, list[str]] = {}  # hard links share a key: hashed once
     for rel, st in files.items():
         names.setdefault((st.st_ino, st.st_size, st.st_mtime_ns), []).append(rel)
     with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(names))), thread_name_prefix="tierfs-hash") as pool:
+
         def describe_file(rels: list[str]) -> list[str]:
             file_chunks = _file_chunks(top / rels[0], files[rels[0]], chunk_size, known, pace)
             if hashed is not None:
@@ -102,8 +112,9 @@ def build(snapshot_root: Path, roots: list[str], *, job: str, rank: int, step: i
             for rel in rels:
                 found[rel].chunks = list(file_chunks)
     entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)
-    manifest = Manifest(job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots),
-                        entries=entries, created=time.time())
+    manifest = Manifest(
+        job=job, rank=rank, step=step, chunk_size=chunk_size, roots=list(roots), entries=entries, created=time.time()
+    )
     manifest.validate()
     if len(manifest.to_json()) > MAX_BYTES:  # the tally counted a lower bound
         raise _too_large()
@@ -114,8 +125,10 @@ _JSON_PER_CHUNK = 35  # bytes a chunk name takes in a manifest's JSON: 32 digits
 
 
 def _too_large() -> ManifestError:
-    return ManifestError(f"the step's manifest would be larger than {MAX_BYTES} bytes, which no tier "
-                         "stores: commit fewer or smaller files in one step")
+    return ManifestError(
+        f"the step's manifest would be larger than {MAX_BYTES} bytes, which no tier "
+        "stores: commit fewer or smaller files in one step"
+    )
 
 
 class _Tally:
@@ -139,21 +152,23 @@ class _Tally:
         if self.largest is None or e.size > self.largest.size:
             self.largest = e
         if self.entries > MAX_ENTRIES:
-            raise ManifestError(f"the step has more than {MAX_ENTRIES} paths, more than a manifest may "
-                                "list: commit fewer files in one step")
+            raise ManifestError(
+                f"the step has more than {MAX_ENTRIES} paths, more than a manifest may "
+                "list: commit fewer files in one step"
+            )
         if self.chunks > min(MAX_CHUNKS, MAX_BYTES // _JSON_PER_CHUNK):
             big = self.largest
             raise ManifestError(
                 f"the step needs at least {self.chunks} chunks of {format_size(self.chunk_size)}, more than "
                 f"a manifest can name ({min(MAX_CHUNKS, MAX_BYTES // _JSON_PER_CHUNK)}); its largest file "
                 f"{short(big.path)} has a size of {big.size} bytes ({format_size(big.size)}, holes "
-                "included): shrink it or leave it out of the step")
+                "included): shrink it or leave it out of the step"
+            )
         if self.json_bytes > MAX_BYTES:
             raise _too_large()
 
 
-def _walk(top: Path, root: str, found: dict[str, Entry], files: dict[str, os.stat_result],
-          tally: _Tally) -> None:
+def _walk(top: Path, root: str, found: dict[str, Entry], files: dict[str, os.stat_result], tally: _Tally) -> None:
     pending = [root]
     while pending:
         rel = pending.pop()
@@ -173,8 +188,7 @@ def _walk(top: Path, root: str, found: dict[str, Entry], files: dict[str, os.sta
 
 def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
     """The entry of one path, a file's chunks not hashed yet."""
-    common = dict(path=rel, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid,
-                  mtime_ns=st.st_mtime_ns)
+    common = dict(path=rel, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns)
     if stat.S_ISDIR(st.st_mode):
         return Entry(kind="dir", size=0, **common)
     if stat.S_ISLNK(st.st_mode):
@@ -190,8 +204,9 @@ def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
     return None
 
 
-def _file_chunks(path: Path, st: os.stat_result, chunk_size: int,
-                 known: dict[FileKey, list[str]] | None, pace: Callable[[], None]) -> list[str]:
+def _file_chunks(
+    path: Path, st: os.stat_result, chunk_size: int, known: dict[FileKey, list[str]] | None, pace: Callable[[], None]
+) -> list[str]:
     key = (st.st_ino, st.st_size, st.st_mtime_ns)
     if known is not None and key in known:
         return list(known[key])

@@ -48,8 +48,13 @@ class _Server6(_Server):
 class Endpoint:
     """``/metrics`` from ``registry``, and ``pages`` (path -> :data:`Page`) as JSON."""
 
-    def __init__(self, address: tuple[str, int], registry: CollectorRegistry, pages: dict[str, Page] | None = None,
-                 what: str = "--metrics"):
+    def __init__(
+        self,
+        address: tuple[str, int],
+        registry: CollectorRegistry,
+        pages: dict[str, Page] | None = None,
+        what: str = "--metrics",
+    ):
         metrics, self.pages = make_wsgi_app(registry), dict(pages or {})
 
         def app(environ, start_response):
@@ -68,11 +73,13 @@ class Endpoint:
 
         host, port = address
         try:
-            self.server = make_server(host, port, app, server_class=_Server6 if ":" in host else _Server,
-                                      handler_class=_Quiet)
+            self.server = make_server(
+                host, port, app, server_class=_Server6 if ":" in host else _Server, handler_class=_Quiet
+            )
         except OSError as e:
-            raise UserError(f"cannot serve metrics on {host}:{port} ({e.strerror or e}): "
-                            f"pick a free {what} address") from None
+            raise UserError(
+                f"cannot serve metrics on {host}:{port} ({e.strerror or e}): pick a free {what} address"
+            ) from None
         self.address = (host, self.server.server_address[1])
         self._thread = threading.Thread(target=self.server.serve_forever, name="metrics-endpoint", daemon=True)
         self._thread.start()

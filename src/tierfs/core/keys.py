@@ -77,8 +77,10 @@ def stretch(job: str, secret: bytes) -> bytes:
 def derive(job: str, secret: bytes) -> JobKeys:
     """Every key of ``secret`` for ``job`` (stretched once per process, then cached)."""
     root = stretch(job, secret)
-    return JobKeys(*(_expand(root, label) for label in (_TLS_LABEL, _HANDSHAKE_LABEL, _MANIFEST_LABEL, _CHANNEL_LABEL)),
-                   bucket=tuple(_expand(root, label) for label in _BUCKET_LABELS))
+    return JobKeys(
+        *(_expand(root, label) for label in (_TLS_LABEL, _HANDSHAKE_LABEL, _MANIFEST_LABEL, _CHANNEL_LABEL)),
+        bucket=tuple(_expand(root, label) for label in _BUCKET_LABELS),
+    )
 
 
 def manifest_keys(job: str, secret: bytes | None, older: Sequence[bytes] = ()) -> ManifestKeys | None:

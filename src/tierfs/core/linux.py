@@ -114,8 +114,11 @@ MAX_HANDLE_SZ = 128
 
 
 class _FileHandle(ctypes.Structure):
-    _fields_ = [("handle_bytes", ctypes.c_uint), ("handle_type", ctypes.c_int),
-                ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ)]
+    _fields_ = [
+        ("handle_bytes", ctypes.c_uint),
+        ("handle_type", ctypes.c_int),
+        ("f_handle", ctypes.c_ubyte * MAX_HANDLE_SZ),
+    ]
 
 
 _handle_out = _FileHandle()  # name_to_handle's, reused: it runs for every inode the kernel is given
@@ -130,7 +133,7 @@ def name_to_handle(fd: int) -> bytes:
     Not thread-safe: the daemon's handlers call it from the trio thread only."""
     _handle_out.handle_bytes = MAX_HANDLE_SZ
     _check(_libc.name_to_handle_at(fd, b"", _handle_out_ref, _mount_id_ref, AT_EMPTY_PATH))
-    return _handle_out_bytes.raw[4:8 + _handle_out.handle_bytes]
+    return _handle_out_bytes.raw[4 : 8 + _handle_out.handle_bytes]
 
 
 def open_by_handle(mount_fd: int, handle: bytes, flags: int) -> int:
@@ -209,8 +212,10 @@ def keep_heap_memory(threshold: int = 16 << 20, trim: int = 1 << 30) -> None:
 
 
 def mount(source: str, target: str, fstype: str, flags: int, data: str) -> None:
-    _check(_libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags),
-                       data.encode()), target)
+    _check(
+        _libc.mount(os.fsencode(source), os.fsencode(target), fstype.encode(), ctypes.c_ulong(flags), data.encode()),
+        target,
+    )
 
 
 def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:

@@ -45,8 +45,14 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         when = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
-        line = {"time": f"{when}.{int(record.msecs):03d}Z", "level": record.levelname.lower(),
-                "logger": record.name, "message": record.getMessage(), **self.fields, "pid": record.process}
+        line = {
+            "time": f"{when}.{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+            **self.fields,
+            "pid": record.process,
+        }
         for key, value in record.__dict__.items():
             if key not in _RECORD_FIELDS and not key.startswith("_"):
                 line.setdefault(key, value)  # never over what every line has
@@ -87,8 +93,9 @@ class LogFile(logging.StreamHandler):
                     rotate(self.path, self.max_size)
             except OSError as e:  # a full disk, say: keep writing where it goes, try again later
                 self._rotate_after = now + ROTATE_RETRY
-                sys.stderr.write(f"tierfs: cannot rotate {self.path}: {e.strerror or e}; "
-                                 f"trying again in {ROTATE_RETRY:.0f}s\n")
+                sys.stderr.write(
+                    f"tierfs: cannot rotate {self.path}: {e.strerror or e}; trying again in {ROTATE_RETRY:.0f}s\n"
+                )
 
 
 def _same(a: os.stat_result, b: os.stat_result) -> bool:

@@ -58,6 +58,7 @@ _MAC_RE = re.compile(rb"\nhmac-sha256 ([0-9a-f]{64})\n\Z")
 MAC_LINE = len(_MAC_PREFIX) + 64 + 1  # the bytes a seal adds
 _MAC_LABEL = b"tierfs manifest v1\0"
 
+
 class ManifestError(Exception):
     """A manifest that is malformed, inconsistent, unsafe, or from a newer tierfs."""
 
@@ -135,8 +136,9 @@ class Manifest:
             raise ManifestError("manifest is not a JSON object")
         version = _get(obj, "format", int, "manifest")
         if version > FORMAT_VERSION:
-            raise ManifestError(f"manifest format {version} is newer than this tierfs "
-                                f"supports ({FORMAT_VERSION}): upgrade tierfs")
+            raise ManifestError(
+                f"manifest format {version} is newer than this tierfs supports ({FORMAT_VERSION}): upgrade tierfs"
+            )
         if version < 1:
             raise ManifestError(f"manifest format {version} does not exist")
         entries = _get(obj, "entries", list, "manifest")
@@ -164,8 +166,10 @@ class Manifest:
         or peer could otherwise serve rank 2's files as rank 3's, or step 5 as step 9.
         """
         if (self.job, self.rank, self.step) != (job, rank, step):
-            raise ManifestError(f"it is job {self.job!r} rank {self.rank} step {self.step}, "
-                                f"not job {job!r} rank {rank} step {step} as asked")
+            raise ManifestError(
+                f"it is job {self.job!r} rank {self.rank} step {self.step}, "
+                f"not job {job!r} rank {rank} step {step} as asked"
+            )
 
     def chunk_set(self) -> set[str]:
         """Every chunk the checkpoint needs: what must be on a tier before the manifest."""
@@ -213,10 +217,10 @@ class Manifest:
             check_job_id(self.job)
         except UserError:
             raise ManifestError(f"manifest: invalid job id {self.job[:200]!r}") from None
-        if not (0 <= self.rank <= MAX_RANK and 0 <= self.step <= MAX_STEP
-                and 0 < self.chunk_size <= chunks.MAX_CHUNK_SIZE):
-            raise ManifestError(f"manifest: invalid rank {self.rank}, step {self.step} "
-                                f"or chunk size {self.chunk_size}")
+        if not (
+            0 <= self.rank <= MAX_RANK and 0 <= self.step <= MAX_STEP and 0 < self.chunk_size <= chunks.MAX_CHUNK_SIZE
+        ):
+            raise ManifestError(f"manifest: invalid rank {self.rank}, step {self.step} or chunk size {self.chunk_size}")
         if max(len(self.entries), len(self.roots)) > MAX_ENTRIES:
             raise ManifestError(f"manifest has more than {MAX_ENTRIES} entries or roots")
         if self.chunk_seal and not _SEAL_ID_RE.fullmatch(self.chunk_seal):
@@ -265,15 +269,16 @@ def authenticate(data: bytes, keys: ManifestKeys | None, rank: int, step: int) -
     if mac is None:
         raise Unauthenticated("it is not sealed (no MAC line): it was not written by a node with this job's secret")
     if not any(hmac.compare_digest(_mac(key, keys.job, rank, step, body), mac) for key in keys.accept):
-        raise Unauthenticated(f"its MAC does not verify: it was not sealed with this job's secret "
-                              f"as rank {rank} step {step}")
+        raise Unauthenticated(
+            f"its MAC does not verify: it was not sealed with this job's secret as rank {rank} step {step}"
+        )
     return body
 
 
 def split_seal(data: bytes) -> tuple[bytes, str | None]:
     """(JSON, MAC in hex or ``None``), nothing checked: a seal is one line after the JSON, which holds no newline."""
     m = _MAC_RE.search(data, max(0, len(data) - MAC_LINE))
-    return (data[:m.start()], m[1].decode()) if m else (data, None)
+    return (data[: m.start()], m[1].decode()) if m else (data, None)
 
 
 def _mac(key: bytes, job: str, rank: int, step: int, body: bytes) -> str:
@@ -393,8 +398,9 @@ def _check_entry(e: Entry, chunk_size: int) -> None:
         raise ManifestError(f"{where}: a {e.kind} has no size")
     expected = -(-e.size // chunk_size)
     if len(e.chunks) != expected:
-        raise ManifestError(f"{where}: {len(e.chunks)} chunks for {e.size} bytes, "
-                            f"expected {expected} of {chunk_size} bytes")
+        raise ManifestError(
+            f"{where}: {len(e.chunks)} chunks for {e.size} bytes, expected {expected} of {chunk_size} bytes"
+        )
     for h in e.chunks:
         if not isinstance(h, str) or not _HASH_RE.fullmatch(h):
             raise ManifestError(f"{where}: {h!r} is not a chunk hash")

@@ -35,17 +35,28 @@ class Meters:
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
         self.job, self.rank = job, rank
         r, by_tier = self.registry, (*LABELS, "tier")
-        self._sent = Counter("tierfs_tier_sent_bytes", "Bytes this node sent to the tier while putting steps",
-                             by_tier, registry=r)
-        self._dedup = Counter("tierfs_tier_dedup_bytes", "Bytes of steps the tier already held, so not sent",
-                              by_tier, registry=r)
+        self._sent = Counter(
+            "tierfs_tier_sent_bytes", "Bytes this node sent to the tier while putting steps", by_tier, registry=r
+        )
+        self._dedup = Counter(
+            "tierfs_tier_dedup_bytes", "Bytes of steps the tier already held, so not sent", by_tier, registry=r
+        )
         self._steps = Counter("tierfs_tier_steps", "Steps put on the tier", by_tier, registry=r)
         self._errors = Counter("tierfs_tier_errors", "Failed attempts to put a step on the tier", by_tier, registry=r)
-        self._copy = Histogram("tierfs_step_copy_duration_seconds", "Time to put one step on the tier",
-                               by_tier, buckets=DURATION_BUCKETS, registry=r)
-        self._restore = Histogram("tierfs_restore_duration_seconds", "Time a finished restore took, by the "
-                                  "tier most of its bytes came from", (*LABELS, "source"),
-                                  buckets=DURATION_BUCKETS, registry=r)
+        self._copy = Histogram(
+            "tierfs_step_copy_duration_seconds",
+            "Time to put one step on the tier",
+            by_tier,
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self._restore = Histogram(
+            "tierfs_restore_duration_seconds",
+            "Time a finished restore took, by the tier most of its bytes came from",
+            (*LABELS, "source"),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
 
     def _bound(self, metric, *extra: str):
         return metric.labels(self.job, str(self.rank), *extra)

@@ -56,8 +56,15 @@ def mount_table() -> list[MountEntry]:
             left, _, right = line.partition(" - ")
             fields = left.split()
             fstype, source, options = right.split()[:3]
-            entries.append(MountEntry(_unescape(fields[4]), fstype, _unescape(source),
-                                      int(fields[2].split(":")[1]), tuple(options.split(","))))
+            entries.append(
+                MountEntry(
+                    _unescape(fields[4]),
+                    fstype,
+                    _unescape(source),
+                    int(fields[2].split(":")[1]),
+                    tuple(options.split(",")),
+                )
+            )
     return entries
 
 

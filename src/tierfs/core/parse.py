@@ -21,8 +21,7 @@ def check_job_id(job: str) -> None:
     """Job ids name directories on the host: no separators, nothing that starts with a dot."""
     if not _JOB_RE.match(job):
         raise UserError(
-            f"invalid job id {job!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
+            f"invalid job id {job!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
 
 
@@ -80,20 +79,14 @@ def parse_gcs_url(url: str) -> tuple[str, str]:
     """``gs://bucket/some/prefix`` -> ``("bucket", "some/prefix")``; the prefix may be empty."""
     if not url.startswith("gs://"):
         raise UserError(f"invalid GCS URL {url!r}: use gs://BUCKET or gs://BUCKET/PREFIX")
-    bucket, _, prefix = url[len("gs://"):].partition("/")
+    bucket, _, prefix = url[len("gs://") :].partition("/")
     parts = bucket.split(".")
-    if not (
-        3 <= len(bucket) <= 222
-        and _BUCKET_RE.fullmatch(bucket)
-        and all(0 < len(p) <= 63 for p in parts)
-    ):
+    if not (3 <= len(bucket) <= 222 and _BUCKET_RE.fullmatch(bucket) and all(0 < len(p) <= 63 for p in parts)):
         raise UserError(
             f"invalid GCS bucket name {bucket!r} in {url!r}: use 3-63 lowercase letters, "
             "digits, '-', '_' or '.', starting and ending with a letter or digit"
         )
     prefix = prefix.rstrip("/")
     if prefix and ("" in prefix.split("/") or any(ord(c) < 0x20 for c in prefix)):
-        raise UserError(
-            f"invalid GCS prefix {prefix!r} in {url!r}: no empty path segments or control characters"
-        )
+        raise UserError(f"invalid GCS prefix {prefix!r} in {url!r}: no empty path segments or control characters")
     return bucket, prefix

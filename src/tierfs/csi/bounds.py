@@ -28,8 +28,8 @@ holds for every job, not only for those that ask.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from tierfs.config import LOG_LEVELS, Config
 from tierfs.core import chunks
@@ -111,30 +111,99 @@ def _int(n: float) -> str:
 
 
 BOUNDS = (
-    Bound("max-restore-wait", "restore-wait", "10m", True, _duration, _show_duration, 0,
-          "the longest `restore-wait` a volume may ask: the pod's start and a plugin thread wait that long for "
-          "silent peers (default 10m)"),
-    Bound("max-prefetch", "prefetch", "32", True, _count, _int, 0,
-          "the most chunks a volume's restore may fetch at once (`prefetch`; default 32)"),
-    Bound("max-chunk-size", "chunk-size", "16M", True, lambda t, w: float(parse_size(t, w)), _show_size,
-          chunks.MIN_CHUNK_SIZE,
-          "the largest `chunk-size` a volume may ask: prefetch x chunk-size bytes sit in the daemon's memory "
-          "(default 16M)"),
-    Bound("max-replicas", "replicas", "3", True, _count, _int, 1,
-          "the most peers a volume's `replicas` may send every commit to (default 3)"),
-    Bound("max-keep", "keep", "10", True, _count, _int, 1,
-          "the most committed steps a volume's `keep` may hold on the node's --disk and in GCS (default 10)"),
-    Bound("max-peers", "peers", "4096", True, _count, _int, 1,
-          "the most addresses a volume's `peers` may expand to, each surveyed and connected to (default 4096)",
-          measure=_addresses),
-    Bound("min-survey-interval", "survey-interval", "10s", False, _duration, _show_duration, 0,
-          "the shortest `survey-interval` a volume may ask: each survey asks every peer (default 10s)"),
-    Bound("min-backup-interval", "backup-interval", "0s", False, _duration, _show_duration, 0,
-          "the shortest `backup-interval` a volume may ask (default 0s: a backup at every commit, the "
-          "daemon's default)"),
-    Bound("min-log-level", "log-level", "info", False, _level, lambda n: LOG_LEVELS[int(n)], 0,
-          "the most verbose `log-level` a volume may ask: debug logs every request to the node's disk "
-          "(default info)"),
+    Bound(
+        "max-restore-wait",
+        "restore-wait",
+        "10m",
+        True,
+        _duration,
+        _show_duration,
+        0,
+        "the longest `restore-wait` a volume may ask: the pod's start and a plugin thread wait that long for "
+        "silent peers (default 10m)",
+    ),
+    Bound(
+        "max-prefetch",
+        "prefetch",
+        "32",
+        True,
+        _count,
+        _int,
+        0,
+        "the most chunks a volume's restore may fetch at once (`prefetch`; default 32)",
+    ),
+    Bound(
+        "max-chunk-size",
+        "chunk-size",
+        "16M",
+        True,
+        lambda t, w: float(parse_size(t, w)),
+        _show_size,
+        chunks.MIN_CHUNK_SIZE,
+        "the largest `chunk-size` a volume may ask: prefetch x chunk-size bytes sit in the daemon's memory "
+        "(default 16M)",
+    ),
+    Bound(
+        "max-replicas",
+        "replicas",
+        "3",
+        True,
+        _count,
+        _int,
+        1,
+        "the most peers a volume's `replicas` may send every commit to (default 3)",
+    ),
+    Bound(
+        "max-keep",
+        "keep",
+        "10",
+        True,
+        _count,
+        _int,
+        1,
+        "the most committed steps a volume's `keep` may hold on the node's --disk and in GCS (default 10)",
+    ),
+    Bound(
+        "max-peers",
+        "peers",
+        "4096",
+        True,
+        _count,
+        _int,
+        1,
+        "the most addresses a volume's `peers` may expand to, each surveyed and connected to (default 4096)",
+        measure=_addresses,
+    ),
+    Bound(
+        "min-survey-interval",
+        "survey-interval",
+        "10s",
+        False,
+        _duration,
+        _show_duration,
+        0,
+        "the shortest `survey-interval` a volume may ask: each survey asks every peer (default 10s)",
+    ),
+    Bound(
+        "min-backup-interval",
+        "backup-interval",
+        "0s",
+        False,
+        _duration,
+        _show_duration,
+        0,
+        "the shortest `backup-interval` a volume may ask (default 0s: a backup at every commit, the daemon's default)",
+    ),
+    Bound(
+        "min-log-level",
+        "log-level",
+        "info",
+        False,
+        _level,
+        lambda n: LOG_LEVELS[int(n)],
+        0,
+        "the most verbose `log-level` a volume may ask: debug logs every request to the node's disk (default info)",
+    ),
 )
 BY_KEY = {b.key: b for b in BOUNDS}
 KEYS = {b.key: b.spends for b in BOUNDS}
@@ -152,8 +221,10 @@ class OutOfBounds(Exception):
         """The same refusal of the ConfigMap's own default, which the admin alone can fix."""
         b = self.bound
         side = "over the ceiling" if b.upper else "under the floor"
-        return (f"{where}: the default {b.attribute} {self.asked[:40]!r} is {side} {b.key}={b.show(self.limit)}: "
-                "change the default or the bound")
+        return (
+            f"{where}: the default {b.attribute} {self.asked[:40]!r} is {side} {b.key}={b.show(self.limit)}: "
+            "change the default or the bound"
+        )
 
 
 def parse(raw: dict[str, str], where: str) -> dict[str, float]:
@@ -182,8 +253,9 @@ def check(bounds: dict[str, float], options: dict[str, str], chosen: set[str] | 
             continue  # malformed: the daemon's own check says so, in its words
         limit = bounds[bound.key]
         if (value > limit) if bound.upper else (value < limit):
-            raise OutOfBounds(_refusal(bound, options[bound.attribute], value, limit), bound,
-                              options[bound.attribute], limit)
+            raise OutOfBounds(
+                _refusal(bound, options[bound.attribute], value, limit), bound, options[bound.attribute], limit
+            )
 
 
 def fill(bounds: dict[str, float], options: dict[str, str]) -> None:
@@ -201,5 +273,7 @@ def _refusal(bound: Bound, asked: str, value: float, limit: float) -> str:
     what, unit = (f"({value:.0f} addresses)", " addresses") if bound.measure else (repr(asked[:40]), "")
     side, verb = ("over the node's ceiling", "at most") if bound.upper else ("under the node's floor", "at least")
     change = "raise the ceiling" if bound.upper else "lower the floor"
-    return (f"volume attribute {bound.attribute!r} {what} is {side} {bound.key}={bound.show(limit)} ({WHERE}): "
-            f"ask for {verb} {bound.show(limit)}{unit}, or ask the admin to {change}")
+    return (
+        f"volume attribute {bound.attribute!r} {what} is {side} {bound.key}={bound.show(limit)} ({WHERE}): "
+        f"ask for {verb} {bound.show(limit)}{unit}, or ask the admin to {change}"
+    )

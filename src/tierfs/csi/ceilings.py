@@ -40,23 +40,28 @@ PRIVILEGED_PORTS = 1024  # ports below this are root's on Linux: system services
 KEYS = {
     "max-capacity": "the most RAM one volume's `capacity` may ask, e.g. 64G (default: no bound but the share)",
     "max-capacity-share": "the share of the node's RAM (MemTotal) the capacities of all jobs on the node may "
-                          "add up to, e.g. 50% (default 50%)",
+    "add up to, e.g. 50% (default 50%)",
     "max-jobs-per-node": "job ids the plugin may hold on the node at once (default 8)",
     "max-jobs-per-namespace": "job ids one namespace may hold on the node at once (default 4)",
     "allow-pod-data-path": "may a volume choose `data-path`? (default false: the ConfigMap's `data-path`)",
     "allow-pod-wake-cpus": "may a volume choose `wake-cpus`? (default false: the ConfigMap's `wake-cpus`)",
     "allow-pod-engine": "may a volume choose `engine`? (default false: the ConfigMap's `engine`); `pyfuse3` "
-                        "is a choice of the daemon data path too, which also needs allow-pod-data-path",
+    "is a choice of the daemon data path too, which also needs allow-pod-data-path",
     "allow-unauthenticated-gcs": "may a volume with a GCS tier have no peer secret, so that its manifests in "
-                                 "GCS are not signed? (default false)",
+    "GCS are not signed? (default false)",
     "listen-hosts": "addresses a volume's `listen` may name besides the plugin's --node-ip, comma-separated "
-                    "(default: none)",
+    "(default: none)",
     "listen-ports": "the ports a volume's `listen` may name, LOW-HIGH (default 7420-7499)",
     "allow-privileged-ports": "may `listen-ports` reach below 1024? (default false)",
     **bounds.KEYS,
 }
-SWITCHES = ("allow-pod-data-path", "allow-pod-wake-cpus", "allow-pod-engine", "allow-privileged-ports",
-            "allow-unauthenticated-gcs")
+SWITCHES = (
+    "allow-pod-data-path",
+    "allow-pod-wake-cpus",
+    "allow-pod-engine",
+    "allow-privileged-ports",
+    "allow-unauthenticated-gcs",
+)
 _PORTS_RE = re.compile(r"^\s*(\d{1,5})\s*(?:-\s*(\d{1,5})\s*)?$")
 _SHARE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$")
 _TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
@@ -82,7 +87,7 @@ class Ceilings:
     limits: dict[str, float] = field(default_factory=lambda: dict(bounds.DEFAULTS))  # bounds.KEYS -> value
 
     @classmethod
-    def parse(cls, raw: dict[str, str], where: str) -> "Ceilings":
+    def parse(cls, raw: dict[str, str], where: str) -> Ceilings:
         """The ceilings among a config file's keys (strings); a bad value is one line naming it."""
         v: dict = {}
 
@@ -127,8 +132,11 @@ class Ceilings:
         v["limits"] = bounds.parse(raw, where)
         ceilings = cls(**v)
         if ceilings.listen_ports[0] < PRIVILEGED_PORTS and not ceilings.allow_privileged_ports:
-            raise bad("listen-ports", f"ports below {PRIVILEGED_PORTS} are the node's system services'; start the "
-                                      "range at 1024 or above, or set allow-privileged-ports: \"true\"")
+            raise bad(
+                "listen-ports",
+                f"ports below {PRIVILEGED_PORTS} are the node's system services'; start the "
+                "range at 1024 or above, or set allow-privileged-ports: \"true\"",
+            )
         return ceilings
 
     # -- capacity ----------------------------------------------------------------------
@@ -147,8 +155,10 @@ class Ceilings:
     def check_capacity(self, capacity: int, what: str, mem_total: int, held: int) -> None:
         """``capacity`` bytes (``what``: who asked, as written) beside ``held`` bytes of the node's other jobs."""
         if self.max_capacity is not None and capacity > self.max_capacity:
-            raise OverCeiling(f"{what} is over the node's ceiling max-capacity={_size(self.max_capacity)} "
-                              f"({WHERE}): ask for less or raise the ceiling")
+            raise OverCeiling(
+                f"{what} is over the node's ceiling max-capacity={_size(self.max_capacity)} "
+                f"({WHERE}): ask for less or raise the ceiling"
+            )
         share = int(mem_total * self.max_capacity_share)
         if capacity + held > share:
             others = f", of which the node's other jobs hold {format_size(held)}" if held else ""
@@ -162,8 +172,11 @@ class Ceilings:
 
     def check_choice(self, key: str, asked: str, admins: str) -> None:
         """``data-path``, ``wake-cpus`` and ``engine``: the admin's value unless pods may choose."""
-        allowed = {"data-path": self.allow_pod_data_path, "wake-cpus": self.allow_pod_wake_cpus,
-                   "engine": self.allow_pod_engine}[key]
+        allowed = {
+            "data-path": self.allow_pod_data_path,
+            "wake-cpus": self.allow_pod_wake_cpus,
+            "engine": self.allow_pod_engine,
+        }[key]
         if allowed or _switch(key, asked) == _switch(key, admins):
             return
         raise OverCeiling(
@@ -175,8 +188,12 @@ class Ceilings:
         """``engine``: the admin's unless pods may choose; and since pyfuse3 serves the daemon
         data path only, choosing it chooses that path too, which allow-pod-data-path governs."""
         self.check_choice("engine", asked, admins)
-        if (_switch("engine", asked) != "pyfuse3" or _switch("engine", admins) == "pyfuse3"
-                or self.allow_pod_data_path or _switch("data-path", admins_data_path) == "daemon"):
+        if (
+            _switch("engine", asked) != "pyfuse3"
+            or _switch("engine", admins) == "pyfuse3"
+            or self.allow_pod_data_path
+            or _switch("data-path", admins_data_path) == "daemon"
+        ):
             return
         raise OverCeiling(
             f"volume attribute 'engine' {asked[:40]!r} serves every byte through the daemon (data-path daemon), "

@@ -73,8 +73,10 @@ def daemons(volumes: HasStateDir) -> list[Daemon]:
     (a record lost by hand still leaves its pods' daemon to look at)."""
     state_dir = volumes.state_dir
     jobs = {r["job"]: r for r in records(state_dir / "jobs") if isinstance(r.get("job"), str)}
-    published = sorted((v for v in records(state_dir / "volumes") if isinstance(v.get("job"), str)),
-                       key=lambda v: v.get("published") or 0)
+    published = sorted(
+        (v for v in records(state_dir / "volumes") if isinstance(v.get("job"), str)),
+        key=lambda v: v.get("published") or 0,
+    )
     out = []
     for job in sorted(set(jobs) | {v["job"] for v in published}):
         mine = [v for v in published if v["job"] == job]

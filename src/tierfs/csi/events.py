@@ -30,7 +30,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from tierfs.csi import kube
 from tierfs.csi.daemons import Daemon, DaemonState, HasStateDir, poll
@@ -55,7 +55,7 @@ _posted_lock = threading.Lock()
 
 
 def _stamp(t: float) -> str:
-    return datetime.fromtimestamp(t, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.fromtimestamp(t, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _one_line(text: str) -> str:
@@ -91,8 +91,11 @@ class Recorder:
         try:
             if before is not None:
                 try:
-                    self.client.patch_event(before.namespace, before.name,
-                                            {"count": before.count + 1, "lastTimestamp": stamp, "message": message})
+                    self.client.patch_event(
+                        before.namespace,
+                        before.name,
+                        {"count": before.count + 1, "lastTimestamp": stamp, "message": message},
+                    )
                     before.count, before.at = before.count + 1, now
                     _count(reason)
                     return True
@@ -118,13 +121,19 @@ class Recorder:
         if pod.get("uid"):
             involved["uid"] = pod["uid"]
         return {
-            "apiVersion": "v1", "kind": "Event",
+            "apiVersion": "v1",
+            "kind": "Event",
             "metadata": {"name": name, "namespace": pod["namespace"]},
             "involvedObject": involved,
-            "reason": reason, "type": TYPES[reason], "message": message,
+            "reason": reason,
+            "type": TYPES[reason],
+            "message": message,
             "source": {"component": COMPONENT, "host": self.node_id},
-            "reportingComponent": COMPONENT, "reportingInstance": self.node_id[:128],
-            "count": 1, "firstTimestamp": stamp, "lastTimestamp": stamp,
+            "reportingComponent": COMPONENT,
+            "reportingInstance": self.node_id[:128],
+            "count": 1,
+            "firstTimestamp": stamp,
+            "lastTimestamp": stamp,
         }
 
     def _failed(self, pod: dict, reason: str, error: Exception, now: float) -> None:
@@ -148,8 +157,7 @@ class EventWatcher:
 
     def __init__(self, volumes: HasStateDir, cfg: PluginConfig, client: kube.KubeClient | None = None):
         self.volumes, self.interval, self.backup_lag = volumes, cfg.event_interval, cfg.event_backup_lag
-        self.recorder = Recorder(client or getattr(volumes, "kube", None) or kube.KubeClient(cfg.kube_api),
-                                 cfg.node_id)
+        self.recorder = Recorder(client or getattr(volumes, "kube", None) or kube.KubeClient(cfg.kube_api), cfg.node_id)
         self._stop, self._wake = threading.Event(), threading.Event()
         self._refusals: deque[tuple[dict, str]] = deque(maxlen=MAX_QUEUED)
         self._thread: threading.Thread | None = None
@@ -188,7 +196,7 @@ class EventWatcher:
                     self.recorder.emit(pod, START_REFUSED, message)
                 if looking:
                     self.check(poll(self.volumes, self._stop))
-            except Exception:  # noqa: BLE001 (a bug: logged, and the next round is another chance)
+            except Exception:
                 log.exception("posting the pods' Events failed")
             self._wake.wait(max(0.0, next_look - time.monotonic()))
             self._wake.clear()
@@ -223,8 +231,10 @@ class EventWatcher:
         if (restored.get("at") or now) + seconds < self._started - REPEAT_AFTER:
             self._restores[daemon.job] = key  # long before this plugin: the one before told the pods
             return
-        message = (f"restored step {restored.get('step')} from {restored.get('tier')} in {seconds:.1f} s "
-                   f"({restored.get('bytes')} bytes)")
+        message = (
+            f"restored step {restored.get('step')} from {restored.get('tier')} in {seconds:.1f} s "
+            f"({restored.get('bytes')} bytes)"
+        )
         if self._tell(daemon, RESTORED, message):
             self._restores[daemon.job] = key
 
@@ -246,15 +256,22 @@ class EventWatcher:
             return
         what = f"failing for {failing_for:.0f} s" if failing_for >= self.backup_lag else f"{lag:.0f} s behind"
         error = f"; last error: {last_error}" if last_error else ""
-        self._tell(daemon, BACKUP_FAILING, f"the GCS backup of job {daemon.job} rank {daemon.rank} "
-                                           f"({lane.get('url') or 'gcs'}) is {what} (lane {state}){error}")
+        self._tell(
+            daemon,
+            BACKUP_FAILING,
+            f"the GCS backup of job {daemon.job} rank {daemon.rank} "
+            f"({lane.get('url') or 'gcs'}) is {what} (lane {state}){error}",
+        )
 
     def _capacity(self, daemon: Daemon, status: dict) -> None:
         ram = (status.get("tiers") or {}).get("ram") or {}
         used, capacity = ram.get("used") or 0, ram.get("capacity") or 0
         if capacity <= 0 or used < FULL * capacity or not daemon.pods:
             return
-        self._tell(daemon, CAPACITY_NEARLY_FULL,
-                   f"the RAM tier of job {daemon.job} rank {daemon.rank} is {100 * used / capacity:.0f}% full "
-                   f"({used >> 20} MiB of {capacity >> 20} MiB): new checkpoints may not fit; keep fewer steps "
-                   "(keep-local) or give the volume more capacity")
+        self._tell(
+            daemon,
+            CAPACITY_NEARLY_FULL,
+            f"the RAM tier of job {daemon.job} rank {daemon.rank} is {100 * used / capacity:.0f}% full "
+            f"({used >> 20} MiB of {capacity >> 20} MiB): new checkpoints may not fit; keep fewer steps "
+            "(keep-local) or give the volume more capacity",
+        )

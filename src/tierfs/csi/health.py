@@ -71,8 +71,10 @@ def _node_lock(cfg: PluginConfig) -> str | None:
                 if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     return f"cannot take the node-wide lock {path}: {e.strerror}"
             if time.monotonic() >= deadline:
-                return (f"the node-wide lock {path} stayed taken for {NODE_LOCK_WAIT:g}s: a call or another "
-                        "process holding it is stuck, and no volume can be published meanwhile")
+                return (
+                    f"the node-wide lock {path} stayed taken for {NODE_LOCK_WAIT:g}s: a call or another "
+                    "process holding it is stuck, and no volume can be published meanwhile"
+                )
             time.sleep(0.02)
     finally:
         os.close(fd)
@@ -114,6 +116,7 @@ def _fuse(device: Path) -> str | None:
 
 # -- the jobs' daemons ---------------------------------------------------------------------
 
+
 def sick_because(state: DaemonState) -> str | None:
     """Why the daemon does not serve its job as it should; None when it does."""
     if state.status is None:
@@ -124,10 +127,14 @@ def sick_because(state: DaemonState) -> str | None:
         if isinstance(report, dict) and report.get("state") in BAD_LANE_STATES:
             return f"its {lane} lane is {report['state']}" + (f": {report['error']}" if report.get("error") else "")
     restored = status.get("restored")
-    if isinstance(restored, dict) and restored.get("state") != "done" \
-            and (restored.get("chunks_failing") or restored.get("error")):
+    if (
+        isinstance(restored, dict)
+        and restored.get("state") != "done"
+        and (restored.get("chunks_failing") or restored.get("error"))
+    ):
         return f"its restore of step {restored.get('step')} is failing" + (
-            f": {restored['error']}" if restored.get("error") else f" ({restored['chunks_failing']} chunks)")
+            f": {restored['error']}" if restored.get("error") else f" ({restored['chunks_failing']} chunks)"
+        )
     return None
 
 
@@ -136,6 +143,14 @@ def daemons_report(volumes: HasStateDir) -> list[dict]:
     out = []
     for state in poll(volumes):
         why = sick_because(state)
-        out.append({"job": state.job, "rank": state.rank, "pod": state.pod, "pods": list(state.daemon.pods),
-                    "state": "sick" if why else "serving", "why": why})
+        out.append(
+            {
+                "job": state.job,
+                "rank": state.rank,
+                "pod": state.pod,
+                "pods": list(state.daemon.pods),
+                "state": "sick" if why else "serving",
+                "why": why,
+            }
+        )
     return out

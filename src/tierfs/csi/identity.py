@@ -49,8 +49,6 @@ def handler(cfg: PluginConfig) -> grpc.GenericRpcHandler:
             log.warning("not ready to serve volumes: %s", reason)
         return pb.ProbeResponse(ready=BoolValue(value=ready))
 
-    return service("Identity", {
-        "GetPluginInfo": get_plugin_info,
-        "GetPluginCapabilities": get_plugin_capabilities,
-        "Probe": probe,
-    })
+    return service(
+        "Identity", {"GetPluginInfo": get_plugin_info, "GetPluginCapabilities": get_plugin_capabilities, "Probe": probe}
+    )

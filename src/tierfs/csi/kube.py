@@ -120,8 +120,11 @@ def peer_pattern(pod: dict, namespace: str, nodes: int, port: int) -> str:
     hostname, subdomain = spec.get("hostname"), spec.get("subdomain")
     if JOBSET_NAME in labels:
         jobset, rjob = _label(labels, JOBSET_NAME), _label(labels, REPLICATED_JOB_NAME)
-        jobs = _count(labels, REPLICATED_JOB_REPLICAS) if REPLICATED_JOB_REPLICAS in labels \
+        jobs = (
+            _count(labels, REPLICATED_JOB_REPLICAS)
+            if REPLICATED_JOB_REPLICAS in labels
             else _count(labels, JOBSET_GLOBAL_REPLICAS)
+        )
         if nodes % jobs:
             raise PeersUnknown(f"nodes={nodes} is not a multiple of the {jobs} Jobs of replicated job {rjob}")
         mine = f"{jobset}-{rjob}-{_count(labels, JOBSET_JOB_INDEX, 0)}-{_count(labels, JOB_COMPLETION_INDEX, 0)}"
@@ -130,19 +133,25 @@ def peer_pattern(pod: dict, namespace: str, nodes: int, port: int) -> str:
     else:
         key = next((k for k in JOB_NAME_LABELS if k in labels), None)
         if key is None or JOB_COMPLETION_INDEX not in labels:
-            raise PeersUnknown("the pod is in neither a JobSet nor an Indexed Job (no jobset-name, "
-                               "job-name or job-completion-index label)")
+            raise PeersUnknown(
+                "the pod is in neither a JobSet nor an Indexed Job (no jobset-name, "
+                "job-name or job-completion-index label)"
+            )
         job = _label(labels, key)
         mine = f"{job}-{_count(labels, JOB_COMPLETION_INDEX, 0)}"
         stem = f"{job}-{_range(nodes)}"
         if not subdomain:
-            raise PeersUnknown("the pod has no spec.subdomain, so its Job's pods have no DNS names: set "
-                               "subdomain in the Job's pod template, with a headless Service of that name")
+            raise PeersUnknown(
+                "the pod has no spec.subdomain, so its Job's pods have no DNS names: set "
+                "subdomain in the Job's pod template, with a headless Service of that name"
+            )
     if not isinstance(subdomain, str) or not _DNS_LABEL_RE.fullmatch(subdomain):
         raise PeersUnknown(f"the pod's subdomain {str(subdomain)[:80]!r} is not a DNS label")
     if hostname is not None and hostname != mine:
-        raise PeersUnknown(f"the pod's hostname {str(hostname)[:80]!r} is not {mine!r}, the name its indexes "
-                           "give: the other pods' names cannot be worked out")
+        raise PeersUnknown(
+            f"the pod's hostname {str(hostname)[:80]!r} is not {mine!r}, the name its indexes "
+            "give: the other pods' names cannot be worked out"
+        )
     return f"{stem}.{subdomain}.{check_namespace(namespace)}.svc:{port}"
 
 
@@ -194,8 +203,9 @@ class KubeClient:
             raise RankUnknown(str(e)) from None
         where = f"pod {namespace}/{name} from {self.api}"
         try:
-            with requests.get(self.api.rstrip("/") + path, headers=self.headers, verify=self.verify,
-                              timeout=10, stream=True) as reply:
+            with requests.get(
+                self.api.rstrip("/") + path, headers=self.headers, verify=self.verify, timeout=10, stream=True
+            ) as reply:
                 if reply.status_code != 200:
                     raise RankUnknown(
                         f"reading {where} answered HTTP {reply.status_code}"
@@ -216,8 +226,7 @@ class KubeClient:
 
     def post_event(self, namespace: str, event: dict) -> None:
         """Create a core/v1 Event in ``namespace``."""
-        self._send("POST", f"/api/v1/namespaces/{quote(check_namespace(namespace))}/events", event,
-                   "application/json")
+        self._send("POST", f"/api/v1/namespaces/{quote(check_namespace(namespace))}/events", event, "application/json")
 
     def patch_event(self, namespace: str, name: str, patch: dict) -> None:
         """Merge ``patch`` into the Event ``name``; :class:`EventGone` if it has expired."""
@@ -228,14 +237,22 @@ class KubeClient:
         if not self.api:
             raise EventRefused("the plugin has no Kubernetes API to post Events to")
         try:
-            with requests.request(method, self.api.rstrip("/") + path, data=json.dumps(body).encode(),
-                                  headers={**self.headers, "Content-Type": content_type}, verify=self.verify,
-                                  timeout=10, stream=True) as reply:
+            with requests.request(
+                method,
+                self.api.rstrip("/") + path,
+                data=json.dumps(body).encode(),
+                headers={**self.headers, "Content-Type": content_type},
+                verify=self.verify,
+                timeout=10,
+                stream=True,
+            ) as reply:
                 status = reply.status_code
         except (requests.RequestException, urllib3.exceptions.HTTPError, OSError) as e:
             raise EventRefused(f"cannot reach {self.api}: {e}") from None
         if status == 404 and method == "PATCH":
             raise EventGone(f"{path} is gone")
         if not 200 <= status < 300:
-            raise EventRefused(f"{method} {path} answered HTTP {status}" + (
-                " (does the plugin's service account have create and patch on events?)" if status == 403 else ""))
+            raise EventRefused(
+                f"{method} {path} answered HTTP {status}"
+                + (" (does the plugin's service account have create and patch on events?)" if status == 403 else "")
+            )

@@ -22,9 +22,9 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 PRIVATE_DIR, PRIVATE_FILE = 0o700, 0o600
 POLL = 0.02  # seconds between tries of another process's flock while a bounded wait lasts

@@ -58,8 +58,7 @@ class _Tail:
 class LogRelay:
     """Relays ``<log_dir>/*.log`` to ``out`` (stdout) from a thread of its own: :meth:`start`, :meth:`stop`."""
 
-    def __init__(self, log_dir: Path, log_format: str = "text", out: TextIO | None = None,
-                 every: float = POLL_EVERY):
+    def __init__(self, log_dir: Path, log_format: str = "text", out: TextIO | None = None, every: float = POLL_EVERY):
         self.log_dir = Path(log_dir)
         self.json = log_format == "json"
         self.out = out
@@ -120,7 +119,7 @@ class LogRelay:
         except FileNotFoundError:
             return
         for name in names:
-            if name not in self._tails and (tail := self._open(name, name[:-len(".log")])) is not None:
+            if name not in self._tails and (tail := self._open(name, name[: -len(".log")])) is not None:
                 if at_end:
                     self._skip_to_end(tail)
                 self._tails[name] = tail
@@ -156,8 +155,13 @@ class LogRelay:
             tail.offset = 0  # truncated in place: what it holds now is new
             tail.pending.clear()
         if size - tail.offset > MAX_BEHIND:
-            lines.append(self._line(tail.job, f"tierfs csi: skipped {size - tail.offset} bytes of {name}: "
-                                              "the daemon logs faster than the plugin relays"))
+            lines.append(
+                self._line(
+                    tail.job,
+                    f"tierfs csi: skipped {size - tail.offset} bytes of {name}: "
+                    "the daemon logs faster than the plugin relays",
+                )
+            )
             self._skip_to_end(tail)
         budget = MAX_READ - self._take(tail, MAX_READ, lines)
         if current == tail.ino or tail.offset < size:

@@ -42,26 +42,30 @@ class PluginCollector(Collector):
         published = GaugeMetricFamily("tierfs_plugin_volumes", "Volumes published on this node")
         published.add_metric([], len(records(self.cfg.state_dir / "volumes")))
         yield published
-        calls = CounterMetricFamily("tierfs_plugin_volume_calls", "CSI calls answered, by method and gRPC code",
-                                    labels=["call", "code"])
+        calls = CounterMetricFamily(
+            "tierfs_plugin_volume_calls", "CSI calls answered, by method and gRPC code", labels=["call", "code"]
+        )
         for (call, code), n in sorted(rpc.CALLS.copy().items()):
             calls.add_metric([call, code], n)
         yield calls
-        posted = CounterMetricFamily("tierfs_plugin_events", "Kubernetes Events posted on pods, by reason",
-                                     labels=["reason"])
+        posted = CounterMetricFamily(
+            "tierfs_plugin_events", "Kubernetes Events posted on pods, by reason", labels=["reason"]
+        )
         for reason, n in sorted(events.POSTED.copy().items()):
             posted.add_metric([reason], n)
         yield posted
         states = poll(self.volumes)
         sick = sum(health.sick_because(s) is not None for s in states)
-        daemons = GaugeMetricFamily("tierfs_plugin_daemons", "The jobs' daemons on this node, serving or sick",
-                                    labels=["state"])
+        daemons = GaugeMetricFamily(
+            "tierfs_plugin_daemons", "The jobs' daemons on this node, serving or sick", labels=["state"]
+        )
         daemons.add_metric(["serving"], len(states) - sick)
         daemons.add_metric(["sick"], sick)
         yield daemons
         # A job's daemon outlives its pods (until --gc-after): alerts on a job that ended skip it by this.
-        pods = GaugeMetricFamily("tierfs_plugin_job_pods", "Pods of the job using its volume on this node",
-                                 labels=["job"])
+        pods = GaugeMetricFamily(
+            "tierfs_plugin_job_pods", "Pods of the job using its volume on this node", labels=["job"]
+        )
         for state in states:
             pods.add_metric([state.job], len(state.daemon.pods))
         yield pods

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, ContextManager, Iterator
+from typing import ContextManager
 
 import grpc
 
@@ -45,8 +46,10 @@ class Gate:
     @contextmanager
     def __call__(self) -> Iterator[None]:
         if not self._free.acquire(blocking=False):
-            raise Unavailable(f"the plugin is working on {self.size} {self.what} at once already, its most "
-                              "(tierfs csi --volume-calls): kubelet retries")
+            raise Unavailable(
+                f"the plugin is working on {self.size} {self.what} at once already, its most "
+                "(tierfs csi --volume-calls): kubelet retries"
+            )
         try:
             yield
         finally:
@@ -62,8 +65,9 @@ def _message_class(descriptor):
     return getattr(pb, descriptor.name)
 
 
-def service(name: str, methods: dict[str, Callable],
-            gate: Callable[[], ContextManager[None]] = _open) -> grpc.GenericRpcHandler:
+def service(
+    name: str, methods: dict[str, Callable], gate: Callable[[], ContextManager[None]] = _open
+) -> grpc.GenericRpcHandler:
     """A handler for ``csi.v1.<name>``; methods missing from ``methods`` answer UNIMPLEMENTED.
 
     ``gate``: entered around every call (a :class:`Gate` bounds how many run at once).
@@ -96,7 +100,7 @@ def _answer(name: str, fn: Callable, gate: Callable[[], ContextManager[None]]):
             code, message = e.code, one_line(str(e))
             log.warning("%s: %s %s", name, e.code, message)
             context.abort(grpc.StatusCode[e.code], message)
-        except Exception as e:  # noqa: BLE001 (a bug: its traceback in the log, a clean code to kubelet)
+        except Exception as e:
             code = "INTERNAL"
             log.exception("%s failed", name)
             context.abort(grpc.StatusCode.INTERNAL, one_line(f"{type(e).__name__}: {e}"))

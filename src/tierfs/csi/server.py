@@ -56,8 +56,9 @@ def serve(cfg: PluginConfig, endpoint: str, stop: threading.Event | None = None)
     watcher = events.EventWatcher(volumes, cfg)  # the pods' Events, from start() to stop()
     threads = futures.ThreadPoolExecutor(max_workers=cfg.volume_calls + IDENTITY_THREADS, thread_name_prefix="csi")
     server = grpc.server(threads)
-    server.add_generic_rpc_handlers((identity.handler(cfg), node.handler(volumes, cfg.node_id, cfg.volume_calls,
-                                                                          refused=watcher.refused)))
+    server.add_generic_rpc_handlers(
+        (identity.handler(cfg), node.handler(volumes, cfg.node_id, cfg.volume_calls, refused=watcher.refused))
+    )
     try:
         server.add_insecure_port(f"unix://{path}")
     except RuntimeError as e:

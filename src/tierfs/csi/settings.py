@@ -105,8 +105,10 @@ def load_settings(path: Path | None) -> tuple[dict[str, str], Ceilings]:
         raise UserError(f"--config {path} must be a mapping of tierfs mount options to values")
     unknown = sorted(set(map(str, data)) - set(ATTRIBUTES) - set(ceilings.KEYS))
     if unknown:
-        raise UserError(f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}, "
-                        f"or a ceiling: {', '.join(ceilings.KEYS)}")
+        raise UserError(
+            f"--config {path}: unknown option(s) {', '.join(unknown)}; use {', '.join(ATTRIBUTES)}, "
+            f"or a ceiling: {', '.join(ceilings.KEYS)}"
+        )
     nested = sorted(str(k) for k, v in data.items() if isinstance(v, (dict, list)))
     if nested:
         raise UserError(f"--config {path}: option(s) {', '.join(nested)} must be a single value, not a list or mapping")
@@ -163,8 +165,11 @@ def volume_options(cfg: PluginConfig, req: PublishRequest, namespace: str) -> tu
             )
         check_value(key, value)
         options[key] = value
-    if "gcs" in req.context and not cfg.allow_pod_gcs \
-            and req.context["gcs"].rstrip("/") != (cluster_gcs or "").rstrip("/"):
+    if (
+        "gcs" in req.context
+        and not cfg.allow_pod_gcs
+        and req.context["gcs"].rstrip("/") != (cluster_gcs or "").rstrip("/")
+    ):
         raise InvalidArgument(
             f"volume attribute gcs={req.context['gcs'][:200]!r} is refused: on this cluster the plugin's "
             f"ConfigMap (tierfs-config) chooses the GCS bucket and prefix ({cluster_gcs or 'none'}); remove "
@@ -188,8 +193,9 @@ def volume_options(cfg: PluginConfig, req: PublishRequest, namespace: str) -> tu
             if key in req.context:
                 limits.check_choice(key, req.context[key], admins.get(key, daemons_default))
         if "engine" in req.context:
-            limits.check_engine(req.context["engine"], admins.get("engine", Config.engine),
-                                admins.get("data-path", Config.data_path))
+            limits.check_engine(
+                req.context["engine"], admins.get("engine", Config.engine), admins.get("data-path", Config.data_path)
+            )
         limits.check_attributes(options, set(req.context))
         if options.get("listen"):
             try:
@@ -232,8 +238,10 @@ def settle_capacity(req: PublishRequest, options: dict[str, str], limits: Ceilin
     if "capacity" in req.context:
         what = f"volume attribute 'capacity' {options['capacity'][:40]}"
     else:
-        what = f"the {'ConfigMap' if 'capacity' in options else 'node'}'s default capacity " \
-               f"{options.setdefault('capacity', fallback)}"
+        what = (
+            f"the {'ConfigMap' if 'capacity' in options else 'node'}'s default capacity "
+            f"{options.setdefault('capacity', fallback)}"
+        )
     try:
         parse_size(options["capacity"], "capacity")
     except UserError as e:
@@ -241,8 +249,16 @@ def settle_capacity(req: PublishRequest, options: dict[str, str], limits: Ceilin
     return what
 
 
-def check_node_ceilings(options: dict[str, str], what: str, limits: Ceilings, job: str, namespace: str,
-                        node_id: str, others: list[dict], new_job: bool) -> None:
+def check_node_ceilings(
+    options: dict[str, str],
+    what: str,
+    limits: Ceilings,
+    job: str,
+    namespace: str,
+    node_id: str,
+    others: list[dict],
+    new_job: bool,
+) -> None:
     """The ceilings that count what the node already holds: its jobs (``others``, their records) and their capacities.
 
     Called under the node-wide lock, with the claim of the job written before it is
@@ -271,13 +287,19 @@ def _memory() -> int:
         raise FailedPrecondition(str(e)) from None
 
 
-def check_daemon_options(job: str, staging: Path, ramdisk: Path, options: dict[str, str], secret: str | None,
-                         token_file: Path | None = None) -> None:
+def check_daemon_options(
+    job: str, staging: Path, ramdisk: Path, options: dict[str, str], secret: str | None, token_file: Path | None = None
+) -> None:
     """Refuse bad attributes with the daemon's own message, before any process starts
     (``token_file``: the job's service-account token, as the daemon will be given it)."""
     extra = {"gcs_token_file": token_file} if token_file is not None else {}
     try:
-        Config.build(mountpoint=staging, ramdisk=ramdisk, secret=secret, **extra,
-                     **{k.replace("-", "_"): v for k, v in options.items()})
+        Config.build(
+            mountpoint=staging,
+            ramdisk=ramdisk,
+            secret=secret,
+            **extra,
+            **{k.replace("-", "_"): v for k, v in options.items()},
+        )
     except UserError as e:
         raise InvalidArgument(f"job {job}: {e}") from None

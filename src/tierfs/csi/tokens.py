@@ -37,10 +37,16 @@ def pod_token(context: dict[str, str]) -> str | None:
         (entry,) = tokens.values()
         token = entry["token"]
     except (ValueError, TypeError, KeyError, AttributeError):
-        raise InvalidArgument(f"{TOKENS} is not one audience's token: give the CSIDriver exactly one "
-                              "tokenRequests audience") from None
-    if not isinstance(token, str) or not 0 < len(token) <= MAX_TOKEN or not token.isascii() \
-            or not token.isprintable() or " " in token:
+        raise InvalidArgument(
+            f"{TOKENS} is not one audience's token: give the CSIDriver exactly one tokenRequests audience"
+        ) from None
+    if (
+        not isinstance(token, str)
+        or not 0 < len(token) <= MAX_TOKEN
+        or not token.isascii()
+        or not token.isprintable()
+        or " " in token
+    ):
         raise InvalidArgument(f"{TOKENS}: the token is not a service-account token")
     return token
 

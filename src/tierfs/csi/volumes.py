@@ -41,9 +41,9 @@ import os
 import secrets
 import subprocess
 import time
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from tierfs.config import OPTIONS, Config, env_name
 from tierfs.core import linux, mounts
@@ -51,17 +51,9 @@ from tierfs.core.atomic import write_atomically
 from tierfs.core.errors import UserError
 from tierfs.core.parse import check_job_id, parse_duration
 from tierfs.csi import kube
-from tierfs.csi.errors import (
-    Aborted,
-    AlreadyExists,
-    FailedPrecondition,
-    InvalidArgument,
-    NotFound,
-    VolumeError,
-)
+from tierfs.csi.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, VolumeError
 from tierfs.csi.locks import Busy
 from tierfs.csi.records import PRIVATE_FILE, StateDir, pod_of
-from tierfs.csi.tokens import pod_token, write_token
 from tierfs.csi.records import alive as _alive
 from tierfs.csi.records import read_json as _read_json
 from tierfs.csi.records import write_json as _write_json
@@ -78,6 +70,7 @@ from tierfs.csi.settings import (
     settle_capacity,
     volume_options,
 )
+from tierfs.csi.tokens import pod_token, write_token
 from tierfs.ramtier.tmpfs import delete_ram_data
 
 log = logging.getLogger("tierfs.csi")
@@ -146,8 +139,10 @@ class Volumes(StateDir):
             try:
                 stack.enter_context(self.locks.job(job, JOB_WAIT))
             except Busy:
-                raise Aborted(f"job {job} on node {self.cfg.node_id} is busy with another call (its daemon may "
-                              "be starting): kubelet retries") from None
+                raise Aborted(
+                    f"job {job} on node {self.cfg.node_id} is busy with another call (its daemon may "
+                    "be starting): kubelet retries"
+                ) from None
             yield
 
     # -- publish -----------------------------------------------------------------------
@@ -180,20 +175,43 @@ class Volumes(StateDir):
                 new_job = _read_json(self._job_path(job)) is None  # a job already held is no new job
                 check_node_ceilings(options, what, limits, job, namespace, self.cfg.node_id, others, new_job)
                 if start:  # idle until the publish completes: a daemon that fails to start is collected
-                    _write_json(self._job_path(job), {"job": job, "rank": rank, "namespace": namespace,
-                                                      "options": wanted, "idle_since": time.time()})
+                    _write_json(
+                        self._job_path(job),
+                        {
+                            "job": job,
+                            "rank": rank,
+                            "namespace": namespace,
+                            "options": wanted,
+                            "idle_since": time.time(),
+                        },
+                    )
             if start:
                 self._launch(job, wanted, secret)
             os.makedirs(req.target, exist_ok=True)
             _unmount_target(req.target)  # a dead mount left by a crash, same volume
             linux.bind_mount(str(self.staging(job)), req.target, read_only=req.read_only)
-            _write_json(self._volume_path(req.volume_id), {
-                "volume_id": req.volume_id, "target": req.target, "read_only": req.read_only,
-                "job": job, "rank": rank, "request": digest, "published": time.time(), "pod": pod_of(req.context),
-            })
+            _write_json(
+                self._volume_path(req.volume_id),
+                {
+                    "volume_id": req.volume_id,
+                    "target": req.target,
+                    "read_only": req.read_only,
+                    "job": job,
+                    "rank": rank,
+                    "request": digest,
+                    "published": time.time(),
+                    "pod": pod_of(req.context),
+                },
+            )
             self._touch_job(job, idle=False)
-            log.info("published %s: job %s rank %d at %s%s", req.volume_id, job, rank, req.target,
-                     " (read-only)" if req.read_only else "")
+            log.info(
+                "published %s: job %s rank %d at %s%s",
+                req.volume_id,
+                job,
+                rank,
+                req.target,
+                " (read-only)" if req.read_only else "",
+            )
 
     def _published(self, req: PublishRequest, digest: str, locked: bool, token: str | None = None) -> bool:
         """Whether this very call is done already (kubelet repeats calls, and republishes to
@@ -268,8 +286,9 @@ class Volumes(StateDir):
                 "Indexed Job or a JobSet, or set volume attribute 'rank'"
             ) from None
 
-    def _plan_daemon(self, job: str, rank: int, options: dict[str, str],
-                     secret: str | None) -> tuple[dict[str, str], bool]:
+    def _plan_daemon(
+        self, job: str, rank: int, options: dict[str, str], secret: str | None
+    ) -> tuple[dict[str, str], bool]:
         """The daemon's options, and whether it must start: the job's running daemon is reused
         when it runs with them; one with other settings is replaced only if no pod uses it."""
         staging, held = self.staging(job), _read_json(self._job_path(job))
@@ -307,14 +326,21 @@ class Volumes(StateDir):
         if not take_over and mounts.find_mount(staging) is not None:  # dead: its daemon was killed
             linux.umount(str(staging), linux.MNT_DETACH)
         staging.mkdir(parents=True, exist_ok=True)
-        args = [*self.cfg.tierfs, "mount", str(staging), "--ramdisk", str(self.cfg.ramdisk),
-                "--log-file", str(self.cfg.state_dir / "logs" / f"{job}.log"), f"--log-format={self.cfg.log_format}"]
+        args = [
+            *self.cfg.tierfs,
+            "mount",
+            str(staging),
+            "--ramdisk",
+            str(self.cfg.ramdisk),
+            "--log-file",
+            str(self.cfg.state_dir / "logs" / f"{job}.log"),
+            f"--log-format={self.cfg.log_format}",
+        ]
         args += [f"--{key}={value}" for key, value in sorted(options.items())]  # one word each: never a flag
         if options.get("gcs-token-audience") and self._token_path(job).exists():  # the job's GCS identity (tokens.py)
             args.append(f"--gcs-token-file={self._token_path(job)}")
         options_env = {env_name(name) for name in (*OPTIONS, "secret")}
-        env = {k: v for k, v in os.environ.items()
-               if not (k.startswith("TIERFS_") and env_name(k[7:]) in options_env)}
+        env = {k: v for k, v in os.environ.items() if not (k.startswith("TIERFS_") and env_name(k[7:]) in options_env)}
         secret = self._secret_path(job).read_text()
         if secret:
             env["TIERFS_SECRET"] = secret
@@ -327,16 +353,19 @@ class Volumes(StateDir):
         try:
             proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise VolumeError(f"tierfs for job {job} did not start within {timeout:g}s: see its log, "
-                              f"{self.cfg.state_dir / 'logs' / f'{job}.log'}") from None
+            raise VolumeError(
+                f"tierfs for job {job} did not start within {timeout:g}s: see its log, "
+                f"{self.cfg.state_dir / 'logs' / f'{job}.log'}"
+            ) from None
         if proc.returncode != 0:
             message = (proc.stderr.strip().splitlines() or ["no message"])[-1]
             raise VolumeError(f"could not start tierfs for job {job}: {message.removeprefix('tierfs: ')}")
         held = _read_json(self._job_path(job))
         if held is not None:
             _write_json(self._job_path(job), {**held, "keeper_of": self.instance})
-        log.info("%s tierfs for job %s rank %s at %s", "took over" if take_over else "started", job,
-                 options["rank"], staging)
+        log.info(
+            "%s tierfs for job %s rank %s at %s", "took over" if take_over else "started", job, options["rank"], staging
+        )
 
     # -- unpublish and stats -----------------------------------------------------------
 
@@ -480,8 +509,13 @@ class Volumes(StateDir):
         except OSError as e:
             raise VolumeError(f"could not delete the RAM tier of job {job}: {e.strerror}") from None
         logs = self.cfg.state_dir / "logs"
-        for path in (self._job_path(job), self._secret_path(job), self._token_path(job),
-                     logs / f"{job}.log", *logs.glob(f"{job}.log.[0-9]")):  # and its rotated parts
+        for path in (
+            self._job_path(job),
+            self._secret_path(job),
+            self._token_path(job),
+            logs / f"{job}.log",
+            *logs.glob(f"{job}.log.[0-9]"),
+        ):  # and its rotated parts
             path.unlink(missing_ok=True)
         if staging.is_dir():
             staging.rmdir()

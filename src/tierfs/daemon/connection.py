@@ -11,9 +11,9 @@ import trio
 
 from tierfs.config import Config
 from tierfs.core.errors import UserError
+from tierfs.daemon.keeper import replace_keeper
 from tierfs.fs.recovery import SessionState, Taken, reopen_handles
 from tierfs.fs.session import KernelSession
-from tierfs.daemon.keeper import replace_keeper
 from tierfs.ramtier import RankDir
 
 log = logging.getLogger("tierfs")
@@ -32,15 +32,17 @@ class Connection:
         successor needs to take it over (a successor: the record it took over, kept on)."""
         if self.fd is None or not isinstance(engine, KernelSession):
             if self.taken is not None:
-                raise UserError("the daemon before used tierfs' own FUSE engine: take over with the same "
-                                "--engine and --data-path")
+                raise UserError(
+                    "the daemon before used tierfs' own FUSE engine: take over with the same --engine and --data-path"
+                )
             return
         if self.record is None:
             self.record = SessionState(rank.session, rank.tree)
             self.record.start()
         elif self.taken.init["passthrough"] != passthrough:
-            raise UserError("the daemon before served the mount on another data path: "
-                            "take over with the same --data-path")
+            raise UserError(
+                "the daemon before served the mount on another data path: take over with the same --data-path"
+            )
         engine.record = ops.record = ops.inodes.record = self.record
 
     async def watch_keeper(self, mountpoint: str, registered: Callable[[], None]) -> None:
@@ -62,9 +64,12 @@ class Connection:
 
     def report(self) -> dict:
         """For status: who keeps the connection, and whether this daemon took it over."""
-        return {"keeper": self.keeper, "kept": self.record is not None,
-                "taken_over": self.taken is not None,
-                "handles_taken_over": len(self.taken.handles) if self.taken is not None else 0}
+        return {
+            "keeper": self.keeper,
+            "kept": self.record is not None,
+            "taken_over": self.taken is not None,
+            "handles_taken_over": len(self.taken.handles) if self.taken is not None else 0,
+        }
 
     @classmethod
     def take_over(cls, cfg: Config, fd: int, ready_fd: int) -> tuple[Connection, int]:
@@ -75,7 +80,9 @@ class Connection:
         try:
             taken = record.take_over()
         except (OSError, ValueError, UserError) as e:
-            raise UserError(f"cannot take over the FUSE connection of {cfg.mountpoint}: its record in "
-                            f"{record.dir} is unreadable ({e})") from None
+            raise UserError(
+                f"cannot take over the FUSE connection of {cfg.mountpoint}: its record in "
+                f"{record.dir} is unreadable ({e})"
+            ) from None
         moved = reopen_handles(record, taken, {"ready": ready_fd, "fuse": fd})
         return cls(moved["fuse"], record, taken), moved["ready"]

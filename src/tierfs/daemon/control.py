@@ -20,8 +20,9 @@ import json
 import logging
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -87,8 +88,13 @@ async def _one(handler: Handler, stream: trio.SocketStream) -> None:
 class Answers:
     """The daemon's answers to the control socket's requests."""
 
-    def __init__(self, status: Callable[[], dict], commit: Callable[[str, int | None], dict],
-                 metrics: Callable[[], str] = lambda: "", steps: Callable[[], Awaitable[dict]] | None = None):
+    def __init__(
+        self,
+        status: Callable[[], dict],
+        commit: Callable[[str, int | None], dict],
+        metrics: Callable[[], str] = lambda: "",
+        steps: Callable[[], Awaitable[dict]] | None = None,
+    ):
         self._status, self._commit, self._metrics, self._steps = status, commit, metrics, steps
 
     async def __call__(self, request: dict) -> dict:
@@ -112,4 +118,3 @@ def commit(steps: Steps, path: str, step: int | None) -> dict:
     if state is None:
         raise ValueError(f"{path} does not exist in the volume")
     return {"step": state.step, "roots": state.roots, "version": state.version}
-

@@ -30,7 +30,8 @@ from tierfs.core.atomic import read_state
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.parse import format_size
-from tierfs.daemon import control, host, status, steps as job_steps
+from tierfs.daemon import control, host, status
+from tierfs.daemon import steps as job_steps
 from tierfs.daemon.connection import Connection
 from tierfs.daemon.keeper import CANNOT_TAKE_OVER, HANDOVER
 from tierfs.daemon.metrics import Telemetry
@@ -77,26 +78,54 @@ class Daemon:
         self.ops: Operations | None = None
         self.engine = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
         self.data_path: DataPath | None = None  # chosen at start
-        self.snapshots = Snapshots(self.rank.path, self.rank.tree, self._unlinked,
-                                   lambda st: self.space.update(st))  # the account may be replaced at start
+        self.snapshots = Snapshots(
+            self.rank.path, self.rank.tree, self._unlinked, lambda st: self.space.update(st)
+        )  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
         self.identity = Identity.create(cfg.ramdisk)  # who serves this rank, in the peer service's info
-        self.network: PeerNetwork | None = (PeerNetwork(cfg, identity=self.identity)
-                                            if cfg.peers or cfg.peer_dns else None)
+        self.network: PeerNetwork | None = (
+            PeerNetwork(cfg, identity=self.identity) if cfg.peers or cfg.peer_dns else None
+        )
         self.replica_store: ReplicaStore | None = None  # with a peer service (start)
-        self.local = LocalTier(None, OwnSteps(
-            cfg.rank, steps=lambda: sorted(self.steps.states), find=self.find, manifest=self._own_manifest,
-            restore_step=self._restore_step, report=self._ram_report))
+        self.local = LocalTier(
+            None,
+            OwnSteps(
+                cfg.rank,
+                steps=lambda: sorted(self.steps.states),
+                find=self.find,
+                manifest=self._own_manifest,
+                restore_step=self._restore_step,
+                report=self._ram_report,
+            ),
+        )
         self.tiers: list[Tier] = [self.local]  # every tier of this node, cheapest first; the rest at start
         self.view = ClusterView(cfg.nodes, self.tiers, self.local)
-        self.coordinating = (NodeCoordination(cfg, self.network, self.steps, self.tiers, self._replicas,
-                                              self._restore_step)
-                             if cfg.listen and self.network is not None else None)
-        self.planner = RestorePlanner(cfg, rank=self.rank, steps=self.steps, snapshots=self.snapshots,
-                                      space=self.space, tiers=self.tiers, local=self.local, view=self.view,
-                                      coordinating=self.coordinating, started=self.started)
-        self.multitier = MultiTier(cfg, self.rank, self.steps, self.planner, self.view,
-                                   restore=lambda: self.restore, reconfigure=self._reconfigure)
+        self.coordinating = (
+            NodeCoordination(cfg, self.network, self.steps, self.tiers, self._replicas, self._restore_step)
+            if cfg.listen and self.network is not None
+            else None
+        )
+        self.planner = RestorePlanner(
+            cfg,
+            rank=self.rank,
+            steps=self.steps,
+            snapshots=self.snapshots,
+            space=self.space,
+            tiers=self.tiers,
+            local=self.local,
+            view=self.view,
+            coordinating=self.coordinating,
+            started=self.started,
+        )
+        self.multitier = MultiTier(
+            cfg,
+            self.rank,
+            self.steps,
+            self.planner,
+            self.view,
+            restore=lambda: self.restore,
+            reconfigure=self._reconfigure,
+        )
         self.mtc: MtcNode | None = None  # the job's multi-tier checkpointing files, unless read-only (start)
         self.replicator: Replicator | None = None
         self.telemetry: Telemetry | None = None  # its endpoint is bound at start: a taken port is a user error
@@ -128,12 +157,20 @@ class Daemon:
         if cfg.listen:
             host.check_listen(cfg.listen)
             self.replica_store = self.local.store = ReplicaStore(
-                self.rank.state_dir("replicas"), job=cfg.job, space=self.space, local=self.local.own,
+                self.rank.state_dir("replicas"),
+                job=cfg.job,
+                space=self.space,
+                local=self.local.own,
                 keep_from=self.retention_floor,
             )
         self.tiers[:] = node_tiers(  # in place: the parts built above hold this list
-            cfg, self.local, self.network, keep_from=self.retention_floor, warn=self._warn,
-            restorable_without_gcs=bool(self.steps.states) or self.network is not None or cfg.disk is not None)
+            cfg,
+            self.local,
+            self.network,
+            keep_from=self.retention_floor,
+            warn=self._warn,
+            restorable_without_gcs=bool(self.steps.states) or self.network is not None or cfg.disk is not None,
+        )
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
         if self.replica_store is not None:
@@ -148,11 +185,22 @@ class Daemon:
         self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
         self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
         self.connection.keep_record(self.engine, self.ops, self.rank, self.data_path == DataPath.PASSTHROUGH)
-        self.telemetry = Telemetry(cfg, self._status, lambda: getattr(self.engine, "times", None),
-                                   self.rank.path / "goodput.json", self.started)
-        self.replicator = Replicator(cfg, self.steps, self.tiers, lambda: self.ops.last_write,
-                                     self.retention_floor if self._beyond_ram() or self.network else None,
-                                     self._ram_short, self.telemetry.meters)
+        self.telemetry = Telemetry(
+            cfg,
+            self._status,
+            lambda: getattr(self.engine, "times", None),
+            self.rank.path / "goodput.json",
+            self.started,
+        )
+        self.replicator = Replicator(
+            cfg,
+            self.steps,
+            self.tiers,
+            lambda: self.ops.last_write,
+            self.retention_floor if self._beyond_ram() or self.network else None,
+            self._ram_short,
+            self.telemetry.meters,
+        )
         if not cfg.read_only:
             self.mtc = self.multitier.start()
             self.replicator.dropped = self.mtc.forget
@@ -206,19 +254,24 @@ class Daemon:
         try:
             self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != Engine.PYFUSE3 else DataPath.DAEMON)
         except ValueError as e:
-            raise UserError(f"--data-path passthrough is impossible here: {e}; "
-                            "use --data-path auto or daemon") from None
+            raise UserError(
+                f"--data-path passthrough is impossible here: {e}; use --data-path auto or daemon"
+            ) from None
         if self.data_path == DataPath.PASSTHROUGH and cfg.capacity is not None:
             if own_tmpfs(self.rank.path, cfg.capacity):
                 # The kernel enforces the capacity; the account follows that file system.
                 self.space = self.planner.space = SpaceAccount(None, self.rank.tree)
             elif cfg.data_path == DataPath.PASSTHROUGH:
-                raise UserError(f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
-                                "cannot bind passthrough writes: use --data-path daemon, or move the data")
+                raise UserError(
+                    f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
+                    "cannot bind passthrough writes: use --data-path daemon, or move the data"
+                )
             else:
                 self.data_path = DataPath.DAEMON
-                why = (f"{self.rank.path} already holds data outside a tmpfs of its own, "
-                       "so --capacity is enforced by the daemon")
+                why = (
+                    f"{self.rank.path} already holds data outside a tmpfs of its own, "
+                    "so --capacity is enforced by the daemon"
+                )
         if why is None:
             log.info("data path: passthrough (the kernel reads and writes the RAM tier directly)")
         else:
@@ -261,9 +314,14 @@ class Daemon:
         return self.replica_store.manifests() if self.replica_store is not None else []
 
     def _ram_report(self) -> dict:
-        return {"path": str(self.rank.tree), "tmpfs": self.rank.is_tmpfs(), "large_folios": self.rank.large_folios(),
-                "capacity": self.space.capacity,
-                "capacity_bounded": self.cfg.capacity is not None, "used": self.space.used}
+        return {
+            "path": str(self.rank.tree),
+            "tmpfs": self.rank.is_tmpfs(),
+            "large_folios": self.rank.large_folios(),
+            "capacity": self.space.capacity,
+            "capacity_bounded": self.cfg.capacity is not None,
+            "used": self.space.used,
+        }
 
     def _ram_short(self) -> bool:
         """Whether the volume uses more than SPILL_AT of its RAM (its tmpfs, where the kernel keeps count)."""
@@ -274,11 +332,15 @@ class Daemon:
         return used > self.space.capacity * SPILL_AT
 
     def _peer_info(self) -> dict:
-        return {"rank": self.cfg.rank, "topology": [list(t) for t in self.cfg.topology],
-                "data_parallel": self.cfg.data_parallel,
-                "free": max(0, self.space.capacity - self.space.used),
-                "steps": sorted(self.steps.states), "restore_step": self._restore_step(),
-                **self.identity.info()}
+        return {
+            "rank": self.cfg.rank,
+            "topology": [list(t) for t in self.cfg.topology],
+            "data_parallel": self.cfg.data_parallel,
+            "free": max(0, self.space.capacity - self.space.used),
+            "steps": sorted(self.steps.states),
+            "restore_step": self._restore_step(),
+            **self.identity.info(),
+        }
 
     def _unlinked(self, st: os.stat_result) -> None:
         if self.ops is not None:
@@ -299,8 +361,12 @@ class Daemon:
             self.ops.take_over(conn.taken.handles)
             self.mounted = True
             self._register()
-            log.info("took over %s from the daemon before: %d open handles", cfg.mountpoint,
-                     len(conn.taken.handles), extra={"event": "took_over"})
+            log.info(
+                "took over %s from the daemon before: %d open handles",
+                cfg.mountpoint,
+                len(conn.taken.handles),
+                extra={"event": "took_over"},
+            )
             return
         try:
             try:
@@ -319,17 +385,28 @@ class Daemon:
         self._register()
         log.info(
             "mounted %s: job %s rank %d on %s (%s used)",
-            cfg.mountpoint, cfg.job, cfg.rank, self.rank.tree, format_size(self.space.used),
-            extra={"event": "mounted"})
+            cfg.mountpoint,
+            cfg.job,
+            cfg.rank,
+            self.rank.tree,
+            format_size(self.space.used),
+            extra={"event": "mounted"},
+        )
 
     def _register(self) -> None:
         cfg = self.cfg
         keeper = self.connection.keeper
-        self.registration.write({
-            "pid": os.getpid(), **({"keeper": keeper} if keeper else {}),
-            "mountpoint": str(cfg.mountpoint), "job": cfg.job, "rank": cfg.rank,
-            "rank_dir": str(self.rank.path), "log": str(self.registration.log_path),
-        })
+        self.registration.write(
+            {
+                "pid": os.getpid(),
+                **({"keeper": keeper} if keeper else {}),
+                "mountpoint": str(cfg.mountpoint),
+                "job": cfg.job,
+                "rank": cfg.rank,
+                "rank_dir": str(self.rank.path),
+                "log": str(self.registration.log_path),
+            }
+        )
 
     async def serve(self, ready_fd: int | None = None) -> None:
         failure: Exception | None = None
@@ -370,8 +447,12 @@ class Daemon:
             nursery.start_soon(self._watch_cluster)
         if self.restore is not None:
             await nursery.start(self.restore.run)
-        answers = control.Answers(self._status, self._commit, self.telemetry.exposition,
-                                  lambda: job_steps.answer(self.cfg, self.view, self.steps))
+        answers = control.Answers(
+            self._status,
+            self._commit,
+            self.telemetry.exposition,
+            lambda: job_steps.answer(self.cfg, self.view, self.steps),
+        )
         await nursery.start(control.serve, self.registration.socket_path, answers)
         nursery.start_soon(self._fuse_main, nursery.cancel_scope)
         # The first request through the mount completes the kernel's INIT handshake,
@@ -387,10 +468,23 @@ class Daemon:
 
     def _status(self, settle: bool = True) -> dict:
         cluster = status.cluster(self.coordinating, self.view, self.planner, self.retention_floor)
-        return status.report(self.cfg, started=self.started, ops=self.ops, engine=self.engine, steps=self.steps,
-                             local=self.local, tiers=self.tiers, replicator=self.replicator, network=self.network,
-                             restore=self.restore, mtc=self.mtc, cluster=cluster,
-                             connection=self.connection.report(), telemetry=self.telemetry, settle=settle)
+        return status.report(
+            self.cfg,
+            started=self.started,
+            ops=self.ops,
+            engine=self.engine,
+            steps=self.steps,
+            local=self.local,
+            tiers=self.tiers,
+            replicator=self.replicator,
+            network=self.network,
+            restore=self.restore,
+            mtc=self.mtc,
+            cluster=cluster,
+            connection=self.connection.report(),
+            telemetry=self.telemetry,
+            settle=settle,
+        )
 
     def _commit(self, path: str, step: int | None) -> dict:
         """``tierfs commit``: what was written before the command is part of the step."""
@@ -414,12 +508,18 @@ class Daemon:
                 self.replica_store.retain()
 
     async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await peer_server.serve(self.cfg.listen, job=self.cfg.job, secret=self.cfg.secret,
-                                store=self.replica_store, info=self._peer_info, task_status=task_status,
-                                tls=peer_tls(self.cfg),
-                                messages=self.coordinating.handle if self.coordinating is not None else None,
-                                # a coordinator keeps one pooled connection per member, and long polls
-                                max_connections=max(peer_server.MAX_CONNECTIONS, 2 * self.cfg.nodes + 64))
+        await peer_server.serve(
+            self.cfg.listen,
+            job=self.cfg.job,
+            secret=self.cfg.secret,
+            store=self.replica_store,
+            info=self._peer_info,
+            task_status=task_status,
+            tls=peer_tls(self.cfg),
+            messages=self.coordinating.handle if self.coordinating is not None else None,
+            # a coordinator keeps one pooled connection per member, and long polls
+            max_connections=max(peer_server.MAX_CONNECTIONS, 2 * self.cfg.nodes + 64),
+        )
 
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
         with self.ops.writes:  # the write-behind worker lives as long as the request loop
@@ -431,8 +531,9 @@ class Daemon:
             async for signum in signals:
                 if signum == signal.SIGUSR1:
                     if self.connection.record is None:
-                        log.warning("cannot hand %s over: the pyfuse3 engine keeps its own connection",
-                                    self.cfg.mountpoint)
+                        log.warning(
+                            "cannot hand %s over: the pyfuse3 engine keeps its own connection", self.cfg.mountpoint
+                        )
                         continue
                     log.info("handing %s over to a successor", self.cfg.mountpoint)
                     self.handing_over = True

@@ -60,8 +60,9 @@ def check_listen(address: tuple[str, int]) -> None:
         with socket.create_server(address, reuse_port=False) as _:
             pass
     except OSError as e:
-        raise UserError(f"cannot listen on {address[0]}:{address[1]} for peers "
-                        f"({e.strerror or e}): pick a free --listen address") from None
+        raise UserError(
+            f"cannot listen on {address[0]}:{address[1]} for peers ({e.strerror or e}): pick a free --listen address"
+        ) from None
 
 
 def set_read_ahead(mountpoint) -> None:

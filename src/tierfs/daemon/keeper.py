@@ -44,7 +44,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from tierfs.config import Config
 from tierfs.core import linux, mounts
@@ -54,7 +54,12 @@ log = logging.getLogger("tierfs.keeper")
 HANDOVER = 75  # a daemon's exit status when it stopped serving so that a new build takes over
 HANDED_OVER = -1000  # run()'s own: the connection went to another keeper
 CANNOT_TAKE_OVER = 76  # a successor's exit status when its predecessor's record is unusable
-FD_ENV, SOCKET_ENV, ADOPT_ENV, CGROUP_ENV = mounts.KEEPER_FD, mounts.KEEPER_SOCKET, mounts.ADOPT_FROM, mounts.KEEPER_CGROUP
+FD_ENV, SOCKET_ENV, ADOPT_ENV, CGROUP_ENV = (
+    mounts.KEEPER_FD,
+    mounts.KEEPER_SOCKET,
+    mounts.ADOPT_FROM,
+    mounts.KEEPER_CGROUP,
+)
 WATCH_ENV = mounts.KEEPER_WATCH
 HANDOVER_TIMEOUT = 120.0  # seconds a keeper waits for its daemon to stop for another keeper
 MAX_FAILED_STARTS = 10
@@ -85,8 +90,13 @@ def replace_keeper(fuse_fd: int) -> int:
     The new keeper runs the command that mounted the volume, as a keeper executed by an
     upgrade does, in a session of its own; the daemon's log is its output."""
     env = {**os.environ, FD_ENV: str(fuse_fd), WATCH_ENV: str(os.getpid())}
-    proc = subprocess.Popen([sys.executable, "-m", "tierfs", *sys.argv[1:]], env=env, pass_fds=[fuse_fd],
-                            stdin=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tierfs", *sys.argv[1:]],
+        env=env,
+        pass_fds=[fuse_fd],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     proc.returncode = 0  # never waited for: a keeper outlives the daemon that started it
     return proc.pid
 
@@ -100,7 +110,9 @@ def adopt(path: str) -> int:
         s.sendall(b"handover\n")
         msg, fds, _, _ = socket.recv_fds(s, 256, 1)
     if not fds:
-        raise OSError(errno.EPROTO, f"the keeper at {path} refused: {msg.decode(errors='replace').strip() or 'no answer'}")
+        raise OSError(
+            errno.EPROTO, f"the keeper at {path} refused: {msg.decode(errors='replace').strip() or 'no answer'}"
+        )
     return fds[0]
 
 
@@ -127,8 +139,14 @@ def join_cgroup(path: str) -> None:
 class Keeper:
     """One mount's keeper; :meth:`run` returns the exit status of the last daemon."""
 
-    def __init__(self, cfg: Config, daemon_main: DaemonMain, fuse_fd: int | None = None,
-                 offer_at: str | None = None, watch: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        daemon_main: DaemonMain,
+        fuse_fd: int | None = None,
+        offer_at: str | None = None,
+        watch: int | None = None,
+    ):
         self.cfg = cfg
         self._watch = watch  # a running daemon this keeper did not start (its keeper died)
         self._daemon_main = daemon_main
@@ -188,14 +206,22 @@ class Keeper:
                 return code
             failed = 0 if ready else failed + 1
             if failed >= MAX_FAILED_STARTS or code == CANNOT_TAKE_OVER:
-                log.error("%s: giving the connection up (the mount answers ENOTCONN; tierfs mount again to "
-                          "recover it)", f"{failed} successors in a row died before serving {self.cfg.mountpoint}"
-                          if code != CANNOT_TAKE_OVER else f"no successor can take {self.cfg.mountpoint} over")
+                log.error(
+                    "%s: giving the connection up (the mount answers ENOTCONN; tierfs mount again to recover it)",
+                    f"{failed} successors in a row died before serving {self.cfg.mountpoint}"
+                    if code != CANNOT_TAKE_OVER
+                    else f"no successor can take {self.cfg.mountpoint} over",
+                )
                 return code or 1
-            pause = min(MAX_PAUSE, 0.05 * 2 ** failed) if failed else 0.0
-            log.warning("the daemon of %s (pid %d) %s after %.1f s: %s", self.cfg.mountpoint, pid,
-                        _how(code), time.monotonic() - started,
-                        f"starting a successor in {pause:.2f} s" if pause else "starting a successor")
+            pause = min(MAX_PAUSE, 0.05 * 2**failed) if failed else 0.0
+            log.warning(
+                "the daemon of %s (pid %d) %s after %.1f s: %s",
+                self.cfg.mountpoint,
+                pid,
+                _how(code),
+                time.monotonic() - started,
+                f"starting a successor in {pause:.2f} s" if pause else "starting a successor",
+            )
             time.sleep(pause)
             self.takeover = True
 
@@ -264,8 +290,13 @@ class Keeper:
         try:
             conn.settimeout(5)
             uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
-            if (uid != 0 or conn.recv(64) != b"handover\n" or self._taker is not None or self._child is None
-                    or not connected(self.fuse_fd)):  # nothing to hand over (pyfuse3 keeps its own)
+            if (
+                uid != 0
+                or conn.recv(64) != b"handover\n"
+                or self._taker is not None
+                or self._child is None
+                or not connected(self.fuse_fd)
+            ):  # nothing to hand over (pyfuse3 keeps its own)
                 conn.close()
                 return
         except OSError:

@@ -41,12 +41,20 @@ log = logging.getLogger(__name__)
 MAX_HISTORY = 64 << 10  # bytes: a record of a few numbers
 
 # FUSE opcodes by value, named as the ``operation`` label spells them.
-OPERATIONS = {value: name.lower() for name, value in vars(abi).items()
-              if name.isupper() and isinstance(value, int) and 0 < value < 64 and name in (
-                  "LOOKUP FORGET GETATTR SETATTR READLINK SYMLINK MKNOD MKDIR UNLINK RMDIR RENAME LINK OPEN READ "
-                  "WRITE STATFS RELEASE FSYNC SETXATTR GETXATTR LISTXATTR REMOVEXATTR FLUSH INIT OPENDIR READDIR "
-                  "RELEASEDIR FSYNCDIR ACCESS CREATE INTERRUPT DESTROY IOCTL BATCH_FORGET FALLOCATE READDIRPLUS "
-                  "RENAME2 LSEEK COPY_FILE_RANGE COPY_FILE_RANGE_64 TMPFILE STATX").split()}
+OPERATIONS = {
+    value: name.lower()
+    for name, value in vars(abi).items()
+    if name.isupper()
+    and isinstance(value, int)
+    and 0 < value < 64
+    and name
+    in (
+        "LOOKUP FORGET GETATTR SETATTR READLINK SYMLINK MKNOD MKDIR UNLINK RMDIR RENAME LINK OPEN READ "
+        "WRITE STATFS RELEASE FSYNC SETXATTR GETXATTR LISTXATTR REMOVEXATTR FLUSH INIT OPENDIR READDIR "
+        "RELEASEDIR FSYNCDIR ACCESS CREATE INTERRUPT DESTROY IOCTL BATCH_FORGET FALLOCATE READDIRPLUS "
+        "RENAME2 LSEEK COPY_FILE_RANGE COPY_FILE_RANGE_64 TMPFILE STATX"
+    ).split()
+}
 LANES = (Lane.PEERS, Lane.GCS, Lane.DISK)
 GOODPUT = {  # status["goodput"] key -> (metric, help)
     "interval_s": ("tierfs_checkpoint_interval_seconds", "Median time between commits, observed"),
@@ -54,8 +62,10 @@ GOODPUT = {  # status["goodput"] key -> (metric, help)
     "overhead_ratio": ("tierfs_checkpoint_overhead_ratio", "Checkpoint cost over checkpoint interval"),
     "expected_loss_s": ("tierfs_expected_loss_per_failure_seconds", "Expected work lost per failure"),
     "mtbf_s": ("tierfs_mtbf_seconds", "Mean time between failures used: the operator's --mtbf, else observed"),
-    "optimal_interval_s": ("tierfs_optimal_checkpoint_interval_seconds",
-                           "Checkpoint interval that maximises goodput (Young/Daly) at that MTBF"),
+    "optimal_interval_s": (
+        "tierfs_optimal_checkpoint_interval_seconds",
+        "Checkpoint interval that maximises goodput (Young/Daly) at that MTBF",
+    ),
     "goodput_ratio": ("tierfs_goodput_ratio", "Estimated share of time spent on useful work at the observed interval"),
     "optimal_goodput_ratio": ("tierfs_optimal_goodput_ratio", "The same share at the optimal interval"),
 }
@@ -85,20 +95,25 @@ class StatusCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         s = self._status()
         info = InfoMetricFamily("tierfs", "What serves the mount", labels=LABELS)
-        info.add_metric(self.labels, {"version": __version__, "engine": s["fuse"]["engine"],
-                                      "data_path": s["fuse"]["data_path"]})
+        info.add_metric(
+            self.labels, {"version": __version__, "engine": s["fuse"]["engine"], "data_path": s["fuse"]["data_path"]}
+        )
         yield info
         yield self._gauge("tierfs_start_time_seconds", "When the daemon started (unix time)", s["started_at"])
         yield self._counter("tierfs_steps_committed", "Steps committed on this rank", s["commits"])
-        yield self._counter("tierfs_failures", "Restarts of this rank that had to restore its step, "
-                            "since its first start", s["failures"])
+        yield self._counter(
+            "tierfs_failures",
+            "Restarts of this rank that had to restore its step, since its first start",
+            s["failures"],
+        )
         ram = s["tiers"]["ram"]
         yield self._gauge("tierfs_ram_used_bytes", "Bytes the volume holds in RAM", ram["used"])
         yield self._gauge("tierfs_ram_capacity_bytes", "RAM the volume may use", ram["capacity"])
         fuse = s["fuse"]
         yield self._counter("tierfs_fuse_read_bytes", "Bytes read through the daemon data path", fuse["bytes_read"])
-        yield self._counter("tierfs_fuse_written_bytes", "Bytes written through the daemon data path",
-                            fuse["bytes_written"])
+        yield self._counter(
+            "tierfs_fuse_written_bytes", "Bytes written through the daemon data path", fuse["bytes_written"]
+        )
         yield from self._steps(s)
         yield from self._peers(s)
         yield from self._restore(s)
@@ -117,12 +132,24 @@ class StatusCollector(Collector):
         return c
 
     def _steps(self, s: dict) -> Iterator[Metric]:
-        newest = self._family(GaugeMetricFamily, "tierfs_newest_step", "Newest committed step held by the tier "
-                              "(ram: this node's RAM; peers, gcs, disk: the lane's copies)", ("tier",))
-        when = self._family(GaugeMetricFamily, "tierfs_newest_step_timestamp_seconds",
-                            "Commit time of the newest step held by the tier (unix time)", ("tier",))
-        lag = self._family(GaugeMetricFamily, "tierfs_lag_seconds", "Age of the oldest committed step not yet "
-                           "on the tier; 0 when caught up", ("tier",))
+        newest = self._family(
+            GaugeMetricFamily,
+            "tierfs_newest_step",
+            "Newest committed step held by the tier (ram: this node's RAM; peers, gcs, disk: the lane's copies)",
+            ("tier",),
+        )
+        when = self._family(
+            GaugeMetricFamily,
+            "tierfs_newest_step_timestamp_seconds",
+            "Commit time of the newest step held by the tier (unix time)",
+            ("tier",),
+        )
+        lag = self._family(
+            GaugeMetricFamily,
+            "tierfs_lag_seconds",
+            "Age of the oldest committed step not yet on the tier; 0 when caught up",
+            ("tier",),
+        )
         steps = s["steps"]
         held = {"ram": steps}
         for lane in s["lanes"]:
@@ -139,22 +166,29 @@ class StatusCollector(Collector):
         known = (s.get(Lane.PEERS) or {}).get("known")
         if known is None:
             return
-        peers = self._family(GaugeMetricFamily, "tierfs_peers", "Peers of this node by the state it last saw",
-                             ("state",))
+        peers = self._family(
+            GaugeMetricFamily, "tierfs_peers", "Peers of this node by the state it last saw", ("state",)
+        )
         for state in ("up", "down", "unknown"):
             peers.add_metric([*self.labels, state], sum(p.get("state") == state for p in known))
         yield peers
 
     def _restore(self, s: dict) -> Iterator[Metric]:
         r = s.get("restored")
-        missing = self._family(GaugeMetricFamily, "tierfs_restore_missing_bytes",
-                               "Bytes the running restore still has to fetch", ())
+        missing = self._family(
+            GaugeMetricFamily, "tierfs_restore_missing_bytes", "Bytes the running restore still has to fetch", ()
+        )
         missing.add_metric(self.labels, r["bytes_missing"] if r else 0)
         yield missing
-        restores = self._family(CounterMetricFamily, "tierfs_restores", "Restores begun by this daemon, by the "
-                                "tier most of the bytes came from", ("source",))
-        received = self._family(CounterMetricFamily, "tierfs_tier_received_bytes", "Bytes restored from the tier",
-                                ("tier",))
+        restores = self._family(
+            CounterMetricFamily,
+            "tierfs_restores",
+            "Restores begun by this daemon, by the tier most of the bytes came from",
+            ("source",),
+        )
+        received = self._family(
+            CounterMetricFamily, "tierfs_tier_received_bytes", "Bytes restored from the tier", ("tier",)
+        )
         by_lane = dict.fromkeys(s["lanes"], 0)
         if r:
             restores.add_metric([*self.labels, lane_of(r["tier"])], 1)
@@ -169,15 +203,24 @@ class StatusCollector(Collector):
         for key, (name, text) in GOODPUT.items():
             if g.get(key) is not None:
                 yield self._gauge(name, text, g[key])
-        risk = self._family(GaugeMetricFamily, "tierfs_work_at_risk_seconds", "Work lost if a failure struck now "
-                            "and the step came back from the tier: now minus the newest step held there", ("tier",))
+        risk = self._family(
+            GaugeMetricFamily,
+            "tierfs_work_at_risk_seconds",
+            "Work lost if a failure struck now "
+            "and the step came back from the tier: now minus the newest step held there",
+            ("tier",),
+        )
         for tier, seconds in (g.get("at_risk_s") or {}).items():
             risk.add_metric([*self.labels, tier], seconds)
         yield risk
 
     def _request_times(self, times: RequestTimes) -> HistogramMetricFamily:
-        h = self._family(HistogramMetricFamily, "tierfs_fuse_request_duration_seconds",
-                         "FUSE requests served by the daemon, from read to answer", ("operation",))
+        h = self._family(
+            HistogramMetricFamily,
+            "tierfs_fuse_request_duration_seconds",
+            "FUSE requests served by the daemon, from read to answer",
+            ("operation",),
+        )
         bounds = RequestTimes.bounds()
         for opcode, counts, total_ns in times.items():
             seen, cumulative = 0, []
@@ -192,8 +235,14 @@ class Telemetry:
     """A daemon's metrics: its counters, its status as series, the endpoint serving them, and
     what goodput is estimated from (:mod:`tierfs.core.goodput`)."""
 
-    def __init__(self, cfg: Config, status: Callable[[bool], dict], requests: Callable[[], RequestTimes | None],
-                 history: Path, started: float):
+    def __init__(
+        self,
+        cfg: Config,
+        status: Callable[[bool], dict],
+        requests: Callable[[], RequestTimes | None],
+        history: Path,
+        started: float,
+    ):
         """``status(settle)``: the daemon's status (:func:`tierfs.daemon.status.report`)."""
         self.cfg, self.started_at = cfg, started
         self.registry = CollectorRegistry(auto_describe=False)
@@ -244,13 +293,23 @@ class Telemetry:
                 self._copy_s[lane] = lags[len(lags) // 2]
         now = time.time()
         restores = sorted(self.history.restore_s)
-        observed = Observed(commits=list(recent), safe_at={lane: self._safe.get(lane) for lane in lanes},
-                            copy_s=dict(self._copy_s), restore_s=restores[len(restores) // 2] if restores else None,
-                            failures=self.history.failures, observed_s=now - self.history.first_seen,
-                            mtbf_s=self.cfg.mtbf)
+        observed = Observed(
+            commits=list(recent),
+            safe_at={lane: self._safe.get(lane) for lane in lanes},
+            copy_s=dict(self._copy_s),
+            restore_s=restores[len(restores) // 2] if restores else None,
+            failures=self.history.failures,
+            observed_s=now - self.history.first_seen,
+            mtbf_s=self.cfg.mtbf,
+        )
         restore_tier = next((lane for lane in LANES if lane in lanes), "local")
-        return {"metrics": self.url, "started_at": self.started_at, "commits": commits,
-                "failures": self.history.failures, "goodput": estimate(observed, now, restore_tier).as_dict()}
+        return {
+            "metrics": self.url,
+            "started_at": self.started_at,
+            "commits": commits,
+            "failures": self.history.failures,
+            "goodput": estimate(observed, now, restore_tier).as_dict(),
+        }
 
     @property
     def url(self) -> str | None:

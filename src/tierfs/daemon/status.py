@@ -38,10 +38,24 @@ if TYPE_CHECKING:
 BACKUP, REPLICAS = Lane.GCS, Lane.PEERS
 
 
-def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps, local: LocalTier,
-           tiers: Sequence[Tier], replicator: Replicator, network: PeerNetwork | None, restore: Restore | None,
-           mtc: MtcNode | None, cluster: dict | None, connection: dict | None = None,
-           telemetry: Telemetry | None = None, settle: bool = True) -> dict:
+def report(
+    cfg: Config,
+    *,
+    started: float,
+    ops: Operations,
+    engine,
+    steps: Steps,
+    local: LocalTier,
+    tiers: Sequence[Tier],
+    replicator: Replicator,
+    network: PeerNetwork | None,
+    restore: Restore | None,
+    mtc: MtcNode | None,
+    cluster: dict | None,
+    connection: dict | None = None,
+    telemetry: Telemetry | None = None,
+    settle: bool = True,
+) -> dict:
     """The whole status: ``tiers`` is every tier of the node, ``local`` (its RAM, shown as ``ram``) among them.
 
     ``settle``: first wait for queued writes, so that what is written now is what is used
@@ -51,11 +65,13 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
         ops.writes_done()
     lanes = {BACKUP: None, REPLICAS: None} | replicator.status()
     if lanes[REPLICAS] is None and network is not None:  # peers named by DNS, none found yet
-        lanes[REPLICAS] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas,
-                           "known": network.status()}
+        lanes[REPLICAS] = {"state": "no peers yet", "tiers": [], "replicas": cfg.replicas, "known": network.status()}
     step_reports = [step_report(s) for s in sorted(steps.states.values(), key=lambda s: s.step)]
-    observed = (telemetry.report(step_reports, list(replicator.lanes), steps.commits, steps.recent)
-                if telemetry is not None else {})
+    observed = (
+        telemetry.report(step_reports, list(replicator.lanes), steps.commits, steps.recent)
+        if telemetry is not None
+        else {}
+    )
     return {
         "mountpoint": str(cfg.mountpoint),
         "pid": os.getpid(),
@@ -66,10 +82,16 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
         "nodes": cfg.nodes,
         "uptime_s": round(time.time() - started, 1),
         "tiers": {"ram": local.report(), **{t.name: t.report() for t in tiers if t is not local}},
-        "fuse": {"engine": engine.name, "data_path": engine.data_path, "transfer": engine.transfer,
-                 "wake_cpus": engine.wake_cpus, "inodes": len(ops.inodes), **ops.counters,
-                 # what background transfers give way to (None: the job has not written yet)
-                 "since_write_s": round(time.monotonic() - last, 3) if (last := ops.last_write) else None},
+        "fuse": {
+            "engine": engine.name,
+            "data_path": engine.data_path,
+            "transfer": engine.transfer,
+            "wake_cpus": engine.wake_cpus,
+            "inodes": len(ops.inodes),
+            **ops.counters,
+            # what background transfers give way to (None: the job has not written yet)
+            "since_write_s": round(time.monotonic() - last, 3) if (last := ops.last_write) else None,
+        },
         "commit_rules": [str(r) for r in steps.rules.rules],
         "steps": step_reports,
         "restored": restore.status() if restore is not None else None,
@@ -82,8 +104,12 @@ def report(cfg: Config, *, started: float, ops: Operations, engine, steps: Steps
     }
 
 
-def cluster(coordinating: NodeCoordination | None, view: ClusterView, planner: RestorePlanner,
-            retention_floor: Callable[[], int | None]) -> dict | None:
+def cluster(
+    coordinating: NodeCoordination | None,
+    view: ClusterView,
+    planner: RestorePlanner,
+    retention_floor: Callable[[], int | None],
+) -> dict | None:
     """The job as this node knows it: from the coordinators, else from its last survey; the
     step it started from, and the rollback it made (when asked for one)."""
     if coordinating is not None and coordinating.coordination is not None:
@@ -93,15 +119,24 @@ def cluster(coordinating: NodeCoordination | None, view: ClusterView, planner: R
     else:
         return None
     rollback = planner.rolled_back
-    return {**known, "restore_step": planner.restore_step, "retention_floor": retention_floor(),
-            "rollback": None if rollback is None else {"step": rollback[0], "at": rollback[1]}}
+    return {
+        **known,
+        "restore_step": planner.restore_step,
+        "retention_floor": retention_floor(),
+        "rollback": None if rollback is None else {"step": rollback[0], "at": rollback[1]},
+    }
 
 
 def step_report(state: StepState) -> dict:
     """A step's state; ``refused`` is why no tier can take its current version (None if one can)."""
     backup, replicas = legacy_copies(state)
-    return {**asdict(state), "backup": backup, "replicas": replicas, "backed_up": state.held_by(BACKUP),
-            "refused": state.refusal()}
+    return {
+        **asdict(state),
+        "backup": backup,
+        "replicas": replicas,
+        "backed_up": state.held_by(BACKUP),
+        "refused": state.refusal(),
+    }
 
 
 def legacy_copies(state: StepState) -> tuple[dict, dict]:

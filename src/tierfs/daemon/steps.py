@@ -92,20 +92,28 @@ async def answer(cfg: Config, view: ClusterView, steps: Steps) -> dict:
         fact = facts.get(step)
         at = state.committed_at if state is not None else fact.created if fact is not None else None
         age = round(max(0.0, now - at), 1) if at is not None else None
-        listed.append({
-            "step": step,
-            "tiers": sorted({kinds.get(n, n) for n in names}, key=lambda k: ORDER.index(k) if k in ORDER else 9),
-            "peers": sorted(n.removeprefix("peer ") for n in names if kinds.get(n) == "peers"),
-            "complete": sum(1 for r in ranks if 0 <= r < cfg.nodes),
-            "nodes": cfg.nodes,
-            "missing_ranks": [r for r in range(cfg.nodes) if r not in ranks][:MAX_MISSING],
-            "size": fact.size if fact is not None else None,
-            "committed_at": at,
-            "age_s": age,
-            "milestone": milestones.is_milestone(step, at, now),
-        })
-    return {"job": cfg.job, "rank": cfg.rank, "nodes": cfg.nodes, "at": now, "steps": listed,
-            "unanswered": dict(found.errors)}
+        listed.append(
+            {
+                "step": step,
+                "tiers": sorted({kinds.get(n, n) for n in names}, key=lambda k: ORDER.index(k) if k in ORDER else 9),
+                "peers": sorted(n.removeprefix("peer ") for n in names if kinds.get(n) == "peers"),
+                "complete": sum(1 for r in ranks if 0 <= r < cfg.nodes),
+                "nodes": cfg.nodes,
+                "missing_ranks": [r for r in range(cfg.nodes) if r not in ranks][:MAX_MISSING],
+                "size": fact.size if fact is not None else None,
+                "committed_at": at,
+                "age_s": age,
+                "milestone": milestones.is_milestone(step, at, now),
+            }
+        )
+    return {
+        "job": cfg.job,
+        "rank": cfg.rank,
+        "nodes": cfg.nodes,
+        "at": now,
+        "steps": listed,
+        "unanswered": dict(found.errors),
+    }
 
 
 async def survey(tiers: Sequence[Tier], local: Tier | None) -> Survey:
@@ -137,8 +145,9 @@ async def survey(tiers: Sequence[Tier], local: Tier | None) -> Survey:
     return result
 
 
-async def own_facts(cfg: Config, tiers: Sequence[Tier], found: Survey,
-                    states: dict[int, StepState]) -> dict[int, Facts]:
+async def own_facts(
+    cfg: Config, tiers: Sequence[Tier], found: Survey, states: dict[int, StepState]
+) -> dict[int, Facts]:
     """Size and time of this rank's steps: from their recorded copies, else one manifest each (bounded)."""
     facts: dict[int, Facts] = {}
     to_read = []
@@ -165,8 +174,14 @@ async def own_facts(cfg: Config, tiers: Sequence[Tier], found: Survey,
 
 def recorded_size(state: StepState) -> int | None:
     """The bytes of the step's current version, as a lane recorded when it put the step on a tier."""
-    return next((copy["bytes"] for copy in state.copies.values()
-                 if copy.get("version") == state.version and isinstance(copy.get("bytes"), int)), None)
+    return next(
+        (
+            copy["bytes"]
+            for copy in state.copies.values()
+            if copy.get("version") == state.version and isinstance(copy.get("bytes"), int)
+        ),
+        None,
+    )
 
 
 async def read_facts(cfg: Config, holders: Sequence[Tier], step: int) -> Facts | None:

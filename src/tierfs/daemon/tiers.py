@@ -17,8 +17,15 @@ from tierfs.tiers.disk import DiskTier
 from tierfs.tiers.peer import peer_tiers
 
 
-def node_tiers(cfg: Config, ram: Tier, network: PeerNetwork | None, *, keep_from: Callable[[], int | None],
-               restorable_without_gcs: bool, warn: Callable[[str], None]) -> list[Tier]:
+def node_tiers(
+    cfg: Config,
+    ram: Tier,
+    network: PeerNetwork | None,
+    *,
+    keep_from: Callable[[], int | None],
+    restorable_without_gcs: bool,
+    warn: Callable[[str], None],
+) -> list[Tier]:
     """``ram`` and every other tier ``cfg`` asks for, cheapest first, each following ``cfg``.
 
     ``keep_from`` is the retention floor the disk keeps steps from; ``restorable_without_gcs``
@@ -45,9 +52,11 @@ def open_gcs(cfg: Config, restorable_without: bool, warn: Callable[[str], None])
 
     sealing = cfg.manifest_keys
     if sealing is None:
-        warn(f"GCS objects in {cfg.gcs} are neither encrypted nor authenticated without the job's secret: "
-             "whoever can read the bucket reads the checkpoints, and whoever can write it chooses what "
-             "restores; set TIERFS_SECRET or --secret-file")
+        warn(
+            f"GCS objects in {cfg.gcs} are neither encrypted nor authenticated without the job's secret: "
+            "whoever can read the bucket reads the checkpoints, and whoever can write it chooses what "
+            "restores; set TIERFS_SECRET or --secret-file"
+        )
     client = None
     if cfg.gcs_token_file is not None:  # the job's own identity, not the node's
         from tierfs.tiers.gcs_http import make_client
@@ -59,7 +68,9 @@ def open_gcs(cfg: Config, restorable_without: bool, warn: Callable[[str], None])
         tier.check()
     except GcsUnavailable as e:
         if not restorable_without:
-            raise UserError(f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
-                            "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs") from None
+            raise UserError(
+                f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
+                "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs"
+            ) from None
         warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
     return tier

@@ -65,8 +65,12 @@ class PeerDirectory:
         if error is not None:
             if self._errors.get(source) != error:
                 kept = len(self._answers.get(source, []))
-                log.warning("peer discovery: %s failed (%s); %s", source, error,
-                            f"keeping its {kept} peer(s) from before" if kept else "retrying")
+                log.warning(
+                    "peer discovery: %s failed (%s); %s",
+                    source,
+                    error,
+                    f"keeping its {kept} peer(s) from before" if kept else "retrying",
+                )
                 self._errors[source] = error
             return
         if self._errors.pop(source, None) is not None:
@@ -93,5 +97,7 @@ def unanswered(names: list[str]) -> list[str]:
     """Warnings about peers that do not answer: one per peer for a few, one line for many."""
     if len(names) <= MISSING_NAMED:
         return [f"peer {name} does not answer yet; replication uses the others and retries it" for name in names]
-    return [f"{len(names)} peers do not answer yet ({', '.join(names[:MISSING_NAMED])} and "
-            f"{len(names) - MISSING_NAMED} more); replication uses the others and retries them"]
+    return [
+        f"{len(names)} peers do not answer yet ({', '.join(names[:MISSING_NAMED])} and "
+        f"{len(names) - MISSING_NAMED} more); replication uses the others and retries them"
+    ]

@@ -150,8 +150,12 @@ async def query(server: tuple[str, int], name: str, qtype: int) -> dns.message.M
 
 def _records(section: list, rdtype: int) -> list:
     """(owner, rdata) of every ``rdtype`` record of class IN in ``section``, whatever its owner (a CNAME's target)."""
-    return [(rrset.name, rdata) for rrset in section
-            if rrset.rdtype == rdtype and rrset.rdclass == dns.rdataclass.IN for rdata in rrset]
+    return [
+        (rrset.name, rdata)
+        for rrset in section
+        if rrset.rdtype == rdtype and rrset.rdclass == dns.rdataclass.IN
+        for rdata in rrset
+    ]
 
 
 def _text(name: dns.name.Name) -> str:
@@ -253,8 +257,11 @@ async def services(name: str, server: tuple[str, int] | None = None) -> list[tup
     for qtype in (A, AAAA):
         for owner, rdata in _records(answer.additional, qtype):
             glue.setdefault(_text(owner), []).append(str(ipaddress.ip_address(rdata.address)))
-    ordered = sorted((srv.priority, _text(srv.target), srv.port) for _, srv in _records(answer.answer, SRV)
-                     if srv.target != dns.name.root)  # "." means "no such service here"
+    ordered = sorted(
+        (srv.priority, _text(srv.target), srv.port)
+        for _, srv in _records(answer.answer, SRV)
+        if srv.target != dns.name.root
+    )  # "." means "no such service here"
     wanted = {target for _, target, _ in ordered} - glue.keys()
     limiter = trio.CapacityLimiter(TARGET_LOOKUPS)
 

@@ -32,8 +32,10 @@ MAX_PEERS = 100_000  # addresses --peers may expand to: a survey asks every one 
 
 _RANGE = re.compile(r"\{([^{}]*)\}")
 _BOUNDS = re.compile(r"^(\d{1,9})\.\.(\d{1,9})$")
-_DNS_NAME = re.compile(r"^(?=.{1,253}\.?$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
-                       r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$")
+_DNS_NAME = re.compile(
+    r"^(?=.{1,253}\.?$)[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?"
+    r"(?:\.[A-Za-z0-9_](?:[A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?)*\.?$"
+)
 _FORMS = "HOST:PORT, a pattern like node-{0..15}:7420, dns:NAME:PORT or dns+srv:NAME"
 
 
@@ -74,8 +76,10 @@ def parse_peers(text: str, what: str = "--peers") -> PeerSpec:
     total = sum(_count(item, what) for item in items)
     if total > MAX_PEERS:
         size = f"{total:,}" if total < 10 * MAX_PEERS else f"over {10 * MAX_PEERS:,}"
-        raise UserError(f"{what} expands to {size} addresses, more than the {MAX_PEERS:,} allowed: "
-                        "narrow the ranges, or use dns+srv:NAME")
+        raise UserError(
+            f"{what} expands to {size} addresses, more than the {MAX_PEERS:,} allowed: "
+            "narrow the ranges, or use dns+srv:NAME"
+        )
     addresses: list[tuple[str, int]] = []
     sources: list[DnsSource] = []
     for item in items:
@@ -101,8 +105,10 @@ def _split(text: str, what: str) -> list[str]:
             items.append(text[start:i])
             start = i + 1
         elif c == "," and depth:
-            raise UserError(f"invalid {what}: braces hold a numeric range like {{0..15}}, not a list "
-                            f"({text[max(0, i - 40):i + 40]!r}); write the items out, comma-separated")
+            raise UserError(
+                f"invalid {what}: braces hold a numeric range like {{0..15}}, not a list "
+                f"({text[max(0, i - 40) : i + 40]!r}); write the items out, comma-separated"
+            )
     if depth:
         raise UserError(f"invalid {what}: a '{{' without its '}}' in {text[:120]!r}")
     return items + [text[start:]]
@@ -114,12 +120,15 @@ def _ranges(item: str, what: str) -> list[tuple[int, int, int]]:
     for body in _RANGE.findall(item):
         m = _BOUNDS.match(body)
         if not m:
-            raise UserError(f"invalid range {{{body[:40]}}} in {what} item {item[:120]!r}: use whole numbers, "
-                            "e.g. {0..15} or {000..999}")
+            raise UserError(
+                f"invalid range {{{body[:40]}}} in {what} item {item[:120]!r}: use whole numbers, "
+                "e.g. {0..15} or {000..999}"
+            )
         a, b = m.group(1), m.group(2)
         if int(a) > int(b):
-            raise UserError(f"invalid range {{{body}}} in {what} item {item[:120]!r}: it counts down; "
-                            f"write {{{b}..{a}}}")
+            raise UserError(
+                f"invalid range {{{body}}} in {what} item {item[:120]!r}: it counts down; write {{{b}..{a}}}"
+            )
         padded = (len(a) > 1 and a[0] == "0") or (len(b) > 1 and b[0] == "0")
         out.append((int(a), int(b), max(len(a), len(b)) if padded else 0))
     return out
@@ -168,8 +177,9 @@ def _parse_source(item: str, what: str) -> DnsSource:
     if kind == "dns":
         name, sep, port = body.rpartition(":")
         if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-            raise UserError(f"invalid {what} item {item[:120]!r}: dns: needs a port, e.g. "
-                            "dns:train.default.svc.cluster.local:7420")
+            raise UserError(
+                f"invalid {what} item {item[:120]!r}: dns: needs a port, e.g. dns:train.default.svc.cluster.local:7420"
+            )
     else:
         name, port = body, None
     if not _DNS_NAME.match(name):
@@ -190,6 +200,8 @@ def _dns_server(text: str, item: str, what: str) -> tuple[str, int]:
     except ValueError:
         ip = None
     if ip is None or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UserError(f"invalid {what} item {item[:120]!r}: after '@' give the DNS server's IP[:PORT], "
-                        "e.g. @10.96.0.10 or @10.96.0.10:53")
+        raise UserError(
+            f"invalid {what} item {item[:120]!r}: after '@' give the DNS server's IP[:PORT], "
+            "e.g. @10.96.0.10 or @10.96.0.10:53"
+        )
     return ip, int(port)

@@ -108,8 +108,8 @@ INIT_IN = struct.Struct("<IIIII")  # major minor max_readahead flags flags2 (the
 INIT_OUT = struct.Struct("<IIIIHHIIHHII24x")  # ... flags2 max_stack_depth unused[6]
 # entry_out: nodeid generation entry_valid attr_valid entry_nsec attr_nsec, then fuse_attr:
 # ino size blocks atime mtime ctime atimensec mtimensec ctimensec mode nlink uid gid rdev blksize flags
-ENTRY_OUT = struct.Struct("<QQQQII" "QQQQQQIIIIIIIIII")
-ATTR_OUT = struct.Struct("<QII" "QQQQQQIIIIIIIIII")  # attr_valid attr_valid_nsec dummy, fuse_attr
+ENTRY_OUT = struct.Struct("<QQQQIIQQQQQQIIIIIIIIII")
+ATTR_OUT = struct.Struct("<QIIQQQQQQIIIIIIIIII")  # attr_valid attr_valid_nsec dummy, fuse_attr
 OPEN_IN = struct.Struct("<II")  # flags open_flags
 OPEN_OUT = struct.Struct("<QIi")  # fh open_flags backing_id
 CREATE_IN = struct.Struct("<IIII")  # flags mode umask open_flags
@@ -145,7 +145,7 @@ COPY_FILE_RANGE_64_OUT = struct.Struct("<Q")  # bytes copied
 # attr_valid attr_valid_nsec flags spare[2], then struct fuse_statx: mask blksize attributes
 # nlink uid gid mode ino size blocks attributes_mask, atime btime ctime mtime (sec nsec),
 # rdev and dev (major minor), spare
-STATX_OUT = struct.Struct("<QII16x" "IIQIIIH2xQQQQ" "qI4x" "qI4x" "qI4x" "qI4x" "IIII112x")
+STATX_OUT = struct.Struct("<QII16xIIQIIIH2xQQQQqI4xqI4xqI4xqI4xIIII112x")
 STATX_BASIC_STATS = 0x7FF
 STATX_BTIME = 0x800
 IOCTL_IN = struct.Struct("<QIIQII")  # fh flags cmd arg in_size out_size

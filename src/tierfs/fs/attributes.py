@@ -22,8 +22,10 @@ from tierfs.ramtier.space import PAGE
 
 _FLAG_IOCTLS = {linux.FS_IOC_GETFLAGS, linux.FS_IOC_SETFLAGS, linux.FS_IOC_FSGETXATTR, linux.FS_IOC_FSSETXATTR}
 # The setters, and the flags among theirs that freeze an inode (the first word of each argument).
-_FLAG_SETTERS = {linux.FS_IOC_SETFLAGS: linux.FS_IMMUTABLE_FL | linux.FS_APPEND_FL,
-                 linux.FS_IOC_FSSETXATTR: linux.FS_XFLAG_IMMUTABLE | linux.FS_XFLAG_APPEND}
+_FLAG_SETTERS = {
+    linux.FS_IOC_SETFLAGS: linux.FS_IMMUTABLE_FL | linux.FS_APPEND_FL,
+    linux.FS_IOC_FSSETXATTR: linux.FS_XFLAG_IMMUTABLE | linux.FS_XFLAG_APPEND,
+}
 
 
 class Attributes(Volume):

@@ -43,8 +43,11 @@ class BackingFiles:
                 backing_id = fcntl.ioctl(self._dev_fd, abi.DEV_IOC_BACKING_OPEN, arg, True)
             except OSError as e:
                 if self.failed is None:
-                    log.warning("the kernel refused a passthrough backing file (%s): files are served "
-                                "by the daemon from now on", e.strerror or e)
+                    log.warning(
+                        "the kernel refused a passthrough backing file (%s): files are served "
+                        "by the daemon from now on",
+                        e.strerror or e,
+                    )
                 self.failed = e
                 return False
             entry = self._inodes[ino] = [backing_id, 0]

@@ -119,8 +119,10 @@ def _set_fs_ids(uid: int, gid: int) -> None:
     """setfsgid then setfsuid; neither reports failure, so each is asked back (-1 changes nothing)."""
     _syscall(SYS_SETFSGID, ctypes.c_uint(gid))
     _syscall(SYS_SETFSUID, ctypes.c_uint(uid))
-    if _syscall(SYS_SETFSUID, ctypes.c_uint(0xFFFFFFFF)) != uid or \
-            _syscall(SYS_SETFSGID, ctypes.c_uint(0xFFFFFFFF)) != gid:
+    if (
+        _syscall(SYS_SETFSUID, ctypes.c_uint(0xFFFFFFFF)) != uid
+        or _syscall(SYS_SETFSGID, ctypes.c_uint(0xFFFFFFFF)) != gid
+    ):
         raise Caller(errno.EPERM, "cannot take on the caller's fsuid and fsgid (the daemon is not root)")
 
 

@@ -55,9 +55,7 @@ class InodeTable:
     def __init__(self, root: str | os.PathLike, record=None):
         fd = os.open(root, O_PATH_FLAGS | os.O_DIRECTORY)
         self._root_ino = os.fstat(fd).st_ino
-        self._nodes: dict[int, Inode] = {
-            pyfuse3.ROOT_INODE: Inode(fd, stat.S_IFDIR, nlookup=1)
-        }
+        self._nodes: dict[int, Inode] = {pyfuse3.ROOT_INODE: Inode(fd, stat.S_IFDIR, nlookup=1)}
         self.record = record
 
     def fuse_ino(self, st: os.stat_result) -> int:

@@ -30,8 +30,18 @@ class Context:
 class SetattrFields:
     """Which attributes a SETATTR changes (pyfuse3.SetattrFields' fields)."""
 
-    __slots__ = ("update_atime", "update_mtime", "update_ctime", "update_mode",
-                 "update_uid", "update_gid", "update_size", "kill_suidgid", "atime_now", "mtime_now")
+    __slots__ = (
+        "update_atime",
+        "update_mtime",
+        "update_ctime",
+        "update_mode",
+        "update_uid",
+        "update_gid",
+        "update_size",
+        "kill_suidgid",
+        "atime_now",
+        "mtime_now",
+    )
 
     def __init__(self, valid: int):
         self.update_atime = bool(valid & (abi.FATTR_ATIME | abi.FATTR_ATIME_NOW))
@@ -78,9 +88,24 @@ def timeout(seconds: float) -> tuple[int, int]:
 
 def attr_fields(a: pyfuse3.EntryAttributes) -> tuple:
     at, mt, ct = a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns
-    return (a.st_ino, a.st_size, a.st_blocks, at // 1_000_000_000, mt // 1_000_000_000, ct // 1_000_000_000,
-            at % 1_000_000_000, mt % 1_000_000_000, ct % 1_000_000_000,
-            a.st_mode, a.st_nlink, a.st_uid, a.st_gid, a.st_rdev, a.st_blksize, 0)
+    return (
+        a.st_ino,
+        a.st_size,
+        a.st_blocks,
+        at // 1_000_000_000,
+        mt // 1_000_000_000,
+        ct // 1_000_000_000,
+        at % 1_000_000_000,
+        mt % 1_000_000_000,
+        ct % 1_000_000_000,
+        a.st_mode,
+        a.st_nlink,
+        a.st_uid,
+        a.st_gid,
+        a.st_rdev,
+        a.st_blksize,
+        0,
+    )
 
 
 def entry_out(a: pyfuse3.EntryAttributes) -> bytes:

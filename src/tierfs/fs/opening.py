@@ -53,8 +53,9 @@ class Opening(Volume):
             drop_privs(f"/proc/self/fd/{fd}")  # as tmpfs' truncate does (the daemon truncated as root)
         return self._open_backing(inode, node, fd, flags, ctx)
 
-    def create_sync(self, parent_inode: int, name: bytes, mode: int, flags: int,
-                    ctx, resumed: int | None = None) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
+    def create_sync(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx, resumed: int | None = None
+    ) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """Create ``name``, or open it if another creator made it after the kernel's lookup.
 
         The common case, a name still free, is an exclusive create as root and a chown of
@@ -92,8 +93,9 @@ class Opening(Volume):
         return fi, ino, st
 
     @errors_to_fuse
-    async def tmpfile(self, parent_inode: int, mode: int, flags: int,
-                      ctx) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
+    async def tmpfile(
+        self, parent_inode: int, mode: int, flags: int, ctx
+    ) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """An unnamed file in ``parent_inode`` (``O_TMPFILE``), the caller's as a create's is.
 
         Always linkable on the backing side: whether the caller may give it a name
@@ -183,8 +185,9 @@ class Opening(Volume):
             return False
         return backing.attach(ino, fd)
 
-    def _open_backing(self, ino: int, node: Inode, fd: int, flags: int, ctx,
-                      st: os.stat_result | None = None) -> pyfuse3.FileInfo:
+    def _open_backing(
+        self, ino: int, node: Inode, fd: int, flags: int, ctx, st: os.stat_result | None = None
+    ) -> pyfuse3.FileInfo:
         """Register an open backing descriptor and choose how the kernel reads and writes it.
 
         Passthrough when the engine and the file allow it. Otherwise, through the daemon:

@@ -46,7 +46,7 @@ import errno
 import fcntl
 import logging
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import pyfuse3
 import trio
@@ -228,8 +228,10 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
             st = os.fstat(fh)
         if fh in self._failed_writes:
             self._failed_writes.discard(fh)
-            log.warning("%s lost a write after it was answered: its close does not count toward a commit",
-                        self._relpath(fh) or "an unlinked file")
+            log.warning(
+                "%s lost a write after it was answered: its close does not count toward a commit",
+                self._relpath(fh) or "an unlinked file",
+            )
         elif self.events is not None and st.st_nlink > 0:
             path = self._relpath(fh)
             if path is not None:
@@ -294,8 +296,9 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         self.writing.wrote(0 if mode & linux.FALLOC_FL_PUNCH_HOLE else length)  # allocating costs as writing does
 
     @errors_to_fuse
-    async def copy_file_range(self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int,
-                              flags: int, ctx) -> int:
+    async def copy_file_range(
+        self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int, flags: int, ctx
+    ) -> int:
         """``copy_file_range(2)`` between two open files of the volume, made by tmpfs on their
         backing files: one copy in the kernel, and tmpfs' checks (an append-only or immutable
         target, overlapping ranges). The target changes as by a write and follows a write's
@@ -336,8 +339,10 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         ino = self._files[fh]
         await self._settle(ino)  # a placeholder's holes are chunks not fetched yet
         self.writes_done(ino)
-        mappable = any(self._files[w] == ino and fcntl.fcntl(w, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
-                       for w in self._writable - self._passthrough_writers)
+        mappable = any(
+            self._files[w] == ino and fcntl.fcntl(w, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDWR
+            for w in self._writable - self._passthrough_writers
+        )
         if mappable and self.write_back is not None:
             await self.write_back(ino)
             self.writes_done(ino)

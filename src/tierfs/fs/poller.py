@@ -116,10 +116,10 @@ class Poller:
             return
         try:
             some = os.pread(self._pressure_fd, 256, 0).split(b"\n", 1)[0]
-            stalled = int(some[some.index(b"total=") + 6:])
+            stalled = int(some[some.index(b"total=") + 6 :])
             if self._stalled is None or now - self._stalled[0] > 2 * PRESSURE_EVERY_NS:
                 start = some.index(b"avg10=") + 6
-                percent = float(some[start:some.index(b" ", start)])
+                percent = float(some[start : some.index(b" ", start)])
                 self._pressure_at = now + PRESSURE_SOON_NS
             else:
                 then, stalled_then = self._stalled

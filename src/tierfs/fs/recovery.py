@@ -160,7 +160,8 @@ class SessionState:
     def move_above(self, limit: int) -> None:
         """Move the record's own descriptors to numbers from ``limit`` on."""
         self._log_fd, self._tree_fd, self._handles_fd = (
-            _move(fd, limit) for fd in (self._log_fd, self._tree_fd, self._handles_fd))
+            _move(fd, limit) for fd in (self._log_fd, self._tree_fd, self._handles_fd)
+        )
 
     # -- INIT ---------------------------------------------------------------------------------
 
@@ -228,11 +229,10 @@ class SessionState:
             ino, n = _NODE.unpack_from(data, at)
             if n > 4 + linux.MAX_HANDLE_SZ or at + _NODE.size + n > len(data):
                 break  # a record cut short by the daemon's death
-            self._nodes[ino] = data[at + _NODE.size:at + _NODE.size + n]
+            self._nodes[ino] = data[at + _NODE.size : at + _NODE.size + n]
             at += _NODE.size + n
         if at != len(data):
-            log.warning("the node log of the connection ended in a partial record: %d bytes ignored",
-                        len(data) - at)
+            log.warning("the node log of the connection ended in a partial record: %d bytes ignored", len(data) - at)
         self._compact()
 
     # -- open handles ---------------------------------------------------------------------------
@@ -269,15 +269,21 @@ class SessionState:
         return ((unique & ~_RESEND_BITS) >> 1) % _SLOTS * SLOT_SIZE
 
     def begin(self, unique: int) -> None:
-        _SLOT.pack_into(self._requests, self._slot(unique), unique & ~_RESEND_BITS, BEGUN, 0,
-                        time.clock_gettime_ns(CLOCK_REALTIME_COARSE))
+        _SLOT.pack_into(
+            self._requests,
+            self._slot(unique),
+            unique & ~_RESEND_BITS,
+            BEGUN,
+            0,
+            time.clock_gettime_ns(CLOCK_REALTIME_COARSE),
+        )
 
     def done(self, unique: int, reply: bytes) -> None:
         """Keep ``reply`` (the whole message, header first) as the answer to ``unique``."""
         at = self._slot(unique)
         if len(reply) > MAX_REPLY:
             return  # stays "begun": a resend is judged by what it finds
-        self._requests[at + _SLOT.size:at + _SLOT.size + len(reply)] = reply
+        self._requests[at + _SLOT.size : at + _SLOT.size + len(reply)] = reply
         _SLOT.pack_into(self._requests, at, unique & ~_RESEND_BITS, DONE, len(reply), 0)
 
     def recall(self, unique: int) -> tuple[int, bytes | int]:
@@ -288,7 +294,7 @@ class SessionState:
         if key != unique & ~_RESEND_BITS:
             return 0, 0
         if state == DONE:
-            return DONE, bytes(self._requests[at + _SLOT.size:at + _SLOT.size + length])
+            return DONE, bytes(self._requests[at + _SLOT.size : at + _SLOT.size + length])
         return state, began
 
 

@@ -18,20 +18,43 @@ import errno
 
 from tierfs.fs import abi
 
-JOURNALED = frozenset({
-    abi.MKNOD, abi.MKDIR, abi.SYMLINK, abi.LINK, abi.UNLINK, abi.RMDIR, abi.RENAME, abi.RENAME2,
-    abi.CREATE, abi.OPEN, abi.OPENDIR, abi.SETXATTR, abi.REMOVEXATTR,
-})
-_MADE_ALREADY = {abi.MKNOD: abi.MKNOD_IN.size, abi.MKDIR: abi.MKDIR_IN.size, abi.LINK: abi.LINK_IN.size,
-                 abi.SYMLINK: 0}  # where the new name starts in the request
-_GONE_ALREADY = {abi.UNLINK: errno.ENOENT, abi.RMDIR: errno.ENOENT, abi.RENAME: errno.ENOENT,
-                 abi.RENAME2: errno.ENOENT, abi.REMOVEXATTR: errno.ENODATA, abi.SETXATTR: errno.EEXIST}
+JOURNALED = frozenset(
+    {
+        abi.MKNOD,
+        abi.MKDIR,
+        abi.SYMLINK,
+        abi.LINK,
+        abi.UNLINK,
+        abi.RMDIR,
+        abi.RENAME,
+        abi.RENAME2,
+        abi.CREATE,
+        abi.OPEN,
+        abi.OPENDIR,
+        abi.SETXATTR,
+        abi.REMOVEXATTR,
+    }
+)
+_MADE_ALREADY = {
+    abi.MKNOD: abi.MKNOD_IN.size,
+    abi.MKDIR: abi.MKDIR_IN.size,
+    abi.LINK: abi.LINK_IN.size,
+    abi.SYMLINK: 0,
+}  # where the new name starts in the request
+_GONE_ALREADY = {
+    abi.UNLINK: errno.ENOENT,
+    abi.RMDIR: errno.ENOENT,
+    abi.RENAME: errno.ENOENT,
+    abi.RENAME2: errno.ENOENT,
+    abi.REMOVEXATTR: errno.ENODATA,
+    abi.SETXATTR: errno.EEXIST,
+}
 
 
 def with_unique(reply: bytes, unique: int) -> list[bytes]:
     """A kept reply, addressed to the request as the kernel sent it again."""
     length, error, _ = abi.OUT_HEADER.unpack_from(reply)
-    return [abi.OUT_HEADER.pack(length, error, unique), reply[abi.OUT_HEADER.size:]]
+    return [abi.OUT_HEADER.pack(length, error, unique), reply[abi.OUT_HEADER.size :]]
 
 
 def made_name(opcode: int, body) -> bytes | None:

@@ -30,9 +30,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MAX_BACKGROUND = 64
-_WANT = (abi.ASYNC_READ | abi.ATOMIC_O_TRUNC | abi.BIG_WRITES
-         | abi.DO_READDIRPLUS | abi.ASYNC_DIO | abi.PARALLEL_DIROPS | abi.MAX_PAGES
-         | abi.INIT_EXT | abi.DIRECT_IO_ALLOW_MMAP | abi.HANDLE_KILLPRIV_V2)
+_WANT = (
+    abi.ASYNC_READ
+    | abi.ATOMIC_O_TRUNC
+    | abi.BIG_WRITES
+    | abi.DO_READDIRPLUS
+    | abi.ASYNC_DIO
+    | abi.PARALLEL_DIROPS
+    | abi.MAX_PAGES
+    | abi.INIT_EXT
+    | abi.DIRECT_IO_ALLOW_MMAP
+    | abi.HANDLE_KILLPRIV_V2
+)
 # HANDLE_KILLPRIV_V2 lets the kernel mark inodes without set-id bits or capabilities as
 # such (SB_NOSEC); without it every passthrough write first asks the daemon for the
 # file's security.capability. In exchange the daemon drops set-id bits itself: files
@@ -69,25 +78,48 @@ class Requests:
         # pyfuse3 objects. These are the requests of creating and writing a file, where
         # the daemon's Python is most of each request's cost.
         self._now = {
-            abi.LOOKUP: self._lookup, abi.FORGET: self._forget, abi.BATCH_FORGET: self._batch_forget,
-            abi.GETATTR: self._getattr, abi.STATX: self._statx, abi.CREATE: self._create,
-            abi.GETXATTR: self._getxattr, abi.READ: self._read_now,
+            abi.LOOKUP: self._lookup,
+            abi.FORGET: self._forget,
+            abi.BATCH_FORGET: self._batch_forget,
+            abi.GETATTR: self._getattr,
+            abi.STATX: self._statx,
+            abi.CREATE: self._create,
+            abi.GETXATTR: self._getxattr,
+            abi.READ: self._read_now,
         }
         self._later = {
-            abi.SETATTR: self._setattr, abi.READLINK: self._readlink,
-            abi.SYMLINK: self._symlink, abi.MKNOD: self._mknod, abi.MKDIR: self._mkdir,
-            abi.UNLINK: self._unlink, abi.RMDIR: self._rmdir, abi.RENAME: self._rename,
-            abi.RENAME2: self._rename2, abi.LINK: self._link, abi.OPEN: self._open,
-            abi.READ: self._read, abi.WRITE: self._write,
-            abi.FLUSH: self._flush, abi.FSYNC: self._fsync,
-            abi.FALLOCATE: self._fallocate, abi.LSEEK: self._lseek,
-            abi.COPY_FILE_RANGE: self._copy_file_range, abi.COPY_FILE_RANGE_64: self._copy_file_range_64,
-            abi.OPENDIR: self._opendir, abi.READDIRPLUS: self._readdirplus,
-            abi.RELEASEDIR: self._releasedir, abi.FSYNCDIR: self._fsyncdir, abi.STATFS: self._statfs,
+            abi.SETATTR: self._setattr,
+            abi.READLINK: self._readlink,
+            abi.SYMLINK: self._symlink,
+            abi.MKNOD: self._mknod,
+            abi.MKDIR: self._mkdir,
+            abi.UNLINK: self._unlink,
+            abi.RMDIR: self._rmdir,
+            abi.RENAME: self._rename,
+            abi.RENAME2: self._rename2,
+            abi.LINK: self._link,
+            abi.OPEN: self._open,
+            abi.READ: self._read,
+            abi.WRITE: self._write,
+            abi.FLUSH: self._flush,
+            abi.FSYNC: self._fsync,
+            abi.FALLOCATE: self._fallocate,
+            abi.LSEEK: self._lseek,
+            abi.COPY_FILE_RANGE: self._copy_file_range,
+            abi.COPY_FILE_RANGE_64: self._copy_file_range_64,
+            abi.OPENDIR: self._opendir,
+            abi.READDIRPLUS: self._readdirplus,
+            abi.RELEASEDIR: self._releasedir,
+            abi.FSYNCDIR: self._fsyncdir,
+            abi.STATFS: self._statfs,
             abi.SETXATTR: self._setxattr,
-            abi.LISTXATTR: self._listxattr, abi.REMOVEXATTR: self._removexattr,
-            abi.IOCTL: self._ioctl, abi.TMPFILE: self._tmpfile,
-            abi.INIT: self._init, abi.INTERRUPT: self._interrupt, abi.DESTROY: self._destroy,
+            abi.LISTXATTR: self._listxattr,
+            abi.REMOVEXATTR: self._removexattr,
+            abi.IOCTL: self._ioctl,
+            abi.TMPFILE: self._tmpfile,
+            abi.INIT: self._init,
+            abi.INTERRUPT: self._interrupt,
+            abi.DESTROY: self._destroy,
         }
 
     # -- the handshake -----------------------------------------------------------------------
@@ -116,12 +148,29 @@ class Requests:
             log.warning("%s: files are served by the daemon", self.refused)
         self.ops.backing = self.backing
         if self.record is not None:  # a successor serves on as this handshake left the connection
-            self.record.save_init({"minor": minor, "offered": offered, "granted": granted, "max_write": self.max_write,
-                                   "acl": self.ops.acl, "passthrough": self.backing is not None})
+            self.record.save_init(
+                {
+                    "minor": minor,
+                    "offered": offered,
+                    "granted": granted,
+                    "max_write": self.max_write,
+                    "acl": self.ops.acl,
+                    "passthrough": self.backing is not None,
+                }
+            )
         reply = abi.INIT_OUT.pack(
-            abi.KERNEL_MAJOR, min(minor, abi.KERNEL_MINOR), max_readahead,
-            granted & 0xFFFFFFFF, MAX_BACKGROUND, MAX_BACKGROUND * 3 // 4, self.max_write, 1,
-            self.max_write // 4096, 0, granted >> 32, 1 if self.backing is not None else 0,
+            abi.KERNEL_MAJOR,
+            min(minor, abi.KERNEL_MINOR),
+            max_readahead,
+            granted & 0xFFFFFFFF,
+            MAX_BACKGROUND,
+            MAX_BACKGROUND * 3 // 4,
+            self.max_write,
+            1,
+            self.max_write // 4096,
+            0,
+            granted >> 32,
+            1 if self.backing is not None else 0,
         )
         return [reply]
 
@@ -131,8 +180,7 @@ class Requests:
     async def _destroy(self, nodeid, body, ctx):
         return []
 
-    async def _again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context,
-                     began: int) -> None:
+    async def _again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context, began: int) -> None:
         """A journaled request sent again, begun by a daemon that died before it answered:
         run again, the errors of a first run that did its work read as success (:mod:`tierfs.fs.replay`)."""
         try:
@@ -172,7 +220,9 @@ class Requests:
 
     def _batch_forget(self, nodeid, body, ctx):
         count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
-        self.ops.forget_sync(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size:][:count * abi.FORGET_ONE.size]))
+        self.ops.forget_sync(
+            abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size :][: count * abi.FORGET_ONE.size])
+        )
 
     def _getattr(self, nodeid, body, ctx):
         return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr_sync(nodeid)))]
@@ -180,18 +230,47 @@ class Requests:
     def _statx(self, nodeid, body, ctx):
         """GETATTR's answer with the birth time, which only statx(2) asks for."""
         ino, st = self.ops.getattr_sync(nodeid)
-        (_, size, blocks, at, mt, ct, atn, mtn, ctn, mode, nlink, uid, gid, rdev, blksize, _
-         ) = self.ops.fuse_attr(ino, st)
+        (_, size, blocks, at, mt, ct, atn, mtn, ctn, mode, nlink, uid, gid, rdev, blksize, _) = self.ops.fuse_attr(
+            ino, st
+        )
         born = self.ops.birth_time(nodeid)
         mask = abi.STATX_BASIC_STATS | (abi.STATX_BTIME if born is not None else 0)
         bt, btn = divmod(born or 0, 1_000_000_000)
-        return [abi.STATX_OUT.pack(self._attr_valid[0], self._attr_valid[1], 0, mask, blksize, 0, nlink, uid, gid,
-                                   mode, ino, size, blocks, 0, at, atn, bt, btn, ct, ctn, mt, mtn,
-                                   os.major(rdev), os.minor(rdev), 0, 0)]
+        return [
+            abi.STATX_OUT.pack(
+                self._attr_valid[0],
+                self._attr_valid[1],
+                0,
+                mask,
+                blksize,
+                0,
+                nlink,
+                uid,
+                gid,
+                mode,
+                ino,
+                size,
+                blocks,
+                0,
+                at,
+                atn,
+                bt,
+                btn,
+                ct,
+                ctn,
+                mt,
+                mtn,
+                os.major(rdev),
+                os.minor(rdev),
+                0,
+                0,
+            )
+        ]
 
     async def _setattr(self, nodeid, body, ctx):
-        (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _
-         ) = abi.SETATTR_IN.unpack_from(body)
+        (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _) = (
+            abi.SETATTR_IN.unpack_from(body)
+        )
         attr = pyfuse3.EntryAttributes()
         now = time.time_ns()
         attr.st_mode, attr.st_uid, attr.st_gid, attr.st_size = mode, uid, gid, size
@@ -209,12 +288,12 @@ class Requests:
 
     async def _mknod(self, nodeid, body, ctx):
         mode, rdev, ctx.umask, _ = abi.MKNOD_IN.unpack_from(body)
-        name = bytes(body[abi.MKNOD_IN.size:-1])
+        name = bytes(body[abi.MKNOD_IN.size : -1])
         return [entry_out(await self.ops.mknod(nodeid, name, mode, rdev, ctx))]
 
     async def _mkdir(self, nodeid, body, ctx):
         mode, ctx.umask = abi.MKDIR_IN.unpack_from(body)
-        name = bytes(body[abi.MKDIR_IN.size:-1])
+        name = bytes(body[abi.MKDIR_IN.size : -1])
         return [entry_out(await self.ops.mkdir(nodeid, name, mode, ctx))]
 
     async def _unlink(self, nodeid, body, ctx):
@@ -227,19 +306,19 @@ class Requests:
 
     async def _rename(self, nodeid, body, ctx):
         (newdir,) = abi.RENAME_IN.unpack_from(body)
-        old, new = split_names(body[abi.RENAME_IN.size:], 2)
+        old, new = split_names(body[abi.RENAME_IN.size :], 2)
         await self.ops.rename(nodeid, old, newdir, new, 0, ctx)
         return []
 
     async def _rename2(self, nodeid, body, ctx):
         newdir, flags, _ = abi.RENAME2_IN.unpack_from(body)
-        old, new = split_names(body[abi.RENAME2_IN.size:], 2)
+        old, new = split_names(body[abi.RENAME2_IN.size :], 2)
         await self.ops.rename(nodeid, old, newdir, new, flags, ctx)
         return []
 
     async def _link(self, nodeid, body, ctx):
         (old,) = abi.LINK_IN.unpack_from(body)
-        name = bytes(body[abi.LINK_IN.size:-1])
+        name = bytes(body[abi.LINK_IN.size : -1])
         return [entry_out(await self.ops.link(old, nodeid, name, ctx))]
 
     # -- files -----------------------------------------------------------------------------
@@ -258,7 +337,7 @@ class Requests:
 
     def _create(self, nodeid, body, ctx, resumed: int | None = None):
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
-        name = bytes(body[abi.CREATE_IN.size:-1])
+        name = bytes(body[abi.CREATE_IN.size : -1])
         fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx, resumed)
         return [self._entry_now(ino, st), self._open_out(fi)]
 
@@ -280,7 +359,7 @@ class Requests:
     async def _write(self, nodeid, body, ctx):
         fh, offset, size, *_ = abi.WRITE_IN.unpack_from(body)
         # A copy: the write may be applied after this worker reads its next request.
-        data = bytes(body[abi.WRITE_IN.size:abi.WRITE_IN.size + size])
+        data = bytes(body[abi.WRITE_IN.size : abi.WRITE_IN.size + size])
         return [abi.WRITE_OUT.pack(await self.ops.write(fh, offset, data), 0)]
 
     async def _flush(self, nodeid, body, ctx):
@@ -333,21 +412,24 @@ class Requests:
 
     async def _statfs(self, nodeid, body, ctx):
         s = await self.ops.statfs(ctx)
-        return [abi.STATFS_OUT.pack(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree,
-                                    s.f_bsize, s.f_namemax, s.f_frsize)]
+        return [
+            abi.STATFS_OUT.pack(
+                s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree, s.f_bsize, s.f_namemax, s.f_frsize
+            )
+        ]
 
     # -- extended attributes ---------------------------------------------------------------
 
     async def _setxattr(self, nodeid, body, ctx):
         size, flags = abi.SETXATTR_IN.unpack_from(body)
-        rest = body[abi.SETXATTR_IN.size:]
+        rest = body[abi.SETXATTR_IN.size :]
         end = bytes(rest).index(b"\0")
-        await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1:end + 1 + size]), ctx, flags)
+        await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1 : end + 1 + size]), ctx, flags)
         return []
 
     def _getxattr(self, nodeid, body, ctx):
         size, _ = abi.GETXATTR_IN.unpack_from(body)
-        return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size:-1])), size)
+        return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size : -1])), size)
 
     async def _listxattr(self, nodeid, body, ctx):
         size, _ = abi.GETXATTR_IN.unpack_from(body)
@@ -368,5 +450,5 @@ class Requests:
 
     async def _ioctl(self, nodeid, body, ctx):
         fh, _, cmd, _, in_size, out_size = abi.IOCTL_IN.unpack_from(body)
-        data = bytes(body[abi.IOCTL_IN.size:abi.IOCTL_IN.size + in_size])
+        data = bytes(body[abi.IOCTL_IN.size : abi.IOCTL_IN.size + in_size])
         return [abi.IOCTL_OUT.pack(0, 0, 0, 0), await self.ops.ioctl(nodeid, fh, cmd, data, out_size)]

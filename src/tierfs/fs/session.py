@@ -161,8 +161,7 @@ class KernelSession(Requests):
             fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
         else:
             os.set_blocking(fd, False)
-        options = (f"fd={fd},rootmode={stat.S_IFDIR:o},user_id=0,group_id=0,"
-                   "allow_other,default_permissions")
+        options = f"fd={fd},rootmode={stat.S_IFDIR:o},user_id=0,group_id=0,allow_other,default_permissions"
         flags = MS_NOSUID | MS_NODEV | (MS_RDONLY if read_only else 0)
         try:
             linux.mount(fsname, mountpoint, "fuse.tierfs", flags, options)
@@ -188,8 +187,10 @@ class KernelSession(Requests):
             self.backing = self.ops.backing = BackingFiles(fd)
         self._resend = bool(init["offered"] & abi.HAS_RESEND)
         if not self._resend:
-            log.warning("this kernel cannot send again the requests the last daemon left unanswered "
-                        "(FUSE_NOTIFY_RESEND, Linux 6.9): their callers wait until interrupted")
+            log.warning(
+                "this kernel cannot send again the requests the last daemon left unanswered "
+                "(FUSE_NOTIFY_RESEND, Linux 6.9): their callers wait until interrupted"
+            )
 
     async def run(self) -> None:
         """Serve requests until the kernel ends the connection or :meth:`terminate` is called."""
@@ -367,7 +368,7 @@ class KernelSession(Requests):
 
     def _serve_now(self, req: memoryview, header: tuple):
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = header
-        body = req[abi.IN_HEADER.size:len(req) - extlen * 8]
+        body = req[abi.IN_HEADER.size : len(req) - extlen * 8]
         if (self._released or self._closing) and opcode not in _BEFORE_RELEASES:
             if opcode in _BEFORE_RELEASE_HANDLES:
                 self._settle_releases()
@@ -466,8 +467,9 @@ class KernelSession(Requests):
         if n == 0:
             return False
         try:
-            done = splicing.read_out(self._pipe, fh, offset, n, self.fd,
-                                     abi.OUT_HEADER.pack(abi.OUT_HEADER.size + n, 0, unique))
+            done = splicing.read_out(
+                self._pipe, fh, offset, n, self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size + n, 0, unique)
+            )
         except OSError as e:
             log.debug("could not splice a read (answered by a copy instead): %s", e)
             done = False

@@ -98,7 +98,7 @@ def receive(dev_fd: int, pipe: Pipe, buf: bytearray) -> tuple[int, bool]:
     """
     n = os.splice(dev_fd, pipe.w, len(buf))
     view = memoryview(buf)
-    got = os.readv(pipe.r, [view[:min(n, HEAD)]])
+    got = os.readv(pipe.r, [view[: min(n, HEAD)]])
     if n > got and abi.IN_HEADER.unpack_from(buf)[1] == abi.WRITE:
         return got, True
     while got < n:

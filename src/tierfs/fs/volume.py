@@ -16,7 +16,8 @@ import functools
 import logging
 import os
 import stat
-from typing import Awaitable, Callable, Protocol
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import pyfuse3
 
@@ -109,8 +110,13 @@ def drop_privs(path: str) -> None:
 class Volume:
     """The RAM tier's tree as the handlers see it, and what they keep of the kernel's opens."""
 
-    def __init__(self, tree: str | os.PathLike, space: SpaceAccount,
-                 snapshots: Snapshots | None = None, events: Events | None = None):
+    def __init__(
+        self,
+        tree: str | os.PathLike,
+        space: SpaceAccount,
+        snapshots: Snapshots | None = None,
+        events: Events | None = None,
+    ):
         super().__init__()
         self.inodes = InodeTable(tree)
         self.space = space
@@ -163,8 +169,24 @@ class Volume:
         kernel session to pack as they are (pyfuse3 gets the same as :meth:`_attrs`)."""
         st, nlink = self._current(ino, st)
         at, mt, ct = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
-        return (ino, st.st_size, st.st_blocks, at // _NS, mt // _NS, ct // _NS, at % _NS, mt % _NS, ct % _NS,
-                st.st_mode, nlink, st.st_uid, st.st_gid, st.st_rdev, st.st_blksize, 0)
+        return (
+            ino,
+            st.st_size,
+            st.st_blocks,
+            at // _NS,
+            mt // _NS,
+            ct // _NS,
+            at % _NS,
+            mt % _NS,
+            ct % _NS,
+            st.st_mode,
+            nlink,
+            st.st_uid,
+            st.st_gid,
+            st.st_rdev,
+            st.st_blksize,
+            0,
+        )
 
     def _attrs(self, ino: int, st: os.stat_result) -> pyfuse3.EntryAttributes:
         st, nlink = self._current(ino, st)
@@ -210,8 +232,7 @@ class Volume:
         try:
             self.record.opened(fh, ino, flags, kind, backing_id)
         except OSError as e:
-            log.warning("a successor will not know file handle %d (its record cannot grow: %s)", fh,
-                        e.strerror or e)
+            log.warning("a successor will not know file handle %d (its record cannot grow: %s)", fh, e.strerror or e)
 
     def link_removed(self, st: os.stat_result) -> None:
         """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its space is free (at last close)."""
@@ -234,7 +255,7 @@ class Volume:
             path = path + b"/" + name
         if not path.startswith(self._tree_prefix) or path.endswith(b" (deleted)"):
             return None  # the root itself, or unlinked meanwhile
-        return os.fsdecode(path[len(self._tree_prefix):])
+        return os.fsdecode(path[len(self._tree_prefix) :])
 
     def _detach(self, node: Inode) -> None:
         """Before a committed file changes, give its snapshots a copy of their own."""

@@ -38,7 +38,7 @@ import logging
 import os
 import queue
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +70,9 @@ class WriteBehind:
 
     def __enter__(self) -> WriteBehind:
         self._queue = queue.Queue(self.depth * self.threads)
-        self._workers = [threading.Thread(target=self._work, name="tierfs-write-behind", daemon=True)
-                         for _ in range(self.threads)]
+        self._workers = [
+            threading.Thread(target=self._work, name="tierfs-write-behind", daemon=True) for _ in range(self.threads)
+        ]
         for worker in self._workers:
             worker.start()
         return self

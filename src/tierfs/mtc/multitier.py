@@ -38,8 +38,16 @@ class MultiTier:
     job should take.
     """
 
-    def __init__(self, cfg: Config, rank: RankDir, steps: Steps, planner: RestorePlanner, view: ClusterView,
-                 restore: Callable[[], Restore | None], reconfigure: Callable[[Config], None]):
+    def __init__(
+        self,
+        cfg: Config,
+        rank: RankDir,
+        steps: Steps,
+        planner: RestorePlanner,
+        view: ClusterView,
+        restore: Callable[[], Restore | None],
+        reconfigure: Callable[[Config], None],
+    ):
         self.cfg, self.rank, self.steps, self.planner, self.view = cfg, rank, steps, planner, view
         self.restore, self.reconfigure = restore, reconfigure
         self.node: MtcNode | None = None
@@ -47,8 +55,15 @@ class MultiTier:
     def start(self) -> MtcNode:
         """Before the mount: clear an earlier pod's protocol files, and follow the spec it left."""
         cfg = self.cfg
-        self.node = MtcNode(self.rank.tree, self.rank.path / "mtc.json", cfg.mountpoint, cfg.rank,
-                            cfg.coordinator, self.apply_spec, self.restore_target)
+        self.node = MtcNode(
+            self.rank.tree,
+            self.rank.path / "mtc.json",
+            cfg.mountpoint,
+            cfg.rank,
+            cfg.coordinator,
+            self.apply_spec,
+            self.restore_target,
+        )
         spec = self.node.prepare()
         if spec is not None:  # what the job said before this daemon started still holds
             try:
@@ -62,19 +77,28 @@ class MultiTier:
         """Follow the job's replicator.yaml: its shape drives placement, dedup and backups."""
         cfg, warnings = self.cfg, []
         if spec.node_rank != cfg.rank:
-            raise SpecError(f"'node-rank' is {spec.node_rank} but this volume holds rank {cfg.rank}'s data "
-                            "(tierfs --rank): give the pod the volume of its rank")
+            raise SpecError(
+                f"'node-rank' is {spec.node_rank} but this volume holds rank {cfg.rank}'s data "
+                "(tierfs --rank): give the pod the volume of its rank"
+            )
         if spec.job_name != cfg.job:
-            warnings.append(f"job-name {spec.job_name!r} differs from the volume's job {cfg.job!r}; "
-                            f"its data stays under {cfg.job!r}")
+            warnings.append(
+                f"job-name {spec.job_name!r} differs from the volume's job {cfg.job!r}; "
+                f"its data stays under {cfg.job!r}"
+            )
         if spec.backup_interval_steps is not None:
             interval = {"backup_interval": 0.0, "backup_interval_steps": spec.backup_interval_steps}
         else:
             interval = {"backup_interval": spec.backup_interval_s, "backup_interval_steps": 0}
         try:
-            new = replace(cfg, nodes=spec.nodes, data_parallel=spec.data_parallelism, peer_ranks=spec.peer_ranks,
-                          restore_step=cfg.restore_step if spec.restore_step is None else spec.restore_step,
-                          **interval)
+            new = replace(
+                cfg,
+                nodes=spec.nodes,
+                data_parallel=spec.data_parallelism,
+                peer_ranks=spec.peer_ranks,
+                restore_step=cfg.restore_step if spec.restore_step is None else spec.restore_step,
+                **interval,
+            )
             new._validate()
         except UserError as e:
             raise SpecError(str(e)) from None
@@ -94,9 +118,11 @@ class MultiTier:
         wanted, made = self.cfg.restore_step, made_here(self.rank)
         if wanted is not None and wanted != self.planner.restore_step and (made is None or made[0] != wanted):
             now = "no step" if self.planner.restore_step is None else f"step {self.planner.restore_step}"
-            raise NextStart(f"the job asks for step {wanted} (restore-step), but this volume started from {now}: "
-                            f"the rollback is made when it starts again (on Kubernetes, set the volume "
-                            f"attribute restore-step: \"{wanted}\" on every pod of the job)")
+            raise NextStart(
+                f"the job asks for step {wanted} (restore-step), but this volume started from {now}: "
+                f"the rollback is made when it starts again (on Kubernetes, set the volume "
+                f"attribute restore-step: \"{wanted}\" on every pod of the job)"
+            )
         step = self.planner.announced_step()
         if step is None and self.steps.states:
             # The job moved on since this daemon started: the newest step every rank can restore.
@@ -110,6 +136,8 @@ class MultiTier:
         elif step in self.steps.states:
             roots = self.steps.states[step].roots
         else:
-            raise SpecError(f"step {step}, the newest every rank can restore, is not on this node; "
-                            "restart the volume (tierfs mount) to restore it")
+            raise SpecError(
+                f"step {step}, the newest every rank can restore, is not on this node; "
+                "restart the volume (tierfs mount) to restore it"
+            )
         return step, (str(step) if str(step) in roots else sorted(roots)[0])

@@ -43,21 +43,8 @@ from pathlib import Path
 
 import trio
 
-from tierfs.core.atomic import (
-    UnsafeFile,
-    read_small,
-    read_state,
-    temporary_name,
-    write_atomically,
-)
-from tierfs.mtc.spec import (
-    MAX_SPEC_BYTES,
-    REPLICATOR,
-    NextStart,
-    ReplicatorSpec,
-    SpecError,
-    parse_spec,
-)
+from tierfs.core.atomic import UnsafeFile, read_small, read_state, temporary_name, write_atomically
+from tierfs.mtc.spec import MAX_SPEC_BYTES, REPLICATOR, NextStart, ReplicatorSpec, SpecError, parse_spec
 from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)
@@ -96,9 +83,16 @@ class MtcNode:
     directory: a restarted daemon keeps following it.
     """
 
-    def __init__(self, tree: Path, state_path: Path, mountpoint: Path, rank: int, coordinator: str | None,
-                 apply: Callable[[ReplicatorSpec], list[str]],
-                 restore_target: Callable[[], Awaitable[tuple[int, str] | None]]):
+    def __init__(
+        self,
+        tree: Path,
+        state_path: Path,
+        mountpoint: Path,
+        rank: int,
+        coordinator: str | None,
+        apply: Callable[[ReplicatorSpec], list[str]],
+        restore_target: Callable[[], Awaitable[tuple[int, str] | None]],
+    ):
         self.tree, self.state_path, self.mountpoint = tree, state_path, mountpoint
         self.rank, self.coordinator = rank, coordinator
         self._apply, self._restore_target = apply, restore_target
@@ -139,8 +133,11 @@ class MtcNode:
         job's rename of that entry back onto the step. Neither is a new checkpoint."""
         if "/" not in path and RESTORE_ENTRY.fullmatch(path):
             return True
-        if self._presented is not None and path == self._presented[1] \
-                and not os.path.lexists(self.tree / self._presented[0]):
+        if (
+            self._presented is not None
+            and path == self._presented[1]
+            and not os.path.lexists(self.tree / self._presented[0])
+        ):
             log.info("the job took step %s from %s", path, self._presented[0])
             self._presented = None
             return True
@@ -218,8 +215,14 @@ class MtcNode:
                 await self._put(ERRORS, "".join(f"tierfs: {w}\n" for w in warnings), owner)
             await self._put(PRERESTORE, prerestore(target[0] if target else None), owner)
             await trio.to_thread.run_sync(self._present, spec.job_name, target, owner)
-            log.info("%s accepted: job %s, rank %d of %d, restore %s", REPLICATOR, spec.job_name,
-                     spec.node_rank, spec.nodes, f"step {target[0]}" if target else "nothing")
+            log.info(
+                "%s accepted: job %s, rank %d of %d, restore %s",
+                REPLICATOR,
+                spec.job_name,
+                spec.node_rank,
+                spec.nodes,
+                f"step {target[0]}" if target else "nothing",
+            )
         # The acknowledgement comes last: the job reads the answers as soon as it sees it.
         await trio.to_thread.run_sync(functools.partial((mnt / REPLICATOR).unlink, missing_ok=True))
 

@@ -33,14 +33,34 @@ MAX_JOB_NAME = 200  # it names the .restore entry, a file name of at most 255 by
 # JobSet), in torchrun and the PyTorch resiliency library, and tierfs' own options of the
 # same kind. Nothing else of the daemon's environment (its peer secret, credentials, proxy
 # settings) may reach a file the job reads.
-EXPANDABLE = frozenset({
-    "NODE_RANK", "NNODES", "MASTER_PORT", "HOSTNAME",
-    "JOB_COMPLETION_INDEX", "JOB_INDEX", "JOBSET_NAME", "REPLICATED_JOB_NAME",
-    "TIERFS_JOB", "TIERFS_RANK", "TIERFS_NODES", "TIERFS_DATA_PARALLEL",
-})
+EXPANDABLE = frozenset(
+    {
+        "NODE_RANK",
+        "NNODES",
+        "MASTER_PORT",
+        "HOSTNAME",
+        "JOB_COMPLETION_INDEX",
+        "JOB_INDEX",
+        "JOBSET_NAME",
+        "REPLICATED_JOB_NAME",
+        "TIERFS_JOB",
+        "TIERFS_RANK",
+        "TIERFS_NODES",
+        "TIERFS_DATA_PARALLEL",
+    }
+)
 
-_INT_KEYS = ("node-rank", "nodes", "assume-data-parallelism", "backup-interval-minutes",
-             "backup-interval-steps", "workers-per-node", "peers-per-node", "master-port", "restore-step")
+_INT_KEYS = (
+    "node-rank",
+    "nodes",
+    "assume-data-parallelism",
+    "backup-interval-minutes",
+    "backup-interval-steps",
+    "workers-per-node",
+    "peers-per-node",
+    "master-port",
+    "restore-step",
+)
 _REQUIRED = ("job-name", "framework", "assume-data-parallelism", "node-rank", "nodes", "peer-ranks")
 _KNOWN = set(_REQUIRED) | set(_INT_KEYS)
 
@@ -94,8 +114,10 @@ def _loader() -> type:
             self._depth += 1
             try:
                 if self._depth > MAX_DEPTH:
-                    raise SpecError(f"{REPLICATOR} nests values deeper than {MAX_DEPTH} levels: "
-                                    "it holds plain keys, numbers and a list of ranks")
+                    raise SpecError(
+                        f"{REPLICATOR} nests values deeper than {MAX_DEPTH} levels: "
+                        "it holds plain keys, numbers and a list of ranks"
+                    )
                 return super().compose_node(parent, index)
             finally:
                 self._depth -= 1
@@ -117,11 +139,15 @@ def load_yaml(text: str) -> object:
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         problem = getattr(e, "problem", None) or getattr(e, "reason", None) or "unreadable"
-        raise SpecError(f"{REPLICATOR} is not valid YAML" + (f" (line {mark.line + 1})" if mark else "")
-                        + f": {_one_line(str(problem))}") from None
+        raise SpecError(
+            f"{REPLICATOR} is not valid YAML"
+            + (f" (line {mark.line + 1})" if mark else "")
+            + f": {_one_line(str(problem))}"
+        ) from None
     except Exception as e:  # a value the YAML constructor cannot build (a 31st of February...)
-        raise SpecError(f"{REPLICATOR} has a value YAML cannot read ({type(e).__name__}): "
-                        "use plain numbers and text") from None
+        raise SpecError(
+            f"{REPLICATOR} has a value YAML cannot read ({type(e).__name__}): use plain numbers and text"
+        ) from None
 
 
 def parse_spec(text: str, env: Mapping[str, str] | None = None) -> tuple[ReplicatorSpec, list[str]]:
@@ -149,8 +175,10 @@ def parse_spec(text: str, env: Mapping[str, str] | None = None) -> tuple[Replica
     ints = {k: _int(k, values[k]) for k in _INT_KEYS if k in values}
     has_minutes, has_steps = "backup-interval-minutes" in ints, "backup-interval-steps" in ints
     if has_minutes == has_steps:
-        raise SpecError(f"{REPLICATOR} must give exactly one of 'backup-interval-minutes' and "
-                        f"'backup-interval-steps' ({'both' if has_minutes else 'neither'} given)")
+        raise SpecError(
+            f"{REPLICATOR} must give exactly one of 'backup-interval-minutes' and "
+            f"'backup-interval-steps' ({'both' if has_minutes else 'neither'} given)"
+        )
     nodes, rank, dp = ints["nodes"], ints["node-rank"], ints["assume-data-parallelism"]
     if nodes < 1:
         raise SpecError(f"'nodes' is {nodes} in {REPLICATOR}: it must be at least 1")
@@ -162,8 +190,10 @@ def parse_spec(text: str, env: Mapping[str, str] | None = None) -> tuple[Replica
         raise SpecError(f"'assume-data-parallelism' {dp} must be at least 1 and divide 'nodes' ({nodes})")
     for key in ("backup-interval-minutes", "backup-interval-steps", "workers-per-node", "restore-step"):
         if key in ints and ints[key] < (1 if key == "workers-per-node" else 0):
-            raise SpecError(f"{key!r} is {ints[key]} in {REPLICATOR}: it must not be negative"
-                            + (" or zero" if key == "workers-per-node" else ""))
+            raise SpecError(
+                f"{key!r} is {ints[key]} in {REPLICATOR}: it must not be negative"
+                + (" or zero" if key == "workers-per-node" else "")
+            )
     peers = values["peer-ranks"]
     if isinstance(peers, str):  # from a variable: read as if written in place
         try:
@@ -196,13 +226,21 @@ def parse_spec(text: str, env: Mapping[str, str] | None = None) -> tuple[Replica
     if not job:
         raise SpecError(f"'job-name' is empty in {REPLICATOR}")
     if len(job) > MAX_JOB_NAME or "/" in job or not job.isprintable():
-        raise SpecError(f"'job-name' in {REPLICATOR} must be at most {MAX_JOB_NAME} printable characters "
-                        "without '/': it names the .restore entry")
+        raise SpecError(
+            f"'job-name' in {REPLICATOR} must be at most {MAX_JOB_NAME} printable characters "
+            "without '/': it names the .restore entry"
+        )
     spec = ReplicatorSpec(
-        job_name=job, framework=framework, nodes=nodes, node_rank=rank, peer_ranks=peer_ranks,
-        data_parallelism=dp, backup_interval_minutes=ints.get("backup-interval-minutes"),
+        job_name=job,
+        framework=framework,
+        nodes=nodes,
+        node_rank=rank,
+        peer_ranks=peer_ranks,
+        data_parallelism=dp,
+        backup_interval_minutes=ints.get("backup-interval-minutes"),
         backup_interval_steps=ints.get("backup-interval-steps"),
-        workers_per_node=ints.get("workers-per-node", 1), restore_step=ints.get("restore-step"),
+        workers_per_node=ints.get("workers-per-node", 1),
+        restore_step=ints.get("restore-step"),
     )
     return spec, warnings
 
@@ -215,13 +253,17 @@ def _expand(key: str, value: object, env: Mapping[str, str]) -> object:
         return value
     template = string.Template(value)
     if not template.is_valid():
-        raise SpecError(f"{_short(key)} in {REPLICATOR} has a '$' that does not start a variable name "
-                        "(write $$ for a '$' of its own)")
+        raise SpecError(
+            f"{_short(key)} in {REPLICATOR} has a '$' that does not start a variable name "
+            "(write $$ for a '$' of its own)"
+        )
     names = template.get_identifiers()
     for name in names:
         if name not in EXPANDABLE:
-            raise SpecError(f"{_short(key)} in {REPLICATOR} refers to ${_one_line(name, 40)}, which tierfs "
-                            f"does not expand: use a value, or one of ${', $'.join(sorted(EXPANDABLE))}")
+            raise SpecError(
+                f"{_short(key)} in {REPLICATOR} refers to ${_one_line(name, 40)}, which tierfs "
+                f"does not expand: use a value, or one of ${', $'.join(sorted(EXPANDABLE))}"
+            )
         if name not in env:
             raise SpecError(f"{_short(key)} in {REPLICATOR} refers to ${name}, which is not set")
     return template.substitute({name: env[name] for name in names})

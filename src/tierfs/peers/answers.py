@@ -15,8 +15,8 @@ import math
 from typing import Any
 
 from tierfs.coordination import fields
-from tierfs.coordination.transport import BadMessage
 from tierfs.coordination.pairs import rank_step_pairs
+from tierfs.coordination.transport import BadMessage
 from tierfs.coordination.view import MAX_RANK, MAX_REPLICAS, MAX_STEP, MAX_STEPS, topology_labels
 from tierfs.peers.wire import PeerError
 

@@ -48,8 +48,9 @@ async def receive(stream: trio.abc.ReceiveStream, n: int, sink: Sink, label: byt
         raise failure
 
 
-async def receive_many(stream: trio.abc.ReceiveStream, parts: Sequence[tuple[int, Sink, bytes]]
-                       ) -> list[Exception | None]:
+async def receive_many(
+    stream: trio.abc.ReceiveStream, parts: Sequence[tuple[int, Sink, bytes]]
+) -> list[Exception | None]:
     """Receive bodies back to back, each ``(length, sink, label)``, moved by one worker thread.
 
     Returns each sink's failure (``None``: it took every piece); every body is read to its
@@ -64,6 +65,7 @@ async def receive_many(stream: trio.abc.ReceiveStream, parts: Sequence[tuple[int
                     sink(piece, at)
                 except Exception as e:  # raised once the body is read: the connection stays in step
                     failures[i] = e
+
         return take
 
     sealed = isinstance(stream, SealedStream)
@@ -92,8 +94,14 @@ def _pieces_in(n: int, sink: Sink, view: memoryview) -> Steps:
         done += len(piece)
 
 
-async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | None, hasher: Any | None = None,
-                            offset: int = 0, label: bytes = b"") -> None:
+async def receive_into_file(
+    stream: trio.abc.ReceiveStream,
+    n: int,
+    fd: int | None,
+    hasher: Any | None = None,
+    offset: int = 0,
+    label: bytes = b"",
+) -> None:
     """Receive an ``n``-byte body into ``fd`` at ``offset``, feeding ``hasher`` on the way.
 
     ``fd=None`` only hashes (or, without ``hasher``, discards) the bytes: how a body that is
@@ -104,16 +112,17 @@ async def receive_into_file(stream: trio.abc.ReceiveStream, n: int, fd: int | No
 
 def into_file(fd: int | None, offset: int, hasher: Any | None) -> Sink:
     """A sink writing a body into ``fd`` from ``offset`` (unless None) and feeding ``hasher`` (unless None)."""
+
     def sink(piece: memoryview, at: int) -> None:
         if hasher is not None:
             hasher.update(piece)
         if fd is not None:
             pwrite_all(fd, piece, offset + at)
+
     return sink
 
 
-async def receive_bytes(stream: trio.abc.ReceiveStream, n: int, hasher: Any | None = None,
-                        label: bytes = b"") -> bytes:
+async def receive_bytes(stream: trio.abc.ReceiveStream, n: int, hasher: Any | None = None, label: bytes = b"") -> bytes:
     """An ``n``-byte body as bytes (the caller has bounded ``n``), hashed on the way.
 
     The buffer grows as pieces arrive: a peer that announces a large body and sends nothing

@@ -15,14 +15,16 @@ handshake (:mod:`tierfs.peers.sealed`).
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Awaitable, Callable, Iterator, Sequence, TypeVar
+from typing import Any, TypeVar
 
 import trio
 import xxhash
 
 from tierfs.coordination.transport import BadMessage
-from tierfs.core.manifest import MAX_DEPTH as MAX_MANIFEST_DEPTH, split_seal
+from tierfs.core.manifest import MAX_DEPTH as MAX_MANIFEST_DEPTH
+from tierfs.core.manifest import split_seal
 from tierfs.peers import answers, bodies, wire
 from tierfs.peers.answers import MalformedAnswer
 from tierfs.peers.bodies import chunk_label
@@ -55,8 +57,16 @@ class PeerClient:
         self._broken: str | None = None
 
     @classmethod
-    async def connect(cls, address: tuple[str, int], *, job: str, secret: bytes, tls: PeerTLS | None,
-                      timeout: float = 10.0, local_host: str | None = None) -> PeerClient:
+    async def connect(
+        cls,
+        address: tuple[str, int],
+        *,
+        job: str,
+        secret: bytes,
+        tls: PeerTLS | None,
+        timeout: float = 10.0,
+        local_host: str | None = None,
+    ) -> PeerClient:
         """Connect to ``address``, run TLS (unless ``tls`` is None) and authenticate, all within ``timeout``.
 
         ``local_host`` binds the source address (several nodes on one machine use distinct
@@ -166,8 +176,9 @@ class PeerClient:
                     fds[os.fspath(path)] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             parts = [(fds[os.fspath(path)], offset, length, chunk_label(h, 0)) for h, path, offset, length in chunks]
             with self._request("put_chunks"):
-                await self._send({"op": "put_chunks", "chunks": [[h, length] for h, _, _, length in chunks],
-                                  "len": total})
+                await self._send(
+                    {"op": "put_chunks", "chunks": [[h, length] for h, _, _, length in chunks], "len": total}
+                )
                 self.bytes_sent += await bodies.send_files(self._stream, parts)
                 reply = await wire.recv_msg(self._stream)
         finally:
@@ -208,14 +219,16 @@ class PeerClient:
         The peer verified the whole chunk before sending; the bytes in transit are the
         caller's to check, or use :meth:`fetch_chunk`.
         """
-        return await self._get_chunk(h, offset, length, lambda n, label: bodies.receive_bytes(
-            self._stream, n, None, label))
+        return await self._get_chunk(
+            h, offset, length, lambda n, label: bodies.receive_bytes(self._stream, n, None, label)
+        )
 
     async def fetch_chunk(self, h: str, length: int) -> bytes:
         """The whole ``length``-byte chunk ``h``, hashed as it arrives; bytes that are not it raise :class:`PeerError`."""
         hasher = xxhash.xxh3_128()
-        data = await self._get_chunk(h, 0, length, lambda n, label: bodies.receive_bytes(
-            self._stream, n, hasher, label))
+        data = await self._get_chunk(
+            h, 0, length, lambda n, label: bodies.receive_bytes(self._stream, n, hasher, label)
+        )
         self._check_hash(hasher, h)
         return data
 
@@ -254,8 +267,11 @@ class PeerClient:
                     raise ProtocolError("get_chunks: the answer does not match the question")
                 if n != sum(length for (_, length, _, _), came in zip(chunks, held) if came):
                     raise ProtocolError(f"get_chunks: a body of {n} bytes for the chunks it says it holds")
-                parts = [(length, bodies.into_file(fd, offset, hasher), chunk_label(h, 0))
-                         for (h, length, fd, offset), hasher, came in zip(chunks, hashers, held) if came]
+                parts = [
+                    (length, bodies.into_file(fd, offset, hasher), chunk_label(h, 0))
+                    for (h, length, fd, offset), hasher, came in zip(chunks, hashers, held)
+                    if came
+                ]
                 for failure in await bodies.receive_many(self._stream, parts):
                     if failure is not None:
                         raise failure
@@ -266,8 +282,9 @@ class PeerClient:
                 self._check_hash(hasher, h)
         return held
 
-    async def _get_chunk(self, h: str, offset: int, length: int | None,
-                         receive: Callable[[int, bytes], Awaitable[T]]) -> T:
+    async def _get_chunk(
+        self, h: str, offset: int, length: int | None, receive: Callable[[int, bytes], Awaitable[T]]
+    ) -> T:
         """A ``get_chunk`` exchange whose body (of its announced length, with its label) ``receive`` takes."""
         request: dict[str, Any] = {"op": "get_chunk", "hash": h, "offset": offset}
         if length is not None:
@@ -313,8 +330,7 @@ class PeerClient:
             finished = True
         except trio.TooSlowError:
             self._broken = "timed out"
-            raise PeerUnavailable(f"peer {_name(self.address)}: {op} got no answer within "
-                                  f"{timeout:g}s") from None
+            raise PeerUnavailable(f"peer {_name(self.address)}: {op} got no answer within {timeout:g}s") from None
         except PeerUnavailable as e:
             raise PeerUnavailable(f"peer {_name(self.address)}: {op}: {e}") from None
         except ProtocolError as e:
@@ -350,8 +366,9 @@ class PeerClient:
         self.bytes_received += len(data)
         return data
 
-    def _parse(self, op: str, parse: Callable[[dict[str, Any], int | None], T], reply: dict[str, Any],
-               nodes: int | None) -> T:
+    def _parse(
+        self, op: str, parse: Callable[[dict[str, Any], int | None], T], reply: dict[str, Any], nodes: int | None
+    ) -> T:
         """The answer checked by ``parse``; a malformed one was read whole, so the connection stays in step."""
         try:
             return parse(reply, nodes)

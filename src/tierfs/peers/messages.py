@@ -29,7 +29,9 @@ STARTING = "starting"  # the answer's ``error`` while the node has not joined it
 CONNECT_TIMEOUT = 5.0
 MAX_IDLE = 4  # idle connections kept per node
 
-Connect = Callable[[tuple[str, int], float | None], Awaitable[PeerClient]]  # (address, timeout) -> an authenticated client
+Connect = Callable[
+    [tuple[str, int], float | None], Awaitable[PeerClient]
+]  # (address, timeout) -> an authenticated client
 
 
 class PeerTransport:
@@ -44,8 +46,9 @@ class PeerTransport:
         header = {**message, "from": self.source}
         encoded(header)  # refuses an oversized message before it leaves
         try:
-            reply = await self._pool(address).request(lambda client: client.call(header, timeout),
-                                                      min(timeout, CONNECT_TIMEOUT))
+            reply = await self._pool(address).request(
+                lambda client: client.call(header, timeout), min(timeout, CONNECT_TIMEOUT)
+            )
         except PeerRefused as e:
             raise Refused(str(e)) from None
         except (PeerError, OSError, UserError, trio.TooSlowError) as e:
@@ -58,8 +61,9 @@ class PeerTransport:
         pool = self._pools.get(address)
         if pool is None:
             host, port = parse_address(address, "a peer address")
-            pool = self._pools[address] = ConnectionPool(lambda timeout: self._connect((host, port), timeout),
-                                                         max_idle=MAX_IDLE)
+            pool = self._pools[address] = ConnectionPool(
+                lambda timeout: self._connect((host, port), timeout), max_idle=MAX_IDLE
+            )
         return pool
 
     async def aclose(self) -> None:

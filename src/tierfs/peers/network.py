@@ -126,14 +126,25 @@ class PeerNetwork:
             if rival.instance not in self._rivals:
                 self._rivals.add(rival.instance)
                 first = "it" if self.identity.precedes(rival) else "this node"
-                log.error("node %s at %s:%d also serves rank %d of job %s; %s started later and should stop",
-                          rival.node, address[0], address[1], self.cfg.rank, self.cfg.job, first)
+                log.error(
+                    "node %s at %s:%d also serves rank %d of job %s; %s started later and should stop",
+                    rival.node,
+                    address[0],
+                    address[1],
+                    self.cfg.rank,
+                    self.cfg.job,
+                    first,
+                )
 
     def connect(self, address: tuple[str, int], timeout: float | None = None):
         """An authenticated connection (an async context manager) to one peer, in TLS unless it is off."""
         return PeerClient.connect(
-            address, job=self.cfg.job, secret=self.cfg.secret, tls=tls.for_config(self.cfg),
-            timeout=timeout or self.timeout, local_host=self.cfg.listen[0] if self.cfg.listen else None,
+            address,
+            job=self.cfg.job,
+            secret=self.cfg.secret,
+            tls=tls.for_config(self.cfg),
+            timeout=timeout or self.timeout,
+            local_host=self.cfg.listen[0] if self.cfg.listen else None,
         )
 
     def mark(self, address: tuple[str, int], state: str, error: str | None = None, rank: int | None = None) -> None:
@@ -176,14 +187,20 @@ class PeerNetwork:
 
     async def reports(self, addresses=None) -> dict[tuple[str, int], PeerReport]:
         """What each reachable peer (of ``addresses``, default all) holds: one connection each."""
+
         async def report(address):
             async with await self.connect(address, INFO_TIMEOUT) as client:
                 info = await client.info(self.cfg.nodes)
                 self._inspect(address, info)
                 held = await client.list(self.cfg.nodes)
             self.mark(address, "up", rank=info["rank"])
-            return PeerReport(info["rank"], tuple(info.get("steps", ())), tuple(held), info.get("restore_step"),
-                              tuple(tuple(t) for t in info.get("topology", ())))
+            return PeerReport(
+                info["rank"],
+                tuple(info.get("steps", ())),
+                tuple(held),
+                info.get("restore_step"),
+                tuple(tuple(t) for t in info.get("topology", ())),
+            )
 
         return await self._each(report, addresses)
 

@@ -49,8 +49,15 @@ def closeness(a: tuple[tuple[str, str], ...], b: tuple[tuple[str, str], ...]) ->
     return len(set(a) & set(b))
 
 
-def choose(rank: int, topology: tuple[tuple[str, str], ...], candidates: list[PeerInfo], k: int,
-           nodes: int, data_parallel: int = 1, same_data: set[int] | None = None) -> list[PeerInfo]:
+def choose(
+    rank: int,
+    topology: tuple[tuple[str, str], ...],
+    candidates: list[PeerInfo],
+    k: int,
+    nodes: int,
+    data_parallel: int = 1,
+    same_data: set[int] | None = None,
+) -> list[PeerInfo]:
     """Pick up to ``k`` of the reachable ``candidates`` for ``rank``'s replicas, best first.
 
     ``same_data``: the twins when the job names them (replicator.yaml's peer-ranks);

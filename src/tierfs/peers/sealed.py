@@ -59,8 +59,9 @@ def channel_keys(job: str, secret: bytes, nonces: Nonces, *, server_side: bool) 
     """This end's (sending, receiving) keys for one connection."""
     root = keys.derive(job, secret).channel
     mixed = (nonces.client + nonces.server).encode()
-    to_server, to_client = (hmac.new(root, label + mixed, hashlib.sha256).digest()
-                            for label in (_TO_SERVER, _TO_CLIENT))
+    to_server, to_client = (
+        hmac.new(root, label + mixed, hashlib.sha256).digest() for label in (_TO_SERVER, _TO_CLIENT)
+    )
     return (to_client, to_server) if server_side else (to_server, to_client)
 
 
@@ -167,6 +168,7 @@ class SealedStream(trio.abc.Stream):
             out[: _HEAD.size] = head
             sealed = memoryview(out)[_HEAD.size : _HEAD.size + len(piece) + TAG]
             self._seal.encrypt_into(nonce, piece, head + label, sealed)
+
         return seal
 
     def _opener(self, n: int, record: bytearray, plain: bytearray, label: bytes) -> Callable[[], None]:
@@ -178,8 +180,11 @@ class SealedStream(trio.abc.Stream):
             try:
                 self._open.decrypt_into(nonce, memoryview(record)[: n + TAG], ad, memoryview(plain)[:n])
             except InvalidTag:
-                raise ProtocolError("a sealed record failed authentication (altered, replayed, "
-                                    "reordered or out of place): connection closed") from None
+                raise ProtocolError(
+                    "a sealed record failed authentication (altered, replayed, "
+                    "reordered or out of place): connection closed"
+                ) from None
+
         return open_
 
     def _at_boundary(self) -> None:

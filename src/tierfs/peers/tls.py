@@ -50,8 +50,15 @@ from tierfs.core.errors import UserError
 from tierfs.peers.wire import PIECE, AuthFailed, PeerUnavailable, ProtocolError
 
 # Reasons OpenSSL gives when the other side does not speak TLS at all.
-_NOT_TLS = {"WRONG_VERSION_NUMBER", "HTTP_REQUEST", "PACKET_LENGTH_TOO_LONG", "RECORD_LAYER_FAILURE",
-            "UNSUPPORTED_PROTOCOL", "RECORD_LENGTH_MISMATCH", "UNKNOWN_PROTOCOL"}
+_NOT_TLS = {
+    "WRONG_VERSION_NUMBER",
+    "HTTP_REQUEST",
+    "PACKET_LENGTH_TOO_LONG",
+    "RECORD_LAYER_FAILURE",
+    "UNSUPPORTED_PROTOCOL",
+    "RECORD_LENGTH_MISMATCH",
+    "UNKNOWN_PROTOCOL",
+}
 
 
 @dataclass(frozen=True)
@@ -86,8 +93,9 @@ def from_files(cert: Path, key: Path, ca: Path) -> PeerTLS:
         try:
             context.load_cert_chain(cert, key)
         except ssl.SSLError as e:
-            raise UserError(f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its "
-                            f"private key ({_reason(e)})") from None
+            raise UserError(
+                f"--tls-cert {cert} and --tls-key {key} are not a PEM certificate and its private key ({_reason(e)})"
+            ) from None
         try:
             context.load_verify_locations(cafile=ca)
         except ssl.SSLError as e:
@@ -130,19 +138,35 @@ def _certificate_from_secret(job: str, secret: bytes) -> tuple[bytes, bytes]:
     public = key.public_key()
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tierfs peer")])
     raw_public = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    cert = (x509.CertificateBuilder()
-            .subject_name(name).issuer_name(name).public_key(public)
-            .serial_number(int.from_bytes(hashlib.sha256(raw_public).digest()[:16], "big") | 1)
-            .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.timezone.utc))
-            .not_valid_after(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.timezone.utc))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, content_commitment=False,
-                                         key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
-            .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-            .sign(key, None))  # Ed25519 signatures are deterministic: identical certificates everywhere
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                serialization.NoEncryption())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(public)
+        .serial_number(int.from_bytes(hashlib.sha256(raw_public).digest()[:16], "big") | 1)
+        .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
+        .not_valid_after(datetime.datetime(9999, 12, 31, 23, 59, 59, tzinfo=datetime.UTC))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .sign(key, None)
+    )  # Ed25519 signatures are deterministic: identical certificates everywhere
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
     return cert.public_bytes(serialization.Encoding.PEM), key_pem
 
 
@@ -264,17 +288,23 @@ def _handshake_error(e: OSError, server_side: bool) -> AuthFailed | ProtocolErro
     """What a failed TLS handshake means, in one line that says what to check."""
     if isinstance(e, ssl.SSLCertVerificationError):
         who = "the client's" if server_side else "the peer's"
-        return AuthFailed(f"TLS: {who} certificate is not this job's ({e.verify_message}): "
-                          "a wrong secret or job id, or not signed by --tls-ca")
+        return AuthFailed(
+            f"TLS: {who} certificate is not this job's ({e.verify_message}): "
+            "a wrong secret or job id, or not signed by --tls-ca"
+        )
     if not isinstance(e, ssl.SSLError) or isinstance(e, (ssl.SSLEOFError, ssl.SSLSyscallError)):
         return PeerUnavailable(f"connection lost during the TLS handshake: {_reason(e)}")
     reason = getattr(e, "reason", None) or ""
     if reason in _NOT_TLS:
-        return ProtocolError(f"TLS handshake failed ({_reason(e)}): the other side does not speak TLS; "
-                             "every node of a job needs the same --peer-tls")
+        return ProtocolError(
+            f"TLS handshake failed ({_reason(e)}): the other side does not speak TLS; "
+            "every node of a job needs the same --peer-tls"
+        )
     if "ALERT" in reason:
-        return AuthFailed(f"TLS handshake failed ({_reason(e)}): the other side refused this node's "
-                          "certificate: a wrong secret or job id, or not signed by its --tls-ca")
+        return AuthFailed(
+            f"TLS handshake failed ({_reason(e)}): the other side refused this node's "
+            "certificate: a wrong secret or job id, or not signed by its --tls-ca"
+        )
     return ProtocolError(f"TLS handshake failed ({_reason(e)})")
 
 

@@ -37,6 +37,7 @@ from tierfs.peers.wire import PIECE, PeerUnavailable, reason, recv_into
 
 class Recv(NamedTuple):
     """Fill ``view`` exactly; the connection ending first is :class:`PeerUnavailable`."""
+
     view: memoryview
 
 
@@ -46,6 +47,7 @@ class Send(NamedTuple):
 
 class SendFile(NamedTuple):
     """``count`` bytes of ``fd`` from ``offset``; a file that ends first raises ``EOFError``."""
+
     fd: int
     offset: int
     count: int
@@ -125,7 +127,7 @@ def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
 def _send_all(sock: socket.socket, view: memoryview) -> None:
     while view:
         try:
-            view = view[sock.send(view):]
+            view = view[sock.send(view) :]
         except BlockingIOError:
             _wait(sock, select.POLLOUT)
         except OSError as e:
@@ -175,7 +177,7 @@ async def _on_loop(stream: trio.abc.Stream, steps: Steps) -> None:
             if isinstance(step, Recv):
                 view = step.view
                 while view:
-                    view = view[await recv_into(stream, view):]
+                    view = view[await recv_into(stream, view) :]
             elif isinstance(step, Send):
                 await _send_on_loop(stream, step.view)
             else:

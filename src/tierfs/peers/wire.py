@@ -123,8 +123,9 @@ async def recv_msg(stream: trio.abc.ReceiveStream, limit: int = MAX_HEADER) -> d
     (n,) = _LENGTH.unpack(prefix)
     if n > limit:
         if prefix[0] in _TLS_RECORDS and prefix[1] == 3:  # as a length, over 300 MB: never a header
-            raise ProtocolError("the other side speaks TLS and this node does not: "
-                                "every node of a job needs the same --peer-tls")
+            raise ProtocolError(
+                "the other side speaks TLS and this node does not: every node of a job needs the same --peer-tls"
+            )
         raise ProtocolError(f"header of {n} bytes exceeds the {limit}-byte limit")
     raw = await _recv_exactly(stream, n, at_boundary=False)
     header = parse_json(raw, "header")
@@ -257,8 +258,11 @@ def choose_version(hello: dict, speaks: tuple[int, int] | None = None) -> int | 
     oldest, newest = speaks or (OLDEST, VERSION)
     asked = hello.get("version")
     offered = hello.get("versions")
-    if (isinstance(offered, list) and len(offered) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) for v in offered)):
+    if (
+        isinstance(offered, list)
+        and len(offered) == 2
+        and all(isinstance(v, int) and not isinstance(v, bool) for v in offered)
+    ):
         low, high = max(offered[0], oldest), min(offered[1], newest)
         if low <= high:
             return high
@@ -294,14 +298,14 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
     """
     client_nonce = new_nonce()
     # ``version`` alone is what a peer from before the negotiation reads; ``versions`` the range.
-    await send_msg(stream, {"op": "hello", "version": VERSION, "versions": [OLDEST, VERSION], "job": job,
-                            "nonce": client_nonce})
+    await send_msg(
+        stream, {"op": "hello", "version": VERSION, "versions": [OLDEST, VERSION], "job": job, "nonce": client_nonce}
+    )
     challenge = await recv_msg(stream, HELLO_MAX_HEADER)
     if "error" in challenge:
         raise AuthFailed(f"peer refused the handshake: {challenge['error']}")
     server_nonce, server_proof = challenge.get("nonce"), challenge.get("proof")
-    if (challenge.get("op") != "challenge" or not _valid(_NONCE_RE, server_nonce)
-            or not _valid(_PROOF_RE, server_proof)):
+    if challenge.get("op") != "challenge" or not _valid(_NONCE_RE, server_nonce) or not _valid(_PROOF_RE, server_proof):
         raise ProtocolError("peer answered the hello with something other than a challenge")
     version = challenge.get("version", VERSION)  # a peer from before the negotiation names none
     if not isinstance(version, int) or isinstance(version, bool) or not OLDEST <= version <= VERSION:
@@ -329,20 +333,35 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> N
         raise AuthFailed(f"{brief(hello.get('op'))} before authenticating")
     version = choose_version(hello)
     if version is None:
-        await send_msg(stream, {"error": f"unsupported protocol version {brief(hello.get('version'))}: "
-                                         f"this peer speaks {OLDEST}..{VERSION}"})
+        await send_msg(
+            stream,
+            {
+                "error": f"unsupported protocol version {brief(hello.get('version'))}: "
+                f"this peer speaks {OLDEST}..{VERSION}"
+            },
+        )
         raise AuthFailed(f"protocol version {brief(hello.get('version'))}")
     client_nonce = hello.get("nonce")
     if not isinstance(hello.get("job"), str) or not _valid(_NONCE_RE, client_nonce):
         await send_msg(stream, {"error": "malformed hello"})
         raise AuthFailed("malformed hello")
     server_nonce = new_nonce()
-    await send_msg(stream, {"op": "challenge", "nonce": server_nonce, "version": version,
-                            "proof": proof(secret, "server", job, client_nonce, server_nonce)})
+    await send_msg(
+        stream,
+        {
+            "op": "challenge",
+            "nonce": server_nonce,
+            "version": version,
+            "proof": proof(secret, "server", job, client_nonce, server_nonce),
+        },
+    )
     auth = await recv_msg(stream, HELLO_MAX_HEADER)
     expected = proof(secret, "client", job, client_nonce, server_nonce)
-    if auth.get("op") != "auth" or not _valid(_PROOF_RE, auth.get("proof")) \
-            or not hmac.compare_digest(expected, auth["proof"]):
+    if (
+        auth.get("op") != "auth"
+        or not _valid(_PROOF_RE, auth.get("proof"))
+        or not hmac.compare_digest(expected, auth["proof"])
+    ):
         await send_msg(stream, {"error": "authentication failed"})
         raise AuthFailed(f"authentication failed (peer claims job {brief(hello['job'])})")
     await send_msg(stream, {"ok": True})

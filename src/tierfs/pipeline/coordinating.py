@@ -29,11 +29,11 @@ from tierfs.coordination import broadcast
 from tierfs.coordination.decision import Decision
 from tierfs.coordination.gcs_listing import list_sharded, listing_prefixes
 from tierfs.coordination.node import Coordination
-from tierfs.core.linux import pwrite_all
 from tierfs.coordination.protocol import candidates
 from tierfs.coordination.transport import Message, Unreachable
 from tierfs.coordination.view import GCS, Holdings
 from tierfs.core.errors import UserError
+from tierfs.core.linux import pwrite_all
 from tierfs.core.manifest import Manifest
 from tierfs.peers.messages import STARTING, PeerTransport
 from tierfs.peers.placement import job_twins
@@ -61,8 +61,15 @@ class NodeCoordination:
     it keeps for others) and ``restore_step`` (the step it restored and runs from).
     """
 
-    def __init__(self, cfg: Config, network: PeerNetwork, steps: Steps, tiers: Sequence[Tier],
-                 replicas: Callable[[], Iterable[tuple[int, int]]], restore_step: Callable[[], int | None]):
+    def __init__(
+        self,
+        cfg: Config,
+        network: PeerNetwork,
+        steps: Steps,
+        tiers: Sequence[Tier],
+        replicas: Callable[[], Iterable[tuple[int, int]]],
+        restore_step: Callable[[], int | None],
+    ):
         self.cfg, self.network, self.steps, self.tiers = cfg, network, steps, tiers
         self.replicas, self.restore_step = replicas, restore_step
         self.address = peer_name(cfg.listen)
@@ -84,8 +91,14 @@ class NodeCoordination:
             prefixes = listing_prefixes(cfg.nodes)
             list_gcs = lambda: list_sharded(bucket.list_manifests_under, prefixes)  # noqa: E731
         self.coordination = Coordination(
-            self.address, candidates(cfg.job, self.members()), self.transport, self.holdings,
-            nodes=cfg.nodes, list_gcs=list_gcs, interval=cfg.survey_interval)
+            self.address,
+            candidates(cfg.job, self.members()),
+            self.transport,
+            self.holdings,
+            nodes=cfg.nodes,
+            list_gcs=list_gcs,
+            interval=cfg.survey_interval,
+        )
         await nursery.start(self.coordination.run)
         nursery.start_soon(self._report_changes)
         self._joined.set()
@@ -152,8 +165,14 @@ class NodeCoordination:
                 own.update(s for r, s in tier.held() if r == rank)
         shared = {t.lane for t in self.tiers if t.shared}  # a step there counts for the whole job at once
         backed = tuple(sorted(s for s, state in states.items() if any(state.held_by(lane) for lane in shared)))
-        return Holdings(rank, tuple(sorted(own)), tuple(self.replicas()), self.restore_step(),
-                        tuple(self.cfg.topology), backed=backed)
+        return Holdings(
+            rank,
+            tuple(sorted(own)),
+            tuple(self.replicas()),
+            self.restore_step(),
+            tuple(self.cfg.topology),
+            backed=backed,
+        )
 
     # -- the decision at start -------------------------------------------------------------
 
@@ -163,14 +182,19 @@ class NodeCoordination:
     async def decide(self, exclude: tuple[str, ...] = ()) -> tuple[Survey, int | None] | None:
         """The step to restore and who holds it, as a coordinator (not in ``exclude``) answers; None if none did."""
         cfg = self.cfg
-        decision = await self.coordination.member.decide(cfg.rank, self.twins(), wait=cfg.restore_wait,
-                                                         exclude=exclude)
+        decision = await self.coordination.member.decide(cfg.rank, self.twins(), wait=cfg.restore_wait, exclude=exclude)
         if decision.coordinator is None:
             return None
         self.decision = decision
-        log.info("coordinator %s: restore step %s (%d of %d nodes reported, %d down%s)", decision.coordinator,
-                 decision.step, decision.reported, decision.members, len(decision.down),
-                 "" if decision.ready else f"; not ready, silent: {', '.join(decision.silent) or 'none named'}")
+        log.info(
+            "coordinator %s: restore step %s (%d of %d nodes reported, %d down%s)",
+            decision.coordinator,
+            decision.step,
+            decision.reported,
+            decision.members,
+            len(decision.down),
+            "" if decision.ready else f"; not ready, silent: {', '.join(decision.silent) or 'none named'}",
+        )
         if decision.down:
             log.info("members found down while deciding: %s", ", ".join(decision.down))
         survey = Survey(missing=[f"peer {a}" for a in decision.silent + decision.down])
@@ -204,10 +228,18 @@ class NodeCoordination:
         member, coordinator = self.coordination.member, self.coordination.coordinator
         summary = member.summary or {}
         down = coordinator.down_members() if coordinator.coordinating() else []
-        return {"newest_complete": summary.get("newest"), "complete_steps": summary.get("complete", []),
-                "ranks": summary.get("ranks"), "unreachable_peers": down,
-                "coordination": {"address": self.address, "reported_to": list(member.reported_to),
-                                 "answered_by": member.summary_from, "coordinating": coordinator.coordinating()}}
+        return {
+            "newest_complete": summary.get("newest"),
+            "complete_steps": summary.get("complete", []),
+            "ranks": summary.get("ranks"),
+            "unreachable_peers": down,
+            "coordination": {
+                "address": self.address,
+                "reported_to": list(member.reported_to),
+                "answered_by": member.summary_from,
+                "coordinating": coordinator.coordinating(),
+            },
+        }
 
     # -- broadcast restores ----------------------------------------------------------------
 
@@ -227,8 +259,13 @@ class NodeCoordination:
         in_gcs = any(GCS in decision.holders(r, step) for r in group)
         plan = broadcast.plan(needs, sizes, dict.fromkeys(sizes, held_by), in_gcs, dead=decision.down)
         mine = plan[self.address]
-        log.info("step %d: restoring with %d twin(s); %d of %d chunks from GCS here, the rest from twins",
-                 step, len(needs) - 1, len(mine.from_gcs()), len(mine.order))
+        log.info(
+            "step %d: restoring with %d twin(s); %d of %d chunks from GCS here, the rest from twins",
+            step,
+            len(needs) - 1,
+            len(mine.from_gcs()),
+            len(mine.order),
+        )
         bucket = next(t for t in holders if t.shared)
         return PlannedSources([local, *holders], self, mine, bucket)
 
@@ -245,8 +282,9 @@ class PlannedSources(ChunkSources):
     def __init__(self, tiers: list[Tier], node: NodeCoordination, plan: broadcast.NodePlan, gcs: Tier):
         super().__init__(tiers)
         self.node, self.gcs = node, gcs
-        self.planned = broadcast.PlannedFetch(plan, node.transport, self._read_peer, self._read_gcs, node.board,
-                                              dead=node.decision.down, announce=False)
+        self.planned = broadcast.PlannedFetch(
+            plan, node.transport, self._read_peer, self._read_gcs, node.board, dead=node.decision.down, announce=False
+        )
 
     def order(self, hashes: list[str]) -> list[str]:
         """What this node seeds comes first, so the twins below it find it there soon."""

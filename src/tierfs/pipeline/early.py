@@ -133,8 +133,15 @@ class Feeds:
         self._started = trio.Event()
         return feed
 
-    async def alongside(self, build: Callable[[], Awaitable[T]], step: int, version: int, tiers: list[Tier],
-                        pace: Callable[[], Awaitable[None]], built: Callable[[], bool]) -> tuple[T, dict[str, int]]:
+    async def alongside(
+        self,
+        build: Callable[[], Awaitable[T]],
+        step: int,
+        version: int,
+        tiers: list[Tier],
+        pace: Callable[[], Awaitable[None]],
+        built: Callable[[], bool],
+    ) -> tuple[T, dict[str, int]]:
         """``build()``'s result, with the chunks of that version's build sent to ``tiers`` meanwhile.
 
         The build may be another lane's, already under way; ``built()`` says the version

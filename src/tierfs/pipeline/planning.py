@@ -51,9 +51,20 @@ class RestorePlanner:
     ``coordinating`` asks the job's coordinators (None: survey ``view`` instead).
     """
 
-    def __init__(self, cfg: Config, *, rank: RankDir, steps: Steps, snapshots: Snapshots, space: SpaceAccount,
-                 tiers: Sequence[Tier], local: Tier, view: ClusterView, coordinating: NodeCoordination | None,
-                 started: float):
+    def __init__(
+        self,
+        cfg: Config,
+        *,
+        rank: RankDir,
+        steps: Steps,
+        snapshots: Snapshots,
+        space: SpaceAccount,
+        tiers: Sequence[Tier],
+        local: Tier,
+        view: ClusterView,
+        coordinating: NodeCoordination | None,
+        started: float,
+    ):
         self.cfg, self.rank, self.steps, self.snapshots, self.space = cfg, rank, steps, snapshots, space
         self.tiers, self.local, self.view, self.coordinating = tiers, local, view, coordinating
         self.started = started  # steps committed after this mean the job moved past the restored one
@@ -64,8 +75,7 @@ class RestorePlanner:
     def announced_step(self) -> int | None:
         """The step chosen at start, until the job commits a newer one (then it has moved on)."""
         chosen = self.restore_step
-        if chosen is None or any(s.step > chosen and s.committed_at > self.started
-                                 for s in self.steps.states.values()):
+        if chosen is None or any(s.step > chosen and s.committed_at > self.started for s in self.steps.states.values()):
             return None
         return chosen
 
@@ -93,8 +103,9 @@ class RestorePlanner:
                 set_aside(self.rank, root, f"step {newer} is not complete on every rank; restoring step {step}")
         if step in steps.states:
             for root in steps.states[step].roots:
-                link_into_tree(self.rank, self.snapshots.step_tree(step), root,
-                               f"it is in the way of step {step}", keep=True)
+                link_into_tree(
+                    self.rank, self.snapshots.step_tree(step), root, f"it is in the way of step {step}", keep=True
+                )
             log.info("step %d, the newest complete for every rank, is here already", step)
             return None
         holders = self.holders(survey, step)
@@ -170,24 +181,42 @@ class RestorePlanner:
         if seen is None or (step is not None and step >= seen):
             return survey, step
         where = ", ".join(own.tiers(cfg.rank, seen)) or "no tier (this rank wrote nothing)"
-        log.warning("coordinator %s chose step %s, but step %d is complete for every rank on the tiers this "
-                    "node reaches (rank %d's on %s): asking another coordinator",
-                    first.coordinator, step, seen, cfg.rank, where)
+        log.warning(
+            "coordinator %s chose step %s, but step %d is complete for every rank on the tiers this "
+            "node reaches (rank %d's on %s): asking another coordinator",
+            first.coordinator,
+            step,
+            seen,
+            cfg.rank,
+            where,
+        )
         second = await coordinating.decide(exclude=(first.coordinator,))
         if second is not None and second[1] is not None and second[1] >= seen:
-            log.warning("coordinators disagree: %s chose step %s, %s chose step %s: following %s",
-                        first.coordinator, step, coordinating.decision.coordinator, second[1],
-                        coordinating.decision.coordinator)
+            log.warning(
+                "coordinators disagree: %s chose step %s, %s chose step %s: following %s",
+                first.coordinator,
+                step,
+                coordinating.decision.coordinator,
+                second[1],
+                coordinating.decision.coordinator,
+            )
             return second
         if cfg.start_fresh:
-            log.warning("step %d is complete for every rank (rank %d's on %s), but the coordinators chose "
-                        "step %s: starting from that, as --start-fresh asks", seen, cfg.rank, where, step)
+            log.warning(
+                "step %d is complete for every rank (rank %d's on %s), but the coordinators chose "
+                "step %s: starting from that, as --start-fresh asks",
+                seen,
+                cfg.rank,
+                where,
+                step,
+            )
             return survey, step
         raise UserError(
             f"step {seen} is complete for every rank of job {cfg.job} (rank {cfg.rank}'s on {where}), but the "
             f"coordinators chose {'no step' if step is None else f'step {step}'}: not starting "
             f"{'empty' if step is None else 'from the older step'}; mount again to retry, "
-            "or pass --start-fresh to start from what the coordinators chose")
+            "or pass --start-fresh to start from what the coordinators chose"
+        )
 
     async def keep_newer_here(self, survey: Survey, step: int | None, mine: int | None) -> tuple[Survey, int | None]:
         """Follow an answer older than a step this node holds complete only once it is confirmed.
@@ -207,23 +236,42 @@ class RestorePlanner:
         if here is None or step is None or step >= here or mine == step:
             return survey, step
         first = coordinating.decision.coordinator
-        log.warning("coordinator %s chose step %d, older than step %d that rank %d holds complete here: "
-                    "asking another coordinator before setting it aside", first, step, here, cfg.rank)
+        log.warning(
+            "coordinator %s chose step %d, older than step %d that rank %d holds complete here: "
+            "asking another coordinator before setting it aside",
+            first,
+            step,
+            here,
+            cfg.rank,
+        )
         second = await coordinating.decide(exclude=(first,))
         if second is not None and second[1] is not None:
             if second[1] > step:
-                log.warning("coordinators disagree: %s chose step %d, %s chose step %d: following %s", first, step,
-                            coordinating.decision.coordinator, second[1], coordinating.decision.coordinator)
+                log.warning(
+                    "coordinators disagree: %s chose step %d, %s chose step %d: following %s",
+                    first,
+                    step,
+                    coordinating.decision.coordinator,
+                    second[1],
+                    coordinating.decision.coordinator,
+                )
                 return second
             return survey, step
         if cfg.start_fresh:
-            log.warning("coordinator %s chose step %d, older than step %d held complete here, and no other "
-                        "confirmed it: starting from step %d, as --start-fresh asks", first, step, here, step)
+            log.warning(
+                "coordinator %s chose step %d, older than step %d held complete here, and no other "
+                "confirmed it: starting from step %d, as --start-fresh asks",
+                first,
+                step,
+                here,
+                step,
+            )
             return survey, step
         raise UserError(
             f"coordinator {first} chose step {step} for job {cfg.job}, older than step {here} that rank "
             f"{cfg.rank} holds complete here, and no other coordinator confirmed it: not setting step {here} "
-            "aside; mount again to retry, or pass --start-fresh to start from the coordinator's step")
+            "aside; mount again to retry, or pass --start-fresh to start from the coordinator's step"
+        )
 
     def _seen(self, own: Survey, summary: dict) -> int | None:
         """The step this node's own survey gives its rank, counting the steps nodes run from as the coordinator knows them."""
@@ -242,8 +290,11 @@ class RestorePlanner:
     def already_restored(self, step: int) -> int:
         """Bytes of ``step`` a previous, interrupted restore already wrote."""
         tree = self.snapshots.step_tree(step)
-        return sum(os.lstat(os.path.join(d, f)).st_blocks * 512
-                   for d, _, files in os.walk(tree) for f in files) if tree.exists() else 0
+        return (
+            sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, files in os.walk(tree) for f in files)
+            if tree.exists()
+            else 0
+        )
 
     def abandon(self, step: int) -> None:
         """An interrupted restore of a step no longer chosen: take its placeholders away.
@@ -258,8 +309,12 @@ class RestorePlanner:
         except UnsafeFile as e:
             raise UnsafeFile(f"unsafe ramdisk: {e}") from None
         except (OSError, ManifestError) as e:
-            log.warning("the unfinished restore of step %d has no usable manifest (%s): "
-                        "nothing of it is taken out of the volume", step, e)
+            log.warning(
+                "the unfinished restore of step %d has no usable manifest (%s): "
+                "nothing of it is taken out of the volume",
+                step,
+                e,
+            )
             roots = []
         for root in roots:
             set_aside(self.rank, root, f"the restore of step {step} was abandoned")

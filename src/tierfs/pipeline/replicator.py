@@ -112,9 +112,16 @@ def lanes_of(tiers: list[Tier]) -> dict[str, Lane]:
 
 
 class Replicator:
-    def __init__(self, cfg: Config, steps: Steps, tiers: list[Tier], last_write: Callable[[], float] = lambda: 0.0,
-                 retention_floor: Callable[[], int | None] | None = None,
-                 ram_short: Callable[[], bool] = lambda: False, meters: Meters | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        steps: Steps,
+        tiers: list[Tier],
+        last_write: Callable[[], float] = lambda: 0.0,
+        retention_floor: Callable[[], int | None] | None = None,
+        ram_short: Callable[[], bool] = lambda: False,
+        meters: Meters | None = None,
+    ):
         self.cfg = cfg
         self.meters = meters or Meters(cfg.job, cfg.rank)
         # The newest step complete on every rank; alone, that is simply our newest.
@@ -195,9 +202,14 @@ class Replicator:
         milestones, now, after = Milestones.from_config(self.cfg), time.time(), lane.last_step
         if not milestones or not (lane.lead.shared or lane.lead.spill):
             return []  # peers keep no milestones
-        return [s for _, s in sorted(self.steps.states.items())
-                if (after is None or s.step > after) and not lane.done(s) and s.refusal() is None
-                and milestones.is_milestone(s.step, s.committed_at, now)]
+        return [
+            s
+            for _, s in sorted(self.steps.states.items())
+            if (after is None or s.step > after)
+            and not lane.done(s)
+            and s.refusal() is None
+            and milestones.is_milestone(s.step, s.committed_at, now)
+        ]
 
     async def _run_lane(self, lane: Lane) -> None:
         failures = 0
@@ -205,8 +217,13 @@ class Replicator:
             newest, owed = self.steps.newest(), self._milestones_owed(lane)
             state = next((s for s in owed if s is not newest), newest)  # the oldest milestone owed first
             paced = all(s is not state for s in owed)  # the schedule paces ordinary steps only
-            early = (state is not None and paced and lane.every_steps and lane.last_step is not None
-                     and state.step < lane.last_step + lane.every_steps)
+            early = (
+                state is not None
+                and paced
+                and lane.every_steps
+                and lane.last_step is not None
+                and state.step < lane.last_step + lane.every_steps
+            )
             if state is None or lane.done(state) or early:
                 with trio.move_on_after(RECHECK if lane.volatile else math.inf):
                     await lane.wake.wait()
@@ -245,8 +262,14 @@ class Replicator:
                     if not isinstance(e, TierError):  # a tier's own refusal was counted where it came
                         self.meters.put_failed(lane.name)
                     lane.set("unavailable" if isinstance(e, TierUnavailable) else "failing", f"{type(e).__name__}: {e}")
-                    log.warning("%s: step %d delayed, retrying in %.0fs: %s", lane.name, state.step, delay, e,
-                                exc_info=not isinstance(e, TierError))
+                    log.warning(
+                        "%s: step %d delayed, retrying in %.0fs: %s",
+                        lane.name,
+                        state.step,
+                        delay,
+                        e,
+                        exc_info=not isinstance(e, TierError),
+                    )
                     await trio.sleep(delay)
             finally:
                 lane.busy = lane.progress = None
@@ -269,8 +292,9 @@ class Replicator:
             """Put the step on ``tier``; if it fails, the next candidate takes its place."""
             nonlocal pushed
             try:
-                put = await put_step(tier, manifest, where, self.pacing.yield_to_writers, progress,
-                                     seal_with=self.cfg.manifest_keys)
+                put = await put_step(
+                    tier, manifest, where, self.pacing.yield_to_writers, progress, seal_with=self.cfg.manifest_keys
+                )
                 early_bytes = sent_early.get(tier.name, 0)  # found there by the put, but sent by this node
                 put.sent_bytes, put.stored_bytes = put.sent_bytes + early_bytes, put.stored_bytes + early_bytes
                 put.skipped_bytes = max(0, put.skipped_bytes - early_bytes)
@@ -296,27 +320,50 @@ class Replicator:
             refused = any(not isinstance(e, TierUnavailable) for e in errors)
             reason = f": {errors[-1]}" if errors else ""
             raise (TierError if refused else TierUnavailable)(
-                f"step {state.step} reached {len(placed)} of {wanted} of {lane.name} ({len(candidates)} answering){reason}")
+                f"step {state.step} reached {len(placed)} of {wanted} of {lane.name} ({len(candidates)} answering){reason}"
+            )
         for tier in placed:
             await tier.retain()
         if state.version == version:
             now = time.time()
             state.copies[lane.name] = {
-                "version": version, "at": now, "seconds": round(now - started, 3),
-                "lag_s": round(now - state.committed_at, 3), "tiers": [t.name for t in placed],
-                "bytes": manifest.total_bytes, "chunks": pushed.chunks, "sent_bytes": pushed.sent_bytes,
-                "skipped_bytes": pushed.skipped_bytes, "stored_bytes": pushed.stored_bytes,
-                "sent_chunks": pushed.sent_chunks, "twin_chunks": pushed.twin_chunks,
-                "twin_bytes": pushed.twin_bytes, "taken_over": pushed.taken_over,
+                "version": version,
+                "at": now,
+                "seconds": round(now - started, 3),
+                "lag_s": round(now - state.committed_at, 3),
+                "tiers": [t.name for t in placed],
+                "bytes": manifest.total_bytes,
+                "chunks": pushed.chunks,
+                "sent_bytes": pushed.sent_bytes,
+                "skipped_bytes": pushed.skipped_bytes,
+                "stored_bytes": pushed.stored_bytes,
+                "sent_chunks": pushed.sent_chunks,
+                "twin_chunks": pushed.twin_chunks,
+                "twin_bytes": pushed.twin_bytes,
+                "taken_over": pushed.taken_over,
             }
             self._save(state)
         self.meters.step_put(lane.name, time.time() - started, pushed.sent_bytes, pushed.skipped_bytes)
-        log.info("%s: step %d on %s in %.2fs: %d bytes sent, %d already there%s", lane.name, state.step,
-                 ", ".join(t.name for t in placed), time.time() - started, pushed.sent_bytes, pushed.skipped_bytes,
-                 f" ({pushed.sent_chunks} chunks sent here, {pushed.twin_chunks} by twins, "
-                 f"{pushed.taken_over} taken over)" if pushed.twin_chunks or pushed.taken_over else "",
-                 extra={"event": "placed", "step": state.step, "lane": lane.name, "tiers": [t.name for t in placed],
-                        "seconds": round(time.time() - started, 3), "sent_bytes": pushed.sent_bytes})
+        log.info(
+            "%s: step %d on %s in %.2fs: %d bytes sent, %d already there%s",
+            lane.name,
+            state.step,
+            ", ".join(t.name for t in placed),
+            time.time() - started,
+            pushed.sent_bytes,
+            pushed.skipped_bytes,
+            f" ({pushed.sent_chunks} chunks sent here, {pushed.twin_chunks} by twins, {pushed.taken_over} taken over)"
+            if pushed.twin_chunks or pushed.taken_over
+            else "",
+            extra={
+                "event": "placed",
+                "step": state.step,
+                "lane": lane.name,
+                "tiers": [t.name for t in placed],
+                "seconds": round(time.time() - started, 3),
+                "sent_bytes": pushed.sent_bytes,
+            },
+        )
 
     async def _recheck(self, lane: Lane, state: StepState) -> None:
         """A tier that lost what it held (a peer's RAM, a replaced node) no longer has our step: put it again."""
@@ -338,10 +385,17 @@ class Replicator:
                 kept.append(name)
         if kept != held:
             lost = sorted(set(held) - set(kept) - silent.keys())
-            log.warning("step %d is %s: putting it on %s again", state.step,
-                        "; ".join([*(f"no longer on {n}" for n in lost),
-                                   *(f"not confirmed by {n} ({why})" for n, why in silent.items())]),
-                        lane.name)
+            log.warning(
+                "step %d is %s: putting it on %s again",
+                state.step,
+                "; ".join(
+                    [
+                        *(f"no longer on {n}" for n in lost),
+                        *(f"not confirmed by {n} ({why})" for n, why in silent.items()),
+                    ]
+                ),
+                lane.name,
+            )
             state.copies[lane.name] = {**record, "tiers": kept}
             self._save(state)
 
@@ -358,8 +412,13 @@ class Replicator:
         if not early:
             return await self._manifest_for(state), {}
         return await self._feeds.alongside(
-            lambda: self._manifest_for(state), state.step, state.version, early, self.pacing.yield_to_writers,
-            built=lambda: self._manifests.get(state.step, (None,))[0] == state.version)
+            lambda: self._manifest_for(state),
+            state.step,
+            state.version,
+            early,
+            self.pacing.yield_to_writers,
+            built=lambda: self._manifests.get(state.step, (None,))[0] == state.version,
+        )
 
     async def _manifest_for(self, state: StepState) -> Manifest:
         async with self._build_lock:
@@ -375,8 +434,9 @@ class Replicator:
                 if state.version == version:  # not a newer commit into the step meanwhile: it stays refused
                     state.refused = {"version": version, "error": str(e), "at": time.time()}
                     self._save(state)
-                    log.error("step %d cannot be replicated or backed up, it stays on this node only: %s",
-                              state.step, e)
+                    log.error(
+                        "step %d cannot be replicated or backed up, it stays on this node only: %s", state.step, e
+                    )
                 raise StepRefused(str(e)) from None
             self._manifests[state.step] = (version, manifest)
             self._index_local()
@@ -401,8 +461,15 @@ class Replicator:
                 try:
                     manifest = await self.pacing.in_thread(
                         lambda pace: build(
-                            tree, list(state.roots), job=self.cfg.job, rank=self.cfg.rank, step=state.step,
-                            chunk_size=cs, known=self._hashed, hashed=hashed, pace=pace,
+                            tree,
+                            list(state.roots),
+                            job=self.cfg.job,
+                            rank=self.cfg.rank,
+                            step=state.step,
+                            chunk_size=cs,
+                            known=self._hashed,
+                            hashed=hashed,
+                            pace=pace,
                         ),
                         self._limiter,
                     )
@@ -413,8 +480,9 @@ class Replicator:
                 if snapshots.detaches == detaches:
                     seals = self.cfg.bucket_seals  # buckets get its chunks sealed: the manifest says under which
                     manifest.chunk_seal = seals[0].id if seals else ""
-                    write_atomically(snapshots.step_dir(state.step) / "manifest.json",
-                                     manifest.sealed(self.cfg.manifest_keys))
+                    write_atomically(
+                        snapshots.step_dir(state.step) / "manifest.json", manifest.sealed(self.cfg.manifest_keys)
+                    )
                     return manifest
             raise SnapshotChanged(f"step {state.step} kept changing while it was hashed")
         finally:
@@ -430,8 +498,11 @@ class Replicator:
         return self._local.get(h)
 
     def _index_local(self) -> None:
-        self._local = {h: (str(path), offset, length) for _, manifest in self._manifests.values()
-                       for h, (path, offset, length) in self.chunk_locations(manifest).items()}
+        self._local = {
+            h: (str(path), offset, length)
+            for _, manifest in self._manifests.values()
+            for h, (path, offset, length) in self.chunk_locations(manifest).items()
+        }
 
     # -- local retention -------------------------------------------------------------------
 
@@ -449,7 +520,7 @@ class Replicator:
         its current version may go too: it is restored from there first.
         """
         floor = self.retention_floor()
-        keep = set(sorted(self.steps.states)[-self.cfg.keep_local:])
+        keep = set(sorted(self.steps.states)[-self.cfg.keep_local :])
         keep |= {lane.busy for lane in self.lanes.values()}
         keep |= {s.step for lane in self.lanes.values() for s in self._milestones_owed(lane)}
         spill = [lane for lane in self.lanes.values() if lane.lead.spill]
@@ -465,8 +536,11 @@ class Replicator:
                     short = self.ram_short()
                 if not short:
                     continue
-                log.info("RAM is short: step %d leaves it, %s holds it", step,
-                         ", ".join(lane.name for lane in spill if lane.done(state)))
+                log.info(
+                    "RAM is short: step %d leaves it, %s holds it",
+                    step,
+                    ", ".join(lane.name for lane in spill if lane.done(state)),
+                )
             self._drop(step)
 
     def _drop(self, step: int) -> None:
@@ -487,9 +561,15 @@ class Replicator:
         for name, lane in self.lanes.items():
             pending = [s for s in self.steps.states.values() if not lane.done(s) and s.refusal() is None]
             lag = now - min(s.committed_at for s in pending) if pending else 0.0
-            out[name] = {**lane.status, "working_on": lane.busy, "lag_s": round(lag, 3), "last_at": lane.last_at,
-                         "progress": lane.progress.as_dict() if lane.busy and lane.progress else None,
-                         "tiers": [t.name for t in lane.tiers], **lane.lead.lane_report()}
+            out[name] = {
+                **lane.status,
+                "working_on": lane.busy,
+                "lag_s": round(lag, 3),
+                "last_at": lane.last_at,
+                "progress": lane.progress.as_dict() if lane.busy and lane.progress else None,
+                "tiers": [t.name for t in lane.tiers],
+                **lane.lead.lane_report(),
+            }
         return out
 
 

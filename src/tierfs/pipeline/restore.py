@@ -41,14 +41,7 @@ from tierfs.core import chunks
 from tierfs.core.atomic import UnsafeFile, read_state, write_atomically
 from tierfs.core.errors import UserError
 from tierfs.core.linux import pwrite_all
-from tierfs.core.manifest import (
-    MAX_CHUNKS,
-    Entry,
-    Manifest,
-    ManifestError,
-    Unauthenticated,
-    authenticate,
-)
+from tierfs.core.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, Unauthenticated, authenticate
 from tierfs.core.parse import format_size
 from tierfs.pipeline.namespace import create_placeholders, link_into_tree
 from tierfs.ramtier import RankDir, SpaceAccount
@@ -87,8 +80,16 @@ class Origin:
 class Restore:
     """One step of this rank, arriving into the RAM tier while the volume is in use."""
 
-    def __init__(self, cfg: Config, rank: RankDir, steps: Steps, space: SpaceAccount,
-                 manifest: Manifest, sources: ChunkSources, origin: Origin):
+    def __init__(
+        self,
+        cfg: Config,
+        rank: RankDir,
+        steps: Steps,
+        space: SpaceAccount,
+        manifest: Manifest,
+        sources: ChunkSources,
+        origin: Origin,
+    ):
         self.cfg, self.rank, self.steps, self.space = cfg, rank, steps, space
         self.manifest, self.sources, self.origin = manifest, sources, origin
         self.step = manifest.step
@@ -167,10 +168,14 @@ class Restore:
             self.space.update(st)
             for i in missing:
                 self._users.setdefault(e.chunks[i], []).append((f, i))
-        log.info("restoring step %d: %d of %d chunks to fetch (%s), %d already here",
-                 self.step, len(self._users), self.total,
-                 format_size(sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)),
-                 len(self._done))
+        log.info(
+            "restoring step %d: %d of %d chunks to fetch (%s), %d already here",
+            self.step,
+            len(self._users),
+            self.total,
+            format_size(sum(min(cs, f.entry.size - i * cs) for f in self._files.values() for i in f.missing)),
+            len(self._done),
+        )
 
     # -- serving the mount ---------------------------------------------------------------
 
@@ -278,7 +283,8 @@ class Restore:
                 cs = self.manifest.chunk_size
                 left = await self.sources.fetch_many_into(
                     [(h, length, targets[0][0].fd, targets[0][1] * cs) for h, (targets, length) in places.items()],
-                    prefer)
+                    prefer,
+                )
                 alone = [h for h, _, _, _ in left]
                 for h in hs:
                     if h not in alone:
@@ -325,8 +331,9 @@ class Restore:
         cs = self.manifest.chunk_size
         first, index = targets[0]
         if len(targets) > 1:
-            await trio.to_thread.run_sync(_copy_to, first.path, index * cs, length,
-                                          [(f.fd, i * cs) for f, i in targets[1:]])
+            await trio.to_thread.run_sync(
+                _copy_to, first.path, index * cs, length, [(f.fd, i * cs) for f, i in targets[1:]]
+            )
         for f, i in targets:
             os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
             st = os.fstat(f.fd)
@@ -348,8 +355,10 @@ class Restore:
             return None
         if self._places is None:
             snap = str(self.snap)
-            self._places = {c: (os.path.join(snap, path), offset, length)
-                            for c, (path, offset, length) in self.manifest.chunk_places().items()}
+            self._places = {
+                c: (os.path.join(snap, path), offset, length)
+                for c, (path, offset, length) in self.manifest.chunk_places().items()
+            }
         return self._places.get(h)
 
     def done_chunks(self) -> set[str]:
@@ -370,9 +379,20 @@ class Restore:
         held = by_cost([t for t in self.origin.tiers if t.lane is not None])
         state = StepState(self.step, sorted(self.manifest.roots), now, source=held[0].kind if held else "local")
         for tier in held:  # the step is already on every tier it came from: no lane sends it back
-            record = state.copies.setdefault(tier.lane, {
-                "version": state.version, "at": now, "tiers": [], "bytes": self.manifest.total_bytes,
-                "chunks": self.total, "sent_bytes": 0, "skipped_bytes": 0, "stored_bytes": 0, "restored": True})
+            record = state.copies.setdefault(
+                tier.lane,
+                {
+                    "version": state.version,
+                    "at": now,
+                    "tiers": [],
+                    "bytes": self.manifest.total_bytes,
+                    "chunks": self.total,
+                    "sent_bytes": 0,
+                    "skipped_bytes": 0,
+                    "stored_bytes": 0,
+                    "restored": True,
+                },
+            )
             record["tiers"].append(tier.name)
         self.steps.states[self.step] = state
         self.steps.save(state)
@@ -382,8 +402,14 @@ class Restore:
         self.finished_at = now
         took = now - self.started
         sources = ", ".join(f"{k} {format_size(v)}" for k, v in sorted(self.sources.bytes_from.items()))
-        log.info("restored step %d: %s in %.2fs from %s", self.step, format_size(self.manifest.total_bytes), took,
-                 sources or "this node", extra={"event": "restored", "step": self.step, "seconds": round(took, 3)})
+        log.info(
+            "restored step %d: %s in %.2fs from %s",
+            self.step,
+            format_size(self.manifest.total_bytes),
+            took,
+            sources or "this node",
+            extra={"event": "restored", "step": self.step, "seconds": round(took, 3)},
+        )
         self.on_finish(self.status())
         self.steps.on_commit(state)
 
@@ -428,8 +454,11 @@ class Restore:
             raise UnsafeFile(f"unsafe ramdisk: {e}") from None
         except (OSError, ValueError):
             return None
-        if not (isinstance(state, dict) and isinstance(state.get("prepared"), bool)
-                and isinstance(state.get("linked"), bool)):
+        if not (
+            isinstance(state, dict)
+            and isinstance(state.get("prepared"), bool)
+            and isinstance(state.get("linked"), bool)
+        ):
             return None  # not what _write_state writes: start the step over
         return state
 
@@ -474,11 +503,13 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
             return _parse(data, tier.where, cfg, step)
         except Exception as e:  # whatever one tier does, the next one is asked
             if not isinstance(e, (TierError, UserError)):
-                log.error("manifest of step %d from %s: unexpected %s", step, tier.name, type(e).__name__,
-                          exc_info=True)
+                log.error(
+                    "manifest of step %d from %s: unexpected %s", step, tier.name, type(e).__name__, exc_info=True
+                )
             errors.append(f"{tier.name}: {first_line(e)}")
-    raise UserError(f"no tier could send the manifest of step {step} of rank {cfg.rank}: "
-                    f"{'; '.join(errors) or 'none holds it'}")
+    raise UserError(
+        f"no tier could send the manifest of step {step} of rank {cfg.rank}: {'; '.join(errors) or 'none holds it'}"
+    )
 
 
 def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
@@ -492,5 +523,3 @@ def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
     except ManifestError as e:
         raise UserError(f"the manifest from {where} is unusable: {e}") from None
     return manifest
-
-

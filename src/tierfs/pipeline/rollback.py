@@ -78,34 +78,48 @@ class Rollback:
             at = await self.bucket.rollback_at(self.step) if self.bucket is not None else None
         except TierError as e:
             if done_here:
-                log.warning("the bucket did not say whether job %s's rollback to step %d stands (%s): this node "
-                            "made it, and starts as any start", self.cfg.job, self.step, e)
+                log.warning(
+                    "the bucket did not say whether job %s's rollback to step %d stands (%s): this node "
+                    "made it, and starts as any start",
+                    self.cfg.job,
+                    self.step,
+                    e,
+                )
                 return False
-            raise UserError(f"cannot roll job {self.cfg.job} back to step {self.step}: {e}; "
-                            "mount again once the bucket answers") from None
+            raise UserError(
+                f"cannot roll job {self.cfg.job} back to step {self.step}: {e}; mount again once the bucket answers"
+            ) from None
         if done_here and (self.bucket is None or at == mine[1]):
             return False
         if at is None or not await self._moved_on(at):
             return True
         gone = await self._set_aside(at)
         self._remember(at)
-        log.info("job %s was rolled back to step %d at %s and has moved on since: %s", self.cfg.job, self.step,
-                 time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)),
-                 f"set aside what was left here of the old timeline ({_steps(gone)})" if gone else "nothing left here")
+        log.info(
+            "job %s was rolled back to step %d at %s and has moved on since: %s",
+            self.cfg.job,
+            self.step,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at)),
+            f"set aside what was left here of the old timeline ({_steps(gone)})" if gone else "nothing left here",
+        )
         return False
 
     def check(self, survey: Survey) -> None:
         """Refuse, in one line, a step not complete for every rank that wrote any."""
         cfg, step = self.cfg, self.step
         if not survey.holders:
-            raise UserError(f"cannot roll job {cfg.job} back to step {step}: no tier holds any step of it"
-                            + _unreached(survey))
+            raise UserError(
+                f"cannot roll job {cfg.job} back to step {step}: no tier holds any step of it" + _unreached(survey)
+            )
         lacking = sorted(r for r, held in survey.holders.items() if step not in held)
         if lacking:
-            named = ", ".join(map(str, lacking[:LISTED])) + (f" and {len(lacking) - LISTED} more"
-                                                             if len(lacking) > LISTED else "")
-            raise UserError(f"cannot roll job {cfg.job} back to step {step}: rank(s) {named} hold no copy of it on "
-                            f"any tier{_unreached(survey)}; pick a step 'tierfs steps' shows complete for every rank")
+            named = ", ".join(map(str, lacking[:LISTED])) + (
+                f" and {len(lacking) - LISTED} more" if len(lacking) > LISTED else ""
+            )
+            raise UserError(
+                f"cannot roll job {cfg.job} back to step {step}: rank(s) {named} hold no copy of it on "
+                f"any tier{_unreached(survey)}; pick a step 'tierfs steps' shows complete for every rank"
+            )
 
     async def make(self, survey: Survey) -> None:
         """Record the rollback (the bucket's record first: its time is the rollback's) and set the old timeline aside."""
@@ -114,8 +128,13 @@ class Rollback:
         at = time.time() if at is None else at
         gone = await self._set_aside(at)
         self._remember(at)
-        log.warning("rolling job %s back to step %d: newer steps set aside: %s", self.cfg.job, self.step,
-                    _steps(gone) or "none here", extra={"event": "rolled_back", "step": self.step})
+        log.warning(
+            "rolling job %s back to step %d: newer steps set aside: %s",
+            self.cfg.job,
+            self.step,
+            _steps(gone) or "none here",
+            extra={"event": "rolled_back", "step": self.step},
+        )
 
     def _remember(self, at: float) -> None:
         write_atomically(self.rank.path / RECORD, json.dumps({"step": self.step, "at": at}))
@@ -171,14 +190,17 @@ def made_here(rank: RankDir) -> tuple[int, float] | None:
         raise UnsafeFile(f"unsafe ramdisk: {e}") from None
     except (OSError, ValueError):
         return None
-    if not isinstance(record, dict) or type(record.get("step")) is not int \
-            or not isinstance(record.get("at"), (int, float)):
+    if (
+        not isinstance(record, dict)
+        or type(record.get("step")) is not int
+        or not isinstance(record.get("at"), (int, float))
+    ):
         return None
     return record["step"], float(record["at"])
 
 
 def _steps(gone: list[tuple[int, int]]) -> str:
-    return ", ".join(f"rank {r} step {s}" for r, s in sorted(set(gone))[:LISTED * 2])
+    return ", ".join(f"rank {r} step {s}" for r, s in sorted(set(gone))[: LISTED * 2])
 
 
 def _unreached(survey: Survey) -> str:

@@ -86,8 +86,7 @@ class Survey:
         mine = self.holders.get(rank)
         adoptable = sorted({d for d in self.decisions.values() if mine is None or d in mine})
         if adoptable and adoptable[-1] != newest:
-            log.info("adopting step %d, which peers already restored (newest complete here: %s)",
-                     adoptable[-1], newest)
+            log.info("adopting step %d, which peers already restored (newest complete here: %s)", adoptable[-1], newest)
             return adoptable[-1]
         return newest
 

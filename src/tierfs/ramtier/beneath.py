@@ -51,8 +51,9 @@ def open_dir(root_fd: int, rel: str) -> int:
             os.close(fd)
             if e.errno in (errno.ELOOP, errno.ENOTDIR):
                 where = "/".join(names[: i + 1])
-                raise NotBeneath(e.errno, f"{where} is not a directory (a symbolic link or a file): "
-                                          f"{rel} is not followed through it") from None
+                raise NotBeneath(
+                    e.errno, f"{where} is not a directory (a symbolic link or a file): {rel} is not followed through it"
+                ) from None
             raise
         os.close(fd)
         fd = new

@@ -35,6 +35,7 @@ def _serving(mountpoint: str | None) -> bool:
     """Whether a daemon's mount still answers (a dead FUSE mount answers ENOTCONN)."""
     return mountpoint is not None and mounts.find_mount(mountpoint) is not None and not mounts.is_dead(mountpoint)
 
+
 class RankDir:
     """The on-ramdisk home of one (job, rank); :meth:`claim` makes this process its server."""
 

@@ -42,8 +42,13 @@ log = logging.getLogger(__name__)
 
 
 class Snapshots:
-    def __init__(self, rank_path: Path, tree: Path, on_unlinked: Callable[[os.stat_result], None],
-                 on_copied: Callable[[os.stat_result], None] = lambda st: None):
+    def __init__(
+        self,
+        rank_path: Path,
+        tree: Path,
+        on_unlinked: Callable[[os.stat_result], None],
+        on_copied: Callable[[os.stat_result], None] = lambda st: None,
+    ):
         self.root = rank_path / "steps"
         self.tree = tree
         self._on_unlinked = on_unlinked  # a link of this inode is gone (space accounting)
@@ -88,6 +93,7 @@ class Snapshots:
 
     def pin_step(self, step: int) -> None:
         """Pin every file of a step built outside :meth:`freeze` (a restore's placeholders)."""
+
         def pin_once(ino: int, path: str, st: os.stat_result) -> None:
             if path not in self._pins.get(ino, ()):
                 self._pin(ino, path, st)
@@ -136,8 +142,9 @@ class Snapshots:
             self._pins.setdefault(ino, []).append(os.path.join(dst, rel) if rel else str(dst))
         return born
 
-    def _copy_tree(self, dir_fd: int, name: str, dst: Path, rel: str, writing: set[int],
-                   frozen: list[tuple[int, str]]) -> None:
+    def _copy_tree(
+        self, dir_fd: int, name: str, dst: Path, rel: str, writing: set[int], frozen: list[tuple[int, str]]
+    ) -> None:
         """Recreate ``name`` in ``dir_fd`` at ``dst``: directories copied, files linked."""
         st = os.lstat(name, dir_fd=dir_fd)
         if stat.S_ISDIR(st.st_mode):

@@ -139,8 +139,9 @@ class Steps:
             state.committed_at = time.time()
         self.save(state)
         self.commits += 1
-        log.info("committed step %d: %s (version %d)", step, root, state.version,
-                 extra={"event": "committed", "step": step})
+        log.info(
+            "committed step %d: %s (version %d)", step, root, state.version, extra={"event": "committed", "step": step}
+        )
         self.on_commit(state)
         return state
 

@@ -48,8 +48,9 @@ def own_tmpfs(path: Path, size: int) -> bool:
         except OSError as e:
             if e.errno != errno.EINVAL:
                 raise
-            raise UserError(f"capacity {format_size(size)} is below what {path} already holds: "
-                            "raise --capacity or remove files") from None
+            raise UserError(
+                f"capacity {format_size(size)} is below what {path} already holds: raise --capacity or remove files"
+            ) from None
         return True
     with os.scandir(path) as entries:
         if any(entries):

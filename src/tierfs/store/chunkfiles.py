@@ -74,8 +74,16 @@ class ChunkWriter:
     ``release`` returns the reservation, once, however the writer ends.
     """
 
-    def __init__(self, h: str, length: int, fd: int | None, tmp: Path | None, *,
-                 install: Callable[[str, int | None, Path | None], None], release: Callable[[], None]):
+    def __init__(
+        self,
+        h: str,
+        length: int,
+        fd: int | None,
+        tmp: Path | None,
+        *,
+        install: Callable[[str, int | None, Path | None], None],
+        release: Callable[[], None],
+    ):
         self.h, self.length, self.fd = h, length, fd
         self.hasher = xxhash.xxh3_128()
         self._tmp, self._install, self._release = tmp, install, release

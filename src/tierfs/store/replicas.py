@@ -33,9 +33,10 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import trio
 
@@ -105,9 +106,18 @@ class ReplicaStore:
     the scarce tier (a milestone lives in GCS and on ``--disk``).
     """
 
-    def __init__(self, root: Path, space: SpaceAccount | None, local: LocalChunks | None = None,
-                 *, job: str, grace: float = GRACE, keep_from: Callable[[], int | None] = lambda: None,
-                 keep_newest: int = 1, milestones: Milestones = NO_MILESTONES):
+    def __init__(
+        self,
+        root: Path,
+        space: SpaceAccount | None,
+        local: LocalChunks | None = None,
+        *,
+        job: str,
+        grace: float = GRACE,
+        keep_from: Callable[[], int | None] = lambda: None,
+        keep_newest: int = 1,
+        milestones: Milestones = NO_MILESTONES,
+    ):
         self.root = Path(root)
         self.keep_newest = keep_newest  # replicas kept per rank besides those from keep_from() on
         self.milestones = milestones
@@ -148,8 +158,14 @@ class ReplicaStore:
                 for f in scan(Path(rank_dir.path)):
                     self._load_manifest(int(m.group(1)), f)
         removed = self.collect_garbage()
-        log.info("replica store %s: %d manifests, %d chunks (%d bytes) held; %d unreferenced chunks removed",
-                 self.root, len(self._manifests), len(self._chunks), self.stats()["bytes"], removed)
+        log.info(
+            "replica store %s: %d manifests, %d chunks (%d bytes) held; %d unreferenced chunks removed",
+            self.root,
+            len(self._manifests),
+            len(self._chunks),
+            self.stats()["bytes"],
+            removed,
+        )
 
     def _load_chunk(self, prefix: str, f: os.DirEntry) -> None:
         path = Path(f.path)
@@ -214,8 +230,11 @@ class ReplicaStore:
         return self.local.find(h) if self.local is not None and is_hash(h) else None
 
     def stats(self) -> dict:
-        return {"chunks": len(self._chunks), "bytes": sum(c.size for c in self._chunks.values()),
-                "manifests": len(self._manifests)}
+        return {
+            "chunks": len(self._chunks),
+            "bytes": sum(c.size for c in self._chunks.values()),
+            "manifests": len(self._manifests),
+        }
 
     # -- chunks --------------------------------------------------------------------------
 
@@ -273,8 +292,7 @@ class ReplicaStore:
         """Delete chunks no held manifest names, no connected sender relies on, none sent lately."""
         now = time.time() if now is None else now
         referenced = set().union(*self._manifests.values(), *self._sessions.values())
-        stale = [h for h, held in self._chunks.items()
-                 if h not in referenced and now - held.used >= self.grace]
+        stale = [h for h, held in self._chunks.items() if h not in referenced and now - held.used >= self.grace]
         for h in stale:
             self._remove_chunk(h)
         if stale:
@@ -308,8 +326,14 @@ class ReplicaStore:
         # From here on nothing awaits: the check, the write and the index update are atomic
         # with respect to every other connection, including their garbage collections.
         self._commit_manifest(rank, step, data, needed)
-        log.info("replica of job %s rank %d step %d stored (%d chunks, %d copied locally)",
-                 self.job, rank, step, len(needed), len(copies))
+        log.info(
+            "replica of job %s rank %d step %d stored (%d chunks, %d copied locally)",
+            self.job,
+            rank,
+            step,
+            len(needed),
+            len(copies),
+        )
 
     def put_manifest_now(self, rank: int, step: int, data: bytes) -> None:
         """:meth:`put_manifest` for a caller that put every chunk itself (no local copies, no await)."""
@@ -324,8 +348,7 @@ class ReplicaStore:
         if manifest.job != self.job:
             raise PeerError(f"manifest is for job {brief(manifest.job)}, this store holds {self.job!r}")
         if (manifest.rank, manifest.step) != (rank, step):
-            raise PeerError(f"manifest is for rank {manifest.rank} step {manifest.step}, "
-                            f"not rank {rank} step {step}")
+            raise PeerError(f"manifest is for rank {manifest.rank} step {manifest.step}, not rank {rank} step {step}")
         return frozenset(manifest.chunk_set())
 
     def _commit_manifest(self, rank: int, step: int, data: bytes, needed: frozenset[str]) -> None:
@@ -415,7 +438,7 @@ class ReplicaStore:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             st = os.fstat(fd)
         except BaseException:
             os.close(fd)
@@ -447,8 +470,11 @@ class ReplicaStore:
         newest = {r: sorted(ss)[-min(self.keep_newest, len(ss))] for r, ss in steps.items()}
         # The node's disk is every job's: its milestones are bounded as its steps are (the
         # plugin's max-keep bounds keep_newest); the bucket keeps them all (gcs_gc).
-        milestones = {(r, s) for r, ss in steps.items()
-                      for s in sorted(s for s in ss if self._milestone(r, s, now))[-self.keep_newest:]}
+        milestones = {
+            (r, s)
+            for r, ss in steps.items()
+            for s in sorted(s for s in ss if self._milestone(r, s, now))[-self.keep_newest :]
+        }
         for r, s in [k for k in self._manifests if k[1] < newest[k[0]]]:
             if floor is not None and s < floor and (r, s) not in milestones:
                 del self._manifests[(r, s)]
@@ -460,8 +486,11 @@ class ReplicaStore:
         """A rollback (:meth:`tierfs.tiers.base.Tier.set_aside`): drop the manifests of ``rank``
         (None: every rank) newer than ``above`` and written before ``before``; a cache of
         what the owner's other tiers set aside."""
-        gone = [(r, s) for r, s in self._manifests if (rank is None or r == rank) and s > above
-                and mtime(self._manifest_path(r, s)) <= before]
+        gone = [
+            (r, s)
+            for r, s in self._manifests
+            if (rank is None or r == rank) and s > above and mtime(self._manifest_path(r, s)) <= before
+        ]
         for r, s in gone:
             del self._manifests[(r, s)]
             self._remove_file(self._manifest_path(r, s))

@@ -26,8 +26,9 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import trio
 
@@ -107,10 +108,19 @@ class _Context:
     say: RateLimitedLog = field(default_factory=lambda: RateLimitedLog(log))
 
 
-async def serve(listen: tuple[str, int], *, job: str, secret: bytes, store: ReplicaStore,
-                info: Callable[[], dict], tls: PeerTLS | None, timeouts: Timeouts = Timeouts(),
-                max_connections: int = MAX_CONNECTIONS, messages: Messages | None = None,
-                task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+async def serve(
+    listen: tuple[str, int],
+    *,
+    job: str,
+    secret: bytes,
+    store: ReplicaStore,
+    info: Callable[[], dict],
+    tls: PeerTLS | None,
+    timeouts: Timeouts = Timeouts(),
+    max_connections: int = MAX_CONNECTIONS,
+    messages: Messages | None = None,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
     """Serve the peer protocol on ``listen`` (host, port; port 0 picks one) until cancelled.
 
     ``tls`` encrypts every connection (``None``: in clear, for trusted networks only).
@@ -126,8 +136,14 @@ async def serve(listen: tuple[str, int], *, job: str, secret: bytes, store: Repl
     host, port = listen
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()[1]
-    log.info("peer service of job %s listening on %s:%d (%s, at most %d connections)", job, host, bound,
-             f"TLS 1.3, {tls.origin}" if tls else "in clear: --peer-tls off", max_connections)
+    log.info(
+        "peer service of job %s listening on %s:%d (%s, at most %d connections)",
+        job,
+        host,
+        bound,
+        f"TLS 1.3, {tls.origin}" if tls else "in clear: --peer-tls off",
+        max_connections,
+    )
     ctx = _Context(job, secret, store, info, timeouts, tls, messages)
     slots = trio.Semaphore(max_connections, max_value=max_connections)
     async with trio.open_nursery() as nursery:
@@ -136,14 +152,12 @@ async def serve(listen: tuple[str, int], *, job: str, secret: bytes, store: Repl
         task_status.started(bound)
 
 
-async def _accept(ctx: _Context, listener: trio.SocketListener, slots: trio.Semaphore,
-                  nursery: trio.Nursery) -> None:
+async def _accept(ctx: _Context, listener: trio.SocketListener, slots: trio.Semaphore, nursery: trio.Nursery) -> None:
     """Accept connections while a slot is free; the rest wait in the kernel's queue."""
     async with listener:
         while True:
             if slots.value == 0:
-                ctx.say(logging.WARNING, "peer service: all %d connections are busy; new ones wait",
-                        slots.max_value)
+                ctx.say(logging.WARNING, "peer service: all %d connections are busy; new ones wait", slots.max_value)
             await slots.acquire()
             try:
                 stream = await listener.accept()
@@ -174,8 +188,9 @@ async def _connection(ctx: _Context, stream: trio.SocketStream, slots: trio.Sema
             if ctx.tls is not None:
                 conn = await seal(conn, ctx.job, ctx.secret, nonces, server_side=True)
         if deadline.cancelled_caught:
-            ctx.say(logging.INFO, "peer %s did not complete the handshake within %gs: dropped",
-                    peer, ctx.timeouts.handshake)
+            ctx.say(
+                logging.INFO, "peer %s did not complete the handshake within %gs: dropped", peer, ctx.timeouts.handshake
+            )
         else:
             log.debug("peer %s authenticated", peer)
             await _session(ctx, conn, peer)
@@ -208,8 +223,13 @@ async def _session(ctx: _Context, stream: trio.abc.Stream, peer: str) -> None:
         with trio.move_on_after(ctx.timeouts.request) as scope:
             await _dispatch(ctx, stream, request, peer)
         if scope.cancelled_caught:
-            ctx.say(logging.WARNING, "peer %s: %s took longer than %gs: dropped", peer,
-                    wire.brief(request.get("op")), ctx.timeouts.request)
+            ctx.say(
+                logging.WARNING,
+                "peer %s: %s took longer than %gs: dropped",
+                peer,
+                wire.brief(request.get("op")),
+                ctx.timeouts.request,
+            )
             return
 
 
@@ -295,8 +315,9 @@ async def _put_chunks(ctx: _Context, stream: trio.abc.Stream, request: dict) -> 
             except NoSpace as e:
                 refusals.append(e)
                 writers.append(None)  # its body is read and dropped: the connection stays in step
-        failures = await bodies.receive_many(stream, [(n, w.write if w else _discard, chunk_label(h, 0))
-                                                      for (h, n), w in zip(chunks, writers)])
+        failures = await bodies.receive_many(
+            stream, [(n, w.write if w else _discard, chunk_label(h, 0)) for (h, n), w in zip(chunks, writers)]
+        )
         for (h, _), writer, failure in zip(chunks, writers, failures):
             if writer is None:
                 continue
@@ -361,8 +382,9 @@ async def _get_chunks(ctx: _Context, stream: trio.abc.Stream, request: dict) -> 
                 source = None
             sources.append(source if source is not None and source.length == n else None)
         parts = [(s.fd, s.offset, n, chunk_label(h, 0)) for (h, n), s in zip(chunks, sources) if s is not None]
-        await wire.send_msg(stream, {"ok": True, "held": [s is not None for s in sources],
-                                     "len": sum(n for _, _, n, _ in parts)})
+        await wire.send_msg(
+            stream, {"ok": True, "held": [s is not None for s in sources], "len": sum(n for _, _, n, _ in parts)}
+        )
         await bodies.send_files(stream, parts)
 
 
@@ -416,14 +438,20 @@ def _batch(request: dict) -> list[tuple[str, int]]:
         raise ProtocolError(f"{op} needs a list of 1 to {MAX_BATCH} chunks")
     pairs = []
     for entry in chunks:
-        if not (isinstance(entry, list) and len(entry) == 2 and is_hash(entry[0]) and wire.is_count(entry[1])
-                and entry[1] <= MAX_CHUNK):
+        if not (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and is_hash(entry[0])
+            and wire.is_count(entry[1])
+            and entry[1] <= MAX_CHUNK
+        ):
             raise ProtocolError(f"{op}: {wire.brief(entry)} is not a chunk's [hash, length]")
         pairs.append((entry[0], entry[1]))
     total = sum(n for _, n in pairs)
     if total > MAX_BATCH_BYTES or total != request.get("len", total):
-        raise ProtocolError(f"{op}: chunks of {total} bytes (at most {MAX_BATCH_BYTES}), "
-                            f"a body of {request.get('len', 0)}")
+        raise ProtocolError(
+            f"{op}: chunks of {total} bytes (at most {MAX_BATCH_BYTES}), a body of {request.get('len', 0)}"
+        )
     return pairs
 
 
@@ -450,8 +478,9 @@ async def _expect_tls(stream: trio.SocketStream) -> None:
             await wire.recv_msg(stream, wire.HELLO_MAX_HEADER)
         except PeerError:
             pass
-        raise ProtocolError("this peer service speaks TLS and the connection is in clear: "
-                            "every node of a job needs the same --peer-tls")
+        raise ProtocolError(
+            "this peer service speaks TLS and the connection is in clear: every node of a job needs the same --peer-tls"
+        )
 
 
 def _discard_received(stream: trio.abc.Stream) -> None:

@@ -5,8 +5,28 @@ tier per peer) and ``gcs`` (``--gcs``). The GCS modules import google-cloud-stor
 is slow: import :mod:`tierfs.tiers.gcs` only when a mount has ``--gcs``.
 """
 
-from tierfs.tiers.base import (Cost, Holdings, NotHeld, Pushed, SourceChanged, Tier, TierError, TierUnavailable,
-                               by_cost, put_step)
+from tierfs.tiers.base import (
+    Cost,
+    Holdings,
+    NotHeld,
+    Pushed,
+    SourceChanged,
+    Tier,
+    TierError,
+    TierUnavailable,
+    by_cost,
+    put_step,
+)
 
-__all__ = ["Cost", "Holdings", "NotHeld", "Pushed", "SourceChanged", "Tier", "TierError", "TierUnavailable",
-           "by_cost", "put_step"]
+__all__ = [
+    "Cost",
+    "Holdings",
+    "NotHeld",
+    "Pushed",
+    "SourceChanged",
+    "Tier",
+    "TierError",
+    "TierUnavailable",
+    "by_cost",
+    "put_step",
+]

@@ -127,8 +127,15 @@ class Pushed:
     taken_over: int = 0  # of sent_chunks: chunks a twin was to send and had not after the wait
 
     def __iadd__(self, other: Pushed) -> Pushed:
-        for name in ("sent_bytes", "skipped_bytes", "stored_bytes", "sent_chunks", "twin_chunks", "twin_bytes",
-                     "taken_over"):
+        for name in (
+            "sent_bytes",
+            "skipped_bytes",
+            "stored_bytes",
+            "sent_chunks",
+            "twin_chunks",
+            "twin_bytes",
+            "taken_over",
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.chunks = max(self.chunks, other.chunks)
         return self
@@ -339,9 +346,14 @@ class Tier(ABC):
         """Let go of connections and files."""
 
 
-async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
-                   pace: Callable[[], Awaitable[None]] = _no_pause, progress: Progress | None = None,
-                   seal_with: ManifestKeys | None = None) -> Pushed:
+async def put_step(
+    tier: Tier,
+    manifest: Manifest,
+    where: dict[str, Location],
+    pace: Callable[[], Awaitable[None]] = _no_pause,
+    progress: Progress | None = None,
+    seal_with: ManifestKeys | None = None,
+) -> Pushed:
     """Put a step on ``tier``: the chunks it lacks, then the manifest (its commit point there).
 
     ``where`` locates every distinct chunk of the step in local files; ``pace`` is awaited
@@ -376,9 +388,16 @@ async def put_step(tier: Tier, manifest: Manifest, where: dict[str, Location],
         if progress is not None:
             progress.chunks_done += 1
 
-    shared = await share(missing, manifest.rank, tier.twins(), exists=lambda h: tier.present(h, *where[h]),
-                         upload=upload, batched=lambda hs: batches(tier, [(h, where[h]) for h in hs]),
-                         workers=tier.concurrency, settled=settled)
+    shared = await share(
+        missing,
+        manifest.rank,
+        tier.twins(),
+        exists=lambda h: tier.present(h, *where[h]),
+        upload=upload,
+        batched=lambda hs: batches(tier, [(h, where[h]) for h in hs]),
+        workers=tier.concurrency,
+        settled=settled,
+    )
     pushed.sent_bytes += shared.sent_bytes
     pushed.skipped_bytes += shared.found_bytes + shared.twin_bytes
     pushed.sent_chunks, pushed.twin_chunks = shared.sent_chunks, shared.twin_chunks
@@ -413,8 +432,10 @@ def check_chunk(tier: Tier, h: str, length: int) -> None:
 def check_manifest(tier: Tier, rank: int, step: int, data: bytes) -> None:
     """Refuse, before any I/O, a manifest larger than any manifest can be."""
     if len(data) > MAX_MANIFEST:
-        raise TierError(f"{tier.name}: manifest of rank {rank} step {step} has {len(data)} bytes: "
-                        f"no manifest is larger than {MAX_MANIFEST}")
+        raise TierError(
+            f"{tier.name}: manifest of rank {rank} step {step} has {len(data)} bytes: "
+            f"no manifest is larger than {MAX_MANIFEST}"
+        )
 
 
 def by_cost(tiers: Sequence[Tier]) -> list[Tier]:
@@ -444,4 +465,3 @@ def rotate_equals(tiers: Sequence[Tier], prefer: int) -> list[Tier]:
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
-

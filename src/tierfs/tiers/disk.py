@@ -47,13 +47,29 @@ class DiskTier(StoredTier):
     cost = Cost(read_gib_s=1.5)  # an NVMe drive: slower than RAM, faster than the network
     spill = True  # when RAM is short, steps held here leave it
 
-    def __init__(self, disk: Path, job: str, rank: int, keep_from: Callable[[], int | None] = lambda: None,
-                 keep_newest: int = 1, milestones: Milestones = NO_MILESTONES):
+    def __init__(
+        self,
+        disk: Path,
+        job: str,
+        rank: int,
+        keep_from: Callable[[], int | None] = lambda: None,
+        keep_newest: int = 1,
+        milestones: Milestones = NO_MILESTONES,
+    ):
         self.disk, self.root = disk, disk_root(disk, job, rank)
         self._floor: int | None = None
         self._keep_from = keep_from
-        super().__init__(ReplicaStore(self.root, None, None, job=job, keep_from=lambda: self._floor,
-                                      keep_newest=keep_newest, milestones=milestones))
+        super().__init__(
+            ReplicaStore(
+                self.root,
+                None,
+                None,
+                job=job,
+                keep_from=lambda: self._floor,
+                keep_newest=keep_newest,
+                milestones=milestones,
+            )
+        )
         self._lock = threading.Lock()
         self._limiter = trio.CapacityLimiter(1)
         self._stats: dict = {"chunks": 0, "bytes": 0, "manifests": 0}
@@ -79,8 +95,9 @@ class DiskTier(StoredTier):
         except UnsafeFile as e:
             raise UserError(f"unsafe --disk: {e}") from None
         except OSError as e:
-            raise UserError(f"--disk {self.disk} is not usable ({e.strerror or e}): "
-                            "point it at a writable local directory") from None
+            raise UserError(
+                f"--disk {self.disk} is not usable ({e.strerror or e}): point it at a writable local directory"
+            ) from None
         self._stats, self._held = self.store.stats(), tuple(self.store.manifests())
 
     def held(self) -> tuple[tuple[int, int], ...]:

@@ -68,8 +68,9 @@ class ChunkSources:
             return
         raise UserError(f"chunk {h} is on no reachable tier: {'; '.join(errors) or 'no tier holds it'}")
 
-    async def fetch_many_into(self, chunks: list[tuple[str, int, int, int]], prefer: int = 0
-                              ) -> list[tuple[str, int, int, int]]:
+    async def fetch_many_into(
+        self, chunks: list[tuple[str, int, int, int]], prefer: int = 0
+    ) -> list[tuple[str, int, int, int]]:
         """Chunks ``(h, length, fd, offset)``, verified, into place, many per request where a tier allows it.
 
         Tiers are tried in the order :meth:`fetch_into` tries them. One that takes batches

@@ -65,8 +65,15 @@ class GcsTier(Tier):
     cost = Cost(read_gib_s=0.2, dollars_per_gib=0.12)  # slower than any node, and reads are paid for
     concurrency = THREADS
 
-    def __init__(self, url: str, job: str, store: GcsStore | None = None, keys: ManifestKeys | None = None,
-                 seals: Sequence[ChunkSeal] = (), client=None):
+    def __init__(
+        self,
+        url: str,
+        job: str,
+        store: GcsStore | None = None,
+        keys: ManifestKeys | None = None,
+        seals: Sequence[ChunkSeal] = (),
+        client=None,
+    ):
         super().__init__()
         self.url = url
         self.store = store or GcsStore(url, job, client=client, keys=keys, seals=seals)
@@ -242,8 +249,12 @@ class GcsTier(Tier):
         give counts as before. Returns the (rank, step) manifests that now lie aside."""
         what = f"cannot set aside the steps after {above} in {self.url}"
         listing = await self._request(what, self.store.list_manifests, "" if rank is None else f"rank-{rank}/")
-        chosen = [(r, s) for r, steps in listing.items() for s in steps
-                  if s > above and _no_later(listing.created.get((r, s)), before)]
+        chosen = [
+            (r, s)
+            for r, steps in listing.items()
+            for s in steps
+            if s > above and _no_later(listing.created.get((r, s)), before)
+        ]
         moved: list[tuple[int, int]] = []
         failed: list[TierError] = []
 
@@ -259,23 +270,30 @@ class GcsTier(Tier):
                 nursery.start_soon(move, r, s)
         if failed:
             raise failed[0]
-        log.info("GCS: rollback to step %d set aside %d manifests of %s committed by %.3f (steps %s)",
-                 above, len(moved), "every rank" if rank is None else f"rank {rank}", before,
-                 sorted({s for _, s in moved}))
+        log.info(
+            "GCS: rollback to step %d set aside %d manifests of %s committed by %.3f (steps %s)",
+            above,
+            len(moved),
+            "every rank" if rank is None else f"rank {rank}",
+            before,
+            sorted({s for _, s in moved}),
+        )
         return sorted(moved)
 
     async def rollback_at(self, step: int, *, record: bool = False) -> float | None:
         """When the job was rolled back to ``step``, as the bucket records it for every node
         (GCS's clock); ``record`` creates the record unless one stands."""
         fn = self.store.record_rollback if record else self.store.rollback_time
-        return await self._request(f"cannot {'record' if record else 'read'} the rollback to step {step} "
-                                   f"in {self.url}", fn, step)
+        return await self._request(
+            f"cannot {'record' if record else 'read'} the rollback to step {step} in {self.url}", fn, step
+        )
 
     async def committed_since(self, rank: int, above: int, at: float) -> list[int]:
         """The steps of ``rank`` after ``above`` whose manifests were created after ``at`` (GCS's
         clock): the new timeline's, once a rollback to ``above`` was made at ``at``."""
-        listing = await self._request(f"cannot list rank {rank}'s steps in {self.url}",
-                                      self.store.list_manifests, f"rank-{rank}/")
+        listing = await self._request(
+            f"cannot list rank {rank}'s steps in {self.url}", self.store.list_manifests, f"rank-{rank}/"
+        )
         return [s for s in listing.get(rank, []) if s > above and not _no_later(listing.created.get((rank, s)), at)]
 
     async def _request(self, what: str, fn, *args):
@@ -304,8 +322,9 @@ class GcsTier(Tier):
         cfg = self.cfg
         if cfg is not None and cfg.rank == 0:
             milestones = Milestones.from_config(cfg)
-            result = await self._run(lambda: self.store.collect_garbage(
-                cfg.keep, cfg.gc_grace, cfg.nodes, milestones=milestones))
+            result = await self._run(
+                lambda: self.store.collect_garbage(cfg.keep, cfg.gc_grace, cfg.nodes, milestones=milestones)
+            )
             log.info("GCS retention: %s", result)
 
     def schedule(self) -> tuple[float, int]:
@@ -313,8 +332,12 @@ class GcsTier(Tier):
         return (cfg.backup_interval, cfg.backup_interval_steps) if cfg is not None else (0.0, 0)
 
     def lane_report(self) -> dict:
-        return {"label": self.url, "url": self.url, "sealed": bool(self.store.seals),
-                "backup_interval_s": self.cfg.backup_interval if self.cfg is not None else 0.0}
+        return {
+            "label": self.url,
+            "url": self.url,
+            "sealed": bool(self.store.seals),
+            "backup_interval_s": self.cfg.backup_interval if self.cfg is not None else 0.0,
+        }
 
     def report(self) -> dict:
         return {**super().report(), "url": self.url}

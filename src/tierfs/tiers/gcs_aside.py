@@ -139,14 +139,19 @@ class Rollback:
             if there is None:
                 self._upload(copy, body)
             elif there != body:
-                raise GcsError(f"cannot set aside a manifest as {self.url_of(copy)}: a different one lies there "
-                               f"from an earlier rollback to step {to}; discard it first") from None
+                raise GcsError(
+                    f"cannot set aside a manifest as {self.url_of(copy)}: a different one lies there "
+                    f"from an earlier rollback to step {to}; discard it first"
+                ) from None
 
     def _delete_generation(self, name: str, generation: int | None) -> None:
         """Delete ``name`` if it is still ``generation``; gone or replaced meanwhile is fine."""
         try:
-            self._call("delete", name, lambda: self._blob(name).delete(
-                if_generation_match=generation, retry=None, timeout=self._timeout))
+            self._call(
+                "delete",
+                name,
+                lambda: self._blob(name).delete(if_generation_match=generation, retry=None, timeout=self._timeout),
+            )
         except (api.NotFound, api.PreconditionFailed):
             pass
 

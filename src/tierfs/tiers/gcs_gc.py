@@ -25,8 +25,14 @@ class GarbageCollection:
     """The collector of :class:`~tierfs.tiers.gcs_store.GcsStore`, which it is a part of."""
 
     def collect_garbage(
-        self, keep_newest: int, grace: float, nodes: int = 1, pending_max_age: float = PENDING_MAX_AGE,
-        *, milestones: Milestones = NO_MILESTONES, now: float | None = None,
+        self,
+        keep_newest: int,
+        grace: float,
+        nodes: int = 1,
+        pending_max_age: float = PENDING_MAX_AGE,
+        *,
+        milestones: Milestones = NO_MILESTONES,
+        now: float | None = None,
     ) -> dict[str, int]:
         """Apply retention to every rank of the job, then delete the chunks nothing needs.
 
@@ -90,8 +96,11 @@ class GarbageCollection:
         now = t0 if now is None else now
         for rank, steps in listing.items():
             for step in steps[:-keep_newest]:
-                keep = (protect is not None and step >= protect
-                        or milestones.is_milestone(step, listing.created.get((rank, step)), now))
+                keep = (
+                    protect is not None
+                    and step >= protect
+                    or milestones.is_milestone(step, listing.created.get((rank, step)), now)
+                )
                 (kept if keep else dropped).append((rank, step))
             kept += [(rank, step) for step in steps[-keep_newest:]]
 
@@ -120,8 +129,12 @@ class GarbageCollection:
 
     def _aside_names(self) -> list[tuple[str, int, int]]:
         """(object name, rank, step) of every manifest set aside (:meth:`list_aside`)."""
-        return [(self._aside_name(to, rank, step), rank, step)
-                for to, listing in self.list_aside().items() for rank, steps in listing.items() for step in steps]
+        return [
+            (self._aside_name(to, rank, step), rank, step)
+            for to, listing in self.list_aside().items()
+            for rank, steps in listing.items()
+            for step in steps
+        ]
 
     def _manifest_chunks(self, named: tuple[str, int, int]) -> set[str]:
         """The chunk objects the manifest object ``name`` of (rank, step) needs: an active one
@@ -142,16 +155,16 @@ class GarbageCollection:
             return hashes  # in clear: the objects are named by the chunks' hashes
         seal = self.seal_by_id(seal_id)
         if seal is None:  # which objects it needs is unknown here: nothing may go
-            raise CorruptObject(f"{url} has its chunks sealed under a secret this node lacks "
-                                f"(seal {seal_id}): add that secret to the older lines of the secret file")
+            raise CorruptObject(
+                f"{url} has its chunks sealed under a secret this node lacks "
+                f"(seal {seal_id}): add that secret to the older lines of the secret file"
+            )
         return {seal.object_key(h) for h in hashes}
 
     def _collect(self, info: ChunkInfo, cutoff: float) -> bool:
         """Delete one unreferenced chunk unless it has been used since it was listed."""
         name = chunk_name(self._base, info.key)
-        blob = self._call(
-            "read", name, lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout)
-        )
+        blob = self._call("read", name, lambda: self._bucket().get_blob(name, retry=None, timeout=self._timeout))
         if blob is None or blob.metageneration != info.metageneration or last_used(blob) >= cutoff:
             return False
         return self.delete_chunk(info.key, info.metageneration)

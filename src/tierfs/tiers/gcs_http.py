@@ -122,9 +122,7 @@ class GcsBucket:
 
         def send() -> storage.Blob:
             blob = self._blob(name)
-            blob.upload_from_string(
-                data, content_type=CONTENT_TYPE, retry=None, timeout=self._timeout, **preconditions
-            )
+            blob.upload_from_string(data, content_type=CONTENT_TYPE, retry=None, timeout=self._timeout, **preconditions)
             return blob
 
         try:
@@ -146,8 +144,9 @@ class GcsBucket:
                 # and the stepwise loop holds the GIL long enough to stall the FUSE thread.
                 # Raw: the stored bytes, never inflated on the way in (tierfs sets no
                 # Content-Encoding; a planted gzip one would otherwise be a bomb).
-                return blob.download_as_bytes(start=0, end=limit, raw_download=True, retry=None,
-                                              timeout=self._timeout, single_shot_download=True)
+                return blob.download_as_bytes(
+                    start=0, end=limit, raw_download=True, retry=None, timeout=self._timeout, single_shot_download=True
+                )
             except api.RequestRangeNotSatisfiable:
                 return b""  # an empty object has no byte 0 to start from
 
@@ -156,22 +155,19 @@ class GcsBucket:
         except api.NotFound:
             raise MissingObject(f"{self.url_of(name)} does not exist") from None
         if len(data) > limit:
-            raise CorruptObject(f"{self.url_of(name)} is larger than {limit} bytes, "
-                                "more than any object tierfs writes there")
+            raise CorruptObject(
+                f"{self.url_of(name)} is larger than {limit} bytes, more than any object tierfs writes there"
+            )
         return data
 
     def _delete(self, name: str) -> None:
         """Delete if present: a retry after a lost response finds nothing, and that is fine."""
         try:
-            self._call(
-                "delete", name, lambda: self._blob(name).delete(retry=None, timeout=self._timeout)
-            )
+            self._call("delete", name, lambda: self._blob(name).delete(retry=None, timeout=self._timeout))
         except api.NotFound:
             pass
 
-    def _list(
-        self, prefix: str, fields: str, page_size: int | None = None
-    ) -> Iterator[storage.Blob]:
+    def _list(self, prefix: str, fields: str, page_size: int | None = None) -> Iterator[storage.Blob]:
         """Objects under ``prefix``, a page at a time: a failed page is retried, not the listing."""
         token: str | None = None
         while True:
@@ -227,15 +223,17 @@ class GcsBucket:
             return f"cannot {what} {self.url_of(name)}: {e}"
         grantee = getattr(getattr(self._client, "_credentials", None), "grantee", None)
         if grantee is None:
-            return (f"cannot {what} {self.url_of(name)}: access denied ({_reason(e)}); "
-                    f"let tierfs's credentials read and write objects in gs://{self.bucket}")
-        return (f"cannot {what} {self.url_of(name)} as the job's identity: access denied ({_reason(e)}); "
-                f"grant roles/storage.objectUser on gs://{self.bucket} to {grantee()}")
+            return (
+                f"cannot {what} {self.url_of(name)}: access denied ({_reason(e)}); "
+                f"let tierfs's credentials read and write objects in gs://{self.bucket}"
+            )
+        return (
+            f"cannot {what} {self.url_of(name)} as the job's identity: access denied ({_reason(e)}); "
+            f"grant roles/storage.objectUser on gs://{self.bucket} to {grantee()}"
+        )
 
     def _missing_bucket(self) -> MissingBucket:
-        return MissingBucket(
-            f"GCS bucket gs://{self.bucket} does not exist: create it or fix --gcs"
-        )
+        return MissingBucket(f"GCS bucket gs://{self.bucket} does not exist: create it or fix --gcs")
 
 
 def make_client(credentials: Credentials | None = None) -> storage.Client:
@@ -275,4 +273,3 @@ def _reason(e: BaseException) -> str:
     if errno:
         return errno[1].strip()
     return f"{type(e).__name__}: {text}"[:300] if text else type(e).__name__
-

@@ -66,8 +66,9 @@ class JobCredentials(identity_pool.Credentials):
             except (auth.RefreshError, auth.OAuthError) as e:
                 raise IdentityRefused(self._refused(e)) from None
             except (ValueError, TypeError, KeyError, OverflowError) as e:  # a 200 that is no token answer
-                raise IdentityRefused(f"{self._step()} answered no usable access token "
-                                      f"({type(e).__name__}: {str(e)[:200]})") from None
+                raise IdentityRefused(
+                    f"{self._step()} answered no usable access token ({type(e).__name__}: {str(e)[:200]})"
+                ) from None
             if not self.token or not isinstance(self.token, str):
                 raise IdentityRefused(f"{self._step()} answered no access token")
 
@@ -92,11 +93,15 @@ class JobCredentials(identity_pool.Credentials):
         job = principal(self._audience, self._subject())
         if self.service_account_email and isinstance(e, auth.RefreshError) and len(e.args) > 1:
             # generateAccessToken refused: the exchange before it worked, the impersonation did not.
-            return (f"impersonating {self.service_account_email} was refused ({_gist(e.args[1])}): grant "
-                    f"roles/iam.workloadIdentityUser on it to {job}")
-        return (f"the token exchange at {self._token_url} refused the job's token ({_gist(e)}): check that "
-                f"--gcs-token-audience names a workload identity provider that trusts this cluster's tokens, "
-                f"and that the token file is fresh")
+            return (
+                f"impersonating {self.service_account_email} was refused ({_gist(e.args[1])}): grant "
+                f"roles/iam.workloadIdentityUser on it to {job}"
+            )
+        return (
+            f"the token exchange at {self._token_url} refused the job's token ({_gist(e)}): check that "
+            f"--gcs-token-audience names a workload identity provider that trusts this cluster's tokens, "
+            f"and that the token file is fresh"
+        )
 
 
 class TokenFile(identity_pool.SubjectTokenSupplier):
@@ -129,8 +134,9 @@ class CappedRequest(auth_transport.Request):
     def __call__(self, url, method="GET", body=None, headers=None, timeout=None, **kwargs):
         host = urllib.parse.urlsplit(url).netloc
         try:
-            with self._session.request(method, url, data=body, headers=headers, timeout=TIMEOUT,
-                                       stream=True, allow_redirects=False) as response:
+            with self._session.request(
+                method, url, data=body, headers=headers, timeout=TIMEOUT, stream=True, allow_redirects=False
+            ) as response:
                 data = response.raw.read(MAX_RESPONSE + 1, decode_content=True)
                 status, reply_headers = response.status_code, dict(response.headers)
         except (requests.RequestException, OSError) as e:
@@ -187,12 +193,13 @@ def principal(audience: str, subject: str | None) -> str:
     gke = re.match(r"identitynamespace:([^:]+\.svc\.id\.goog):", audience)
     if pool:
         project = re.search(r"projects/([^/]+)", audience)
-        base = (f"principal://iam.googleapis.com/projects/{project[1] if project else 'PROJECT_NUMBER'}"
-                f"/locations/global/workloadIdentityPools/{pool[1]}")
+        base = (
+            f"principal://iam.googleapis.com/projects/{project[1] if project else 'PROJECT_NUMBER'}"
+            f"/locations/global/workloadIdentityPools/{pool[1]}"
+        )
         name = pool[1]
     elif gke:
-        base = (f"principal://iam.googleapis.com/projects/PROJECT_NUMBER/locations/global/"
-                f"workloadIdentityPools/{gke[1]}")
+        base = f"principal://iam.googleapis.com/projects/PROJECT_NUMBER/locations/global/workloadIdentityPools/{gke[1]}"
         name = gke[1]
     else:
         return "the job's Kubernetes service account"

@@ -146,7 +146,7 @@ def parse_rollback(data: bytes, url: str, step: int) -> None:
 
 def chunk_of(prefix: str, name: str) -> str | None:
     """The key a name under ``chunks/`` (``prefix``) is the object of, None for any other name."""
-    shard, _, key = name[len(prefix):].partition("/")
+    shard, _, key = name[len(prefix) :].partition("/")
     return key if _KEY_RE.fullmatch(key) and shard == key[:2] else None
 
 
@@ -162,7 +162,6 @@ def last_used(blob: storage.Blob) -> float:
         return max(updated, float((blob.metadata or {}).get(USED_KEY, 0)))
     except ValueError:
         return updated
-
 
 
 def pending_marker(keys: Iterable[str]) -> bytes:
@@ -206,4 +205,3 @@ def chunk_seal_of(data: bytes) -> str:
 
 def is_hash(h: object) -> bool:
     return isinstance(h, str) and _HASH_RE.fullmatch(h) is not None
-

@@ -91,8 +91,13 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
     """One job's objects in one bucket; safe to share between threads."""
 
     def __init__(
-        self, url: str, job: str, client: storage.Client | None = None, timeout: float = 30,
-        keys: ManifestKeys | None = None, seals: Sequence[ChunkSeal] = (),
+        self,
+        url: str,
+        job: str,
+        client: storage.Client | None = None,
+        timeout: float = 30,
+        keys: ManifestKeys | None = None,
+        seals: Sequence[ChunkSeal] = (),
     ):
         super().__init__(url, client, timeout)
         self.seals = tuple(seals)  # the job's bucket seals: the first seals, all open; none: chunks in clear
@@ -209,8 +214,9 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
             known = self._sound.get(h) == _content_key(blob)
         return Found.CHUNK if known else Found.UNPROVEN
 
-    def get_chunk_frame(self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE,
-                        seal: ChunkSeal | None | object = CURRENT) -> bytes:
+    def get_chunk_frame(
+        self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE, seal: ChunkSeal | None | object = CURRENT
+    ) -> bytes:
         """The frame of a chunk of at most ``max_size`` bytes, from its object under ``seal``
         (the job's current one unless named; None: the chunk in clear).
 
@@ -248,8 +254,13 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
                     self._unsound.clear()
                 self._unsound[h] = key
         # Gone meanwhile: most often a twin uploading the same chunk replaced that generation.
-        log.log(logging.INFO if problem == _VANISHED else logging.WARNING,
-                "%s does not hold chunk %s (%s): replacing it", self.url_of(blob.name), h, problem)
+        log.log(
+            logging.INFO if problem == _VANISHED else logging.WARNING,
+            "%s does not hold chunk %s (%s): replacing it",
+            self.url_of(blob.name),
+            h,
+            problem,
+        )
         return False
 
     def _chunk_problem(self, h: str, blob: storage.Blob) -> str | None:
@@ -290,9 +301,7 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
                 "delete",
                 name,
                 lambda: self._blob(name).delete(
-                    if_metageneration_match=if_metageneration_match,
-                    retry=None,
-                    timeout=self._timeout,
+                    if_metageneration_match=if_metageneration_match, retry=None, timeout=self._timeout
                 ),
             )
         except (api.NotFound, api.PreconditionFailed):
@@ -409,8 +418,9 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
         log.warning("ignoring %r: not a name tierfs writes there (%s)", self.url_of(name), expected)
 
     def _list_manifests(self, prefix: str) -> ManifestListing:
-        return self._listing([(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix)
-                              if kind == "json"])
+        return self._listing(
+            [(rank, step, blob) for rank, step, kind, blob in self._manifest_objects(prefix) if kind == "json"]
+        )
 
     def _listing(self, found: list[tuple[int, int, storage.Blob]]) -> ManifestListing:
         """The (rank, step, listed object) manifests ``found``, as a listing: with keys, only

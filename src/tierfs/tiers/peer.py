@@ -102,8 +102,10 @@ class PeerTier(Tier):
             return [await self.put_chunk(chunks[0][0], *chunks[0][1])]
         for h, (_, _, length) in chunks:
             check_chunk(self, h, length)
-        await self._request(f"{len(chunks)} chunks from {chunks[0][0]}",
-                            lambda client: client.put_chunks([(h, *where) for h, where in chunks]))
+        await self._request(
+            f"{len(chunks)} chunks from {chunks[0][0]}",
+            lambda client: client.put_chunks([(h, *where) for h, where in chunks]),
+        )
         return [Put(length, length) for _, (_, _, length) in chunks]
 
     async def get_chunk(self, h: str, length: int) -> bytes:
@@ -120,18 +122,22 @@ class PeerTier(Tier):
         """One request for them all (:meth:`PeerClient.get_chunks_into`), received, hashed and written by one thread."""
         for h, length, _, _ in chunks:
             check_chunk(self, h, length)
-        return await self._request(f"{len(chunks)} chunks from {chunks[0][0]}",
-                                   lambda client: client.get_chunks_into(chunks))
+        return await self._request(
+            f"{len(chunks)} chunks from {chunks[0][0]}", lambda client: client.get_chunks_into(chunks)
+        )
 
     # -- manifests ---------------------------------------------------------------------
 
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
         check_manifest(self, rank, step, data)
-        await self._request(f"manifest of rank {rank} step {step}", lambda client: client.put_manifest(rank, step, data))
+        await self._request(
+            f"manifest of rank {rank} step {step}", lambda client: client.put_manifest(rank, step, data)
+        )
 
     async def get_manifest(self, rank: int, step: int) -> bytes:
-        return await self._request(f"the manifest of rank {rank} step {step}",
-                                   lambda client: client.get_manifest(rank, step))
+        return await self._request(
+            f"the manifest of rank {rank} step {step}", lambda client: client.get_manifest(rank, step)
+        )
 
     async def list_manifests(self) -> list[tuple[int, int]]:
         return sorted(await self._request("list", lambda client: client.list(self.network.cfg.nodes)))
@@ -142,8 +148,11 @@ class PeerTier(Tier):
         if report is None:
             error = self._seen().get("error") or "no answer"
             raise TierUnavailable(f"{self.name}: {error}")
-        return Holdings(tuple((report.rank, s) for s in report.steps) + tuple(report.manifests),
-                        report.restore_step, report.topology)
+        return Holdings(
+            tuple((report.rank, s) for s in report.steps) + tuple(report.manifests),
+            report.restore_step,
+            report.topology,
+        )
 
     # -- what it says about itself, and placement --------------------------------------
 
@@ -166,13 +175,18 @@ class PeerTier(Tier):
         """Placement: data-parallel twins first, then one close peer, then distant ones."""
         cfg = self.network.cfg
         by_address = {t.address: t for t in tiers if isinstance(t, PeerTier)}
-        candidates = choose(cfg.rank, cfg.topology, await self.network.discover(), len(cfg.peers),
-                            cfg.nodes, cfg.data_parallel,
-                            set(cfg.peer_ranks) if cfg.peer_ranks is not None else None)
+        candidates = choose(
+            cfg.rank,
+            cfg.topology,
+            await self.network.discover(),
+            len(cfg.peers),
+            cfg.nodes,
+            cfg.data_parallel,
+            set(cfg.peer_ranks) if cfg.peer_ranks is not None else None,
+        )
         return [by_address[p.address] for p in candidates if p.address in by_address]
 
 
 def peer_tiers(network: PeerNetwork) -> list[PeerTier]:
     """One tier per configured peer, sharing ``network``."""
     return [PeerTier(network, address) for address in network.cfg.peers]
-

@@ -99,7 +99,9 @@ class StoredTier(Tier):
         try:
             await self._do(self.store.put_manifest_now, rank, step, data)
         except NoSpace:
-            raise TierError(f"{self.name} ({self.where}) has no room for the manifest of rank {rank} step {step}") from None
+            raise TierError(
+                f"{self.name} ({self.where}) has no room for the manifest of rank {rank} step {step}"
+            ) from None
         except PeerError as e:
             raise TierError(f"{self.name}: manifest of rank {rank} step {step}: {e}") from None
 

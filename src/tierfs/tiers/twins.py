@@ -166,8 +166,10 @@ async def share(
 
 def one_by_one(upload: Callable[[str], Awaitable[bool]]) -> Callable[[list[str]], Awaitable[list[bool]]]:
     """:func:`share`'s ``upload`` from an upload of one chunk (True: this call stored it)."""
+
     async def each_of(hs: list[str]) -> list[bool]:
         return [await upload(h) for h in hs]
+
     return each_of
 
 

@@ -35,6 +35,39 @@ def timed(fn) -> float:
     return time.monotonic() - t0
 
 
+def one_job(plugin: Plugin, base: Path, i: int, times: dict[str, list[float]]) -> None:
+    """Job ``i``: a mount by hand, then a first publish, an unpublish and a second publish."""
+    by_hand = base / f"hand-{i}"
+    by_hand.mkdir()
+    times["tierfs mount by hand"].append(
+        timed(
+            lambda: subprocess.run(
+                [
+                    *TIERFS,
+                    "mount",
+                    str(by_hand),
+                    "--ramdisk",
+                    str(base / "ram-hand"),
+                    "--job",
+                    f"h{i}",
+                    "--capacity",
+                    "64M",
+                ],
+                check=True,
+            )
+        )
+    )
+    subprocess.run([*TIERFS, "unmount", str(by_hand)], check=True)
+    job = {"job": f"j{i}", "rank": "0", "capacity": "64M"}
+    target = plugin.target()
+    volume: list[str] = []
+    times["first publish (starts the daemon)"].append(timed(lambda: volume.append(plugin.publish(target, job))))
+    times["unpublish"].append(timed(lambda: plugin.unpublish(volume[0], target)))
+    target = plugin.target()
+    times["publish to the running daemon"].append(timed(lambda: volume.append(plugin.publish(target, job))))
+    plugin.unpublish(volume[1], target)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--jobs", type=int, default=5, help="jobs to publish, one after the other (default 5)")
@@ -54,35 +87,7 @@ def main() -> int:
     try:
         plugin.start()
         for i in range(args.jobs):
-            by_hand = base / f"hand-{i}"
-            by_hand.mkdir()
-            times["tierfs mount by hand"].append(
-                timed(
-                    lambda: subprocess.run(
-                        [
-                            *TIERFS,
-                            "mount",
-                            str(by_hand),
-                            "--ramdisk",
-                            str(base / "ram-hand"),
-                            "--job",
-                            f"h{i}",
-                            "--capacity",
-                            "64M",
-                        ],
-                        check=True,
-                    )
-                )
-            )
-            subprocess.run([*TIERFS, "unmount", str(by_hand)], check=True)
-            job = {"job": f"j{i}", "rank": "0", "capacity": "64M"}
-            target = plugin.target()
-            volume: list[str] = []
-            times["first publish (starts the daemon)"].append(timed(lambda: volume.append(plugin.publish(target, job))))
-            times["unpublish"].append(timed(lambda: plugin.unpublish(volume[0], target)))
-            target = plugin.target()
-            times["publish to the running daemon"].append(timed(lambda: volume.append(plugin.publish(target, job))))
-            plugin.unpublish(volume[1], target)
+            one_job(plugin, base, i, times)
         for what, values in times.items():
             print(f"{what:36s} median {statistics.median(values):.3f} s  (n={len(values)})")
         return 0

@@ -305,7 +305,7 @@ def run_round(rnd: int, args, client: storage.Client, emu: GcsEmulator, vol: Vol
         for b in buckets:
             try:
                 drop_bucket(client, b)
-            except Exception as e:  # the emulator goes away at exit anyway
+            except Exception as e:  # noqa: BLE001 (cleanup: the emulator goes away at exit anyway)
                 progress(f"bench_gcs: warning: cannot delete bucket {b}: {e}")
     with open(f"/proc/{emu_pid}/status") as f:  # the emulator keeps every object in RAM
         kv = dict(ln.split(":", 1) for ln in f)
@@ -364,7 +364,8 @@ def render(s: dict) -> str:
         f"# commit to backed up {s['commit_to_backed_up_s']:.2f} s (lag_s {s['lag_s']:.2f}); copy into the "
         f"mount (untimed) {s['copy_in_s']:.2f} s; mount of an empty volume {s['empty_mount_s']:.2f} s",
         f"# dedup: step 2 changed {s['step2_changed_fraction']:.3f} of the bytes and uploaded "
-        f"{s['step2_uploaded_fraction']:.3f} (dedup {s['step2_dedup_mib']:.0f} MiB, backup {s['step2_backup_s']:.2f} s)",
+        f"{s['step2_uploaded_fraction']:.3f} (dedup {s['step2_dedup_mib']:.0f} MiB, "
+        f"backup {s['step2_backup_s']:.2f} s)",
         "# CPU seconds, emulator + client (this process, or the tierfs daemon): "
         + "; ".join(f"{k} {e:.1f} + {c:.1f}" for k, (e, c) in s["cpu_s"].items()),
         f"# emulator RSS after each round's cleanup <= {s['emulator_rss_mib_max']} MiB, "

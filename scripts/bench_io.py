@@ -93,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import itertools
 import json
 import mmap
@@ -523,12 +524,10 @@ class Run:
         for offset in range(0, per_job, seg):
             if op == "cold":
                 drop_cached(self.engine.files(directory, tag, jobs), offset, min(seg, per_job - offset))
-            part = self._timed(
-                side,
-                lambda: self.engine.run(
-                    mode, op, directory, tag, bs, min(seg, per_job - offset), jobs, offset, fallocate
-                ),
+            run = functools.partial(
+                self.engine.run, mode, op, directory, tag, bs, min(seg, per_job - offset), jobs, offset, fallocate
             )
+            part = self._timed(side, run)
             res["bytes"] += part["bytes"]
             res["seconds"] += part["seconds"]
             res["segments"] += 1
@@ -660,7 +659,9 @@ def render_table(rows: list[dict]) -> str:
     def line(cells):
         return (
             "| "
-            + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " | ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
             + " |"
         )
 
@@ -734,7 +735,7 @@ def plot(path: str, rows: list[dict], title: str) -> str | None:
         xs = [i + (k - (len(vols) - 1) / 2) * width for i in range(len(rows))]
         label = f"--data-path {v}" if v in VOLUMES else v
         bars = ax.bar(xs, ys, width, label=label, color=colors.get(v) or next(others, None))
-        for b, y in zip(bars, ys):
+        for b, y in zip(bars, ys, strict=True):
             ax.annotate(
                 f"{y:.2f}", (b.get_x() + b.get_width() / 2, y), ha="center", va="bottom", fontsize=6, rotation=90
             )

@@ -239,7 +239,9 @@ def render_table(rows: list[dict], sides: tuple[str, ...]) -> str:
     def line(cells):
         return (
             "| "
-            + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+            + " | ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            )
             + " |"
         )
 

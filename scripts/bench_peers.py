@@ -359,7 +359,10 @@ class Bench:
         if step is not None:
             make_files(mnt / "ckpt" / f"{step}.orbax-checkpoint-tmp", size, self.args.files)
         path = str(mnt / f"write-{tag}")
-        held = lambda: self.fetch(peer.mountpoint)["replicas_held"]["bytes"]  # what the peer holds: the real overlap
+
+        def held():  # what the peer holds: the real overlap
+            return self.fetch(peer.mountpoint)["replicas_held"]["bytes"]
+
         try:
             self.warm(size)
             pids = (c.nodes[0].pid, peer.pid)
@@ -487,7 +490,10 @@ class Bench:
 
 def round_line(r: dict) -> str:
     """One round's numbers in MiB/s, for the person waiting."""
-    mib = lambda x, t="seconds": f"{x['bytes'] / x[t] / MiB:.0f}"
+
+    def mib(x, t="seconds"):
+        return f"{x['bytes'] / x[t] / MiB:.0f}"
+
     parts = []
     for key in (k for k in r if k.startswith("copy_")):
         x, name = r[key], TLS_NAMES[key[5:]]
@@ -773,7 +779,7 @@ def plot(path: str, summaries: dict[int, dict], title: str) -> str | None:
         "tab:green" if t is not None and r >= t else "tab:red" if t is not None else "tab:blue" for _, r, t in bars
     ]
     ax.barh(list(ys), [r for _, r, _ in bars], 0.6, color=colors)
-    for y, (_, r, t) in zip(ys, bars):
+    for y, (_, r, t) in zip(ys, bars, strict=True):
         ax.annotate(f"{r:.2f}", (r, y), xytext=(3, 0), textcoords="offset points", va="center", fontsize=8)
         if t is not None:
             ax.plot([t, t], [y - 0.4, y + 0.4], color="black", lw=1.5)

@@ -175,7 +175,7 @@ class Bench:
     def drop(self, name: str) -> None:
         try:
             drop_bucket(self.client, name)
-        except Exception as e:  # the emulator goes away at exit anyway
+        except Exception as e:  # noqa: BLE001 (cleanup: the emulator goes away at exit anyway)
             progress(f"bench_restore: warning: cannot delete bucket {name}: {one_line(e)}")
         self.buckets.remove(name)
 
@@ -610,7 +610,10 @@ def render(s: dict, args) -> str:
         "CPU-s/GiB snd / rcv",
         "baseline snd / rcv",
     )
-    cpu = lambda c: f"{c['sender']:.2f} / {c['receiver']:.2f}"
+
+    def cpu(c):
+        return f"{c['sender']:.2f} / {c['receiver']:.2f}"
+
     body = [
         (
             row_name(r, args),
@@ -857,7 +860,7 @@ def main() -> int:
     except KeyboardInterrupt:
         print("bench_restore: interrupted; cleaning up", file=sys.stderr)
         return 130
-    except Exception as e:  # also a daemon's UserError, the emulator, google-cloud-storage: one line all the same
+    except Exception as e:  # noqa: BLE001 (the script's top: a daemon's UserError, the emulator, GCS: one line)
         known = isinstance(e, (BenchError, AssertionError, OSError, subprocess.TimeoutExpired))
         kept = keep_logs(tmp / "run", "bench-restore")
         print(

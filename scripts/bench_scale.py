@@ -266,7 +266,7 @@ def plot_backups(axes: list, results: dict, ns: list[str]) -> None:
     bx, tx = axes
     x = [results[n]["backup"][BACKUPS[0][0]]["nodes"] for n in ns]
     styles = ("o-", "s-", "^:", "v:")
-    for (key, label, *_), style in zip(BACKUPS, styles):
+    for (key, label, *_), style in zip(BACKUPS, styles, strict=True):
         bx.plot(x, [results[n]["backup"][key]["gcs_per_unique"] for n in ns], style, label=label)
         tx.plot(x, [results[n]["backup"][key]["backed_up_s_max"] for n in ns], style, label=label)
     bx.axhline(1.05, color="tab:red", lw=0.8, ls="--", label="target 1.05 (1.5 with a twin dead)")

@@ -71,10 +71,7 @@ def registered(mountpoint: str) -> dict:
 
 def answers(mountpoint: str) -> bool:
     """Whether the daemon registered for ``mountpoint`` answers its control socket."""
-    from tierfs.core import (
-        control_client,
-        mounts,
-    )
+    from tierfs.core import control_client, mounts
     from tierfs.core.errors import UserError
 
     try:

@@ -66,7 +66,7 @@ def pyplot():
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:
+    except Exception:  # noqa: BLE001 (a missing or broken matplotlib costs the plot, not the run)
         return None
     return plt
 
@@ -125,7 +125,7 @@ def render_table(head: tuple[str, ...], body: list[tuple[str, ...]], left: int =
     right-aligned, a rule under the head."""
     widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(head)]
     return "\n".join(
-        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        "  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         for cells in [head, tuple("-" * w for w in widths), *body]
     )
 
@@ -569,7 +569,7 @@ def plain_sender(host: str, dest: str, port: int, paths: list[str]) -> None:
     cpu0, t0 = cpu_seconds(), time.monotonic()  # CLOCK_MONOTONIC: comparable across processes
     with socket.create_connection((dest, port), source_address=(host, 0)) as s:
         s.sendall(struct.pack(f">I{len(sizes)}Q", len(sizes), *sizes))
-        for fd, size in zip(fds, sizes):
+        for fd, size in zip(fds, sizes, strict=True):
             off = 0
             while off < size:
                 off += os.sendfile(s.fileno(), fd, off, size - off)

@@ -50,7 +50,8 @@ def wait_for(predicate: Callable, timeout: float = 60, what: str = "condition", 
 def write_orbax_step(
     mnt: Path, step: int, files: dict[str, bytes], base: str = "ckpt", prepare: Callable[[Path], None] | None = None
 ) -> Path:
-    """Commit ``files`` as Orbax does: write them into ``<base>/<step>.orbax-checkpoint-tmp``, rename it to ``<base>/<step>``.
+    """Commit ``files`` as Orbax does: write them into ``<base>/<step>.orbax-checkpoint-tmp``,
+    rename it to ``<base>/<step>``.
 
     ``base=""`` writes at the root of the mount (Orbax under multi-tier checkpointing).
     Files are written in the order given, so a marker goes last. ``prepare(tmp)`` runs just

@@ -6,7 +6,7 @@ requests, and of the time until every rank's manifest is in. Answering it needs 
 coordination messages (the twins of a shard know each other from the job's shape), only
 the bucket of :mod:`tierfs_testing.sim`, which counts every byte up and down, so it lives
 apart from the coordination scenarios of :mod:`tierfs_testing.scenarios`, on the same
-MockClock and job model.
+MockClock and job model (:mod:`tierfs_testing.simjob`).
 
 Two ways for a rank to put its step up:
 
@@ -34,8 +34,8 @@ import trio
 from tierfs.coordination.transport import Message
 from tierfs.tiers import twins
 from tierfs.tiers.gcs import THREADS
-from tierfs_testing.scenarios import JobModel, MiB, Settings, on_mock_clock
 from tierfs_testing.sim import SimGcs, SimNetwork
+from tierfs_testing.simjob import JobModel, MiB, Settings, on_mock_clock
 
 MODES = ("today", "twins")
 STEP = 100

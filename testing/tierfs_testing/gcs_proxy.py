@@ -79,7 +79,8 @@ class GcsProxy:
         return {"STORAGE_EMULATOR_HOST": self.url, "NO_PROXY": no_proxy, "no_proxy": no_proxy}
 
     def counts(self) -> dict:
-        """Bytes of request bodies (``up``) and response bodies (``down``), requests, and object uploads under chunks/."""
+        """Bytes of request bodies (``up``) and response bodies (``down``), requests, and object uploads
+        under chunks/."""
         with self._lock:
             return {
                 "up": self._up,
@@ -235,4 +236,5 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         except (ConnectionError, OSError):
             self.close_connection = True  # the client went away (killed), or the emulator did
 
-    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _handle
+    # http.server dispatches to do_<METHOD>: its names, not ours.
+    do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_HEAD = _handle  # noqa: N815

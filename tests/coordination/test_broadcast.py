@@ -113,7 +113,7 @@ def test_plans_hold_their_guarantees_on_random_restores(restore):
                 assert node not in seen
                 seen.add(node)
                 node = plans[node].sources[h][0].address
-    for (_source, h), served in primaries(plans).items():
+    for served in primaries(plans).values():
         assert served <= fan_out
     for h in in_gcs:
         seeds = [a for a, p in plans.items() if h in p.sources and p.sources[h] and p.sources[h][0].is_gcs]
@@ -169,7 +169,7 @@ async def test_when_a_planned_source_dies_its_chunks_come_from_the_next_source(a
         took = trio.current_time() - t0
         nursery.cancel_scope.cancel()
     orphaned = len(plans[dead.address].from_gcs())
-    for address, f in fetches.items():
+    for f in fetches.values():
         assert not f.failed and all(f.board.has(h) for h in chunks)
         assert f.dead == {dead.address} and f.fallbacks == orphaned  # its seeds came from GCS instead
     assert gcs.bytes_read == sum(sizes.values()) + 2 * orphaned * 16 * MiB  # 3 read what 1 would have

@@ -301,7 +301,8 @@ def test_jobset_fields():
         assert isinstance(rj.get("replicas", 1), int) and rj.get("replicas", 1) >= 1
         assert set(rj["template"]) <= {"metadata", "spec"}
         # Pod hostnames <jobset>-<replicatedJob>-<jobIndex>-<podIndex> must be DNS labels.
-        longest = f"{js['metadata']['name']}-{rj['name']}-{rj.get('replicas', 1) - 1}-{rj['template']['spec']['completions'] - 1}"
+        last_job, last_pod = rj.get("replicas", 1) - 1, rj["template"]["spec"]["completions"] - 1
+        longest = f"{js['metadata']['name']}-{rj['name']}-{last_job}-{last_pod}"
         assert DNS_LABEL.match(longest), f"pod hostname {longest!r} is not a DNS label"
 
 
@@ -645,10 +646,8 @@ def test_example_ranks_peers_and_coordinator_name_the_pods(workload):
     ranks = [_rank(attrs, p["labels"]) for p in pods]
     assert sorted(ranks) == list(range(nodes)), f"ranks {ranks} are not 0..{nodes - 1}"
     # The plugin resolves these from its own namespace: they must be qualified with the pods'.
-    fqdn = {rank: f"{p['hostname']}.{p['subdomain']}.{p['namespace']}.svc" for rank, p in zip(ranks, pods)}
-    from tierfs.csi.settings import (
-        PEER_PORT,  # where the plugin listens when `listen` is not set
-    )
+    fqdn = {rank: f"{p['hostname']}.{p['subdomain']}.{p['namespace']}.svc" for rank, p in zip(ranks, pods, strict=True)}
+    from tierfs.csi.settings import PEER_PORT  # where the plugin listens when `listen` is not set
 
     peers = [parse_address(a, "peers") for a in attrs["peers"].split(",")]
     assert sorted(peers) == sorted((host, PEER_PORT) for host in fqdn.values())

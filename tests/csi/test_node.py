@@ -43,8 +43,8 @@ def test_identity_names_the_driver_and_offers_no_controller(plugin):
     assert plugin.call("Identity", "Probe", pb.ProbeRequest()).ready.value  # tests/csi/test_health.py: when not
     assert plugin.call("Node", "NodeGetInfo", pb.NodeGetInfoRequest()).node_id == "node-a"
     caps = plugin.call("Node", "NodeGetCapabilities", pb.NodeGetCapabilitiesRequest()).capabilities
-    RPC = pb.NodeServiceCapability.RPC
-    assert {c.rpc.type for c in caps} == {RPC.GET_VOLUME_STATS, RPC.VOLUME_CONDITION}
+    rpc = pb.NodeServiceCapability.RPC
+    assert {c.rpc.type for c in caps} == {rpc.GET_VOLUME_STATS, rpc.VOLUME_CONDITION}
 
 
 def test_publish_write_unpublish_republish_keeps_the_data(plugin):

@@ -72,3 +72,7 @@ def test_checked_in_module_is_generated_from_the_proto(tmp_path):
     assert fresh == checked_in[checked_in.index(marker) :].split("\n", 1)[0], (
         "src/tierfs/csi/csi_pb2.py is stale: run scripts/gen-csi-proto.sh"
     )
+    stub = Path(pb.__file__).with_suffix(".pyi")
+    assert (tmp_path / "csi_pb2.pyi").read_text() == stub.read_text(), (
+        "src/tierfs/csi/csi_pb2.pyi, the types mypy checks the plugin against, is stale: run scripts/gen-csi-proto.sh"
+    )

@@ -105,7 +105,7 @@ def same(a: Any, b: Any) -> tuple[bool, int]:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return False, 0
-        results = [same(x, y) for x, y in zip(a, b)]
+        results = [same(x, y) for x, y in zip(a, b, strict=True)]
         return all(r[0] for r in results), sum(r[1] for r in results)
     return a == b, 0
 

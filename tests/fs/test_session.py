@@ -29,6 +29,7 @@ from tierfs.fs.session import KernelSession
 from tierfs.ramtier import SpaceAccount
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting needs root")
+MiB = 1 << 20
 
 
 class Mounted:
@@ -288,7 +289,6 @@ class CountingOperations(Operations):
 async def test_fallocate_and_seek_holes_are_served_on_the_backing_file(mounted, want_passthrough):
     """The own engine serves FUSE_FALLOCATE and FUSE_LSEEK on the open file's backing file;
     a preallocation is held to the space account (the tree here is no tmpfs of that size)."""
-    MiB = 1 << 20
     m = await mounted(want_passthrough=want_passthrough, ops_class=CountingOperations, capacity=16 * MiB)
     assert m.session.data_path == ("passthrough" if want_passthrough else "daemon")
     keep, punch = linux.FALLOC_FL_KEEP_SIZE, linux.FALLOC_FL_PUNCH_HOLE | linux.FALLOC_FL_KEEP_SIZE

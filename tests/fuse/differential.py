@@ -723,7 +723,7 @@ def tree(root: str, flags: bool = True) -> dict:
 
 def unfreeze(root: str) -> None:
     """Clear immutable and append-only flags under ``root`` (as root), so it can be deleted."""
-    for d, dirs, files, dir_fd in os.fwalk(root, topdown=False):
+    for _, dirs, files, dir_fd in os.fwalk(root, topdown=False):
         for name in dirs + files:
             try:
                 fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)

@@ -24,7 +24,7 @@ ENTRIES = 1500  # names long enough that a listing takes several getdents calls
 MAP_SIZE = 1 << 20
 
 
-def P(*parts):
+def in_root(*parts):
     return os.path.join(root, *parts)
 
 
@@ -81,7 +81,7 @@ def main():
             if step > 1:
                 check_step(step - 1)
         # Names made and removed: the requests a successor must not run twice.
-        scratch = P(f"scratch-{loop}")
+        scratch = in_root(f"scratch-{loop}")
         os.mkdir(scratch)
         fd = os.open(os.path.join(scratch, "f"), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         os.write(fd, b"scratch %d" % loop)

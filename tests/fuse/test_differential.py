@@ -51,7 +51,7 @@ def agrees(result, want) -> bool:
 
 def first_difference(seed: int, phase: str, got: list, expected: list) -> str | None:
     """The first call whose result differs, with the five calls before it, or None."""
-    for n, ((i, desc, result, after), (_, _, want, want_after)) in enumerate(zip(got, expected)):
+    for n, ((i, desc, result, after), (_, _, want, want_after)) in enumerate(zip(got, expected, strict=False)):
         if not agrees(result, want) or after != want_after:
             before = "\n".join(f"  #{j} {d}: {r}" for j, d, r, _ in got[max(0, n - 5) : n])
             return (

@@ -22,6 +22,8 @@ import pytest
 
 from tierfs.core import linux
 
+MiB = 1 << 20
+
 
 def attempt(fn, *args, **kwargs):
     """The result of a call, or the errno name it failed with."""
@@ -371,7 +373,6 @@ def checkpoint_flow(root: Path):
 
 def writes_in_flight(root: Path):
     """Large writes seen at once from other descriptors, while the writer keeps its file open."""
-    MiB = 1 << 20
     p = root / "f"
     data = bytes(range(256)) * (4 * MiB // 256)
     wo = os.open(p, os.O_CREAT | os.O_WRONLY, 0o644)  # direct I/O

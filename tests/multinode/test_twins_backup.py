@@ -59,7 +59,7 @@ def twins_cluster(cluster, proxies, gcs_bucket):
         data_parallel=NODES,
         job=f"tw-{uuid.uuid4().hex[:6]}",
     )
-    for node, proxy in zip(c.nodes, proxies):
+    for node, proxy in zip(c.nodes, proxies, strict=True):
         node.environ = proxy.environ()
     c.start_all()
     for p in proxies:

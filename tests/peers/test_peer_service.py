@@ -100,7 +100,7 @@ def make_step(base: Path, rank: int, step: int, files: dict[str, bytes]) -> tupl
 
 async def push(client: PeerClient, manifest: Manifest, where: Where) -> None:
     hashes = list(where)
-    for h, held in zip(hashes, await client.have(hashes)):
+    for h, held in zip(hashes, await client.have(hashes), strict=True):
         if not held:
             await client.put_chunk(h, *where[h])
     await client.put_manifest(manifest.rank, manifest.step, manifest.to_json())
@@ -409,7 +409,7 @@ async def test_many_chunks_come_back_in_one_request_and_absent_ones_are_named(nu
             assert await client.get_chunks_into(asks) == [True, False, True, False, True, True]
             assert await client.get_chunks_into([(absent, 10, fd, 0)]) == [False]  # nothing comes: no body
             assert (await client.info())["rank"] == 1  # in step
-        for (_, path, offset, length), at in zip(chunks[:3], (0, 4 << 20, 8 << 20)):
+        for (_, path, offset, length), at in zip(chunks[:3], (0, 4 << 20, 8 << 20), strict=True):
             assert os.pread(fd, length, at) == read_range((str(path), offset, length))
     finally:
         os.close(fd)

@@ -31,9 +31,9 @@ from tests.multinode.conftest import cluster  # noqa: F401 (the fixture)
 from tests.multinode.test_peers import commit_step, replicated
 from tests.security.test_untrusted_bytes import (
     JSON,
-    H,
     Sandbox,
     check_restored_tree,
+    hash_of,
     hostile_manifests,
     one_line,
     sample,
@@ -451,7 +451,9 @@ def test_whatever_the_job_left_in_the_way_a_restored_step_lands_in_its_tree(shm_
     parts = [f"d{i}" for i in range(depth)] + ["500"]
     root = "/".join(parts)
     entries = [Entry("/".join(parts[: i + 1]), "dir", 0o755, USER, USER, 0, 10 + i) for i in range(len(parts))]
-    entries.append(Entry(f"{root}/a.bin", "file", 0o644, USER, USER, 9, 20, chunks=[H("0"), H("1"), H("2")]))
+    entries.append(
+        Entry(f"{root}/a.bin", "file", 0o644, USER, USER, 9, 20, chunks=[hash_of("0"), hash_of("1"), hash_of("2")])
+    )
     manifest = Manifest(job="llama", rank=3, step=500, chunk_size=4, roots=[root], created=1.0, entries=entries)
 
     tree, planted = sandbox.rank.tree, {}
@@ -521,7 +523,7 @@ PROGRESS = st.one_of(
 )
 JOURNALS = st.one_of(
     st.binary(max_size=200),
-    st.lists(st.sampled_from([H("0"), H("1"), H("2"), "zz", "", "\x00" * 3]), max_size=6).map(
+    st.lists(st.sampled_from([hash_of("0"), hash_of("1"), hash_of("2"), "zz", "", "\x00" * 3]), max_size=6).map(
         lambda names: "\n".join(names).encode()
     ),
 )

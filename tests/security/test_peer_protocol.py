@@ -87,7 +87,7 @@ def _recording_peer_log():
     try:
         yield recorder
     finally:
-        for logger, level in zip(loggers, old_levels):
+        for logger, level in zip(loggers, old_levels, strict=True):
             logger.removeHandler(recorder)
             logger.setLevel(level)
 

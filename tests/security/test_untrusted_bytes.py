@@ -132,7 +132,7 @@ def _damaged(frame: bytes, at: int, junk: bytes) -> bytes:
 # -- manifests -----------------------------------------------------------------------------
 
 
-def H(label: str) -> str:
+def hash_of(label: str) -> str:
     return chunk_hash(label.encode())
 
 
@@ -147,7 +147,7 @@ def sample() -> Manifest:
         entries=[
             Entry("ckpt", "dir", 0o755, 1000, 1000, 0, 10),
             Entry("ckpt/500", "dir", 0o1777, 1000, 1000, 0, 11),
-            Entry("ckpt/500/a.bin", "file", 0o4755, 0, 0, 9, 12, chunks=[H("0"), H("1"), H("2")]),
+            Entry("ckpt/500/a.bin", "file", 0o4755, 0, 0, 9, 12, chunks=[hash_of("0"), hash_of("1"), hash_of("2")]),
             Entry("ckpt/500/latest", "symlink", 0o777, 0, 0, 0, 14, target="a.bin"),
         ],
     )
@@ -365,7 +365,7 @@ def hostile_manifests(draw) -> bytes:
             "size": size,
             "mtime_ns": draw(st.sampled_from([0, 10**18, 10**18, 1 << 64, -(1 << 70)])),
             "target": draw(TARGETS) if kind == "symlink" else None,
-            "chunks": [H(str(i)) for i in range(-(-size // 4))],
+            "chunks": [hash_of(str(i)) for i in range(-(-size // 4))],
         }
 
     for _ in range(draw(st.integers(1, 6))):
@@ -562,7 +562,7 @@ def test_hostile_chunk_frames_fail_their_reads_and_the_daemon_keeps_serving(volu
     m = json.loads(read_object(gcs_bucket, manifest_name(job, 0, 1)))
     hashes = next(e for e in m["entries"] if e["path"].endswith("/a"))["chunks"]
     planted = [b"Z" + zstd_header_claiming(1 << 40), b"Z" + zstd_bomb(64 * MiB), b"R" + os.urandom(20 * MiB)]
-    for h, frame in zip(hashes, planted):
+    for h, frame in zip(hashes, planted, strict=True):
         plant(gcs_bucket, f"b/{job}/chunks/{h[:2]}/{h}", frame)
 
     wipe(vol)
@@ -585,7 +585,7 @@ def test_backups_replace_corrupt_chunk_objects_instead_of_trusting_them(volumes,
     files = {"a": os.urandom(2 * MiB), "b": os.urandom(MiB)}
     names = {chunk_hash(d[i : i + MiB]): d[i : i + MiB] for d in files.values() for i in range(0, len(d), MiB)}
     bad = [b"R" + os.urandom(MiB), b"Z" + zstd_header_claiming(1 << 40), b"R" + os.urandom(5 * MiB)]
-    for h, frame in zip(names, bad):  # planted under the chunks' names before the first backup
+    for h, frame in zip(names, bad, strict=True):  # planted under the chunks' names before the first backup
         plant(gcs_bucket, f"b/{job}/chunks/{h[:2]}/{h}", frame)
 
     def sound() -> bool:

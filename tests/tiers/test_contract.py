@@ -93,9 +93,9 @@ async def test_chunks_put_together_are_each_held_and_come_back_together(subject,
     absent = chunk_hash(b"never stored")
     fd = os.open(tmp_path / "target", os.O_RDWR | os.O_CREAT, 0o600)
     try:
-        asks = [(h, len(d), fd, 10 * CS * i) for i, ((h, _), d) in enumerate(zip(chunks, datas))]
+        asks = [(h, len(d), fd, 10 * CS * i) for i, ((h, _), d) in enumerate(zip(chunks, datas, strict=True))]
         assert await tier.get_chunks_into(asks + [(absent, 10, fd, 40 * CS)]) == [True, True, True, False]
-        for (_, length, _, offset), d in zip(asks, datas):
+        for (_, length, _, offset), d in zip(asks, datas, strict=True):
             assert os.pread(fd, length, offset) == d
     finally:
         os.close(fd)

@@ -165,7 +165,7 @@ def test_clock_steps_and_zero_intervals_are_ignored():
 def test_the_median_ignores_a_restart_gap_and_a_slow_first_save():
     times = [0, 600, 1200, 6200, 6800, 7400]  # a failure between 1200 and 6200
     writes = [400, 30, 30, 30, 31, 29]  # the first save of the process was slow
-    g = estimate(Observed([(T0 + t, w) for t, w in zip(times, writes)], {}, {}, None, 0, 3600), now=T0)
+    g = estimate(Observed([(T0 + t, w) for t, w in zip(times, writes, strict=True)], {}, {}, None, 0, 3600), now=T0)
     assert g.interval_s == 600  # median of 600, 600, 5000, 600, 600
     assert g.cost_s == 30  # median of 400, 30, 30, 30, 31, 29
 

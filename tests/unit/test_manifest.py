@@ -19,7 +19,7 @@ from tierfs.core.manifest import FORMAT_VERSION, Entry, Manifest, ManifestError
 CS = 1024  # a small chunk size keeps the trees small
 
 
-def H(label: str) -> str:
+def hash_of(label: str) -> str:
     return chunk_hash(label.encode())
 
 
@@ -34,8 +34,10 @@ def sample() -> Manifest:
         entries=[
             Entry("ckpt", "dir", 0o755, 1000, 1000, 0, 10),
             Entry("ckpt/500", "dir", 0o1777, 1000, 1000, 0, 11),
-            Entry("ckpt/500/a.bin", "file", 0o4755, 1000, 100, 9, 12, chunks=[H("0"), H("1"), H("2")]),
-            Entry("ckpt/500/b.bin", "file", 0o644, 0, 0, 4, 13, chunks=[H("0")]),
+            Entry(
+                "ckpt/500/a.bin", "file", 0o4755, 1000, 100, 9, 12, chunks=[hash_of("0"), hash_of("1"), hash_of("2")]
+            ),
+            Entry("ckpt/500/b.bin", "file", 0o644, 0, 0, 4, 13, chunks=[hash_of("0")]),
             Entry("ckpt/500/latest", "symlink", 0o777, 0, 0, 0, 14, target="a.bin"),
         ],
     )
@@ -62,7 +64,7 @@ def test_json_is_compact_and_deterministic():
 
 def test_chunk_accounting():
     m = sample()
-    assert m.chunk_set() == {H("0"), H("1"), H("2")}
+    assert m.chunk_set() == {hash_of("0"), hash_of("1"), hash_of("2")}
     assert m.unique_chunk_count == 3
     assert m.total_bytes == 13
 
@@ -92,7 +94,7 @@ def set_entry(index, **fields):
         ),
         (lambda d: d["entries"][2]["chunks"].pop(), r"2 chunks for 9 bytes, expected 3 of 4 bytes"),
         (set_entry(2, size=13), "3 chunks for 13 bytes, expected 4"),
-        (set_entry(0, chunks=[H("0")]), "1 chunks for 0 bytes, expected 0"),
+        (set_entry(0, chunks=[hash_of("0")]), "1 chunks for 0 bytes, expected 0"),
         (drop("chunk_size"), "missing field 'chunk_size'"),
         (drop("entries"), "missing field 'entries'"),
         (lambda d: d["entries"][3].pop("mode"), r"entry 'ckpt/500/b.bin': missing field 'mode'"),
@@ -113,7 +115,7 @@ def set_entry(index, **fields):
         (set_entry(4, target=None), "a symlink needs a target"),
         (set_entry(1, size=4096), "a dir has no size"),
         (set_entry(3, chunks=["XYZ"]), "'XYZ' is not a chunk hash"),
-        (set_entry(3, chunks=[H("0").upper()]), "is not a chunk hash"),
+        (set_entry(3, chunks=[hash_of("0").upper()]), "is not a chunk hash"),
     ],
 )
 def test_from_json_rejects(mutate, message):
@@ -319,7 +321,10 @@ def test_known_cache_skips_rehashing_unchanged_files(snap, hash_calls):
 def test_every_chunk_read_is_paced_and_a_cached_file_is_not(snap):
     """Hashing a step in the background waits for the job's writes before each chunk it reads."""
     paced: list[str] = []
-    pace = lambda: paced.append(threading.current_thread().name)
+
+    def pace() -> None:
+        paced.append(threading.current_thread().name)
+
     known: dict = {}
     build(snap, ["checkpoints/500"], job="j", rank=0, step=500, chunk_size=CS, known=known, pace=pace)
     assert len(paced) == 3 + 4 + 1 + 1  # exact, plus-one, state, run.sh; the empty file has none
@@ -419,9 +424,9 @@ def test_nonzero_bytes_leaves_out_chunks_of_zeros_whole_and_short():
         created=0.0,
         entries=[
             Entry("a", "dir", 0o755, 0, 0, 0, 0),
-            Entry("a/data", "file", 0o644, 0, 0, 9, 0, chunks=[H("0"), z, H("2")]),  # 4 + 0 + 1
+            Entry("a/data", "file", 0o644, 0, 0, 9, 0, chunks=[hash_of("0"), z, hash_of("2")]),  # 4 + 0 + 1
             Entry("a/hole", "file", 0o644, 0, 0, 9, 0, chunks=[z, z, zs]),  # all hole
-            Entry("a/short", "file", 0o644, 0, 0, 6, 0, chunks=[z, H("3")]),  # 0 + 2
+            Entry("a/short", "file", 0o644, 0, 0, 6, 0, chunks=[z, hash_of("3")]),  # 0 + 2
             Entry("a/empty", "file", 0o644, 0, 0, 0, 0),
         ],
     )

@@ -22,18 +22,22 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    return _build()[0]
+
+
+def _build() -> tuple[argparse.ArgumentParser, set[str]]:
+    """The parser, and the names of its commands (a first argument naming none is the mount helper's form)."""
     parser = _Parser(prog="tierfs", description="RAM-speed checkpoint volume with peer and GCS tiers.")
     parser.add_argument("--version", action="version", version=f"tierfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
     for command in COMMANDS:
         command.add_parser(sub)
-    return parser
+    return parser, set(sub.choices)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    known = set(parser._subparsers._group_actions[0].choices)
+    parser, known = _build()
     try:
         if argv and not argv[0].startswith("-") and argv[0] not in known:
             return mount.run_helper(argv)  # fuse3's helper form: tierfs JOB MOUNTPOINT -o ...

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from tierfs.config import DEFAULT_RAMDISK
+from tierfs.core.errors import UserError
 from tierfs.core.logs import LOG_FORMATS, JsonFormatter
 from tierfs.core.parse import parse_address, parse_duration
 
@@ -108,13 +109,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tierfs.core.errors import UserError
-    from tierfs.csi import (
-        server,  # grpc and the generated messages: only this command needs them
-    )
-    from tierfs.csi.errors import VolumeError
-    from tierfs.csi.settings import PluginConfig, load_settings
-    from tierfs.csi.volumes import Volumes
+    # The plugin's modules load grpc, the generated messages, requests and yaml: only this command needs them.
+    from tierfs.csi import server  # noqa: PLC0415
+    from tierfs.csi.errors import VolumeError  # noqa: PLC0415
+    from tierfs.csi.settings import PluginConfig, load_settings  # noqa: PLC0415
+    from tierfs.csi.volumes import Volumes  # noqa: PLC0415
 
     if args.probe or args.ready:
         return probe(args.endpoint, ready=args.ready)
@@ -164,9 +163,9 @@ def run(args: argparse.Namespace) -> int:
 def probe(endpoint: str | None, ready: bool = False, timeout: float = 8.0) -> int:
     """Call the plugin's Probe() once: that it answers is its liveness; with ``ready``, that it
     also says it can serve new volumes is its readiness."""
+    # grpc and the generated messages load only for a probe (or the plugin itself).
     import grpc  # noqa: PLC0415
 
-    from tierfs.core.errors import UserError  # noqa: PLC0415
     from tierfs.csi import csi_pb2 as pb  # noqa: PLC0415
     from tierfs.csi.rpc import stub  # noqa: PLC0415
 

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 def keep(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None) -> int:
     """Be the mount's keeper in this process (:mod:`tierfs.daemon.keeper`): it runs the daemon.
     ``fuse_fd``: a live connection taken from another keeper."""
-    from tierfs.daemon import daemon, host  # noqa: PLC0415 (slow imports, for the daemon only)
+    from tierfs.daemon import host, process  # noqa: PLC0415 (slow imports, for the daemon only)
 
     host.setup_logging(cfg, rotate=False)  # the daemon rotates the log; its keeper follows
     if cgroup := os.environ.get(keeper.CGROUP_ENV):
@@ -113,7 +113,7 @@ def keep(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None) -
     watch = os.environ.pop(keeper.WATCH_ENV, None)
     code = keeper.Keeper(
         cfg,
-        daemon.run,
+        process.run,
         fuse_fd,
         offer_at=os.environ.get(keeper.SOCKET_ENV),
         watch=int(watch) if watch and watch.isdigit() else None,
@@ -136,7 +136,7 @@ def run_helper(argv: list[str]) -> int:
             positional.append(a)
     if len(positional) != 2:
         raise UserError("usage: tierfs JOB MOUNTPOINT [-o rank=N,ramdisk=DIR,...]")
-    values: dict[str, str] = {"job": positional[0]}
+    values: dict[str, str | None] = {"job": positional[0]}
     switches = {"ro": False, "start-fresh": (env_value("start_fresh") or "").lower() in ("1", "true", "yes")}
     for opt in filter(None, options):
         key, _, value = opt.partition("=")
@@ -185,7 +185,7 @@ def spawn(cfg: Config) -> int:
     # ~50 ms) releases the GIL, so it runs while the modules are imported.
     with ThreadPoolExecutor(max_workers=1) as pool:
         keyed = pool.submit(tls.for_config, cfg)
-        from tierfs.daemon import daemon  # noqa: F401, PLC0415 (the CLI's other commands do not need it)
+        from tierfs.daemon import process  # noqa: F401, PLC0415 (the CLI's other commands do not need it)
 
         keyed.result()
     reg = mounts.Registration(cfg.mountpoint)

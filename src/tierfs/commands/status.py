@@ -49,7 +49,8 @@ def render(s: dict) -> str:
     ram = s["tiers"]["ram"]
     cap = format_size(ram["capacity"]) + ("" if ram["capacity_bounded"] else " (ramdisk size)")
     lines = [
-        f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  pid {s['pid']}  up {s['uptime_s']:.0f}s",
+        f"tierfs {s['mountpoint']}  job {s['job']}  rank {s['rank']}/{s['nodes']}  "
+        f"pid {s['pid']}  up {s['uptime_s']:.0f}s",
         *(
             [
                 f"  UNAUTHENTICATED BUCKET: {s['gcs']['url']} is neither encrypted nor authenticated (no job secret): "
@@ -173,7 +174,8 @@ def goodput_lines(g: dict, failures: int) -> list[str]:
 
 
 def shared_by_twins(backup: dict) -> str:
-    """How a backup was split with the step's data-parallel twins, when it was: " (12 chunks sent here, 36 by twins)"."""
+    """How a backup was split with the step's data-parallel twins, when it was:
+    " (12 chunks sent here, 36 by twins)"."""
     twins, taken = backup.get("twin_chunks", 0), backup.get("taken_over", 0)
     if not twins and not taken:
         return ""

@@ -169,8 +169,8 @@ def from_bucket(
     if ignored:
         more = f" (and {len(ignored) - 1} more like it)" if len(ignored) > 1 else ""
         notes.append(f"left out of the listing: {ignored[0]}{more}")
-    for to, held in aside.items():
-        steps = sorted({step for ranks in held.values() for step in ranks})
+    for to, set_aside in aside.items():
+        steps = sorted({step for ranks in set_aside.values() for step in ranks})
         shown = ", ".join(map(str, steps[:MAX_MISSING])) + (
             f" and {len(steps) - MAX_MISSING} more" if len(steps) > MAX_MISSING else ""
         )
@@ -205,7 +205,7 @@ def from_bucket(
 
 def open_bucket(url: str, job: str, secret: bytes | None) -> tuple[GcsStore, ManifestKeys | None]:
     """The job's objects in ``url``, read with the job's secret (and older ones) if given."""
-    from tierfs.tiers.gcs_store import GcsStore  # slow import: only for a bucket
+    from tierfs.tiers.gcs_store import GcsStore  # noqa: PLC0415 (slow import: only for a bucket)
 
     check_job_id(job)
     parse_gcs_url(url)
@@ -222,7 +222,7 @@ def open_bucket(url: str, job: str, secret: bytes | None) -> tuple[GcsStore, Man
 @contextmanager
 def bucket_errors(url: str, doing: str) -> Iterator[None]:
     """A bucket that cannot be reached or refuses, in one line."""
-    from tierfs.tiers.gcs_http import GcsError, GcsUnavailable
+    from tierfs.tiers.gcs_http import GcsError, GcsUnavailable  # noqa: PLC0415 (slow import: only for a bucket)
 
     try:
         yield
@@ -254,7 +254,7 @@ def bucket_facts(
 ) -> tuple[dict[tuple[int, int], Facts], bool]:
     """Facts of the manifests of the newest steps (step -> ranks listed), read in parallel; and
     whether, no secret given, the manifests are sealed (then none is read past the first)."""
-    from tierfs.tiers.gcs_http import CorruptObject, GcsError
+    from tierfs.tiers.gcs_http import CorruptObject, GcsError  # noqa: PLC0415 (slow import: only for a bucket)
 
     wanted: list[tuple[int, int]] = []
     for step in sorted(by_step, reverse=True)[:MAX_SIZED_STEPS]:
@@ -277,7 +277,8 @@ def bucket_facts(
             return None
 
     with ThreadPoolExecutor(READ_THREADS, thread_name_prefix="tierfs-steps") as pool:
-        return {pair: fact for pair, fact in zip(wanted, pool.map(read, wanted)) if fact is not None}, False
+        read_back = zip(wanted, pool.map(read, wanted), strict=True)
+        return {pair: fact for pair, fact in read_back if fact is not None}, False
 
 
 @contextmanager
@@ -330,4 +331,4 @@ def render(steps: list[dict]) -> str:
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows)

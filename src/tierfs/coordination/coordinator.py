@@ -4,10 +4,10 @@ The protocol and why it exists: :mod:`tierfs.coordination.protocol`.
 
 A node *coordinates* while it is one of the first ``k`` candidates or most members send
 it their reports. Then it lists the job's manifests in GCS every interval (in parallel
-prefix shards, :func:`tierfs.coordination.gcs_listing.listing_prefixes`), pulls the report of every member that is silent
-or overdue (no report for a round and a half), and counts a member *down* after two
-pulls without an answer (its holdings leave the view), or after ``REFUSED_GRACE``
-seconds of refused connections. A node that members reported to only while a candidate
+prefix shards, :func:`tierfs.coordination.gcs_listing.listing_prefixes`), pulls the
+report of every member that is silent or overdue (no report for a round and a half), and
+counts a member *down* after two pulls without an answer (its holdings leave the view),
+or after ``REFUSED_GRACE`` seconds of refused connections. A node that members reported to only while a candidate
 was starting is a *stand-in*: it keeps and answers what it has, but does none of that,
 and stops being one once the members go back.
 
@@ -162,6 +162,8 @@ class Coordinator:
             self._next_round = True
 
     def _begin_round(self) -> None:
+        nursery = self._nursery
+        assert nursery is not None  # a round is asked for only once run() opened it (_ask_round)
         now = self.clock()
         self._round = r = _Round(now)
         self._next_round = False
@@ -169,12 +171,12 @@ class Coordinator:
             self.accept(self.address, self.own())
             r.known.add(self.address)
         for member in self.members - r.known:
-            self._nursery.start_soon(self._round_pull, member, r)
+            nursery.start_soon(self._round_pull, member, r)
         if self.list_gcs is not None:
             self._wanted = max(self._wanted, now)
             if not self._listing:
                 self._listing = True
-                self._nursery.start_soon(self._list)
+                nursery.start_soon(self._list)
         self._check_round()
 
     def _check_round(self) -> None:
@@ -365,11 +367,11 @@ class Coordinator:
             while True:
                 await self._activated.wait()
                 while self.active_since is not None:
-                    self._duties(nursery)
+                    self._duties(nursery, self.active_since)
                     await trio.sleep(TICK)
                     self._expire()
 
-    def _duties(self, nursery: trio.Nursery) -> None:
+    def _duties(self, nursery: trio.Nursery, active_since: float) -> None:
         now = self.clock()
         coordinating = self.coordinating()
         # Periodic listings; a round starts its own (_begin_round, and _list once the running one ends).
@@ -385,7 +387,7 @@ class Coordinator:
             self._pulling.add(member)
             nursery.start_soon(self._pull, member)
         self._suspects.clear()
-        if now - self.active_since < self.pull_after:
+        if now - active_since < self.pull_after:
             return
         for member, since in list(self.reports.starting.items()):
             if now - since >= REFUSED_GRACE:  # still not listening: it reports itself once it does
@@ -415,10 +417,12 @@ class Coordinator:
                 nursery.start_soon(self._pull, member)
 
     async def _list(self) -> None:
+        list_gcs = self.list_gcs
+        assert list_gcs is not None  # started only where there is a listing to run
         started = self.clock()
         try:
-            listing = await self.list_gcs()
-        except Exception as e:  # any failure of the listing: the view goes on without GCS
+            listing = await list_gcs()
+        except Exception as e:  # noqa: BLE001 (any failure of the listing: the view goes on without GCS)
             self.gcs_error = f"{type(e).__name__}: {e}".splitlines()[0]
             log.warning("coordinator without a GCS listing: %s", self.gcs_error)
         else:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from tierfs.coordination import fields
 from tierfs.coordination.protocol import MAX_LISTED_DOWN, MAX_LISTED_HOLDERS, MAX_LISTED_STEPS
 from tierfs.coordination.transport import BadMessage, Message
+from tierfs.coordination.view import Summary
 
 
 @dataclass
@@ -33,7 +34,7 @@ class Decision:
     step: int | None
     ready: bool  # every member reported or was found down
     coordinator: str | None
-    summary: dict = field(default_factory=dict)
+    summary: Summary = field(default_factory=dict)
     ranks: dict[int, RankView] = field(default_factory=dict)
     reported: int = 0
     members: int = 0
@@ -54,7 +55,7 @@ class Decision:
     @classmethod
     def _parse(cls, rank: int, group: Collection[int], answer: Message, coordinator: str, at: float) -> Decision:
         listed = fields.obj(answer.get("ranks"), "ranks")
-        ranks = {}
+        ranks: dict[int, RankView] = {}
         for key, value in listed.items():
             r = fields.number_key(key, "ranks")
             if r != rank and r not in group:
@@ -88,7 +89,7 @@ class Decision:
 
     def needing(self, ranks: Iterable[int], step: int) -> dict[int, list[str]]:
         """The nodes of ``ranks`` that do not hold ``step`` of their own rank: they restore it."""
-        out = {}
+        out: dict[int, list[str]] = {}
         for r in ranks:
             view = self.ranks.get(r)
             if view is not None:

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, replace
+from typing import Literal, overload
 
 from tierfs.coordination.transport import BadMessage, Message
-from tierfs.coordination.view import GCS, MAX_DECISIONS, MAX_STEP, Holdings
+from tierfs.coordination.view import GCS, MAX_DECISIONS, MAX_STEP, Holdings, Summary
 
 MAX_ADDRESS = 300  # characters of a HOST:PORT (the peer service allows a sender no longer)
 MAX_COMPLETE = 5  # complete steps a summary lists (the newest)
@@ -37,7 +38,7 @@ def address(value: object, what: str) -> str:
     m = _ADDRESS.fullmatch(value) if isinstance(value, str) and len(value) <= MAX_ADDRESS else None
     if m is None or not 0 < int(m.group(1)) < 65536:
         raise BadMessage(f"{what} must be a HOST:PORT address of at most {MAX_ADDRESS} characters, not {_what(value)}")
-    return value
+    return m.string  # ``value`` itself, as a str
 
 
 def addresses(value: object, what: str, limit: int) -> list[str]:
@@ -51,6 +52,10 @@ def holder(value: object, what: str) -> str:
     return GCS if value == GCS else address(value, what)
 
 
+@overload
+def step(value: object, what: str, *, optional: Literal[False] = False) -> int: ...
+@overload
+def step(value: object, what: str, *, optional: bool) -> int | None: ...
 def step(value: object, what: str, *, optional: bool = False) -> int | None:
     """A step number: an integer in ``[0, MAX_STEP]`` (None only where the message may say "none")."""
     if value is None and optional:
@@ -85,7 +90,7 @@ def flag(value: object, what: str) -> bool:
     return value
 
 
-def obj(value: object, what: str) -> dict:
+def obj(value: object, what: str) -> dict[str, object]:
     if not isinstance(value, dict):
         raise BadMessage(f"{what} must be a JSON object")
     return value
@@ -105,7 +110,7 @@ def report(value: object, nodes: int) -> Holdings:
     return h
 
 
-def summary(value: object) -> dict:
+def summary(value: object) -> Summary:
     """SUMMARY of :mod:`tierfs.coordination.protocol`: the floor and newest step every node acts on."""
     data = obj(value, "summary")
     return {
@@ -161,7 +166,7 @@ class Question:
 # -- the member side: answers from coordinators -----------------------------------------------
 
 
-def report_answer(reply: Message, max_down: int) -> tuple[dict, list[str]]:
+def report_answer(reply: Message, max_down: int) -> tuple[Summary, list[str]]:
     """A ``coord_report`` answer: the coordinator's summary, and the coordinators it found down."""
     return summary(reply.get("summary")), addresses(reply.get("down", []), "down", max_down)
 
@@ -173,14 +178,16 @@ def number_key(value: str, what: str) -> int:
     return int(value)
 
 
-def rank_answer(value: object, what: str, max_steps: int, max_holders: int) -> tuple[int | None, dict, list[str]]:
+def rank_answer(
+    value: object, what: str, max_steps: int, max_holders: int
+) -> tuple[int | None, dict[int, list[str]], list[str]]:
     """What a ``coord_decide`` answer says of one rank: (choice, step -> holders, the rank's nodes)."""
     data = obj(value, what)
     choice = step(data.get("choice"), f"{what} choice", optional=True)
     held = obj(data.get("steps"), f"{what} steps")
     if len(held) > max_steps:
         raise BadMessage(f"{what} steps must list at most {max_steps} steps")
-    by_step = {}
+    by_step: dict[int, list[str]] = {}
     for s, holders in held.items():
         key = step(number_key(s, f"{what} steps"), f"{what} steps")
         if not isinstance(holders, list) or len(holders) > max_holders:

@@ -38,7 +38,7 @@ from tierfs.coordination.protocol import (
     K,
 )
 from tierfs.coordination.transport import BadMessage, Message, Refused, Transport, Unreachable
-from tierfs.coordination.view import Holdings
+from tierfs.coordination.view import Holdings, Summary
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Member:
         self.seq = 0
         self._suspect: dict[str, float] = {}  # coordinator -> skipped until
         self._silent: dict[str, float] = {}  # coordinator -> when it last failed to answer
-        self.summary: dict | None = None  # the newest summary a coordinator sent back
+        self.summary: Summary | None = None  # the newest summary a coordinator sent back
         self.summary_from: str | None = None
         self.reported_to: list[str] = []
         self._reporting: trio.Event | None = None
@@ -121,7 +121,7 @@ class Member:
     async def handle_pull(self, source: str, message: Message) -> Message:
         return {"ok": True, "report": self.report_now().to_wire()}
 
-    async def report(self) -> dict | None:
+    async def report(self) -> Summary | None:
         """Send this node's holdings to ``k`` coordinators; one that fails is replaced by the next.
 
         Returns the summary of the first coordinator (in order) that answered, None if none did.
@@ -136,11 +136,11 @@ class Member:
             self._reporting.set()
             self._reporting = None
 
-    async def _report(self) -> dict | None:
+    async def _report(self) -> Summary | None:
         report = self.report_now().to_wire()
         walk = self.coordinators(extra=2 * self.k)
         order = iter(walk)
-        answers: dict[str, dict] = {}
+        answers: dict[str, tuple[Summary, list[str]]] = {}
 
         async def lane() -> None:
             for address in order:  # shared: each lane takes the next candidate

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable
-from typing import Protocol
+from typing import Any, Literal, Protocol, TypeAlias, overload
 
 MAX_MESSAGE = 1 << 20  # the peer wire's header limit once a connection is authenticated
 
-Message = dict
+# A JSON object as it came off the wire: its values are whatever JSON holds until a reader
+# checks them (int_field, int_list and the readers of fields.py).
+Message: TypeAlias = dict[str, Any]
 Handler = Callable[[str, Message], Awaitable[Message]]  # (who sent it, the message) -> the answer
 
 
@@ -54,6 +56,12 @@ def encoded(message: Message) -> bytes:
     return data
 
 
+@overload
+def int_field(
+    message: Message, key: str, *, lo: int = 0, hi: int = 1 << 62, optional: Literal[False] = False
+) -> int: ...
+@overload
+def int_field(message: Message, key: str, *, lo: int = 0, hi: int = 1 << 62, optional: bool) -> int | None: ...
 def int_field(message: Message, key: str, *, lo: int = 0, hi: int = 1 << 62, optional: bool = False) -> int | None:
     """An integer field of a received message, range-checked (bools are not integers here)."""
     value = message.get(key)

@@ -25,16 +25,18 @@ report stays far under the peer wire's 1 MiB header limit::
 ``steps`` are the node's own committed steps, ``replicas`` the (rank, step) manifests it
 keeps for others, ``restore`` the step it restored and still runs from (what the
 daemon's ``info`` calls ``restore_step``), ``backed`` (optional) the node's own steps it
-backed up to GCS: they count as GCS's at once, not only from the next listing. ``inc`` (the incarnation: the daemon's start
-time in microseconds) and ``seq`` (a counter) order reports: an old report that arrives
-late never replaces a newer one, and a restarted daemon's first report always does.
+backed up to GCS: they count as GCS's at once, not only from the next listing. ``inc``
+(the incarnation: the daemon's start time in microseconds) and ``seq`` (a counter) order
+reports: an old report that arrives late never replaces a newer one, and a restarted
+daemon's first report always does.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeAlias
 
 from tierfs.coordination.pairs import rank_step_pairs
 from tierfs.coordination.transport import BadMessage, int_field, int_list
@@ -48,6 +50,11 @@ MAX_LABEL = 128
 MAX_DECISIONS = 256  # distinct restore steps carried in an answer (the newest ones)
 MAX_RANK = (1 << 31) - 1
 MAX_STEP = 1 << 62
+
+# SUMMARY of :mod:`tierfs.coordination.protocol`: newest and floor (a step or None), decisions
+# and complete (steps), ranks (a count). A plain dict, not a TypedDict: the planner and
+# the daemon read it as the dict a survey's summary is.
+Summary: TypeAlias = dict[str, int | list[int] | None]
 
 
 @dataclass(frozen=True)
@@ -70,7 +77,7 @@ class Holdings:
     def newer_than(self, other: Holdings | None) -> bool:
         return other is None or (self.inc, self.seq) > (other.inc, other.seq)
 
-    def to_wire(self) -> dict:
+    def to_wire(self) -> dict[str, object]:
         return {
             "rank": self.rank,
             "steps": list(self.steps),
@@ -139,9 +146,9 @@ class HoldingsView:
     _pairs: dict[str, frozenset[tuple[int, int]]] = field(default_factory=dict)  # source -> what it holds
     _decision: dict[str, int] = field(default_factory=dict)  # source -> step it restored and runs from
     _holders: dict[int, dict[int, set[str]]] = field(default_factory=dict)  # rank -> step -> sources
-    _holding: Counter = field(default_factory=Counter)  # step -> ranks whose manifest of it is somewhere
-    _in_range: Counter = field(default_factory=Counter)  # the same, counting ranks 0..nodes-1 only
-    _decisions: Counter = field(default_factory=Counter)  # step -> sources that run from it
+    _holding: Counter[int] = field(default_factory=Counter)  # step -> ranks whose manifest of it is somewhere
+    _in_range: Counter[int] = field(default_factory=Counter)  # the same, counting ranks 0..nodes-1 only
+    _decisions: Counter[int] = field(default_factory=Counter)  # step -> sources that run from it
     version: int = 0  # bumped by every change: answers can be cached per version
 
     # -- updates ------------------------------------------------------------------------
@@ -180,7 +187,7 @@ class HoldingsView:
         if backed:  # in GCS now; the next listing confirms it (or not)
             self.put(GCS, self._pairs.get(GCS, frozenset()) | backed)
 
-    def put_listing(self, listing: dict[int, Iterable[int]], source: str = GCS) -> None:
+    def put_listing(self, listing: Mapping[int, Iterable[int]], source: str = GCS) -> None:
         """What a listing of the job's manifests in GCS shows (rank -> committed steps)."""
         self.put(source, ((r, s) for r, steps in listing.items() for s in steps))
 
@@ -268,7 +275,7 @@ class HoldingsView:
         by_step = self._holders.get(rank)
         return choose_step(self.newest_complete(), self._decisions, None if by_step is None else by_step.keys())
 
-    def summary(self) -> dict:
+    def summary(self) -> Summary:
         """The rank-independent part of every answer (JSON-able, bounded)."""
         return {
             "newest": self.newest_complete(),

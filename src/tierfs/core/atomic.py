@@ -91,7 +91,7 @@ def read_state(path: Path, limit: int = STATE_LIMIT) -> bytes:
         raise UnsafeFile(f"{e}: tierfs did not write it; check it and remove it, then start again") from None
 
 
-def check_private(st: os.stat_result, path: os.PathLike | str, *, shared_ok: bool = False) -> None:
+def check_private(st: os.stat_result, path: os.PathLike[str] | str, *, shared_ok: bool = False) -> None:
     """Raise UnsafeFile unless ``st`` is owned by the daemon's user and writable by nobody else.
 
     ``shared_ok`` accepts a sticky directory that anyone may write to (like ``/dev/shm``):

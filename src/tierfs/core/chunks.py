@@ -23,6 +23,7 @@ one naming more than the caller's bound is refused before any memory is set asid
 from __future__ import annotations
 
 import functools
+import io
 import os
 import stat
 import threading
@@ -58,11 +59,10 @@ def chunk_hash(data: bytes | memoryview) -> str:
 def _codecs() -> tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor]:
     # zstd contexts are not thread-safe, and a fresh one per chunk would allocate its
     # working memory again for every chunk: keep one pair per thread.
-    try:
-        return _local.codecs
-    except AttributeError:
-        _local.codecs = zstandard.ZstdCompressor(level=_LEVEL), zstandard.ZstdDecompressor()
-        return _local.codecs
+    codecs: tuple[zstandard.ZstdCompressor, zstandard.ZstdDecompressor] | None = getattr(_local, "codecs", None)
+    if codecs is None:
+        codecs = _local.codecs = zstandard.ZstdCompressor(level=_LEVEL), zstandard.ZstdDecompressor()
+    return codecs
 
 
 def scratch(n: int) -> memoryview:
@@ -186,7 +186,7 @@ def _zero_hashes(length: int) -> str:
     return chunk_hash(bytes(length))
 
 
-def hash_file(path: str | os.PathLike, chunk_size: int, pace: Callable[[], None] = lambda: None) -> list[str]:
+def hash_file(path: str | os.PathLike[str], chunk_size: int, pace: Callable[[], None] = lambda: None) -> list[str]:
     """The names of a file's chunks, in order; ``[]`` for an empty file.
 
     A chunk that lies wholly in a hole is named without reading it (:func:`zero_hash`), so
@@ -201,7 +201,12 @@ def hash_file(path: str | os.PathLike, chunk_size: int, pace: Callable[[], None]
     with open(path, "rb", buffering=0) as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
-            return list(iter(lambda: pace() or _hash_stream(f, chunk_size), None))
+
+            def next_name() -> str | None:
+                pace()
+                return _hash_stream(f, chunk_size)
+
+            return list(iter(next_name, None))
         return _hash_sparse(f.fileno(), st.st_size, chunk_size, pace)
 
 
@@ -251,7 +256,7 @@ def _hash_sparse(fd: int, size: int, chunk_size: int, pace: Callable[[], None]) 
     return hashes
 
 
-def _hash_stream(f, chunk_size: int) -> str | None:
+def _hash_stream(f: io.FileIO, chunk_size: int) -> str | None:
     """The name of the next chunk of a file that is not a regular file; ``None`` at its end."""
     hasher, view, filled = xxhash.xxh3_128(), scratch(min(chunk_size, HASH_PIECE)), 0
     while filled < chunk_size and (n := f.readinto(view[: min(len(view), chunk_size - filled)])):
@@ -260,7 +265,7 @@ def _hash_stream(f, chunk_size: int) -> str | None:
     return hasher.hexdigest() if filled else None
 
 
-def read_chunk(path: str | os.PathLike, index: int, chunk_size: int) -> bytes:
+def read_chunk(path: str | os.PathLike[str], index: int, chunk_size: int) -> bytes:
     """Chunk ``index`` of a file: ``chunk_size`` bytes, fewer for the last, none past EOF."""
     parts = []
     offset = index * chunk_size

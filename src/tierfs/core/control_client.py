@@ -10,12 +10,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tierfs.core.errors import UserError
 
 
-def request(path: Path, message: dict, timeout: float = 10.0) -> dict:
+def request(path: Path, message: Mapping[str, object], timeout: float = 10.0) -> dict[str, Any]:
     """Send one request from a plain blocking process or thread; the reply, or a UserError
     saying why there is none (no daemon there, or the daemon refused)."""
     try:
@@ -28,7 +30,7 @@ def request(path: Path, message: dict, timeout: float = 10.0) -> dict:
                 data += chunk
     except OSError as e:
         raise UserError(f"cannot reach the tierfs daemon at {path} ({e.strerror or e}): is it running?") from None
-    reply = json.loads(data)
+    reply: dict[str, Any] = json.loads(data)  # the daemon's JSON object, for the caller to read
     if "error" in reply:
         raise UserError(f"daemon error: {reply['error']}")
     return reply

@@ -91,7 +91,7 @@ def build(
                 st = os.lstat(top / path)
                 if not stat.S_ISDIR(st.st_mode):
                     raise ManifestError(f"root {root!r}: {path!r} is not a directory")
-                ancestors[path] = _describe(top, path, st)
+                ancestors[path] = _entry(path, st, "dir")
         _walk(top, root, found, files, tally)
         if root not in found:
             raise ManifestError(
@@ -108,7 +108,7 @@ def build(
                 hashed(rels[0], files[rels[0]].st_size, file_chunks)
             return file_chunks
 
-        for rels, file_chunks in zip(names.values(), pool.map(describe_file, names.values())):
+        for rels, file_chunks in zip(names.values(), pool.map(describe_file, names.values()), strict=True):
             for rel in rels:
                 found[rel].chunks = list(file_chunks)
     entries = sorted({**ancestors, **found}.values(), key=lambda e: e.path)
@@ -188,9 +188,8 @@ def _walk(top: Path, root: str, found: dict[str, Entry], files: dict[str, os.sta
 
 def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
     """The entry of one path, a file's chunks not hashed yet."""
-    common = dict(path=rel, mode=stat.S_IMODE(st.st_mode), uid=st.st_uid, gid=st.st_gid, mtime_ns=st.st_mtime_ns)
     if stat.S_ISDIR(st.st_mode):
-        return Entry(kind="dir", size=0, **common)
+        return _entry(rel, st, "dir")
     if stat.S_ISLNK(st.st_mode):
         target = os.readlink(top / rel)
         try:
@@ -198,10 +197,23 @@ def _describe(top: Path, rel: str, st: os.stat_result) -> Entry | None:
         except ManifestError as e:
             log.warning("not backing up symlink %r: its %s, and no restore would recreate it", rel, e)
             return None
-        return Entry(kind="symlink", size=0, target=target, **common)
+        return _entry(rel, st, "symlink", target=target)
     if stat.S_ISREG(st.st_mode):
-        return Entry(kind="file", size=st.st_size, **common)
+        return _entry(rel, st, "file", size=st.st_size)
     return None
+
+
+def _entry(rel: str, st: os.stat_result, kind: str, size: int = 0, target: str | None = None) -> Entry:
+    return Entry(
+        path=rel,
+        kind=kind,
+        mode=stat.S_IMODE(st.st_mode),
+        uid=st.st_uid,
+        gid=st.st_gid,
+        size=size,
+        mtime_ns=st.st_mtime_ns,
+        target=target,
+    )
 
 
 def _file_chunks(

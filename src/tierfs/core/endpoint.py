@@ -13,8 +13,9 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from wsgiref.simple_server import WSGIRequestHandler, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
@@ -30,7 +31,8 @@ Page = Callable[[], tuple[int, object]]
 class _Quiet(WSGIRequestHandler):
     timeout = 10  # seconds: a scraper that stops reading lets its thread go
 
-    def log_message(self, format: str, *args) -> None:  # one line per scrape would bury the log
+    # One line per scrape would bury the log. (``format``: the name wsgiref's signature gives it.)
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
         pass
 
 
@@ -55,9 +57,10 @@ class Endpoint:
         pages: dict[str, Page] | None = None,
         what: str = "--metrics",
     ):
-        metrics, self.pages = make_wsgi_app(registry), dict(pages or {})
+        metrics: WSGIApplication = make_wsgi_app(registry)  # typed by prometheus_client as a bare Callable
+        self.pages = dict(pages or {})
 
-        def app(environ, start_response):
+        def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
             path = environ.get("PATH_INFO") or "/"
             if path in self.pages:
                 return self._page(path, start_response)
@@ -66,7 +69,7 @@ class Endpoint:
                 return [b"not found: /metrics" + b"".join(f", {p}".encode() for p in self.pages) + b"\n"]
             try:
                 return metrics(environ, start_response)
-            except Exception as e:  # e.g. a daemon on its way out: a failed scrape, not a traceback in its log
+            except Exception as e:  # noqa: BLE001 (a daemon on its way out, say: a failed scrape, not a traceback)
                 log.debug("metrics not served: %s", e)
                 start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
                 return [f"metrics unavailable: {e}\n".encode()]
@@ -89,10 +92,10 @@ class Endpoint:
         host, port = self.address
         return f"http://{f'[{host}]' if ':' in host else host}:{port}/metrics"
 
-    def _page(self, path: str, start_response):
+    def _page(self, path: str, start_response: StartResponse) -> list[bytes]:
         try:
             code, body = self.pages[path]()
-        except Exception as e:  # a page must not take the endpoint down; say why instead
+        except Exception as e:  # noqa: BLE001 (a page must not take the endpoint down; say why instead)
             log.warning("%s failed: %s", path, e)
             code, body = 500, {"error": str(e)}
         start_response(f"{code} {'OK' if code == 200 else 'Error'}", [("Content-Type", "application/json")])

@@ -35,6 +35,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 # Commits the interval and the cost are taken over: enough that a median ignores a few odd
 # saves (one after a restart, one slowed by a busy node), few enough that a job that changes
@@ -79,11 +80,11 @@ class Goodput:
     goodput_ratio: float | None  # useful fraction of time at the current interval
     optimal_goodput_ratio: float | None  # the same at the optimal interval
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, float | None | dict[str, float | None]]:
         """Rounded and JSON-ready (no NaN or infinity), for ``tierfs status --json`` and the metrics."""
         seconds = ("interval_s", "cost_s", "mtbf_s", "expected_loss_s", "optimal_interval_s")
         ratios = ("overhead_ratio", "goodput_ratio", "optimal_goodput_ratio")
-        out: dict = {k: _round(getattr(self, k), 2) for k in seconds}
+        out: dict[str, float | None | dict[str, float | None]] = {k: _round(getattr(self, k), 2) for k in seconds}
         out.update({k: _round(getattr(self, k), 4) for k in ratios})
         out["at_risk_s"] = {tier: _round(s, 2) for tier, s in sorted(self.at_risk_s.items())}
         return out
@@ -150,7 +151,7 @@ def _interval(commits: Sequence[tuple[float, float]]) -> float | None:
     non-finite time is skipped.
     """
     times = [t for t, _ in commits[-WINDOW:] if math.isfinite(t)]
-    gaps = [b - a for a, b in zip(times, times[1:]) if b - a > 0]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False) if b - a > 0]
     return statistics.median(gaps) if gaps else None
 
 
@@ -220,11 +221,11 @@ class History:
         """How long this rank has watched the job, for :attr:`Observed.observed_s`."""
         return max(0.0, now - self.first_seen)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, object]:
         return {"first_seen": self.first_seen, "failures": self.failures, "restore_s": list(self.restore_s)}
 
     @classmethod
-    def from_json(cls, d: dict) -> History:
+    def from_json(cls, d: object) -> History:
         """A History read from disk; ``ValueError`` unless every field has its type and bounds.
 
         Keys it does not know (a newer version's) are ignored.
@@ -246,7 +247,8 @@ class History:
 def _number(x: object, name: str) -> float:
     """``x`` as a finite, non-negative float; ``ValueError`` for anything else (bool, string, NaN...)."""
     try:
-        value = float(x) if type(x) in (int, float) else math.nan  # bool is an int, but not a duration
+        # bool is an int, but not a duration; the cast holds as type(x) is int or float
+        value = float(cast(float, x)) if type(x) in (int, float) else math.nan
     except OverflowError:  # an integer of hundreds of digits
         value = math.nan
     if not math.isfinite(value) or value < 0:

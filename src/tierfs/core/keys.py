@@ -1,10 +1,11 @@
 """The keys a job's secret gives: one slow stretch, then a fast key per purpose.
 
 Outsiders see values keyed from the secret: the TLS certificate every node presents, the
-handshake proofs, the MAC on every manifest in the bucket, the names and seals of its chunks. Each of them lets whoever holds
-it test guesses of the secret offline, so the secret is first stretched with scrypt
-(memory-hard: a guess costs :data:`SCRYPT_MEMORY` bytes and tens of milliseconds, on a GPU
-too), salted with the job id so that one table of guesses serves one job only. Everything
+handshake proofs, the MAC on every manifest in the bucket, the names and seals of its
+chunks. Each of them lets whoever holds it test guesses of the secret offline, so the
+secret is first stretched with scrypt (memory-hard: a guess costs :data:`SCRYPT_MEMORY`
+bytes and tens of milliseconds, on a GPU too), salted with the job id so that one table
+of guesses serves one job only. Everything
 else comes from the stretched key with HKDF and a label of its own, so no key reveals
 another.
 
@@ -77,9 +78,13 @@ def stretch(job: str, secret: bytes) -> bytes:
 def derive(job: str, secret: bytes) -> JobKeys:
     """Every key of ``secret`` for ``job`` (stretched once per process, then cached)."""
     root = stretch(job, secret)
+    names, nonces, cipher = (_expand(root, label) for label in _BUCKET_LABELS)
     return JobKeys(
-        *(_expand(root, label) for label in (_TLS_LABEL, _HANDSHAKE_LABEL, _MANIFEST_LABEL, _CHANNEL_LABEL)),
-        bucket=tuple(_expand(root, label) for label in _BUCKET_LABELS),
+        _expand(root, _TLS_LABEL),
+        _expand(root, _HANDSHAKE_LABEL),
+        _expand(root, _MANIFEST_LABEL),
+        _expand(root, _CHANNEL_LABEL),
+        bucket=(names, nonces, cipher),
     )
 
 

@@ -25,7 +25,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-def _check(ret: int, *names) -> int:
+def _check(ret: int, *names: object) -> int:
     if ret < 0:
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err), *names[:1])
@@ -91,6 +91,8 @@ def utimens_fd(fd: int, atime_ns: int | object | None, mtime_ns: int | object | 
     def ts(ns: int | object | None) -> _Timespec:
         if ns is None or ns is NOW:
             return _Timespec(0, UTIME_OMIT if ns is None else UTIME_NOW)
+        if not isinstance(ns, int):  # what ctypes would refuse below anyway
+            raise TypeError(f"a time in ns, None or NOW, not {ns!r}")
         return _Timespec(*divmod(ns, 1_000_000_000))
 
     times = (_Timespec * 2)(ts(atime_ns), ts(mtime_ns))
@@ -189,7 +191,7 @@ def bind_mount(source: str, target: str, read_only: bool = False) -> None:
 TMPFS_MAGIC = 0x01021994
 
 
-def fs_magic(path: str | os.PathLike) -> int:
+def fs_magic(path: str | os.PathLike[str]) -> int:
     """``statfs(2).f_type`` of the filesystem holding ``path``."""
     buf = ctypes.create_string_buffer(128)  # struct statfs; f_type is its first long
     _check(_libc.statfs(os.fsencode(path), buf), path)

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 LOG_FORMATS = ("text", "json")
 LOG_BACKUPS = 3  # rotated files kept: <log>.1 (the newest) to <log>.3
@@ -39,7 +40,7 @@ class JsonFormatter(logging.Formatter):
     """One JSON object per record: time (RFC 3339, UTC), level, logger, message, the process's
     ``fields`` (a daemon's job and rank), pid, the call's ``extra=`` fields, and exc if any."""
 
-    def __init__(self, **fields):
+    def __init__(self, **fields: object) -> None:
         super().__init__()
         self.fields = fields
 
@@ -63,12 +64,12 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(line, default=str, ensure_ascii=False)
 
 
-def formatter(log_format: str, **fields) -> logging.Formatter:
+def formatter(log_format: str, **fields: object) -> logging.Formatter:
     """The formatter of ``--log-format`` (``fields``: what each JSON line names, e.g. job and rank)."""
     return JsonFormatter(**fields) if log_format == "json" else logging.Formatter(TEXT_FORMAT)
 
 
-class LogFile(logging.StreamHandler):
+class LogFile(logging.StreamHandler[TextIO]):
     """Records to stderr, which is the log file at ``path`` (None: stderr is no file of ours).
 
     With ``max_size`` this process rotates the file once a record takes it past that size;

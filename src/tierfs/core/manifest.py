@@ -30,7 +30,9 @@ import json
 import os
 import re
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar, overload
 
 from tierfs.core import bounded_json, chunks
 from tierfs.core.errors import UserError
@@ -288,7 +290,15 @@ def _mac(key: bytes, job: str, rank: int, step: int, body: bytes) -> str:
     return mac.hexdigest()
 
 
-def _get(obj: dict, key: str, kind: type | tuple[type, ...], where: str):
+_T = TypeVar("_T")
+_U = TypeVar("_U")
+
+
+@overload
+def _get(obj: Mapping[str, object], key: str, kind: type[_T], where: str) -> _T: ...
+@overload
+def _get(obj: Mapping[str, object], key: str, kind: tuple[type[_T], type[_U]], where: str) -> _T | _U: ...
+def _get(obj: Mapping[str, object], key: str, kind: type | tuple[type, ...], where: str) -> object:
     if key not in obj:
         raise ManifestError(f"{where}: missing field {key!r}")
     value = obj[key]

@@ -16,16 +16,20 @@ stays a bounded number of series per node.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterable
+from typing import TypeVar
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-prometheus_client.disable_created_metrics()  # a *_created series per counter doubles them for nothing
+# A *_created series per counter doubles them for nothing. (prometheus_client leaves this
+# function unannotated.)
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
 
 # Seconds: a step on a peer takes tenths, a large one in GCS many minutes.
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 LABELS = ("job", "rank")
+_Metric = TypeVar("_Metric", Counter, Histogram)
 
 
 class Meters:
@@ -58,10 +62,10 @@ class Meters:
             registry=r,
         )
 
-    def _bound(self, metric, *extra: str):
+    def _bound(self, metric: _Metric, *extra: str) -> _Metric:
         return metric.labels(self.job, str(self.rank), *extra)
 
-    def lanes(self, names) -> None:
+    def lanes(self, names: Iterable[str]) -> None:
         """Show every lane's counters from the start, at zero: an alert on their increase needs a series."""
         for name in names:
             for metric in (self._sent, self._dedup, self._steps, self._errors):

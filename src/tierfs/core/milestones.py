@@ -20,8 +20,11 @@ from typing import Protocol
 class _Retention(Protocol):
     """What :meth:`Milestones.from_config` reads (the daemon's configuration)."""
 
-    keep_every: int
-    keep_for: float
+    # Read-only: a frozen Config satisfies it.
+    @property
+    def keep_every(self) -> int: ...
+    @property
+    def keep_for(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,8 +13,10 @@ import hashlib
 import json
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tierfs.core import linux
 from tierfs.core.atomic import UnsafeFile, private_dir, read_small, write_atomically
@@ -68,7 +70,7 @@ def mount_table() -> list[MountEntry]:
     return entries
 
 
-def large_folios(path: str | os.PathLike) -> str | None:
+def large_folios(path: str | os.PathLike[str]) -> str | None:
     """The ``huge=`` option of the tmpfs holding ``path``, where it stores files in large folios."""
     dev = os.stat(path).st_dev
     if os.major(dev) != 0:  # tmpfs: major 0, a minor of its own
@@ -77,7 +79,7 @@ def large_folios(path: str | os.PathLike) -> str | None:
     return next((o for o in entry.options if o.startswith("huge=") and o != "huge=never"), None) if entry else None
 
 
-def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
+def find_mount(mountpoint: str | os.PathLike[str]) -> MountEntry | None:
     """The topmost mount at ``mountpoint`` in /proc/self/mountinfo, if any."""
     target = os.path.abspath(mountpoint)
     found = None
@@ -87,7 +89,7 @@ def find_mount(mountpoint: str | os.PathLike) -> MountEntry | None:
     return found
 
 
-def is_dead(mountpoint: str | os.PathLike) -> bool:
+def is_dead(mountpoint: str | os.PathLike[str]) -> bool:
     """A FUSE mount whose daemon died answers ENOTCONN to every request that reaches it.
 
     statfs() always reaches the daemon; stat() may be answered from the kernel's cache.
@@ -102,7 +104,7 @@ def is_dead(mountpoint: str | os.PathLike) -> bool:
 class Registration:
     """The runtime files of the daemon serving one mountpoint."""
 
-    def __init__(self, mountpoint: str | os.PathLike):
+    def __init__(self, mountpoint: str | os.PathLike[str]):
         self.mountpoint = os.path.abspath(mountpoint)
         key = hashlib.sha256(os.fsencode(self.mountpoint)).hexdigest()[:20]
         base = runtime_dir()
@@ -118,14 +120,15 @@ class Registration:
         except UnsafeFile as e:
             raise UserError(f"unsafe runtime directory (TIERFS_RUNTIME_DIR): {e}") from None
 
-    def write(self, info: dict) -> None:
+    def write(self, info: Mapping[str, object]) -> None:
         private_dir(self.info_path.parent, own=False)
         write_atomically(self.info_path, json.dumps(info), 0o600)
 
-    def read(self) -> dict | None:
+    def read(self) -> dict[str, Any] | None:
         """The registration, if there is one that the daemon's user wrote (it names a pid)."""
         try:
-            return json.loads(read_small(self.info_path, 1 << 16, private=True))
+            info: dict[str, Any] = json.loads(read_small(self.info_path, 1 << 16, private=True))  # the daemon's JSON
+            return info
         except (OSError, ValueError, UnsafeFile):
             return None
 

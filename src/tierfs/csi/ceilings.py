@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -240,8 +241,9 @@ class Ceilings:
 
     # -- jobs --------------------------------------------------------------------------
 
-    def check_jobs(self, job: str, namespace: str, node_id: str, held: dict[str, str]) -> None:
-        """``held``: job -> namespace of every job the plugin holds on the node, ``job`` not among them."""
+    def check_jobs(self, job: str, namespace: str, node_id: str, held: Mapping[str, str | None]) -> None:
+        """``held``: job -> namespace of every job the plugin holds on the node, ``job`` not among them
+        (None where an older plugin's record names none)."""
         if len(held) >= self.max_jobs_per_node:
             raise OverCeiling(
                 f"job {job} would make {len(held) + 1} jobs on node {node_id}, over the node's ceiling "

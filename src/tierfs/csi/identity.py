@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.wrappers_pb2 import BoolValue
@@ -24,10 +25,18 @@ log = logging.getLogger("tierfs.csi")
 NOT_READY_LOG_EVERY = 60.0  # seconds
 
 
+@dataclass
+class _Said:
+    """What the log said last of the plugin's readiness (its reason), and when (monotonic)."""
+
+    reason: str
+    at: float
+
+
 def handler(cfg: PluginConfig) -> grpc.GenericRpcHandler:
     # What the log said last, and when: probes come every few seconds, the log hears of a
     # change at once and of an unready plugin once a minute.
-    said = {"reason": health.READY, "at": 0.0}
+    said = _Said(health.READY, 0.0)
     said_lock = threading.Lock()
 
     def get_plugin_info(request: pb.GetPluginInfoRequest) -> pb.GetPluginInfoResponse:
@@ -40,9 +49,9 @@ def handler(cfg: PluginConfig) -> grpc.GenericRpcHandler:
         ready, reason = health.can_serve(cfg)
         now = time.monotonic()
         with said_lock:
-            tell = said["reason"] != reason or (not ready and now - said["at"] >= NOT_READY_LOG_EVERY)
+            tell = said.reason != reason or (not ready and now - said.at >= NOT_READY_LOG_EVERY)
             if tell:
-                said.update(reason=reason, at=now)
+                said.reason, said.at = reason, now
         if tell and ready:
             log.info("ready to serve volumes again")
         elif tell:

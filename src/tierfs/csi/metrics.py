@@ -12,7 +12,7 @@ and ``/daemons`` (every daemon, serving or sick, and why).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
@@ -105,7 +105,10 @@ def serve(cfg: PluginConfig, volumes) -> Endpoint | None:
         return None
     registry = CollectorRegistry(auto_describe=False)
     registry.register(PluginCollector(cfg, volumes))
-    pages = {"/healthz": lambda: _healthz(cfg), "/daemons": lambda: (200, health.daemons_report(volumes))}
+    pages: dict[str, Callable[[], tuple[int, object]]] = {
+        "/healthz": lambda: _healthz(cfg),
+        "/daemons": lambda: (200, health.daemons_report(volumes)),
+    }
     return Endpoint(cfg.metrics, registry, pages, what="tierfs csi --metrics")
 
 

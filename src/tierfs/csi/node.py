@@ -14,6 +14,8 @@ from tierfs.csi.settings import PublishRequest
 from tierfs.csi.volumes import Volumes
 
 Mode = pb.VolumeCapability.AccessMode.Mode
+Unit = pb.VolumeUsage.Unit
+RPC = pb.NodeServiceCapability.RPC
 # One node uses a tierfs volume; read-only modes are served by a read-only bind mount.
 ACCESS_MODES = {
     Mode.SINGLE_NODE_WRITER,
@@ -88,7 +90,6 @@ def handler(
         )
         if st is None:
             return pb.NodeGetVolumeStatsResponse(volume_condition=pb.VolumeCondition(abnormal=True, message=problem))
-        Unit = pb.VolumeUsage.Unit
         return pb.NodeGetVolumeStatsResponse(
             usage=[
                 pb.VolumeUsage(
@@ -103,7 +104,6 @@ def handler(
         )
 
     def capabilities(request: pb.NodeGetCapabilitiesRequest) -> pb.NodeGetCapabilitiesResponse:
-        RPC = pb.NodeServiceCapability.RPC
         return pb.NodeGetCapabilitiesResponse(
             capabilities=[
                 pb.NodeServiceCapability(rpc=RPC(type=t)) for t in (RPC.GET_VOLUME_STATS, RPC.VOLUME_CONDITION)

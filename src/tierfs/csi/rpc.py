@@ -10,8 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import ContextManager
+from contextlib import AbstractContextManager, contextmanager
 
 import grpc
 
@@ -66,7 +65,7 @@ def _message_class(descriptor):
 
 
 def service(
-    name: str, methods: dict[str, Callable], gate: Callable[[], ContextManager[None]] = _open
+    name: str, methods: dict[str, Callable], gate: Callable[[], AbstractContextManager[None]] = _open
 ) -> grpc.GenericRpcHandler:
     """A handler for ``csi.v1.<name>``; methods missing from ``methods`` answer UNIMPLEMENTED.
 
@@ -90,7 +89,7 @@ CALLS: dict[tuple[str, str], int] = {}
 _calls_lock = threading.Lock()
 
 
-def _answer(name: str, fn: Callable, gate: Callable[[], ContextManager[None]]):
+def _answer(name: str, fn: Callable, gate: Callable[[], AbstractContextManager[None]]):
     def call(request, context: grpc.ServicerContext):
         code = "OK"
         try:

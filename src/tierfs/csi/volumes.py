@@ -39,19 +39,18 @@ import hmac
 import logging
 import os
 import secrets
-import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from tierfs.config import OPTIONS, Config, env_name
 from tierfs.core import linux, mounts
 from tierfs.core.atomic import write_atomically
 from tierfs.core.errors import UserError
-from tierfs.core.parse import check_job_id, parse_duration
+from tierfs.core.parse import check_job_id
 from tierfs.csi import kube
 from tierfs.csi.errors import Aborted, AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, VolumeError
+from tierfs.csi.launch import start_daemon
 from tierfs.csi.locks import Busy
 from tierfs.csi.records import PRIVATE_FILE, StateDir, pod_of
 from tierfs.csi.records import alive as _alive
@@ -76,15 +75,6 @@ from tierfs.ramtier.tmpfs import delete_ram_data
 log = logging.getLogger("tierfs.csi")
 
 JOB_WAIT = 5.0  # seconds a kubelet call waits for another call on the same job before ABORTED
-START_TIMEOUT = 300.0  # seconds `tierfs mount` may take to start, besides its restore-wait
-
-
-def _start_timeout(options: dict[str, str]) -> float:
-    """How long `tierfs mount` may take: its start, and the restore-wait the ceilings allowed."""
-    try:
-        return START_TIMEOUT + parse_duration(options.get("restore-wait", Config.restore_wait))
-    except UserError:
-        return START_TIMEOUT + Config.restore_wait
 
 
 def _same_request(record: dict, req: PublishRequest, digest: str) -> bool:
@@ -109,9 +99,13 @@ class _PodOnce:
 
     def __init__(self, client: kube.KubeClient, req: PublishRequest):
         self.client, self.name, self.namespace = client, req.context.get(POD_NAME), req.context.get(POD_NAMESPACE)
-        self._pod: dict | None = None
+        self._pod: tuple[dict, str] | None = None
 
     def __call__(self) -> dict:
+        return self.read()[0]
+
+    def read(self) -> tuple[dict, str]:
+        """The pod, and the namespace it was read from."""
         if self._pod is None:
             if not self.name or not self.namespace:
                 raise kube.RankUnknown("kubelet passed no pod name (is podInfoOnMount true on the CSIDriver?)")
@@ -119,7 +113,7 @@ class _PodOnce:
                 kube.check_pod_name(self.name)
             except ValueError as e:
                 raise kube.RankUnknown(str(e)) from None
-            self._pod = self.client.pod(self.namespace, self.name)
+            self._pod = self.client.pod(self.namespace, self.name), self.namespace
         return self._pod
 
 
@@ -256,7 +250,7 @@ class Volumes(StateDir):
         try:
             nodes = int(options.get("nodes", "1"))
             port = int(options["listen"].rpartition(":")[2])
-            return kube.peer_pattern(pod(), pod.namespace, nodes, port)
+            return kube.peer_pattern(*pod.read(), nodes, port)
         except (kube.RankUnknown, kube.PeersUnknown, ValueError) as e:
             raise InvalidArgument(
                 f"volume attribute peers=auto: cannot name the pods of job {job}: {e}; list the peers "
@@ -326,40 +320,17 @@ class Volumes(StateDir):
         if not take_over and mounts.find_mount(staging) is not None:  # dead: its daemon was killed
             linux.umount(str(staging), linux.MNT_DETACH)
         staging.mkdir(parents=True, exist_ok=True)
-        args = [
-            *self.cfg.tierfs,
-            "mount",
-            str(staging),
-            "--ramdisk",
-            str(self.cfg.ramdisk),
-            "--log-file",
-            str(self.cfg.state_dir / "logs" / f"{job}.log"),
-            f"--log-format={self.cfg.log_format}",
-        ]
-        args += [f"--{key}={value}" for key, value in sorted(options.items())]  # one word each: never a flag
-        if options.get("gcs-token-audience") and self._token_path(job).exists():  # the job's GCS identity (tokens.py)
-            args.append(f"--gcs-token-file={self._token_path(job)}")
-        options_env = {env_name(name) for name in (*OPTIONS, "secret")}
-        env = {k: v for k, v in os.environ.items() if not (k.startswith("TIERFS_") and env_name(k[7:]) in options_env)}
-        secret = self._secret_path(job).read_text()
-        if secret:
-            env["TIERFS_SECRET"] = secret
-        env[mounts.KEEPER_SOCKET] = str(self._keeper_socket(job))
-        if take_over:
-            env[mounts.ADOPT_FROM] = env[mounts.KEEPER_SOCKET]
-        if self.cfg.keeper_cgroup is not None:
-            env[mounts.KEEPER_CGROUP] = str(self.cfg.keeper_cgroup / job)
-        timeout = _start_timeout(options)
-        try:
-            proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise VolumeError(
-                f"tierfs for job {job} did not start within {timeout:g}s: see its log, "
-                f"{self.cfg.state_dir / 'logs' / f'{job}.log'}"
-            ) from None
-        if proc.returncode != 0:
-            message = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-            raise VolumeError(f"could not start tierfs for job {job}: {message.removeprefix('tierfs: ')}")
+        token = self._token_path(job)
+        start_daemon(
+            self.cfg,
+            job,
+            staging,
+            options,
+            secret=self._secret_path(job).read_text(),
+            keeper_socket=self._keeper_socket(job),
+            token=token if options.get("gcs-token-audience") and token.exists() else None,  # the job's GCS identity
+            take_over=take_over,
+        )
         held = _read_json(self._job_path(job))
         if held is not None:
             _write_json(self._job_path(job), {**held, "keeper_of": self.instance})

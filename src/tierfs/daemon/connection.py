@@ -1,5 +1,9 @@
 """A mount's FUSE connection as a daemon gets it from the keeper: a ``/dev/fuse`` descriptor
-to mount with, or, for a successor, a live connection and what the daemon before it left."""
+to mount with, or, for a successor, a live connection and what the daemon before it left.
+
+The daemon puts its mount in place here (:meth:`Connection.mount`, :meth:`Connection.resume`):
+with the engine that can, on the connection it was given.
+"""
 
 from __future__ import annotations
 
@@ -12,11 +16,16 @@ import trio
 from tierfs.config import Config
 from tierfs.core.errors import UserError
 from tierfs.daemon.keeper import replace_keeper
+from tierfs.fs import Operations
+from tierfs.fs.engine import Pyfuse3Engine, fallback_engine
 from tierfs.fs.recovery import SessionState, Taken, reopen_handles
 from tierfs.fs.session import KernelSession
 from tierfs.ramtier import RankDir
 
 log = logging.getLogger("tierfs")
+
+Engine = KernelSession | Pyfuse3Engine  # what serves a mount (tierfs.fs.engine)
+OWN_ENGINE_ONLY = "the daemon before used tierfs' own FUSE engine: take over with the same --engine and --data-path"
 
 
 class Connection:
@@ -32,25 +41,56 @@ class Connection:
         successor needs to take it over (a successor: the record it took over, kept on)."""
         if self.fd is None or not isinstance(engine, KernelSession):
             if self.taken is not None:
-                raise UserError(
-                    "the daemon before used tierfs' own FUSE engine: take over with the same --engine and --data-path"
-                )
+                raise UserError(OWN_ENGINE_ONLY)
             return
         if self.record is None:
             self.record = SessionState(rank.session, rank.tree)
             self.record.start()
-        elif self.taken.init["passthrough"] != passthrough:
+        elif self.taken is not None and self.taken.init["passthrough"] != passthrough:
             raise UserError(
                 "the daemon before served the mount on another data path: take over with the same --data-path"
             )
         engine.record = ops.record = ops.inodes.record = self.record
 
+    def mount(self, engine: Engine, cfg: Config) -> Engine:
+        """Mount ``cfg.mountpoint`` served by ``engine``, on this connection where the keeper holds
+        one; the engine that serves it: pyfuse3 where the own engine's ``mount(2)`` was refused
+        (:func:`~tierfs.fs.engine.fallback_engine`). UserError, in one line, if none can."""
+        try:
+            try:
+                if isinstance(engine, KernelSession):
+                    engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only, fd=self.fd)
+                else:
+                    engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+            except OSError as e:
+                if (fallback := fallback_engine(engine, cfg.engine, e)) is None:
+                    raise
+                engine = fallback
+                engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
+        except OSError as e:
+            raise UserError(f"could not mount {cfg.mountpoint}: {e.strerror or e} (see the log)") from None
+        return engine
+
+    def resume(self, engine: Engine, ops: Operations, mountpoint: str) -> int | None:
+        """A successor: serve the live connection with ``engine``, and the handles the daemon before
+        gave the kernel with ``ops``; how many it took over (None: this daemon is no successor)."""
+        if self.taken is None:
+            return None
+        if self.fd is None or not isinstance(engine, KernelSession):  # refused before, by keep_record
+            raise UserError(OWN_ENGINE_ONLY)
+        engine.take_over(self.fd, mountpoint, self.taken.init)
+        ops.take_over(self.taken.handles)
+        return len(self.taken.handles)
+
     async def watch_keeper(self, mountpoint: str, registered: Callable[[], None]) -> None:
         """Should the keeper die, start another (and say so with ``registered``): the keeper
-        alone would start a successor if this daemon died."""
+        alone would start a successor if this daemon died. Without a keeper, nothing to watch."""
+        fd, keeper = self.fd, self.keeper
+        if fd is None or keeper is None:
+            return
         while True:
             try:
-                pidfd = os.pidfd_open(self.keeper)
+                pidfd = os.pidfd_open(keeper)
             except ProcessLookupError:
                 pidfd = None
             if pidfd is not None:
@@ -58,8 +98,8 @@ class Connection:
                     await trio.lowlevel.wait_readable(pidfd)
                 finally:
                     os.close(pidfd)
-            log.warning("the keeper of %s (pid %d) is gone: starting another one", mountpoint, self.keeper)
-            self.keeper = replace_keeper(self.fd)
+            log.warning("the keeper of %s (pid %d) is gone: starting another one", mountpoint, keeper)
+            self.keeper = keeper = replace_keeper(fd)
             registered()
 
     def report(self) -> dict:
@@ -72,9 +112,9 @@ class Connection:
         }
 
     @classmethod
-    def take_over(cls, cfg: Config, fd: int, ready_fd: int) -> tuple[Connection, int]:
+    def take_over(cls, cfg: Config, fd: int, ready_fd: int | None) -> tuple[Connection, int | None]:
         """The connection of a daemon that died, its handles reopened before anything else
-        here opens a descriptor (:func:`reopen_handles`); and where ``ready_fd`` is now."""
+        here opens a descriptor (:func:`reopen_handles`); and where ``ready_fd`` (if any) is now."""
         rank = RankDir(cfg.rank_dir)
         record = SessionState(rank.session, rank.tree)
         try:
@@ -84,5 +124,6 @@ class Connection:
                 f"cannot take over the FUSE connection of {cfg.mountpoint}: its record in "
                 f"{record.dir} is unreadable ({e})"
             ) from None
-        moved = reopen_handles(record, taken, {"ready": ready_fd, "fuse": fd})
-        return cls(moved["fuse"], record, taken), moved["ready"]
+        keep = ({"ready": ready_fd} if ready_fd is not None else {}) | {"fuse": fd}
+        moved = reopen_handles(record, taken, keep)
+        return cls(moved["fuse"], record, taken), moved.get("ready")

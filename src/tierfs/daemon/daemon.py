@@ -3,9 +3,12 @@
 It builds the parts of a mount, wires each to the few others it needs (constructor
 arguments and callbacks, in :meth:`Daemon.__init__` and :meth:`Daemon.start`), and runs
 them in one trio nursery (:meth:`Daemon.serve`). No part is handed the daemon itself: the
-RAM tier's pieces, the tiers (:func:`tierfs.daemon.tiers.node_tiers`), the restore
-planner, the job's coordination, the replicator and the multi-tier checkpointing node each
-get what they use.
+RAM tier's pieces, the FUSE operations, the tiers (:func:`tierfs.daemon.tiers.node_tiers`),
+the restore planner, the job's coordination, the replicator, the cluster's tasks
+(:mod:`tierfs.daemon.cluster`) and the multi-tier checkpointing node each get what they use.
+What is not a part lives beside it: the start-up checks (:mod:`tierfs.daemon.startup`), the
+status report (:mod:`tierfs.daemon.status`), and the process around a daemon, which the
+keeper runs (:func:`tierfs.daemon.process.run`).
 
 Start-up order matters: everything that can fail with a user error (ramdisk, lock,
 capacity, mountpoint, the step to restore) is settled before the kernel mount exists, so a
@@ -16,35 +19,33 @@ together can see each other's holdings while they choose the step.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
 import time
+from typing import TypeVar
 
 import trio
 
-from tierfs.config import Config, DataPath, Engine
+from tierfs.config import Config, DataPath
 from tierfs.core import linux, mounts
 from tierfs.core.atomic import read_state
 from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.parse import format_size
-from tierfs.daemon import control, host, status
+from tierfs.daemon import cluster, control, host, startup, status
 from tierfs.daemon import steps as job_steps
-from tierfs.daemon.connection import Connection
-from tierfs.daemon.keeper import CANNOT_TAKE_OVER, HANDOVER
+from tierfs.daemon.cluster import ClusterWatch
+from tierfs.daemon.connection import Connection, Engine
 from tierfs.daemon.metrics import Telemetry
 from tierfs.daemon.tiers import node_tiers
 from tierfs.discovery.directory import unanswered
 from tierfs.fs import Operations
-from tierfs.fs.engine import choose_data_path, fallback_engine, make_engine
-from tierfs.fs.session import KernelSession
+from tierfs.fs.engine import make_engine
 from tierfs.mtc.multitier import MultiTier
 from tierfs.mtc.protocol import MtcNode
 from tierfs.peers.claim import Identity
 from tierfs.peers.network import PeerNetwork
-from tierfs.peers.tls import for_config as peer_tls
 from tierfs.pipeline.coordinating import NodeCoordination
 from tierfs.pipeline.planning import RestorePlanner
 from tierfs.pipeline.replicator import Replicator
@@ -53,16 +54,40 @@ from tierfs.pipeline.survey import ClusterView
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.steps import Steps
-from tierfs.ramtier.tmpfs import own_tmpfs
-from tierfs.store import server as peer_server
 from tierfs.store.replicas import ReplicaStore
-from tierfs.tiers.base import Tier, by_cost
+from tierfs.tiers.base import Tier
 from tierfs.tiers.local import LocalTier, OwnSteps
-from tierfs.tiers.peer import PeerTier
 
 log = logging.getLogger("tierfs")
 
 SPILL_AT = 0.75  # RAM is short past this share of the capacity: steps on --disk may leave it
+T = TypeVar("T")
+
+
+def _built(part: T | None) -> T:
+    """A part :meth:`Daemon.start` builds, where only a started daemon asks for it."""
+    if part is None:
+        raise RuntimeError("the daemon has not been started")
+    return part
+
+
+class _VolumeEvents:
+    """What the mount tells the checkpoint machinery (:class:`tierfs.fs.volume.Events`): the RAM
+    tier's steps hear of every file, and the multi-tier checkpointing node (``mtc``, once
+    started) of its own protocol's files and renames."""
+
+    def __init__(self, steps: Steps):
+        self.steps = steps
+        self.mtc: MtcNode | None = None
+
+    def file_done(self, path: str) -> None:
+        self.steps.file_done(path)
+        if self.mtc is not None:
+            self.mtc.file_done(path)
+
+    def dir_renamed(self, path: str) -> None:
+        if self.mtc is None or not self.mtc.owns_rename(path):
+            self.steps.dir_renamed(path)
 
 
 class Daemon:
@@ -76,12 +101,13 @@ class Daemon:
         self.registration = mounts.Registration(cfg.mountpoint)
         self.space = SpaceAccount(cfg.capacity, self.rank.tree)
         self.ops: Operations | None = None
-        self.engine = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
+        self.engine: Engine | None = None  # serves self.ops: tierfs.fs.session or pyfuse3 (tierfs.fs.engine)
         self.data_path: DataPath | None = None  # chosen at start
         self.snapshots = Snapshots(
             self.rank.path, self.rank.tree, self._unlinked, lambda st: self.space.update(st)
         )  # the account may be replaced at start
         self.steps = Steps(self.snapshots, cfg.rules, self._writing_inodes)
+        self.events = _VolumeEvents(self.steps)  # the operations' (start); the MTC node's files too, once started
         self.identity = Identity.create(cfg.ramdisk)  # who serves this rank, in the peer service's info
         self.network: PeerNetwork | None = (
             PeerNetwork(cfg, identity=self.identity) if cfg.peers or cfg.peer_dns else None
@@ -95,7 +121,7 @@ class Daemon:
                 find=self.find,
                 manifest=self._own_manifest,
                 restore_step=self._restore_step,
-                report=self._ram_report,
+                report=lambda: status.ram(self.rank, self.space, bounded=self.cfg.capacity is not None),
             ),
         )
         self.tiers: list[Tier] = [self.local]  # every tier of this node, cheapest first; the rest at start
@@ -129,6 +155,7 @@ class Daemon:
         self.mtc: MtcNode | None = None  # the job's multi-tier checkpointing files, unless read-only (start)
         self.replicator: Replicator | None = None
         self.telemetry: Telemetry | None = None  # its endpoint is bound at start: a taken port is a user error
+        self.watch: ClusterWatch | None = None  # follows the peers and the job's newest steps (start)
         self.restore: Restore | None = None
         self.mounted = False
         self.ready = False
@@ -147,13 +174,15 @@ class Daemon:
         os.umask(0)
         self.registration.prepare()
         self.rank.prepare_home()
-        self._choose_data_path()  # may put the rank's home on a tmpfs of its own
+        self.data_path, kernel_bound = startup.data_path(cfg, self.rank.path)  # may give it a tmpfs of its own
+        if kernel_bound:  # the kernel enforces the capacity; the account follows that file system
+            self.space = self.planner.space = SpaceAccount(None, self.rank.tree)
         self.rank.prepare()
         self.rank.claim(cfg.mountpoint)
         if not self.rank.is_tmpfs():
             log.warning("%s is not on tmpfs: data is not held in RAM", self.rank.tree)
         self.steps.load()
-        cfg.manifest_keys  # stretch the secret once, before any peer or manifest needs its keys
+        _ = cfg.manifest_keys  # stretch the secret once, before any peer or manifest needs its keys
         if cfg.listen:
             host.check_listen(cfg.listen)
             self.replica_store = self.local.store = ReplicaStore(
@@ -175,35 +204,40 @@ class Daemon:
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
         if self.replica_store is not None:
             self.replica_store.load()  # accounts the replicas it holds
-        if cfg.capacity is not None and self.space.used > cfg.capacity:
-            raise UserError(
-                f"capacity {format_size(cfg.capacity)} is below the {format_size(self.space.used)} "
-                f"already stored in {self.rank.tree}: raise --capacity or remove files"
-            )
+        startup.check_capacity(cfg, self.space, self.rank.tree)
         if self.connection.taken is None:  # a successor's mount is live: it must not touch it
             mounts.prepare_mountpoint(cfg.mountpoint)
-        self.ops = Operations(self.rank.tree, self.space, self.snapshots, self)
-        self.engine = make_engine(self.ops, self.data_path, cfg.engine, cfg.wake_cpus)
-        self.connection.keep_record(self.engine, self.ops, self.rank, self.data_path == DataPath.PASSTHROUGH)
-        self.telemetry = Telemetry(
+        ops = self.ops = Operations(self.rank.tree, self.space, self.snapshots, self.events)
+        self.engine = make_engine(ops, self.data_path, cfg.engine, cfg.wake_cpus)
+        self.connection.keep_record(self.engine, ops, self.rank, self.data_path == DataPath.PASSTHROUGH)
+        telemetry = self.telemetry = Telemetry(
             cfg,
             self._status,
             lambda: getattr(self.engine, "times", None),
             self.rank.path / "goodput.json",
             self.started,
         )
-        self.replicator = Replicator(
+        replicator = self.replicator = Replicator(
             cfg,
             self.steps,
             self.tiers,
-            lambda: self.ops.last_write,
+            lambda: ops.last_write,
             self.retention_floor if self._beyond_ram() or self.network else None,
             self._ram_short,
-            self.telemetry.meters,
+            telemetry.meters,
+        )
+        self.watch = ClusterWatch(
+            lambda: self.cfg.survey_interval,  # of the configuration in force
+            self.view,
+            self.tiers,
+            replicator,
+            network=self.network,
+            coordinating=self.coordinating,
+            replica_store=self.replica_store,
         )
         if not cfg.read_only:
-            self.mtc = self.multitier.start()
-            self.replicator.dropped = self.mtc.forget
+            self.mtc = self.events.mtc = self.multitier.start()
+            replicator.dropped = self.mtc.forget
 
     def _beyond_ram(self) -> bool:
         """Whether this node has a tier besides its RAM: something to restore from and put steps on."""
@@ -217,80 +251,18 @@ class Daemon:
             self.coordinating.reconfigure(cfg)
         if self.network is not None:
             self.network.cfg = cfg
-        self.replicator.reconfigure(cfg)  # and every tier's configuration
-
-    def _follow_peers(self) -> None:
-        """Give each peer the network knows a tier: a DNS name can add peers after the start."""
-        known = {t.address for t in self.tiers if t.address is not None}
-        new = [PeerTier(self.network, a) for a in self.network.cfg.peers if a not in known]
-        if new:
-            self.tiers[:] = by_cost(self.tiers + new)  # in place: the parts built at start share the list
-            self.replicator.add_tiers(new)
-        if self.coordinating is not None:
-            self.coordinating.follow()
+        _built(self.replicator).reconfigure(cfg)  # and every tier's configuration
 
     def retention_floor(self) -> int | None:
-        """The newest step every rank holds somewhere: retention on every tier keeps it and newer ones.
-
-        Other nodes tell it (the coordinators' summary, checked as it arrived, or a survey of
-        the peers), and a member holding the job's secret could name any step. So it never
-        passes the newest step this node holds complete itself, and is unknown (everything
-        is kept) while it holds none: another node's word alone deletes no step this node
-        could still restore from.
-        """
-        summary = self.coordinating.summary() if self.coordinating is not None else None
-        floor = summary.get("floor") if summary is not None else self.view.retention_floor()
-        here = self.newest_complete_here()
-        return None if floor is None or here is None else min(floor, here)
-
-    def newest_complete_here(self) -> int | None:
-        """This rank's newest step held complete on this node: in RAM with its manifest, or on a spill tier."""
-        spilled = (s for t in self.tiers if t.spill for r, s in t.held() if r == self.cfg.rank)
-        return max([*self.steps.verifiable(), *spilled], default=None)
-
-    def _choose_data_path(self) -> None:
-        """Passthrough where the kernel allows it; with a capacity, on a tmpfs of that size."""
-        cfg = self.cfg
-        try:
-            self.data_path, why = choose_data_path(cfg.data_path if cfg.engine != Engine.PYFUSE3 else DataPath.DAEMON)
-        except ValueError as e:
-            raise UserError(
-                f"--data-path passthrough is impossible here: {e}; use --data-path auto or daemon"
-            ) from None
-        if self.data_path == DataPath.PASSTHROUGH and cfg.capacity is not None:
-            if own_tmpfs(self.rank.path, cfg.capacity):
-                # The kernel enforces the capacity; the account follows that file system.
-                self.space = self.planner.space = SpaceAccount(None, self.rank.tree)
-            elif cfg.data_path == DataPath.PASSTHROUGH:
-                raise UserError(
-                    f"{self.rank.path} holds data outside a tmpfs of its own, so --capacity "
-                    "cannot bind passthrough writes: use --data-path daemon, or move the data"
-                )
-            else:
-                self.data_path = DataPath.DAEMON
-                why = (
-                    f"{self.rank.path} already holds data outside a tmpfs of its own, "
-                    "so --capacity is enforced by the daemon"
-                )
-        if why is None:
-            log.info("data path: passthrough (the kernel reads and writes the RAM tier directly)")
-        else:
-            log.info("data path: daemon (%s)", why)
+        """The newest step every rank holds somewhere, never past one this node holds complete:
+        retention on every tier keeps it and newer ones (:func:`tierfs.daemon.cluster.retention_floor`)."""
+        return cluster.retention_floor(self.coordinating, self.view, self.steps, self.tiers, self.cfg.rank)
 
     def _warn(self, message: str) -> None:
         log.warning("%s", message)
         self._warnings.append(message)
 
-    # -- what the mount and the tiers ask of the RAM tier ---------------------------------
-
-    def file_done(self, path: str) -> None:
-        self.steps.file_done(path)
-        if self.mtc is not None:
-            self.mtc.file_done(path)
-
-    def dir_renamed(self, path: str) -> None:
-        if self.mtc is None or not self.mtc.owns_rename(path):
-            self.steps.dir_renamed(path)
+    # -- what the tiers ask of the RAM tier -----------------------------------------------
 
     def find(self, h: str) -> tuple[str, int, int] | None:
         """This node's own copy of chunk ``h``: in a committed step, or written by the running restore."""
@@ -313,16 +285,6 @@ class Daemon:
         """The (rank, step) manifests this node keeps for others."""
         return self.replica_store.manifests() if self.replica_store is not None else []
 
-    def _ram_report(self) -> dict:
-        return {
-            "path": str(self.rank.tree),
-            "tmpfs": self.rank.is_tmpfs(),
-            "large_folios": self.rank.large_folios(),
-            "capacity": self.space.capacity,
-            "capacity_bounded": self.cfg.capacity is not None,
-            "used": self.space.used,
-        }
-
     def _ram_short(self) -> bool:
         """Whether the volume uses more than SPILL_AT of its RAM (its tmpfs, where the kernel keeps count)."""
         used = self.space.used
@@ -332,15 +294,7 @@ class Daemon:
         return used > self.space.capacity * SPILL_AT
 
     def _peer_info(self) -> dict:
-        return {
-            "rank": self.cfg.rank,
-            "topology": [list(t) for t in self.cfg.topology],
-            "data_parallel": self.cfg.data_parallel,
-            "free": max(0, self.space.capacity - self.space.used),
-            "steps": sorted(self.steps.states),
-            "restore_step": self._restore_step(),
-            **self.identity.info(),
-        }
+        return cluster.peer_info(self.cfg, self.space, self.steps, self._restore_step(), self.identity)
 
     def _unlinked(self, st: os.stat_result) -> None:
         if self.ops is not None:
@@ -354,35 +308,21 @@ class Daemon:
     # -- running ----------------------------------------------------------------------
 
     def _mount(self) -> None:
-        cfg = self.cfg
-        conn = self.connection
-        if conn.taken is not None:
-            self.engine.take_over(conn.fd, str(cfg.mountpoint), conn.taken.init)
-            self.ops.take_over(conn.taken.handles)
-            self.mounted = True
-            self._register()
+        """Mount, or take the live mount over (a successor); register it, and say so."""
+        cfg, engine = self.cfg, self._engine()
+        handles = self.connection.resume(engine, _built(self.ops), str(cfg.mountpoint))
+        if handles is None:
+            self.engine = self.connection.mount(engine, cfg)  # pyfuse3 where the own engine cannot mount
+        self.mounted = True
+        self._register()
+        if handles is not None:
             log.info(
                 "took over %s from the daemon before: %d open handles",
                 cfg.mountpoint,
-                len(conn.taken.handles),
+                handles,
                 extra={"event": "took_over"},
             )
             return
-        try:
-            try:
-                if isinstance(self.engine, KernelSession):
-                    self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only, fd=conn.fd)
-                else:
-                    self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
-            except OSError as e:
-                if (fallback := fallback_engine(self.engine, cfg.engine, e)) is None:
-                    raise
-                self.engine = fallback
-                self.engine.mount(str(cfg.mountpoint), cfg.job, cfg.read_only)
-        except OSError as e:
-            raise UserError(f"could not mount {cfg.mountpoint}: {e.strerror or e} (see the log)") from None
-        self.mounted = True
-        self._register()
         log.info(
             "mounted %s: job %s rank %d on %s (%s used)",
             cfg.mountpoint,
@@ -392,6 +332,12 @@ class Daemon:
             format_size(self.space.used),
             extra={"event": "mounted"},
         )
+
+    def _engine(self) -> Engine:
+        """The engine serving the mount: the one start() made, or pyfuse3 in its place (Connection.mount)."""
+        if self.engine is None:  # not _built(): mypy would infer its type as the join of the union, object
+            raise RuntimeError("the daemon has not been started")
+        return self.engine
 
     def _register(self) -> None:
         cfg = self.cfg
@@ -410,25 +356,27 @@ class Daemon:
 
     async def serve(self, ready_fd: int | None = None) -> None:
         failure: Exception | None = None
-        self.telemetry.started()
+        telemetry, watch = _built(self.telemetry), _built(self.watch)
+        telemetry.started()
         async with trio.open_nursery() as nursery:
-            if self.cfg.listen:
-                await nursery.start(self._serve_peers)
+            if listen := self.cfg.listen:  # its replica store was built at start
+                peers = (self.cfg, listen, _built(self.replica_store), self._peer_info, self.coordinating)
+                await nursery.start(cluster.serve_peers, *peers)
             try:
                 if self.network is not None:  # resolves the peers; refuses a rank another node serves
                     await self.network.join(nursery)
-                    self._follow_peers()
+                    watch.follow_peers()
                 if self.coordinating is not None:
                     await self.coordinating.join(nursery)
                 if self._beyond_ram() or self.cfg.restore_step is not None:  # a rollback of RAM alone too
                     self.restore = await self.planner.plan()
                     if self.restore is not None:
-                        self.ops.restoring = self.restore
-                        self.restore.on_finish = self.telemetry.restored
+                        _built(self.ops).restoring = self.restore
+                        self.restore.on_finish = telemetry.restored
                 if self.coordinating is not None:
                     self.coordinating.settled(nursery)
                 self._mount()
-            except Exception as e:  # raised below, outside the nursery: one error, not a group
+            except Exception as e:  # noqa: BLE001 (raised below, outside the nursery: one error, not a group)
                 failure = e
                 nursery.cancel_scope.cancel()
             else:
@@ -440,17 +388,17 @@ class Daemon:
         nursery.start_soon(self._watch_signals)
         if self.connection.fd is not None:
             nursery.start_soon(self.connection.watch_keeper, str(self.cfg.mountpoint), self._register)
-        nursery.start_soon(self.replicator.run)
+        nursery.start_soon(_built(self.replicator).run)
         if self.mtc is not None:
             nursery.start_soon(self.mtc.run)
         if self._beyond_ram() or self.network:
-            nursery.start_soon(self._watch_cluster)
+            nursery.start_soon(_built(self.watch).run)
         if self.restore is not None:
             await nursery.start(self.restore.run)
         answers = control.Answers(
             self._status,
             self._commit,
-            self.telemetry.exposition,
+            _built(self.telemetry).exposition,
             lambda: job_steps.answer(self.cfg, self.view, self.steps),
         )
         await nursery.start(control.serve, self.registration.socket_path, answers)
@@ -467,20 +415,20 @@ class Daemon:
             self.restore.mounted.set()
 
     def _status(self, settle: bool = True) -> dict:
-        cluster = status.cluster(self.coordinating, self.view, self.planner, self.retention_floor)
+        known = status.cluster(self.coordinating, self.view, self.planner, self.retention_floor)
         return status.report(
             self.cfg,
             started=self.started,
-            ops=self.ops,
-            engine=self.engine,
+            ops=_built(self.ops),
+            engine=self._engine(),
             steps=self.steps,
             local=self.local,
             tiers=self.tiers,
-            replicator=self.replicator,
+            replicator=_built(self.replicator),
             network=self.network,
             restore=self.restore,
             mtc=self.mtc,
-            cluster=cluster,
+            cluster=known,
             connection=self.connection.report(),
             telemetry=self.telemetry,
             settle=settle,
@@ -488,42 +436,12 @@ class Daemon:
 
     def _commit(self, path: str, step: int | None) -> dict:
         """``tierfs commit``: what was written before the command is part of the step."""
-        self.ops.writes_done()
+        _built(self.ops).writes_done()
         return control.commit(self.steps, path, step)
 
-    async def _watch_cluster(self) -> None:
-        """Keep the view of the newest complete step fresh: retention on every tier depends on it."""
-        while True:
-            await trio.sleep(self.cfg.survey_interval)
-            try:
-                if self.coordinating is None:  # else the coordinators keep the view, from reports
-                    await self.view.survey()
-            except Exception as e:  # a survey is advisory; the next one may work
-                log.warning("cluster survey failed: %s", e)
-                continue
-            if self.network is not None:
-                self._follow_peers()
-            self.replicator.retain_local()
-            if self.replica_store is not None:
-                self.replica_store.retain()
-
-    async def _serve_peers(self, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        await peer_server.serve(
-            self.cfg.listen,
-            job=self.cfg.job,
-            secret=self.cfg.secret,
-            store=self.replica_store,
-            info=self._peer_info,
-            task_status=task_status,
-            tls=peer_tls(self.cfg),
-            messages=self.coordinating.handle if self.coordinating is not None else None,
-            # a coordinator keeps one pooled connection per member, and long polls
-            max_connections=max(peer_server.MAX_CONNECTIONS, 2 * self.cfg.nodes + 64),
-        )
-
     async def _fuse_main(self, cancel_scope: trio.CancelScope) -> None:
-        with self.ops.writes:  # the write-behind worker lives as long as the request loop
-            await self.engine.run()
+        with _built(self.ops).writes:  # the write-behind worker lives as long as the request loop
+            await self._engine().run()
         cancel_scope.cancel()
 
     async def _watch_signals(self) -> None:
@@ -540,12 +458,12 @@ class Daemon:
                 else:
                     log.info("signal %d: unmounting", signum)
                     self._signalled = True
-                self.engine.terminate()
+                self._engine().terminate()
 
     def stop(self) -> None:
         if self.mounted:
             # After a kernel-side unmount (umount, fusermount -u) there is nothing to unmount.
-            self.engine.close(unmount=self._signalled)
+            self._engine().close(unmount=self._signalled)
             if not self.handing_over:  # only ours once mounted: a busy mountpoint is someone else's
                 self.registration.remove()
         for part in (self.ops, self.connection.record, self.telemetry):  # None where the start failed first
@@ -553,48 +471,3 @@ class Daemon:
                 part.close()
         self.rank.release()
         log.info("stopped", extra={"event": "stopped"})
-
-
-def run(cfg: Config, ready_fd: int | None = None, fuse_fd: int | None = None, takeover: bool = False) -> int:
-    """Run a daemon in this process until unmounted; report readiness on ``ready_fd``.
-
-    ``fuse_fd``: the keeper's ``/dev/fuse`` descriptor, to mount with, or with ``takeover``
-    the live connection of a daemon that is gone, to serve on. Returns the exit status
-    (:data:`~tierfs.daemon.keeper.HANDOVER` when it stopped for a successor).
-    """
-    # The modules, and what they made on import, live as long as the daemon: out of the
-    # collector's reach, a full collection walks none of their ~35,000 objects again (each
-    # such walk held the interpreter, and so every FUSE request, for 6-9 ms).
-    gc.freeze()
-    host.setup_logging(cfg)
-    try:
-        connection = Connection(fuse_fd)
-        if takeover:
-            connection, ready_fd = Connection.take_over(cfg, fuse_fd, ready_fd)
-    except (UserError, OSError) as e:
-        log.error("%s", e)
-        host.report(ready_fd, f"error: {e}")
-        return CANNOT_TAKE_OVER
-    daemon = Daemon(cfg, connection)
-    try:
-        daemon.start()
-        trio.run(daemon.serve, ready_fd)
-    except UserError as e:
-        if daemon.ready:
-            raise
-        if ready_fd is None:
-            raise
-        log.error("%s", e)  # before the report, so the log is complete when the caller looks
-        host.report(ready_fd, f"error: {e}")
-        return 1
-    except Exception as e:
-        if daemon.ready:
-            raise
-        log.exception("start-up failed")
-        host.report(ready_fd, f"error: daemon failed to start: {e} (log: {daemon.registration.log_path})")
-        if ready_fd is None:
-            raise UserError(f"daemon failed to start: {e}") from None
-        return 1
-    finally:
-        daemon.stop()
-    return HANDOVER if daemon.handing_over else 0

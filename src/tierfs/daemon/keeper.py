@@ -183,7 +183,7 @@ class Keeper:
             self._wait_for(self._watch)
             self.takeover = True
             if self._taker is not None:
-                return self._give_connection(0)
+                return self._give_connection(self._taker, 0)
             if self._upgrade:
                 self._execute_anew()
             if self._stopping or not connected(self.fuse_fd):
@@ -199,7 +199,7 @@ class Keeper:
                 ready_fd = None
             code = self._wait(pid)
             if self._taker is not None:
-                return self._give_connection(code)
+                return self._give_connection(self._taker, code)
             if code == HANDOVER:
                 self._execute_anew()
             if code == 0 or self._stopping or not connected(self.fuse_fd):
@@ -278,15 +278,16 @@ class Keeper:
             if self._listener is not None:
                 poller.register(self._listener, select.POLLIN)
             while not any(fd == pidfd for fd, _ in poller.poll()):
-                self._answer()
+                if self._listener is not None:  # the only other descriptor polled
+                    self._answer(self._listener)
         finally:
             os.close(pidfd)
             if pid == self._watch:
                 self._child = None
 
-    def _answer(self) -> None:
+    def _answer(self, listener: socket.socket) -> None:
         """A keeper asks for the connection: stop the daemon for it (it is given once the daemon is gone)."""
-        conn, _ = self._listener.accept()
+        conn, _ = listener.accept()
         try:
             conn.settimeout(5)
             uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[1]
@@ -306,13 +307,14 @@ class Keeper:
         self._taker = conn
         self._signal_daemon(signal.SIGUSR1)
 
-    def _give_connection(self, code: int) -> int:
-        """The daemon is gone: the descriptor goes to the keeper that asked, and this one ends."""
-        with self._taker:
-            self._taker.settimeout(HANDOVER_TIMEOUT)
-            socket.send_fds(self._taker, [b"ok\n"], [self.fuse_fd])
+    def _give_connection(self, taker: socket.socket, code: int) -> int:
+        """The daemon is gone: the descriptor goes to the keeper that asked (``taker``), and this one ends."""
+        with taker:
+            taker.settimeout(HANDOVER_TIMEOUT)
+            socket.send_fds(taker, [b"ok\n"], [self.fuse_fd])
         log.info("%s handed over to another keeper (the daemon %s)", self.cfg.mountpoint, _how(code))
-        self._listener.close()
+        if self._listener is not None:  # always: the taker came through it
+            self._listener.close()
         return HANDED_OVER
 
     def _pass_on(self, signum: int, frame) -> None:

@@ -224,7 +224,7 @@ class StatusCollector(Collector):
         bounds = RequestTimes.bounds()
         for opcode, counts, total_ns in times.items():
             seen, cumulative = 0, []
-            for bound, n in zip(bounds, counts):
+            for bound, n in zip(bounds, counts, strict=True):
                 seen += n
                 cumulative.append((bound, seen))
             h.add_metric([*self.labels, OPERATIONS.get(opcode, "other")], cumulative, total_ns / 1e9)

@@ -20,6 +20,7 @@ from tierfs.tiers.base import Lane
 
 if TYPE_CHECKING:
     from tierfs.config import Config
+    from tierfs.daemon.connection import Engine
     from tierfs.daemon.metrics import Telemetry
     from tierfs.fs import Operations
     from tierfs.mtc.protocol import MtcNode
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from tierfs.pipeline.replicator import Replicator
     from tierfs.pipeline.restore import Restore
     from tierfs.pipeline.survey import ClusterView
+    from tierfs.ramtier import RankDir, SpaceAccount
     from tierfs.ramtier.steps import Steps, StepState
     from tierfs.tiers.base import Tier
     from tierfs.tiers.local import LocalTier
@@ -43,7 +45,7 @@ def report(
     *,
     started: float,
     ops: Operations,
-    engine,
+    engine: Engine,
     steps: Steps,
     local: LocalTier,
     tiers: Sequence[Tier],
@@ -101,6 +103,19 @@ def report(
         **lanes,
         "replicas_held": local.replicas_report(),
         **observed,  # the metrics endpoint, commits, failures and goodput
+    }
+
+
+def ram(rank: RankDir, space: SpaceAccount, bounded: bool) -> dict:
+    """The RAM tier's own part (``tiers.ram``): its tree, what backs it, its capacity (``bounded``:
+    as ``--capacity`` set it, else the ramdisk's size) and what is used of it."""
+    return {
+        "path": str(rank.tree),
+        "tmpfs": rank.is_tmpfs(),
+        "large_folios": rank.large_folios(),
+        "capacity": space.capacity,
+        "capacity_bounded": bounded,
+        "used": space.used,
     }
 
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from tierfs.core.keys import ManifestKeys
     from tierfs.pipeline.survey import ClusterView
     from tierfs.ramtier.steps import Steps, StepState
+    from tierfs.tiers.local import LocalTier
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,8 @@ async def answer(cfg: Config, view: ClusterView, steps: Steps) -> dict:
     kinds = {t.name: kind_of(t) for t in tiers}
     ranks_of: dict[int, dict[int, list[str]]] = {}  # step -> rank -> tier names
     for rank, held in found.holders.items():
-        for step, names in held.items():
-            ranks_of.setdefault(step, {})[rank] = names
+        for step, holders in held.items():
+            ranks_of.setdefault(step, {})[rank] = holders
     facts = await own_facts(cfg, tiers, found, steps.states)
     milestones = Milestones.from_config(cfg)  # the rules retention keeps them by
     now = time.time()
@@ -116,7 +117,7 @@ async def answer(cfg: Config, view: ClusterView, steps: Steps) -> dict:
     }
 
 
-async def survey(tiers: Sequence[Tier], local: Tier | None) -> Survey:
+async def survey(tiers: Sequence[Tier], local: LocalTier | None) -> Survey:
     """What every tier holds, each given a bounded time; this node's RAM as it is now."""
     result = Survey()
     limiter = trio.CapacityLimiter(FAN_OUT)
@@ -150,11 +151,11 @@ async def own_facts(
 ) -> dict[int, Facts]:
     """Size and time of this rank's steps: from their recorded copies, else one manifest each (bounded)."""
     facts: dict[int, Facts] = {}
-    to_read = []
+    to_read: list[int] = []
     for step in sorted(found.holders.get(cfg.rank, {}), reverse=True):
         state = states.get(step)
         size = recorded_size(state) if state is not None else None
-        if size is not None:
+        if state is not None and size is not None:
             facts[step] = Facts(size, state.committed_at)
         elif len(to_read) < MAX_MANIFESTS:
             to_read.append(step)

@@ -39,38 +39,39 @@ def node_tiers(
     if network is not None:
         tiers += peer_tiers(network)
     if cfg.gcs is not None:
-        tiers.append(open_gcs(cfg, restorable_without_gcs, warn))
+        tiers.append(open_gcs(cfg, cfg.gcs, restorable_without_gcs, warn))
     for tier in tiers:
         tier.configure(cfg)
     return by_cost(tiers)
 
 
-def open_gcs(cfg: Config, restorable_without: bool, warn: Callable[[str], None]) -> Tier:
-    """Reach the bucket: a missing one is a start-up error, an unreachable one only delays."""
-    from tierfs.tiers.gcs import GcsTier  # slow import: only when used
-    from tierfs.tiers.gcs_http import GcsUnavailable
+def open_gcs(cfg: Config, url: str, restorable_without: bool, warn: Callable[[str], None]) -> Tier:
+    """Reach the bucket at ``url`` (``cfg.gcs``): a missing one is a start-up error, an unreachable one only delays."""
+    # The GCS client and its libraries load only for a node that uses a bucket.
+    from tierfs.tiers.gcs import GcsTier  # noqa: PLC0415
+    from tierfs.tiers.gcs_http import GcsUnavailable  # noqa: PLC0415
 
     sealing = cfg.manifest_keys
     if sealing is None:
         warn(
-            f"GCS objects in {cfg.gcs} are neither encrypted nor authenticated without the job's secret: "
+            f"GCS objects in {url} are neither encrypted nor authenticated without the job's secret: "
             "whoever can read the bucket reads the checkpoints, and whoever can write it chooses what "
             "restores; set TIERFS_SECRET or --secret-file"
         )
     client = None
     if cfg.gcs_token_file is not None:  # the job's own identity, not the node's
-        from tierfs.tiers.gcs_http import make_client
-        from tierfs.tiers.gcs_identity import job_credentials
+        from tierfs.tiers.gcs_http import make_client  # noqa: PLC0415 (as above)
+        from tierfs.tiers.gcs_identity import job_credentials  # noqa: PLC0415 (and google-auth's)
 
         client = make_client(job_credentials(cfg))
-    tier = GcsTier(cfg.gcs, cfg.job, keys=sealing, seals=cfg.bucket_seals, client=client)
+    tier = GcsTier(url, cfg.job, keys=sealing, seals=cfg.bucket_seals, client=client)
     try:
         tier.check()
     except GcsUnavailable as e:
         if not restorable_without:
             raise UserError(
-                f"cannot reach {cfg.gcs} to restore rank {cfg.rank} ({e}): "
+                f"cannot reach {url} to restore rank {cfg.rank} ({e}): "
                 "check the network or STORAGE_EMULATOR_HOST, or mount without --gcs"
             ) from None
-        warn(f"GCS {cfg.gcs} is unreachable ({e}): backups wait until it answers")
+        warn(f"GCS {url} is unreachable ({e}): backups wait until it answers")
     return tier

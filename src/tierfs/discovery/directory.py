@@ -81,7 +81,7 @@ class PeerDirectory:
             log.info("peer discovery: %s gives %d peer(s)%s", source, len(found), _changes(before or [], found))
 
 
-def _changes(before: list, after: list) -> str:
+def _changes(before: list[tuple[str, int]], after: list[tuple[str, int]]) -> str:
     added = [a for a in after if a not in set(before)]
     gone = [a for a in before if a not in set(after)]
     words = []

@@ -26,7 +26,9 @@ from __future__ import annotations
 import ipaddress
 import socket
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import dns.exception
 import dns.inet
@@ -34,8 +36,13 @@ import dns.message
 import dns.name
 import dns.query
 import dns.rcode
+import dns.rdata
 import dns.rdataclass
 import dns.rdatatype
+import dns.rdtypes.IN.A
+import dns.rdtypes.IN.AAAA
+import dns.rdtypes.IN.SRV
+import dns.rrset
 import trio
 
 A, AAAA, SRV = dns.rdatatype.A, dns.rdatatype.AAAA, dns.rdatatype.SRV
@@ -44,6 +51,7 @@ MAX_MESSAGE = 65535  # bytes read of one answer (the UDP buffer; TCP's two-byte 
 MAX_RECORDS = 100_000  # records of one answer this client takes (a full message holds fewer)
 TARGET_LOOKUPS = 32  # SRV targets without glue records looked up at once
 UDP_RETRY = 1.0  # seconds before a UDP query is sent again
+_T = TypeVar("_T")
 RESOLV_CONF = "/etc/resolv.conf"
 MAX_RESOLV_CONF = 64 << 10
 
@@ -55,7 +63,7 @@ class DnsError(Exception):
 # -- one query -----------------------------------------------------------------------------
 
 
-def _question(name: str, qtype: int) -> dns.message.Message:
+def _question(name: str, qtype: dns.rdatatype.RdataType) -> dns.message.Message:
     """One recursive question, with an EDNS0 record offering UDP_PAYLOAD-byte answers."""
     try:
         qname = dns.name.from_text(name)
@@ -121,7 +129,7 @@ async def _receive(stream: trio.SocketStream, n: int) -> bytes:
     return bytes(data)
 
 
-async def query(server: tuple[str, int], name: str, qtype: int) -> dns.message.Message:
+async def query(server: tuple[str, int], name: str, qtype: dns.rdatatype.RdataType) -> dns.message.Message:
     """Ask ``server`` once (UDP, then TCP if truncated); the caller sets the deadline.
 
     The answer, NOERROR or NXDOMAIN; anything else (no server, another rcode, an answer to
@@ -148,13 +156,24 @@ async def query(server: tuple[str, int], name: str, qtype: int) -> dns.message.M
     return answer
 
 
-def _records(section: list, rdtype: int) -> list:
+def _records(
+    section: list[dns.rrset.RRset], rdtype: dns.rdatatype.RdataType
+) -> list[tuple[dns.name.Name, dns.rdata.Rdata]]:
     """(owner, rdata) of every ``rdtype`` record of class IN in ``section``, whatever its owner (a CNAME's target)."""
     return [
         (rrset.name, rdata)
         for rrset in section
         if rrset.rdtype == rdtype and rrset.rdclass == dns.rdataclass.IN
         for rdata in rrset
+    ]
+
+
+def _addresses_in(section: list[dns.rrset.RRset], qtype: dns.rdatatype.RdataType) -> list[tuple[dns.name.Name, str]]:
+    """(owner, address) of every A or AAAA record (``qtype``) of class IN in ``section``."""
+    return [
+        (owner, str(ipaddress.ip_address(rdata.address)))
+        for owner, rdata in _records(section, qtype)
+        if isinstance(rdata, (dns.rdtypes.IN.A.A, dns.rdtypes.IN.AAAA.AAAA))  # what dnspython parses them as
     ]
 
 
@@ -204,7 +223,9 @@ def candidates(name: str, conf: ResolvConf) -> list[str]:
     return [name, *searched] if name.count(".") >= conf.ndots else [*searched, name]
 
 
-async def lookup(name: str, qtype: int, server: tuple[str, int] | None = None) -> dns.message.Message | None:
+async def lookup(
+    name: str, qtype: dns.rdatatype.RdataType, server: tuple[str, int] | None = None
+) -> dns.message.Message | None:
     """The answer holding ``qtype`` records for ``name`` (their glue in its additional section); None if none exist.
 
     ``server``: ask that one; None: the system's name servers and search domains. The
@@ -239,12 +260,12 @@ async def addresses(name: str, server: tuple[str, int] | None = None) -> list[st
             if e.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
                 return []
             raise DnsError(f"cannot resolve {name}: {e.strerror or e}") from None
-        return _unique(info[4][0] for info in infos)
+        return _unique(str(info[4][0]) for info in infos)  # an IP's text (str() for typeshed's int case)
     found: list[str] = []
     for qtype in (A, AAAA):
         answer = await lookup(name, qtype, server)
         if answer is not None:
-            found += [str(ipaddress.ip_address(rdata.address)) for _, rdata in _records(answer.answer, qtype)]
+            found += [address for _, address in _addresses_in(answer.answer, qtype)]
     return _unique(found)
 
 
@@ -255,12 +276,12 @@ async def services(name: str, server: tuple[str, int] | None = None) -> list[tup
         return []
     glue: dict[str, list[str]] = {}
     for qtype in (A, AAAA):
-        for owner, rdata in _records(answer.additional, qtype):
-            glue.setdefault(_text(owner), []).append(str(ipaddress.ip_address(rdata.address)))
+        for owner, address in _addresses_in(answer.additional, qtype):
+            glue.setdefault(_text(owner), []).append(address)
     ordered = sorted(
         (srv.priority, _text(srv.target), srv.port)
         for _, srv in _records(answer.answer, SRV)
-        if srv.target != dns.name.root
+        if isinstance(srv, dns.rdtypes.IN.SRV.SRV) and srv.target != dns.name.root
     )  # "." means "no such service here"
     wanted = {target for _, target, _ in ordered} - glue.keys()
     limiter = trio.CapacityLimiter(TARGET_LOOKUPS)
@@ -275,7 +296,7 @@ async def services(name: str, server: tuple[str, int] | None = None) -> list[tup
     return _unique((ip, port) for _, target, port in ordered for ip in glue.get(target, ()))
 
 
-def _unique(items) -> list:
+def _unique(items: Iterable[_T]) -> list[_T]:
     return list(dict.fromkeys(items))
 
 

@@ -59,7 +59,9 @@ class DnsSource:
         """The peers this name gives now (no deadline here: the caller sets it)."""
         if self.kind == "dns+srv":
             return await dns.services(self.name, self.server)
-        return [(ip, self.port) for ip in await dns.addresses(self.name, self.server)]
+        port = self.port
+        assert port is not None  # a "dns" source always names its port (see _parse_source)
+        return [(ip, port) for ip in await dns.addresses(self.name, self.server)]
 
 
 @dataclass(frozen=True)
@@ -153,7 +155,7 @@ def expand(item: str, what: str = "--peers") -> list[str]:
     out = []
     for picked in product(*choices):
         text = parts[0]
-        for value, part in zip(picked, parts[1:]):
+        for value, part in zip(picked, parts[1:], strict=True):  # a range between every two texts
             text += value + part
         out.append(text)
     return out

@@ -12,6 +12,7 @@ import errno
 import fcntl
 import os
 import stat
+from typing import TYPE_CHECKING
 
 import pyfuse3
 
@@ -19,6 +20,9 @@ from tierfs.core import linux
 from tierfs.fs.caller import acting_as, sys_admin
 from tierfs.fs.volume import ACL_NAMES, Volume, drop_privs, errors_to_fuse, has_privs
 from tierfs.ramtier.space import PAGE
+
+if TYPE_CHECKING:
+    from tierfs.fs.messages import Requester, SetattrFields
 
 _FLAG_IOCTLS = {linux.FS_IOC_GETFLAGS, linux.FS_IOC_SETFLAGS, linux.FS_IOC_FSGETXATTR, linux.FS_IOC_FSSETXATTR}
 # The setters, and the flags among theirs that freeze an inode (the first word of each argument).
@@ -31,14 +35,21 @@ _FLAG_SETTERS = {
 class Attributes(Volume):
     """Handlers of attributes, the volume's statistics and extended attributes."""
 
-    def getattr_sync(self, inode: int, ctx=None) -> tuple[int, os.stat_result]:
+    def getattr_sync(self, inode: int, ctx: Requester | None = None) -> tuple[int, os.stat_result]:
         return inode, os.fstat(self.inodes[inode].fd)
 
     def birth_time(self, inode: int) -> int | None:
         return linux.birth_time(self.inodes[inode].fd)
 
     @errors_to_fuse
-    async def setattr(self, inode, attr, fields, fh, ctx):
+    async def setattr(
+        self,
+        inode: int,
+        attr: pyfuse3.EntryAttributes,
+        fields: pyfuse3.SetattrFields | SetattrFields,
+        fh: int | None,
+        ctx: Requester,
+    ) -> pyfuse3.EntryAttributes:
         await self._settle(inode)
         self.writes_done(inode)
         node = self.inodes[inode]
@@ -69,7 +80,7 @@ class Attributes(Volume):
         return self._attrs(inode, os.fstat(node.fd))
 
     @errors_to_fuse
-    async def statfs(self, ctx):
+    async def statfs(self, ctx: Requester) -> pyfuse3.StatvfsData:
         self.writes_done()
         backing = os.statvfs(self.inodes[pyfuse3.ROOT_INODE].proc_path)
         s = pyfuse3.StatvfsData()
@@ -101,7 +112,7 @@ class Attributes(Volume):
         return True
 
     @errors_to_fuse
-    async def setxattr(self, inode, name, value, ctx, flags=0):
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: Requester, flags: int = 0) -> None:
         """``flags``: XATTR_CREATE and XATTR_REPLACE, which pyfuse3 checks itself and does not pass."""
         path = self.inodes[inode].proc_path
         if self._acl_name(name):
@@ -110,7 +121,7 @@ class Attributes(Volume):
             return
         os.setxattr(path, name, value, flags)
 
-    def getxattr_sync(self, inode: int, name: bytes, ctx=None) -> bytes:
+    def getxattr_sync(self, inode: int, name: bytes, ctx: Requester | None = None) -> bytes:
         # Asked at the first write of every new file (for security.capability): through the
         # open file when there is one, which spares the kernel a walk of /proc.
         self._acl_name(name)
@@ -118,7 +129,7 @@ class Attributes(Volume):
         return os.getxattr(node.open_fd if node.open_fd >= 0 else node.proc_path, name)
 
     @errors_to_fuse
-    async def listxattr(self, inode, ctx):
+    async def listxattr(self, inode: int, ctx: Requester) -> list[bytes]:
         """The names tmpfs would list to the caller: ``trusted.*`` only to one with
         CAP_SYS_ADMIN (the daemon, as root, sees them all)."""
         names = [os.fsencode(n) for n in os.listxattr(self.inodes[inode].proc_path)]
@@ -128,7 +139,7 @@ class Attributes(Volume):
         return [n for n in names if n not in hidden]
 
     @errors_to_fuse
-    async def removexattr(self, inode, name, ctx):
+    async def removexattr(self, inode: int, name: bytes, ctx: Requester) -> None:
         path = self.inodes[inode].proc_path
         if self._acl_name(name):
             with acting_as(ctx):

@@ -34,8 +34,9 @@ class BackingFiles:
         entry = self._inodes.get(ino)
         return entry[1] if entry else 0
 
-    def attach(self, ino: int, fh: int) -> bool:
-        """Serve ``fh`` (a descriptor of ``ino``'s backing file) by passthrough, if the kernel lets us."""
+    def attach(self, ino: int, fh: int) -> int | None:
+        """Serve ``fh`` (a descriptor of ``ino``'s backing file) by passthrough, if the kernel
+        lets us: the backing id it then has, else None."""
         entry = self._inodes.get(ino)
         if entry is None:
             arg = bytearray(abi.BACKING_MAP.pack(fh, 0, 0))
@@ -49,11 +50,11 @@ class BackingFiles:
                         e.strerror or e,
                     )
                 self.failed = e
-                return False
+                return None
             entry = self._inodes[ino] = [backing_id, 0]
         entry[1] += 1
         self._handles[fh] = ino
-        return True
+        return entry[0]
 
     def adopt(self, ino: int, fh: int, backing_id: int) -> None:
         """Count ``fh``, an open a predecessor registered as ``backing_id``, as attached."""

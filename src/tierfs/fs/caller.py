@@ -33,8 +33,12 @@ import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from tierfs.core.linux import _libc
+
+if TYPE_CHECKING:
+    from tierfs.fs.messages import Requester
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +108,9 @@ def supplementary_groups(pid: int, uid: int, gid: int) -> list[int]:
     return groups
 
 
-def _syscall(number: int, *args) -> int:
-    return _libc.syscall(ctypes.c_long(number), *args)
+def _syscall(number: int, *args: object) -> int:
+    result: int = _libc.syscall(ctypes.c_long(number), *args)  # syscall(2) returns a C int (ctypes' default restype)
+    return result
 
 
 def _set_groups(groups: list[int]) -> None:
@@ -140,7 +145,7 @@ def _restore() -> None:
 
 
 @contextmanager
-def acting_as(ctx) -> Iterator[None]:
+def acting_as(ctx: Requester) -> Iterator[None]:
     """File-system calls inside are made as ``ctx.uid``/``ctx.gid`` (and the groups of
     ``ctx.pid``) on this thread, which must not run anything else until it ends."""
     groups = supplementary_groups(ctx.pid, ctx.uid, ctx.gid) if ctx.uid != 0 else _OWN[2]

@@ -23,11 +23,15 @@ import errno
 import logging
 import os
 import platform
+from typing import TYPE_CHECKING
 
 import pyfuse3
 
 from tierfs.config import DataPath, Engine
 from tierfs.fs.session import KernelSession
+
+if TYPE_CHECKING:
+    from tierfs.fs.operations import Operations
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +72,7 @@ class Pyfuse3Engine:
     transfer = "writes copied by 1 thread"
     _gone_replies = _GoneReplies()
 
-    def __init__(self, ops):
+    def __init__(self, ops: Operations):
         self.ops = ops
         logging.getLogger("pyfuse3").addFilter(self._gone_replies)  # added once, however many engines
 
@@ -88,6 +92,9 @@ class Pyfuse3Engine:
 
     def close(self, unmount: bool) -> None:
         pyfuse3.close(unmount=unmount)
+
+
+FuseEngine = KernelSession | Pyfuse3Engine  # what serves the mount
 
 
 def kernel_version(release: str | None = None) -> tuple[int, int]:
@@ -131,7 +138,7 @@ def choose_data_path(requested: DataPath) -> tuple[DataPath, str | None]:
     return DataPath.DAEMON, obstacle
 
 
-def make_engine(ops, data_path: DataPath, engine: Engine, wake_cpus: bool = True):
+def make_engine(ops: Operations, data_path: DataPath, engine: Engine, wake_cpus: bool = True) -> FuseEngine:
     """The engine serving ``ops`` on ``data_path``, as ``engine`` asks."""
     if engine == Engine.PYFUSE3:
         return Pyfuse3Engine(ops)
@@ -140,7 +147,7 @@ def make_engine(ops, data_path: DataPath, engine: Engine, wake_cpus: bool = True
     return KernelSession(ops, want_passthrough=False, wake_cpus=wake_cpus, writers=WRITERS)
 
 
-def fallback_engine(engine, requested: Engine, error: OSError):
+def fallback_engine(engine: FuseEngine, requested: Engine, error: OSError) -> Pyfuse3Engine | None:
     """pyfuse3 in place of ``engine``, the own session, when its ``mount(2)`` was refused
     (no ``CAP_SYS_ADMIN``: pyfuse3 mounts with the setuid helper ``fusermount3``); None when
     that does not apply."""

@@ -13,8 +13,12 @@ import logging
 import os
 import stat
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pyfuse3
+
+if TYPE_CHECKING:
+    from tierfs.fs.recovery import SessionState
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +56,7 @@ class InodeTable:
     a taken-over node drops it.
     """
 
-    def __init__(self, root: str | os.PathLike, record=None):
+    def __init__(self, root: str | os.PathLike[str], record: SessionState | None = None):
         fd = os.open(root, O_PATH_FLAGS | os.O_DIRECTORY)
         self._root_ino = os.fstat(fd).st_ino
         self._nodes: dict[int, Inode] = {pyfuse3.ROOT_INODE: Inode(fd, stat.S_IFDIR, nlookup=1)}
@@ -68,14 +72,14 @@ class InodeTable:
     def __getitem__(self, ino: int) -> Inode:
         node = self._nodes.get(ino)
         if node is None and self.record is not None:
-            node = self._taken_over(ino)
+            node = self._taken_over(self.record, ino)
         if node is None or node.fd < 0:
             raise OSError(errno.ESTALE, "unknown inode")
         return node
 
-    def _taken_over(self, ino: int) -> Inode | None:
-        """A node a predecessor gave the kernel, reopened from the record."""
-        fd = self.record.reopen(ino)
+    def _taken_over(self, record: SessionState, ino: int) -> Inode | None:
+        """A node a predecessor gave the kernel, reopened from the ``record``."""
+        fd = record.reopen(ino)
         if fd is None:
             return None
         node = self._nodes[ino] = Inode(fd, stat.S_IFMT(os.fstat(fd).st_mode), nlookup=TAKEN_OVER)
@@ -103,7 +107,7 @@ class InodeTable:
             raise
         node = self._nodes.get(ino)
         if node is None and self.record is not None:
-            node = self._taken_over(ino)
+            node = self._taken_over(self.record, ino)
         if node is None:
             node = self._nodes[ino] = Inode(fd, stat.S_IFMT(st.st_mode))
             self._recorded(ino, fd)

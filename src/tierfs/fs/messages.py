@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import stat
 from dataclasses import dataclass
+from typing import Protocol
 
 import pyfuse3
 
@@ -25,6 +26,23 @@ class Context:
     gid: int
     pid: int
     umask: int = 0
+
+
+class Requester(Protocol):
+    """The caller of a request as the handlers take it from either engine: pyfuse3's
+    ``RequestContext`` or :class:`Context`."""
+
+    @property
+    def uid(self) -> int: ...
+
+    @property
+    def gid(self) -> int: ...
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def umask(self) -> int: ...
 
 
 class SetattrFields:
@@ -86,7 +104,12 @@ def timeout(seconds: float) -> tuple[int, int]:
     return whole, int((seconds - whole) * 1e9)
 
 
-def attr_fields(a: pyfuse3.EntryAttributes) -> tuple:
+# ``struct fuse_attr``, field by field: ino size blocks atime mtime ctime atimensec
+# mtimensec ctimensec mode nlink uid gid rdev blksize flags
+FuseAttr = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, int, int]
+
+
+def attr_fields(a: pyfuse3.EntryAttributes) -> FuseAttr:
     at, mt, ct = a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns
     return (
         a.st_ino,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Iterable
 
 import pyfuse3
 
@@ -17,11 +18,13 @@ from tierfs.core import linux
 from tierfs.fs import recovery
 from tierfs.fs.caller import acting_as
 from tierfs.fs.inodes import Inode
-from tierfs.fs.messages import DirBuffer
+from tierfs.fs.messages import DirBuffer, Requester
 from tierfs.fs.volume import Volume, errors_to_fuse
 
 
-def _readdir_reply(token, name: bytes, attrs: pyfuse3.EntryAttributes, next_id: int) -> bool:
+def _readdir_reply(
+    token: DirBuffer | pyfuse3.ReaddirToken, name: bytes, attrs: pyfuse3.EntryAttributes, next_id: int
+) -> bool:
     if isinstance(token, DirBuffer):
         return token.add(name, attrs, next_id)
     return pyfuse3.readdir_reply(token, name, attrs, next_id)
@@ -30,10 +33,10 @@ def _readdir_reply(token, name: bytes, attrs: pyfuse3.EntryAttributes, next_id: 
 class Names(Volume):
     """Handlers of names and directories."""
 
-    def lookup_sync(self, parent_inode: int, name: bytes, ctx=None) -> tuple[int, os.stat_result]:
+    def lookup_sync(self, parent_inode: int, name: bytes, ctx: Requester | None = None) -> tuple[int, os.stat_result]:
         return self.inodes.lookup(self.inodes[parent_inode].fd, name)
 
-    def forget_sync(self, inode_list) -> None:
+    def forget_sync(self, inode_list: Iterable[tuple[int, int]]) -> None:
         for ino, n in inode_list:
             self.inodes.forget(ino, n)
 
@@ -42,11 +45,13 @@ class Names(Volume):
         return self._attrs(*self.inodes.lookup(parent.fd, name))
 
     @errors_to_fuse
-    async def readlink(self, inode, ctx):
+    async def readlink(self, inode: int, ctx: Requester) -> bytes:
         return os.readlink(b"", dir_fd=self.inodes[inode].fd)
 
     @errors_to_fuse
-    async def mknod(self, parent_inode, name, mode, rdev, ctx):
+    async def mknod(
+        self, parent_inode: int, name: bytes, mode: int, rdev: int, ctx: Requester
+    ) -> pyfuse3.EntryAttributes:
         parent = self.inodes[parent_inode]
         mode = self._creation_mode(parent, mode, ctx)
         with acting_as(ctx):
@@ -54,7 +59,7 @@ class Names(Volume):
         return self._new_entry(parent, name)
 
     @errors_to_fuse
-    async def mkdir(self, parent_inode, name, mode, ctx):
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: Requester) -> pyfuse3.EntryAttributes:
         parent = self.inodes[parent_inode]
         mode = self._creation_mode(parent, mode, ctx)
         with acting_as(ctx):
@@ -62,14 +67,14 @@ class Names(Volume):
         return self._new_entry(parent, name)
 
     @errors_to_fuse
-    async def symlink(self, parent_inode, name, target, ctx):
+    async def symlink(self, parent_inode: int, name: bytes, target: bytes, ctx: Requester) -> pyfuse3.EntryAttributes:
         parent = self.inodes[parent_inode]
         with acting_as(ctx):
             os.symlink(target, name, dir_fd=parent.fd)
         return self._new_entry(parent, name)
 
     @errors_to_fuse
-    async def link(self, inode, new_parent_inode, new_name, ctx):
+    async def link(self, inode: int, new_parent_inode: int, new_name: bytes, ctx: Requester) -> pyfuse3.EntryAttributes:
         node, parent = self.inodes[inode], self.inodes[new_parent_inode]
         with acting_as(ctx):  # protected_hardlinks is the caller's to pass
             os.link(node.proc_path, new_name, dst_dir_fd=parent.fd, follow_symlinks=True)
@@ -77,18 +82,20 @@ class Names(Volume):
         return self._new_entry(parent, new_name)
 
     @errors_to_fuse
-    async def unlink(self, parent_inode, name, ctx):
+    async def unlink(self, parent_inode: int, name: bytes, ctx: Requester) -> None:
         parent = self.inodes[parent_inode]
         st = os.stat(name, dir_fd=parent.fd, follow_symlinks=False)
         os.unlink(name, dir_fd=parent.fd)
         self.link_removed(st)
 
     @errors_to_fuse
-    async def rmdir(self, parent_inode, name, ctx):
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: Requester) -> None:
         os.rmdir(name, dir_fd=self.inodes[parent_inode].fd)
 
     @errors_to_fuse
-    async def rename(self, parent_inode_old, name_old, parent_inode_new, name_new, flags, ctx):
+    async def rename(
+        self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes, flags: int, ctx: Requester
+    ) -> None:
         self.writes_done()  # a rename may commit a step: its bytes must all be there
         old, new = self.inodes[parent_inode_old], self.inodes[parent_inode_new]
         replaced = None
@@ -115,15 +122,15 @@ class Names(Volume):
     # -- directories -----------------------------------------------------------------
 
     @errors_to_fuse
-    async def opendir(self, inode, ctx):
+    async def opendir(self, inode: int, ctx: Requester) -> int:
         fd = os.open(self.inodes[inode].proc_path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._dirs[fd] = None
         if self.record is not None:
-            self.recorded(fd, inode, os.O_RDONLY | os.O_DIRECTORY, recovery.DIRECTORY)
+            self.recorded(self.record, fd, inode, os.O_RDONLY | os.O_DIRECTORY, recovery.DIRECTORY)
         return fd
 
     @errors_to_fuse
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, token: DirBuffer | pyfuse3.ReaddirToken) -> None:
         # Offsets index a snapshot taken when the listing starts, so entries created or
         # removed meanwhile are never reported twice or skipped.
         names = self._dirs[fh]
@@ -139,7 +146,7 @@ class Names(Volume):
                 break
 
     @errors_to_fuse
-    async def releasedir(self, fh):
+    async def releasedir(self, fh: int) -> None:
         if self._dirs.pop(fh, False) is False:
             return  # sent again, done before a predecessor died
         if self.record is not None:
@@ -147,5 +154,5 @@ class Names(Volume):
         os.close(fh)
 
     @errors_to_fuse
-    async def fsyncdir(self, fh, datasync):
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
         os.fsync(fh)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from typing import TYPE_CHECKING
 
 import pyfuse3
 
@@ -20,6 +21,9 @@ from tierfs.fs import recovery
 from tierfs.fs.caller import Caller, acting_as
 from tierfs.fs.inodes import O_PATH_FLAGS, Inode
 from tierfs.fs.volume import Volume, drop_privs, errors_to_fuse, has_privs
+
+if TYPE_CHECKING:
+    from tierfs.fs.messages import Requester
 
 # Flags that the kernel has already acted on, or that the backing open must not see.
 # O_APPEND among them: the kernel gives every write its offset (for an O_APPEND open, the
@@ -32,7 +36,7 @@ class Opening(Volume):
     """Handlers that open files."""
 
     @errors_to_fuse
-    async def open(self, inode, flags, ctx, kill_privs: bool | None = None):
+    async def open(self, inode: int, flags: int, ctx: Requester, kill_privs: bool | None = None) -> pyfuse3.FileInfo:
         """``kill_privs``: the kernel says the truncate of an ``O_TRUNC`` open drops set-id
         bits (its caller lacks CAP_FSETID); pyfuse3 does not pass it on, so there a caller
         other than root does."""
@@ -54,7 +58,7 @@ class Opening(Volume):
         return self._open_backing(inode, node, fd, flags, ctx)
 
     def create_sync(
-        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx, resumed: int | None = None
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Requester, resumed: int | None = None
     ) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """Create ``name``, or open it if another creator made it after the kernel's lookup.
 
@@ -73,11 +77,14 @@ class Opening(Volume):
             fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, mode, dir_fd=parent.fd)
             created = True
         except FileExistsError:
-            st = self._lstat_at(parent.fd, name) if resumed is not None else None
-            made_by_us = st is not None and stat.S_ISREG(st.st_mode) and st.st_ctime_ns >= resumed
-            if made_by_us and st.st_uid == 0 and ctx.uid != 0:  # made as root, never chowned
+            ours: os.stat_result | None = None  # a regular file this request's first run made
+            if resumed is not None:
+                st = self._lstat_at(parent.fd, name)
+                if st is not None and stat.S_ISREG(st.st_mode) and st.st_ctime_ns >= resumed:
+                    ours = st
+            if ours is not None and ours.st_uid == 0 and ctx.uid != 0:  # made as root, never chowned
                 fd, created = os.open(name, bflags | os.O_NOFOLLOW, dir_fd=parent.fd), True
-            elif flags & os.O_EXCL and not made_by_us:
+            elif flags & os.O_EXCL and ours is None:
                 raise
             else:
                 self.writes_done()  # O_TRUNC must come after writes still queued for it
@@ -94,7 +101,7 @@ class Opening(Volume):
 
     @errors_to_fuse
     async def tmpfile(
-        self, parent_inode: int, mode: int, flags: int, ctx
+        self, parent_inode: int, mode: int, flags: int, ctx: Requester
     ) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """An unnamed file in ``parent_inode`` (``O_TMPFILE``), the caller's as a create's is.
 
@@ -133,7 +140,7 @@ class Opening(Volume):
             path_fd = os.open(f"/proc/self/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
         return path_fd, st
 
-    def _open_raced(self, parent: Inode, name: bytes, bflags: int, mode: int, ctx) -> int:
+    def _open_raced(self, parent: Inode, name: bytes, bflags: int, mode: int, ctx: Requester) -> int:
         """Open a name another creator made between the kernel's lookup and our create.
 
         As the caller, with ``O_CREAT``: tmpfs checks its permissions (``protected_regular``
@@ -156,7 +163,7 @@ class Opening(Volume):
             raise pyfuse3.FUSEError(errno.ESTALE)
         return fd
 
-    def _give_to_caller(self, fd: int, parent: Inode, ctx: pyfuse3.RequestContext) -> None:
+    def _give_to_caller(self, fd: int, parent: Inode, ctx: Requester) -> None:
         """Make the file just created as root, open as ``fd``, the caller's, as tmpfs would
         have: the descriptor itself is changed, never a name someone could swap meanwhile."""
         setgid_parent = os.fstat(parent.fd).st_mode & stat.S_ISGID
@@ -168,25 +175,26 @@ class Opening(Volume):
             if mode & (stat.S_ISUID | stat.S_ISGID):
                 os.fchmod(fd, stat.S_IMODE(mode))
 
-    def _passes_through(self, ino: int, node: Inode, fd: int, privileged: bool) -> bool:
-        """Whether the kernel may serve this open from the backing file itself.
+    def _passes_through(self, ino: int, node: Inode, fd: int, privileged: bool) -> int | None:
+        """Whether the kernel may serve this open from the backing file itself: the backing
+        id it does so with, or None.
 
         Not a file with set-id bits (``privileged``): a write by anyone but root drops them,
         and only the daemon sees the writes it serves. Unless the inode is passed through
         already: the kernel then fails (EIO) any open of it that is not."""
         backing = self.backing
         if backing is None or backing.failed is not None or node.kind != stat.S_IFREG:
-            return False
+            return None
         if self.restoring is not None and self.restoring.pending(ino):
-            return False  # its reads must wait for chunks
+            return None  # its reads must wait for chunks
         if node.opens - 1 > backing.opens(ino):
-            return False  # an earlier open is served by the daemon: the kernel allows no mix
+            return None  # an earlier open is served by the daemon: the kernel allows no mix
         if privileged and not backing.opens(ino):
-            return False
+            return None
         return backing.attach(ino, fd)
 
     def _open_backing(
-        self, ino: int, node: Inode, fd: int, flags: int, ctx, st: os.stat_result | None = None
+        self, ino: int, node: Inode, fd: int, flags: int, ctx: Requester, st: os.stat_result | None = None
     ) -> pyfuse3.FileInfo:
         """Register an open backing descriptor and choose how the kernel reads and writes it.
 
@@ -209,14 +217,15 @@ class Opening(Volume):
         if accmode != os.O_RDONLY and ctx.uid != 0:
             self._unprivileged_writers.add(fd)
         self._opened(ino, node, fd, flags)
-        if self._passes_through(ino, node, fd, privileged):
+        backing_id = self._passes_through(ino, node, fd, privileged)
+        if backing_id is not None:
             if drops_privs:  # made set-id while passed through: dropped at the open, not the first write
                 drop_privs(f"/proc/self/fd/{fd}")
             self.counters["passthrough_opens"] += 1
             if accmode != os.O_RDONLY:
                 self.writing.watch(fd, st or os.fstat(fd))
                 self._passthrough_writers.add(fd)
-            self._record_open(fd, ino, flags, recovery.PASSTHROUGH)
+            self._record_open(fd, ino, flags, recovery.PASSTHROUGH, backing_id)
             return fi
         bits = 0
         if drops_privs:
@@ -234,14 +243,6 @@ class Opening(Volume):
         self._record_open(fd, ino, flags, bits)
         return fi
 
-    def privileged(self, ino: int) -> None:
-        """``ino`` was just given set-id bits: the next write of each handle a caller other
-        than root has open for writing on the daemon path drops them, as on tmpfs. (One that
-        is passed through writes beside the daemon: its writes keep them.)"""
-        for fh in self._unprivileged_writers:
-            if self._files[fh] == ino and fh not in self._passthrough_writers:
-                self._kill_privs.add(fh)
-
     def _opened(self, ino: int, node: Inode, fd: int, flags: int) -> None:
         node.opens += 1
         node.open_fd = fd
@@ -249,30 +250,6 @@ class Opening(Volume):
         if flags & os.O_ACCMODE != os.O_RDONLY:
             self._writable.add(fd)
 
-    def _record_open(self, fd: int, ino: int, flags: int, bits: int) -> None:
+    def _record_open(self, fd: int, ino: int, flags: int, bits: int, backing_id: int = 0) -> None:
         if self.record is not None:
-            backing_id = self.backing.backing_id(fd) if bits & recovery.PASSTHROUGH else 0
-            self.recorded(fd, ino, flags, recovery.FILE | bits, backing_id)
-
-    def take_over(self, handles: list[recovery.Handle]) -> None:
-        """Adopt the open handles of a daemon that is gone, each already reopened at its
-        own descriptor number (:func:`tierfs.fs.recovery.reopen_handles`): the kernel
-        goes on using them as they were."""
-        for h in handles:
-            node = self.inodes[h.ino]
-            if h.is_dir:
-                self._dirs[h.fh] = None
-                continue
-            self._opened(h.ino, node, h.fh, h.flags)
-            if h.kind & recovery.PASSTHROUGH:
-                self.backing.adopt(h.ino, h.fh, h.backing_id)
-                if h.flags & os.O_ACCMODE != os.O_RDONLY:
-                    self.writing.watch(h.fh, os.fstat(h.fh))
-                    self._passthrough_writers.add(h.fh)
-            if h.kind & recovery.KILL_PRIVS:
-                self._kill_privs.add(h.fh)
-            if h.kind & recovery.DIRECT:
-                self._direct.add(h.fh)
-        for h in handles:  # released by the kernel (and answered) before the predecessor did it
-            if h.kind & recovery.RELEASING and not h.is_dir:
-                self.release_sync(h.fh)
+            self.recorded(self.record, fd, ino, flags, recovery.FILE | bits, backing_id)

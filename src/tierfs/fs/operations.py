@@ -46,30 +46,56 @@ import errno
 import fcntl
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar, overload
 
 import pyfuse3
 import trio
 
 from tierfs.core import linux
+from tierfs.fs import recovery
 from tierfs.fs.attributes import Attributes
 from tierfs.fs.names import Names
 from tierfs.fs.opening import Opening
 from tierfs.fs.volume import ATTR_TIMEOUT, drop_privs, errors_to_fuse
 
+if TYPE_CHECKING:
+    from tierfs.fs.messages import Requester
+
 log = logging.getLogger(__name__)
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+_R = TypeVar("_R")
 
-def _face(sync: str, reply: Callable | None = None) -> Callable:
-    """pyfuse3's handler for the synchronous handler named ``sync``, which takes the same
+
+@overload
+def _face(
+    sync: Callable[Concatenate[Operations, _P], _T],
+) -> Callable[Concatenate[Operations, _P], Coroutine[Any, Any, _T]]: ...
+
+
+@overload
+def _face(
+    sync: Callable[Concatenate[Operations, _P], _T], reply: Callable[[Operations, _T], _R]
+) -> Callable[Concatenate[Operations, _P], Coroutine[Any, Any, _R]]: ...
+
+
+def _face(
+    sync: Callable[Concatenate[Operations, _P], _T], reply: Callable[[Operations, _T], object] | None = None
+) -> Callable[Concatenate[Operations, _P], Coroutine[Any, Any, object]]:
+    """pyfuse3's handler for the synchronous handler ``sync``, which takes the same
     arguments: its answer made into what pyfuse3 replies with (``reply``), its errors into
-    the errno the kernel sees."""
+    the errno the kernel sees. ``sync`` is called by its name, so that a subclass's own
+    handler is the one called."""
+    name = sync.__name__
 
-    async def face(self, *args, **kwargs):
-        answer = getattr(self, sync)(*args, **kwargs)
+    async def face(self: Operations, *args: _P.args, **kwargs: _P.kwargs) -> object:
+        handler: Callable[_P, _T] = getattr(self, name)
+        answer = handler(*args, **kwargs)
         return answer if reply is None else reply(self, answer)
 
-    face.__name__ = face.__qualname__ = sync.removesuffix("_sync")
+    face.__name__ = face.__qualname__ = name.removesuffix("_sync")
     return errors_to_fuse(face)
 
 
@@ -77,7 +103,9 @@ def _entry(ops: Operations, answer: tuple[int, os.stat_result]) -> pyfuse3.Entry
     return ops._attrs(*answer)
 
 
-def _opened(ops: Operations, answer: tuple) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+def _opened(
+    ops: Operations, answer: tuple[pyfuse3.FileInfo, int, os.stat_result]
+) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
     fi, ino, st = answer
     return fi, ops._attrs(ino, st)
 
@@ -91,20 +119,21 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
 
     # pyfuse3's faces of the synchronous handlers (read's, which may wait for a restore
     # first, is written out with the data path).
-    lookup = _face("lookup_sync", _entry)
-    getattr = _face("getattr_sync", _entry)
-    create = _face("create_sync", _opened)
-    getxattr = _face("getxattr_sync")
-    release = _face("release_sync")
+    lookup = _face(Names.lookup_sync, _entry)
+    getattr = _face(Attributes.getattr_sync, _entry)
+    create = _face(Opening.create_sync, _opened)
+    getxattr = _face(Attributes.getxattr_sync)
 
-    async def forget(self, inode_list):  # answered by no reply, even an error
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:  # answered by no reply, even an error
         self.forget_sync(inode_list)
 
     # -- the data path ---------------------------------------------------------------
 
     @errors_to_fuse
-    async def read(self, fh, off, size):
+    async def read(self, fh: int, off: int, size: int) -> memoryview:  # type: ignore[override]
+        # (the ignore: pyfuse3 replies with any contiguous buffer, not only the bytes its types name)
         if not self.read_ready(fh):
+            assert self.restoring is not None  # only a file being restored is not ready
             await self.restoring.wait_range(self._files[fh], off, size)
         return self.read_sync(fh, off, size)
 
@@ -133,7 +162,7 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
         return self._read_buf[:n]
 
     @errors_to_fuse
-    async def write(self, fh, off, buf):
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
         ino = self._before_write(fh)
         if self.writes.running and self.space.fits(self.writes.queued_bytes + len(buf), fh):
             self.writes.submit(ino, fh, off, buf)
@@ -189,13 +218,15 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
             raise error
 
     @errors_to_fuse
-    async def flush(self, fh):
+    async def flush(self, fh: int) -> None:
         self.writes_done(self._files[fh])
         self._raise_write_error(fh)
 
     def release_sync(self, fh: int) -> None:
         self.release_writes(fh)
         self.release_handle(fh)
+
+    release = _face(release_sync)
 
     def has_handle(self, fh: int) -> bool:
         return fh in self._files or fh in self._dirs
@@ -261,14 +292,38 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
             self.inodes.unpin(ino)
         self.inodes.forget(ino, 0)  # the kernel may have forgotten it while it was open
 
+    def take_over(self, handles: list[recovery.Handle]) -> None:
+        """Adopt the open handles of a daemon that is gone, each already reopened at its
+        own descriptor number (:func:`tierfs.fs.recovery.reopen_handles`): the kernel
+        goes on using them as they were."""
+        for h in handles:
+            node = self.inodes[h.ino]
+            if h.is_dir:
+                self._dirs[h.fh] = None
+                continue
+            self._opened(h.ino, node, h.fh, h.flags)
+            if h.kind & recovery.PASSTHROUGH:
+                assert self.backing is not None  # set from the same record's INIT (KernelSession.take_over)
+                self.backing.adopt(h.ino, h.fh, h.backing_id)
+                if h.flags & os.O_ACCMODE != os.O_RDONLY:
+                    self.writing.watch(h.fh, os.fstat(h.fh))
+                    self._passthrough_writers.add(h.fh)
+            if h.kind & recovery.KILL_PRIVS:
+                self._kill_privs.add(h.fh)
+            if h.kind & recovery.DIRECT:
+                self._direct.add(h.fh)
+        for h in handles:  # released by the kernel (and answered) before the predecessor did it
+            if h.kind & recovery.RELEASING and not h.is_dir:
+                self.release_sync(h.fh)
+
     @errors_to_fuse
-    async def fsync(self, fh, datasync):
+    async def fsync(self, fh: int, datasync: bool) -> None:
         self.writes_done(self._files[fh])
         self._raise_write_error(fh)
         (os.fdatasync if datasync else os.fsync)(fh)
 
     @errors_to_fuse
-    async def fallocate(self, fh: int, mode: int, offset: int, length: int, ctx) -> None:
+    async def fallocate(self, fh: int, mode: int, offset: int, length: int, ctx: Requester) -> None:
         """``fallocate(2)`` of an open file, applied to its backing file: tmpfs' own
         preallocation, ``KEEP_SIZE`` and punched holes (and its ``EOPNOTSUPP`` for the rest).
 
@@ -297,7 +352,7 @@ class Operations(Names, Opening, Attributes, pyfuse3.Operations):
 
     @errors_to_fuse
     async def copy_file_range(
-        self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int, flags: int, ctx
+        self, fh_in: int, off_in: int, fh_out: int, off_out: int, length: int, flags: int, ctx: Requester
     ) -> int:
         """``copy_file_range(2)`` between two open files of the volume, made by tmpfs on their
         backing files: one copy in the kernel, and tmpfs' checks (an append-only or immutable

@@ -35,6 +35,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from tierfs.core import linux
 from tierfs.core.atomic import private_dir, read_small, write_atomically
@@ -73,16 +74,30 @@ class Handle:
         return self.kind & 0xFF == DIRECTORY
 
 
+class InitRecord(TypedDict):
+    """What INIT negotiated (``init.json``), for a successor to serve on as it left the connection."""
+
+    minor: int
+    offered: int  # the kernel's flags, both words
+    granted: int
+    max_write: int
+    acl: bool
+    passthrough: bool
+
+
 @dataclass
 class Taken:
     """A connection's state as a successor finds it: what INIT negotiated and the open handles."""
 
-    init: dict
+    init: InitRecord
     handles: list[Handle] = field(default_factory=list)
 
 
 class SessionState:
     """The record of one connection, written by its daemon and read by the next one."""
+
+    _handles: mmap.mmap  # the table of open handles, mapped by _open
+    _requests: mmap.mmap  # the journal of requests, mapped by _open
 
     def __init__(self, directory: Path, tree: Path):
         self.dir = directory
@@ -93,8 +108,7 @@ class SessionState:
         self._log_size = 0
         self._handles_fd = -1  # kept to allocate more of the table as handles grow
         self._allocated = 0  # bytes of the table allocated: a store beyond would fault in a page
-        self._handles: mmap.mmap | None = None
-        self._requests: mmap.mmap | None = None
+        self._maps: list[mmap.mmap] = []  # every file mapped, for close
         self._high = 1
 
     # -- life cycle -------------------------------------------------------------------------
@@ -112,7 +126,7 @@ class SessionState:
     def take_over(self) -> Taken:
         """The connection of a daemon that is gone: its negotiation, its nodes and handles."""
         private_dir(self.dir)  # root's alone, as its predecessor made it (UnsafeFile otherwise)
-        init = json.loads(read_small(self.dir / "init.json", MAX_INIT, private=True))
+        init: InitRecord = json.loads(read_small(self.dir / "init.json", MAX_INIT, private=True))
         self._open()
         self._load_nodes()
         self._high = _HEADER.unpack_from(self._handles, 0)[0] or 1
@@ -142,16 +156,17 @@ class SessionState:
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)  # sparse beyond what is allocated
             os.posix_fallocate(fd, 0, size if allocate is None else allocate)
-            return mmap.mmap(fd, size), fd
+            mapped = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
             raise
+        self._maps.append(mapped)
+        return mapped, fd
 
     def close(self) -> None:
-        for m in (self._handles, self._requests):
-            if m is not None:
-                m.close()
-        self._handles = self._requests = None
+        for m in self._maps:
+            m.close()
+        self._maps.clear()
         for fd in (self._log_fd, self._tree_fd, self._handles_fd):
             if fd >= 0:
                 os.close(fd)
@@ -165,7 +180,7 @@ class SessionState:
 
     # -- INIT ---------------------------------------------------------------------------------
 
-    def save_init(self, init: dict) -> None:
+    def save_init(self, init: InitRecord) -> None:
         write_atomically(self.dir / "init.json", json.dumps(init), 0o600)
 
     # -- nodes --------------------------------------------------------------------------------
@@ -286,16 +301,16 @@ class SessionState:
         self._requests[at + _SLOT.size : at + _SLOT.size + len(reply)] = reply
         _SLOT.pack_into(self._requests, at, unique & ~_RESEND_BITS, DONE, len(reply), 0)
 
-    def recall(self, unique: int) -> tuple[int, bytes | int]:
-        """What became of request ``unique`` before the daemon died: (DONE, its reply),
-        (BEGUN, when it began, in ns), or (0, 0) if it never began."""
+    def recall(self, unique: int) -> bytes | int | None:
+        """What became of request ``unique`` before the daemon died: its reply if it was
+        answered, when it began (ns) if it began only, or None if it never began."""
         at = self._slot(unique)
         key, state, length, began = _SLOT.unpack_from(self._requests, at)
         if key != unique & ~_RESEND_BITS:
-            return 0, 0
+            return None
         if state == DONE:
-            return DONE, bytes(self._requests[at + _SLOT.size : at + _SLOT.size + length])
-        return state, began
+            return bytes(self._requests[at + _SLOT.size : at + _SLOT.size + length])
+        return began if state == BEGUN else None
 
 
 _RESEND_BITS = 1 << 63  # fs.abi.UNIQUE_RESEND

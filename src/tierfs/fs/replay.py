@@ -57,7 +57,7 @@ def with_unique(reply: bytes, unique: int) -> list[bytes]:
     return [abi.OUT_HEADER.pack(length, error, unique), reply[abi.OUT_HEADER.size :]]
 
 
-def made_name(opcode: int, body) -> bytes | None:
+def made_name(opcode: int, body: memoryview) -> bytes | None:
     """The name a creating request makes in its directory (the request's node)."""
     start = _MADE_ALREADY.get(opcode)
     if start is None:
@@ -65,6 +65,6 @@ def made_name(opcode: int, body) -> bytes | None:
     return bytes(body[start:]).split(b"\0", 1)[0]
 
 
-def done_already(opcode: int, err: int) -> bool:
+def done_already(opcode: int, err: int | None) -> bool:
     """Whether ``err`` from running a removing request again means the first run did it."""
     return _GONE_ALREADY.get(opcode) == err

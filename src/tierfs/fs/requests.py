@@ -9,21 +9,22 @@ so is the handshake that decides which of the kernel's features the session uses
 
 from __future__ import annotations
 
+import enum
 import errno
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Final, Literal
 
 import pyfuse3
 import trio
 
 from tierfs.fs import abi, replay
 from tierfs.fs.backing import BackingFiles
-from tierfs.fs.messages import DirBuffer, SetattrFields, attr_out, entry_out, split_names, timeout
+from tierfs.fs.messages import Context, DirBuffer, SetattrFields, attr_out, entry_out, split_names, timeout
 
 if TYPE_CHECKING:
-    from tierfs.fs.messages import Context
     from tierfs.fs.operations import Operations
     from tierfs.fs.recovery import SessionState
 
@@ -52,7 +53,19 @@ _ACL = abi.POSIX_ACL | abi.DONT_MASK
 # else from the umask, which only the daemon can tell apart: DONT_MASK leaves the umask to
 # it (Operations). One without the other is not tmpfs' behaviour: both or neither.
 
-LATER = object()  # a handler of ``_now`` that must wait after all: serve it as a coroutine
+
+class _Later(enum.Enum):
+    """The type of :data:`LATER`, a value of its own, which no reply can be mistaken for."""
+
+    LATER = "later"
+
+
+LATER: Final = _Later.LATER  # a handler of ``_now`` that must wait after all: serve it as a coroutine
+
+Reply = Sequence[bytes | memoryview]  # the parts of a reply, after its header
+# Handlers, by opcode: ``(nodeid, body, ctx)`` to the reply (None: no reply at all).
+NowHandler = Callable[[int, memoryview, Context], Reply | None | Literal[_Later.LATER]]
+LaterHandler = Callable[[int, memoryview, Context], Awaitable[Reply | None]]
 
 
 class Requests:
@@ -62,12 +75,18 @@ class Requests:
     The serving loop's own, used here: ``_reply(unique, parts)`` and ``_fail(opcode, unique, e)``."""
 
     # Kept by the kernel session.
-    fd: int | None
+    fd: int  # /dev/fuse (-1 until mounted)
     want_passthrough: bool
     max_write: int
     backing: BackingFiles | None
     refused: str | None
     record: SessionState | None
+
+    if TYPE_CHECKING:  # the serving loop's own (KernelSession)
+
+        def _reply(self, unique: int, parts: Reply) -> None: ...
+
+        def _fail(self, opcode: int, unique: int, e: Exception) -> None: ...
 
     def __init__(self, ops: Operations):
         self.ops = ops
@@ -77,7 +96,7 @@ class Requests:
         # Handlers that never wait, served where the request was read: no coroutine, no
         # pyfuse3 objects. These are the requests of creating and writing a file, where
         # the daemon's Python is most of each request's cost.
-        self._now = {
+        self._now: dict[int, NowHandler] = {
             abi.LOOKUP: self._lookup,
             abi.FORGET: self._forget,
             abi.BATCH_FORGET: self._batch_forget,
@@ -87,7 +106,7 @@ class Requests:
             abi.GETXATTR: self._getxattr,
             abi.READ: self._read_now,
         }
-        self._later = {
+        self._later: dict[int, LaterHandler] = {
             abi.SETATTR: self._setattr,
             abi.READLINK: self._readlink,
             abi.SYMLINK: self._symlink,
@@ -124,7 +143,7 @@ class Requests:
 
     # -- the handshake -----------------------------------------------------------------------
 
-    async def _init(self, nodeid, body, ctx):
+    async def _init(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         major, minor, max_readahead, flags, flags2 = abi.INIT_IN.unpack_from(body)
         if major != abi.KERNEL_MAJOR or minor < 31:
             log.error("kernel FUSE protocol %d.%d is too old for this engine", major, minor)
@@ -174,15 +193,16 @@ class Requests:
         )
         return [reply]
 
-    async def _interrupt(self, nodeid, body, ctx):
+    async def _interrupt(self, nodeid: int, body: memoryview, ctx: Context) -> None:
         return None  # handlers run to completion; the kernel retries nothing
 
-    async def _destroy(self, nodeid, body, ctx):
+    async def _destroy(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         return []
 
     async def _again(self, opcode: int, unique: int, nodeid: int, body: memoryview, ctx: Context, began: int) -> None:
         """A journaled request sent again, begun by a daemon that died before it answered:
         run again, the errors of a first run that did its work read as success (:mod:`tierfs.fs.replay`)."""
+        reply: Reply | None
         try:
             if opcode == abi.CREATE:
                 reply = self._create(nodeid, body, ctx, resumed=began)
@@ -190,7 +210,7 @@ class Requests:
                 reply = await self._later[opcode](nodeid, body, ctx)
         except trio.Cancelled:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (a handler's error is its request's answer; _fail logs a bug)
             err = getattr(e, "errno", None)
             name = replay.made_name(opcode, body)
             if replay.done_already(opcode, err):
@@ -205,29 +225,30 @@ class Requests:
             else:
                 self._fail(opcode, unique, e)
                 return
-        self._reply(unique, reply)
+        if reply is not None:
+            self._reply(unique, reply)
 
     # -- names ---------------------------------------------------------------------------
 
     def _entry_now(self, ino: int, st: os.stat_result) -> bytes:
         return abi.ENTRY_OUT.pack(ino, *self._entry_valid, *self.ops.fuse_attr(ino, st))
 
-    def _lookup(self, nodeid, body, ctx):
+    def _lookup(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         return [self._entry_now(*self.ops.lookup_sync(nodeid, bytes(body[:-1])))]
 
-    def _forget(self, nodeid, body, ctx):
+    def _forget(self, nodeid: int, body: memoryview, ctx: Context) -> None:
         self.ops.forget_sync([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
 
-    def _batch_forget(self, nodeid, body, ctx):
+    def _batch_forget(self, nodeid: int, body: memoryview, ctx: Context) -> None:
         count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
         self.ops.forget_sync(
             abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size :][: count * abi.FORGET_ONE.size])
         )
 
-    def _getattr(self, nodeid, body, ctx):
+    def _getattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr_sync(nodeid)))]
 
-    def _statx(self, nodeid, body, ctx):
+    def _statx(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         """GETATTR's answer with the birth time, which only statx(2) asks for."""
         ino, st = self.ops.getattr_sync(nodeid)
         (_, size, blocks, at, mt, ct, atn, mtn, ctn, mode, nlink, uid, gid, rdev, blksize, _) = self.ops.fuse_attr(
@@ -267,7 +288,7 @@ class Requests:
             )
         ]
 
-    async def _setattr(self, nodeid, body, ctx):
+    async def _setattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         (valid, _, fh, size, _, atime, mtime, _, atimensec, mtimensec, _, mode, _, uid, gid, _) = (
             abi.SETATTR_IN.unpack_from(body)
         )
@@ -279,44 +300,44 @@ class Requests:
         handle = fh if valid & abi.FATTR_FH else None
         return [attr_out(await self.ops.setattr(nodeid, attr, SetattrFields(valid), handle, ctx))]
 
-    async def _readlink(self, nodeid, body, ctx):
+    async def _readlink(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         return [await self.ops.readlink(nodeid, ctx)]
 
-    async def _symlink(self, nodeid, body, ctx):
+    async def _symlink(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         name, target = split_names(body, 2)
         return [entry_out(await self.ops.symlink(nodeid, name, target, ctx))]
 
-    async def _mknod(self, nodeid, body, ctx):
+    async def _mknod(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         mode, rdev, ctx.umask, _ = abi.MKNOD_IN.unpack_from(body)
         name = bytes(body[abi.MKNOD_IN.size : -1])
         return [entry_out(await self.ops.mknod(nodeid, name, mode, rdev, ctx))]
 
-    async def _mkdir(self, nodeid, body, ctx):
+    async def _mkdir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         mode, ctx.umask = abi.MKDIR_IN.unpack_from(body)
         name = bytes(body[abi.MKDIR_IN.size : -1])
         return [entry_out(await self.ops.mkdir(nodeid, name, mode, ctx))]
 
-    async def _unlink(self, nodeid, body, ctx):
+    async def _unlink(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         await self.ops.unlink(nodeid, bytes(body[:-1]), ctx)
         return []
 
-    async def _rmdir(self, nodeid, body, ctx):
+    async def _rmdir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         await self.ops.rmdir(nodeid, bytes(body[:-1]), ctx)
         return []
 
-    async def _rename(self, nodeid, body, ctx):
+    async def _rename(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         (newdir,) = abi.RENAME_IN.unpack_from(body)
         old, new = split_names(body[abi.RENAME_IN.size :], 2)
         await self.ops.rename(nodeid, old, newdir, new, 0, ctx)
         return []
 
-    async def _rename2(self, nodeid, body, ctx):
+    async def _rename2(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         newdir, flags, _ = abi.RENAME2_IN.unpack_from(body)
         old, new = split_names(body[abi.RENAME2_IN.size :], 2)
         await self.ops.rename(nodeid, old, newdir, new, flags, ctx)
         return []
 
-    async def _link(self, nodeid, body, ctx):
+    async def _link(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         (old,) = abi.LINK_IN.unpack_from(body)
         name = bytes(body[abi.LINK_IN.size : -1])
         return [entry_out(await self.ops.link(old, nodeid, name, ctx))]
@@ -330,87 +351,87 @@ class Requests:
         flags = (abi.FOPEN_DIRECT_IO if fi.direct_io else 0) | (abi.FOPEN_KEEP_CACHE if fi.keep_cache else 0)
         return abi.OPEN_OUT.pack(fi.fh, flags, 0)
 
-    async def _open(self, nodeid, body, ctx):
+    async def _open(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         flags, open_flags = abi.OPEN_IN.unpack_from(body)
         kill = bool(open_flags & abi.OPEN_KILL_SUIDGID)
         return [self._open_out(await self.ops.open(nodeid, flags, ctx, kill_privs=kill))]
 
-    def _create(self, nodeid, body, ctx, resumed: int | None = None):
+    def _create(self, nodeid: int, body: memoryview, ctx: Context, resumed: int | None = None) -> Reply:
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         name = bytes(body[abi.CREATE_IN.size : -1])
         fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx, resumed)
         return [self._entry_now(ino, st), self._open_out(fi)]
 
-    async def _tmpfile(self, nodeid, body, ctx):
+    async def _tmpfile(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         fi, ino, st = await self.ops.tmpfile(nodeid, mode, flags, ctx)
         return [self._entry_now(ino, st), self._open_out(fi)]
 
-    def _read_now(self, nodeid, body, ctx):
+    def _read_now(self, nodeid: int, body: memoryview, ctx: Context) -> Reply | Literal[_Later.LATER]:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
         if not self.ops.read_ready(fh):
             return LATER  # waits for chunks of a file being restored
         return [self.ops.read_sync(fh, offset, size)]
 
-    async def _read(self, nodeid, body, ctx):
+    async def _read(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
         return [await self.ops.read(fh, offset, size)]
 
-    async def _write(self, nodeid, body, ctx):
+    async def _write(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, size, *_ = abi.WRITE_IN.unpack_from(body)
         # A copy: the write may be applied after this worker reads its next request.
         data = bytes(body[abi.WRITE_IN.size : abi.WRITE_IN.size + size])
         return [abi.WRITE_OUT.pack(await self.ops.write(fh, offset, data), 0)]
 
-    async def _flush(self, nodeid, body, ctx):
+    async def _flush(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         await self.ops.flush(abi.FLUSH_IN.unpack_from(body)[0])
         return []
 
-    async def _fsync(self, nodeid, body, ctx):
+    async def _fsync(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, flags, _ = abi.FSYNC_IN.unpack_from(body)
         await self.ops.fsync(fh, bool(flags & abi.FSYNC_FDATASYNC))
         return []
 
-    async def _fallocate(self, nodeid, body, ctx):
+    async def _fallocate(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, length, mode, _ = abi.FALLOCATE_IN.unpack_from(body)
         await self.ops.fallocate(fh, mode, offset, length, ctx)
         return []
 
-    async def _lseek(self, nodeid, body, ctx):
+    async def _lseek(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, whence, _ = abi.LSEEK_IN.unpack_from(body)
         return [abi.LSEEK_OUT.pack(await self.ops.lseek(fh, offset, whence))]
 
-    async def _copy_file_range(self, nodeid, body, ctx, limit: int = 0xFFFFFFFF):
+    async def _copy_file_range(self, nodeid: int, body: memoryview, ctx: Context, limit: int = 0xFFFFFFFF) -> Reply:
         """``limit``: the most its answer can say (32 bits, before COPY_FILE_RANGE_64)."""
         fh_in, off_in, _, fh_out, off_out, length, flags = abi.COPY_FILE_RANGE_IN.unpack_from(body)
         n = await self.ops.copy_file_range(fh_in, off_in, fh_out, off_out, min(length, limit), flags, ctx)
         return [abi.WRITE_OUT.pack(n, 0) if limit == 0xFFFFFFFF else abi.COPY_FILE_RANGE_64_OUT.pack(n)]
 
-    async def _copy_file_range_64(self, nodeid, body, ctx):
+    async def _copy_file_range_64(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         return await self._copy_file_range(nodeid, body, ctx, limit=1 << 63)
 
     # -- directories -----------------------------------------------------------------------
 
-    async def _opendir(self, nodeid, body, ctx):
+    async def _opendir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh = await self.ops.opendir(nodeid, ctx)
         return [abi.OPEN_OUT.pack(fh, 0, 0)]
 
-    async def _readdirplus(self, nodeid, body, ctx):
+    async def _readdirplus(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
         token = DirBuffer(size)
         await self.ops.readdir(fh, offset, token)
         return token.parts
 
-    async def _releasedir(self, nodeid, body, ctx):
+    async def _releasedir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         await self.ops.releasedir(abi.RELEASE_IN.unpack_from(body)[0])
         return []
 
-    async def _fsyncdir(self, nodeid, body, ctx):
+    async def _fsyncdir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, flags, _ = abi.FSYNC_IN.unpack_from(body)
         await self.ops.fsyncdir(fh, bool(flags & abi.FSYNC_FDATASYNC))
         return []
 
-    async def _statfs(self, nodeid, body, ctx):
+    async def _statfs(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         s = await self.ops.statfs(ctx)
         return [
             abi.STATFS_OUT.pack(
@@ -420,35 +441,35 @@ class Requests:
 
     # -- extended attributes ---------------------------------------------------------------
 
-    async def _setxattr(self, nodeid, body, ctx):
+    async def _setxattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         size, flags = abi.SETXATTR_IN.unpack_from(body)
         rest = body[abi.SETXATTR_IN.size :]
         end = bytes(rest).index(b"\0")
         await self.ops.setxattr(nodeid, bytes(rest[:end]), bytes(rest[end + 1 : end + 1 + size]), ctx, flags)
         return []
 
-    def _getxattr(self, nodeid, body, ctx):
+    def _getxattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         size, _ = abi.GETXATTR_IN.unpack_from(body)
         return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size : -1])), size)
 
-    async def _listxattr(self, nodeid, body, ctx):
+    async def _listxattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         size, _ = abi.GETXATTR_IN.unpack_from(body)
         names = await self.ops.listxattr(nodeid, ctx)
         return self._sized(b"".join(n + b"\0" for n in names), size)
 
     @staticmethod
-    def _sized(value: bytes, size: int) -> list:
+    def _sized(value: bytes, size: int) -> Reply:
         if size == 0:
             return [abi.GETXATTR_OUT.pack(len(value), 0)]
         if len(value) > size:
             raise pyfuse3.FUSEError(errno.ERANGE)
         return [value]
 
-    async def _removexattr(self, nodeid, body, ctx):
+    async def _removexattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         await self.ops.removexattr(nodeid, bytes(body[:-1]), ctx)
         return []
 
-    async def _ioctl(self, nodeid, body, ctx):
+    async def _ioctl(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, _, cmd, _, in_size, out_size = abi.IOCTL_IN.unpack_from(body)
         data = bytes(body[abi.IOCTL_IN.size : abi.IOCTL_IN.size + in_size])
         return [abi.IOCTL_OUT.pack(0, 0, 0, 0), await self.ops.ioctl(nodeid, fh, cmd, data, out_size)]

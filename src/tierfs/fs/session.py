@@ -22,7 +22,7 @@ again, so a handler may reply from a shared buffer.
 Two things keep the caller of a file's create from waiting on the daemon. A release (the
 kernel does not wait for its answer) is done once nothing is queued, so the next open's
 lookups are answered first, and always before any other request that could tell, and
-before the worker lets another task run. And where the next request typically follows
+before the worker lets another task run (:mod:`tierfs.fs.releases`). And where the next request typically follows
 within a millisecond, the worker polls the device for it instead of sleeping, and asks the
 kernel to keep idle CPUs awake meanwhile, so that its answers wake their callers at once
 (:mod:`tierfs.fs.poller`); both only where the CPU is idle anyway.
@@ -50,7 +50,8 @@ import os
 import select
 import stat
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -61,9 +62,14 @@ from tierfs.fs import abi, replay, splicing
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.messages import Context
 from tierfs.fs.poller import Poller, WakeLatency
-from tierfs.fs.recovery import BEGUN, DONE, SessionState
-from tierfs.fs.requests import LATER, Requests
+from tierfs.fs.recovery import SessionState
+from tierfs.fs.releases import BEFORE_RELEASE_HANDLES, BEFORE_RELEASES, Releases
+from tierfs.fs.requests import LATER, Reply
 from tierfs.fs.splicing import Pipe, PipePool
+
+if TYPE_CHECKING:
+    from tierfs.fs.operations import Operations
+    from tierfs.fs.recovery import InitRecord
 
 log = logging.getLogger(__name__)
 
@@ -73,22 +79,13 @@ MAX_WORKERS = 32
 YIELD_EVERY = 16  # requests a worker serves back to back before it lets other tasks run
 
 MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-# A file's close is followed at once by the next open's path walk and create, which should
-# not wait for the release's bookkeeping. Requests that cannot tell whether a release before
-# them was handled yet (nothing they do or return depends on it) are served before it. A
-# create needs only the part of a release that others see (Operations.release_writes: the
-# commit rules hear of the close before anything new appears), not the rest
-# (Operations.release_handle). Any other request comes after the whole release, as the
-# kernel sent them.
-_BEFORE_RELEASES = frozenset({abi.LOOKUP, abi.GETATTR, abi.GETXATTR, abi.FORGET, abi.BATCH_FORGET, abi.RELEASE})
-_BEFORE_RELEASE_HANDLES = frozenset({*_BEFORE_RELEASES, abi.CREATE})
 
 
 class Unmounted(Exception):
     """The kernel ended the connection (unmounted or aborted)."""
 
 
-class KernelSession(Requests):
+class KernelSession(Releases):
     """One mounted volume served over ``/dev/fuse``; the engine behind the passthrough data path.
 
     ``mount`` → ``run`` (until unmounted or :meth:`terminate`) → ``close``, the same life
@@ -97,7 +94,7 @@ class KernelSession(Requests):
 
     name = "tierfs"
 
-    def __init__(self, ops, want_passthrough: bool = True, wake_cpus: bool = True, writers: int = 1):
+    def __init__(self, ops: Operations, want_passthrough: bool = True, wake_cpus: bool = True, writers: int = 1):
         super().__init__(ops)
         self.want_passthrough = want_passthrough
         # Without passthrough every byte written crosses the daemon: requests are read
@@ -115,14 +112,12 @@ class KernelSession(Requests):
         self._dev_poll = select.poll()  # whether more requests are queued
         ops.writes.threads = writers if self._pipes is not None else 1  # unspliced writes: answered first
         ops.write_back = self.write_back
-        self.fd: int | None = None
+        self.fd = -1  # /dev/fuse, once mounted
         self.mountpoint: str | None = None
         self.backing: BackingFiles | None = None  # set once INIT granted passthrough
         self.refused: str | None = None  # why passthrough is off, if it was wanted
         self._cancel: trio.CancelScope | None = None
         self._read_lock = trio.Lock()
-        self._released: list[int] = []  # handles released, nothing done about them yet
-        self._closing: list[int] = []  # handles released, their release_handle still to do
         self._last_opcode = 0
         self._poller = Poller()  # whether to poll for the next request rather than sleep
         self._wake = WakeLatency(wake_cpus)  # idle CPUs kept awake while a burst lasts
@@ -171,7 +166,7 @@ class KernelSession(Requests):
         self.fd, self.mountpoint = fd, mountpoint
         self._dev_poll.register(fd, select.POLLIN)
 
-    def take_over(self, fd: int, mountpoint: str, init: dict) -> None:
+    def take_over(self, fd: int, mountpoint: str, init: InitRecord) -> None:
         """Serve the live connection ``fd`` of a daemon that is gone, as its INIT left it
         (``init``, from its record); the handles it gave out are the Operations' to adopt."""
         os.set_blocking(fd, False)
@@ -225,9 +220,9 @@ class KernelSession(Requests):
             except OSError as e:
                 if e.errno not in (errno.EINVAL, errno.ENOENT):
                     log.warning("could not unmount %s: %s", self.mountpoint, e)
-        if self.fd is not None:
+        if self.fd >= 0:
             os.close(self.fd)
-            self.fd = None
+            self.fd = -1
         if self._pipes is not None:
             if self._pipe is not None:
                 self._pipes.discard(self._pipe)
@@ -316,45 +311,7 @@ class KernelSession(Requests):
             self._data_pipe, self._pipe = self._pipe, None
         return n
 
-    def _settle_releases(self) -> None:
-        """Do the part of the releases read so far that others see (Operations.release_writes)."""
-        released, self._released = self._released, []
-        for fh in released:
-            self._releasing(self.ops.release_writes, fh)
-            self._closing.append(fh)
-
-    def _finish_releases(self) -> bool:
-        """Do all of the releases read so far; whether there were any."""
-        if not self._released and not self._closing:
-            return False
-        self._settle_releases()
-        closing, self._closing = self._closing, []
-        for fh in closing:
-            self._releasing(self.ops.release_handle, fh)
-        return True
-
-    @staticmethod
-    def _releasing(step, fh: int) -> None:
-        try:
-            step(fh)
-        except Exception as e:  # the kernel ignores a release's result: say it here
-            log.warning("releasing file handle %d failed: %s", fh, e, exc_info=not isinstance(e, OSError))
-
-    def _release(self, unique: int, body: memoryview) -> None:
-        """RELEASE, answered at once but done later (:meth:`_settle_releases`,
-        :meth:`_finish_releases`); the record marks it, so that a successor finishes it if
-        this daemon dies first (the kernel, answered, does not send it again)."""
-        fh = abi.RELEASE_IN.unpack_from(body)[0]
-        known = self.ops.has_handle(fh)  # not: sent again, done before a predecessor died
-        if known:
-            if self.record is not None:
-                self.record.releasing(fh)
-            self._released.append(fh)  # done by _settle/_finish_releases
-        self._reply(unique, [])
-        if known and self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
-            self._finish_releases()
-
-    def _serve(self, req: memoryview):
+    def _serve(self, req: memoryview) -> Awaitable[None] | None:
         """Serve one request at once, or return what to await to serve it (a handler that may wait);
         either way its time is counted (:class:`~tierfs.core.meters.RequestTimes`)."""
         started = time.perf_counter_ns()
@@ -366,37 +323,40 @@ class KernelSession(Requests):
             return None
         return self.times.timed(waiting, opcode, started)
 
-    def _serve_now(self, req: memoryview, header: tuple):
+    def _serve_now(self, req: memoryview, header: tuple[int, ...]) -> Awaitable[None] | None:
         _, opcode, unique, nodeid, uid, gid, pid, extlen, _ = header
         body = req[abi.IN_HEADER.size : len(req) - extlen * 8]
-        if (self._released or self._closing) and opcode not in _BEFORE_RELEASES:
-            if opcode in _BEFORE_RELEASE_HANDLES:
+        if (self._released or self._closing) and opcode not in BEFORE_RELEASES:
+            if opcode in BEFORE_RELEASE_HANDLES:
                 self._settle_releases()
             else:
                 self._finish_releases()
         self._last_opcode = opcode
-        if self._data_pipe is not None:
-            self._write_spliced(unique, body)
+        if (data_pipe := self._data_pipe) is not None:
+            self._write_spliced(unique, body, data_pipe)
             return None
-        if opcode == abi.READ and self._pipes is not None and self._read_spliced(unique, body):
+        # _pipe: what a session that splices requests read this one through (no other has one)
+        if opcode == abi.READ and (pipe := self._pipe) is not None and self._read_spliced(unique, body, pipe):
             return None
         if opcode == abi.RELEASE:
             self._release(unique, body)
             return None
         if self.record is not None and opcode in replay.JOURNALED:
-            state, kept = self.record.recall(unique) if unique & abi.UNIQUE_RESEND else (0, 0)
-            if state == DONE:
-                self._send(replay.with_unique(kept, unique))
-                return None
-            self._journaled.add(unique)
-            if state == BEGUN:  # keeps when it first began
+            # Sent again: the reply a predecessor kept, or when it began the request (None: never).
+            kept = self.record.recall(unique) if unique & abi.UNIQUE_RESEND else None
+            if kept is not None:
+                if isinstance(kept, bytes):
+                    self._send(replay.with_unique(kept, unique))
+                    return None
+                self._journaled.add(unique)  # keeps when it first began
                 return self._again(opcode, unique, nodeid, body, Context(uid, gid, pid), kept)
+            self._journaled.add(unique)
             self.record.begin(unique)
         handler = self._now.get(opcode)
         if handler is not None:
             try:
                 reply = handler(nodeid, body, Context(uid, gid, pid))
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 (a handler's error is its request's answer; _fail logs a bug)
                 self._fail(opcode, unique, e)
                 return None
             if reply is not LATER:
@@ -414,7 +374,7 @@ class KernelSession(Requests):
             reply = await handler(nodeid, body, ctx)
         except trio.Cancelled:
             raise
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 (a handler's error is its request's answer; _fail logs a bug)
             self._fail(opcode, unique, e)
             return
         if reply is not None:
@@ -430,59 +390,65 @@ class KernelSession(Requests):
             log.error("internal error serving FUSE opcode %d", opcode, exc_info=e)
             self._reply_error(unique, errno.EIO)
 
-    def _write_spliced(self, unique: int, body: memoryview) -> None:
-        """A write whose bytes wait in ``_data_pipe``: moved into the file and answered by a
+    def _write_spliced(self, unique: int, body: memoryview, pipe: Pipe) -> None:
+        """A write whose bytes wait in ``pipe`` (``_data_pipe``): moved into the file and answered by a
         write-behind worker while more requests wait to be read (several writers: their
         copies run side by side), else here, at once (one writer: no hand-over to wait for)."""
-        pipe, self._data_pipe = self._data_pipe, None
+        self._data_pipe = None
+        pipes = self._pipes
+        assert pipes is not None  # the pipe is the pool's: only a spliced request holds data
         fh, offset, size, *_ = abi.WRITE_IN.unpack_from(body)
 
         def apply() -> None:
             try:
                 n = splicing.write_out(pipe, fh, offset, size)
             except BaseException as e:
-                self._pipes.discard(pipe)
+                pipes.discard(pipe)
                 self._reply_error(unique, getattr(e, "errno", None) or errno.EIO)
                 if not isinstance(e, OSError):
                     raise
                 return
-            (self._pipes.give if n == size else self._pipes.discard)(pipe)
+            (pipes.give if n == size else pipes.discard)(pipe)
             self._reply(unique, [abi.WRITE_OUT.pack(n, 0)])
 
         try:
             self.ops.write_by(fh, offset, size, apply, now=not self._dev_poll.poll(0))
-        except Exception as e:  # refused before apply was queued
-            self._pipes.discard(pipe)
+        except Exception as e:  # noqa: BLE001 (refused before apply was queued: the request's answer)
+            pipes.discard(pipe)
             self._fail(abi.WRITE, unique, e)
 
-    def _read_spliced(self, unique: int, body: memoryview) -> bool:
-        """Answer a read by splicing the file's pages through the pipe into ``/dev/fuse``:
-        one copy, by the kernel, into the reader's pages. False: not done (a file being
-        restored, or one that changed under the splice), for the ordinary handler."""
+    def _read_spliced(self, unique: int, body: memoryview, pipe: Pipe) -> bool:
+        """Answer a read by splicing the file's pages through ``pipe`` (``_pipe``, which it
+        was read through) into ``/dev/fuse``: one copy, by the kernel, into the reader's
+        pages. False: not done (a file being restored, or one that changed under the
+        splice), for the ordinary handler."""
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
         try:
             n = self.ops.read_size(fh, offset, size) if self.ops.read_ready(fh) else 0
-        except Exception:  # the ordinary handler answers with the error
+        except Exception:  # noqa: BLE001 (the ordinary handler answers with the error)
             return False
         if n == 0:
             return False
         try:
             done = splicing.read_out(
-                self._pipe, fh, offset, n, self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size + n, 0, unique)
+                pipe, fh, offset, n, self.fd, abi.OUT_HEADER.pack(abi.OUT_HEADER.size + n, 0, unique)
             )
         except OSError as e:
             log.debug("could not splice a read (answered by a copy instead): %s", e)
             done = False
         if not done:  # the pipe may hold part of it
-            self._pipes.discard(self._pipe)
-            self._pipe = self._pipes.take()
+            pipes = self._pipes
+            assert pipes is not None  # the pipe is the pool's
+            pipes.discard(pipe)
+            self._pipe = pipes.take()
         return done
 
-    def _reply(self, unique: int, parts: list) -> None:
+    def _reply(self, unique: int, parts: Reply) -> None:
         length = abi.OUT_HEADER.size + sum(len(p) for p in parts)
         message = [abi.OUT_HEADER.pack(length, 0, unique), *parts]
         if unique in self._journaled:
             self._journaled.discard(unique)
+            assert self.record is not None  # only journaled with a record
             self.record.done(unique, b"".join(message))
         self._send(message)
 
@@ -490,10 +456,11 @@ class KernelSession(Requests):
         header = abi.OUT_HEADER.pack(abi.OUT_HEADER.size, -err, unique)
         if unique in self._journaled:
             self._journaled.discard(unique)
+            assert self.record is not None  # only journaled with a record
             self.record.done(unique, header)
         self._send([header])
 
-    def _send(self, parts: list) -> None:
+    def _send(self, parts: Sequence[bytes | memoryview]) -> None:
         try:
             os.writev(self.fd, parts)
         except OSError as e:

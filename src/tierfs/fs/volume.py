@@ -16,14 +16,15 @@ import functools
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 import pyfuse3
 
 from tierfs.core import linux
 from tierfs.fs.backing import BackingFiles
 from tierfs.fs.inodes import Inode, InodeTable
+from tierfs.fs.messages import FuseAttr, Requester
 from tierfs.fs.recovery import SessionState
 from tierfs.fs.writebehind import WriteBehind
 from tierfs.fs.writing import Writing
@@ -39,12 +40,15 @@ _NS = 1_000_000_000
 ACL_ACCESS, ACL_DEFAULT = b"system.posix_acl_access", b"system.posix_acl_default"
 ACL_NAMES = (ACL_ACCESS, ACL_DEFAULT)
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
 
-def errors_to_fuse(handler: Callable) -> Callable:
+
+def errors_to_fuse(handler: Callable[_P, Awaitable[_R]]) -> Callable[_P, Coroutine[Any, Any, _R]]:
     """Turn OSError into the errno the kernel should see; a bug becomes EIO, not a dead mount."""
 
     @functools.wraps(handler)
-    async def wrapper(*args, **kwargs):
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return await handler(*args, **kwargs)
         except pyfuse3.FUSEError:
@@ -112,7 +116,7 @@ class Volume:
 
     def __init__(
         self,
-        tree: str | os.PathLike,
+        tree: str | os.PathLike[str],
         space: SpaceAccount,
         snapshots: Snapshots | None = None,
         events: Events | None = None,
@@ -164,7 +168,7 @@ class Volume:
             st = os.fstat(self.inodes[ino].fd)
         return st, st.st_nlink - (self.snapshots.pins(st.st_ino) if self.snapshots else 0)
 
-    def fuse_attr(self, ino: int, st: os.stat_result) -> tuple:
+    def fuse_attr(self, ino: int, st: os.stat_result) -> FuseAttr:
         """``ino``'s attributes in the order of the kernel's ``struct fuse_attr``, for the
         kernel session to pack as they are (pyfuse3 gets the same as :meth:`_attrs`)."""
         st, nlink = self._current(ino, st)
@@ -210,7 +214,7 @@ class Volume:
 
     # -- rules every change follows --------------------------------------------------------
 
-    def _creation_mode(self, parent: Inode, mode: int, ctx) -> int:
+    def _creation_mode(self, parent: Inode, mode: int, ctx: Requester) -> int:
         """``mode`` as the caller's umask leaves it, unless ``parent`` has a default ACL,
         which then decides instead (tmpfs applies it; the daemon's own umask is 0).
 
@@ -227,15 +231,25 @@ class Volume:
             return mode & ~umask
         return mode
 
-    def recorded(self, fh: int, ino: int, flags: int, kind: int, backing_id: int = 0) -> None:
-        """Write an open handle into the record for a successor; the open serves on if it cannot be."""
+    def privileged(self, ino: int) -> None:
+        """``ino`` was just given set-id bits: the next write of each handle a caller other
+        than root has open for writing on the daemon path drops them, as on tmpfs. (One that
+        is passed through writes beside the daemon: its writes keep them.)"""
+        for fh in self._unprivileged_writers:
+            if self._files[fh] == ino and fh not in self._passthrough_writers:
+                self._kill_privs.add(fh)
+
+    @staticmethod
+    def recorded(record: SessionState, fh: int, ino: int, flags: int, kind: int, backing_id: int = 0) -> None:
+        """Write an open handle into the ``record`` for a successor; the open serves on if it cannot be."""
         try:
-            self.record.opened(fh, ino, flags, kind, backing_id)
+            record.opened(fh, ino, flags, kind, backing_id)
         except OSError as e:
             log.warning("a successor will not know file handle %d (its record cannot grow: %s)", fh, e.strerror or e)
 
     def link_removed(self, st: os.stat_result) -> None:
-        """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its space is free (at last close)."""
+        """A link of ``st`` (a name in the tree or a snapshot) is gone: if it was the last, its
+        space is free (at last close)."""
         if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
             return
         ino = self.inodes.fuse_ino(st)

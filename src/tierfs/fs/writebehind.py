@@ -45,6 +45,8 @@ log = logging.getLogger(__name__)
 # Writes queued behind the ones being copied, per worker. Two are enough to keep both cores
 # busy with one sequential writer; a few more absorb the jitter of several writers.
 DEPTH = 4
+# A queued write: inode, descriptor, bytes, and what applies it (None: a worker's cue to end).
+_Job = tuple[int, int, int, Callable[[], None]]
 
 
 class WriteBehind:
@@ -58,12 +60,13 @@ class WriteBehind:
     def __init__(self, depth: int = DEPTH, threads: int = 1):
         self.depth = depth
         self.threads = threads
-        self._queue: queue.Queue | None = None
+        self._queue: queue.Queue[_Job | None] = queue.Queue()  # made anew, to size, when the workers start
         self._cond = threading.Condition()
-        self._in_flight: collections.Counter = collections.Counter()  # inode -> writes not yet applied
+        self._in_flight: collections.Counter[int] = collections.Counter()  # inode -> writes not yet applied
         self._total = 0  # writes not yet applied, of all inodes (both under _cond)
         self._touched: set[int] = set()  # inodes written since the last wait for them
-        self._finished: collections.deque = collections.deque()  # (fd, nbytes, error) from the workers
+        # (fd, nbytes, error) from the workers
+        self._finished: collections.deque[tuple[int, int, OSError | None]] = collections.deque()
         self._errors: dict[int, OSError] = {}  # fd -> first failure not yet reported
         self.queued_bytes = 0  # submitted and not yet collected by finished()
         self._workers: list[threading.Thread] = []
@@ -77,7 +80,7 @@ class WriteBehind:
             worker.start()
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for _ in self._workers:
             self._queue.put(None)
         for worker in self._workers:
@@ -134,7 +137,7 @@ class WriteBehind:
 
     def finished(self) -> set[int]:
         """Collect applied writes: the descriptors whose files changed since the last call."""
-        fds = set()
+        fds: set[int] = set()
         while self._finished:
             fd, nbytes, error = self._finished.popleft()
             self.queued_bytes -= nbytes
@@ -152,7 +155,7 @@ class WriteBehind:
             self._apply(*item)
 
     def _apply(self, ino: int, fd: int, nbytes: int, apply: Callable[[], None]) -> None:
-        error = None
+        error: OSError | None = None
         try:
             apply()
         except OSError as e:

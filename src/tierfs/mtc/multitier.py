@@ -87,9 +87,11 @@ class MultiTier:
                 f"its data stays under {cfg.job!r}"
             )
         if spec.backup_interval_steps is not None:
-            interval = {"backup_interval": 0.0, "backup_interval_steps": spec.backup_interval_steps}
-        else:
-            interval = {"backup_interval": spec.backup_interval_s, "backup_interval_steps": 0}
+            interval, interval_steps = 0.0, spec.backup_interval_steps
+        elif spec.backup_interval_s is not None:
+            interval, interval_steps = spec.backup_interval_s, 0
+        else:  # parse() refuses such a spec; a state file left from an earlier run could still say so
+            raise SpecError(f"{REPLICATOR} gives neither 'backup-interval-minutes' nor 'backup-interval-steps'")
         try:
             new = replace(
                 cfg,
@@ -97,7 +99,8 @@ class MultiTier:
                 data_parallel=spec.data_parallelism,
                 peer_ranks=spec.peer_ranks,
                 restore_step=cfg.restore_step if spec.restore_step is None else spec.restore_step,
-                **interval,
+                backup_interval=interval,
+                backup_interval_steps=interval_steps,
             )
             new._validate()
         except UserError as e:

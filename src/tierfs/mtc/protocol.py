@@ -152,8 +152,8 @@ class MtcNode:
     # -- the task --------------------------------------------------------------------------------
 
     async def run(self) -> None:
-        if os.path.lexists(self.tree / REPLICATOR):  # written while no daemon was serving
-            self._wake.set()
+        if os.path.lexists(self.tree / REPLICATOR):  # noqa: ASYNC240 (the tree is tmpfs: never waits on a disk)
+            self._wake.set()  # written while no daemon was serving
         while True:
             await self._wake.wait()
             self._wake = trio.Event()
@@ -163,7 +163,7 @@ class MtcNode:
                     await trio.to_thread.run_sync(self._delete, root)
                 except OSError as e:  # a link in the way, or the volume refused: the step stays
                     log.warning("could not delete superseded step %s from the volume: %s", root, e)
-            if os.path.lexists(self.tree / REPLICATOR):
+            if os.path.lexists(self.tree / REPLICATOR):  # noqa: ASYNC240 (tmpfs, as above)
                 try:
                     await self._answer()
                 except OSError as e:  # the volume refused an answer: say so, keep the mount up
@@ -231,7 +231,7 @@ class MtcNode:
         waited on) of at most MAX_SPEC_BYTES, in UTF-8. Raises SpecError otherwise."""
         with _opened(self.mountpoint) as fd:
             try:
-                data = read_small(REPLICATOR, MAX_SPEC_BYTES, dir_fd=fd)
+                data = read_small(Path(REPLICATOR), MAX_SPEC_BYTES, dir_fd=fd)
             except UnsafeFile as e:
                 raise SpecError(f"{e}: write it as a regular file of at most {MAX_SPEC_BYTES >> 10} KiB") from None
         try:

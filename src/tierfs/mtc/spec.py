@@ -144,7 +144,7 @@ def load_yaml(text: str) -> object:
             + (f" (line {mark.line + 1})" if mark else "")
             + f": {_one_line(str(problem))}"
         ) from None
-    except Exception as e:  # a value the YAML constructor cannot build (a 31st of February...)
+    except Exception as e:  # noqa: BLE001 (a value the YAML constructor cannot build: a 31st of February...)
         raise SpecError(
             f"{REPLICATOR} has a value YAML cannot read ({type(e).__name__}): use plain numbers and text"
         ) from None
@@ -290,7 +290,8 @@ def _kind(value: object) -> str:
         return "text" if value else "empty text"
     if isinstance(value, (int, float)):
         return "a decimal number" if isinstance(value, float) else "a single number"
-    return {list: "a list", dict: "a mapping"}.get(type(value), f"a YAML {type(value).__name__}")
+    containers: dict[type[object], str] = {list: "a list", dict: "a mapping"}
+    return containers.get(type(value), f"a YAML {type(value).__name__}")
 
 
 def _short(text: str, limit: int = 40) -> str:

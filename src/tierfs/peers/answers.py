@@ -66,7 +66,11 @@ def _identity(answer: dict[str, Any]) -> dict[str, Any]:
         raise BadMessage(f"node must be a printable name of at most {MAX_NODE} characters")
     if not (isinstance(instance, str) and 0 < len(instance) <= MAX_INSTANCE and instance.isprintable()):
         raise BadMessage(f"instance must be a printable name of at most {MAX_INSTANCE} characters")
-    if type(started) not in (int, float) or not (math.isfinite(started) and started >= 0):
+    if (
+        not isinstance(started, (int, float))
+        or isinstance(started, bool)
+        or not (math.isfinite(started) and started >= 0)
+    ):
         raise BadMessage("started must be a time in seconds since the epoch")
     return {"node": node, "instance": instance, "started": float(started)}
 

@@ -41,16 +41,14 @@ def chunk_label(h: str, offset: int) -> bytes:
     return f"chunk {h} from {offset}".encode()
 
 
-async def receive(stream: trio.abc.ReceiveStream, n: int, sink: Sink, label: bytes) -> None:
+async def receive(stream: trio.abc.Stream, n: int, sink: Sink, label: bytes) -> None:
     """Receive an ``n``-byte body, handing each piece to ``sink`` in order."""
     (failure,) = await receive_many(stream, [(n, sink, label)])
     if failure is not None:
         raise failure
 
 
-async def receive_many(
-    stream: trio.abc.ReceiveStream, parts: Sequence[tuple[int, Sink, bytes]]
-) -> list[Exception | None]:
+async def receive_many(stream: trio.abc.Stream, parts: Sequence[tuple[int, Sink, bytes]]) -> list[Exception | None]:
     """Receive bodies back to back, each ``(length, sink, label)``, moved by one worker thread.
 
     Returns each sink's failure (``None``: it took every piece); every body is read to its
@@ -63,18 +61,18 @@ async def receive_many(
             if failures[i] is None:
                 try:
                     sink(piece, at)
-                except Exception as e:  # raised once the body is read: the connection stays in step
+                except Exception as e:  # noqa: BLE001 (raised once the body is read: the connection stays in step)
                     failures[i] = e
 
         return take
 
-    sealed = isinstance(stream, SealedStream)
+    sealed = stream if isinstance(stream, SealedStream) else None
     buffers = [BUFFERS.take() for _ in range(2 if sealed else 1)]  # (records and) opened pieces
 
     def steps() -> Steps:
         for i, (n, sink, label) in enumerate(parts):
-            if sealed:
-                yield from stream.body_in(n, guarded(i, sink), label, *buffers)
+            if sealed is not None:
+                yield from sealed.body_in(n, guarded(i, sink), label, *buffers)
             else:
                 yield from _pieces_in(n, guarded(i, sink), memoryview(buffers[0])[:PIECE])
 
@@ -95,12 +93,7 @@ def _pieces_in(n: int, sink: Sink, view: memoryview) -> Steps:
 
 
 async def receive_into_file(
-    stream: trio.abc.ReceiveStream,
-    n: int,
-    fd: int | None,
-    hasher: Any | None = None,
-    offset: int = 0,
-    label: bytes = b"",
+    stream: trio.abc.Stream, n: int, fd: int | None, hasher: Any | None = None, offset: int = 0, label: bytes = b""
 ) -> None:
     """Receive an ``n``-byte body into ``fd`` at ``offset``, feeding ``hasher`` on the way.
 
@@ -122,7 +115,7 @@ def into_file(fd: int | None, offset: int, hasher: Any | None) -> Sink:
     return sink
 
 
-async def receive_bytes(stream: trio.abc.ReceiveStream, n: int, hasher: Any | None = None, label: bytes = b"") -> bytes:
+async def receive_bytes(stream: trio.abc.Stream, n: int, hasher: Any | None = None, label: bytes = b"") -> bytes:
     """An ``n``-byte body as bytes (the caller has bounded ``n``), hashed on the way.
 
     The buffer grows as pieces arrive: a peer that announces a large body and sends nothing
@@ -139,12 +132,12 @@ async def receive_bytes(stream: trio.abc.ReceiveStream, n: int, hasher: Any | No
     return bytes(data)
 
 
-async def drain(stream: trio.abc.ReceiveStream, n: int, label: bytes = b"") -> None:
+async def drain(stream: trio.abc.Stream, n: int, label: bytes = b"") -> None:
     """Read and discard an ``n``-byte body that was refused."""
     await receive_into_file(stream, n, None, None, 0, label)
 
 
-async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: int, label: bytes = b"") -> int:
+async def send_file(stream: trio.abc.Stream, fd: int, offset: int, count: int, label: bytes = b"") -> int:
     """Send ``count`` bytes of ``fd`` from ``offset`` as a body; returns the bytes sent.
 
     In clear, ``os.sendfile`` moves tmpfs pages straight into the socket; streams without a
@@ -155,15 +148,15 @@ async def send_file(stream: trio.abc.SendStream, fd: int, offset: int, count: in
     return await send_files(stream, [(fd, offset, count, label)])
 
 
-async def send_files(stream: trio.abc.SendStream, parts: Sequence[tuple[int, int, int, bytes]]) -> int:
+async def send_files(stream: trio.abc.Stream, parts: Sequence[tuple[int, int, int, bytes]]) -> int:
     """Send file ranges ``(fd, offset, count, label)`` as bodies back to back, by one worker thread; the bytes sent."""
-    sealed = isinstance(stream, SealedStream)
+    sealed = stream if isinstance(stream, SealedStream) else None
     buffers = [BUFFERS.take(), BUFFERS.take()] if sealed else []  # pieces read, and sealed
 
     def steps() -> Steps:
         for fd, offset, count, label in parts:
-            if sealed:
-                yield from stream.body_out(fd, offset, count, label, *buffers)
+            if sealed is not None:
+                yield from sealed.body_out(fd, offset, count, label, *buffers)
             elif count:
                 yield SendFile(fd, offset, count)
 

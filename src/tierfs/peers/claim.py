@@ -23,6 +23,7 @@ from __future__ import annotations
 import secrets
 import socket
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tierfs.core.errors import UserError
@@ -42,12 +43,12 @@ class Identity:
         """The peer service listens from now on: call before any await once it does, then ask the peers."""
         self.started = time.time()
 
-    def info(self) -> dict:
+    def info(self) -> dict[str, str | float]:
         """The fields of the peer service's ``info`` answer that say who this daemon is."""
         return {"node": self.node, "instance": self.instance, "started": self.started}
 
     @classmethod
-    def of(cls, info: dict) -> Identity | None:
+    def of(cls, info: Mapping[str, object]) -> Identity | None:
         """Who answered ``info``; None for a peer that does not say (an older version)."""
         node, instance, started = info.get("node"), info.get("instance"), info.get("started")
         if not (isinstance(node, str) and isinstance(instance, str) and isinstance(started, (int, float))):
@@ -59,7 +60,9 @@ class Identity:
         return (self.started, self.node, self.instance) < (other.started, other.node, other.instance)
 
 
-def rivals(me: Identity, rank: int, answers: dict[tuple[str, int], dict]) -> list[tuple[tuple[str, int], Identity]]:
+def rivals(
+    me: Identity, rank: int, answers: Mapping[tuple[str, int], Mapping[str, object]]
+) -> list[tuple[tuple[str, int], Identity]]:
     """The peers among ``answers`` (address -> info) that claim ``rank`` from another node."""
     out = []
     for address, info in answers.items():
@@ -72,7 +75,7 @@ def rivals(me: Identity, rank: int, answers: dict[tuple[str, int], dict]) -> lis
     return sorted(out, key=lambda r: (r[1].started, r[1].node, r[1].instance))
 
 
-def check(me: Identity, job: str, rank: int, answers: dict[tuple[str, int], dict]) -> None:
+def check(me: Identity, job: str, rank: int, answers: Mapping[tuple[str, int], Mapping[str, object]]) -> None:
     """Refuse this node's start if a node that precedes it serves ``rank`` (a UserError, one line)."""
     for address, other in rivals(me, rank, answers):
         if other.precedes(me):

@@ -14,10 +14,11 @@ handshake (:mod:`tierfs.peers.sealed`).
 
 from __future__ import annotations
 
+import builtins
 import os
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import trio
 import xxhash
@@ -62,7 +63,7 @@ class PeerClient:
         address: tuple[str, int],
         *,
         job: str,
-        secret: bytes,
+        secret: bytes | None,
         tls: PeerTLS | None,
         timeout: float = 10.0,
         local_host: str | None = None,
@@ -77,13 +78,15 @@ class PeerClient:
         name = _name(address)
         try:
             with trio.fail_after(timeout):
-                stream: trio.abc.Stream = await trio.open_tcp_stream(*address, local_address=local_host)
+                tcp = await trio.open_tcp_stream(*address, local_address=local_host)
+                stream: trio.abc.Stream = tcp
                 try:
+                    in_tls: TLSStream | None = None
                     if tls is not None:
-                        stream = await TLSStream.handshake(stream, tls, server_side=False)
+                        stream = in_tls = await TLSStream.handshake(tcp, tls, server_side=False)
                     nonces = await wire.client_handshake(stream, job=job, secret=secret)
-                    if tls is not None:
-                        stream = await seal(stream, job, secret, nonces, server_side=False)
+                    if in_tls is not None:
+                        stream = await seal(in_tls, job, secret, nonces, server_side=False)
                 except BaseException:
                     wire.abort(stream)
                     raise
@@ -136,13 +139,15 @@ class PeerClient:
             with self._request("have"):
                 reply = await self._call({"op": "have", "hashes": batch})
                 answer = reply.get("have")
-                if "error" not in reply and (not isinstance(answer, list) or len(answer) != len(batch)):
+                # Checked unless a refusal, as _check tells one: {"error": null} is none.
+                if reply.get("error") is None and (not isinstance(answer, list) or len(answer) != len(batch)):
                     raise ProtocolError("have: the answer does not match the question")
             self._check(reply)
-            out.extend(bool(x) for x in answer)
+            # A list as long as the batch: checked above, as any answer that is not a refusal (raised just now).
+            out.extend(bool(x) for x in cast(builtins.list[object], answer))
         return out
 
-    async def put_chunk(self, h: str, path: str | os.PathLike, offset: int, length: int) -> None:
+    async def put_chunk(self, h: str, path: str | os.PathLike[str], offset: int, length: int) -> None:
         """Send chunk ``h``: ``length`` bytes of ``path`` from ``offset``, straight from the page cache.
 
         The peer hashes what it receives and refuses a mismatch (:class:`PeerError`) or a
@@ -160,7 +165,7 @@ class PeerClient:
             os.close(fd)
         self._check(reply)
 
-    async def put_chunks(self, chunks: Sequence[tuple[str, str | os.PathLike, int, int]]) -> None:
+    async def put_chunks(self, chunks: Sequence[tuple[str, str | os.PathLike[str], int, int]]) -> None:
         """Send several chunks ``(h, path, offset, length)`` in one request, their bodies back to back.
 
         One round trip and one worker thread for the lot: a step of many small files costs
@@ -224,7 +229,10 @@ class PeerClient:
         )
 
     async def fetch_chunk(self, h: str, length: int) -> bytes:
-        """The whole ``length``-byte chunk ``h``, hashed as it arrives; bytes that are not it raise :class:`PeerError`."""
+        """The whole ``length``-byte chunk ``h``, hashed as it arrives.
+
+        Bytes that are not it raise :class:`PeerError`.
+        """
         hasher = xxhash.xxh3_128()
         data = await self._get_chunk(
             h, 0, length, lambda n, label: bodies.receive_bytes(self._stream, n, hasher, label)
@@ -249,7 +257,7 @@ class PeerClient:
         self._check_hash(hasher, h)
         return n
 
-    async def get_chunks_into(self, chunks: Sequence[tuple[str, int, int, int]]) -> list[bool]:
+    async def get_chunks_into(self, chunks: Sequence[tuple[str, int, int, int]]) -> builtins.list[bool]:
         """Whole chunks ``(h, length, fd, offset)`` in one request; for each, whether the peer had it.
 
         Each chunk that comes is written into its ``fd`` at its ``offset`` as it arrives and
@@ -262,14 +270,14 @@ class PeerClient:
         with self._request("get_chunks"):
             reply = await self._call({"op": "get_chunks", "chunks": [[h, length] for h, length, _, _ in chunks]})
             n, held = self._body_length(reply), reply.get("held")
-            if "error" not in reply:
+            if reply.get("error") is None:  # not a refusal, as _check tells one
                 if not (isinstance(held, list) and len(held) == len(chunks) and all(type(x) is bool for x in held)):
                     raise ProtocolError("get_chunks: the answer does not match the question")
-                if n != sum(length for (_, length, _, _), came in zip(chunks, held) if came):
+                if n != sum(length for (_, length, _, _), came in zip(chunks, held, strict=True) if came):
                     raise ProtocolError(f"get_chunks: a body of {n} bytes for the chunks it says it holds")
                 parts = [
                     (length, bodies.into_file(fd, offset, hasher), chunk_label(h, 0))
-                    for (h, length, fd, offset), hasher, came in zip(chunks, hashers, held)
+                    for (h, length, fd, offset), hasher, came in zip(chunks, hashers, held, strict=True)
                     if came
                 ]
                 for failure in await bodies.receive_many(self._stream, parts):
@@ -277,10 +285,12 @@ class PeerClient:
                         raise failure
                 self.bytes_received += n
         self._check(reply)
-        for (h, _, _, _), hasher, came in zip(chunks, hashers, held):
+        # One bool per chunk: checked above, as any answer that is not a refusal (raised just now).
+        came_each = cast(builtins.list[bool], held)
+        for (h, _, _, _), hasher, came in zip(chunks, hashers, came_each, strict=True):
             if came:
                 self._check_hash(hasher, h)
-        return held
+        return came_each
 
     async def _get_chunk(
         self, h: str, offset: int, length: int | None, receive: Callable[[int, bytes], Awaitable[T]]

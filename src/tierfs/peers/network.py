@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import trio
 
@@ -28,6 +30,7 @@ from tierfs.peers.placement import PeerInfo
 from tierfs.peers.wire import PeerError
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 INFO_TIMEOUT = 5.0
 FAN_OUT = 64  # peers asked at once: a survey of thousands of nodes stays within its sockets
@@ -57,7 +60,7 @@ class PeerNetwork:
         self._rivals: set[str] = set()  # instances already reported as claiming this rank
         self.cfg = cfg
         self._fan_out = trio.CapacityLimiter(FAN_OUT)
-        self._seen: dict[tuple[str, int], dict] = {}  # address -> last known state, for status
+        self._seen: dict[tuple[str, int], dict[str, object]] = {}  # address -> last known state, for status
         self._known: dict[tuple[str, int], PeerInfo] = {}  # who answered at an address, until it fails
 
     @property
@@ -104,7 +107,7 @@ class PeerNetwork:
             if new:  # who they are, now: this node itself, or a rival for its rank
                 await self._each(self._info, new)
 
-    async def _info(self, address: tuple[str, int]) -> dict:
+    async def _info(self, address: tuple[str, int]) -> dict[str, Any]:
         async with await self.connect(address, INFO_TIMEOUT) as client:
             answer = await client.info(self.cfg.nodes)
         self._inspect(address, answer)
@@ -112,7 +115,7 @@ class PeerNetwork:
         self._known[address] = PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
         return answer
 
-    def _inspect(self, address: tuple[str, int], info: dict) -> None:
+    def _inspect(self, address: tuple[str, int], info: dict[str, Any]) -> None:
         """Recognise this daemon's own answer; report once a rival that claims this node's rank."""
         if self.identity is None:
             return
@@ -136,7 +139,7 @@ class PeerNetwork:
                     first,
                 )
 
-    def connect(self, address: tuple[str, int], timeout: float | None = None):
+    def connect(self, address: tuple[str, int], timeout: float | None = None) -> Awaitable[PeerClient]:
         """An authenticated connection (an async context manager) to one peer, in TLS unless it is off."""
         return PeerClient.connect(
             address,
@@ -155,9 +158,11 @@ class PeerNetwork:
         if rank is not None:
             seen["rank"] = rank
 
-    async def _each(self, fn, addresses=None) -> dict[tuple[str, int], object]:
+    async def _each(
+        self, fn: Callable[[tuple[str, int]], Awaitable[T]], addresses: Iterable[tuple[str, int]] | None = None
+    ) -> dict[tuple[str, int], T]:
         """Run ``fn(address)`` for every peer (at most FAN_OUT at once); failures are recorded and left out."""
-        results: dict[tuple[str, int], object] = {}
+        results: dict[tuple[str, int], T] = {}
 
         async def one(address: tuple[str, int]) -> None:
             try:
@@ -185,10 +190,10 @@ class PeerNetwork:
         await self._each(self._info, [a for a in self.cfg.peers if a not in self._known])
         return [self._known[a] for a in self.cfg.peers if a in self._known]
 
-    async def reports(self, addresses=None) -> dict[tuple[str, int], PeerReport]:
+    async def reports(self, addresses: Iterable[tuple[str, int]] | None = None) -> dict[tuple[str, int], PeerReport]:
         """What each reachable peer (of ``addresses``, default all) holds: one connection each."""
 
-        async def report(address):
+        async def report(address: tuple[str, int]) -> PeerReport:
             async with await self.connect(address, INFO_TIMEOUT) as client:
                 info = await client.info(self.cfg.nodes)
                 self._inspect(address, info)
@@ -204,9 +209,9 @@ class PeerNetwork:
 
         return await self._each(report, addresses)
 
-    def status(self) -> list[dict]:
+    def status(self) -> list[dict[str, object]]:
         return [self._seen.get(a) or _unknown(a) for a in self.cfg.peers]
 
 
-def _unknown(address: tuple[str, int]) -> dict:
+def _unknown(address: tuple[str, int]) -> dict[str, object]:
     return {"address": f"{address[0]}:{address[1]}", "state": "unknown", "rank": None, "error": None, "at": None}

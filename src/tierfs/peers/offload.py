@@ -11,9 +11,12 @@ faulting them in on every piece cost more CPU than sealing it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import trio
+
+if TYPE_CHECKING:
+    import outcome
 
 T = TypeVar("T")
 
@@ -46,15 +49,15 @@ class InThread(Generic[T]):
 
     def __init__(self, fn: Callable[[], T]):
         self._done = trio.Event()
-        self._outcome: Any = None  # an outcome.Outcome, as trio delivers it
+        self._outcome: outcome.Outcome[T] | None = None  # as trio delivers it, once the thread ended
         token = trio.lowlevel.current_trio_token()
 
-        def deliver(result: Any) -> None:
+        def deliver(result: outcome.Outcome[T]) -> None:
             token.run_sync_soon(self._finish, result)
 
         trio.lowlevel.start_thread_soon(fn, deliver)
 
-    def _finish(self, result: Any) -> None:
+    def _finish(self, result: outcome.Outcome[T]) -> None:
         self._outcome = result
         self._done.set()
 
@@ -64,6 +67,8 @@ class InThread(Generic[T]):
 
     def unwrap(self) -> T:
         """``fn``'s return value, or its exception, once the thread ended."""
+        if self._outcome is None:
+            raise RuntimeError("the worker thread has not ended yet")
         return self._outcome.unwrap()
 
     async def result(self) -> T:
@@ -74,7 +79,7 @@ class InThread(Generic[T]):
             if not self._done.is_set():
                 with trio.CancelScope(shield=True):
                     await self._done.wait()
-        return self._outcome.unwrap()
+        return self.unwrap()
 
     async def settle(self) -> None:
         """Wait for the thread and drop its result (an error is already on its way up)."""

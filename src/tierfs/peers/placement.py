@@ -39,7 +39,8 @@ def twins(rank: int, nodes: int, data_parallel: int) -> set[int]:
 
 
 def job_twins(cfg: Config) -> list[int]:
-    """This rank's twins as the job says now: replicator.yaml's peer-ranks if it names them, else from --data-parallel."""
+    """This rank's twins as the job says now: replicator.yaml's peer-ranks if it names them,
+    else from --data-parallel."""
     same = set(cfg.peer_ranks) if cfg.peer_ranks is not None else twins(cfg.rank, cfg.nodes, cfg.data_parallel)
     return sorted(same - {cfg.rank})
 

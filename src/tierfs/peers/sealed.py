@@ -203,7 +203,7 @@ class SealedStream(trio.abc.Stream):
 
     @staticmethod
     def _length(head: bytes | bytearray | memoryview) -> int:
-        (n,) = _HEAD.unpack(head)
+        n: int = _HEAD.unpack(head)[0]  # ">I": one unsigned int
         if not 0 < n <= RECORD:
             raise ProtocolError(f"a sealed record of {n} bytes (1 to {RECORD} allowed)")
         return n

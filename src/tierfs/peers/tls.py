@@ -39,15 +39,22 @@ import os
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import trio
 
 from tierfs.core import keys
 from tierfs.core.errors import UserError
+
+if TYPE_CHECKING:
+    from tierfs.config import Config
 from tierfs.peers.wire import PIECE, AuthFailed, PeerUnavailable, ProtocolError
+
+_R = TypeVar("_R")
+_Args = TypeVarTuple("_Args")
 
 # Reasons OpenSSL gives when the other side does not speak TLS at all.
 _NOT_TLS = {
@@ -73,11 +80,11 @@ class PeerTLS:
 def from_secret(job: str, secret: bytes) -> PeerTLS:
     """TLS keyed from the job's secret: the same certificate on every node of the job."""
     cert, key = _certificate_from_secret(job, secret)
-    contexts = [_context(purpose) for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT)]
-    for context in contexts:
+    server, client = _context(ssl.PROTOCOL_TLS_SERVER), _context(ssl.PROTOCOL_TLS_CLIENT)
+    for context in (server, client):
         context.load_verify_locations(cadata=cert.decode())
         _load_identity_from_memory(context, cert + key)
-    return PeerTLS(*contexts, "keyed from the job's secret")
+    return PeerTLS(server, client, "keyed from the job's secret")
 
 
 def from_files(cert: Path, key: Path, ca: Path) -> PeerTLS:
@@ -88,8 +95,8 @@ def from_files(cert: Path, key: Path, ca: Path) -> PeerTLS:
                 pass
         except OSError as e:
             raise UserError(f"cannot read {option} {path}: {e.strerror}") from None
-    contexts = [_context(purpose) for purpose in (ssl.PROTOCOL_TLS_SERVER, ssl.PROTOCOL_TLS_CLIENT)]
-    for context in contexts:
+    server, client = _context(ssl.PROTOCOL_TLS_SERVER), _context(ssl.PROTOCOL_TLS_CLIENT)
+    for context in (server, client):
         try:
             context.load_cert_chain(cert, key)
         except ssl.SSLError as e:
@@ -100,10 +107,10 @@ def from_files(cert: Path, key: Path, ca: Path) -> PeerTLS:
             context.load_verify_locations(cafile=ca)
         except ssl.SSLError as e:
             raise UserError(f"--tls-ca {ca} holds no PEM certificate of a CA ({_reason(e)})") from None
-    return PeerTLS(*contexts, f"certificate {cert}, CA {ca}")
+    return PeerTLS(server, client, f"certificate {cert}, CA {ca}")
 
 
-def for_config(cfg: Any) -> PeerTLS | None:
+def for_config(cfg: Config) -> PeerTLS | None:
     """The node's TLS settings (built once per setting), or ``None``: TLS off, or no secret (no peers)."""
     if not cfg.peer_tls or not cfg.secret:
         return None
@@ -130,9 +137,9 @@ def _context(purpose: int) -> ssl.SSLContext:
 def _certificate_from_secret(job: str, secret: bytes) -> tuple[bytes, bytes]:
     """The job's certificate and key (PEM): the same bytes on every node that holds the secret."""
     from cryptography import x509  # noqa: PLC0415 (slow to import; only daemons with peers need it)
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ed25519
-    from cryptography.x509.oid import NameOID
+    from cryptography.hazmat.primitives import serialization  # noqa: PLC0415 (as above)
+    from cryptography.hazmat.primitives.asymmetric import ed25519  # noqa: PLC0415 (as above)
+    from cryptography.x509.oid import NameOID  # noqa: PLC0415 (as above)
 
     key = ed25519.Ed25519PrivateKey.from_private_bytes(keys.derive(job, secret).tls_seed)
     public = key.public_key()
@@ -274,7 +281,8 @@ class TLSStream(trio.abc.Stream):
             trio.lowlevel.notify_closing(self._sock)
             self._sock.close()
 
-    async def _retry(self, fn, *args):
+    async def _retry(self, fn: Callable[[*_Args], _R], *args: *_Args) -> _R:
+        """``fn(*args)``, called again each time OpenSSL wants the socket readable or writable first."""
         while True:
             try:
                 return fn(*args)

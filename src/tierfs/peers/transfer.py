@@ -27,6 +27,7 @@ import os
 import select
 import socket
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import trio
@@ -45,7 +46,8 @@ class Send(NamedTuple):
     view: memoryview
 
 
-class SendFile(NamedTuple):
+@dataclass(frozen=True, slots=True)  # not a NamedTuple: its ``count`` would hide tuple.count
+class SendFile:
     """``count`` bytes of ``fd`` from ``offset``; a file that ends first raises ``EOFError``."""
 
     fd: int

@@ -31,9 +31,12 @@ import re
 import secrets
 import struct
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
 
 from tierfs.core import bounded_json, keys
 from tierfs.core.chunks import MAX_CHUNK_SIZE
@@ -162,7 +165,8 @@ def clip(text: str, limit: int = 200) -> str:
 
 def body_length(header: dict[str, Any]) -> int:
     """The number of body bytes that follow ``header`` (0 when there is no body)."""
-    return header.get("len", 0)
+    n: int = header.get("len", 0)  # a count: recv_msg checked it as the header arrived
+    return n
 
 
 def is_count(value: object) -> bool:
@@ -252,7 +256,7 @@ class Nonces:
     version: int = VERSION
 
 
-def choose_version(hello: dict, speaks: tuple[int, int] | None = None) -> int | None:
+def choose_version(hello: dict[str, Any], speaks: tuple[int, int] | None = None) -> int | None:
     """The newest version both sides speak, from a hello's ``version`` (what it asks for) and
     ``versions`` (the range it speaks; a peer before negotiation sends only ``version``)."""
     oldest, newest = speaks or (OLDEST, VERSION)
@@ -263,7 +267,8 @@ def choose_version(hello: dict, speaks: tuple[int, int] | None = None) -> int | 
         and len(offered) == 2
         and all(isinstance(v, int) and not isinstance(v, bool) for v in offered)
     ):
-        low, high = max(offered[0], oldest), min(offered[1], newest)
+        low: int = max(offered[0], oldest)  # both ints: checked just above
+        high: int = min(offered[1], newest)
         if low <= high:
             return high
     if isinstance(asked, int) and not isinstance(asked, bool) and oldest <= asked <= newest:
@@ -305,7 +310,7 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
     if "error" in challenge:
         raise AuthFailed(f"peer refused the handshake: {challenge['error']}")
     server_nonce, server_proof = challenge.get("nonce"), challenge.get("proof")
-    if challenge.get("op") != "challenge" or not _valid(_NONCE_RE, server_nonce) or not _valid(_PROOF_RE, server_proof):
+    if challenge.get("op") != "challenge" or not _valid(server_nonce, _NONCE_RE) or not _valid(server_proof, _PROOF_RE):
         raise ProtocolError("peer answered the hello with something other than a challenge")
     version = challenge.get("version", VERSION)  # a peer from before the negotiation names none
     if not isinstance(version, int) or isinstance(version, bool) or not OLDEST <= version <= VERSION:
@@ -323,8 +328,9 @@ async def client_handshake(stream: trio.abc.Stream, *, job: str, secret: bytes) 
 async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> Nonces:
     """Server side of the handshake: the nonces when the peer is in, else :class:`AuthFailed` saying why.
 
-    The refusal has already been sent when this raises; the caller closes the connection. Only the two small handshake headers are ever read: a body an
-    unauthenticated peer sends along is never read, let alone stored. A wrong secret and a
+    The refusal has already been sent when this raises; the caller closes the connection.
+    Only the two small handshake headers are ever read: a body an unauthenticated peer
+    sends along is never read, let alone stored. A wrong secret and a
     wrong job get the same answer, so a stranger learns nothing about either.
     """
     hello = await recv_msg(stream, HELLO_MAX_HEADER)
@@ -342,7 +348,7 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> N
         )
         raise AuthFailed(f"protocol version {brief(hello.get('version'))}")
     client_nonce = hello.get("nonce")
-    if not isinstance(hello.get("job"), str) or not _valid(_NONCE_RE, client_nonce):
+    if not isinstance(hello.get("job"), str) or not _valid(client_nonce, _NONCE_RE):
         await send_msg(stream, {"error": "malformed hello"})
         raise AuthFailed("malformed hello")
     server_nonce = new_nonce()
@@ -357,10 +363,11 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> N
     )
     auth = await recv_msg(stream, HELLO_MAX_HEADER)
     expected = proof(secret, "client", job, client_nonce, server_nonce)
+    client_proof = auth.get("proof")
     if (
         auth.get("op") != "auth"
-        or not _valid(_PROOF_RE, auth.get("proof"))
-        or not hmac.compare_digest(expected, auth["proof"])
+        or not _valid(client_proof, _PROOF_RE)
+        or not hmac.compare_digest(expected, client_proof)
     ):
         await send_msg(stream, {"error": "authentication failed"})
         raise AuthFailed(f"authentication failed (peer claims job {brief(hello['job'])})")
@@ -368,5 +375,5 @@ async def authenticate(stream: trio.abc.Stream, *, job: str, secret: bytes) -> N
     return Nonces(client_nonce, server_nonce, version)
 
 
-def _valid(pattern: re.Pattern[str], value: object) -> bool:
+def _valid(value: object, pattern: re.Pattern[str]) -> TypeIs[str]:
     return isinstance(value, str) and pattern.fullmatch(value) is not None

@@ -38,7 +38,7 @@ from tierfs.core.manifest import Manifest
 from tierfs.peers.messages import STARTING, PeerTransport
 from tierfs.peers.placement import job_twins
 from tierfs.pipeline.survey import Survey
-from tierfs.tiers.base import Tier, TierError, TierUnavailable
+from tierfs.tiers.base import Address, Tier, TierError, TierUnavailable
 from tierfs.tiers.fetch import ChunkSources
 from tierfs.tiers.peer import peer_name
 
@@ -72,13 +72,21 @@ class NodeCoordination:
     ):
         self.cfg, self.network, self.steps, self.tiers = cfg, network, steps, tiers
         self.replicas, self.restore_step = replicas, restore_step
+        if cfg.listen is None:
+            raise ValueError("coordination needs this node's peer service (--listen)")
         self.address = peer_name(cfg.listen)
         self.transport = PeerTransport(self.address, network.connect)
         self.board = broadcast.ChunkBoard()  # the running restore's chunks, for twins that wait on them
         self.coordination: Coordination | None = None
         self.decision: Decision | None = None
         self._joined = trio.Event()
-        self._peers: tuple[tuple, dict] = ((), {})  # the peers as last seen, by name
+        self._peers: tuple[tuple[Address, ...], dict[str, Address]] = ((), {})  # the peers as last seen, by name
+
+    def _joined_coordination(self) -> Coordination:
+        """The coordination :meth:`join` built: what needs it runs only once the node has joined."""
+        if self.coordination is None:
+            raise RuntimeError("this node has not joined its job's coordination yet")
+        return self.coordination
 
     # -- joining and serving -------------------------------------------------------------
 
@@ -115,7 +123,7 @@ class NodeCoordination:
             h = self.holdings()
             now = (h.steps, h.replicas, h.restore_step, h.backed)
             if last is not None and now != last:
-                await self.coordination.member.report()
+                await self._joined_coordination().member.report()
             last = now
 
     def members(self) -> list[str]:
@@ -163,7 +171,8 @@ class NodeCoordination:
         for tier in self.tiers:
             if tier.spill:
                 own.update(s for r, s in tier.held() if r == rank)
-        shared = {t.lane for t in self.tiers if t.shared}  # a step there counts for the whole job at once
+        # A step on a shared tier counts for the whole job at once.
+        shared = {t.lane for t in self.tiers if t.shared and t.lane is not None}
         backed = tuple(sorted(s for s, state in states.items() if any(state.held_by(lane) for lane in shared)))
         return Holdings(
             rank,
@@ -182,7 +191,8 @@ class NodeCoordination:
     async def decide(self, exclude: tuple[str, ...] = ()) -> tuple[Survey, int | None] | None:
         """The step to restore and who holds it, as a coordinator (not in ``exclude``) answers; None if none did."""
         cfg = self.cfg
-        decision = await self.coordination.member.decide(cfg.rank, self.twins(), wait=cfg.restore_wait, exclude=exclude)
+        member = self._joined_coordination().member
+        decision = await member.decide(cfg.rank, self.twins(), wait=cfg.restore_wait, exclude=exclude)
         if decision.coordinator is None:
             return None
         self.decision = decision
@@ -217,7 +227,7 @@ class NodeCoordination:
         """The restore is planned: twins waiting for chunks this node does not plan to fetch stop
         waiting, and the step chosen is reported at once, for nodes that start later to adopt."""
         self.board.set_plan([])
-        nursery.start_soon(self.coordination.member.report)
+        nursery.start_soon(self._joined_coordination().member.report)
 
     def summary(self) -> dict | None:
         """The job as the coordinators last answered (newest complete step, retention floor), or None."""
@@ -225,7 +235,8 @@ class NodeCoordination:
 
     def status(self) -> dict:
         """The job as the coordinators last answered, in the keys of a survey's summary, and who answered."""
-        member, coordinator = self.coordination.member, self.coordination.coordinator
+        coordination = self._joined_coordination()
+        member, coordinator = coordination.member, coordination.coordinator
         summary = member.summary or {}
         down = coordinator.down_members() if coordinator.coordinating() else []
         return {
@@ -267,7 +278,7 @@ class NodeCoordination:
             len(mine.order),
         )
         bucket = next(t for t in holders if t.shared)
-        return PlannedSources([local, *holders], self, mine, bucket)
+        return PlannedSources([local, *holders], self, mine, bucket, dead=decision.down)
 
     def peer_tier(self, address: str) -> Tier:
         for tier in self.tiers:
@@ -279,11 +290,14 @@ class NodeCoordination:
 class PlannedSources(ChunkSources):
     """A restore's chunks as the twins' broadcast plan says: one seed reads each from GCS, the others pass it on."""
 
-    def __init__(self, tiers: list[Tier], node: NodeCoordination, plan: broadcast.NodePlan, gcs: Tier):
+    def __init__(
+        self, tiers: list[Tier], node: NodeCoordination, plan: broadcast.NodePlan, gcs: Tier, *, dead: Iterable[str]
+    ):
+        """``dead``: the nodes the decision found down, which the plan does not wait for."""
         super().__init__(tiers)
         self.node, self.gcs = node, gcs
         self.planned = broadcast.PlannedFetch(
-            plan, node.transport, self._read_peer, self._read_gcs, node.board, dead=node.decision.down, announce=False
+            plan, node.transport, self._read_peer, self._read_gcs, node.board, dead=dead, announce=False
         )
 
     def order(self, hashes: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -58,7 +58,7 @@ class StepFeed:
         self.grew = trio.Event()
 
 
-async def send_early(feed: StepFeed, tiers: list[Tier], pace: Callable[[], Awaitable[None]]) -> dict[str, int]:
+async def send_early(feed: StepFeed, tiers: Sequence[Tier], pace: Callable[[], Awaitable[None]]) -> dict[str, int]:
     """Put the feed's chunks on ``tiers`` (in parallel) until the build ends; bytes sent, by tier name.
 
     For each tier, one task asks which of the chunks published since its last question the
@@ -91,7 +91,8 @@ async def send_early(feed: StepFeed, tiers: list[Tier], pace: Callable[[], Await
                         stopped = True
                         log.debug("step %d: early chunks to %s stopped: %s", feed.step, tier.name, e)
                         return
-                    for hs in batches(tier, [(h, feed.places[h]) for h, there in zip(batch, held) if not there]):
+                    missing = [(h, feed.places[h]) for h, there in zip(batch, held, strict=True) if not there]
+                    for hs in batches(tier, missing):
                         lacking_in.send_nowait(hs)
 
         async def put() -> None:
@@ -138,7 +139,7 @@ class Feeds:
         build: Callable[[], Awaitable[T]],
         step: int,
         version: int,
-        tiers: list[Tier],
+        tiers: Sequence[Tier],
         pace: Callable[[], Awaitable[None]],
         built: Callable[[], bool],
     ) -> tuple[T, dict[str, int]]:
@@ -166,7 +167,7 @@ class Feeds:
             nursery.start_soon(follow)
             try:
                 result = await build()
-            except Exception as e:  # not in a group: the lane tells a refused step by its type
+            except Exception as e:  # noqa: BLE001 (raised below, not in a group: the lane tells a refused step by its type)
                 error = e
             if not following:
                 nursery.cancel_scope.cancel()  # still waiting for a build that will not come

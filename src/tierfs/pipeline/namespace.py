@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import cast
 
 from tierfs.core.atomic import private_dir
 from tierfs.core.manifest import Entry, Manifest, restorable_mode
@@ -35,7 +36,7 @@ def create_placeholders(snap: Path, manifest: Manifest) -> None:
         if e.kind == "dir":
             os.mkdir(path, 0o700)  # its own mode once its children are in (_apply_attrs)
         elif e.kind == "symlink":
-            os.symlink(e.target, path)
+            os.symlink(cast(str, e.target), path)  # never None: a checked manifest's symlinks have one
         else:
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
             try:

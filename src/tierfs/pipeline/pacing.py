@@ -30,7 +30,7 @@ class Pacing:
     async def yield_to_writers(self) -> None:
         """Wait (at most MAX_DEFER) until the job has not written for WRITER_QUIET seconds."""
         deadline = time.monotonic() + MAX_DEFER
-        while (wait := self._until_quiet(deadline)) > 0:
+        while (wait := self._until_quiet(deadline)) > 0:  # noqa: ASYNC110 (a time the clock says, no event to wait for)
             await trio.sleep(wait)
 
     async def in_thread(self, fn: Callable[[Callable[[], None]], T], limiter: trio.CapacityLimiter) -> T:
@@ -57,7 +57,7 @@ class Pacing:
             nursery.start_soon(stop_when_cancelled)
             try:
                 result = await trio.to_thread.run_sync(fn, pace, limiter=limiter)
-            except Exception as e:  # raised below, outside the nursery: as itself, not in a group
+            except Exception as e:  # noqa: BLE001 (raised below, outside the nursery: as itself, not in a group)
                 failure = e
             finally:
                 nursery.cancel_scope.cancel()

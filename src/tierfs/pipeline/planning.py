@@ -24,8 +24,10 @@ from tierfs.core.errors import UserError
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.parse import format_size
+from tierfs.pipeline.manifests import fetch_manifest
 from tierfs.pipeline.namespace import link_into_tree, set_aside
-from tierfs.pipeline.restore import Origin, Restore, fetch_manifest, restoring_steps
+from tierfs.pipeline.restore import Origin, Restore
+from tierfs.pipeline.resume import restoring_steps
 from tierfs.pipeline.rollback import Rollback, made_here
 from tierfs.pipeline.survey import ClusterView, Survey
 from tierfs.tiers.base import Tier
@@ -33,6 +35,7 @@ from tierfs.tiers.fetch import ChunkSources
 
 if TYPE_CHECKING:
     from tierfs.config import Config
+    from tierfs.coordination.decision import Decision
     from tierfs.pipeline.coordinating import NodeCoordination
     from tierfs.ramtier import RankDir, SpaceAccount
     from tierfs.ramtier.snapshots import Snapshots
@@ -174,9 +177,21 @@ class RestorePlanner:
             survey, step = await self._check_seen(own, survey, step)
         return await self.keep_newer_here(survey, step, mine)
 
+    def _answer(self) -> tuple[NodeCoordination, Decision, str]:
+        """The coordination whose answer is being checked, that answer, and the coordinator that gave it.
+
+        Set by :meth:`NodeCoordination.decide`, which keeps only an answer a coordinator gave:
+        what checks an answer runs only once there is one.
+        """
+        coordinating = self.coordinating
+        decision = coordinating.decision if coordinating is not None else None
+        if coordinating is None or decision is None or decision.coordinator is None:
+            raise RuntimeError("no coordinator's answer to check")
+        return coordinating, decision, decision.coordinator
+
     async def _check_seen(self, own: Survey, survey: Survey, step: int | None) -> tuple[Survey, int | None]:
-        cfg, coordinating = self.cfg, self.coordinating
-        first = coordinating.decision
+        cfg = self.cfg
+        coordinating, first, first_by = self._answer()
         seen = self._seen(own, first.summary)
         if seen is None or (step is not None and step >= seen):
             return survey, step
@@ -184,21 +199,22 @@ class RestorePlanner:
         log.warning(
             "coordinator %s chose step %s, but step %d is complete for every rank on the tiers this "
             "node reaches (rank %d's on %s): asking another coordinator",
-            first.coordinator,
+            first_by,
             step,
             seen,
             cfg.rank,
             where,
         )
-        second = await coordinating.decide(exclude=(first.coordinator,))
+        second = await coordinating.decide(exclude=(first_by,))
         if second is not None and second[1] is not None and second[1] >= seen:
+            second_by = self._answer()[2]
             log.warning(
                 "coordinators disagree: %s chose step %s, %s chose step %s: following %s",
-                first.coordinator,
+                first_by,
                 step,
-                coordinating.decision.coordinator,
+                second_by,
                 second[1],
-                coordinating.decision.coordinator,
+                second_by,
             )
             return second
         if cfg.start_fresh:
@@ -231,11 +247,11 @@ class RestorePlanner:
         go to ``aside/``, its snapshot stays until retention, which keeps the newest step
         this node holds complete (:meth:`tierfs.daemon.daemon.Daemon.retention_floor`).
         """
-        cfg, coordinating = self.cfg, self.coordinating
+        cfg = self.cfg
         here = max(self.steps.verifiable(), default=None)
         if here is None or step is None or step >= here or mine == step:
             return survey, step
-        first = coordinating.decision.coordinator
+        coordinating, _, first = self._answer()
         log.warning(
             "coordinator %s chose step %d, older than step %d that rank %d holds complete here: "
             "asking another coordinator before setting it aside",
@@ -247,13 +263,14 @@ class RestorePlanner:
         second = await coordinating.decide(exclude=(first,))
         if second is not None and second[1] is not None:
             if second[1] > step:
+                second_by = self._answer()[2]
                 log.warning(
                     "coordinators disagree: %s chose step %d, %s chose step %d: following %s",
                     first,
                     step,
-                    coordinating.decision.coordinator,
+                    second_by,
                     second[1],
-                    coordinating.decision.coordinator,
+                    second_by,
                 )
                 return second
             return survey, step
@@ -274,7 +291,8 @@ class RestorePlanner:
         )
 
     def _seen(self, own: Survey, summary: dict) -> int | None:
-        """The step this node's own survey gives its rank, counting the steps nodes run from as the coordinator knows them."""
+        """The step this node's own survey gives its rank, counting the steps nodes run from as the
+        coordinator knows them."""
         decisions = summary.get("decisions") if isinstance(summary, dict) else None
         for s in decisions if isinstance(decisions, list) else ():
             if type(s) is int:

@@ -32,7 +32,7 @@ import logging
 import math
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import trio
@@ -44,19 +44,10 @@ from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.meters import Meters
 from tierfs.core.milestones import Milestones
 from tierfs.pipeline.early import Feeds
+from tierfs.pipeline.lanes import Lane, lanes_of
 from tierfs.pipeline.pacing import Pacing
 from tierfs.ramtier.steps import Steps, StepState
-from tierfs.tiers.base import (
-    Progress,
-    Pushed,
-    SourceChanged,
-    Tier,
-    TierError,
-    TierUnavailable,
-    by_cost,
-    first_line,
-    put_step,
-)
+from tierfs.tiers.base import Location, Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable, put_step
 
 log = logging.getLogger(__name__)
 
@@ -71,44 +62,6 @@ class SnapshotChanged(Exception):
 
 class StepRefused(Exception):
     """No manifest can describe the step's current version, so no tier can take it."""
-
-
-class Lane:
-    """The tiers that share one lane, and how putting steps on them is going."""
-
-    def __init__(self, name: str, tiers: list[Tier]):
-        self.name, self.tiers = name, tiers
-        self.lead = tiers[0]  # speaks for the lane: copies, schedule, order, status
-        self.interval, self.every_steps = self.lead.schedule()
-        self.volatile = any(t.volatile for t in tiers)  # when idle: is the newest step still where we put it?
-        self.last_step: int | None = None  # the step this lane last put, and when
-        self.last_at: float | None = None
-        self.wake = trio.Event()
-        self.busy: int | None = None
-        self.progress: Progress | None = None
-        self.status: dict = {"state": "idle", "error": None, "since": time.time()}
-
-    def copies(self) -> int:
-        return self.lead.copies()
-
-    def done(self, state: StepState) -> bool:
-        """Whether the step's current version is on enough of this lane's tiers."""
-        record = state.copies.get(self.name, {})
-        return record.get("version") == state.version and len(record.get("tiers", ())) >= self.copies()
-
-    def set(self, state: str, error: str | None = None) -> None:
-        if self.status["state"] != state:
-            self.status["since"] = time.time()
-        self.status.update(state=state, error=error)
-
-
-def lanes_of(tiers: list[Tier]) -> dict[str, Lane]:
-    """The lanes of ``tiers``, cheapest first; tiers without a lane (this node's RAM) get none."""
-    grouped: dict[str, list[Tier]] = {}
-    for tier in by_cost(tiers):
-        if tier.lane is not None:
-            grouped.setdefault(tier.lane, []).append(tier)
-    return {name: Lane(name, members) for name, members in grouped.items()}
 
 
 class Replicator:
@@ -158,17 +111,18 @@ class Replicator:
         for tier in tiers:
             tier.configure(self.cfg)
             self.tiers.append(tier)
+            if tier.lane is None:
+                continue  # no lane puts steps there (this node's RAM)
             lane = self.lanes.get(tier.lane)
             if lane is not None:
                 lane.tiers.append(tier)
-            elif tier.lane is not None:
+            else:
                 lane = self.lanes[tier.lane] = Lane(tier.lane, [tier])
                 self.meters.lanes([lane.name])
                 lane.interval, lane.every_steps = lane.lead.schedule()
                 if self._nursery is not None:
                     self._nursery.start_soon(self._run_lane, lane)
-            if lane is not None:
-                lane.wake.set()
+            lane.wake.set()
 
     def _committed(self, state: StepState) -> None:
         self.retain_local()
@@ -199,32 +153,13 @@ class Replicator:
         overtaken and leave RAM, never reaching GCS or ``--disk``, which keep it for good. So their
         lanes put these first, unpaced, and RAM keeps them till then.
         """
-        milestones, now, after = Milestones.from_config(self.cfg), time.time(), lane.last_step
-        if not milestones or not (lane.lead.shared or lane.lead.spill):
-            return []  # peers keep no milestones
-        return [
-            s
-            for _, s in sorted(self.steps.states.items())
-            if (after is None or s.step > after)
-            and not lane.done(s)
-            and s.refusal() is None
-            and milestones.is_milestone(s.step, s.committed_at, now)
-        ]
+        return lane.milestones_owed(self.steps.states, Milestones.from_config(self.cfg), time.time())
 
     async def _run_lane(self, lane: Lane) -> None:
         failures = 0
         while True:
-            newest, owed = self.steps.newest(), self._milestones_owed(lane)
-            state = next((s for s in owed if s is not newest), newest)  # the oldest milestone owed first
-            paced = all(s is not state for s in owed)  # the schedule paces ordinary steps only
-            early = (
-                state is not None
-                and paced
-                and lane.every_steps
-                and lane.last_step is not None
-                and state.step < lane.last_step + lane.every_steps
-            )
-            if state is None or lane.done(state) or early:
+            state, paced = lane.next_step(self.steps.newest(), self._milestones_owed(lane))
+            if state is None or lane.done(state) or lane.early(state, paced):
                 with trio.move_on_after(RECHECK if lane.volatile else math.inf):
                     await lane.wake.wait()
                     lane.wake = trio.Event()
@@ -232,10 +167,10 @@ class Replicator:
                 if state is not None:
                     try:
                         await self._recheck(lane, state)
-                    except Exception as e:
+                    except Exception as e:  # noqa: BLE001 (a tier's trouble must never take the mount down)
                         log.warning("%s: could not recheck step %d: %s", lane.name, state.step, e)
                 continue
-            wait = lane.last_at + lane.interval - time.time() if paced and lane.interval and lane.last_at else 0.0
+            wait = lane.wait(paced)
             if wait > 0:
                 with trio.move_on_after(wait):  # a commit meanwhile may be a milestone, which does not wait
                     await lane.wake.wait()
@@ -250,25 +185,26 @@ class Replicator:
                 lane.set("ok")
                 failures = 0
             except Exception as group:  # a tier's trouble must never take the mount down
-                e = _first_leaf(group)
-                if isinstance(e, StepRefused):
+                error = _first_leaf(group)
+                if isinstance(error, StepRefused):
                     lane.status = before  # the step is refused (logged, in its state), not the lane
                     continue
                 delay = BACKOFF[min(failures, len(BACKOFF) - 1)]
                 failures += 1
-                if isinstance(e, (SnapshotChanged, SourceChanged)):
+                if isinstance(error, (SnapshotChanged, SourceChanged)):
                     log.info("step %d changed while read for %s; again", state.step, lane.name)
                 else:
-                    if not isinstance(e, TierError):  # a tier's own refusal was counted where it came
+                    if not isinstance(error, TierError):  # a tier's own refusal was counted where it came
                         self.meters.put_failed(lane.name)
-                    lane.set("unavailable" if isinstance(e, TierUnavailable) else "failing", f"{type(e).__name__}: {e}")
+                    why = f"{type(error).__name__}: {error}"
+                    lane.set("unavailable" if isinstance(error, TierUnavailable) else "failing", why)
                     log.warning(
                         "%s: step %d delayed, retrying in %.0fs: %s",
                         lane.name,
                         state.step,
                         delay,
-                        e,
-                        exc_info=not isinstance(e, TierError),
+                        error,
+                        exc_info=not isinstance(error, TierError),
                     )
                     await trio.sleep(delay)
             finally:
@@ -320,7 +256,8 @@ class Replicator:
             refused = any(not isinstance(e, TierUnavailable) for e in errors)
             reason = f": {errors[-1]}" if errors else ""
             raise (TierError if refused else TierUnavailable)(
-                f"step {state.step} reached {len(placed)} of {wanted} of {lane.name} ({len(candidates)} answering){reason}"
+                f"step {state.step} reached {len(placed)} of {wanted} of {lane.name} "
+                f"({len(candidates)} answering){reason}"
             )
         for tier in placed:
             await tier.retain()
@@ -369,20 +306,7 @@ class Replicator:
         """A tier that lost what it held (a peer's RAM, a replaced node) no longer has our step: put it again."""
         record = state.copies.get(lane.name, {})
         held = list(record.get("tiers", ()))
-        by_name = {t.name: t for t in lane.tiers}
-        kept, silent = [], {}  # silent: tier name -> why it did not answer
-        for name in held:
-            tier = by_name.get(name)
-            if tier is None or not tier.volatile:
-                kept.append(name)
-                continue
-            try:
-                listed = await tier.list_manifests()
-            except TierError as e:  # down, or too busy to answer: the step goes to another tier meanwhile
-                silent[name] = first_line(e)
-                continue
-            if (self.cfg.rank, state.step) in listed:
-                kept.append(name)
+        kept, silent = await lane.still_holding(held, self.cfg.rank, state.step)
         if kept != held:
             lost = sorted(set(held) - set(kept) - silent.keys())
             log.warning(
@@ -401,7 +325,7 @@ class Replicator:
 
     # -- manifests -----------------------------------------------------------------------
 
-    async def manifest_for(self, state: StepState, early: list[Tier] = ()) -> tuple[Manifest, dict[str, int]]:
+    async def manifest_for(self, state: StepState, early: Sequence[Tier] = ()) -> tuple[Manifest, dict[str, int]]:
         """The manifest of the step's current version, and the bytes sent to ``early`` tiers meanwhile.
 
         Built once and shared by the lanes. While it is being hashed, the chunks of the files
@@ -488,10 +412,10 @@ class Replicator:
         finally:
             feed.close()
 
-    def chunk_locations(self, manifest: Manifest) -> dict[str, tuple[Path, int, int]]:
+    def chunk_locations(self, manifest: Manifest) -> dict[str, Location]:
         """Where each distinct chunk of a step lives in its snapshot: (path, offset, length)."""
         snap = self.steps.snapshots.step_tree(manifest.step)
-        return {h: (snap / path, offset, length) for h, (path, offset, length) in manifest.chunk_places().items()}
+        return {h: (str(snap / path), offset, length) for h, (path, offset, length) in manifest.chunk_places().items()}
 
     def find_local(self, h: str) -> tuple[str, int, int] | None:
         """This node's own committed copy of chunk ``h`` (lets twins replicate with no transfer)."""
@@ -499,9 +423,7 @@ class Replicator:
 
     def _index_local(self) -> None:
         self._local = {
-            h: (str(path), offset, length)
-            for _, manifest in self._manifests.values()
-            for h, (path, offset, length) in self.chunk_locations(manifest).items()
+            h: where for _, manifest in self._manifests.values() for h, where in self.chunk_locations(manifest).items()
         }
 
     # -- local retention -------------------------------------------------------------------
@@ -521,7 +443,7 @@ class Replicator:
         """
         floor = self.retention_floor()
         keep = set(sorted(self.steps.states)[-self.cfg.keep_local :])
-        keep |= {lane.busy for lane in self.lanes.values()}
+        keep |= {lane.busy for lane in self.lanes.values() if lane.busy is not None}
         keep |= {s.step for lane in self.lanes.values() for s in self._milestones_owed(lane)}
         spill = [lane for lane in self.lanes.values() if lane.lead.spill]
         short = None  # asked only when a step could spill
@@ -557,20 +479,8 @@ class Replicator:
 
     def status(self) -> dict:
         """Each lane's state, lag and progress, with what its tiers say of themselves."""
-        now, out = time.time(), {}
-        for name, lane in self.lanes.items():
-            pending = [s for s in self.steps.states.values() if not lane.done(s) and s.refusal() is None]
-            lag = now - min(s.committed_at for s in pending) if pending else 0.0
-            out[name] = {
-                **lane.status,
-                "working_on": lane.busy,
-                "lag_s": round(lag, 3),
-                "last_at": lane.last_at,
-                "progress": lane.progress.as_dict() if lane.busy and lane.progress else None,
-                "tiers": [t.name for t in lane.tiers],
-                **lane.lead.lane_report(),
-            }
-        return out
+        now = time.time()
+        return {name: lane.report(self.steps.states, now) for name, lane in self.lanes.items()}
 
 
 def _first_leaf(e: BaseException) -> BaseException:

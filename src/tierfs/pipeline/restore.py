@@ -25,37 +25,34 @@ held.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
+from typing import TextIO
 
 import trio
 
 from tierfs.config import Config
 from tierfs.core import chunks
-from tierfs.core.atomic import UnsafeFile, read_state, write_atomically
+from tierfs.core.atomic import write_atomically
 from tierfs.core.errors import UserError
 from tierfs.core.linux import pwrite_all
-from tierfs.core.manifest import MAX_CHUNKS, Entry, Manifest, ManifestError, Unauthenticated, authenticate
+from tierfs.core.manifest import Entry, Manifest
 from tierfs.core.parse import format_size
+from tierfs.pipeline.manifests import fetch_manifest as fetch_manifest  # re-exported: callers import it from here
 from tierfs.pipeline.namespace import create_placeholders, link_into_tree
+from tierfs.pipeline.resume import finished, journal_path, open_journal, read_journal, read_progress, write_progress
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.steps import Steps, StepState
-from tierfs.tiers.base import Tier, TierError, by_cost, first_line
+from tierfs.tiers.base import Tier, by_cost
 from tierfs.tiers.fetch import ChunkSources
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "restore.json"  # present while the step is being restored
-JOURNAL = "restored-chunks"  # names of the chunks written and verified, one per line
 RETRY = 5.0  # seconds before chunks that no tier could give are tried again
-STATE_LIMIT = 1 << 20  # restore.json: a step number, two flags and the peers it came from
-JOURNAL_LIMIT = MAX_CHUNKS * 33  # one 32-digit name and a newline per chunk of the largest manifest
 
 
 @dataclass
@@ -64,6 +61,12 @@ class _File:
     path: str  # the placeholder, in the step's snapshot
     missing: set[int]  # chunk indexes not written yet
     fd: int | None = None  # opened by the first chunk that arrives
+
+    def opened(self) -> int:
+        """The descriptor :meth:`Restore._place` opened for the chunks in flight (closed once none is missing)."""
+        if self.fd is None:
+            raise RuntimeError(f"{self.path} is not open for writing")
+        return self.fd
 
 
 @dataclass
@@ -103,8 +106,8 @@ class Restore:
         self._failed: dict[str, str] = {}  # chunk -> why no tier gave it (cleared on retry)
         self.last_error: str | None = None
         self._progress = trio.Event()
-        self._journal = None
-        self._nursery: trio.Nursery | None = None
+        self._journal: TextIO | None = None  # opened by prepare()
+        self._nursery: trio.Nursery | None = None  # hosts the fetches, while run() runs
         self.mounted = trio.Event()  # prefetch waits for it: the mount's start-up goes first
         self.total = len(manifest.chunk_set())
         self.started = time.time()
@@ -117,26 +120,26 @@ class Restore:
 
     def prepare(self) -> None:
         """Create the placeholders (or find them again after a crash) and link them into the volume."""
-        state = self._read_state()
+        state = read_progress(self.dir)
         if state is None or state.get("step") != self.step:
             shutil.rmtree(self.dir, ignore_errors=True)
             os.mkdir(self.dir, 0o700)  # steps/ exists (Snapshots.load) and is root-only too
             write_atomically(self.dir / "manifest.json", self.manifest.sealed(self.cfg.manifest_keys))
             state = {"step": self.step, "prepared": False, "linked": False, "tiers": self.origin.names}
-            self._write_state(state)
+            write_progress(self.dir, state)
         if not state["prepared"]:
             shutil.rmtree(self.snap, ignore_errors=True)
-            _journal_path(self.dir).unlink(missing_ok=True)
+            journal_path(self.dir).unlink(missing_ok=True)
             create_placeholders(self.snap, self.manifest)
             state["prepared"] = True
-            self._write_state(state)
+            write_progress(self.dir, state)
         self.steps.snapshots.pin_step(self.step)
         self.steps.restoring.add(self.step)
         if not state["linked"]:
             for root in self.manifest.roots:
                 self._link_into_tree(root)
             state["linked"] = True
-            self._write_state(state)
+            write_progress(self.dir, state)
         self._load_journal()
 
     def _link_into_tree(self, root: str) -> None:
@@ -144,30 +147,25 @@ class Restore:
         link_into_tree(self.rank, self.snap, root, f"it is in the way of restored step {self.step}")
 
     def _load_journal(self) -> None:
-        path = _journal_path(self.dir)
-        try:
-            self._done = set(read_state(path, JOURNAL_LIMIT).decode("ascii", "replace").split())
-        except FileNotFoundError:
-            pass
-        except UnsafeFile as e:
-            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        self._journal = open(fd, "a", buffering=1)
+        done = read_journal(self.dir)
+        if done is not None:
+            self._done = done
+        self._journal = open_journal(self.dir)
         # A placeholder is all hole, so a chunk of zeros is in place already: never fetched, nor written.
         self._done |= {h for h, length in self.manifest.chunk_sizes().items() if h == chunks.zero_hash(length)}
         cs, snap = self.manifest.chunk_size, str(self.snap)
-        for e in self.manifest.entries:
-            if e.kind != "file":
+        for entry in self.manifest.entries:
+            if entry.kind != "file":
                 continue
-            missing = {i for i, h in enumerate(e.chunks) if h not in self._done}
+            missing = {i for i, h in enumerate(entry.chunks) if h not in self._done}
             if not missing:
                 continue
-            f = _File(e, os.path.join(snap, e.path), missing)
+            f = _File(entry, os.path.join(snap, entry.path), missing)
             st = os.lstat(f.path)
             self._files[st.st_ino] = f
             self.space.update(st)
             for i in missing:
-                self._users.setdefault(e.chunks[i], []).append((f, i))
+                self._users.setdefault(entry.chunks[i], []).append((f, i))
         log.info(
             "restoring step %d: %d of %d chunks to fetch (%s), %d already here",
             self.step,
@@ -217,6 +215,8 @@ class Restore:
         event = trio.Event()
         for h in hs:
             self._inflight[h] = event
+        if self._nursery is None:  # never so: the mount, whose reads start fetches, comes after run() started
+            raise RuntimeError(f"restore of step {self.step} is not running")
         self._nursery.start_soon(self._fetch, hs, prefer, event)
         return event
 
@@ -253,7 +253,8 @@ class Restore:
         def take() -> list[str]:
             """The next chunks no one has fetched or is fetching, as many as one request carries."""
             nonlocal at
-            batch, total = [], 0
+            batch: list[str] = []
+            total = 0
             while at < len(hashes):
                 h = hashes[at]
                 if h in self._done or h in self._failed or h in self._inflight or h in batch:
@@ -282,7 +283,10 @@ class Restore:
                 places = {h: self._place(h) for h in hs}
                 cs = self.manifest.chunk_size
                 left = await self.sources.fetch_many_into(
-                    [(h, length, targets[0][0].fd, targets[0][1] * cs) for h, (targets, length) in places.items()],
+                    [
+                        (h, length, targets[0][0].opened(), targets[0][1] * cs)
+                        for h, (targets, length) in places.items()
+                    ],
                     prefer,
                 )
                 alone = [h for h, _, _, _ in left]
@@ -314,7 +318,7 @@ class Restore:
         """Fetch a chunk straight into its first place (from the first tier that has it); its places."""
         targets, length = self._place(h)
         first, index = targets[0]
-        await self.sources.fetch_into(h, length, first.fd, index * self.manifest.chunk_size, prefer)
+        await self.sources.fetch_into(h, length, first.opened(), index * self.manifest.chunk_size, prefer)
         return targets, length
 
     async def _settle(self, h: str, targets: list[tuple[_File, int]], length: int) -> None:
@@ -332,18 +336,21 @@ class Restore:
         first, index = targets[0]
         if len(targets) > 1:
             await trio.to_thread.run_sync(
-                _copy_to, first.path, index * cs, length, [(f.fd, i * cs) for f, i in targets[1:]]
+                _copy_to, first.path, index * cs, length, [(f.opened(), i * cs) for f, i in targets[1:]]
             )
         for f, i in targets:
-            os.utime(f.fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
-            st = os.fstat(f.fd)
+            fd = f.opened()
+            os.utime(fd, ns=(f.entry.mtime_ns, f.entry.mtime_ns))
+            st = os.fstat(fd)
             self.space.update(st)
             f.missing.discard(i)
             if not f.missing:
-                os.close(f.fd)
+                os.close(fd)
                 f.fd = None
                 self._files.pop(st.st_ino, None)
         self._done.add(h)
+        if self._journal is None:  # never so: prepare() opened it, and run() comes after
+            raise RuntimeError(f"restore of step {self.step} was not prepared")
         self._journal.write(h + "\n")
         self.sources.arrived(h)
         if self.first_byte_s is None:
@@ -376,11 +383,11 @@ class Restore:
         """Every chunk is in: the step is committed here, and already where it came from."""
         self._close_files()
         now = time.time()
-        held = by_cost([t for t in self.origin.tiers if t.lane is not None])
-        state = StepState(self.step, sorted(self.manifest.roots), now, source=held[0].kind if held else "local")
-        for tier in held:  # the step is already on every tier it came from: no lane sends it back
+        held = [(t, t.lane) for t in by_cost(self.origin.tiers) if t.lane is not None]
+        state = StepState(self.step, sorted(self.manifest.roots), now, source=held[0][0].kind if held else "local")
+        for tier, lane in held:  # the step is already on every tier it came from: no lane sends it back
             record = state.copies.setdefault(
-                tier.lane,
+                lane,
                 {
                     "version": state.version,
                     "at": now,
@@ -396,8 +403,7 @@ class Restore:
             record["tiers"].append(tier.name)
         self.steps.states[self.step] = state
         self.steps.save(state)
-        (self.dir / STATE_FILE).unlink()
-        _journal_path(self.dir).unlink(missing_ok=True)
+        finished(self.dir)
         self.steps.restoring.discard(self.step)
         self.finished_at = now
         took = now - self.started
@@ -440,40 +446,6 @@ class Restore:
             "at": self.started,
         }
 
-    # -- state file ------------------------------------------------------------------------
-
-    def _read_state(self) -> dict | None:
-        """The progress of an interrupted restore of this step; None if there is none to resume.
-
-        Raises UnsafeFile (a UserError) if the file is not the daemon's own: it decides what
-        this start deletes and links into the volume.
-        """
-        try:
-            state = json.loads(read_state(self.dir / STATE_FILE, STATE_LIMIT))
-        except UnsafeFile as e:
-            raise UnsafeFile(f"unsafe ramdisk: {e}") from None
-        except (OSError, ValueError):
-            return None
-        if not (
-            isinstance(state, dict)
-            and isinstance(state.get("prepared"), bool)
-            and isinstance(state.get("linked"), bool)
-        ):
-            return None  # not what _write_state writes: start the step over
-        return state
-
-    def _write_state(self, state: dict) -> None:
-        write_atomically(self.dir / STATE_FILE, json.dumps(state))
-
-
-def _journal_path(step_dir: Path) -> Path:
-    return step_dir / JOURNAL
-
-
-def restoring_steps(steps: Steps) -> list[int]:
-    """Steps a previous run began to restore and did not finish."""
-    return [s for s in steps.snapshots.steps() if (steps.snapshots.step_dir(s) / STATE_FILE).exists()]
-
 
 def _copy_to(path: str, offset: int, length: int, places: list[tuple[int, int]]) -> None:
     """The verified chunk at ``offset`` of ``path`` into the other places of the step that hold it."""
@@ -484,42 +456,3 @@ def _copy_to(path: str, offset: int, length: int, places: list[tuple[int, int]])
         os.close(fd)
     for out, at in places:
         pwrite_all(out, data, at)
-
-
-# -- planning ----------------------------------------------------------------------------
-
-
-async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
-    """This rank's manifest of ``step`` from the first of ``tiers`` (in order) that gives a valid one.
-
-    A manifest that is not this job's, this rank's and this step's is refused like a
-    malformed one, and the next tier is asked; so is one the job's secret did not seal (a
-    node with a secret uses no other).
-    """
-    errors = []
-    for tier in tiers:
-        try:
-            data = await tier.get_manifest(cfg.rank, step)
-            return _parse(data, tier.where, cfg, step)
-        except Exception as e:  # whatever one tier does, the next one is asked
-            if not isinstance(e, (TierError, UserError)):
-                log.error(
-                    "manifest of step %d from %s: unexpected %s", step, tier.name, type(e).__name__, exc_info=True
-                )
-            errors.append(f"{tier.name}: {first_line(e)}")
-    raise UserError(
-        f"no tier could send the manifest of step {step} of rank {cfg.rank}: {'; '.join(errors) or 'none holds it'}"
-    )
-
-
-def _parse(data: bytes, where: str, cfg: Config, step: int) -> Manifest:
-    try:
-        body = authenticate(data, cfg.manifest_keys, cfg.rank, step)
-        manifest = Manifest.from_json(body)
-        manifest.check_identity(cfg.job, cfg.rank, step)
-    except Unauthenticated as e:
-        log.warning("ignoring the manifest of rank %d step %d from %s: %s", cfg.rank, step, where, e)
-        raise UserError(f"the manifest from {where} is not this job's: {e}") from None
-    except ManifestError as e:
-        raise UserError(f"the manifest from {where} is unusable: {e}") from None
-    return manifest

@@ -38,8 +38,8 @@ import trio
 
 from tierfs.core.atomic import UnsafeFile, read_state, write_atomically
 from tierfs.core.errors import UserError
+from tierfs.pipeline.manifests import fetch_manifest
 from tierfs.pipeline.namespace import set_aside
-from tierfs.pipeline.restore import fetch_manifest
 from tierfs.tiers.base import Tier, TierError, by_cost
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class Rollback:
             raise UserError(
                 f"cannot roll job {self.cfg.job} back to step {self.step}: {e}; mount again once the bucket answers"
             ) from None
-        if done_here and (self.bucket is None or at == mine[1]):
+        if done_here and mine is not None and (self.bucket is None or at == mine[1]):
             return False
         if at is None or not await self._moved_on(at):
             return True
@@ -122,7 +122,8 @@ class Rollback:
             )
 
     async def make(self, survey: Survey) -> None:
-        """Record the rollback (the bucket's record first: its time is the rollback's) and set the old timeline aside."""
+        """Record the rollback (the bucket's record first: its time is the rollback's) and set the
+        old timeline aside."""
         await self._clear_volume(survey)
         at = await self.bucket.rollback_at(self.step, record=True) if self.bucket is not None else None
         at = time.time() if at is None else at
@@ -143,6 +144,8 @@ class Rollback:
         """Whether this rank committed a step newer than the rollback's since it was made."""
         if any(s > self.step and state.committed_at > at for s, state in self.steps.states.items()):
             return True
+        if self.bucket is None:  # never so: only a bucket's record gives a rollback's time to ask about
+            return False
         return bool(await self.bucket.committed_since(self.cfg.rank, self.step, at))
 
     async def _clear_volume(self, survey: Survey) -> None:

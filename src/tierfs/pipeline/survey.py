@@ -123,7 +123,7 @@ async def survey(tiers: Sequence[Tier], wait: float = 0.0) -> Survey:
     while True:
         answered: set[str] = set()
 
-        async def ask(tier: Tier) -> None:
+        async def ask(tier: Tier, answered: set[str]) -> None:
             try:
                 async with limiter:
                     holdings = await tier.holdings()
@@ -140,7 +140,7 @@ async def survey(tiers: Sequence[Tier], wait: float = 0.0) -> Survey:
 
         async with trio.open_nursery() as nursery:
             for tier in pending:
-                nursery.start_soon(ask, tier)
+                nursery.start_soon(ask, tier, answered)
         pending = [t for t in pending if t.name not in answered and t.awaited]
         left = deadline - trio.current_time()
         if not pending or left <= 0:

@@ -22,7 +22,9 @@ import json
 import os
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from tierfs.core import linux, mounts
 from tierfs.core.atomic import UnsafeFile, check_private, private_dir, read_small
@@ -46,7 +48,7 @@ class RankDir:
         self._folios: tuple[int, bool] | None = None  # (device of the tree, large folios), as last looked up
 
     @contextlib.contextmanager
-    def _as_user_errors(self):
+    def _as_user_errors(self) -> Iterator[None]:
         try:
             yield
         except UnsafeFile as e:
@@ -129,9 +131,13 @@ class RankDir:
         os.write(fd, json.dumps({"pid": os.getpid(), "mountpoint": str(mountpoint)}).encode())
         self._lock_fd = fd
 
-    def holder(self) -> dict | None:
+    def holder(self) -> dict[str, Any] | None:
         try:
-            return json.loads(read_small(self.path / "daemon.lock", 4096, private=True) or b"null")
+            # What claim() wrote: {"pid": ..., "mountpoint": ...}, or nothing yet.
+            holder: dict[str, Any] | None = json.loads(
+                read_small(self.path / "daemon.lock", 4096, private=True) or b"null"
+            )
+            return holder
         except (OSError, ValueError, UnsafeFile):
             return None
 

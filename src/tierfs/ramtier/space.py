@@ -17,7 +17,7 @@ PAGE = 4096
 
 
 class SpaceAccount:
-    def __init__(self, capacity: int | None, backing: os.PathLike | str):
+    def __init__(self, capacity: int | None, backing: os.PathLike[str] | str):
         self._capacity = capacity
         self._backing = backing
         self._allocated: dict[int, int] = {}
@@ -35,7 +35,7 @@ class SpaceAccount:
     def bounded(self) -> bool:
         return self._capacity is not None
 
-    def scan(self, *roots: os.PathLike | str) -> None:
+    def scan(self, *roots: os.PathLike[str] | str) -> None:
         """Count what is already stored (after a restart the tree is still there)."""
         self._allocated.clear()
         for root in roots:

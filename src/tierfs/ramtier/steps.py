@@ -17,9 +17,10 @@ import logging
 import shutil
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from tierfs.core.atomic import UnsafeFile, read_state, write_atomically
 from tierfs.core.commit import CommitRules, step_of
@@ -37,9 +38,10 @@ class StepState:
     version: int = 1  # bumped by every commit into the step; a copy on a tier covers one version
     source: str = "local"  # where the data came from: local writes, or the kind of tier it was restored from
     # Where the step went, by replicator lane ("peers", "gcs", "disk"): version, tiers, at, bytes sent...
-    copies: dict[str, dict] = field(default_factory=dict)
+    # (Records as saved in state.json and read back: JSON values, typed by their writers.)
+    copies: dict[str, dict[str, Any]] = field(default_factory=dict)
     # Why no tier can take a version of the step (no manifest can describe it): {"version", "error"}
-    refused: dict | None = None
+    refused: dict[str, Any] | None = None
 
     def held_by(self, lane: str) -> bool:
         """Whether the lane's tiers hold the current version."""
@@ -51,7 +53,7 @@ class StepState:
         return refused.get("error") if refused.get("version") == self.version else None
 
     @classmethod
-    def from_dict(cls, d: dict) -> StepState:
+    def from_dict(cls, d: Mapping[str, Any]) -> StepState:
         """A step's saved state; also the shape earlier versions saved (``backup``, ``replicas``)."""
         d = dict(d)
         copies = dict(d.pop("copies", None) or {})
@@ -93,7 +95,9 @@ class Steps:
             except (OSError, ValueError, TypeError) as e:
                 # Frozen but never recorded: the commit did not finish before a crash.
                 log.warning("dropping step %d, its state is unreadable (%s)", step, e)
-                shutil.rmtree(self.snapshots.drop(step), ignore_errors=True)
+                trash = self.snapshots.drop(step)
+                if trash is not None:
+                    shutil.rmtree(trash, ignore_errors=True)
 
     def save(self, state: StepState) -> None:
         path = self.snapshots.step_dir(state.step) / "state.json"

@@ -20,7 +20,9 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 
 from tierfs.core import linux, mounts
 from tierfs.core.errors import UserError
@@ -94,7 +96,9 @@ def delete_ram_data(path: Path) -> None:
     refuses to remove until their flags are cleared."""
     unmount_beneath(path)
 
-    def unfreeze_and_retry(func, failed: str, exc_info) -> None:
+    def unfreeze_and_retry(
+        func: Callable[[str], object], failed: str, exc_info: tuple[type[BaseException], BaseException, TracebackType]
+    ) -> None:
         if not isinstance(exc_info[1], PermissionError):
             return  # what cannot be deleted otherwise is left, as rmtree(ignore_errors) would
         for p in (os.path.dirname(failed), failed):

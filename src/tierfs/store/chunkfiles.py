@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
@@ -25,11 +26,23 @@ from tierfs.core.chunks import hash_range
 from tierfs.core.linux import pwrite_all
 from tierfs.peers.wire import PIECE, NoSpace, PeerError
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing's own from Python 3.13
+
 VERIFIED_CACHE = 65536  # file ranges remembered as verified: 256 GiB of 4 MiB chunks, ~10 MB of memory
 
 _HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 Location = tuple[str, int, int]  # (path, offset, length) of a chunk's bytes
+# A file range as it is now: (device, inode, size, mtime_ns, ctime_ns, offset, length).
+_Identity = tuple[int, int, int, int, int, int, int]
+
+
+class LocalChunks(Protocol):
+    """This node's own committed chunks, which a replica may copy instead of receiving."""
+
+    def find(self, h: str) -> Location | None:
+        """Where chunk ``h`` lies in one of this node's frozen steps, or ``None``."""
 
 
 class HashMismatch(PeerError):
@@ -47,7 +60,7 @@ class Corrupt(PeerError):
         super().__init__(message)
 
 
-def is_hash(value: object) -> bool:
+def is_hash(value: object) -> TypeIs[str]:
     return isinstance(value, str) and _HASH_RE.fullmatch(value) is not None
 
 
@@ -109,16 +122,19 @@ class ChunkWriter:
         The copy is made in the kernel where it can be; it is hashed from this writer's own
         file, so what is committed is what was checked.
         """
+        fd = self.fd
+        if fd is None:  # the writer of a chunk held already only hashes what it is sent
+            raise RuntimeError(f"chunk {self.h} is held already: there is no file to copy it into")
         try:
             src = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError as e:  # the step it was in was retained away meanwhile
             return f"is gone ({e.strerror})"
         try:
             with _no_space():
-                copy_range(src, offset, self.fd, self.length)
+                copy_range(src, offset, fd, self.length)
         finally:
             os.close(src)
-        hasher = hash_range(self.fd, 0, self.length)
+        hasher = hash_range(fd, 0, self.length)
         if hasher is None or hasher.hexdigest() != self.h:
             return "does not match its name"
         self.hasher = hasher
@@ -171,7 +187,7 @@ class VerifiedRanges:
 
     def __init__(self, capacity: int = VERIFIED_CACHE):
         self.capacity = capacity
-        self._hashes: OrderedDict[tuple, str] = OrderedDict()  # file identity + range -> its hash
+        self._hashes: OrderedDict[_Identity, str] = OrderedDict()  # file identity + range -> its hash
 
     def open(self, path: str, offset: int, length: int | None, h: str) -> ChunkSource | str:
         """Open a chunk's bytes, hashing them unless this very file range was verified before.
@@ -206,14 +222,14 @@ class VerifiedRanges:
         """Range ``offset``+``length`` of the file ``st`` describes (stat it after its last rename) is chunk ``h``."""
         self._remember(_identity(st, offset, length), h)
 
-    def _remember(self, key: tuple, h: str) -> None:
+    def _remember(self, key: _Identity, h: str) -> None:
         self._hashes[key] = h
         self._hashes.move_to_end(key)
         while len(self._hashes) > self.capacity:
             self._hashes.popitem(last=False)
 
 
-def _identity(st: os.stat_result, offset: int, length: int) -> tuple:
+def _identity(st: os.stat_result, offset: int, length: int) -> _Identity:
     """A file range as it is now: any write to the file changes its mtime and ctime.
 
     tmpfs gives a fine-grained ctime to a file whose times were just looked at, so a change
@@ -254,6 +270,25 @@ def _no_space() -> Iterator[None]:
         raise
 
 
+def write_private(tmp: Path, data: bytes) -> os.stat_result:
+    """A new file at ``tmp`` only root can read, holding ``data``: its stat once written.
+
+    Nothing is left at ``tmp`` if the write fails (a full RAM tier, a cancellation).
+    """
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        discard_file(tmp)
+        raise
+    os.close(fd)
+    return st
+
+
 def discard_file(path: Path | None) -> None:
     """Unlink ``path``; one already gone (or no path at all) is what was wanted."""
     if path is not None:
@@ -271,7 +306,7 @@ def mtime(path: Path) -> float:
         return 0.0
 
 
-def scan(path: Path) -> Iterable[os.DirEntry]:
+def scan(path: Path) -> Iterable[os.DirEntry[str]]:
     with os.scandir(path) as it:
         return list(it)
 

@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TypedDict
 
 import trio
 
@@ -49,6 +49,7 @@ from tierfs.store.chunkfiles import (
     ChunkSource,
     ChunkWriter,
     Corrupt,
+    LocalChunks,
     Location,
     NotFound,
     VerifiedRanges,
@@ -58,7 +59,9 @@ from tierfs.store.chunkfiles import (
     mkdir_private,
     mtime,
     scan,
+    write_private,
 )
+from tierfs.store.retention import is_milestone, rolled_back, superseded
 
 log = logging.getLogger(__name__)
 
@@ -72,19 +75,20 @@ _STEP_RE = re.compile(r"step-(\d{12})\.json")
 _TMP = ".tmp-"
 
 
-class LocalChunks(Protocol):
-    """This node's own committed chunks, which a replica may copy instead of receiving."""
-
-    def find(self, h: str) -> Location | None:
-        """Where chunk ``h`` lies in one of this node's frozen steps, or ``None``."""
-
-
 class MissingChunks(PeerError):
     """A manifest names chunks that are neither held nor available locally."""
 
     def __init__(self, missing: int, total: int):
         super().__init__(f"{missing} of the manifest's {total} chunks are missing: send them first")
         self.missing = missing
+
+
+class ReplicaStats(TypedDict):
+    """What a store holds, for ``tierfs status``."""
+
+    chunks: int
+    bytes: int
+    manifests: int
 
 
 @dataclass(slots=True)
@@ -167,7 +171,7 @@ class ReplicaStore:
             removed,
         )
 
-    def _load_chunk(self, prefix: str, f: os.DirEntry) -> None:
+    def _load_chunk(self, prefix: str, f: os.DirEntry[str]) -> None:
         path = Path(f.path)
         if f.name.startswith(_TMP):
             discard_file(path)
@@ -179,7 +183,7 @@ class ReplicaStore:
         self._account(st)
         self._chunks[f.name] = _Held(st.st_ino, st.st_size, st.st_mtime)
 
-    def _load_manifest(self, rank: int, f: os.DirEntry) -> None:
+    def _load_manifest(self, rank: int, f: os.DirEntry[str]) -> None:
         path = Path(f.path)
         if f.name.startswith(_TMP):
             discard_file(path)
@@ -229,7 +233,7 @@ class ReplicaStore:
             return str(self._chunk_path(h)), 0, held.size
         return self.local.find(h) if self.local is not None and is_hash(h) else None
 
-    def stats(self) -> dict:
+    def stats(self) -> ReplicaStats:
         return {
             "chunks": len(self._chunks),
             "bytes": sum(c.size for c in self._chunks.values()),
@@ -389,7 +393,7 @@ class ReplicaStore:
 
         ``fd`` is ``None`` for a chunk that was held already: only its grace period restarts.
         """
-        if fd is None:
+        if fd is None or tmp is None:  # both None together: the writer of a chunk held already
             self._touch(h)
             return
         if h in self._chunks:
@@ -434,17 +438,7 @@ class ReplicaStore:
         self._check_space(_pages(len(data)))
         mkdir_private(path.parent)
         tmp = path.with_name(f"{_TMP}{path.name}-{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            st = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            discard_file(tmp)
-            raise
-        os.close(fd)
+        st = write_private(tmp, data)
         try:
             old = os.stat(path)
         except FileNotFoundError:
@@ -464,48 +458,25 @@ class ReplicaStore:
         """
         floor = self.keep_from()
         now = time.time() if now is None else now
-        steps: dict[int, list[int]] = {}
-        for r, s in self._manifests:
-            steps.setdefault(r, []).append(s)
-        newest = {r: sorted(ss)[-min(self.keep_newest, len(ss))] for r, ss in steps.items()}
-        # The node's disk is every job's: its milestones are bounded as its steps are (the
-        # plugin's max-keep bounds keep_newest); the bucket keeps them all (gcs_gc).
-        milestones = {
-            (r, s)
-            for r, ss in steps.items()
-            for s in sorted(s for s in ss if self._milestone(r, s, now))[-self.keep_newest :]
-        }
-        for r, s in [k for k in self._manifests if k[1] < newest[k[0]]]:
-            if floor is not None and s < floor and (r, s) not in milestones:
-                del self._manifests[(r, s)]
-                self._remove_file(self._manifest_path(r, s))
-                log.debug("replica of rank %d step %d dropped: superseded by step %d", r, s, newest[r])
+
+        def milestone(rank: int, step: int) -> bool:
+            return is_milestone(self.milestones, self._manifest_path(rank, step), step, now)
+
+        for (r, s), newest in superseded(self._manifests, self.keep_newest, floor, milestone).items():
+            del self._manifests[(r, s)]
+            self._remove_file(self._manifest_path(r, s))
+            log.debug("replica of rank %d step %d dropped: superseded by step %d", r, s, newest)
         self.collect_garbage()
 
     def forget(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
         """A rollback (:meth:`tierfs.tiers.base.Tier.set_aside`): drop the manifests of ``rank``
         (None: every rank) newer than ``above`` and written before ``before``; a cache of
         what the owner's other tiers set aside."""
-        gone = [
-            (r, s)
-            for r, s in self._manifests
-            if (rank is None or r == rank) and s > above and mtime(self._manifest_path(r, s)) <= before
-        ]
+        gone = rolled_back(self._manifests, rank, above, before, lambda r, s: mtime(self._manifest_path(r, s)))
         for r, s in gone:
             del self._manifests[(r, s)]
             self._remove_file(self._manifest_path(r, s))
         return gone
-
-    def _milestone(self, rank: int, step: int, now: float) -> bool:
-        """Whether a replica is a milestone, aged from its manifest file's mtime: it is written
-        once, at the commit here, so a step that came late is kept longer, never shorter."""
-        if not self.milestones:
-            return False
-        try:
-            committed_at = os.stat(self._manifest_path(rank, step)).st_mtime if self.milestones.keep_for else None
-        except OSError:
-            committed_at = None  # unknown: kept rather than lost
-        return self.milestones.is_milestone(step, committed_at, now)
 
     def _remove_chunk(self, h: str) -> None:
         held = self._chunks.pop(h)

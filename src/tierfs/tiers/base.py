@@ -149,7 +149,7 @@ class Progress:
     chunks_total: int
     chunks_done: int = 0
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, int]:
         return {"step": self.step, "chunks_done": self.chunks_done, "chunks_total": self.chunks_total}
 
 
@@ -299,11 +299,11 @@ class Tier(ABC):
 
     # -- what it says about itself ---------------------------------------------------------
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, object]:
         """What ``tierfs status`` shows of the tier."""
         return {"name": self.name, "kind": self.kind, "where": self.where}
 
-    def lane_report(self) -> dict:
+    def lane_report(self) -> dict[str, object]:
         """What the status of this tier's lane adds about the tier (its URL, its peers)."""
         return {"label": self.where}
 
@@ -333,16 +333,16 @@ class Tier(ABC):
         """This lane's tiers in the order a step should try them (placement among peers)."""
         return sorted(tiers, key=lambda t: t.cost.key())
 
-    async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:
+    async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Called before the chunks of a step are put (GCS announces the upload)."""
 
-    async def end_step(self, rank: int, step: int) -> None:
+    async def end_step(self, rank: int, step: int) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Called after the step's manifest is put."""
 
-    async def retain(self) -> None:
+    async def retain(self) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Apply the tier's retention once a step is on it."""
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Let go of connections and files."""
 
 
@@ -370,7 +370,7 @@ async def put_step(
     await tier.begin_step(manifest.rank, manifest.step, hashes)
     have = await tier.has_chunks(hashes) if hashes else []
     missing = {}
-    for h, held in zip(hashes, have):
+    for h, held in zip(hashes, have, strict=True):
         if held:
             pushed.skipped_bytes += where[h][2]
         else:

@@ -24,15 +24,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar, TypeVarTuple
 
 import trio
 
 from tierfs.core.atomic import UnsafeFile, private_dir
 from tierfs.core.errors import UserError
 from tierfs.core.milestones import NO_MILESTONES, Milestones
-from tierfs.store.replicas import ReplicaStore
-from tierfs.tiers.base import Cost, Lane
+from tierfs.store.replicas import ReplicaStats, ReplicaStore
+from tierfs.tiers.base import Cost, Lane, Location
 from tierfs.tiers.stored import StoredTier
+
+if TYPE_CHECKING:
+    from tierfs.config import Config
+
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
 
 
 def disk_root(disk: Path, job: str, rank: int) -> Path:
@@ -46,6 +53,7 @@ class DiskTier(StoredTier):
     lane = Lane.DISK
     cost = Cost(read_gib_s=1.5)  # an NVMe drive: slower than RAM, faster than the network
     spill = True  # when RAM is short, steps held here leave it
+    store: ReplicaStore  # always one: the disk's
 
     def __init__(
         self,
@@ -72,15 +80,17 @@ class DiskTier(StoredTier):
         )
         self._lock = threading.Lock()
         self._limiter = trio.CapacityLimiter(1)
-        self._stats: dict = {"chunks": 0, "bytes": 0, "manifests": 0}
+        self._stats: ReplicaStats = {"chunks": 0, "bytes": 0, "manifests": 0}
 
     @property
     def where(self) -> str:
         return str(self.root)
 
     @classmethod
-    def open_for(cls, cfg, keep_from: Callable[[], int | None] = lambda: None) -> DiskTier:
+    def open_for(cls, cfg: Config, keep_from: Callable[[], int | None] = lambda: None) -> DiskTier:
         """The tier of ``--disk``, opened (UserError if its directory is not usable)."""
+        if cfg.disk is None:
+            raise ValueError("a disk tier needs a configuration with --disk")
         tier = cls(cfg.disk, cfg.job, cfg.rank, keep_from, cfg.keep, Milestones.from_config(cfg))
         tier.open()
         return tier
@@ -103,10 +113,10 @@ class DiskTier(StoredTier):
     def held(self) -> tuple[tuple[int, int], ...]:
         return self._held
 
-    async def _do(self, fn, *args):
+    async def _do(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         self._floor = self._keep_from()  # read on the trio thread, where the survey lives
 
-        def locked():
+        def locked() -> R:
             with self._lock:
                 try:
                     return fn(*args)
@@ -115,7 +125,7 @@ class DiskTier(StoredTier):
 
         return await trio.to_thread.run_sync(locked, limiter=self._limiter)
 
-    def _own_copy(self, h: str):
+    def _own_copy(self, h: str) -> Location | None:
         """Where the store keeps ``h``: read and verified in parallel threads, outside the lock.
 
         (A lookup in the store's index is one dict access, safe beside the worker thread.) A
@@ -123,7 +133,7 @@ class DiskTier(StoredTier):
         """
         return self.store.chunk_file(h)
 
-    def configure(self, cfg) -> None:
+    def configure(self, cfg: Config) -> None:
         super().configure(cfg)
         self.store.keep_newest = cfg.keep
         self.store.milestones = Milestones.from_config(cfg)
@@ -131,8 +141,8 @@ class DiskTier(StoredTier):
     async def retain(self) -> None:
         await self._do(self.store.retain)
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, object]:
         return {"name": self.name, "kind": self.kind, "where": self.where, "path": str(self.root), **self._stats}
 
-    def lane_report(self) -> dict:
+    def lane_report(self) -> dict[str, object]:
         return {"label": str(self.root), "path": str(self.root)}

@@ -56,7 +56,7 @@ class ChunkSources:
                 continue  # set aside by a concurrent fetch
             try:
                 await tier.get_chunk_into(h, length, fd, offset)
-            except Exception as e:  # a tier's trouble (or a bug in one) must not end the restore
+            except Exception as e:  # noqa: BLE001 (a tier's trouble, or a bug in one, must not end the restore)
                 if isinstance(e, NotHeld) and not tier.skip_after_failure:
                     log.debug("chunk %s: %s", h, e)
                     errors.append(first_line(e))
@@ -89,15 +89,15 @@ class ChunkSources:
                 if tier.batch_bytes:
                     batched = True
                     came = await tier.get_chunks_into(wanted)
-                    if gave := sum(length for (_, length, _, _), ok in zip(wanted, came) if ok):
+                    if gave := sum(length for (_, length, _, _), ok in zip(wanted, came, strict=True) if ok):
                         self.bytes_from[tier.name] = self.bytes_from.get(tier.name, 0) + gave
                 else:
                     came = await tier.has_chunks([h for h, _, _, _ in wanted])
-                    single += [c for c, held in zip(wanted, came) if held]
-            except Exception as e:  # as in fetch_into: the chunks go on to the next tier
+                    single += [c for c, held in zip(wanted, came, strict=True) if held]
+            except Exception as e:  # noqa: BLE001 (as in fetch_into: the chunks go on to the next tier)
                 self._failed(tier, f"{len(wanted)} chunks from {wanted[0][0]}", e)
                 continue
-            wanted = [c for c, ok in zip(wanted, came) if not ok]
+            wanted = [c for c, ok in zip(wanted, came, strict=True) if not ok]
         return single + wanted
 
     def _failed(self, tier: Tier, what: str, e: Exception) -> None:

@@ -22,10 +22,12 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar, TypeVarTuple
 
 import trio
+from google.cloud import storage
 
 from tierfs.core import chunks
 from tierfs.core.bucket_seal import ChunkSeal
@@ -53,6 +55,9 @@ from tierfs.tiers.gcs_store import REMEMBERED, Found, GcsStore, object_md5
 
 log = logging.getLogger(__name__)
 
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
+
 ATTEMPTS = 4  # per request, on top of the store's own quick retries
 THREADS = 8  # requests at once: uploads, touches
 
@@ -72,7 +77,7 @@ class GcsTier(Tier):
         store: GcsStore | None = None,
         keys: ManifestKeys | None = None,
         seals: Sequence[ChunkSeal] = (),
-        client=None,
+        client: storage.Client | None = None,
     ):
         super().__init__()
         self.url = url
@@ -87,15 +92,17 @@ class GcsTier(Tier):
     def where(self) -> str:
         return self.url
 
-    async def _run(self, fn, *args):
+    async def _run(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         """``fn(*args)`` in a worker thread; an unreachable GCS is retried with a short backoff."""
-        for attempt in range(ATTEMPTS):
+        for attempt in range(ATTEMPTS - 1):
             try:
                 return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
-            except GcsUnavailable as e:
-                if attempt == ATTEMPTS - 1:
-                    raise TierUnavailable(f"GCS is unreachable: {e}") from None
+            except GcsUnavailable:
                 await trio.sleep(2**attempt)
+        try:
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except GcsUnavailable as e:
+            raise TierUnavailable(f"GCS is unreachable: {e}") from None
 
     def check(self) -> None:
         """Reach the bucket now (start-up): GcsUnavailable or a UserError (missing bucket) if not."""
@@ -170,7 +177,7 @@ class GcsTier(Tier):
         sealed step read a chunk in clear."""
         check_chunk(self, h, length)
         url = self.store.chunk_url(h)
-        tried = [*self._read_seals, *(s for s in self.store.seals if s not in self._read_seals)]
+        tried: list[ChunkSeal | None] = [*self._read_seals, *(s for s in self.store.seals if s not in self._read_seals)]
         if h in self._clear or not self.store.seals:
             tried.append(None)
         for seal in tried:
@@ -296,7 +303,7 @@ class GcsTier(Tier):
         )
         return [s for s in listing.get(rank, []) if s > above and not _no_later(listing.created.get((rank, s)), at)]
 
-    async def _request(self, what: str, fn, *args):
+    async def _request(self, what: str, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         """``fn(*args)`` as :meth:`_run` makes it, any other GCS failure a :class:`TierError`
         saying ``what`` could not be done, in one line."""
         try:
@@ -331,7 +338,7 @@ class GcsTier(Tier):
         cfg = self.cfg
         return (cfg.backup_interval, cfg.backup_interval_steps) if cfg is not None else (0.0, 0)
 
-    def lane_report(self) -> dict:
+    def lane_report(self) -> dict[str, object]:
         return {
             "label": self.url,
             "url": self.url,
@@ -339,7 +346,7 @@ class GcsTier(Tier):
             "backup_interval_s": self.cfg.backup_interval if self.cfg is not None else 0.0,
         }
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, object]:
         return {**super().report(), "url": self.url}
 
 
@@ -351,7 +358,8 @@ def _no_later(created: float | None, before: float) -> bool:
 def _pread(path: str, offset: int, length: int) -> bytes:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        parts, done = [], 0
+        parts: list[bytes] = []
+        done = 0
         while done < length and (part := os.pread(fd, length - done, offset + done)):
             parts.append(part)
             done += len(part)

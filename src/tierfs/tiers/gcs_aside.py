@@ -22,13 +22,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from google.api_core import exceptions as api
 from google.cloud import storage
 
 from tierfs.core import manifest as manifest_format
 from tierfs.core.bucket_seal import OVERHEAD
-from tierfs.tiers.gcs_http import GcsError, MissingObject
+from tierfs.tiers.gcs_http import GcsBucket, GcsError, MissingObject
 from tierfs.tiers.gcs_layout import (
     ManifestListing,
     aside_base,
@@ -46,8 +47,16 @@ ASIDE_NAMES = "aside/to-<N, 12 digits>/manifests/rank-<R>/step-<S, 12 digits>.js
 THREADS = 16
 
 
-class Rollback:
+class Rollback(GcsBucket):
     """Setting manifests aside and recording rollbacks, for :class:`~tierfs.tiers.gcs_store.GcsStore`."""
+
+    if TYPE_CHECKING:  # the store's own, which this part runs on
+        _base: str
+
+        def _manifest_name(self, rank: int, step: int, kind: str) -> str: ...
+        def _read_manifest(self, name: str, rank: int, step: int, generation: int | None = None) -> bytes: ...
+        def _listing(self, found: list[tuple[int, int, storage.Blob]]) -> ManifestListing: ...
+        def _ignore(self, name: str, expected: str = ...) -> None: ...
 
     # -- the abandoned timeline's manifests -----------------------------------------------
 
@@ -68,7 +77,7 @@ class Rollback:
             blob = self._metadata(name)
             if blob is None:
                 return self._metadata(copy) is not None
-            created = blob.time_created.timestamp() if blob.time_created is not None else None
+            created: float | None = blob.time_created.timestamp() if blob.time_created is not None else None
             if before is not None and created is not None and created > before:
                 return False
             try:
@@ -172,7 +181,8 @@ class Rollback:
                 pass  # recorded already: that record stands
             else:
                 if blob.time_created is not None:
-                    return blob.time_created.timestamp()
+                    created: float = blob.time_created.timestamp()
+                    return created
             when = self.rollback_time(step)
             if when is not None:
                 return when
@@ -195,4 +205,5 @@ class Rollback:
         parse_rollback(data, self.url_of(name), step)
         if blob.time_created is None:
             raise GcsError(f"{self.url_of(name)} has no creation time")
-        return blob.time_created.timestamp()
+        created: float = blob.time_created.timestamp()
+        return created

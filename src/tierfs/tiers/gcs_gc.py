@@ -10,19 +10,40 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from tierfs.core import manifest as manifest_format
 from tierfs.core.milestones import NO_MILESTONES, Milestones
-from tierfs.tiers.gcs_http import CorruptObject, MissingObject
-from tierfs.tiers.gcs_layout import ChunkInfo, chunk_name, last_used, parse_manifest_chunks
+from tierfs.tiers.gcs_http import CorruptObject, GcsBucket, MissingObject
+from tierfs.tiers.gcs_layout import ChunkInfo, ManifestListing, chunk_name, last_used, parse_manifest_chunks
+
+if TYPE_CHECKING:
+    from tierfs.core.bucket_seal import ChunkSeal
+    from tierfs.core.keys import ManifestKeys
 
 GC_THREADS = 16
 PENDING_MAX_AGE = 24 * 3600.0  # an upload marker older than this belongs to a dead upload
 
 
-class GarbageCollection:
+class GarbageCollection(GcsBucket):
     """The collector of :class:`~tierfs.tiers.gcs_store.GcsStore`, which it is a part of."""
+
+    if TYPE_CHECKING:  # the store's own (and its Rollback's), which the collector runs on
+        _base: str
+        keys: ManifestKeys | None
+
+        def _manifest_name(self, rank: int, step: int, kind: str) -> str: ...
+        def _read_manifest(self, name: str, rank: int, step: int, generation: int | None = None) -> bytes: ...
+        def list_manifests(self, prefix: str = "") -> ManifestListing: ...
+        def delete_manifest(self, rank: int, step: int) -> None: ...
+        def list_pending(self, max_age: float) -> dict[tuple[int, int], set[str]]: ...
+        def list_chunks(self) -> Iterator[ChunkInfo]: ...
+        def delete_chunk(self, key: str, if_metageneration_match: int) -> bool: ...
+        def seal_by_id(self, seal_id: str) -> ChunkSeal | None: ...
+        def list_aside(self) -> dict[int, ManifestListing]: ...
+        def _aside_name(self, to: int, rank: int, step: int) -> str: ...
 
     def collect_garbage(
         self,
@@ -117,7 +138,7 @@ class GarbageCollection:
                 if info.key not in referenced and info.updated < cutoff:
                     candidates.append(info)
             collected = pool.map(functools.partial(self._collect, cutoff=cutoff), candidates)
-            deleted = [info for info, gone in zip(candidates, collected) if gone]
+            deleted = [info for info, gone in zip(candidates, collected, strict=True) if gone]
 
         return {
             "manifests_deleted": len(dropped),

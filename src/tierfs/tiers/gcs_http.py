@@ -144,9 +144,10 @@ class GcsBucket:
                 # and the stepwise loop holds the GIL long enough to stall the FUSE thread.
                 # Raw: the stored bytes, never inflated on the way in (tierfs sets no
                 # Content-Encoding; a planted gzip one would otherwise be a bomb).
-                return blob.download_as_bytes(
+                data: bytes = blob.download_as_bytes(
                     start=0, end=limit, raw_download=True, retry=None, timeout=self._timeout, single_shot_download=True
                 )
+                return data
             except api.RequestRangeNotSatisfiable:
                 return b""  # an empty object has no byte 0 to start from
 
@@ -243,7 +244,8 @@ def make_client(credentials: Credentials | None = None) -> storage.Client:
     if credentials is not None:
         client = storage.Client(credentials=credentials, project=None)
     elif os.environ.get("STORAGE_EMULATOR_HOST"):
-        client = storage.Client(credentials=AnonymousCredentials(), project="tierfs")
+        anonymous = AnonymousCredentials()  # type: ignore[no-untyped-call]  # google-auth leaves its __init__ untyped
+        client = storage.Client(credentials=anonymous, project="tierfs")
     else:
         try:
             client = storage.Client()

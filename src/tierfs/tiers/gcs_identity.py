@@ -22,6 +22,9 @@ import json
 import re
 import threading
 import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import requests
 from google.auth import exceptions as auth
@@ -30,6 +33,9 @@ from google.auth import transport as auth_transport
 
 from tierfs.config import Config, read_token_file
 from tierfs.core.errors import UserError
+
+if TYPE_CHECKING:
+    from google.auth.external_account import SupplierContext
 
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
 JWT_TOKEN_TYPE = "urn:ietf:params:oauth:token-type:jwt"
@@ -40,6 +46,9 @@ TIMEOUT = (10.0, 30.0)  # connect, read: an endpoint slower than that is an outa
 class IdentityRefused(auth.RefreshError):
     """The job's token could not be had, or was refused: the message says what to fix."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(message)  # type: ignore[no-untyped-call]  # google-auth leaves its errors' __init__ untyped
+
 
 class JobCredentials(identity_pool.Credentials):
     """Workload identity federation from a token file; refreshes are serialized and capped.
@@ -48,19 +57,19 @@ class JobCredentials(identity_pool.Credentials):
     as the source of an impersonation, so nothing here changes the constructor's arguments.
     """
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]  # google-auth's, untyped: passed on as given
         self._refresh_lock = threading.Lock()
         self._transport = CappedRequest()
 
-    def refresh(self, request) -> None:
+    def refresh(self, request: auth_transport.Request) -> None:
         """A new access token; ``request`` (the storage session's) is not used: ours caps answers."""
         seen = self.token
         with self._refresh_lock:
             if self.token and self.token != seen:
                 return  # another thread refreshed while this one waited: one exchange, not one per thread
             try:
-                super().refresh(self._transport)
+                super().refresh(self._transport)  # type: ignore[no-untyped-call]  # google-auth's, untyped
             except (IdentityRefused, auth.TransportError):
                 raise
             except (auth.RefreshError, auth.OAuthError) as e:
@@ -107,11 +116,11 @@ class JobCredentials(identity_pool.Credentials):
 class TokenFile(identity_pool.SubjectTokenSupplier):
     """The Kubernetes service-account token, read anew for each exchange (kubelet rewrites the file)."""
 
-    def __init__(self, path):
+    def __init__(self, path: Path) -> None:
         self.path = path
         self.subject: str | None = None  # the token's ``sub``, for messages (never trusted for anything)
 
-    def get_subject_token(self, context, request) -> str:
+    def get_subject_token(self, context: SupplierContext, request: auth_transport.Request) -> str:
         try:
             token = read_token_file(self.path)
         except UserError as e:
@@ -128,10 +137,18 @@ class CappedRequest(auth_transport.Request):
     every other status goes back to google-auth, which makes it a refusal.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._session = requests.Session()
 
-    def __call__(self, url, method="GET", body=None, headers=None, timeout=None, **kwargs):
+    def __call__(
+        self,
+        url: str,
+        method: str = "GET",
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
+        **kwargs: object,
+    ) -> _Response:
         host = urllib.parse.urlsplit(url).netloc
         try:
             with self._session.request(
@@ -140,16 +157,21 @@ class CappedRequest(auth_transport.Request):
                 data = response.raw.read(MAX_RESPONSE + 1, decode_content=True)
                 status, reply_headers = response.status_code, dict(response.headers)
         except (requests.RequestException, OSError) as e:
-            raise auth.TransportError(f"{host} cannot be reached: {type(e).__name__}") from e
+            raise _transient(f"{host} cannot be reached: {type(e).__name__}") from e
         if status == 429 or status >= 500:
-            raise auth.TransportError(f"{host} answered HTTP {status}")
+            raise _transient(f"{host} answered HTTP {status}")
         if len(data) > MAX_RESPONSE:
             raise IdentityRefused(f"{host} answered more than {MAX_RESPONSE >> 10} KiB, not a token")
         return _Response(status, reply_headers, data)
 
 
+def _transient(message: str) -> auth.TransportError:
+    """google-auth's error for a failure that may pass: its caller tries again later."""
+    return auth.TransportError(message)  # type: ignore[no-untyped-call]  # google-auth leaves its errors' __init__ untyped
+
+
 class _Response(auth_transport.Response):
-    def __init__(self, status: int, headers: dict, data: bytes):
+    def __init__(self, status: int, headers: dict[str, str], data: bytes):
         self._status, self._headers, self._data = status, headers, data
 
     @property
@@ -157,7 +179,7 @@ class _Response(auth_transport.Response):
         return self._status
 
     @property
-    def headers(self) -> dict:
+    def headers(self) -> dict[str, str]:
         return self._headers
 
     @property
@@ -224,7 +246,8 @@ def _jwt_subject(token: str) -> str | None:
 
 def _gist(e: object) -> str:
     """One short line of an endpoint's error: ``invalid_grant: ...`` or a JSON error's message."""
-    text = e if isinstance(e, str) else (str(e.args[0]) if getattr(e, "args", None) else str(e))
+    args = getattr(e, "args", None)
+    text = e if isinstance(e, str) else (str(args[0]) if args else str(e))
     try:
         body = json.loads(text)
         error = body.get("error") if isinstance(body, dict) else None

@@ -157,7 +157,7 @@ def last_used(blob: storage.Blob) -> float:
     fake-gcs-server does not, and the stamp stands in. A stamp from a fast clock keeps a
     chunk longer, never shorter.
     """
-    updated = blob.updated.timestamp()
+    updated: float = blob.updated.timestamp()
     try:
         return max(updated, float((blob.metadata or {}).get(USED_KEY, 0)))
     except ValueError:

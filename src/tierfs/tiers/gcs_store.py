@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Final
 
 from google.api_core import exceptions as api
 from google.cloud import storage
@@ -70,7 +71,13 @@ _VANISHED = "it was deleted meanwhile"
 log = logging.getLogger(__name__)
 
 MAX_CHUNK_FRAME = chunks.max_frame_size(chunks.MAX_CHUNK_SIZE)
-CURRENT = object()  # the seal argument's default: the job's current seal
+
+
+class _Current(enum.Enum):
+    SEAL = "current"  # the seal arguments' default: the job's current seal (a type of its own, not a seal nor None)
+
+
+CURRENT: Final = _Current.SEAL
 REMEMBERED = 1 << 20  # chunks remembered as checked (about 100 MB at most), and names as ignored
 
 
@@ -215,7 +222,7 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
         return Found.CHUNK if known else Found.UNPROVEN
 
     def get_chunk_frame(
-        self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE, seal: ChunkSeal | None | object = CURRENT
+        self, h: str, max_size: int = chunks.MAX_CHUNK_SIZE, seal: ChunkSeal | None | _Current = CURRENT
     ) -> bytes:
         """The frame of a chunk of at most ``max_size`` bytes, from its object under ``seal``
         (the job's current one unless named; None: the chunk in clear).
@@ -388,7 +395,7 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
 
     # -- names ----------------------------------------------------------------------------
 
-    def _chunk_name(self, h: str, seal: ChunkSeal | None | object = CURRENT) -> str:
+    def _chunk_name(self, h: str, seal: ChunkSeal | None | _Current = CURRENT) -> str:
         """The name of chunk ``h``'s object under ``seal`` (the current one unless named)."""
         seal = self.seal if seal is CURRENT else seal
         return chunk_name(self._base, seal.object_key(h) if seal is not None else h)
@@ -433,7 +440,7 @@ class GcsStore(Rollback, GarbageCollection, GcsBucket):
                     checked = list(pool.map(lambda f: self._check_seal(*f), unknown))
             else:
                 checked = [self._check_seal(*f) for f in unknown]
-            sealed.update((blob.name, ok) for (_, _, blob), ok in zip(unknown, checked))
+            sealed.update((blob.name, ok) for (_, _, blob), ok in zip(unknown, checked, strict=True))
             found = [f for f in found if sealed[f[2].name]]
         steps: dict[int, list[int]] = {}
         for rank, step, _ in found:

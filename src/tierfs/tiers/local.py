@@ -10,11 +10,12 @@ store. Everything runs on the trio thread, one chunk at a time, as the store doe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from tierfs.store.replicas import ReplicaStore
-from tierfs.tiers.base import Cost, Holdings, Location, NotHeld, TierError
+from tierfs.store.replicas import ReplicaStats, ReplicaStore
+from tierfs.tiers.base import Cost, Holdings, Location, NotHeld, Put
 from tierfs.tiers.stored import StoredTier
 
 
@@ -27,7 +28,7 @@ class OwnSteps:
     find: Callable[[str], Location | None] = lambda h: None  # a chunk in one of them
     manifest: Callable[[int], bytes | None] = lambda step: None  # a step's manifest, if built
     restore_step: Callable[[], int | None] = lambda: None  # the step restored at start, while it is current
-    report: Callable[[], dict] = field(default=dict)  # the RAM tier's path, capacity, use
+    report: Callable[[], Mapping[str, object]] = field(default=dict)  # the RAM tier's path, capacity, use
 
 
 class LocalTier(StoredTier):
@@ -37,7 +38,7 @@ class LocalTier(StoredTier):
     cost = Cost(read_gib_s=4.0)
 
     def __init__(self, store: ReplicaStore | None, own: OwnSteps | None = None):
-        super().__init__(store)  # type: ignore[arg-type]  (None: no --listen, no replicas kept)
+        super().__init__(store)  # None: no --listen, no replicas kept
         self.own = own or OwnSteps()
 
     @property
@@ -47,17 +48,12 @@ class LocalTier(StoredTier):
     def _own_copy(self, h: str) -> Location | None:
         return self.own.find(h)
 
-    def _need_store(self, what: str) -> ReplicaStore:
-        if self.store is None:
-            raise TierError(f"this node keeps no {what} for others: it has no --listen")
-        return self.store
-
-    async def has_chunks(self, hashes):
+    async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
         if self.store is None:
             return [self.own.find(h) is not None for h in hashes]
         return await super().has_chunks(hashes)
 
-    async def put_chunk(self, h, path, offset, length):
+    async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
         self._need_store("chunks")
         return await super().put_chunk(h, path, offset, length)
 
@@ -99,8 +95,8 @@ class LocalTier(StoredTier):
         replicas = tuple(self.store.manifests()) if self.store is not None else ()
         return Holdings(own + replicas, self.own.restore_step())
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, object]:
         return {"name": self.name, "kind": self.kind, "where": self.where, **self.own.report()}
 
-    def replicas_report(self) -> dict | None:
+    def replicas_report(self) -> ReplicaStats | None:
         return self.store.stats() if self.store is not None else None

@@ -55,6 +55,7 @@ class PeerTier(Tier):
     batch_bytes = 16 << 20  # a step's small chunks go many to a request (put_chunks, get_chunks)
     batch_chunks = MAX_BATCH
     early = True  # its replica store holds a connection's chunks for as long as it lasts
+    address: Address  # always one: the peer's
 
     def __init__(self, network: PeerNetwork, address: Address):
         super().__init__()
@@ -156,15 +157,15 @@ class PeerTier(Tier):
 
     # -- what it says about itself, and placement --------------------------------------
 
-    def report(self) -> dict:
+    def report(self) -> dict[str, object]:
         return {**super().report(), **self._seen()}
 
-    def _seen(self) -> dict:
+    def _seen(self) -> dict[str, object]:
         """What the network last saw of this peer: state, rank, error."""
         name = peer_name(self.address)
         return next((s for s in self.network.status() if s.get("address") == name), {})
 
-    def lane_report(self) -> dict:
+    def lane_report(self) -> dict[str, object]:
         replicas = self.network.cfg.replicas
         return {"label": f"{replicas} replica(s)", "replicas": replicas, "known": self.network.status()}
 

@@ -10,8 +10,9 @@ store's work runs (:meth:`StoredTier._do`).
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TypeVar, TypeVarTuple
 
 import trio
 
@@ -32,17 +33,26 @@ from tierfs.tiers.base import (
     check_manifest,
 )
 
+R = TypeVar("R")
+Ts = TypeVarTuple("Ts")
+
 
 class StoredTier(Tier):
     """A tier whose chunks and manifests live in a :class:`ReplicaStore` on this node."""
 
-    def __init__(self, store: ReplicaStore):
+    def __init__(self, store: ReplicaStore | None):
         super().__init__()
-        self.store = store
+        self.store = store  # None: this node's RAM without --listen, which keeps no replicas
 
-    async def _do(self, fn, *args):
+    async def _do(self, fn: Callable[[*Ts], R], *args: *Ts) -> R:
         """Run one store operation (subclasses choose the thread)."""
         return fn(*args)
+
+    def _need_store(self, what: str) -> ReplicaStore:
+        """The store, or a refusal of the ``what`` (chunks, manifests) a tier without one is asked for."""
+        if self.store is None:
+            raise TierError(f"this node keeps no {what} for others: it has no --listen")
+        return self.store
 
     def _own_copy(self, h: str) -> Location | None:
         """A copy of chunk ``h`` outside the store (this node's own steps), tried first."""
@@ -51,12 +61,13 @@ class StoredTier(Tier):
     # -- chunks ------------------------------------------------------------------------
 
     async def has_chunks(self, hashes: Sequence[str]) -> list[bool]:
-        return await self._do(lambda: [self.store.has(h) for h in hashes])
+        store = self._need_store("chunks")
+        return await self._do(lambda: [store.has(h) for h in hashes])
 
     async def put_chunk(self, h: str, path: str | Path, offset: int, length: int) -> Put:
         check_chunk(self, h, length)
         try:
-            problem = await self._do(self.store.copy_in, h, (str(path), offset, length))
+            problem = await self._do(self._need_store("chunks").copy_in, h, (str(path), offset, length))
         except NoSpace:
             raise TierError(f"{self.name} ({self.where}) has no room for chunk {h}") from None
         except PeerError as e:
@@ -87,7 +98,7 @@ class StoredTier(Tier):
 
     def _read_stored(self, h: str, length: int) -> bytes | None:
         """The store's copy of ``h``, verified when stored or now, and again as read."""
-        with self.store.open_chunk(h) as source:
+        with self._need_store("chunks").open_chunk(h) as source:
             if source.length != length:
                 return None
             return _read_verified_fd(source.fd, source.offset, length, h)
@@ -97,7 +108,7 @@ class StoredTier(Tier):
     async def put_manifest(self, rank: int, step: int, data: bytes) -> None:
         check_manifest(self, rank, step, data)
         try:
-            await self._do(self.store.put_manifest_now, rank, step, data)
+            await self._do(self._need_store("manifests").put_manifest_now, rank, step, data)
         except NoSpace:
             raise TierError(
                 f"{self.name} ({self.where}) has no room for the manifest of rank {rank} step {step}"
@@ -107,7 +118,7 @@ class StoredTier(Tier):
 
     async def get_manifest(self, rank: int, step: int) -> bytes:
         try:
-            data = await self._do(self.store.get_manifest, rank, step)
+            data = await self._do(self._need_store("manifests").get_manifest, rank, step)
         except (NotFound, FileNotFoundError):
             raise NotHeld(f"{self.name} does not hold the manifest of rank {rank} step {step}") from None
         except (Corrupt, OSError) as e:
@@ -117,13 +128,14 @@ class StoredTier(Tier):
         return data
 
     async def holdings(self) -> Holdings:
-        return Holdings(tuple(await self._do(self.store.manifests)))
+        return Holdings(tuple(await self._do(self._need_store("manifests").manifests)))
 
     async def set_aside(self, rank: int | None, above: int, before: float) -> list[tuple[int, int]]:
-        return await self._do(self.store.forget, rank, above, before)  # a copy: the owner's GCS keeps them
+        store = self._need_store("manifests")
+        return await self._do(store.forget, rank, above, before)  # a copy: the owner's GCS keeps them
 
-    def report(self) -> dict:
-        return {**super().report(), **self.store.stats()}
+    def report(self) -> dict[str, object]:
+        return {**super().report(), **(self.store.stats() if self.store is not None else {})}
 
 
 def _read_verified(path: str, offset: int, length: int, h: str) -> bytes | None:
@@ -136,7 +148,8 @@ def _read_verified(path: str, offset: int, length: int, h: str) -> bytes | None:
 
 
 def _read_verified_fd(fd: int, offset: int, length: int, h: str) -> bytes | None:
-    parts, done = [], 0
+    parts: list[bytes] = []
+    done = 0
     while done < length and (part := os.pread(fd, length - done, offset + done)):
         parts.append(part)
         done += len(part)

@@ -80,6 +80,11 @@ class ShareResult:
     waited_s: float = 0.0  # from the end of its own share until every chunk was in the bucket
 
 
+def one_each(hs: list[str]) -> list[list[str]]:
+    """:func:`share`'s default ``batched``: every chunk on its own."""
+    return [[h] for h in hs]
+
+
 async def share(
     chunks: Mapping[str, int],
     me: int,
@@ -87,7 +92,7 @@ async def share(
     *,
     exists: Callable[[str], Awaitable[bool]],
     upload: Callable[[list[str]], Awaitable[list[bool]]],
-    batched: Callable[[list[str]], list[list[str]]] = lambda hs: [[h] for h in hs],
+    batched: Callable[[list[str]], list[list[str]]] = one_each,
     workers: int = 1,
     patience: Patience = Patience(),
     settled: Callable[[str], None] = lambda h: None,
@@ -142,12 +147,7 @@ async def share(
     while waiting:
         while stage < len(group) and clock() >= own_done + stage * wait:
             stage += 1
-        held = dict.fromkeys(waiting, False)
-
-        async def look(h: str) -> None:
-            held[h] = await exists(h)
-
-        await each(waiting, look, workers)
+        held = await look_for(waiting, exists, workers)
         for h in waiting:
             if held[h]:
                 result.twin_chunks += 1
@@ -162,6 +162,17 @@ async def share(
             poll = min(poll * 2, patience.max_poll)
     result.waited_s = max(0.0, clock() - own_done)
     return result
+
+
+async def look_for(hs: Sequence[str], exists: Callable[[str], Awaitable[bool]], workers: int) -> dict[str, bool]:
+    """Whether the bucket holds each chunk of ``hs`` now, ``workers`` asked at a time."""
+    held = dict.fromkeys(hs, False)
+
+    async def look(h: str) -> None:
+        held[h] = await exists(h)
+
+    await each(hs, look, workers)
+    return held
 
 
 def one_by_one(upload: Callable[[str], Awaitable[bool]]) -> Callable[[list[str]], Awaitable[list[bool]]]:

@@ -1,8 +1,8 @@
 """One validated configuration object for the daemon and the commands.
 
-Every option (:data:`OPTIONS`) comes from a command-line flag, a ``-o key=value`` mount
-option, or the environment variable ``TIERFS_<NAME>`` (:func:`env_name`); all three end up
-here and are checked once.
+Every option (:data:`OPTIONS`, with the other tables of :mod:`tierfs.config.options`)
+comes from a command-line flag, a ``-o key=value`` mount option, or the environment
+variable ``TIERFS_<NAME>`` (:func:`env_name`); all three end up here and are checked once.
 """
 
 from __future__ import annotations
@@ -15,22 +15,26 @@ import urllib.parse
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from tierfs.config.options import DEFAULT_IAM_URL as DEFAULT_IAM_URL
+from tierfs.config.options import DEFAULT_STS_URL as DEFAULT_STS_URL
+from tierfs.config.options import HOST_ADDRESS_OPTIONS as HOST_ADDRESS_OPTIONS
+from tierfs.config.options import HOST_PATH_OPTIONS as HOST_PATH_OPTIONS
+from tierfs.config.options import OPTIONS as OPTIONS
+from tierfs.config.options import TLS_FILE_OPTIONS as TLS_FILE_OPTIONS
 from tierfs.core import chunks
 from tierfs.core.commit import CommitRules, parse_rules
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys, bucket_seals, manifest_keys, split_secrets
-from tierfs.core.logs import DEFAULT_MAX_SIZE, LOG_BACKUPS, LOG_FORMATS, MIN_MAX_SIZE
+from tierfs.core.logs import DEFAULT_MAX_SIZE, LOG_FORMATS, MIN_MAX_SIZE
 from tierfs.core.parse import COORDINATOR_PORT, check_job_id, parse_address, parse_duration, parse_gcs_url, parse_size
+from tierfs.discovery.spec import DnsSource, parse_peers
 
 if TYPE_CHECKING:
     from tierfs.core.bucket_seal import ChunkSeal
-from tierfs.discovery.spec import parse_peers
 
 DEFAULT_RAMDISK = Path("/dev/shm/tierfs")
-DEFAULT_STS_URL = "https://sts.googleapis.com/v1/token"
-DEFAULT_IAM_URL = "https://iamcredentials.googleapis.com/v1"
 MAX_TOKEN_FILE = 64 << 10  # a Kubernetes service-account token is ~1 KiB
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -49,85 +53,6 @@ class Engine(StrEnum):
     AUTO = "auto"  # tierfs' own, pyfuse3 where the own one cannot mount
     TIERFS = "tierfs"
     PYFUSE3 = "pyfuse3"  # libfuse: the daemon data path only
-
-
-# Every option of a mount (flag name -> help text). Each is a `tierfs mount --FLAG`, a
-# ``-o key=value`` of the mount helper, the Config field of the same name with '_' for '-',
-# and the environment variable env_name(FLAG); all but host paths are CSI volume attributes.
-OPTIONS = {
-    "ramdisk": "directory on tmpfs that holds the RAM tier (default /dev/shm/tierfs)",
-    "job": "job id; all state is scoped by it (default 'default')",
-    "rank": "this node's rank in the job (default 0)",
-    "nodes": "number of nodes (ranks) in the job (default 1)",
-    "capacity": "RAM the volume may use, e.g. 64G (default: what the ramdisk holds)",
-    "data-path": "how file bytes travel: passthrough (the kernel reads and writes the RAM tier directly), "
-    "daemon (through tierfs), or auto (passthrough where the kernel allows it; the default)",
-    "engine": "the FUSE engine: tierfs (its own, on every kernel), pyfuse3 (libfuse; daemon path only), "
-    "or auto (tierfs', pyfuse3 where it cannot mount; the default)",
-    "wake-cpus": "on (default): while a burst of file creates lasts, keep idle CPUs out of deep idle "
-    "states (/dev/cpu_dma_latency), so each answer wakes its caller at once; off: leave them alone",
-    "commit-rule": "what commits a checkpoint: 'default', 'none' and/or dir:GLOB, marker:GLOB, file:GLOB, comma-separated",
-    "gcs": "back committed steps up to gs://BUCKET/PREFIX, and restore from it",
-    "backup-interval": "back the newest committed step up at most this often, e.g. 30m (default 0: every commit)",
-    "keep": "committed steps kept in GCS and on --disk per rank (default 3)",
-    "keep-local": "newest committed steps kept in RAM, besides any a tier still needs (default 1)",
-    "keep-every": "milestones: every step divisible by this is kept in GCS and on --disk beyond --keep "
-    "(default 0: none)",
-    "keep-for": "how long a milestone is kept, e.g. 30d (default 0: for good)",
-    "prefetch": "chunks a restore fetches at once in the background; 0 fetches only what is read (default 8)",
-    "restore-step": "roll the job back: every rank restores this step instead of the newest, and steps newer "
-    "than it are set aside (GCS keeps them until discarded); done once, however often given",
-    "restore-wait": "at start, wait this long for every peer to answer before choosing the step to restore (default 15s)",
-    "survey-interval": "how often to learn the newest step every rank can restore, which retention follows (default 30s)",
-    "chunk-size": "chunk size for dedup, upload and fetch (default 4M)",
-    "gc-grace": "GCS chunks used this recently are never collected (default 10m)",
-    "gcs-token-audience": "with --gcs-token-file: the workload identity provider the job's token is exchanged "
-    "at, //iam.googleapis.com/projects/NUM/locations/global/workloadIdentityPools/POOL/"
-    "providers/P, or GKE's identitynamespace:PROJECT.svc.id.goog:https://container."
-    "googleapis.com/v1/projects/P/locations/L/clusters/C",
-    "gcs-sts-url": f"with --gcs-token-file: the token exchange (STS) endpoint (default {DEFAULT_STS_URL})",
-    "gcs-service-account": "with --gcs-token-file: act as this Google service account (EMAIL), impersonated "
-    "with the job's federated token, instead of as the job's principal itself",
-    "gcs-iam-url": f"with --gcs-service-account: the IAM credentials endpoint (default {DEFAULT_IAM_URL})",
-    "listen": "HOST:PORT where this node's peer service accepts other nodes",
-    "peers": "the other nodes' peer services: HOST:PORT,..., patterns like node-{0..15}:7420, "
-    "dns:NAME:PORT (a headless Service's addresses) or dns+srv:NAME (SRV records)",
-    "replicas": "peers that keep a copy of each committed step (default 1)",
-    "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
-    "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
-    "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
-    "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
-    "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
-    "mtbf": "the job's mean time between failures, e.g. 6h, for the checkpoint interval tierfs advises "
-    "(default: the failures it has seen)",
-    "log-level": "debug, info, warning or error (default info)",
-    "log-file": "daemon log (default: in the runtime directory, /run/tierfs)",
-    "log-format": "text (the default) or json: one object per line, with time, level, job, rank and the event",
-    "log-max-size": f"rotate the log past this size, keeping {LOG_BACKUPS} older files (default 64M; 0: never)",
-}
-# Host directories of `tierfs mount` and of mount -o that a pod author must not choose either
-# (so not in OPTIONS); the CSI plugin passes TIERFS_DISK from its own environment to every daemon.
-HOST_PATH_OPTIONS = {
-    "disk": "local directory (e.g. on NVMe) every committed step is also written to; restores read it "
-    "before peers, and when RAM is short committed steps held there leave RAM",
-    # Per job, never the plugin's own environment: the CSI plugin writes each job's token and passes its path.
-    "gcs-token-file": "file holding the job's Kubernetes service-account token (a JWT, re-read whenever a new "
-    "access token is needed): GCS is then reached as the job's identity, exchanged at "
-    "--gcs-token-audience, not as the node's",
-}
-# Addresses on the host: `tierfs mount` options, never a pod's to choose (the CSI plugin
-# serves every daemon's metrics on its own endpoint).
-HOST_ADDRESS_OPTIONS = {
-    "metrics": "HOST:PORT to serve Prometheus metrics at /metrics (default: none; the CSI plugin "
-    "serves its daemons' metrics itself)"
-}
-# Host files for the peer service's TLS: options of `tierfs mount` and of mount -o, but not of
-# OPTIONS, which the CSI plugin offers pod authors as volume attributes (no host paths there).
-TLS_FILE_OPTIONS = {
-    "tls-cert": "PEM certificate this node presents to its peers, instead of one keyed from the secret",
-    "tls-key": "PEM private key of --tls-cert",
-    "tls-ca": "PEM certificate of the CA that signs every node's --tls-cert",
-}
 
 
 def env_name(option: str) -> str:
@@ -176,7 +101,7 @@ class Config:
     gc_grace: float = 600.0  # GCS chunks touched this recently are never collected
     listen: tuple[str, int] | None = None  # where the peer service accepts other nodes
     peers: tuple[tuple[str, int], ...] = ()  # fixed addresses, brace patterns expanded
-    peer_dns: tuple = ()  # tierfs.discovery.spec.DnsSource: names the daemon resolves (and re-resolves)
+    peer_dns: tuple[DnsSource, ...] = ()  # names the daemon resolves (and re-resolves)
     replicas: int = 1  # peers that hold a copy of each committed step
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
     older_secrets: tuple[bytes, ...] = field(default=(), repr=False)  # only verify manifests made under them
@@ -201,8 +126,8 @@ class Config:
     mtbf: float | None = None  # seconds: the operator's mean time between the job's failures
 
     @classmethod
-    def build(cls, **values) -> Config:
-        """Coerce and validate raw values (strings from flags, env or ``-o``)."""
+    def build(cls, **values: Any) -> Config:
+        """Coerce and validate raw values (strings from flags, env or ``-o``; typed ones from code)."""
         v = {k: val for k, val in values.items() if val is not None}
         if "mountpoint" not in v:
             raise UserError("missing MOUNTPOINT: tierfs mount MOUNTPOINT [options]")
@@ -358,7 +283,7 @@ _ON, _OFF = ("on", "true", "yes", "1"), ("off", "false", "no", "0")
 _TLS_FILES = ("tls_cert", "tls_key", "tls_ca")
 
 
-def _parse_switch(v: dict, key: str, choices: str) -> None:
+def _parse_switch(v: dict[str, Any], key: str, choices: str) -> None:
     """An on/off option, in place in the raw values."""
     if key in v and not isinstance(v[key], bool):
         text = str(v[key]).strip().lower()
@@ -367,7 +292,7 @@ def _parse_switch(v: dict, key: str, choices: str) -> None:
         v[key] = text in _ON
 
 
-def _parse_peer_tls(v: dict) -> None:
+def _parse_peer_tls(v: dict[str, Any]) -> None:
     _parse_switch(v, "peer_tls", "on (the default: encrypted) or off (in clear, for a network you trust)")
     for key in _TLS_FILES:
         if key in v:
@@ -502,7 +427,7 @@ def _parse_labels(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(labels)
 
 
-def _parse_int(value, name: str) -> int:
+def _parse_int(value: Any, name: str) -> int:  # a raw value of any type: int() says if it is a number
     try:
         return int(value)
     except (TypeError, ValueError):

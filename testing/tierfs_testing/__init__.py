@@ -1,12 +1,18 @@
 """Running tierfs on one machine: the demo, the benchmarks and the tests use these.
 
 A cluster of real daemons on loopback addresses (:mod:`tierfs_testing.cluster`), a real GCS
-API on loopback (:mod:`tierfs_testing.gcs_emulator`), and a real CSI plugin on a unix socket
-driven as kubelet drives it (:mod:`tierfs_testing.csi`). Nothing here is imported by the
-daemon, the CLI or the plugin: it is a development distribution of its own
-(``testing/pyproject.toml``, installed into the dev venv by ``scripts/setup.sh``) and never
-ships in the tierfs wheel or the CSI image. What it needs beyond tierfs' own dependencies
-(the fake-gcs-server binary) is looked up only when it is used.
+API on loopback (:mod:`tierfs_testing.gcs_emulator`) with a byte-counting proxy in front
+(:mod:`tierfs_testing.gcs_proxy`), and a real CSI plugin on a unix socket driven as kubelet
+drives it (:mod:`tierfs_testing.csi`); and, for jobs too large for one machine, the real
+coordination on a simulated network and GCS (:mod:`tierfs_testing.sim`, whose job and
+scenarios are :mod:`tierfs_testing.simjob`, :mod:`tierfs_testing.scenarios` and
+:mod:`tierfs_testing.backups`).
+
+Nothing here is imported by the daemon, the CLI or the plugin: it is a development
+distribution of its own (``testing/pyproject.toml``, installed into the dev venv by
+``scripts/setup.sh``) and never ships in the tierfs wheel or the CSI image. What it needs
+beyond tierfs' own dependencies (the fake-gcs-server binary) is looked up only when it is
+used.
 
 Below: the few process and mount chores they share.
 """

@@ -10,7 +10,7 @@ MockClock and job model (:mod:`tierfs_testing.simjob`).
 
 Two ways for a rank to put its step up:
 
-- ``"today"``: a model of the code before twins shared the upload (``push_step`` over
+- ``"today"``: a model of the code before twins shared the upload (``put_step`` over
   ``GcsTier`` and ``GcsStore.put_chunk``): a pending marker; every chunk touched (a
   metadata request, and a download to verify an object this node has not seen hold the
   chunk); every chunk still missing uploaded by a conditional create whose body goes out

@@ -255,7 +255,8 @@ class SimNetwork:
 
 
 class SimTransport:
-    """One node's requests over a :class:`SimNetwork` (the :class:`Transport` protocol)."""
+    """One node's requests over a :class:`SimNetwork` (the
+    :class:`~tierfs.coordination.transport.Transport` protocol)."""
 
     def __init__(self, net: SimNetwork, address: str):
         self.net, self.address = net, address

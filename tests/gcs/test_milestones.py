@@ -9,6 +9,7 @@ import pytest
 from tests.gcs.test_gcs_store import chunks_in, h, manifest
 from tierfs.config import Config
 from tierfs.core.milestones import Milestones
+from tierfs.pipeline.policy import BackupPolicy
 from tierfs.tiers.gcs import GcsTier
 from tierfs.tiers.gcs_store import GcsStore
 
@@ -39,12 +40,10 @@ def store(gcs_bucket: str) -> GcsStore:
 
 
 async def test_retention_keeps_milestones_besides_the_newest_with_their_chunks(store, gcs_bucket):
-    """Through the tier, as the daemon's rank 0 runs it: the flags reach the collector."""
+    """Through the backup lane's policy, as the daemon's rank 0 runs it: the flags reach the collector."""
     tier = GcsTier(f"gs://{gcs_bucket}/m", "job1", store=store)
-    tier.configure(
-        Config.build(mountpoint="/nonexistent", job="job1", rank=0, nodes=2, keep=2, keep_every=300, gc_grace="0s")
-    )
-    await tier.retain()
+    cfg = Config.build(mountpoint="/nonexistent", job="job1", rank=0, nodes=2, keep=2, keep_every=300, gc_grace="0s")
+    await BackupPolicy(cfg).retain(tier)
 
     assert store.list_manifests() == {0: [300, 600, 800, 900], 1: [300, 600, 800, 900]}
     assert chunks_in(store) == chunks_of([300, 600, 800, 900])

@@ -114,9 +114,7 @@ async def peer_tier(nursery, host: str, store: ReplicaStore, port: int | None = 
     cfg = Config.build(
         mountpoint="/nonexistent", job=JOB, rank=0, nodes=3, secret=SECRET.decode(), peers=f"{host}:{port}"
     )
-    tier = PeerTier(PeerNetwork(cfg, timeout=5), (host, port))
-    tier.configure(cfg)
-    return tier
+    return PeerTier(PeerNetwork(cfg, timeout=5), (host, port))
 
 
 @pytest.fixture

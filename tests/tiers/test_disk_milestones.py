@@ -11,6 +11,7 @@ from tests import helpers
 from tierfs.config import Config
 from tierfs.core.chunks import chunk_hash
 from tierfs.core.milestones import Milestones
+from tierfs.pipeline.policy import DiskPolicy
 from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.replicas import GRACE, ReplicaStore
 from tierfs.tiers.base import put_step
@@ -49,9 +50,8 @@ def chunks_of(steps) -> set[str]:
 async def test_disk_keeps_milestones_besides_the_newest_with_their_chunks(tmp_path):
     cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, disk=tmp_path / "disk", keep=3, keep_every=300)
     tier = DiskTier.open_for(cfg, keep_from=lambda: 900)
-    tier.configure(cfg)
     await commit_steps(tier, tmp_path)
-    await tier.retain()
+    await DiskPolicy(cfg).retain(tier)
 
     assert tier.store.manifests() == [(0, 300), (0, 600), (0, 700), (0, 800), (0, 900)]
     assert chunk_files(tier.store) == chunks_of([300, 600, 700, 800, 900])
@@ -65,7 +65,7 @@ async def test_a_milestone_on_disk_goes_once_keep_for_has_passed_since_it_was_wr
     await commit_steps(tier, tmp_path)
     old = time.time() - 7200
     os.utime(tier.store.root / "manifests" / "rank-0" / "step-000000000300.json", (old, old))
-    await tier.retain()
+    await tier.retain(3, Milestones(300, keep_for=3600))
     assert tier.store.manifests() == [(0, 600), (0, 700), (0, 800), (0, 900)]
 
     tier.store.retain(now=time.time() + 7200)  # and two hours on, 600 too
@@ -86,8 +86,7 @@ async def test_the_nodes_disk_keeps_no_more_milestones_than_keep(tmp_path):
     """--disk is every job's on the node: the plugin's max-keep bounds its milestones as its steps."""
     cfg = Config.build(mountpoint="/nonexistent", job=JOB, rank=0, disk=tmp_path / "disk", keep=2, keep_every=100)
     tier = DiskTier.open_for(cfg, keep_from=lambda: 900)
-    tier.configure(cfg)
     await commit_steps(tier, tmp_path)
-    await tier.retain()
+    await DiskPolicy(cfg).retain(tier)
     assert tier.store.manifests() == [(0, 800), (0, 900)]
     assert chunk_files(tier.store) == chunks_of([800, 900])

@@ -90,7 +90,7 @@ class Config:
     gcs: str | None = None  # gs://BUCKET/PREFIX
     disk: Path | None = None  # --disk DIR: a local directory tier (DIR/<job>/rank-<N>/)
     backup_interval: float = 0.0  # seconds between backups of the newest step; 0 = every commit
-    keep: int = 3  # committed steps kept in GCS per rank
+    keep: int = 3  # committed steps kept in GCS and on --disk per rank
     keep_local: int = 1  # newest committed steps kept in RAM (plus any a tier still needs)
     keep_every: int = 0  # milestones: steps divisible by it outlive --keep in GCS and on --disk; 0: none
     keep_for: float = 0.0  # seconds a milestone is kept after its commit; 0: for good

@@ -16,7 +16,8 @@ DEFAULT_IAM_URL = "https://iamcredentials.googleapis.com/v1"
 
 # Every option of a mount (flag name -> help text). Each is a `tierfs mount --FLAG`, a
 # ``-o key=value`` of the mount helper, the Config field of the same name with '_' for '-',
-# and the environment variable env_name(FLAG); all but host paths are CSI volume attributes.
+# and the environment variable env_name(FLAG); all but host paths and the node's log settings
+# are CSI volume attributes (tierfs.csi.settings).
 OPTIONS = {
     "ramdisk": "directory on tmpfs that holds the RAM tier (default /dev/shm/tierfs)",
     "job": "job id; all state is scoped by it (default 'default')",

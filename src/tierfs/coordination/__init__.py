@@ -8,7 +8,8 @@ broadcast restores in which each chunk leaves GCS once.
   the reports it holds; :mod:`.member`: reporting, taking over from a silent coordinator,
   asking for a decision; :mod:`.decision`: an answer as the asker reads it; :mod:`.node`:
   both sides of one node; :mod:`.gcs_listing`: GCS listed in parallel prefix shards;
-- :mod:`.broadcast`: the restore planner and the "wait for a peer to have it" fetch;
+- :mod:`.broadcast_plan`: the restore planner; :mod:`.broadcast`: the "wait for a peer to
+  have it" fetch that follows a plan;
 - :mod:`.transport`: the one request/answer interface all of it uses;
 - :mod:`.fields`: every field of these messages and answers, checked where it arrives;
 - :mod:`.pairs`: the ``[rank, step]`` lists of reports and of peers' ``list`` answers;

@@ -2,9 +2,10 @@
 
 The protocol and why it exists: :mod:`tierfs.coordination.protocol`.
 
-Who. Every node orders the job's members the same way (:func:`candidates`: a hash of the
-job and the address, so the coordinators are spread over racks, and rank 0 is not special)
-and sends its report to the first ``k`` it can reach. One that does not answer is skipped
+Who. Every node orders the job's members the same way
+(:func:`~tierfs.coordination.protocol.candidates`: a hash of the job and the address, so
+the coordinators are spread over racks, and rank 0 is not special) and sends its report
+to the first ``k`` it can reach. One that does not answer is skipped
 for a round and a half (one that refuses, its daemon starting, for a second) and the
 next candidate gets the report: when a coordinator is gone, the next one takes over
 within one request timeout. Members name the coordinators they found silent in their

@@ -41,7 +41,7 @@ class Coordination:
         inc: int | None = None,
         members: frozenset[str] | None = None,
     ):
-        """``order``: :func:`candidates` of the job's members (this node included)."""
+        """``order``: :func:`~tierfs.coordination.protocol.candidates` of the job's members (this node included)."""
         self.interval = interval
         self.coordinator = Coordinator(
             address,

@@ -1,12 +1,12 @@
 """A few coordinators per job collect every node's holdings and answer for the whole job.
 
-Why. Today every node asks every other node what it holds, at start and every
-``--survey-interval``: N(N-1) connections a round, 10^8 at 10,000 nodes, and N listings
-of GCS. Here each node sends one report to each of ``k`` coordinators a round (k = 3: 3N
-requests in all), the coordinators list GCS (k listings), and a starting node asks one
-coordinator for its step. The coordinators apply the rules of :mod:`tierfs.pipeline.survey` (see
-:mod:`tierfs.coordination.view`) to what they received, so the answer is the one a
-survey of every node would give.
+Why. In a survey (:mod:`tierfs.pipeline.survey`, still the fallback) every node asks every
+other node what it holds, at start and every ``--survey-interval``: N(N-1) connections a
+round, 10^8 at 10,000 nodes, and N listings of GCS. Here each node sends one report to
+each of ``k`` coordinators a round (k = 3: 3N requests in all), the coordinators list GCS
+(k listings), and a starting node asks one coordinator for its step. The coordinators
+apply the survey's rules (see :mod:`tierfs.coordination.view`) to what they received, so
+the answer is the one a survey of every node would give.
 
 This module holds what both sides of the protocol must agree on: the order in which
 members become coordinators (:func:`candidates`), the messages, and the bounds and
@@ -28,7 +28,7 @@ Messages (JSON headers on the peer wire, no bodies; each well under 1 MiB)::
             (group: the ranks holding the same data, <= 64; q: the question, the same in
              every poll of it (<= 64 characters); report: the asker's holdings)
         -> {"ok":true,"ready":bool,"you":bool,"coordinating":bool,"summary":SUMMARY,
-            "reported":n,"members":m,"down":[address,...],"down_count":d,
+            "reported":n,"members":m,"down":[address,...],"down_count":d,"silent":[address,...],
             "gcs":{"listed":bool,"error":str|null},
             "ranks":{"R":{"choice":S|null,"steps":{"S":[holder,...]},"nodes":[address,...]}}}
     {"op":"coord_pull"}                                      (a coordinator to a member)
@@ -41,8 +41,8 @@ node's address or ``"gcs"``; ``nodes`` are the addresses reporting as that rank 
 down since). ``coord_decide`` answers as soon as the view is ready, or after ``wait``
 seconds (at most 30) with what it has; a stand-in answers at once (``coordinating``
 false) and the member asks the next candidate. Answers list at most 16 steps per rank
-(the newest), 16 holders per step and 64 down members; ``choice`` is computed over
-everything, so it is exact where the lists are cut. Errors are ``{"error": one line}``.
+(the newest), 16 holders per step, 64 down members and, while not ready, 64 silent ones;
+``choice`` is computed over everything, so it is exact where the lists are cut. Errors are ``{"error": one line}``.
 Every field of a message or an answer is checked where it arrives (:mod:`.fields`): a
 member that holds the job's secret is trusted to authenticate, not to tell the truth.
 """

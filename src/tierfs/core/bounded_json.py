@@ -2,7 +2,7 @@
 
 json's C parser stops a nesting bomb only at the interpreter's C recursion limit, and that
 limit moves between Python versions: ``RecursionError`` at about 1,000 levels on 3.11 and
-3.12, only past 10,000 on 3.13. Formats that nest three levels deep therefore say how deep
+3.12, only past 10,000 on 3.13. Formats that nest a few levels deep therefore say how deep
 they may go, and what parses is walked once (without recursion) to hold it to that; a bomb
 gets the same refusal on every version.
 """

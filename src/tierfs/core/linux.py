@@ -205,9 +205,10 @@ M_MMAP_THRESHOLD = -3
 def keep_heap_memory(threshold: int = 16 << 20, trim: int = 1 << 30) -> None:
     """Make malloc reuse freed request buffers instead of handing them back to the kernel.
 
-    Every FUSE write arrives as a fresh 1 MiB bytes object. With glibc's defaults such
-    blocks are often mmap()ed or trimmed on free, so each request faults in new zeroed
-    pages; on a VM whose balloon reclaims idle memory that costs 3-4x the copy itself.
+    A FUSE write the daemon copies (pyfuse3's, or one not spliced) arrives as a fresh
+    1 MiB bytes object. With glibc's defaults such blocks are often mmap()ed or trimmed on
+    free, so each request faults in new zeroed pages; on a VM whose balloon reclaims idle
+    memory that costs 3-4x the copy itself.
     """
     _libc.mallopt(M_MMAP_THRESHOLD, threshold)
     _libc.mallopt(M_TRIM_THRESHOLD, trim)

@@ -43,7 +43,7 @@ FORMAT_VERSION = 1
 KINDS = ("file", "dir", "symlink")
 
 MAX_BYTES = 64 << 20  # a manifest's JSON (the peer protocol carries no larger one either)
-MAX_DEPTH = 16  # lists and objects inside one another: a manifest nests 3 levels (formats.md)
+MAX_DEPTH = 16  # lists and objects inside one another: a manifest nests 4 (object, entries, entry, chunks)
 MAX_ENTRIES = 1 << 20  # paths in one manifest
 MAX_CHUNKS = 1 << 21  # chunk names in one manifest: 8 TiB of 4 MiB chunks per rank
 MAX_PATH = 4096  # bytes in a path or symlink target (Linux PATH_MAX)

@@ -17,9 +17,13 @@ Each gets a bound here (a ceiling ``max-*``, or a floor ``min-*``), with a defau
 to the daemon's own defaults, so a cluster whose admin sets none is still bounded. The
 others cost only the job: ``job``, ``rank``, ``nodes``, ``coordinator``, ``topology``,
 ``data-parallel``, ``commit-rule``, ``gc-grace``, ``keep-local`` (inside the job's
-``capacity``) and ``peer-tls``; the remaining ones are bounded in :mod:`tierfs.csi.ceilings`
-(``capacity``, ``data-path``, ``engine``, ``wake-cpus``, ``listen``) and by the plugin's
-flags (``gcs``).
+``capacity``), ``peer-tls``, ``restore-step``, ``mtbf`` and the job's GCS identity
+(``gcs-token-audience``, ``gcs-service-account``, ``gcs-sts-url``, ``gcs-iam-url``); the
+remaining ones are bounded in :mod:`tierfs.csi.ceilings` (``capacity``, ``data-path``,
+``engine``, ``wake-cpus``, ``listen``) and by the plugin's flags (``gcs``). ``keep-every``
+and ``keep-for`` need no bound of their own: on the node's ``--disk`` a rank keeps at most
+``keep`` milestones (:class:`tierfs.store.replicas.ReplicaStore`), so ``max-keep`` bounds
+them; the bucket is the job's.
 
 When neither the volume nor the ConfigMap sets a bounded attribute and the daemon's own
 default is past the admin's bound, the volume gets the bound itself: the admin's bound

@@ -7,6 +7,7 @@ under its state directory, so a restarted plugin picks up where it was:
 
     jobs/<job>.json      the job on this node: rank (sticky), namespace, daemon options, idle since
     jobs/<job>.secret    the job's peer secret, to restart its daemon without a pod
+    tokens/<job>.token   the pod's service-account token, the job's GCS identity (:mod:`tierfs.csi.tokens`)
     volumes/<id>.json    one published volume: target path, read-only, job, request digest, pod
     mnt/<job>/           the daemon's FUSE mount, the source of every bind mount
     keepers/<key>.sock   where the keeper of a job's mount offers its connection to the next plugin

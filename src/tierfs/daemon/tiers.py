@@ -26,7 +26,7 @@ def node_tiers(
     restorable_without_gcs: bool,
     warn: Callable[[str], None],
 ) -> list[Tier]:
-    """``ram`` and every other tier ``cfg`` asks for, cheapest first, each following ``cfg``.
+    """``ram`` and every other tier ``cfg`` asks for, cheapest first.
 
     ``keep_from`` is the retention floor the disk keeps steps from; ``restorable_without_gcs``
     says whether a bucket that does not answer at start may only delay backups (else the
@@ -40,8 +40,6 @@ def node_tiers(
         tiers += peer_tiers(network)
     if cfg.gcs is not None:
         tiers.append(open_gcs(cfg, cfg.gcs, restorable_without_gcs, warn))
-    for tier in tiers:
-        tier.configure(cfg)
     return by_cost(tiers)
 
 

@@ -13,9 +13,10 @@ makes it (:func:`_exchange` says why not ``dns.asyncquery``'s, :func:`_tcp` why 
 
 What this module adds: the lookups discovery needs (every address of a name; every SRV
 target's addresses, from glue records or looked up, at most :data:`TARGET_LOOKUPS` at once),
-a given server or else /etc/resolv.conf's servers and search list applied as a pod's stub
-resolver does (``ndots:5``), UDP sent again every :data:`UDP_RETRY` seconds while no answer
-comes, and one error: every failure, a malformed or mismatched answer included, is a
+a given server or else, for SRV, /etc/resolv.conf's servers and search list applied as a
+pod's stub resolver does (``ndots:5``; addresses without a server come from
+``getaddrinfo``, /etc/hosts included), UDP sent again every :data:`UDP_RETRY` seconds while
+no answer comes, and one error: every failure, a malformed or mismatched answer included, is a
 :class:`DnsError`, never another exception. What is read is bounded: one message is at most
 :data:`MAX_MESSAGE` bytes (so a few thousand records), and the caller bounds the time
 (``trio.fail_after``).

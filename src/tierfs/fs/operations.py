@@ -1,4 +1,4 @@
-"""pyfuse3 Operations: a thin passthrough onto the RAM tier's tree.
+"""The volume's handlers, for both engines: a thin passthrough onto the RAM tier's tree.
 
 Every handler is a handful of ``*at()`` system calls relative to the ``O_PATH`` descriptors
 in :class:`~tierfs.fs.inodes.InodeTable`; POSIX semantics (errno values, rename rules,
@@ -12,11 +12,12 @@ create that finds its name taken opens it only as the caller may. A plain create
 exclusive create as root and a chown of the new descriptor, the one path hot enough to
 matter, and as safe: nothing it touches was there before.
 
-Handlers never await, with one exception: a file of a step still being restored
+Handlers never await, with few exceptions: a file of a step still being restored
 (``restoring``) makes a read wait for the chunks it covers, and anything that would change
-the file wait for the whole file. Every other handler runs to completion on the trio
-thread, so the table and the space account need no locks, and an operation sees no other
-half-done. Writes are answered before their bytes are copied (``writes``, see
+the file wait for the whole file; ``copy_file_range`` copies in a thread, and ``lseek``
+may first have the kernel write back mapped pages. Every other handler runs to completion
+on the trio thread, so the table and the space account need no locks, and an operation
+sees no other half-done. Writes are answered before their bytes are copied (``writes``, see
 :mod:`tierfs.fs.writebehind`); every handler that looks at a file's data or attributes
 first waits for that file's writes, which blocks briefly rather than awaiting.
 

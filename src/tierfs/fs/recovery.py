@@ -5,8 +5,8 @@ The kernel's FUSE connection outlives the daemon as long as one descriptor of
 kernel knows of the dead daemon does not go away with it: node ids it looked up, file
 handles it was given, passthrough backing ids, and requests it sent but never saw
 answered. A successor must honour all of them, so the daemon writes down, as it goes,
-what it told the kernel, in three files of a root-only directory beside the tree (tmpfs,
-so they survive the process and cost no disk):
+what it told the kernel, in four files of a root-only directory beside the rank's home
+(tmpfs, so they survive the process and cost no disk):
 
 - ``init.json``: what INIT negotiated (written once per connection);
 - ``nodes``: an append-only log of ``(node id, file handle)``: every inode the kernel was

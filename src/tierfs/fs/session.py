@@ -86,7 +86,7 @@ class Unmounted(Exception):
 
 
 class KernelSession(Releases):
-    """One mounted volume served over ``/dev/fuse``; the engine behind the passthrough data path.
+    """One mounted volume served over ``/dev/fuse``: tierfs' own engine, with passthrough or without.
 
     ``mount`` → ``run`` (until unmounted or :meth:`terminate`) → ``close``, the same life
     cycle as pyfuse3's ``init``/``main``/``close``.

@@ -14,9 +14,10 @@ in it, bound into every record's tag (:mod:`tierfs.peers.sealed`).
 
 A sink that fails (no space, an I/O error) is not called again, but the body is still read
 to its end before its error is raised: the connection stays in step, so a peer can answer
-"no space" on it. Otherwise every function here raises :class:`PeerUnavailable` when the
-connection breaks or ends mid-body and :class:`ProtocolError` when the other side breaks the
-protocol; callers put whole requests under one deadline.
+"no space" on it. Otherwise every function here raises
+:class:`~tierfs.peers.wire.PeerUnavailable` when the connection breaks or ends mid-body and
+:class:`~tierfs.peers.wire.ProtocolError` when the other side breaks the protocol; callers
+put whole requests under one deadline.
 """
 
 from __future__ import annotations

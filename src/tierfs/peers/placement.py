@@ -8,8 +8,9 @@ Two things make a replica cheap or valuable:
 - a *distant* peer (sharing few topology labels: another slice, rack or zone) survives the
   failures that take out this node's neighbours; one *close* peer restores fastest.
 
-So twins come first, then one close peer, then the most distant ones. Ties go in ring
-order from this rank, which spreads the replicas of different ranks over different peers.
+So twins come first (or, without one, one close peer), then the most distant ones. Ties
+go in ring order from this rank, which spreads the replicas of different ranks over
+different peers.
 """
 
 from __future__ import annotations

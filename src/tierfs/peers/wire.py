@@ -4,8 +4,8 @@ A message is a 4-byte big-endian length, that many bytes of a UTF-8 JSON object 
 header), then, only when the header has a ``"len"`` key, exactly that many body bytes.
 Headers are small and parsed whole; bodies can be large and are never parsed here: the
 receiver decides where they go (a file, a hash, a bounded buffer) and reads them in
-pieces of at most :data:`PIECE` bytes, so a transfer never holds more than one piece in
-memory, whatever its size.
+pieces of at most :data:`PIECE` bytes, so a transfer holds a piece or two in memory,
+whatever its size.
 
 Everything read from the other side is bounded before it is used: a header's length is
 checked before a byte of it is read, a header nesting lists or objects deeper than
@@ -53,7 +53,7 @@ MAX_BATCH = 256  # chunks per put_chunks request
 MAX_BATCH_BYTES = MAX_CHUNK  # their bodies together: the request's deadline allows for one largest chunk
 MAX_HAVE = 100_000  # hashes per "have" request (the header limit binds first, near 29 000)
 HAVE_BATCH = 25_000  # hashes a client asks about per request: 875 kB, inside MAX_HEADER
-MAX_DEPTH = 8  # lists and objects inside one another in a header; the protocol uses 3
+MAX_DEPTH = 8  # lists and objects inside one another in a header; coord_decide's answer nests 5
 BODY_RESERVE = 4 << 20  # memory a body's announced length gets before its bytes arrive
 
 _LENGTH = struct.Struct(">I")

@@ -3,7 +3,7 @@
 With a peer service (``--listen``) and peers, a node no longer asks every other node what
 it holds. It reports its holdings to a few coordinators every ``--survey-interval`` and,
 at start, asks them which step to restore (:meth:`NodeCoordination.decide`); it is itself
-a coordinator when the job's hash order puts it first (see
+a coordinator when the job's hash order puts it among the first few (see
 :mod:`tierfs.coordination.protocol`). The answer becomes the same
 :class:`~tierfs.pipeline.survey.Survey` of holders the restore planner used before, so the choice
 of tiers and the restore itself do not change.

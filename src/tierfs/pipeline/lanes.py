@@ -14,7 +14,9 @@ from collections.abc import Mapping, Sequence
 
 import trio
 
+from tierfs.config import Config
 from tierfs.core.milestones import Milestones
+from tierfs.pipeline.policy import LanePolicy, policy_for
 from tierfs.ramtier.steps import StepState
 from tierfs.tiers.base import Progress, Tier, TierError, by_cost, first_line
 
@@ -22,10 +24,10 @@ from tierfs.tiers.base import Progress, Tier, TierError, by_cost, first_line
 class Lane:
     """The tiers that share one lane, and how putting steps on them is going."""
 
-    def __init__(self, name: str, tiers: list[Tier]):
-        self.name, self.tiers = name, tiers
-        self.lead = tiers[0]  # speaks for the lane: copies, schedule, order, status
-        self.interval, self.every_steps = self.lead.schedule()
+    def __init__(self, name: str, tiers: list[Tier], policy: LanePolicy):
+        self.name, self.tiers, self.policy = name, tiers, policy
+        self.lead = tiers[0]  # what the lane's tiers are (shared, spill), as its first says
+        self.interval, self.every_steps = policy.schedule()
         self.volatile = any(t.volatile for t in tiers)  # when idle: is the newest step still where we put it?
         self.last_step: int | None = None  # the step this lane last put, and when
         self.last_at: float | None = None
@@ -35,7 +37,13 @@ class Lane:
         self.status: dict = {"state": "idle", "error": None, "since": time.time()}
 
     def copies(self) -> int:
-        return self.lead.copies()
+        return self.policy.copies()
+
+    def configure(self, cfg: Config) -> None:
+        """Follow the job's new shape: its policy, and the schedule it gives."""
+        self.policy.configure(cfg)
+        self.interval, self.every_steps = self.policy.schedule()
+        self.wake.set()
 
     def done(self, state: StepState) -> bool:
         """Whether the step's current version is on enough of this lane's tiers."""
@@ -120,14 +128,14 @@ class Lane:
             "last_at": self.last_at,
             "progress": self.progress.as_dict() if self.busy and self.progress else None,
             "tiers": [t.name for t in self.tiers],
-            **self.lead.lane_report(),
+            **self.policy.report(self.tiers),
         }
 
 
-def lanes_of(tiers: list[Tier]) -> dict[str, Lane]:
-    """The lanes of ``tiers``, cheapest first; tiers without a lane (this node's RAM) get none."""
+def lanes_of(tiers: list[Tier], cfg: Config) -> dict[str, Lane]:
+    """The lanes of ``tiers``, cheapest first, each with its policy; tiers without a lane (this node's RAM) get none."""
     grouped: dict[str, list[Tier]] = {}
     for tier in by_cost(tiers):
         if tier.lane is not None:
             grouped.setdefault(tier.lane, []).append(tier)
-    return {name: Lane(name, members) for name, members in grouped.items()}
+    return {name: Lane(name, members, policy_for(name, cfg)) for name, members in grouped.items()}

@@ -1,7 +1,8 @@
 """Restore planning: which step the whole job restores at start, and from which tiers.
 
-At start (before the mount exists) the daemon surveys every tier, chooses the step every
-rank can restore (:mod:`tierfs.pipeline.survey`), and then either presents a step this node
+At start (before the mount exists) the daemon asks the job's coordinators
+(:mod:`tierfs.pipeline.coordinating`), or else surveys every tier, for the step every rank
+can restore (:mod:`tierfs.pipeline.survey`), and then either presents a step this node
 already holds, or fetches this rank's manifest of it from the cheapest tier that holds it
 and prepares a :class:`~tierfs.pipeline.restore.Restore` that reads the chunks from those tiers,
 cheapest and closest first. Local steps newer than the chosen one are set aside, and an
@@ -180,8 +181,8 @@ class RestorePlanner:
     def _answer(self) -> tuple[NodeCoordination, Decision, str]:
         """The coordination whose answer is being checked, that answer, and the coordinator that gave it.
 
-        Set by :meth:`NodeCoordination.decide`, which keeps only an answer a coordinator gave:
-        what checks an answer runs only once there is one.
+        Set by :meth:`~tierfs.pipeline.coordinating.NodeCoordination.decide`, which keeps only an
+        answer a coordinator gave: what checks an answer runs only once there is one.
         """
         coordinating = self.coordinating
         decision = coordinating.decision if coordinating is not None else None
@@ -245,7 +246,7 @@ class RestorePlanner:
         further back than another one's answer. With no confirmation the start is refused
         (``--start-fresh`` overrides). The newer step is never deleted on the way: its files
         go to ``aside/``, its snapshot stays until retention, which keeps the newest step
-        this node holds complete (:meth:`tierfs.daemon.daemon.Daemon.retention_floor`).
+        this node holds complete (:func:`tierfs.daemon.cluster.retention_floor`).
         """
         cfg = self.cfg
         here = max(self.steps.verifiable(), default=None)

@@ -7,8 +7,8 @@ lane, cheapest lane first, always works on the newest committed step its tiers l
 milestones first, where they are kept: :meth:`Replicator._milestones_owed`). Steps superseded
 before their turn are skipped, never queued without bound, and a slow or absent tier only
 delays its own lane. Blocking work (hashing, compression, HTTP, disk writes) runs
-in worker threads; peer transfers are trio sockets with zero-copy sends, so the FUSE loop
-never waits for either.
+in worker threads, and so do the bodies of peer transfers (:mod:`tierfs.peers.transfer`),
+so the FUSE loop never waits for either.
 
 Every lane shares the step's manifest, built once per committed version from the frozen
 snapshot. Putting a step on one tier (:func:`tierfs.tiers.base.put_step`) asks the tier
@@ -46,6 +46,7 @@ from tierfs.core.milestones import Milestones
 from tierfs.pipeline.early import Feeds
 from tierfs.pipeline.lanes import Lane, lanes_of
 from tierfs.pipeline.pacing import Pacing
+from tierfs.pipeline.policy import policy_for
 from tierfs.ramtier.steps import Steps, StepState
 from tierfs.tiers.base import Location, Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable, put_step
 
@@ -90,7 +91,7 @@ class Replicator:
         self._feeds = Feeds()  # the chunks of the step being hashed, file by file
         self._trash: list[Path] = []  # dropped snapshots, deleted off the trio thread
         self._trash_wake = trio.Event()
-        self.lanes = lanes_of(self.tiers)
+        self.lanes = lanes_of(self.tiers, cfg)
         self.meters.lanes(self.lanes)
         self._nursery: trio.Nursery | None = None  # runs the lanes, once started
         self.dropped: Callable[[list[str]], None] = lambda roots: None  # a step left the RAM tier
@@ -100,16 +101,12 @@ class Replicator:
     def reconfigure(self, cfg: Config) -> None:
         """Follow a changed job shape (the multi-tier checkpointing protocol's replicator.yaml)."""
         self.cfg = cfg
-        for tier in self.tiers:
-            tier.configure(cfg)
         for lane in self.lanes.values():
-            lane.interval, lane.every_steps = lane.lead.schedule()
-            lane.wake.set()
+            lane.configure(cfg)
 
     def add_tiers(self, tiers: list[Tier]) -> None:
         """Tiers found after the start (peers a DNS name gave later) join their lanes."""
         for tier in tiers:
-            tier.configure(self.cfg)
             self.tiers.append(tier)
             if tier.lane is None:
                 continue  # no lane puts steps there (this node's RAM)
@@ -117,9 +114,8 @@ class Replicator:
             if lane is not None:
                 lane.tiers.append(tier)
             else:
-                lane = self.lanes[tier.lane] = Lane(tier.lane, [tier])
+                lane = self.lanes[tier.lane] = Lane(tier.lane, [tier], policy_for(tier.lane, self.cfg))
                 self.meters.lanes([lane.name])
-                lane.interval, lane.every_steps = lane.lead.schedule()
                 if self._nursery is not None:
                     self._nursery.start_soon(self._run_lane, lane)
             lane.wake.set()
@@ -214,7 +210,7 @@ class Replicator:
     async def _put(self, lane: Lane, state: StepState) -> None:
         """Put the step on ``copies()`` of the lane's tiers, in the order the lane prefers."""
         version, started, wanted = state.version, time.time(), lane.copies()
-        candidates = await lane.lead.order(lane.tiers)
+        candidates = await lane.policy.order(lane.tiers)
         early = [t for t in candidates[:wanted] if t.early]
         manifest, sent_early = await self.manifest_for(state, early)
         where = self.chunk_locations(manifest)
@@ -229,7 +225,13 @@ class Replicator:
             nonlocal pushed
             try:
                 put = await put_step(
-                    tier, manifest, where, self.pacing.yield_to_writers, progress, seal_with=self.cfg.manifest_keys
+                    tier,
+                    manifest,
+                    where,
+                    self.pacing.yield_to_writers,
+                    progress,
+                    seal_with=self.cfg.manifest_keys,
+                    twins=lane.policy.twins(),
                 )
                 early_bytes = sent_early.get(tier.name, 0)  # found there by the put, but sent by this node
                 put.sent_bytes, put.stored_bytes = put.sent_bytes + early_bytes, put.stored_bytes + early_bytes
@@ -260,7 +262,7 @@ class Replicator:
                 f"({len(candidates)} answering){reason}"
             )
         for tier in placed:
-            await tier.retain()
+            await lane.policy.retain(tier)
         if state.version == version:
             now = time.time()
             state.copies[lane.name] = {

@@ -9,7 +9,7 @@ old manifests under the same numbers. So each rank *sets them aside*:
 - RAM: their files leave the volume for ``aside/`` (as a restore moves anything in its
   way), and their snapshots go, which frees their numbers;
 - GCS: their manifests move under ``aside/to-<N>/``, which no listing counts and GC keeps
-  with every chunk they use, until the operator discards them (``tierfs steps --discard``);
+  with every chunk they use, until the operator discards them (``tierfs steps --discard-set-aside``);
 - ``--disk`` and the replicas this node holds for other ranks: dropped, being copies.
 
 A flag left in the job's spec must not roll the job back again after it has moved on, so

@@ -1,7 +1,7 @@
 """Committed steps, frozen by hard links so the job can go on changing its files.
 
     <rank dir>/steps/<step>/tree/...      the step's committed paths, relative to the volume root
-    <rank dir>/steps/<step>/state.json    roots, commit time, backup progress (owned by the replicator)
+    <rank dir>/steps/<step>/state.json    roots, commit time, backup progress (tierfs.ramtier.steps)
     <rank dir>/steps/<step>/manifest.json the manifest built from tree/
 
 A snapshot costs one hard link per file on tmpfs: no byte is copied when a checkpoint

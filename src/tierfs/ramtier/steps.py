@@ -6,8 +6,9 @@ root's alone (0600 in root-only directories) and checked again when a start read
 decides what that start serves, replicates and deletes.
 
 Commits come from the mount's events (through the commit rules) or from ``tierfs
-commit``; both run on the trio thread, so a commit is complete before the operation that
-caused it returns to the job.
+commit``; both run on the trio thread, so a rename's commit is complete before the rename
+returns to the job, and a close's before any later request that could tell
+(:mod:`tierfs.fs.releases`).
 """
 
 from __future__ import annotations

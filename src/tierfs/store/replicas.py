@@ -4,7 +4,7 @@ Layout under ``root`` (the daemon passes a directory on the same tmpfs as the RA
 
     chunks/<h[0:2]>/<h>                       the raw bytes of chunk h (xxh3-128, 32 hex digits)
     chunks/.tmp-*                             a chunk being received or copied; removed by load()
-    manifests/rank-<R>/step-<S:012d>.json     the newest manifest received for rank R
+    manifests/rank-<R>/step-<S:012d>.json     the manifest of rank R at step S
 
 A chunk file appears under its name only after its bytes were hashed and matched the
 name, so every file the store lists is one it verified. That check is remembered
@@ -20,9 +20,11 @@ holds in its *own* committed steps (``local``), the replica gets a private copy 
 ``copy_file_range`` instead of a network transfer: the twin's own step may be retained away
 long before the replica is.
 
-Everything runs on the trio thread. Work that touches bytes is bounded per chunk (one
-copy and one hash of at most :data:`MAX_CHUNK` bytes), and loops over many chunks yield
-between them, so a big manifest never stalls the other connections or the FUSE handlers.
+Everything runs on the trio thread, but for the writes of a received body
+(:meth:`ChunkWriter.write`), which may run in the worker thread that moves it
+(:mod:`tierfs.peers.bodies`). Work that touches bytes is bounded per chunk (one copy and
+one hash of at most :data:`MAX_CHUNK` bytes), and loops over many chunks yield between
+them, so a big manifest never stalls the other connections or the FUSE handlers.
 """
 
 from __future__ import annotations

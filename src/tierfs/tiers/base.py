@@ -1,13 +1,15 @@
 """What a tier is: a place that holds chunks by hash and manifests by (rank, step).
 
-This node's RAM, a local disk, another node's RAM and GCS are all a :class:`Tier`. The
-policy code (the replicator's lanes, chunk fetching, manifest fetching, the cluster survey)
-takes tiers as values, orders them by :attr:`Tier.cost` and never asks which kind it holds;
-what differs between tiers (a pending marker in GCS, placement among peers, an upload
-interval) is a hook of the tier's own, and what the rest of the node must know of a tier
-is a capability it declares (:attr:`Tier.shared`, :attr:`Tier.address`, :attr:`Tier.volatile`,
-...), never its class or its name. Adding a tier is one module that implements this class
-and one line where the daemon assembles its tiers (:mod:`tierfs.daemon.daemon`).
+This node's RAM, a local disk, another node's RAM and GCS are all a :class:`Tier`, and a
+tier only stores: its verbs put and give chunks by hash, put and give manifests, and say
+what it holds. How the pipeline uses a lane of tiers (how many copies, placement among
+peers, an upload interval, which twins share the uploads, retention) is the lane's policy
+(:mod:`tierfs.pipeline.policy`), not the tier's. The rest of the node takes tiers as
+values, orders them by :attr:`Tier.cost` and never asks which kind it holds; what it must
+know of a tier is a capability it declares (:attr:`Tier.shared`, :attr:`Tier.address`,
+:attr:`Tier.volatile`, ...), never its class or its name. Adding a tier is one module that
+implements this class and one line where the daemon assembles its tiers
+(:func:`tierfs.daemon.tiers.node_tiers`).
 
 The contract every tier keeps (``tests/tiers/`` runs one suite over all of them):
 
@@ -42,7 +44,6 @@ from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST_BYTES
 from tierfs.tiers.twins import share
 
 if TYPE_CHECKING:
-    from tierfs.config import Config
     from tierfs.core.keys import ManifestKeys
     from tierfs.core.manifest import Manifest
 
@@ -181,9 +182,6 @@ class Tier(ABC):
     shared: bool = False  # one store every rank of the job shares (a bucket): its listing answers for every rank
     address: Address | None = None  # another node's peer service: the node the job's coordination names
 
-    def __init__(self) -> None:
-        self.cfg: Config | None = None
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
@@ -303,44 +301,13 @@ class Tier(ABC):
         """What ``tierfs status`` shows of the tier."""
         return {"name": self.name, "kind": self.kind, "where": self.where}
 
-    def lane_report(self) -> dict[str, object]:
-        """What the status of this tier's lane adds about the tier (its URL, its peers)."""
-        return {"label": self.where}
-
-    # -- policy hooks ----------------------------------------------------------------------
-
-    def configure(self, cfg: Config) -> None:
-        """Follow the job's configuration (also when the job changes its shape)."""
-        self.cfg = cfg
-
-    def copies(self) -> int:
-        """How many tiers of this one's lane must hold each step."""
-        return 1
-
-    def twins(self) -> list[int]:
-        """The other ranks that put the same chunks here, and share the uploads (:mod:`tierfs.tiers.twins`).
-
-        Only a ``shared`` tier has them: its data-parallel twins, which back up the same
-        bytes into the same bucket. [] puts every chunk this node's step needs itself.
-        """
-        return []
-
-    def schedule(self) -> tuple[float, int]:
-        """(seconds, steps) to leave at least between two steps put here; (0, 0): every commit."""
-        return 0.0, 0
-
-    async def order(self, tiers: list[Tier]) -> list[Tier]:
-        """This lane's tiers in the order a step should try them (placement among peers)."""
-        return sorted(tiers, key=lambda t: t.cost.key())
+    # -- a step's bracket, and closing ----------------------------------------------------
 
     async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Called before the chunks of a step are put (GCS announces the upload)."""
 
     async def end_step(self, rank: int, step: int) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Called after the step's manifest is put."""
-
-    async def retain(self) -> None:  # noqa: B027 (an optional hook, a no-op by default)
-        """Apply the tier's retention once a step is on it."""
 
     async def aclose(self) -> None:  # noqa: B027 (an optional hook, a no-op by default)
         """Let go of connections and files."""
@@ -353,16 +320,17 @@ async def put_step(
     pace: Callable[[], Awaitable[None]] = _no_pause,
     progress: Progress | None = None,
     seal_with: ManifestKeys | None = None,
+    twins: Sequence[int] = (),
 ) -> Pushed:
     """Put a step on ``tier``: the chunks it lacks, then the manifest (its commit point there).
 
     ``where`` locates every distinct chunk of the step in local files; ``pace`` is awaited
     before each chunk, or batch of them (:func:`batches`), is sent (the job's writes go
     first). The manifest goes sealed with ``seal_with``, the node's manifest keys (``None``:
-    a node without a secret). With twins on the tier (:meth:`Tier.twins`), the chunks it
-    lacks are shared out among them (:func:`tierfs.tiers.twins.share`): this node sends
-    those it leads, and waits, within a bound, for the others to be there before its
-    manifest goes.
+    a node without a secret). With ``twins`` (other ranks putting the same chunks on the
+    tier, as the lane's policy says), the chunks it lacks are shared out among them
+    (:func:`tierfs.tiers.twins.share`): this node sends those it leads, and waits, within a
+    bound, for the others to be there before its manifest goes.
     """
     hashes = list(where)
     data = manifest.sealed(seal_with)
@@ -391,7 +359,7 @@ async def put_step(
     shared = await share(
         missing,
         manifest.rank,
-        tier.twins(),
+        list(twins),
         exists=lambda h: tier.present(h, *where[h]),
         upload=upload,
         batched=lambda hs: batches(tier, [(h, where[h]) for h in hs]),

@@ -133,16 +133,11 @@ class DiskTier(StoredTier):
         """
         return self.store.chunk_file(h)
 
-    def configure(self, cfg: Config) -> None:
-        super().configure(cfg)
-        self.store.keep_newest = cfg.keep
-        self.store.milestones = Milestones.from_config(cfg)
-
-    async def retain(self) -> None:
+    async def retain(self, keep_newest: int, milestones: Milestones) -> None:
+        """Drop each rank's steps past its ``keep_newest`` newest and its milestones (as the
+        lane's policy asks), then the chunks nothing needs (:meth:`ReplicaStore.retain`)."""
+        self.store.keep_newest, self.store.milestones = keep_newest, milestones
         await self._do(self.store.retain)
 
     def report(self) -> dict[str, object]:
         return {"name": self.name, "kind": self.kind, "where": self.where, "path": str(self.root), **self._stats}
-
-    def lane_report(self) -> dict[str, object]:
-        return {"label": str(self.root), "path": str(self.root)}

@@ -35,7 +35,6 @@ from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys
 from tierfs.core.manifest import split_seal
 from tierfs.core.milestones import Milestones
-from tierfs.peers.placement import job_twins
 from tierfs.tiers.base import (
     Cost,
     Holdings,
@@ -313,10 +312,6 @@ class GcsTier(Tier):
 
     # -- a step's bracket and retention --------------------------------------------------
 
-    def twins(self) -> list[int]:
-        """The job's data-parallel twins of this rank, as its configuration says now (the shape may change)."""
-        return job_twins(self.cfg) if self.cfg is not None else []
-
     async def begin_step(self, rank: int, step: int, hashes: Sequence[str]) -> None:
         self._absent.clear()  # what a step before learned may be stale
         await self._run(self.store.put_pending, rank, step, hashes)
@@ -324,30 +319,13 @@ class GcsTier(Tier):
     async def end_step(self, rank: int, step: int) -> None:
         await self._run(self.store.delete_pending, rank, step)
 
-    async def retain(self) -> None:
-        """One collector per job is enough (rank 0's): it covers every rank's manifests and milestones."""
-        cfg = self.cfg
-        if cfg is not None and cfg.rank == 0:
-            milestones = Milestones.from_config(cfg)
-            result = await self._run(
-                lambda: self.store.collect_garbage(cfg.keep, cfg.gc_grace, cfg.nodes, milestones=milestones)
-            )
-            log.info("GCS retention: %s", result)
-
-    def schedule(self) -> tuple[float, int]:
-        cfg = self.cfg
-        return (cfg.backup_interval, cfg.backup_interval_steps) if cfg is not None else (0.0, 0)
-
-    def lane_report(self) -> dict[str, object]:
-        return {
-            "label": self.url,
-            "url": self.url,
-            "sealed": bool(self.store.seals),
-            "backup_interval_s": self.cfg.backup_interval if self.cfg is not None else 0.0,
-        }
+    async def collect(self, keep_newest: int, grace: float, nodes: int, milestones: Milestones) -> dict[str, int]:
+        """Retention and garbage collection of the job's objects
+        (:meth:`~tierfs.tiers.gcs_gc.GarbageCollection.collect_garbage`): counts of what went."""
+        return await self._run(lambda: self.store.collect_garbage(keep_newest, grace, nodes, milestones=milestones))
 
     def report(self) -> dict[str, object]:
-        return {**super().report(), "url": self.url}
+        return {**super().report(), "url": self.url, "sealed": bool(self.store.seals)}
 
 
 def _no_later(created: float | None, before: float) -> bool:

@@ -90,13 +90,15 @@ class Rollback(GcsBucket):
         raise GcsError(f"cannot set aside {self.url_of(name)}: the object keeps changing")
 
     def get_aside(self, to: int, rank: int, step: int) -> bytes:
-        """A set-aside manifest's bytes, read and opened as :meth:`get_manifest` reads the original's."""
+        """A set-aside manifest's bytes, read and opened as
+        :meth:`~tierfs.tiers.gcs_store.GcsStore.get_manifest` reads the original's."""
         return self._read_manifest(self._aside_name(to, rank, step), rank, step)
 
     def list_aside(self) -> dict[int, ManifestListing]:
         """Every set-aside manifest, by the step its rollback went back to: each a listing like
-        :meth:`list_manifests`'s (with keys, only those whose seal verifies), whose created
-        times are when each was set aside. Other names under ``aside/`` are ignored."""
+        :meth:`~tierfs.tiers.gcs_store.GcsStore.list_manifests`'s (with keys, only those whose
+        seal verifies), whose created times are when each was set aside. Other names under
+        ``aside/`` are ignored."""
         found: dict[int, list[tuple[int, int, storage.Blob]]] = {}
         for to, rank, step, blob in self._aside_objects(None):
             found.setdefault(to, []).append((rank, step, blob))

@@ -149,7 +149,8 @@ class GarbageCollection(GcsBucket):
         }
 
     def _aside_names(self) -> list[tuple[str, int, int]]:
-        """(object name, rank, step) of every manifest set aside (:meth:`list_aside`)."""
+        """(object name, rank, step) of every manifest set aside
+        (:meth:`~tierfs.tiers.gcs_aside.Rollback.list_aside`)."""
         return [
             (self._aside_name(to, rank, step), rank, step)
             for to, listing in self.list_aside().items()

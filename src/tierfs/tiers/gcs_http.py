@@ -35,7 +35,7 @@ T = TypeVar("T")
 
 RETRY_DELAYS = (0.2, 1.0)  # sleeps between the three attempts of one request
 CONNECT_TIMEOUT = 10.0  # a connect that takes longer is an outage, however big the object
-POOL_SIZE = 32  # pooled connections: room for 16 worker threads plus the collector's
+POOL_SIZE = 32  # pooled connections: room for the tier's worker threads plus the collector's (gcs_gc.GC_THREADS)
 LIST_PAGE = 1000
 CONTENT_TYPE = "application/octet-stream"
 

@@ -1,9 +1,11 @@
 """Another node's RAM, reached through the peer protocol: one :class:`PeerTier` per peer.
 
-The protocol itself (framing, authentication, TLS, the server and its replica store) is
-:mod:`tierfs.peers`; this module only speaks it as a tier. All the peers of a node share one
-:class:`~tierfs.peers.network.PeerNetwork`, which knows their state for ``tierfs status``
-and places replicas (twins first, one close peer, then distant ones).
+The protocol itself (framing, authentication, TLS) is :mod:`tierfs.peers`, and the service
+that answers it, with its replica store, :mod:`tierfs.store`; this module only speaks it as
+a tier. All the peers of a node share one :class:`~tierfs.peers.network.PeerNetwork`, which
+knows their state for ``tierfs status`` and the ranks and topology placement needs:
+:meth:`PeerTier.order` puts replicas on twins first, then one close peer, then distant ones
+(:mod:`tierfs.peers.placement`).
 
 Connections are pooled (:mod:`tierfs.peers.pool`): a step's chunks and a restore's
 fetches each cost one request, not a handshake.
@@ -19,7 +21,6 @@ import trio
 
 from tierfs.peers.client import PeerClient
 from tierfs.peers.network import PeerNetwork
-from tierfs.peers.placement import choose
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import MAX_BATCH, PeerError, PeerUnavailable
 from tierfs.tiers.base import (
@@ -155,7 +156,7 @@ class PeerTier(Tier):
             report.topology,
         )
 
-    # -- what it says about itself, and placement --------------------------------------
+    # -- what it says about itself -----------------------------------------------------
 
     def report(self) -> dict[str, object]:
         return {**super().report(), **self._seen()}
@@ -164,28 +165,6 @@ class PeerTier(Tier):
         """What the network last saw of this peer: state, rank, error."""
         name = peer_name(self.address)
         return next((s for s in self.network.status() if s.get("address") == name), {})
-
-    def lane_report(self) -> dict[str, object]:
-        replicas = self.network.cfg.replicas
-        return {"label": f"{replicas} replica(s)", "replicas": replicas, "known": self.network.status()}
-
-    def copies(self) -> int:
-        return self.network.cfg.replicas
-
-    async def order(self, tiers: list[Tier]) -> list[Tier]:
-        """Placement: data-parallel twins first, then one close peer, then distant ones."""
-        cfg = self.network.cfg
-        by_address = {t.address: t for t in tiers if isinstance(t, PeerTier)}
-        candidates = choose(
-            cfg.rank,
-            cfg.topology,
-            await self.network.discover(),
-            len(cfg.peers),
-            cfg.nodes,
-            cfg.data_parallel,
-            set(cfg.peer_ranks) if cfg.peer_ranks is not None else None,
-        )
-        return [by_address[p.address] for p in candidates if p.address in by_address]
 
 
 def peer_tiers(network: PeerNetwork) -> list[PeerTier]:

@@ -245,13 +245,10 @@ class Daemon:
 
     def _reconfigure(self, cfg: Config) -> None:
         """The job changed its shape (its replicator.yaml): every part follows the new configuration."""
-        self.cfg = self.planner.cfg = cfg
-        self.view.nodes = cfg.nodes
-        if self.coordinating is not None:
-            self.coordinating.reconfigure(cfg)
-        if self.network is not None:
-            self.network.cfg = cfg
-        _built(self.replicator).reconfigure(cfg)  # and every tier's configuration
+        self.cfg = cfg
+        for part in (self.planner, self.view, self.coordinating, self.network, self.replicator):
+            if part is not None:
+                part.reconfigure(cfg)
 
     def retention_floor(self) -> int | None:
         """The newest step every rank holds somewhere, never past one this node holds complete:

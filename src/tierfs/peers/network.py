@@ -63,6 +63,10 @@ class PeerNetwork:
         self._seen: dict[tuple[str, int], dict[str, object]] = {}  # address -> last known state, for status
         self._known: dict[tuple[str, int], PeerInfo] = {}  # who answered at an address, until it fails
 
+    def reconfigure(self, cfg: Config) -> None:
+        """The job changed its shape (nodes, data parallelism, the ranks holding its data)."""
+        self.cfg = cfg
+
     @property
     def cfg(self) -> Config:
         """The configuration, its ``peers`` the addresses known now."""

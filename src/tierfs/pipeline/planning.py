@@ -76,6 +76,10 @@ class RestorePlanner:
         self.missing: list[str] = []  # the nodes' tiers that had not answered when the step was chosen
         self.rolled_back: tuple[int, float] | None = None  # the rollback this node made (step, when), if asked
 
+    def reconfigure(self, cfg: Config) -> None:
+        """The job changed its shape: the next choice follows it."""
+        self.cfg = cfg
+
     def announced_step(self) -> int | None:
         """The step chosen at start, until the job commits a newer one (then it has moved on)."""
         chosen = self.restore_step

@@ -29,10 +29,14 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import trio
 
 from tierfs.tiers.base import Holdings, Tier, TierError, first_line
+
+if TYPE_CHECKING:
+    from tierfs.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +165,10 @@ class ClusterView:
     def __init__(self, nodes: int, tiers: Sequence[Tier], local=None):
         self.nodes, self.tiers, self.local = nodes, tiers, local
         self.last: Survey | None = None
+
+    def reconfigure(self, cfg: Config) -> None:
+        """The job's size changed: a complete step needs every one of its ranks."""
+        self.nodes = cfg.nodes
 
     def retention_floor(self) -> int | None:
         """The newest step complete on *every* rank of the job (None while unknown).

@@ -53,12 +53,12 @@ reported as CPU-seconds per GiB moved (median).
 
 Run it when the machine is quiet::
 
-    .venv/bin/python scripts/bench_io.py --json docs/bench-io.json --plot docs/bench-io.png
+    .venv/bin/python scripts/bench_io.py --json scripts/results/bench-io.json --plot docs/bench-io.png
     .venv/bin/python scripts/bench_io.py --quick         # smoke test: 128M, 2 rounds, 200 files
     .venv/bin/python scripts/bench_io.py --files-only --data-paths passthrough  # the checkpoint row alone
     .venv/bin/python scripts/bench_io.py --modes psync --bs 1M --jobs 1,4 --files 0 --size 1G \
         --segment 1G          # plain and preallocated 1 GiB writes, as fio writes them by default
-    .venv/bin/python scripts/bench_io.py --replot docs/bench-io.json --plot out.png
+    .venv/bin/python scripts/bench_io.py --replot scripts/results/bench-io.json --plot out.png
 
 The default run (512 MiB per measurement, 5 rounds) takes about 21 minutes on 2 cores, most
 of it in the warm-ups (about 16 with ``--fallocate none``, which leaves the preallocated

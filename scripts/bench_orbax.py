@@ -20,7 +20,7 @@ about 2 GiB, Orbax's buffers and the files), the checkpoint deleted right after 
 the side that goes first alternating from round to round, medians of >= 5 rounds, ratios
 taken between the medians of this run.
 
-    .venv/bin/python scripts/bench_orbax.py --json docs/bench-orbax.json
+    .venv/bin/python scripts/bench_orbax.py --json scripts/results/bench-orbax.json
     .venv/bin/python scripts/bench_orbax.py --quick       # 256M, 2 rounds
 
 About 2.5 minutes on 2 cores with the defaults, 3.5 with ``--data-paths passthrough,daemon``

@@ -35,8 +35,8 @@ d. A backup of one step to GCS, D = 16 data-parallel twins per shard (the job si
    uploads every chunk it does not find, losers read the object back: up to 2D-1).
 
     .venv/bin/python scripts/bench_scale.py [--nodes 1000,4000,10000] [--quick] [--backups-only]
-        [--json docs/bench-scale.json] [--plot docs/bench-scale.png]
-    .venv/bin/python scripts/bench_scale.py --replot docs/bench-scale.json --plot docs/bench-scale.png
+        [--json scripts/results/bench-scale.json] [--plot docs/bench-scale.png]
+    .venv/bin/python scripts/bench_scale.py --replot scripts/results/bench-scale.json --plot docs/bench-scale.png
 
 The full run takes about 25 minutes of one core (18 of them for 10,000 nodes) and the
 backups a few minutes more; ``--backups-only`` runs d alone; ``--quick`` runs 100 and 400

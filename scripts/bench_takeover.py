@@ -11,7 +11,7 @@ pause of a round is the longest call of each writer from the event until the suc
 answers ``tierfs status``, less that writer's median call before the event. ``--rounds``
 rounds per event and data path, alternating the events; median and maximum reported.
 
-    .venv/bin/python scripts/bench_takeover.py [--rounds 5] [--json docs/bench-takeover.json]
+    .venv/bin/python scripts/bench_takeover.py [--rounds 5] [--json scripts/results/bench-takeover.json]
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from tierfs.ramtier import SpaceAccount
 from tierfs.ramtier.steps import Steps
 from tierfs.store import server as peer_server
 from tierfs.store.replicas import ReplicaStore
-from tierfs.tiers.base import Tier, by_cost
+from tierfs.tiers.base import NodeTiers, Tier
 from tierfs.tiers.peer import PeerTier
 
 log = logging.getLogger("tierfs")
@@ -105,7 +105,7 @@ class ClusterWatch:
         self,
         interval: Callable[[], float],
         view: ClusterView,
-        tiers: list[Tier],
+        tiers: NodeTiers,
         replicator: Replicator,
         *,
         network: PeerNetwork | None,
@@ -122,7 +122,7 @@ class ClusterWatch:
         known = {t.address for t in self.tiers if t.address is not None}
         new: list[Tier] = [PeerTier(self.network, a) for a in self.network.cfg.peers if a not in known]
         if new:
-            self.tiers[:] = by_cost([*self.tiers, *new])  # in place: the parts built at start share the list
+            self.tiers.add(new)
             self.replicator.add_tiers(new)
         if self.coordinating is not None:
             self.coordinating.follow()

@@ -55,7 +55,7 @@ from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.steps import Steps
 from tierfs.store.replicas import ReplicaStore
-from tierfs.tiers.base import Tier
+from tierfs.tiers.base import NodeTiers
 from tierfs.tiers.local import LocalTier, OwnSteps
 
 log = logging.getLogger("tierfs")
@@ -124,7 +124,7 @@ class Daemon:
                 report=lambda: status.ram(self.rank, self.space, bounded=self.cfg.capacity is not None),
             ),
         )
-        self.tiers: list[Tier] = [self.local]  # every tier of this node, cheapest first; the rest at start
+        self.tiers = NodeTiers([self.local])  # every tier of this node, cheapest first; the rest at start
         self.view = ClusterView(cfg.nodes, self.tiers, self.local)
         self.coordinating = (
             NodeCoordination(cfg, self.network, self.steps, self.tiers, self._replicas, self._restore_step)
@@ -192,13 +192,15 @@ class Daemon:
                 local=self.local.own,
                 keep_from=self.retention_floor,
             )
-        self.tiers[:] = node_tiers(  # in place: the parts built above hold this list
-            cfg,
-            self.local,
-            self.network,
-            keep_from=self.retention_floor,
-            warn=self._warn,
-            restorable_without_gcs=bool(self.steps.states) or self.network is not None or cfg.disk is not None,
+        self.tiers.replace(
+            node_tiers(  # the parts built above read it
+                cfg,
+                self.local,
+                self.network,
+                keep_from=self.retention_floor,
+                warn=self._warn,
+                restorable_without_gcs=bool(self.steps.states) or self.network is not None or cfg.disk is not None,
+            )
         )
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])

@@ -68,7 +68,8 @@ class PeerPolicy(LanePolicy):
         peers = [t for t in tiers if isinstance(t, PeerTier)]
         if not peers:
             return []
-        cfg, network = self.cfg, peers[0].network
+        network = peers[0].network
+        cfg = network.cfg  # with the peers known now: a DNS name gives more after the start
         by_address = {t.address: t for t in peers}
         candidates = choose(
             cfg.rank,

@@ -70,7 +70,7 @@ class Replicator:
         self,
         cfg: Config,
         steps: Steps,
-        tiers: list[Tier],
+        tiers: Sequence[Tier],
         last_write: Callable[[], float] = lambda: 0.0,
         retention_floor: Callable[[], int | None] | None = None,
         ram_short: Callable[[], bool] = lambda: False,

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, overload
 
 import trio
 
@@ -433,3 +433,32 @@ def rotate_equals(tiers: Sequence[Tier], prefer: int) -> list[Tier]:
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
+
+
+class NodeTiers(Sequence[Tier]):
+    """Every tier of one node, cheapest first: one owner changes it, every other part reads it.
+
+    The parts of a node are built before its tiers are all known (its RAM first, the others
+    at start, peers a DNS name gives later), so they hold this object and read it each time
+    they act. Only its owner (the daemon, and the cluster task it runs) changes it, through
+    :meth:`replace` and :meth:`add`; a part never does.
+    """
+
+    def __init__(self, tiers: Sequence[Tier] = ()):
+        self._tiers: list[Tier] = by_cost(tiers)
+
+    @overload
+    def __getitem__(self, i: int) -> Tier: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[Tier]: ...
+    def __getitem__(self, i: int | slice) -> Tier | Sequence[Tier]:
+        return self._tiers[i]
+
+    def __len__(self) -> int:
+        return len(self._tiers)
+
+    def replace(self, tiers: Sequence[Tier]) -> None:
+        self._tiers = by_cost(tiers)
+
+    def add(self, tiers: Sequence[Tier]) -> None:
+        self._tiers = by_cost([*self._tiers, *tiers])

@@ -13,7 +13,6 @@ import logging
 
 import trio
 
-from tierfs.discovery import dns
 from tierfs.discovery.spec import DnsSource, PeerSpec
 
 log = logging.getLogger(__name__)
@@ -50,13 +49,15 @@ class PeerDirectory:
         return self.addresses()
 
     async def _resolve(self, source: DnsSource) -> None:
+        from tierfs.discovery.dns import DnsError  # noqa: PLC0415 (loaded by source.resolve anyway: see there)
+
         error = None
         try:
             with trio.fail_after(self.timeout):
                 found = await source.resolve()
         except trio.TooSlowError:
             error = f"no answer within {self.timeout:g}s"
-        except dns.DnsError as e:
+        except DnsError as e:
             error = str(e)
         except OSError as e:  # the network, not the answer: e.g. no route to the DNS server
             error = e.strerror or str(e)

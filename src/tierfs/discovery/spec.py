@@ -26,7 +26,6 @@ from itertools import product
 
 from tierfs.core.errors import UserError
 from tierfs.core.parse import parse_address
-from tierfs.discovery import dns
 
 MAX_PEERS = 100_000  # addresses --peers may expand to: a survey asks every one of them
 
@@ -57,6 +56,9 @@ class DnsSource:
 
     async def resolve(self) -> list[tuple[str, int]]:
         """The peers this name gives now (no deadline here: the caller sets it)."""
+        # dnspython takes ~70 ms to import: only a node given a DNS name pays it, not every start.
+        from tierfs.discovery import dns  # noqa: PLC0415
+
         if self.kind == "dns+srv":
             return await dns.services(self.name, self.server)
         port = self.port

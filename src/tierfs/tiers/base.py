@@ -289,12 +289,6 @@ class Tier(ABC):
         """
         return []
 
-    async def rollback_at(self, step: int, *, record: bool = False) -> float | None:
-        """When the job was rolled back to ``step``, as this tier keeps it for every node of
-        the job (None: never, or this tier keeps no such record); ``record`` makes the record
-        now unless one exists, and returns its time."""
-        return None
-
     # -- what it says about itself ---------------------------------------------------------
 
     def report(self) -> dict[str, object]:

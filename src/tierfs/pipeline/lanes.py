@@ -59,8 +59,8 @@ class Lane:
 
     def milestones_owed(self, states: Mapping[int, StepState], milestones: Milestones, now: float) -> list[StepState]:
         """The milestones among ``states`` newer than the lane's last put step that it lacks, oldest first."""
-        if not milestones or not (self.lead.shared or self.lead.spill):
-            return []  # peers keep no milestones
+        if not milestones or not self.policy.keeps_milestones:
+            return []
         after = self.last_step
         return [
             s

@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 class LanePolicy:
     """The rules of a lane whose tiers are alternatives that each take every step at once."""
 
+    keeps_milestones = False  # its retention keeps --keep-every's steps: a milestone must reach it
+
     def __init__(self, cfg: Config):
         self.cfg = cfg
 
@@ -92,6 +94,8 @@ class BackupPolicy(LanePolicy):
     """The bucket: at the backup interval, uploads shared with data-parallel twins, and one
     collector per job (rank 0's), which covers every rank's manifests and milestones."""
 
+    keeps_milestones = True
+
     def schedule(self) -> tuple[float, int]:
         return self.cfg.backup_interval, self.cfg.backup_interval_steps
 
@@ -118,6 +122,8 @@ class BackupPolicy(LanePolicy):
 
 class DiskPolicy(LanePolicy):
     """This node's disk: each rank's ``--keep`` newest steps and milestones."""
+
+    keeps_milestones = True
 
     async def retain(self, tier: Tier) -> None:
         if isinstance(tier, DiskTier):

@@ -67,7 +67,7 @@ def measure(files: int) -> dict[str, list[int]]:
     times: dict[str, list[int]] = {k: [] for k in KINDS}
     try:
         os.mkdir(os.path.join(tree, "step.tmp"))
-        step, _ = ops.lookup_sync(abi.ROOT_ID, b"step.tmp")
+        step, _ = ops.lookup(abi.ROOT_ID, b"step.tmp")
         for i in range(files):
             name = b"shard-%05d\0" % i
             times["getattr"].append(feed.serve(abi.GETATTR, step, abi.GETATTR_IN.pack(0, 0, 0)))
@@ -75,8 +75,8 @@ def measure(files: int) -> dict[str, list[int]]:
             times["create"].append(
                 feed.serve(abi.CREATE, step, abi.CREATE_IN.pack(CREATE_FLAGS, 0o100644, 0o022, 0) + name)
             )
-            fh = max(ops._files)  # the descriptor just opened is the highest one
-            ino = ops._files[fh]
+            fh = max(ops.handles.files)  # the descriptor just opened is the highest one
+            ino = ops.handles.files[fh]
             times["getxattr"].append(
                 feed.serve(abi.GETXATTR, ino, abi.GETXATTR_IN.pack(0, 0) + b"security.capability\0")
             )

@@ -136,8 +136,8 @@ async def test_whole_files_pass_through_and_share_one_backing_file(mounted):
         second = os.open(path, os.O_RDONLY)
         try:
             os.pwrite(first, b"b" * 10, 0)
-            opens = m.ops.backing.opens(os.stat(m.tree / "f").st_ino)
-            return opens, len(m.ops.backing), os.pread(second, 12, 0)
+            opens = m.ops.hooks.backing.opens(os.stat(m.tree / "f").st_ino)
+            return opens, len(m.ops.hooks.backing), os.pread(second, 12, 0)
         finally:
             os.close(first)
             os.close(second)
@@ -146,13 +146,13 @@ async def test_whole_files_pass_through_and_share_one_backing_file(mounted):
     assert (opens, handles) == (2, 2)  # both opens of the inode use one backing id
     assert head == b"b" * 10 + b"aa"
     await trio.sleep(0.2)  # releases reach the daemon after close() returns
-    assert len(m.ops.backing) == 0 and m.ops.counters["passthrough_opens"] == 3
+    assert len(m.ops.hooks.backing) == 0 and m.ops.counters["passthrough_opens"] == 3
     assert m.ops.counters["bytes_written"] == 0  # the kernel wrote, not the daemon
 
 
 async def test_a_session_without_passthrough_serves_every_byte(mounted):
     m = await mounted(want_passthrough=False)
-    assert m.session.data_path == "daemon" and m.ops.backing is None
+    assert m.session.data_path == "daemon" and m.ops.hooks.backing is None
     data = os.urandom(3 << 20)
 
     def use():
@@ -241,9 +241,9 @@ class CountingReads(Operations):
         self.reads += 1
         return super().read_size(fh, off, size)
 
-    def read_sync(self, fh, off, size):  # a read copied through the daemon
+    def read(self, fh, off, size):  # a read copied through the daemon
         self.reads += 1
-        return super().read_sync(fh, off, size)
+        return super().read(fh, off, size)
 
 
 async def test_the_page_cache_is_kept_while_valid_and_dropped_after_a_direct_write(mounted):
@@ -423,7 +423,7 @@ async def test_a_daemon_path_open_keeps_later_opens_off_passthrough(mounted):
 
     m = await mounted()
     (m.tree / "f").write_bytes(b"z" * 8192)
-    m.ops.restoring = restoring = Restoring()
+    m.ops.hooks.restoring = restoring = Restoring()
     restoring.ino = os.stat(m.tree / "f").st_ino
 
     def use():
@@ -455,7 +455,7 @@ async def test_no_other_task_sees_a_release_half_done(mounted):
 
     assert await m.run(write_then_look_up) is False
     # no sleep: this task could not run before the release was done
-    assert len(m.ops.backing) == 0 and m.ops.writing_inodes() == set()
+    assert len(m.ops.hooks.backing) == 0 and m.ops.writing_inodes() == set()
     assert m.ops.counters["passthrough_opens"] == 1
 
 
@@ -488,7 +488,7 @@ def test_a_release_is_done_before_any_request_that_could_tell(shm_dir):
         flags = os.O_WRONLY | os.O_CREAT
         create = abi.CREATE_IN.pack(flags, stat.S_IFREG | 0o644, 0o022, 0)
         assert session._serve(_request(abi.CREATE, pyfuse3.ROOT_INODE, create + b"marker\0")) is None
-        (fh,) = list(ops._files)
+        (fh,) = list(ops.handles.files)
         os.pwrite(fh, b"done", 0)
         session._serve(_request(abi.RELEASE, pyfuse3.ROOT_INODE, abi.RELEASE_IN.pack(fh, flags, 0, 0)))
         session._serve(_request(abi.GETATTR, pyfuse3.ROOT_INODE, abi.GETATTR_IN.pack(0, 0, 0)))
@@ -514,16 +514,16 @@ def test_the_last_release_of_an_unlinked_file_frees_its_space_at_once(shm_dir):
         create = abi.CREATE_IN.pack(flags, stat.S_IFREG | 0o644, 0o022, 0)
         for name in (b"kept", b"gone"):
             session._serve(_request(abi.CREATE, pyfuse3.ROOT_INODE, create + name + b"\0"))
-        kept, gone = sorted(ops._files)
+        kept, gone = sorted(ops.handles.files)
         for fh in (kept, gone):
             os.pwrite(fh, b"x" * (1 << 20), 0)  # as the kernel's passthrough writes do
             space.update(os.fstat(fh))
         used = space.used
         trio.run(ops.unlink, pyfuse3.ROOT_INODE, b"gone", None)
         session._serve(_request(abi.RELEASE, pyfuse3.ROOT_INODE, abi.RELEASE_IN.pack(kept, flags, 0, 0)))
-        assert kept in ops._files, "a linked file's release waits for an idle moment"
+        assert kept in ops.handles.files, "a linked file's release waits for an idle moment"
         session._serve(_request(abi.RELEASE, pyfuse3.ROOT_INODE, abi.RELEASE_IN.pack(gone, flags, 0, 0)))
-        assert gone not in ops._files and space.used <= used - (1 << 20)
+        assert gone not in ops.handles.files and space.used <= used - (1 << 20)
     finally:
         os.close(session.fd)
         ops.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 
@@ -227,3 +228,26 @@ def pwrite_all(fd: int, data: bytes | bytearray | memoryview, offset: int) -> No
         while view:
             n = os.pwrite(fd, view, offset)
             view, offset = view[n:], offset + n
+
+
+FLAG_IOCTLS = {FS_IOC_GETFLAGS, FS_IOC_SETFLAGS, FS_IOC_FSGETXATTR, FS_IOC_FSSETXATTR}  # lsattr's and chattr's
+# The setters, and the flags among theirs that freeze an inode (the first word of each argument).
+FLAG_SETTERS = {
+    FS_IOC_SETFLAGS: FS_IMMUTABLE_FL | FS_APPEND_FL,
+    FS_IOC_FSSETXATTR: FS_XFLAG_IMMUTABLE | FS_XFLAG_APPEND,
+}
+
+
+def freezes(cmd: int, arg: bytes) -> bool:
+    """Whether the inode-flag setter ``cmd`` with ``arg`` makes an inode immutable or append-only."""
+    return bool(int.from_bytes(arg[:4], "little") & FLAG_SETTERS.get(cmd, 0))
+
+
+def seek_all_data(size: int, offset: int, whence: int) -> int:
+    """``SEEK_DATA``/``SEEK_HOLE`` in a file of ``size`` bytes taken as data throughout: the
+    kernel's answer for a file system without holes."""
+    if offset < 0 or whence not in (os.SEEK_DATA, os.SEEK_HOLE):
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+    if offset >= size:
+        raise OSError(errno.ENXIO, os.strerror(errno.ENXIO))
+    return offset if whence == os.SEEK_DATA else size

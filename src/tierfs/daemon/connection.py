@@ -50,7 +50,8 @@ class Connection:
             raise UserError(
                 "the daemon before served the mount on another data path: take over with the same --data-path"
             )
-        engine.record = ops.record = ops.inodes.record = self.record
+        engine.record = self.record
+        ops.keep_record(self.record)
 
     def mount(self, engine: Engine, cfg: Config) -> Engine:
         """Mount ``cfg.mountpoint`` served by ``engine``, on this connection where the keeper holds

@@ -72,7 +72,7 @@ def _built(part: T | None) -> T:
 
 
 class _VolumeEvents:
-    """What the mount tells the checkpoint machinery (:class:`tierfs.fs.volume.Events`): the RAM
+    """What the mount tells the checkpoint machinery (:class:`tierfs.fs.hooks.Events`): the RAM
     tier's steps hear of every file, and the multi-tier checkpointing node (``mtc``, once
     started) of its own protocol's files and renames."""
 
@@ -297,7 +297,7 @@ class Daemon:
 
     def _unlinked(self, st: os.stat_result) -> None:
         if self.ops is not None:
-            self.ops.link_removed(st)
+            self.ops.tree.link_removed(st)
         elif st.st_nlink <= 1:
             self.space.drop(st.st_ino)
 
@@ -370,7 +370,7 @@ class Daemon:
                 if self._beyond_ram() or self.cfg.restore_step is not None:  # a rollback of RAM alone too
                     self.restore = await self.planner.plan()
                     if self.restore is not None:
-                        _built(self.ops).restoring = self.restore
+                        _built(self.ops).hooks.restoring = self.restore
                         self.restore.on_finish = telemetry.restored
                 if self.coordinating is not None:
                     self.coordinating.settled(nursery)

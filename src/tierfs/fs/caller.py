@@ -1,4 +1,5 @@
-"""File-system calls made with the credentials of the FUSE request's caller.
+"""The credentials of the FUSE request's caller: file-system calls made with them, and the
+rules of set-id bits, umask and default ACLs that the daemon, as root, applies on its behalf.
 
 The daemon runs as root, and root passes every permission check tmpfs makes. A name the
 kernel looked up as missing may exist by the time the daemon creates it: the kernel's
@@ -31,13 +32,16 @@ import errno
 import logging
 import os
 import platform
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from tierfs.core import linux
 from tierfs.core.linux import _libc
 
 if TYPE_CHECKING:
+    from tierfs.fs.inodes import Inode
     from tierfs.fs.messages import Requester
 
 log = logging.getLogger(__name__)
@@ -49,6 +53,8 @@ NGROUPS_MAX = 65536
 STATUS_MAX = 1 << 20  # /proc/<pid>/status with NGROUPS_MAX groups of 10 digits stays below
 _GidArray = ctypes.c_uint * NGROUPS_MAX
 _CAP_SYS_ADMIN = 21
+ACL_ACCESS, ACL_DEFAULT = b"system.posix_acl_access", b"system.posix_acl_default"
+ACL_NAMES = (ACL_ACCESS, ACL_DEFAULT)
 
 
 class Caller(OSError):
@@ -155,3 +161,52 @@ def acting_as(ctx: Requester) -> Iterator[None]:
         yield
     finally:
         _restore()
+
+
+def creation_mode(parent: Inode, mode: int, ctx: Requester) -> int:
+    """``mode`` as the caller's umask leaves it, unless ``parent`` has a default ACL, which
+    then decides instead (tmpfs applies it; the daemon's own umask is 0).
+
+    With POSIX ACLs the kernel leaves the umask to the daemon (``FUSE_DONT_MASK``);
+    otherwise the mode arrives masked already and nothing is left to do."""
+    umask = getattr(ctx, "umask", 0)
+    if not mode & umask & 0o777:
+        return mode
+    try:
+        os.getxattr(parent.proc_path, ACL_DEFAULT)
+    except OSError as e:
+        if e.errno not in (errno.ENODATA, errno.EOPNOTSUPP):
+            raise
+        return mode & ~umask
+    return mode
+
+
+def has_privs(mode: int) -> bool:
+    """Set-uid, or set-gid with group execute (set-gid alone means mandatory locking)."""
+    return bool(mode & stat.S_ISUID or (mode & stat.S_ISGID and mode & stat.S_IXGRP))
+
+
+def drop_privs(path: str) -> None:
+    """Clear what a write by an unprivileged user clears (the daemon writes as root, which keeps them).
+
+    tmpfs clears them on an append-only file too (its check of the flag comes before), where
+    a chmod is refused: the flag is lifted for the chmod and put back."""
+    mode = os.stat(path).st_mode
+    if not has_privs(mode):
+        return
+    dropped = stat.S_IMODE(mode) & ~stat.S_ISUID & ~(stat.S_ISGID if mode & stat.S_IXGRP else 0)
+    try:
+        os.chmod(path, dropped)
+    except PermissionError:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            flags = linux.get_flags(fd)
+            if not flags & linux.FS_APPEND_FL:
+                raise
+            linux.set_flags(fd, flags & ~linux.FS_APPEND_FL)
+            try:
+                os.fchmod(fd, dropped)
+            finally:
+                linux.set_flags(fd, flags)
+        finally:
+            os.close(fd)

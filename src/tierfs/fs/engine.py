@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import pyfuse3
 
 from tierfs.config import DataPath, Engine
+from tierfs.fs.pyfuse3_faces import Pyfuse3Volume
 from tierfs.fs.session import KernelSession
 
 if TYPE_CHECKING:
@@ -80,7 +81,7 @@ class Pyfuse3Engine:
         self.ops.writes.threads = 1  # its writes are answered before they are applied: in order
         options = {f"fsname={fsname}", "subtype=tierfs", "allow_other", "default_permissions"}
         try:
-            pyfuse3.init(self.ops, mountpoint, options | ({"ro"} if read_only else set()))
+            pyfuse3.init(Pyfuse3Volume(self.ops), mountpoint, options | ({"ro"} if read_only else set()))
         except RuntimeError as e:
             raise OSError(f"{e} (is /dev/fuse available?)") from None
 

@@ -1,21 +1,26 @@
 """The arguments of FUSE requests in the shapes the handlers take, and the kernel's replies
 packed from the attributes they give.
 
-Apart from the kernel session so that :class:`~tierfs.fs.operations.Operations` can fill a
-directory listing of the session's own engine (:class:`DirBuffer`) as it fills pyfuse3's,
-and take a caller (:class:`Context`) or the attributes to change (:class:`SetattrFields`)
-from either engine alike.
+Apart from the kernel session so that :class:`~tierfs.fs.operations.Operations` takes a
+caller (:class:`Context`) or the attributes to change (:class:`SetattrFields`) from either
+engine alike, and gives the kernel's ``struct fuse_attr`` (:func:`fuse_attr`) to the
+session's own engine, whose directory listings fill a :class:`DirBuffer`.
 """
 
 from __future__ import annotations
 
+import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-import pyfuse3
-
 from tierfs.fs import abi
+
+_NS = 1_000_000_000
+# Every change goes through the daemon, so the kernel may cache names and attributes (for
+# this long); writes, renames and unlinks invalidate what they touch in the kernel itself.
+ATTR_TIMEOUT = 1.0
 
 
 @dataclass(slots=True)
@@ -74,26 +79,36 @@ class SetattrFields:
         self.atime_now = bool(valid & abi.FATTR_ATIME_NOW)
         self.mtime_now = bool(valid & abi.FATTR_MTIME_NOW)
 
+    @classmethod
+    def of(cls, fields: object) -> SetattrFields:
+        """pyfuse3's fields (which know neither set-id drops nor "now")."""
+        own = cls(0)
+        for name in ("update_atime", "update_mtime", "update_mode", "update_uid", "update_gid", "update_size"):
+            setattr(own, name, bool(getattr(fields, name)))
+        return own
+
 
 class DirBuffer:
-    """A READDIRPLUS reply being filled by ``Operations.readdir``, up to the kernel's size."""
+    """A READDIRPLUS reply being filled by ``Operations.readdir``, up to the kernel's size;
+    ``entry`` packs an entry's ``fuse_entry_out``."""
 
-    __slots__ = ("size", "parts", "used")
+    __slots__ = ("size", "parts", "used", "entry")
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, entry: Callable[[int, os.stat_result], bytes]):
         self.size = size
         self.parts: list[bytes] = []
         self.used = 0
+        self.entry = entry
 
-    def add(self, name: bytes, attr: pyfuse3.EntryAttributes, next_id: int) -> bool:
+    def add(self, name: bytes, ino: int, st: os.stat_result, next_id: int) -> bool:
         """Append one entry; False (and nothing appended) once the reply is full."""
         namelen = len(name)
         length = abi.ENTRY_OUT.size + abi.DIRENT.size + namelen
         padded = (length + 7) & ~7
         if self.used + padded > self.size:
             return False
-        self.parts.append(entry_out(attr))
-        self.parts.append(abi.DIRENT.pack(attr.st_ino, next_id, namelen, stat.S_IFMT(attr.st_mode) >> 12))
+        self.parts.append(self.entry(ino, st))
+        self.parts.append(abi.DIRENT.pack(ino, next_id, namelen, stat.S_IFMT(st.st_mode) >> 12))
         self.parts.append(name + b"\0" * (padded - length))
         self.used += padded
         return True
@@ -109,37 +124,27 @@ def timeout(seconds: float) -> tuple[int, int]:
 FuseAttr = tuple[int, int, int, int, int, int, int, int, int, int, int, int, int, int, int, int]
 
 
-def attr_fields(a: pyfuse3.EntryAttributes) -> FuseAttr:
-    at, mt, ct = a.st_atime_ns, a.st_mtime_ns, a.st_ctime_ns
+def fuse_attr(ino: int, st: os.stat_result, nlink: int) -> FuseAttr:
+    """``st`` as the kernel's ``struct fuse_attr`` of ``ino``, with the link count users see."""
+    at, mt, ct = st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns
     return (
-        a.st_ino,
-        a.st_size,
-        a.st_blocks,
-        at // 1_000_000_000,
-        mt // 1_000_000_000,
-        ct // 1_000_000_000,
-        at % 1_000_000_000,
-        mt % 1_000_000_000,
-        ct % 1_000_000_000,
-        a.st_mode,
-        a.st_nlink,
-        a.st_uid,
-        a.st_gid,
-        a.st_rdev,
-        a.st_blksize,
+        ino,
+        st.st_size,
+        st.st_blocks,
+        at // _NS,
+        mt // _NS,
+        ct // _NS,
+        at % _NS,
+        mt % _NS,
+        ct % _NS,
+        st.st_mode,
+        nlink,
+        st.st_uid,
+        st.st_gid,
+        st.st_rdev,
+        st.st_blksize,
         0,
     )
-
-
-def entry_out(a: pyfuse3.EntryAttributes) -> bytes:
-    entry_s, entry_ns = timeout(a.entry_timeout)
-    attr_s, attr_ns = timeout(a.attr_timeout)
-    return abi.ENTRY_OUT.pack(a.st_ino, a.generation, entry_s, attr_s, entry_ns, attr_ns, *attr_fields(a))
-
-
-def attr_out(a: pyfuse3.EntryAttributes) -> bytes:
-    attr_s, attr_ns = timeout(a.attr_timeout)
-    return abi.ATTR_OUT.pack(attr_s, attr_ns, 0, *attr_fields(a))
 
 
 def split_names(body: memoryview, count: int) -> list[bytes]:

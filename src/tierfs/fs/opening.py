@@ -1,7 +1,8 @@
-"""Opening files: the create that gives a new file to its caller, and the choice, at every
-open, of how the kernel will read and write it.
+"""Opening files and letting them go: the create that gives a new file to its caller, the
+choice, at every open, of how the kernel will read and write it, and the last close that
+frees an unlinked file.
 
-Apart from the data path because an open decides what the data path is: kernel passthrough
+A part of its own because an open decides what the data path is: kernel passthrough
 for a whole file when the engine has it and nothing forbids it, else the daemon, with
 direct I/O or the page cache according to the kind of open. A create is also the one place
 a file is made as root and handed to its caller after, the hot path of every checkpoint.
@@ -12,18 +13,22 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pyfuse3
 
 from tierfs.core import linux
 from tierfs.fs import recovery
-from tierfs.fs.caller import Caller, acting_as
-from tierfs.fs.inodes import O_PATH_FLAGS, Inode
-from tierfs.fs.volume import Volume, drop_privs, errors_to_fuse, has_privs
+from tierfs.fs.caller import Caller, acting_as, creation_mode, drop_privs, has_privs
+from tierfs.fs.inodes import O_PATH_FLAGS, Inode, InodeTable
 
 if TYPE_CHECKING:
+    from tierfs.fs.handles import Handles
+    from tierfs.fs.hooks import Hooks
     from tierfs.fs.messages import Requester
+    from tierfs.fs.writing import Writing
+    from tierfs.ramtier.space import SpaceAccount
 
 # Flags that the kernel has already acted on, or that the backing open must not see.
 # O_APPEND among them: the kernel gives every write its offset (for an O_APPEND open, the
@@ -32,18 +37,31 @@ if TYPE_CHECKING:
 _STRIP_OPEN_FLAGS = os.O_CREAT | os.O_EXCL | os.O_NOCTTY | os.O_NOFOLLOW | os.O_DIRECT | os.O_APPEND
 
 
-class Opening(Volume):
-    """Handlers that open files."""
+class Opener:
+    """Opens backing files for the kernel's opens, and records each in the handle table."""
 
-    @errors_to_fuse
-    async def open(self, inode: int, flags: int, ctx: Requester, kill_privs: bool | None = None) -> pyfuse3.FileInfo:
-        """``kill_privs``: the kernel says the truncate of an ``O_TRUNC`` open drops set-id
+    def __init__(
+        self,
+        inodes: InodeTable,
+        handles: Handles,
+        space: SpaceAccount,
+        writing: Writing,
+        hooks: Hooks,
+        writes_done: Callable[[], None],
+    ) -> None:
+        self.inodes = inodes
+        self.handles = handles
+        self.space = space
+        self.writing = writing
+        self.hooks = hooks
+        self.writes_done = writes_done  # every queued write in: an O_TRUNC of a raced create comes after them
+        self.counters = {"opens": 0, "passthrough_opens": 0}
+
+    def open(self, inode: int, flags: int, ctx: Requester, kill_privs: bool | None) -> pyfuse3.FileInfo:
+        """Open ``inode`` (whose writes and restore are in, when it is opened for writing).
+        ``kill_privs``: the kernel says the truncate of an ``O_TRUNC`` open drops set-id
         bits (its caller lacks CAP_FSETID); pyfuse3 does not pass it on, so there a caller
         other than root does."""
-        if flags & os.O_ACCMODE != os.O_RDONLY or flags & os.O_TRUNC:
-            await self._settle(inode)
-            self.writes_done(inode)
-            self._detach(self.inodes[inode])
         node = self.inodes[inode]
         try:
             fd = os.open(node.proc_path, (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC)
@@ -57,29 +75,30 @@ class Opening(Volume):
             drop_privs(f"/proc/self/fd/{fd}")  # as tmpfs' truncate does (the daemon truncated as root)
         return self._open_backing(inode, node, fd, flags, ctx)
 
-    def create_sync(
-        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Requester, resumed: int | None = None
+    def create(
+        self, parent_inode: int, name: bytes, mode: int, flags: int, ctx: Requester, resumed: int | None
     ) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """Create ``name``, or open it if another creator made it after the kernel's lookup.
 
         The common case, a name still free, is an exclusive create as root and a chown of
         the new descriptor (no name is looked at twice). A name that turned out to be taken
         is opened with the caller's credentials (:func:`~tierfs.fs.caller.acting_as`), so
-        tmpfs makes the checks the kernel would have made on it.
+        tmpfs makes the checks the kernel would have made on it, once every queued write
+        is in.
 
         ``resumed``: the request was begun at that time (ns) by a daemon that died before
         answering it; a regular file made since is taken as this request's own, and given
         to the caller if the daemon died before it could be."""
         parent = self.inodes[parent_inode]
         bflags = (flags & ~_STRIP_OPEN_FLAGS) | os.O_CLOEXEC
-        mode = stat.S_IMODE(self._creation_mode(parent, mode, ctx))
+        mode = stat.S_IMODE(creation_mode(parent, mode, ctx))
         try:
             fd = os.open(name, bflags | os.O_CREAT | os.O_EXCL, mode, dir_fd=parent.fd)
             created = True
         except FileExistsError:
             ours: os.stat_result | None = None  # a regular file this request's first run made
             if resumed is not None:
-                st = self._lstat_at(parent.fd, name)
+                st = _lstat_at(parent.fd, name)
                 if st is not None and stat.S_ISREG(st.st_mode) and st.st_ctime_ns >= resumed:
                     ours = st
             if ours is not None and ours.st_uid == 0 and ctx.uid != 0:  # made as root, never chowned
@@ -87,7 +106,7 @@ class Opening(Volume):
             elif flags & os.O_EXCL and ours is None:
                 raise
             else:
-                self.writes_done()  # O_TRUNC must come after writes still queued for it
+                self.writes_done()
                 fd, created = self._open_raced(parent, name, bflags, mode, ctx), False
         try:
             if created:
@@ -99,8 +118,7 @@ class Opening(Volume):
         fi = self._open_backing(ino, self.inodes[ino], fd, flags, ctx, st)
         return fi, ino, st
 
-    @errors_to_fuse
-    async def tmpfile(
+    def tmpfile(
         self, parent_inode: int, mode: int, flags: int, ctx: Requester
     ) -> tuple[pyfuse3.FileInfo, int, os.stat_result]:
         """An unnamed file in ``parent_inode`` (``O_TMPFILE``), the caller's as a create's is.
@@ -108,7 +126,7 @@ class Opening(Volume):
         Always linkable on the backing side: whether the caller may give it a name
         (``O_EXCL`` forbids it) is the kernel's to enforce on its own inode."""
         parent = self.inodes[parent_inode]
-        mode = stat.S_IMODE(self._creation_mode(parent, mode, ctx))
+        mode = stat.S_IMODE(creation_mode(parent, mode, ctx))
         fd = os.open(".", (flags & ~_STRIP_OPEN_FLAGS) | os.O_TMPFILE | os.O_CLOEXEC, mode, dir_fd=parent.fd)
         try:
             self._give_to_caller(fd, parent, ctx)
@@ -119,6 +137,47 @@ class Opening(Volume):
         node = self.inodes[ino]
         node.orphaned = True  # its space goes at its last close, unless it is linked meanwhile
         return self._open_backing(ino, node, fd, flags, ctx, st), ino, st
+
+    def adopt(self, h: recovery.Handle) -> None:
+        """Take on a handle a dead predecessor opened (reopened at its own descriptor number)."""
+        if h.is_dir:
+            self.handles.add_dir(h.fh)
+            return
+        self._opened(h.ino, self.inodes[h.ino], h.fh, h.flags)
+        if h.kind & recovery.PASSTHROUGH:
+            assert self.hooks.backing is not None  # set from the same record's INIT (KernelSession.take_over)
+            self.hooks.backing.adopt(h.ino, h.fh, h.backing_id)
+            if h.flags & os.O_ACCMODE != os.O_RDONLY:
+                self.writing.watch(h.fh, os.fstat(h.fh))
+                self.handles.passthrough_writers.add(h.fh)
+        if h.kind & recovery.KILL_PRIVS:
+            self.handles.kill_privs.add(h.fh)
+        if h.kind & recovery.DIRECT:
+            self.handles.direct.add(h.fh)
+
+    def frees_space(self, fh: int) -> bool:
+        """Whether releasing ``fh`` gives space back: the last open of an unlinked file.
+        tmpfs frees it at close, so the kernel session does such a release at once."""
+        node = self.inodes.get(self.handles.files.get(fh, -1))
+        return node is not None and node.orphaned and node.opens == 1
+
+    def release(self, fh: int) -> None:
+        """Let go of ``fh`` (its writes released): the descriptor, the backing file, and the
+        inode's count of opens, whose last frees an orphaned file's space."""
+        ino = self.handles.remove_file(fh)
+        if self.hooks.backing is not None:
+            self.hooks.backing.detach(fh)
+        os.close(fh)
+        node = self.inodes.get(ino)
+        if node is None:
+            return
+        node.opens -= 1
+        if node.open_fd == fh:
+            node.open_fd = -1
+        if node.orphaned and node.opens == 0:
+            self.space.drop(os.fstat(node.fd).st_ino)
+            self.inodes.unpin(ino)
+        self.inodes.forget(ino, 0)  # the kernel may have forgotten it while it was open
 
     @staticmethod
     def _path_fd(fd: int, parent: Inode, name: bytes) -> tuple[int, os.stat_result]:
@@ -154,7 +213,7 @@ class Opening(Volume):
         except OSError as e:
             if e.errno == errno.ELOOP:
                 raise pyfuse3.FUSEError(errno.ESTALE) from None
-            st = None if isinstance(e, Caller) else self._lstat_at(parent.fd, name)
+            st = None if isinstance(e, Caller) else _lstat_at(parent.fd, name)
             if st is not None and not stat.S_ISREG(st.st_mode):
                 raise pyfuse3.FUSEError(errno.ESTALE) from None
             raise
@@ -182,10 +241,10 @@ class Opening(Volume):
         Not a file with set-id bits (``privileged``): a write by anyone but root drops them,
         and only the daemon sees the writes it serves. Unless the inode is passed through
         already: the kernel then fails (EIO) any open of it that is not."""
-        backing = self.backing
+        backing = self.hooks.backing
         if backing is None or backing.failed is not None or node.kind != stat.S_IFREG:
             return None
-        if self.restoring is not None and self.restoring.pending(ino):
+        if self.hooks.pending(ino):
             return None  # its reads must wait for chunks
         if node.opens - 1 > backing.opens(ino):
             return None  # an earlier open is served by the daemon: the kernel allows no mix
@@ -215,7 +274,7 @@ class Opening(Volume):
         privileged = has_privs((st or os.fstat(fd)).st_mode)
         drops_privs = accmode != os.O_RDONLY and ctx.uid != 0 and privileged
         if accmode != os.O_RDONLY and ctx.uid != 0:
-            self._unprivileged_writers.add(fd)
+            self.handles.unprivileged_writers.add(fd)
         self._opened(ino, node, fd, flags)
         backing_id = self._passes_through(ino, node, fd, privileged)
         if backing_id is not None:
@@ -224,32 +283,36 @@ class Opening(Volume):
             self.counters["passthrough_opens"] += 1
             if accmode != os.O_RDONLY:
                 self.writing.watch(fd, st or os.fstat(fd))
-                self._passthrough_writers.add(fd)
-            self._record_open(fd, ino, flags, recovery.PASSTHROUGH, backing_id)
+                self.handles.passthrough_writers.add(fd)
+            self.handles.recorded(fd, ino, flags, recovery.FILE | recovery.PASSTHROUGH, backing_id)
             return fi
         bits = 0
         if drops_privs:
             # A write by anyone but root drops set-id bits; the kernel does it only for
             # page-cache writes, so direct writes do it here, as tmpfs would.
-            self._kill_privs.add(fd)
+            self.handles.kill_privs.add(fd)
             bits |= recovery.KILL_PRIVS
-        if accmode == os.O_WRONLY or flags & os.O_DIRECT or self.backing is not None:
+        if accmode == os.O_WRONLY or flags & os.O_DIRECT or self.hooks.backing is not None:
             fi.direct_io = True
-            self._direct.add(fd)
+            self.handles.direct.add(fd)
             bits |= recovery.DIRECT
         else:
             fi.keep_cache = node.cache_valid
             node.cache_valid = True
-        self._record_open(fd, ino, flags, bits)
+        if self.handles.record is not None:
+            self.handles.recorded(fd, ino, flags, recovery.FILE | bits)
         return fi
 
     def _opened(self, ino: int, node: Inode, fd: int, flags: int) -> None:
         node.opens += 1
         node.open_fd = fd
-        self._files[fd] = ino
+        self.handles.files[fd] = ino
         if flags & os.O_ACCMODE != os.O_RDONLY:
-            self._writable.add(fd)
+            self.handles.writable.add(fd)
 
-    def _record_open(self, fd: int, ino: int, flags: int, bits: int, backing_id: int = 0) -> None:
-        if self.record is not None:
-            self.recorded(self.record, fd, ino, flags, recovery.FILE | bits, backing_id)
+
+def _lstat_at(dirfd: int, name: bytes) -> os.stat_result | None:
+    try:
+        return os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None

@@ -209,7 +209,7 @@ class SessionState:
             return linux.open_by_handle(self._tree_fd, handle, flags | os.O_NOFOLLOW)
         except PermissionError:
             if not h.flags & os.O_APPEND:
-                raise  # an append-only file (chattr +a) opens for writing only so, as in Opening.open
+                raise  # an append-only file (chattr +a) opens for writing only so, as in Opener.open
             return linux.open_by_handle(self._tree_fd, handle, flags | os.O_NOFOLLOW | os.O_APPEND)
 
     def reopen(self, ino: int) -> int | None:

@@ -72,11 +72,11 @@ class Releases(Requests):
         :meth:`_finish_releases`); the record marks it, so that a successor finishes it if
         this daemon dies first (the kernel, answered, does not send it again)."""
         fh = abi.RELEASE_IN.unpack_from(body)[0]
-        known = self.ops.has_handle(fh)  # not: sent again, done before a predecessor died
+        known = fh in self.ops.handles  # not: sent again, done before a predecessor died
         if known:
             if self.record is not None:
                 self.record.releasing(fh)
             self._released.append(fh)  # done by _settle/_finish_releases
         self._reply(unique, [])
-        if known and self.ops.release_frees_space(fh):  # before anything queued behind it may need the space
+        if known and self.ops.opener.frees_space(fh):  # before anything queued behind it may need the space
             self._finish_releases()

@@ -9,7 +9,7 @@ reply kept once known. A request sent again whose reply was kept gets that reply
 had begun but has no reply is run again, and the error a first run would cause is read as
 the sign that it did run: the name now exists and changed since the request began
 (``EEXIST``), or is gone (``ENOENT``, ``ENODATA``). A create run again opens the file its
-first run made (:meth:`~tierfs.fs.opening.Opening.create_sync`).
+first run made (:meth:`~tierfs.fs.opening.Opener.create`).
 """
 
 from __future__ import annotations

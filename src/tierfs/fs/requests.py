@@ -22,7 +22,7 @@ import trio
 
 from tierfs.fs import abi, replay
 from tierfs.fs.backing import BackingFiles
-from tierfs.fs.messages import Context, DirBuffer, SetattrFields, attr_out, entry_out, split_names, timeout
+from tierfs.fs.messages import ATTR_TIMEOUT, Context, DirBuffer, SetattrFields, split_names, timeout
 
 if TYPE_CHECKING:
     from tierfs.fs.operations import Operations
@@ -90,7 +90,7 @@ class Requests:
 
     def __init__(self, ops: Operations):
         self.ops = ops
-        valid = timeout(ops.attr_timeout)
+        valid = timeout(ATTR_TIMEOUT)
         self._entry_valid = (0, valid[0], valid[0], valid[1], valid[1])  # generation, entry and attr timeouts
         self._attr_valid = (valid[0], valid[1], 0)
         # Handlers that never wait, served where the request was read: no coroutine, no
@@ -159,13 +159,13 @@ class Requests:
         if offered & _ACL == _ACL:
             want |= _ACL
         granted = offered & want
-        self.ops.acl = bool(granted & abi.POSIX_ACL)
+        self.ops.hooks.acl = bool(granted & abi.POSIX_ACL)
         if granted & abi.PASSTHROUGH:
             self.backing = BackingFiles(self.fd)
         elif self.want_passthrough:
             self.refused = f"the kernel does not offer FUSE passthrough (protocol {major}.{minor})"
             log.warning("%s: files are served by the daemon", self.refused)
-        self.ops.backing = self.backing
+        self.ops.hooks.backing = self.backing
         if self.record is not None:  # a successor serves on as this handshake left the connection
             self.record.save_init(
                 {
@@ -173,7 +173,7 @@ class Requests:
                     "offered": offered,
                     "granted": granted,
                     "max_write": self.max_write,
-                    "acl": self.ops.acl,
+                    "acl": self.ops.hooks.acl,
                     "passthrough": self.backing is not None,
                 }
             )
@@ -216,9 +216,9 @@ class Requests:
             if replay.done_already(opcode, err):
                 reply = []
             elif err == errno.EEXIST and name is not None:
-                ino, st = self.ops.lookup_sync(nodeid, name)
+                ino, st = self.ops.lookup(nodeid, name)
                 if st.st_ctime_ns < began:  # it was there before: the first run failed too
-                    self.ops.forget_sync([(ino, 1)])
+                    self.ops.forget([(ino, 1)])
                     self._fail(opcode, unique, e)
                     return
                 reply = [self._entry_now(ino, st)]
@@ -234,23 +234,21 @@ class Requests:
         return abi.ENTRY_OUT.pack(ino, *self._entry_valid, *self.ops.fuse_attr(ino, st))
 
     def _lookup(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
-        return [self._entry_now(*self.ops.lookup_sync(nodeid, bytes(body[:-1])))]
+        return [self._entry_now(*self.ops.lookup(nodeid, bytes(body[:-1])))]
 
     def _forget(self, nodeid: int, body: memoryview, ctx: Context) -> None:
-        self.ops.forget_sync([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
+        self.ops.forget([(nodeid, abi.FORGET_IN.unpack_from(body)[0])])
 
     def _batch_forget(self, nodeid: int, body: memoryview, ctx: Context) -> None:
         count, _ = abi.BATCH_FORGET_IN.unpack_from(body)
-        self.ops.forget_sync(
-            abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size :][: count * abi.FORGET_ONE.size])
-        )
+        self.ops.forget(abi.FORGET_ONE.iter_unpack(body[abi.BATCH_FORGET_IN.size :][: count * abi.FORGET_ONE.size]))
 
     def _getattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
-        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr_sync(nodeid)))]
+        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(*self.ops.getattr(nodeid)))]
 
     def _statx(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         """GETATTR's answer with the birth time, which only statx(2) asks for."""
-        ino, st = self.ops.getattr_sync(nodeid)
+        ino, st = self.ops.getattr(nodeid)
         (_, size, blocks, at, mt, ct, atn, mtn, ctn, mode, nlink, uid, gid, rdev, blksize, _) = self.ops.fuse_attr(
             ino, st
         )
@@ -298,24 +296,25 @@ class Requests:
         attr.st_atime_ns = now if valid & abi.FATTR_ATIME_NOW else atime * 1_000_000_000 + atimensec
         attr.st_mtime_ns = now if valid & abi.FATTR_MTIME_NOW else mtime * 1_000_000_000 + mtimensec
         handle = fh if valid & abi.FATTR_FH else None
-        return [attr_out(await self.ops.setattr(nodeid, attr, SetattrFields(valid), handle, ctx))]
+        ino, st = await self.ops.setattr(nodeid, attr, SetattrFields(valid), handle, ctx)
+        return [abi.ATTR_OUT.pack(*self._attr_valid, *self.ops.fuse_attr(ino, st))]
 
     async def _readlink(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         return [await self.ops.readlink(nodeid, ctx)]
 
     async def _symlink(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         name, target = split_names(body, 2)
-        return [entry_out(await self.ops.symlink(nodeid, name, target, ctx))]
+        return [self._entry_now(*await self.ops.symlink(nodeid, name, target, ctx))]
 
     async def _mknod(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         mode, rdev, ctx.umask, _ = abi.MKNOD_IN.unpack_from(body)
         name = bytes(body[abi.MKNOD_IN.size : -1])
-        return [entry_out(await self.ops.mknod(nodeid, name, mode, rdev, ctx))]
+        return [self._entry_now(*await self.ops.mknod(nodeid, name, mode, rdev, ctx))]
 
     async def _mkdir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         mode, ctx.umask = abi.MKDIR_IN.unpack_from(body)
         name = bytes(body[abi.MKDIR_IN.size : -1])
-        return [entry_out(await self.ops.mkdir(nodeid, name, mode, ctx))]
+        return [self._entry_now(*await self.ops.mkdir(nodeid, name, mode, ctx))]
 
     async def _unlink(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         await self.ops.unlink(nodeid, bytes(body[:-1]), ctx)
@@ -340,7 +339,7 @@ class Requests:
     async def _link(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         (old,) = abi.LINK_IN.unpack_from(body)
         name = bytes(body[abi.LINK_IN.size : -1])
-        return [entry_out(await self.ops.link(old, nodeid, name, ctx))]
+        return [self._entry_now(*await self.ops.link(old, nodeid, name, ctx))]
 
     # -- files -----------------------------------------------------------------------------
 
@@ -359,7 +358,7 @@ class Requests:
     def _create(self, nodeid: int, body: memoryview, ctx: Context, resumed: int | None = None) -> Reply:
         flags, mode, ctx.umask, _ = abi.CREATE_IN.unpack_from(body)
         name = bytes(body[abi.CREATE_IN.size : -1])
-        fi, ino, st = self.ops.create_sync(nodeid, name, mode, flags, ctx, resumed)
+        fi, ino, st = self.ops.create(nodeid, name, mode, flags, ctx, resumed)
         return [self._entry_now(ino, st), self._open_out(fi)]
 
     async def _tmpfile(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
@@ -371,20 +370,21 @@ class Requests:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
         if not self.ops.read_ready(fh):
             return LATER  # waits for chunks of a file being restored
-        return [self.ops.read_sync(fh, offset, size)]
+        return [self.ops.read(fh, offset, size)]
 
     async def _read(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
-        return [await self.ops.read(fh, offset, size)]
+        await self.ops.wait_for_read(fh, offset, size)
+        return [self.ops.read(fh, offset, size)]
 
     async def _write(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, size, *_ = abi.WRITE_IN.unpack_from(body)
         # A copy: the write may be applied after this worker reads its next request.
         data = bytes(body[abi.WRITE_IN.size : abi.WRITE_IN.size + size])
-        return [abi.WRITE_OUT.pack(await self.ops.write(fh, offset, data), 0)]
+        return [abi.WRITE_OUT.pack(self.ops.write(fh, offset, data), 0)]
 
     async def _flush(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
-        await self.ops.flush(abi.FLUSH_IN.unpack_from(body)[0])
+        self.ops.flush(abi.FLUSH_IN.unpack_from(body)[0])
         return []
 
     async def _fsync(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
@@ -418,8 +418,8 @@ class Requests:
 
     async def _readdirplus(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         fh, offset, size, *_ = abi.READ_IN.unpack_from(body)
-        token = DirBuffer(size)
-        await self.ops.readdir(fh, offset, token)
+        token = DirBuffer(size, self._entry_now)
+        await self.ops.readdir(fh, offset, token.add)
         return token.parts
 
     async def _releasedir(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
@@ -450,7 +450,7 @@ class Requests:
 
     def _getxattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         size, _ = abi.GETXATTR_IN.unpack_from(body)
-        return self._sized(self.ops.getxattr_sync(nodeid, bytes(body[abi.GETXATTR_IN.size : -1])), size)
+        return self._sized(self.ops.getxattr(nodeid, bytes(body[abi.GETXATTR_IN.size : -1])), size)
 
     async def _listxattr(self, nodeid: int, body: memoryview, ctx: Context) -> Reply:
         size, _ = abi.GETXATTR_IN.unpack_from(body)

@@ -13,7 +13,7 @@ it reads right there, as long as the handler cannot wait: most requests, and all
 creating and writing a file, whose cost is mostly the daemon's Python, so they go without
 a coroutine, pyfuse3's objects, or a pass through trio's scheduler while more are queued
 (the handlers of ``_now`` in :mod:`tierfs.fs.requests`, which decodes every request and
-packs its reply, call Operations' synchronous ``*_sync`` methods). A request whose
+packs its reply, call the Operations' handlers that are not coroutines). A request whose
 handler may await (an open, truncate or read of a file still being restored) makes its
 worker hand the device to another one and await it, so it never holds up the others. Each
 worker has its own request buffer; a reply is written before the worker awaits anything
@@ -111,7 +111,7 @@ class KernelSession(Releases):
         self._data_pipe: Pipe | None = None  # holding the bytes of the write read last
         self._dev_poll = select.poll()  # whether more requests are queued
         ops.writes.threads = writers if self._pipes is not None else 1  # unspliced writes: answered first
-        ops.write_back = self.write_back
+        ops.hooks.write_back_pages = self.write_back
         self.fd = -1  # /dev/fuse, once mounted
         self.mountpoint: str | None = None
         self.backing: BackingFiles | None = None  # set once INIT granted passthrough
@@ -177,9 +177,9 @@ class KernelSession(Releases):
             self._pipes.close()  # the kernel sends writes as large as first agreed
             self._pipes = self._pipe = None
             self.ops.writes.threads = 1
-        self.ops.acl = init["acl"]
+        self.ops.hooks.acl = init["acl"]
         if init["passthrough"]:
-            self.backing = self.ops.backing = BackingFiles(fd)
+            self.backing = self.ops.hooks.backing = BackingFiles(fd)
         self._resend = bool(init["offered"] & abi.HAS_RESEND)
         if not self._resend:
             log.warning(

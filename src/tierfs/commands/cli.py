@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from tierfs import __version__
 from tierfs.commands import commit, csi, mount, secret, status, steps, unmount, upgrade
@@ -37,6 +38,11 @@ def _build() -> tuple[argparse.ArgumentParser, set[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    # Google's client libraries warn, at import, about the Python and grpcio they run on:
+    # advice for whoever installs them, not for a user of the command, whose stderr carries
+    # one line per error. (PYTHONWARNINGS still shows them.)
+    if not sys.warnoptions:
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"google\.")
     parser, known = _build()
     try:
         if argv and not argv[0].startswith("-") and argv[0] not in known:

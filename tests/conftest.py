@@ -60,8 +60,12 @@ class DaemonLogs:
     ``@pytest.mark.expect_log(regex, ...)`` or ``daemon_logs.expect(regex)``.
     """
 
-    # A text line's level, a JSON line's (--log-format json), or a traceback's first line.
-    PROBLEM = re.compile(r'^\S+ \S+ \d+ (WARNING|ERROR|CRITICAL) |^\{.*"level": "(warning|error|critical)"|^Traceback ')
+    # A text line's level, a JSON line's (--log-format json), or a traceback's first line
+    # (an exception group's is indented).
+    PROBLEM = re.compile(
+        r'^\S+ \S+ \d+ (WARNING|ERROR|CRITICAL) |^\{.*"level": "(warning|error|critical)"'
+        r"|^Traceback |^  \+ Exception Group Traceback "
+    )
 
     def __init__(self, runtime_dir: Path):
         self.runtime_dir = runtime_dir

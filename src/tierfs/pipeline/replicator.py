@@ -40,6 +40,7 @@ import trio
 from tierfs.config import Config
 from tierfs.core.atomic import write_atomically
 from tierfs.core.describe import build
+from tierfs.core.errors import UserError
 from tierfs.core.manifest import Manifest, ManifestError
 from tierfs.core.meters import Meters
 from tierfs.core.milestones import Milestones
@@ -200,7 +201,7 @@ class Replicator:
                         state.step,
                         delay,
                         error,
-                        exc_info=not isinstance(error, TierError),
+                        exc_info=not isinstance(error, (TierError, UserError)),  # their one line says it all
                     )
                     await trio.sleep(delay)
             finally:

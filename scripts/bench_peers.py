@@ -43,10 +43,18 @@ retained, share the RAM. A step is the size's bytes of fresh random data in ``--
    appends a log line to a file in node 0's mount every 10 ms, against the same without it;
    which goes first alternates per round. Background work gives way to the job's bulk writes,
    not to its log lines. Target: with / without >= 0.95.
+5. Erasure coding (``--parts erasure``, not run by default: three 6-node clusters a round),
+   implemented in scripts/bench_peers_erasure.py, whose docstring has the details: ``--erasure
+   4+2`` against ``--replicas 1`` and ``--replicas 2``, TLS, in that order or its reverse per
+   round. Every rank commits a step at once; per scheme: RAM held for other ranks / shard (goal
+   P/D = 0.5 for 4+2, within 5%), bytes sent per rank / shard, commit to on the lane and the six
+   daemons' CPU-s/GiB; then node 1 is killed, wiped and rebuilt (mount start to done, MiB/s,
+   CPU-s/GiB, every file's sha256 checked), and its time set against ``--replicas 1``'s.
 
 Memory (the VM has 24 GiB, shared): at 4 GiB the copy part peaks at 16 GiB (the staged
 step, node 0's step, its replica and the baseline's received files); the holders part holds
-the step three times (12 GiB), the writes part a step, its replica and the written file.
+the step three times (12 GiB), the writes part a step, its replica and the written file. The
+erasure part's ``--replicas 2`` holds six steps three times each (18x the size): at most 1G.
 
 Method as in docs/benchmarks.md (the balloon returns freed pages to the host ~2 s after they
 are freed): each timed part follows a tmpfs warm-up (``--warmup``, default twice the size,
@@ -115,7 +123,8 @@ from tierfs.core.errors import UserError
 MiB, GiB = 1 << 20, 1 << 30
 NODE0, PEER = "127.0.0.2", "127.0.0.3"
 STEP = 10
-PARTS = ("copy", "holders", "writes", "log")
+PARTS = ("copy", "holders", "writes", "log", "erasure")
+DEFAULT_PARTS = PARTS[:4]  # erasure: three 6-node clusters a round, asked for by name
 TLS_NAMES = {"on": "TLS", "off": "in clear"}
 TARGETS = {"on": 0.7, "off": 0.9, "writes": 0.95, "log": 0.95}
 LOG_EVERY = 0.01  # how often the log part's job appends a line, as a training loop's logger may
@@ -485,7 +494,16 @@ class Bench:
             out["writes"] = self.writes(rnd, size)
         if "log" in args.parts:
             out["log"] = self.log(rnd, size)
+        if "erasure" in args.parts:
+            out["erasure"] = erasure_part().run(self, rnd, size)
         return out
+
+
+def erasure_part():
+    """scripts/bench_peers_erasure.py (part 5), imported only when used: it imports this module."""
+    import bench_peers_erasure
+
+    return bench_peers_erasure
 
 
 def round_line(r: dict) -> str:
@@ -515,6 +533,8 @@ def round_line(r: dict) -> str:
         parts.append(
             f"replicate {mib(lg['logging'], 'seen_s')} with the job logging vs {mib(lg['quiet'], 'seen_s')} without"
         )
+    if "erasure" in r:
+        parts.append(erasure_part().round_line(r["erasure"]))
     return " MiB/s; ".join(parts) + " MiB/s"
 
 
@@ -615,6 +635,8 @@ def summarize(raw: list[dict]) -> dict:
         }
         lg["ratio"] = lg["logging_mib_s"] / lg["quiet_mib_s"]
         out["log"] = lg
+    if "erasure" in raw[0]:
+        out["erasure"] = erasure_part().summarize([r["erasure"] for r in raw])
     return out
 
 
@@ -755,6 +777,10 @@ def render(summaries: dict[int, dict]) -> str:
         "baseline: the plain copy's processes)",
         *notes,
     ]
+    if not body:  # only the erasure part ran
+        lines = []
+    if any("erasure" in s for s in summaries.values()):
+        lines.append(erasure_part().render(summaries))
     return "\n".join(lines)
 
 
@@ -773,6 +799,13 @@ def plot(path: str, summaries: dict[int, dict], title: str) -> str | None:
             bars.append((f"{label} writes replicating / alone", s["writes"]["ratio"], s["writes"]["target"]))
         if "log" in s:
             bars.append((f"{label} replication, job logging / not", s["log"]["ratio"], s["log"]["target"]))
+    if any("erasure" in s for s in summaries.values()):  # other units, a figure of its own
+        erasure = erasure_part()
+        where = erasure.plot_path(path) if bars else path
+        if erasure.plot(where, summaries, title) is None and bars:
+            progress(f"bench_peers: wrote the erasure part's figure to {where}")
+        if not bars:
+            return None
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(bars) + 1.4))
     ys = range(len(bars))[::-1]
     colors = [
@@ -820,9 +853,9 @@ def main() -> int:
     p.add_argument(
         "--parts",
         type=lambda v: v.split(","),
-        default=list(PARTS),
+        default=list(DEFAULT_PARTS),
         metavar=",".join(PARTS),
-        help=f"which parts of a round to run (default {','.join(PARTS)})",
+        help=f"which parts of a round to run (default {','.join(DEFAULT_PARTS)})",
     )
     p.add_argument("--quick", action="store_true", help="smoke run: --sizes 64M,256M --rounds 2 unless given")
     p.add_argument("--json", metavar="PATH", help="write settings, raw per-round numbers and medians")
@@ -867,7 +900,9 @@ def main() -> int:
             f"# sizes {', '.join(map(size_label, args.sizes))} in {args.files} files per step, {args.rounds} rounds "
             f"each; parts {', '.join(args.parts)}; copy: 2 nodes, --replicas 1, --peer-tls "
             f"{' and '.join(args.peer_tls)}; holders: 3 nodes, --replicas 2, TLS; writes: 2 nodes, TLS, writer "
-            f"{writer}; log: 2 nodes, TLS, a line every {LOG_EVERY * 1000:.0f} ms; a fresh cluster per part; medians",
+            f"{writer}; log: 2 nodes, TLS, a line every {LOG_EVERY * 1000:.0f} ms; "
+            + (f"{erasure_part().DESCRIPTION}; " if "erasure" in args.parts else "")
+            + "a fresh cluster per part; medians",
             flush=True,
         )
         raw: dict[int, list[dict]] = {}

@@ -18,6 +18,13 @@ what they destroy. After every restart it checks, for each node that came back:
 - its files of that step are byte-identical to what the writer wrote;
 - after a whole-job restart, every rank runs from the same step.
 
+With erasure-coded groups (``--erasure D+P`` instead of replicas) a copy confirmed on a peer
+is the group's: once a node reports a step encoded in every member, each rank's step counts
+as held by the group while D members other than that rank keep their parts (a wipe takes a
+member's parts; a member that comes back holds none of the older steps' parity). A start the
+product refuses because more of a group was lost than its parity covers is checked to be
+one the harness also sees no copy of, then made with ``--start-fresh``.
+
 A violation names the seed and the fault; the same seed replays the same schedule.
 """
 
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 import subprocess
 import time
 from collections import Counter
@@ -88,6 +96,8 @@ class Job:
     faults: Counter = field(default_factory=Counter)
     restarts: int = 0
     log: list[str] = field(default_factory=list)
+    erasure: tuple[int, int] | None = None  # (D, P) of --erasure, or None: --replicas
+    parts: dict[int, set[int]] = field(default_factory=dict)  # step -> members seen holding its parts (erasure)
 
     @property
     def n(self) -> int:
@@ -114,13 +124,24 @@ class Job:
         for i in range(self.n) if nodes is None else nodes:
             if self.cluster.nodes[i].pid is None:
                 continue
-            for s in self.status(i)["steps"]:
+            st = self.status(i)
+            for s in st["steps"]:
                 places = self.places.setdefault((i, s["step"]), {f"ram {i}"})
                 replicas = s.get("replicas") or {}
-                if replicas.get("version") == s["version"]:
+                if replicas.get("version") == s["version"] and self.erasure is None:
                     places.update(f"peer {self.node_of(a)}" for a in replicas.get("peers", ()))
                 if s["backed_up"]:
                     places.add("gcs")
+            if self.erasure is not None:
+                for step, held in st["peers"]["erasure"]["steps"].items():
+                    if held["survives"] == self.erasure[1]:  # every member holds its parts of it now
+                        self.parts[int(step)] = set(range(self.n))
+
+    def held(self, rank: int, step: int) -> bool:
+        """Whether the harness saw a copy of (rank, step) confirmed that it has not seen lost since."""
+        if self.places.get((rank, step)):
+            return True
+        return self.erasure is not None and len(self.parts.get(step, set()) - {rank}) >= self.erasure[0]
 
     def wait_confirmed(self, i: int, step: int, what: str) -> bool:
         """Wait until node i's ``step`` is on a peer (``replica``) or in GCS (``backup``); False if it never was."""
@@ -145,6 +166,8 @@ class Job:
             for places in self.places.values():
                 places.discard(f"ram {i}")
                 places.discard(f"peer {i}")
+            for members in self.parts.values():
+                members.discard(i)
 
     # -- the bounds a restore must meet --------------------------------------------------------
 
@@ -158,14 +181,14 @@ class Job:
         None when a rank that wrote has no confirmed copy left: whether it still counts
         as writing then depends on copies nobody confirmed, and nothing is claimed.
         """
-        held = {rank: {s for (r, s), p in self.places.items() if r == rank and p} for rank in self.committed}
+        held = {rank: {s for s in steps if self.held(rank, s)} for rank, steps in self.committed.items()}
         if not held or not all(held.values()):
             return None
         return max(set.intersection(*held.values()), default=None)
 
     def newest_committed(self) -> int | None:
         """The newest step committed by every rank that still has a confirmed copy of anything."""
-        ranks = [r for r in self.committed if any(p for (q, _), p in self.places.items() if q == r)]
+        ranks = [r for r, steps in self.committed.items() if any(self.held(r, s) for s in steps)]
         if not ranks:
             return None
         return max(set.intersection(*(self.committed[r] for r in ranks)), default=None)
@@ -210,7 +233,7 @@ class Job:
                 found[name] = (base / name).read_bytes()
             except FileNotFoundError:
                 pass
-        if not found and not self.places.get((i, step)):
+        if not found and not self.held(i, step):
             return False
         for name, data in files_of(i, step, self.seed).items():
             if found.get(name) != data:
@@ -275,12 +298,40 @@ def _restart(job: Job, victims: list[int], what: str) -> None:
     for i in victims:
         job.lose(i, wiped[i])
     what += f", wiped {[i for i in victims if wiped[i]]}"
-    if len(victims) == 1:
-        job.cluster.start(victims[0])
-    else:
-        job.cluster.start_all()
+    try:
+        if len(victims) == 1:
+            job.cluster.start(victims[0])
+        else:
+            job.cluster.start_all()
+    except AssertionError as e:
+        if job.erasure is None:
+            raise
+        _start_fresh_where_refused(job, str(e), what)
     job.check_restart(victims, what)
     job.observe(victims)
+
+
+def _start_fresh_where_refused(job: Job, failure: str, what: str) -> None:
+    """Starts refused because more of a group was lost than its parity covers: each must be of a
+    (rank, step) the harness sees no copy of either; then started with ``--start-fresh``."""
+    refused = {(int(r), int(s)) for r, s in re.findall(r"rank (\d+)'s step (\d+) was erasure-coded", failure)}
+    failed = {n.index for n in job.cluster.nodes if n.pid is None}
+    if not refused or failed != {rank for rank, _ in refused}:
+        raise Violation(f"seed {job.seed} ({what}): a start failed: {failure}")
+    for rank, step in sorted(refused):
+        if job.held(rank, step):
+            raise Violation(
+                f"seed {job.seed} ({what}): rank {rank} refused to start without step {step}, "
+                f"which the harness saw held ({job.summary(step)}, members with parts {job.parts.get(step)})"
+            )
+    job.log.append(f"{what}: refused for {sorted(refused)}, started fresh")
+    for node in (job.cluster.nodes[rank] for rank in failed):
+        node.environ["TIERFS_START_FRESH"] = "1"
+    try:
+        job.cluster.start_all()
+    finally:
+        for node in (job.cluster.nodes[rank] for rank in failed):
+            del node.environ["TIERFS_START_FRESH"]
 
 
 def _net_cut(job: Job) -> None:
@@ -304,8 +355,8 @@ def _gcs_outage(job: Job) -> None:
     job.log.append(f"GCS frozen during step {job.step}")
 
 
-def make_job(base: Path, nodes: int, seed: int) -> tuple[Job, list]:
-    """The job and the things to close afterwards (in order)."""
+def make_job(base: Path, nodes: int, seed: int, erasure: str | None = None) -> tuple[Job, list]:
+    """The job and the things to close afterwards (in order); ``erasure``: ``--erasure`` instead of ``--replicas 1``."""
     gcs = GcsEmulator(base / "gcs")
     closers: list = [gcs.stop]
     gcs.start()
@@ -314,7 +365,7 @@ def make_job(base: Path, nodes: int, seed: int) -> tuple[Job, list]:
         base / "nodes",
         nodes,
         "chaos",
-        replicas=1,
+        **({"erasure": erasure} if erasure else {"replicas": 1}),
         capacity="256M",
         chunk_size="1M",
         gcs="gs://chaos/ckpt",
@@ -324,4 +375,5 @@ def make_job(base: Path, nodes: int, seed: int) -> tuple[Job, list]:
     closers.insert(0, cluster.close)
     net = NetCut(f"tierfs_chaos_{seed % 100000}")
     closers.insert(0, net.close)
-    return Job(cluster, gcs, net, seed, random.Random(seed)), closers
+    shape = tuple(int(x) for x in erasure.split("+")) if erasure else None
+    return Job(cluster, gcs, net, seed, random.Random(seed), erasure=shape), closers  # type: ignore[arg-type]

@@ -27,10 +27,10 @@ def chaos_job(monkeypatch):
     """A job of 4 daemons and a GCS emulator of its own; everything stopped and removed afterwards."""
     made = []
 
-    def make(nodes: int = 4):
+    def make(nodes: int = 4, erasure: str | None = None):
         s = seed()
         base = Path("/dev/shm") / f"tierfs-chaos-{uuid.uuid4().hex[:10]}"
-        job, closers = make_job(base, nodes, s)
+        job, closers = make_job(base, nodes, s, erasure)
         made.append((base, closers))
         for name, value in job.gcs.environ().items():
             monkeypatch.setenv(name, value)
@@ -51,11 +51,20 @@ def run(job, faults: int) -> None:
         print(f"chaos seed {job.seed} (replay: TIERFS_CHAOS_SEED={job.seed}); schedule so far:")
         print("\n".join(job.log))
         raise
-    print(f"chaos seed {job.seed}: {sum(job.faults.values())} faults {dict(job.faults)}, {job.restarts} restarts")
+    refused = sum("started fresh" in line for line in job.log)
+    print(
+        f"chaos seed {job.seed}: {sum(job.faults.values())} faults {dict(job.faults)}, {job.restarts} restarts"
+        + (f", {refused} refused as beyond the group's parity" if refused else "")
+    )
 
 
 def test_a_seeded_schedule_of_faults_never_loses_the_newest_step(chaos_job):
     run(chaos_job(), int(os.environ.get("TIERFS_CHAOS_FAULTS", "40")))
+
+
+def test_erasure_groups_under_faults_never_lose_the_newest_step(chaos_job):
+    """Three daemons in one 2+1 group: a kill of two (wiped) is more than its parity covers."""
+    run(chaos_job(3, erasure="2+1"), int(os.environ.get("TIERFS_CHAOS_FAULTS", "20")))
 
 
 @pytest.mark.slow

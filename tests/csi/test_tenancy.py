@@ -250,6 +250,11 @@ def test_engine_is_the_admins_unless_allowed(plugin_factory, tmp_path):
             "volume attribute 'replicas' '4' is over the node's ceiling max-replicas=3",
         ),
         (
+            {"erasure": "6+4", "peers": "127.0.0.9:{7420..7429}"},
+            "",
+            "volume attribute 'erasure' (4 parity parts) is over the node's ceiling max-erasure-parity=3",
+        ),
+        (
             {"peers": "node-{0..4999}.svc:7420"},
             "",
             "volume attribute 'peers' (5000 addresses) is over the node's ceiling max-peers=4096",

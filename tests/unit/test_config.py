@@ -115,3 +115,28 @@ def test_start_fresh_from_the_flag_or_the_environment(monkeypatch, argv, env, ex
     parser = argparse.ArgumentParser()
     mount.add_parser(parser.add_subparsers())
     assert mount.config_from_args(parser.parse_args(argv)).start_fresh is expected
+
+
+PEERED = {"mountpoint": "/mnt/x", "listen": "127.0.0.2:7000", "peers": "127.0.0.3:7000", "secret": "s" * 20}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"erasure": "4x2", "nodes": 6}, r"invalid --erasure '4x2': expected D\+P, e.g. 4\+2"),
+        ({"erasure": "40+2", "nodes": 50}, r"D=40: a stripe has 1 to 32 data parts"),
+        ({"erasure": "4+5", "nodes": 9}, r"P=5: a stripe has 1 to 4 parity parts"),
+        ({"erasure": "4+2", "nodes": 5}, r"a group has 6 ranks and the job has 5"),
+        ({"erasure": "4+2", "nodes": 6, "replicas": 2}, r"--erasure and --replicas exclude each other"),
+        ({"erasure": "4+2", "nodes": 6, "listen": None}, r"needs the peer service"),
+    ],
+)
+def test_erasure_rejects(values, message):
+    with pytest.raises(UserError, match=message):
+        Config.build(**{**PEERED, **values})
+
+
+def test_erasure_gives_its_shape():
+    cfg = Config.build(**PEERED, erasure=" 4+2 ", nodes=6)
+    assert (cfg.erasure, cfg.erasure_shape.d, cfg.erasure_shape.p) == ("4+2", 4, 2)
+    assert Config.build(**PEERED, nodes=6).erasure_shape is None

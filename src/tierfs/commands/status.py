@@ -106,6 +106,8 @@ def render(s: dict) -> str:
         for peer in lane.get("known", ()):
             rank = "" if peer["rank"] is None else f" rank {peer['rank']}"
             lines.append(f"        {peer['address']}{rank}: {peer['state']}")
+        if group := lane.get("erasure"):
+            lines += erasure_lines(group)
     for st in s.get("steps", []):
         b, r = st["backup"], st["replicas"]
         where = [f"from {st['source']}" if st["source"] != "local" else "committed"]
@@ -170,6 +172,19 @@ def goodput_lines(g: dict, failures: int) -> list[str]:
             f"           at an MTBF of {_seconds(g['mtbf_s'])}: goodput {g['goodput_ratio']:.1%}; "
             f"a step every {_seconds(best)} would give {g.get('optimal_goodput_ratio') or 0:.1%}"
         )
+    return lines
+
+
+def erasure_lines(group: dict) -> list[str]:
+    """The erasure group under its lane: who answers, and per step how many more losses it survives."""
+    lines = [
+        f"        group of ranks {', '.join(map(str, group['members']))}: "
+        f"{len(group['answering'])} answering, {format_size(group['parity_bytes'])} of parity held here"
+    ]
+    for step, held in group["steps"].items():
+        left = held["survives"]
+        state = f"survives {left} more loss(es)" if left >= 0 else f"cannot be rebuilt ({-left} part(s) short)"
+        lines.append(f"        step {step}: {state}; rebuildable ranks {held['rebuildable'] or 'none'}")
     return lines
 
 

@@ -23,7 +23,7 @@ from tierfs.config.options import HOST_ADDRESS_OPTIONS as HOST_ADDRESS_OPTIONS
 from tierfs.config.options import HOST_PATH_OPTIONS as HOST_PATH_OPTIONS
 from tierfs.config.options import OPTIONS as OPTIONS
 from tierfs.config.options import TLS_FILE_OPTIONS as TLS_FILE_OPTIONS
-from tierfs.core import chunks
+from tierfs.core import chunks, stripes
 from tierfs.core.commit import CommitRules, parse_rules
 from tierfs.core.errors import UserError
 from tierfs.core.keys import ManifestKeys, bucket_seals, manifest_keys, split_secrets
@@ -103,6 +103,7 @@ class Config:
     peers: tuple[tuple[str, int], ...] = ()  # fixed addresses, brace patterns expanded
     peer_dns: tuple[DnsSource, ...] = ()  # names the daemon resolves (and re-resolves)
     replicas: int = 1  # peers that hold a copy of each committed step
+    erasure: str | None = None  # "D+P": groups of D+P ranks hold each other's steps as erasure-coded parity instead
     secret: bytes | None = field(default=None, repr=False)  # the job's peer secret
     older_secrets: tuple[bytes, ...] = field(default=(), repr=False)  # only verify manifests made under them
     # Peer traffic: TLS 1.3 keyed from the secret, or from these mounted files (all three or none).
@@ -173,6 +174,10 @@ class Config:
             v["peers"] = tuple(p for p in peers if p != v.get("listen"))  # a node is not its own peer
         if "topology" in v and isinstance(v["topology"], str):
             v["topology"] = _parse_labels(v["topology"])
+        if v.get("erasure") is not None:
+            if "replicas" in v:
+                raise UserError("--erasure and --replicas exclude each other: parity replaces the replicas")
+            v["erasure"] = str(v["erasure"]).strip()
         secret_file = v.pop("secret_file", None)
         if secret_file is not None:
             try:
@@ -239,6 +244,7 @@ class Config:
             raise UserError(f"invalid --replicas {self.replicas}: between 1 and the {len(self.peers)} peer(s) given")
         if self.peer_dns and self.replicas < 1:
             raise UserError(f"invalid --replicas {self.replicas}: at least 1")
+        _check_erasure(self)
         if self.data_parallel < 1 or self.nodes % self.data_parallel:
             raise UserError(f"invalid --data-parallel {self.data_parallel}: it must divide --nodes {self.nodes}")
         if self.gcs is not None:
@@ -274,6 +280,11 @@ class Config:
         return bucket_seals(self.job, self.secret, self.older_secrets)
 
     @property
+    def erasure_shape(self) -> stripes.Group | None:
+        """The D+P of ``--erasure``, or None: the peers then keep ``--replicas`` copies."""
+        return stripes.parse_shape(self.erasure) if self.erasure is not None else None
+
+    @property
     def rank_dir(self) -> Path:
         """This (job, rank)'s own directory on the RAM tier."""
         return self.ramdisk / self.job / f"rank-{self.rank}"
@@ -297,6 +308,23 @@ def _parse_peer_tls(v: dict[str, Any]) -> None:
     for key in _TLS_FILES:
         if key in v:
             v[key] = Path(os.path.abspath(v[key]))
+
+
+def _check_erasure(cfg: Config) -> None:
+    """``--erasure D+P``: a shape a group can have, among enough ranks, with peers to send parity to."""
+    if cfg.erasure is None:
+        return
+    try:
+        shape = stripes.parse_shape(cfg.erasure)
+    except stripes.BadGroup as e:
+        why = str(e).removeprefix(f"--erasure {cfg.erasure!r}: ")
+        raise UserError(f"invalid --erasure {cfg.erasure!r}: {why}") from None
+    if cfg.nodes < shape.size:
+        raise UserError(
+            f"invalid --erasure {cfg.erasure}: a group has {shape.size} ranks and the job has {cfg.nodes} (--nodes)"
+        )
+    if not cfg.listen or not (cfg.peers or cfg.peer_dns):
+        raise UserError(f"--erasure {cfg.erasure} needs the peer service: give --listen and --peers")
 
 
 def _check_peer_tls(cfg: Config) -> None:

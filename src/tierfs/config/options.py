@@ -60,6 +60,8 @@ OPTIONS = {
     "peers": "the other nodes' peer services: HOST:PORT,..., patterns like node-{0..15}:7420, "
     "dns:NAME:PORT (a headless Service's addresses) or dns+srv:NAME (SRV records)",
     "replicas": "peers that keep a copy of each committed step (default 1)",
+    "erasure": "D+P, e.g. 4+2: instead of replicas, ranks form groups of D+P that keep each other's steps as "
+    "erasure-coded parity, P/D of a step's size per node, and survive any P losses per group",
     "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
     "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
     "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",

@@ -5,7 +5,8 @@ Every volume attribute was weighed for what it costs beyond the job itself:
 - ``restore-wait`` holds the pod's start (and a plugin thread) while peers stay silent;
 - ``prefetch`` and ``chunk-size`` set a restore's connections and the bytes in flight in
   the daemon's memory, which the plugin's container pays (prefetch x chunk-size);
-- ``replicas`` multiplies what every commit sends over the node's network;
+- ``replicas`` multiplies what every commit sends over the node's network, and so does the
+  P of ``erasure`` (D+P: each commit sends P shards' worth of data parts);
 - ``keep`` multiplies what stays on the node's ``--disk`` (and in the cluster's bucket);
 - ``peers`` is how many addresses the daemon surveys and connects to: a long list of
   someone else's addresses would make it a scanner run from the node;
@@ -36,7 +37,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tierfs.config import LOG_LEVELS, Config
-from tierfs.core import chunks
+from tierfs.core import chunks, stripes
 from tierfs.core.errors import UserError
 from tierfs.core.parse import parse_duration, parse_size
 from tierfs.discovery.spec import parse_peers
@@ -63,6 +64,14 @@ def _addresses(text: str, what: str) -> float:
     if str(text).strip().lower() == "auto":
         raise UserError("peers: auto is expanded later")
     return float(len(parse_peers(text, what).addresses))
+
+
+def _parity(text: str, what: str) -> float:
+    """The P of an ``erasure`` value: whole shards each commit sends."""
+    try:
+        return float(stripes.parse_shape(text).p)
+    except stripes.BadGroup as e:
+        raise UserError(f"invalid {what}: {e}") from None
 
 
 def _duration(text: str, what: str) -> float:
@@ -97,6 +106,7 @@ class Bound:
     least: float  # the smallest bound that leaves a valid daemon configuration
     spends: str  # what it keeps from the node, as KEYS and the docs say it
     measure: Callable[[str, str], float] | None = None  # the attribute's number, when not ``read``
+    unit: str = ""  # what ``measure`` counts, in a refusal: " addresses"
 
     def value_of(self, text: str) -> float:
         """The attribute's value as a number; UserError when the daemon would refuse it anyway."""
@@ -177,6 +187,20 @@ BOUNDS = (
         1,
         "the most addresses a volume's `peers` may expand to, each surveyed and connected to (default 4096)",
         measure=_addresses,
+        unit=" addresses",
+    ),
+    Bound(
+        "max-erasure-parity",
+        "erasure",
+        "3",
+        True,
+        _count,
+        _int,
+        1,
+        "the most parity parts P a volume's `erasure` (D+P) may ask: each commit sends P shards' worth over the "
+        "node's network (default 3)",
+        measure=_parity,
+        unit=" parity parts",
     ),
     Bound(
         "min-survey-interval",
@@ -274,10 +298,10 @@ def fill(bounds: dict[str, float], options: dict[str, str]) -> None:
 
 
 def _refusal(bound: Bound, asked: str, value: float, limit: float) -> str:
-    what, unit = (f"({value:.0f} addresses)", " addresses") if bound.measure else (repr(asked[:40]), "")
+    what = f"({value:.0f}{bound.unit})" if bound.measure else repr(asked[:40])
     side, verb = ("over the node's ceiling", "at most") if bound.upper else ("under the node's floor", "at least")
     change = "raise the ceiling" if bound.upper else "lower the floor"
     return (
         f"volume attribute {bound.attribute!r} {what} is {side} {bound.key}={bound.show(limit)} ({WHERE}): "
-        f"ask for {verb} {bound.show(limit)}{unit}, or ask the admin to {change}"
+        f"ask for {verb} {bound.show(limit)}{bound.unit}, or ask the admin to {change}"
     )

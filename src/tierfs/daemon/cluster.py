@@ -26,6 +26,7 @@ from tierfs.ramtier import SpaceAccount
 from tierfs.ramtier.steps import Steps
 from tierfs.store import server as peer_server
 from tierfs.store.replicas import ReplicaStore
+from tierfs.store.stripe_service import StripeService
 from tierfs.tiers.base import NodeTiers, Tier
 from tierfs.tiers.peer import PeerTier
 
@@ -75,6 +76,7 @@ async def serve_peers(
     store: ReplicaStore,
     info: Callable[[], dict],
     coordinating: NodeCoordination | None,
+    stripes: StripeService | None = None,
     *,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -89,6 +91,7 @@ async def serve_peers(
         task_status=task_status,
         tls=peer_tls(cfg),
         messages=coordinating.handle if coordinating is not None else None,
+        stripes=stripes,
         # a coordinator keeps one pooled connection per member, and long polls
         max_connections=max(peer_server.MAX_CONNECTIONS, 2 * cfg.nodes + 64),
     )

@@ -116,6 +116,7 @@ class StatusCollector(Collector):
         )
         yield from self._steps(s)
         yield from self._peers(s)
+        yield from self._erasure((s.get(Lane.PEERS) or {}).get("erasure"))
         yield from self._restore(s)
         yield from self._goodput(s.get("goodput") or {})
         if (times := self._requests()) is not None:
@@ -172,6 +173,23 @@ class StatusCollector(Collector):
         for state in ("up", "down", "unknown"):
             peers.add_metric([*self.labels, state], sum(p.get("state") == state for p in known))
         yield peers
+
+    def _erasure(self, group: dict | None) -> Iterator[Metric]:
+        """With --erasure: what this node holds for its group, and what the group's newest step survives."""
+        if group is None:
+            return
+        yield self._gauge("tierfs_erasure_parity_bytes", "Parity this node holds for its group", group["parity_bytes"])
+        yield self._gauge(
+            "tierfs_erasure_members_answering", "Members of this node's group that answered", len(group["answering"])
+        )
+        steps = group["steps"]
+        if steps:
+            newest = steps[max(steps, key=int)]
+            yield self._gauge(
+                "tierfs_erasure_survivable_losses",
+                "More members the group may lose with its newest step still rebuildable (< 0: not rebuildable now)",
+                newest["survives"],
+            )
 
     def _restore(self, s: dict) -> Iterator[Metric]:
         r = s.get("restored")

@@ -325,6 +325,18 @@ class PeerClient:
                 raise ProtocolError(f"{wire.brief(header.get('op'))}: an answer with a body")
         return reply
 
+    async def stripe_call(
+        self, header: dict[str, Any], body: bytes = b"", max_answer: int = 0, timeout: float | None = None
+    ) -> tuple[dict[str, Any], bytes]:
+        """An erasure-coding request (:mod:`tierfs.store.stripe_service`): a header and a body each
+        way, the answer's body refused unread beyond ``max_answer`` bytes, all within ``timeout``
+        (None: the client's). A refusal raises :class:`PeerError`; the connection is still in step."""
+        with self._request(str(header.get("op")), timeout):
+            reply = await self._call(header, body)
+            data = await self._body(reply, max_answer)
+        self._check(reply)
+        return reply, data
+
     # -- plumbing ------------------------------------------------------------------------
 
     @contextmanager

@@ -100,7 +100,7 @@ def encode_header(header: dict[str, Any]) -> bytes:
     return _LENGTH.pack(len(data)) + data
 
 
-async def send_msg(stream: trio.abc.SendStream, header: dict[str, Any], body: bytes = b"") -> int:
+async def send_msg(stream: trio.abc.SendStream, header: dict[str, Any], body: bytes | bytearray = b"") -> int:
     """Send one message; a non-empty ``body`` sets ``"len"``. Returns the bytes sent."""
     if body:
         header = {**header, "len": len(body)}

@@ -116,7 +116,7 @@ class RestorePlanner:
                 )
             log.info("step %d, the newest complete for every rank, is here already", step)
             return None
-        holders = self.holders(survey, step)
+        holders = await self.usable(self.holders(survey, step), step)
         if not holders:
             log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
             return None
@@ -304,10 +304,32 @@ class RestorePlanner:
                 own.decisions.setdefault(f"a node running step {s}", s)
         return own.choose(self.cfg.rank)
 
+    async def usable(self, holders: list[Tier], step: int) -> list[Tier]:
+        """``holders`` without those that know the step but cannot give it now (an erasure group with
+        more members lost than its parity covers; the survey may predate the losses). If that
+        leaves none, starting empty would lose the rank's step: refused, unless ``--start-fresh``."""
+        candidates = holders or list(self.tiers)  # a rank no tier reports: does one know it was lost?
+        reasons = {t.name: why for t in candidates if (why := await t.lost(self.cfg.rank, step)) is not None}
+        usable = [t for t in holders if t.name not in reasons]
+        if usable or not reasons:
+            return usable
+        why = "; ".join(reasons.values())
+        if self.cfg.start_fresh:
+            log.warning("%s: starting rank %d without it, as --start-fresh asks", why, self.cfg.rank)
+            return []
+        raise UserError(
+            f"{why}: not starting rank {self.cfg.rank} without its step {step}; bring the lost nodes back "
+            "and mount again, mount with --gcs to restore from the bucket, or pass --start-fresh"
+        )
+
     def holders(self, survey: Survey, step: int) -> list[Tier]:
         """The tiers holding this rank's ``step``, in the order to read them: cheapest, then closest."""
         by_name = {t.name: t for t in self.tiers if t is not self.local}  # the local copies are read first anyway
-        held = [by_name[name] for name in survey.tiers(self.cfg.rank, step) if name in by_name]
+        held: list[Tier] = []
+        for name in survey.tiers(self.cfg.rank, step):
+            tier = next((t for t in self.tiers if t.stands_for(name)), by_name.get(name))
+            if tier is not None and tier not in held:
+                held.append(tier)
         return sorted(held, key=lambda t: (t.cost.key(), -survey.closeness(t.name, self.cfg.topology)))
 
     def already_restored(self, step: int) -> int:

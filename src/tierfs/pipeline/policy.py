@@ -90,6 +90,14 @@ class PeerPolicy(LanePolicy):
         return {"label": f"{self.cfg.replicas} replica(s)", "replicas": self.cfg.replicas, "known": known}
 
 
+class ErasurePolicy(LanePolicy):
+    """``--erasure D+P``: the lane's one tier is this rank's group, which takes every step as parity."""
+
+    def report(self, tiers: Sequence[Tier]) -> dict[str, object]:
+        group = tiers[0].report()
+        return {"label": f"erasure {self.cfg.erasure}", "known": group.pop("known", []), "erasure": group}
+
+
 class BackupPolicy(LanePolicy):
     """The bucket: at the backup interval, uploads shared with data-parallel twins, and one
     collector per job (rank 0's), which covers every rank's manifests and milestones."""
@@ -138,4 +146,6 @@ POLICIES: dict[str, type[LanePolicy]] = {Lane.PEERS: PeerPolicy, Lane.GCS: Backu
 
 def policy_for(lane: str, cfg: Config) -> LanePolicy:
     """The rules of the lane named ``lane`` (a :class:`~tierfs.tiers.base.Lane`), following ``cfg``."""
+    if lane == Lane.PEERS and cfg.erasure is not None:
+        return ErasurePolicy(cfg)
     return POLICIES.get(lane, LanePolicy)(cfg)

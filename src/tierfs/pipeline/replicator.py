@@ -49,7 +49,7 @@ from tierfs.pipeline.lanes import Lane, lanes_of
 from tierfs.pipeline.pacing import Pacing
 from tierfs.pipeline.policy import policy_for
 from tierfs.ramtier.steps import Steps, StepState
-from tierfs.tiers.base import Location, Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable, put_step
+from tierfs.tiers.base import Location, Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -76,12 +76,14 @@ class Replicator:
         retention_floor: Callable[[], int | None] | None = None,
         ram_short: Callable[[], bool] = lambda: False,
         meters: Meters | None = None,
+        encoded: Callable[[], int | None] | None = None,
     ):
         self.cfg = cfg
         self.meters = meters or Meters(cfg.job, cfg.rank)
         # The newest step complete on every rank; alone, that is simply our newest.
         self.retention_floor = retention_floor or (lambda: max(steps.states, default=None))
         self.ram_short = ram_short  # RAM is short: steps a spill tier holds may leave it
+        self.encoded = encoded or (lambda: None)  # the newest step an erasure group rebuilds from this RAM
         self.pacing = Pacing(last_write)  # the job's writes go first
         self.steps, self.tiers = steps, list(tiers)
         self._limiter = trio.CapacityLimiter(BUILD_THREADS)
@@ -225,8 +227,7 @@ class Replicator:
             """Put the step on ``tier``; if it fails, the next candidate takes its place."""
             nonlocal pushed
             try:
-                put = await put_step(
-                    tier,
+                put = await tier.put_step(
                     manifest,
                     where,
                     self.pacing.yield_to_writers,
@@ -439,7 +440,8 @@ class Replicator:
         """Drop local snapshots that no tier needs any more.
 
         Kept: the ``--keep-local`` newest committed steps, the steps a lane is sending or owes
-        as milestones (:meth:`_milestones_owed`), and every step from the newest one complete
+        as milestones (:meth:`_milestones_owed`), the newest step an erasure group encoded
+        (``encoded``: the others rebuild a lost member's step from it), and every step from the newest one complete
         on every rank on (``retention_floor``; everything while that is unknown): that step
         may exist nowhere else. When RAM is short, a step a *spill* tier (``--disk``) holds in
         its current version may go too: it is restored from there first.
@@ -448,6 +450,10 @@ class Replicator:
         keep = set(sorted(self.steps.states)[-self.cfg.keep_local :])
         keep |= {lane.busy for lane in self.lanes.values() if lane.busy is not None}
         keep |= {s.step for lane in self.lanes.values() for s in self._milestones_owed(lane)}
+        if (
+            encoded := self.encoded()
+        ) is not None:  # its parts rebuild a lost member's step till a newer one is encoded
+            keep.add(encoded)
         spill = [lane for lane in self.lanes.values() if lane.lead.spill]
         short = None  # asked only when a step could spill
         for step in list(self.steps.states):

@@ -31,8 +31,10 @@ from tierfs.peers.wire import (
     PeerUnavailable,
     ProtocolError,
 )
+from tierfs.store import stripe_service
 from tierfs.store.chunkfiles import ChunkWriter, is_hash
 from tierfs.store.replicas import MissingChunks, ReplicaStore
+from tierfs.store.stripe_service import StripeService
 
 log = logging.getLogger("tierfs.store.server")  # the peer service's log, as its lines always were
 
@@ -57,6 +59,7 @@ class Requests:
     info: Callable[[], dict[str, Any]]  # the node's ``info`` answer, without the keys ok, error and len
     messages: Messages | None  # answers the coordination requests (MESSAGE_OPS)
     say: Say  # lines about peers, rate-limited
+    stripes: StripeService | None = None  # answers the erasure group's requests (stripe_service.OPS)
 
 
 async def dispatch(ctx: Requests, stream: trio.abc.Stream, request: Request, peer: str) -> None:
@@ -65,14 +68,16 @@ async def dispatch(ctx: Requests, stream: trio.abc.Stream, request: Request, pee
     if op in MESSAGE_OPS:
         await _message(ctx, stream, request, peer)
         return
-    entry = _OPS.get(op) if isinstance(op, str) else None
+    entry: tuple[_Handler, bool | None] | None = (_stripes, None)  # a body or none: the handler reads it
+    if op not in stripe_service.OPS:
+        entry = _OPS.get(op) if isinstance(op, str) else None
     if entry is None:
         if wire.body_length(request):
             raise ProtocolError(f"unknown op {wire.brief(op)} with a body")
         await wire.send_msg(stream, {"error": f"unknown op {wire.brief(op)}"})
         return
     handler, has_body = entry
-    if has_body != ("len" in request):
+    if has_body is not None and has_body != ("len" in request):
         raise ProtocolError(f"{op} {'needs' if has_body else 'takes no'} body")
     try:
         await handler(ctx, stream, request)
@@ -174,7 +179,8 @@ async def _put_manifest(ctx: Requests, stream: trio.abc.Stream, request: Request
 
 
 async def _list(ctx: Requests, stream: trio.abc.Stream, request: Request) -> None:
-    await wire.send_msg(stream, {"ok": True, "manifests": [list(m) for m in ctx.store.manifests()]})
+    held = ctx.store.manifests() + (ctx.stripes.claims() if ctx.stripes is not None else [])
+    await wire.send_msg(stream, {"ok": True, "manifests": [list(m) for m in held]})
 
 
 async def _get_manifest(ctx: Requests, stream: trio.abc.Stream, request: Request) -> None:
@@ -239,6 +245,15 @@ async def _message(ctx: Requests, stream: trio.abc.Stream, request: Request, pee
     if "error" in answer:
         ctx.say(logging.INFO, "peer %s: %s refused: %s", peer, request["op"], answer["error"])
     await wire.send_msg(stream, answer)
+
+
+async def _stripes(ctx: Requests, stream: trio.abc.Stream, request: Request) -> None:
+    """An erasure group's request: its body (a window, a manifest) read whole, bounded, before it is acted on."""
+    body = await wire.recv_body(stream, wire.body_length(request), stripe_service.MAX_ANSWER)
+    if ctx.stripes is None:
+        raise PeerError("this node is in no erasure group (mounted without --erasure)")
+    answer, data = await ctx.stripes.handle(request, body)
+    await wire.send_msg(stream, answer, data)
 
 
 _Handler = Callable[[Requests, trio.abc.Stream, Request], Awaitable[None]]

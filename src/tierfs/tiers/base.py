@@ -289,6 +289,29 @@ class Tier(ABC):
         """
         return []
 
+    async def put_step(
+        self,
+        manifest: Manifest,
+        where: dict[str, Location],
+        pace: Callable[[], Awaitable[None]] = _no_pause,
+        progress: Progress | None = None,
+        seal_with: ManifestKeys | None = None,
+        twins: Sequence[int] = (),
+    ) -> Pushed:
+        """Put a whole step here (:func:`put_step`: its chunks, then its manifest). A tier that
+        keeps a step as something else than chunks (an erasure group's parity) overrides it."""
+        return await put_step(self, manifest, where, pace, progress, seal_with, twins)
+
+    def stands_for(self, name: str) -> bool:
+        """Whether this tier gives what the tier named ``name`` reports holding (an erasure group
+        gives its members' steps, which their peer tiers report); a restore reads it in their place."""
+        return False
+
+    async def lost(self, rank: int, step: int) -> str | None:
+        """Why the tier cannot give ``rank``'s ``step`` though it knows the step existed (an erasure
+        group with too few members left); None when it can, or never held it."""
+        return None
+
     # -- what it says about itself ---------------------------------------------------------
 
     def report(self) -> dict[str, object]:

@@ -47,7 +47,7 @@ def peer_name(address: Address) -> str:
 
 class PeerTier(Tier):
     kind = "peer"
-    lane = Lane.PEERS
+    lane: Lane | None = Lane.PEERS
     cost = Cost(read_gib_s=1.0)
     skip_after_failure = True  # a down peer costs a timeout per request; the others hold the same
     volatile = True  # its RAM can be lost, or the node replaced
@@ -63,6 +63,8 @@ class PeerTier(Tier):
         self.network = network
         self.address = address
         self.name = f"peer {peer_name(address)}"
+        if network.cfg.erasure is not None:
+            self.lane = None  # an erasure group takes the steps (tierfs.tiers.erasure): no replicas here
         self._pool = ConnectionPool(lambda timeout: network.connect(address, timeout))
 
     # -- connections -------------------------------------------------------------------

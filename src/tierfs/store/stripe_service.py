@@ -97,6 +97,7 @@ class StripeService:
         self.own, self.own_steps = own, own_steps
         self.code = Code(group.layout)
         self.view = GroupView(group)
+        self._changed = trio.Event()  # a sum completed, or a step was sent: look again now, not at the next poll
 
     # -- requests of the group's members ----------------------------------------------------
 
@@ -129,7 +130,14 @@ class StripeService:
             raise PeerError(f"rank {self.rank} does not hold parity {j} of stripe {stripe}")
         slot, part, offset = _count(request, "slot"), _count(request, "part_length"), _count(request, "offset")
         complete = await trio.to_thread.run_sync(self.parity.add, step, stripe, j, slot, part, offset, body)
+        if complete:
+            self.changed()
         return {"ok": True, "complete": complete}
+
+    def changed(self) -> None:
+        """What the group holds changed here: the view (and so what this node reports) follows at once,
+        so the job's coordinators never lag a restarting member's own look at the group."""
+        self._changed.set()
 
     def status_answer(self) -> dict[str, Any]:
         """What this member holds for the group: ``ec_status``'s answer."""
@@ -249,7 +257,9 @@ class StripeService:
                         log.info("erasure: parity of steps before %d dropped (%d bytes)", newest, freed)
             except Exception as e:  # noqa: BLE001 (the group's trouble must never take the mount down)
                 log.warning("erasure: the group's view was not refreshed: %s", e)
-            await trio.sleep(POLL)
+            with trio.move_on_after(POLL):
+                await self._changed.wait()
+            self._changed = trio.Event()
 
     def newest_encoded(self) -> int | None:
         """The newest step every member holds every part of: the group survives P losses of it."""

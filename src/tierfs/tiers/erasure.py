@@ -153,6 +153,7 @@ class ErasureTier(Tier):
                     nursery.start_soon(self._ask, rank, header, 0, data, f"the manifest of step {step}")
         if progress is not None:
             progress.chunks_done = progress.chunks_total
+        service.changed()
         return pushed
 
     async def list_manifests(self) -> list[tuple[int, int]]:

@@ -18,7 +18,7 @@ NODES = 6
 # While members are down, the others' lanes find their steps no longer summed everywhere and
 # put them again, retrying until the lost members are back: a warning each, as for replicas.
 pytestmark = pytest.mark.expect_log(
-    r"WARNING tierfs.pipeline.replicator: step \d+ is (no longer on|not confirmed by) erasure 4\+2 group 0",
+    r"WARNING tierfs.pipeline.replicator: step \d+ is (no longer on|not confirmed by) erasure 4\+2",
     r"WARNING tierfs.pipeline.replicator: peers: step \d+ (delayed, retrying|did not reach erasure)",
 )
 
@@ -114,3 +114,35 @@ def test_three_nodes_lost_without_gcs_refuse_to_start_empty(cluster):
         assert not os.path.ismount(c.nodes[i].mountpoint)
     for i in (1, 4, 5):  # the survivors serve on, their step whole
         assert sums(c.nodes[i].mountpoint, 4, files_of(i, 4, big=3 << 20)) == expected[i]
+
+
+def test_groups_follow_the_topology_and_a_lost_rack_comes_back(cluster):
+    """Ranks numbered rack by rack: by rank numbers alone a 2+1 group would hold two ranks of one rack,
+    and losing that rack would lose the group's shards. Placed by topology, every group has one rank
+    per rack, so a whole rack lost comes back from the others; the wiped nodes take the grouping their
+    peers kept, whatever rack they come back in."""
+    c = cluster(NODES, erasure="2+1", capacity="256M")
+    for i in range(NODES):
+        c.nodes[i].environ["TIERFS_TOPOLOGY"] = f"rack=r{i // 2}"
+    c.start_all()
+    expected = commit_everywhere(c, 1)
+    groups = {i: erasure(c, i) for i in range(NODES)}
+    assert {g["grouping"] for g in groups.values()} == {groups[0]["grouping"]}, "every node agreed one grouping"
+    assert {tuple(g["members"]) for g in groups.values()} == {(0, 2, 4), (1, 3, 5)}
+    assert all(not g["weak_spots"] for g in groups.values())
+    line = f"group 0 of ranks 0, 2, 4 (grouping {groups[0]['grouping']}): 3 answering"
+    wait_for(lambda: line in c.tierfs("status", c.nodes[2].mountpoint, node=2).stdout, what="the group in status")
+    for i in range(NODES):
+        wait_for(lambda: survives(c, i, 1) == 1, what=f"step 1 encoded in rank {i}'s group")
+    for i in (0, 1):  # rack r0: a rank of each group
+        c.kill(i)
+        c.wipe(i)
+    # Rank 0 comes back in rack r1: formed anew from the labels, the groups would be (0, 3, 5) and (1, 2, 4).
+    c.nodes[0].environ["TIERFS_TOPOLOGY"] = "rack=r1"
+    c.start_all()
+    for i in (0, 1):
+        assert sums(c.nodes[i].mountpoint, 1, files_of(i, 1, big=3 << 20)) == expected[i]
+        restored = wait_for(lambda: c.status(i)["restored"], what=f"rank {i}'s restore")
+        assert restored["step"] == 1 and restored["tier"] == "erasure"
+        assert erasure(c, i)["grouping"] == groups[0]["grouping"]
+        assert erasure(c, i)["members"] == groups[i]["members"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,15 +18,15 @@ import pytest
 import trio
 
 from tests import helpers
-from tierfs.core.erasure import Code
+from tierfs.core import stripes
 from tierfs.core.manifest import Manifest
 from tierfs.peers.client import PeerClient
-from tierfs.peers.groups import form_groups
+from tierfs.peers.placement import PeerInfo
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError
 from tierfs.ramtier.space import SpaceAccount
 from tierfs.store import stripe_service
-from tierfs.store.parity import ParityStore
+from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.replicas import ReplicaStore
 from tierfs.store.server import Timeouts, serve
 from tierfs.store.stripe_service import OwnShard, StripeService
@@ -41,9 +42,14 @@ CS = 256 << 10
 class Member:
     rank: int
     address: tuple[str, int]
-    service: StripeService
+    member: ErasureMember
     tier: ErasureTier
     steps: dict[int, tuple[Manifest, dict]]  # its own committed steps: manifest, where
+
+    @property
+    def service(self) -> StripeService:
+        assert self.member.service is not None, "no grouping agreed"
+        return self.member.service
 
 
 class Dialer:
@@ -51,6 +57,7 @@ class Dialer:
 
     def __init__(self) -> None:
         self.by_rank: dict[int, tuple[str, int]] = {}
+        self.labels: dict[int, tuple] = {}  # rank -> its topology labels, as its info tells them
         self.pools: dict[int, ConnectionPool] = {}
         self.counting: list[PeerClient] = []
 
@@ -71,29 +78,58 @@ class Dialer:
     def names(self) -> set[str]:
         return {f"{h}:{p}" for h, p in self.by_rank.values()}
 
+    async def peers(self) -> list[PeerInfo]:
+        return [PeerInfo(address, rank, self.labels.get(rank, ())) for rank, address in self.by_rank.items()]
+
     async def aclose(self) -> None:
         for pool in self.pools.values():
             await pool.aclose()
 
 
 async def start_group(nursery: trio.Nursery, tmp: Path, d: int, p: int, shards: dict[int, int], step: int = 7):
-    """D+P members; rank r's step ``step`` is one file of ``shards[r]`` random bytes (none for 0 bytes)."""
-    n = d + p
-    group = form_groups(n, d, p).group_of(0)
+    """D+P members, grouped as daemons starting together agree it."""
+    members = await start_members(nursery, tmp, d, p, shards, step)
+    await agree(members.values())
+    return members
+
+
+async def start_members(
+    nursery: trio.Nursery,
+    tmp: Path,
+    d: int,
+    p: int,
+    shards: dict[int, int],
+    step: int = 7,
+    labels: dict[int, tuple] | None = None,
+) -> dict[int, Member]:
+    """One member per rank of ``shards``, serving, with no grouping agreed yet; rank r's step ``step``
+    is one file of ``shards[r]`` random bytes (none for 0 bytes)."""
+    n, labels = len(shards), labels or {}
     members: dict[int, Member] = {}
     for rank in range(n):
         root = tmp / f"node-{rank}"
         files = {"params": random.Random(rank).randbytes(shards[rank])} if shards[rank] else {}
         (root / "tree").mkdir(parents=True)
         manifest, where = helpers.make_step(root / "tree", files, job=JOB, rank=rank, step=step, chunk_size=CS)
-        parity = ParityStore(root / "parity", Code(group.layout))
         dialer = Dialer()
         steps = {step: (manifest, where)}
 
         def own(s, steps=steps):
             return OwnShard(list(steps[s][1].values())) if s in steps else None
 
-        service = StripeService(rank, group, parity, own, lambda steps=steps: sorted(steps), dialer.dial)
+        member = ErasureMember(
+            rank,
+            n,
+            stripes.Group(d, p),
+            1,
+            root / "parity",
+            own,
+            lambda steps=steps: sorted(steps),
+            dialer.dial,
+            dialer.peers,
+            labels=labels.get(rank, ()),
+        )
+        member.load()
         store = ReplicaStore(root / "replicas", SpaceAccount(None, root), None, job=JOB, keep_from=lambda: 10**9)
         store.load()
         port = await nursery.start(
@@ -106,13 +142,24 @@ async def start_group(nursery: trio.Nursery, tmp: Path, d: int, p: int, shards: 
                 tls=None,
                 timeouts=Timeouts(handshake=2.0, idle=5.0, request=10.0),
                 info=lambda rank=rank: {"rank": rank},
-                stripes=service,
+                erasure=member,
             )
         )
-        members[rank] = Member(rank, (f"127.0.0.{2 + rank}", port), service, ErasureTier(service, dialer), steps)
+        members[rank] = Member(rank, (f"127.0.0.{2 + rank}", port), member, ErasureTier(member, dialer), steps)
     for m in members.values():
         m.tier.members.by_rank = {r: o.address for r, o in members.items() if r != m.rank}
+        m.tier.members.labels = labels
     return members
+
+
+async def agree(members: Iterable[Member]) -> str:
+    """Every member settles its grouping at once, as daemons starting together: the one digest they agree."""
+    async with trio.open_nursery() as agreeing:
+        for m in members:
+            agreeing.start_soon(m.member.settle)
+    digests = {m.member.record.digest if m.member.record else None for m in members}
+    assert len(digests) == 1 and None not in digests, digests
+    return digests.pop()
 
 
 async def put_everywhere(members: dict[int, Member], step: int = 7) -> None:

@@ -177,10 +177,19 @@ def goodput_lines(g: dict, failures: int) -> list[str]:
 
 def erasure_lines(group: dict) -> list[str]:
     """The erasure group under its lane: who answers, and per step how many more losses it survives."""
+    if "grouping" not in group:
+        waiting = group.get("waiting_for") or []
+        why = f"forms once rank(s) {', '.join(map(str, waiting))} answer" if waiting else "is not agreed yet"
+        return [f"        no group yet: the grouping {why}"]
     lines = [
-        f"        group of ranks {', '.join(map(str, group['members']))}: "
+        f"        group {group['group']} of ranks {', '.join(map(str, group['members']))} "
+        f"(grouping {group['grouping']}): "
         f"{len(group['answering'])} answering, {format_size(group['parity_bytes'])} of parity held here"
     ]
+    for domain, members in group.get("weak_spots", []):
+        lines.append(f"        weak spot: {domain} holds ranks {', '.join(map(str, members))}, more than it survives")
+    for twins in group.get("twins_together", []):
+        lines.append(f"        twins {', '.join(map(str, twins))} share the group: there were fewer groups than twins")
     for step, held in group["steps"].items():
         left = held["survives"]
         state = f"survives {left} more loss(es)" if left >= 0 else f"cannot be rebuilt ({-left} part(s) short)"

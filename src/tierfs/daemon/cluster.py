@@ -25,8 +25,8 @@ from tierfs.pipeline.survey import ClusterView
 from tierfs.ramtier import SpaceAccount
 from tierfs.ramtier.steps import Steps
 from tierfs.store import server as peer_server
+from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.replicas import ReplicaStore
-from tierfs.store.stripe_service import StripeService
 from tierfs.tiers.base import NodeTiers, Tier
 from tierfs.tiers.peer import PeerTier
 
@@ -63,6 +63,7 @@ def peer_info(cfg: Config, space: SpaceAccount, steps: Steps, restore_step: int 
         "rank": cfg.rank,
         "topology": [list(t) for t in cfg.topology],
         "data_parallel": cfg.data_parallel,
+        "twins": list(cfg.peer_ranks) if cfg.peer_ranks is not None else None,
         "free": max(0, space.capacity - space.used),
         "steps": sorted(steps.states),
         "restore_step": restore_step,
@@ -76,7 +77,7 @@ async def serve_peers(
     store: ReplicaStore,
     info: Callable[[], dict],
     coordinating: NodeCoordination | None,
-    stripes: StripeService | None = None,
+    erasure: ErasureMember | None = None,
     *,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -91,7 +92,7 @@ async def serve_peers(
         task_status=task_status,
         tls=peer_tls(cfg),
         messages=coordinating.handle if coordinating is not None else None,
-        stripes=stripes,
+        erasure=erasure,
         # a coordinator keeps one pooled connection per member, and long polls
         max_connections=max(peer_server.MAX_CONNECTIONS, 2 * cfg.nodes + 64),
     )

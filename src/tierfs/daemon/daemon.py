@@ -55,8 +55,8 @@ from tierfs.pipeline.survey import ClusterView
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.steps import Steps
+from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.replicas import ReplicaStore
-from tierfs.store.stripe_service import StripeService
 from tierfs.tiers.base import NodeTiers
 from tierfs.tiers.local import LocalTier, OwnSteps
 
@@ -115,7 +115,7 @@ class Daemon:
             PeerNetwork(cfg, identity=self.identity) if cfg.peers or cfg.peer_dns else None
         )
         self.replica_store: ReplicaStore | None = None  # with a peer service (start)
-        self.stripes: StripeService | None = None  # with --erasure: this node's part of its group (start)
+        self.erasure: ErasureMember | None = None  # with --erasure: this node in its group (start)
         self.local = LocalTier(
             None,
             OwnSteps(
@@ -206,7 +206,7 @@ class Daemon:
             )
         )
         if cfg.erasure is not None and self.network is not None:
-            self.stripes, group = erasure_group(cfg, self.rank, self.steps, self.network)
+            self.erasure, group = erasure_group(cfg, self.rank, self.steps, self.network, self._own_manifest)
             self.tiers.add([group])
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])
@@ -234,7 +234,7 @@ class Daemon:
             self._ram_short,
             telemetry.meters,
             # its group rebuilds a lost member's step from the others' RAM: the newest it encoded stays there
-            encoded=self.stripes.newest_encoded if self.stripes is not None else None,
+            encoded=self.erasure.newest_encoded if self.erasure is not None else None,
         )
         self.watch = ClusterWatch(
             lambda: self.cfg.survey_interval,  # of the configuration in force
@@ -291,7 +291,7 @@ class Daemon:
     def _replicas(self) -> list[tuple[int, int]]:
         """The (rank, step) manifests this node keeps for others."""
         held = self.replica_store.manifests() if self.replica_store is not None else []
-        return held + (self.stripes.claims() if self.stripes is not None else [])
+        return held + (self.erasure.claims() if self.erasure is not None else [])
 
     def _ram_short(self) -> bool:
         """Whether the volume uses more than SPILL_AT of its RAM (its tmpfs, where the kernel keeps count)."""
@@ -369,13 +369,13 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             if listen := self.cfg.listen:  # its replica store was built at start
                 peers = (self.cfg, listen, _built(self.replica_store), self._peer_info, self.coordinating)
-                await nursery.start(cluster.serve_peers, *peers, self.stripes)
+                await nursery.start(cluster.serve_peers, *peers, self.erasure)
             try:
                 if self.network is not None:  # resolves the peers; refuses a rank another node serves
                     await self.network.join(nursery)
                     watch.follow_peers()
-                if self.stripes is not None:
-                    nursery.start_soon(self.stripes.watch)
+                if self.erasure is not None:
+                    nursery.start_soon(self.erasure.run)
                 if self.coordinating is not None:
                     await self.coordinating.join(nursery)
                 if self._beyond_ram() or self.cfg.restore_step is not None:  # a rollback of RAM alone too

@@ -50,6 +50,11 @@ def info(answer: dict[str, Any], nodes: int | None) -> dict[str, Any]:
             checked["restore_step"] = restore_step
     if "topology" in answer:
         checked["topology"] = [list(t) for t in topology_labels(answer["topology"])]
+    if answer.get("twins") is not None:  # the ranks its replicator.yaml names as holding its data
+        twins = answer["twins"]
+        if not isinstance(twins, list) or len(twins) > MAX_REPLICAS:
+            raise BadMessage(f"twins must be a list of at most {MAX_REPLICAS} ranks")
+        checked["twins"] = [fields.rank(t, "twins", MAX_RANK + 1) for t in twins]
     for key in ("free", "data_parallel"):
         if answer.get(key) is not None:
             checked[key] = fields.count(answer[key], key)

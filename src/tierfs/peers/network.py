@@ -116,7 +116,13 @@ class PeerNetwork:
             answer = await client.info(self.cfg.nodes)
         self._inspect(address, answer)
         self.mark(address, "up", rank=answer["rank"])
-        self._known[address] = PeerInfo(address, answer["rank"], tuple(tuple(x) for x in answer.get("topology", ())))
+        twins = answer.get("twins")
+        self._known[address] = PeerInfo(
+            address,
+            answer["rank"],
+            tuple(tuple(x) for x in answer.get("topology", ())),
+            tuple(twins) if twins is not None else None,
+        )
         return answer
 
     def _inspect(self, address: tuple[str, int], info: dict[str, Any]) -> None:

@@ -27,6 +27,7 @@ class PeerInfo:
     address: tuple[str, int]
     rank: int
     topology: tuple[tuple[str, str], ...] = ()
+    twins: tuple[int, ...] | None = None  # the ranks its replicator.yaml names as holding its data
 
     @property
     def name(self) -> str:

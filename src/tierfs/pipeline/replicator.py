@@ -49,7 +49,7 @@ from tierfs.pipeline.lanes import Lane, lanes_of
 from tierfs.pipeline.pacing import Pacing
 from tierfs.pipeline.policy import policy_for
 from tierfs.ramtier.steps import Steps, StepState
-from tierfs.tiers.base import Location, Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable
+from tierfs.tiers.base import Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ class Replicator:
         candidates = await lane.policy.order(lane.tiers)
         early = [t for t in candidates[:wanted] if t.early]
         manifest, sent_early = await self.manifest_for(state, early)
-        where = self.chunk_locations(manifest)
+        where = self.steps.snapshots.chunk_locations(manifest)
         lane.progress = Progress(state.step, len(where))
         placed: list[Tier] = []
         errors: list[TierError] = []
@@ -416,18 +416,15 @@ class Replicator:
         finally:
             feed.close()
 
-    def chunk_locations(self, manifest: Manifest) -> dict[str, Location]:
-        """Where each distinct chunk of a step lives in its snapshot: (path, offset, length)."""
-        snap = self.steps.snapshots.step_tree(manifest.step)
-        return {h: (str(snap / path), offset, length) for h, (path, offset, length) in manifest.chunk_places().items()}
-
     def find_local(self, h: str) -> tuple[str, int, int] | None:
         """This node's own committed copy of chunk ``h`` (lets twins replicate with no transfer)."""
         return self._local.get(h)
 
     def _index_local(self) -> None:
         self._local = {
-            h: where for _, manifest in self._manifests.values() for h, where in self.chunk_locations(manifest).items()
+            h: where
+            for _, manifest in self._manifests.values()
+            for h, where in self.steps.snapshots.chunk_locations(manifest).items()
         }
 
     # -- local retention -------------------------------------------------------------------

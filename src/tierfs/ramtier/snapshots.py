@@ -36,6 +36,7 @@ from tierfs.core import linux
 from tierfs.core.atomic import UnsafeFile, private_dir
 from tierfs.core.errors import UserError
 from tierfs.core.holes import copy_data
+from tierfs.core.manifest import Manifest
 from tierfs.ramtier import beneath
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,11 @@ class Snapshots:
 
     def step_tree(self, step: int) -> Path:
         return self.root / str(step) / "tree"
+
+    def chunk_locations(self, manifest: Manifest) -> dict[str, tuple[str, int, int]]:
+        """Where each distinct chunk of a committed step lives in its snapshot: (path, offset, length)."""
+        snap = self.step_tree(manifest.step)
+        return {h: (str(snap / path), offset, length) for h, (path, offset, length) in manifest.chunk_places().items()}
 
     def pins(self, ino: int) -> int:
         """How many snapshot links ``ino`` has (subtracted from the link count users see)."""

@@ -33,8 +33,8 @@ from tierfs.peers.wire import (
 )
 from tierfs.store import stripe_service
 from tierfs.store.chunkfiles import ChunkWriter, is_hash
+from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.replicas import MissingChunks, ReplicaStore
-from tierfs.store.stripe_service import StripeService
 
 log = logging.getLogger("tierfs.store.server")  # the peer service's log, as its lines always were
 
@@ -59,7 +59,7 @@ class Requests:
     info: Callable[[], dict[str, Any]]  # the node's ``info`` answer, without the keys ok, error and len
     messages: Messages | None  # answers the coordination requests (MESSAGE_OPS)
     say: Say  # lines about peers, rate-limited
-    stripes: StripeService | None = None  # answers the erasure group's requests (stripe_service.OPS)
+    erasure: ErasureMember | None = None  # answers the erasure group's requests (stripe_service.OPS)
 
 
 async def dispatch(ctx: Requests, stream: trio.abc.Stream, request: Request, peer: str) -> None:
@@ -179,7 +179,7 @@ async def _put_manifest(ctx: Requests, stream: trio.abc.Stream, request: Request
 
 
 async def _list(ctx: Requests, stream: trio.abc.Stream, request: Request) -> None:
-    held = ctx.store.manifests() + (ctx.stripes.claims() if ctx.stripes is not None else [])
+    held = ctx.store.manifests() + (ctx.erasure.claims() if ctx.erasure is not None else [])
     await wire.send_msg(stream, {"ok": True, "manifests": [list(m) for m in held]})
 
 
@@ -250,9 +250,9 @@ async def _message(ctx: Requests, stream: trio.abc.Stream, request: Request, pee
 async def _stripes(ctx: Requests, stream: trio.abc.Stream, request: Request) -> None:
     """An erasure group's request: its body (a window, a manifest) read whole, bounded, before it is acted on."""
     body = await wire.recv_body(stream, wire.body_length(request), stripe_service.MAX_ANSWER)
-    if ctx.stripes is None:
+    if ctx.erasure is None:
         raise PeerError("this node is in no erasure group (mounted without --erasure)")
-    answer, data = await ctx.stripes.handle(request, body)
+    answer, data = await ctx.erasure.handle(request, body)
     await wire.send_msg(stream, answer, data)
 
 

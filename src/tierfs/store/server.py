@@ -36,10 +36,10 @@ from tierfs.peers import wire
 from tierfs.peers.sealed import seal
 from tierfs.peers.tls import PeerTLS, TLSStream
 from tierfs.peers.wire import AuthFailed, PeerError, PeerUnavailable, ProtocolError
+from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.replicas import ReplicaStore
 from tierfs.store.requests import MESSAGE_OPS as MESSAGE_OPS  # re-exported: tierfs.coordination's docs name it here
 from tierfs.store.requests import Messages, Requests, dispatch
-from tierfs.store.stripe_service import StripeService
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ async def serve(
     timeouts: Timeouts = Timeouts(),
     max_connections: int = MAX_CONNECTIONS,
     messages: Messages | None = None,
-    stripes: StripeService | None = None,
+    erasure: ErasureMember | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the peer protocol on ``listen`` (host, port; port 0 picks one) until cancelled.
@@ -112,7 +112,7 @@ async def serve(
     ``info`` request and must return a JSON-able dict without the keys ok, error or len.
     ``messages`` answers the coordination requests (:data:`MESSAGE_OPS`, header only), given
     the sender's listen address, which must be on the host the connection comes from.
-    ``stripes`` answers the erasure group's requests (``--erasure``).
+    ``erasure`` answers the erasure group's requests (``--erasure``).
     """
     if not secret:
         raise ValueError("the peer service needs the job's secret")
@@ -130,7 +130,7 @@ async def serve(
         max_connections,
     )
     say = RateLimitedLog(log)
-    ctx = _Context(job, secret, timeouts, tls, say, Requests(store, info, messages, say, stripes))
+    ctx = _Context(job, secret, timeouts, tls, say, Requests(store, info, messages, say, erasure))
     slots = trio.Semaphore(max_connections, max_value=max_connections)
     async with trio.open_nursery() as nursery:
         for listener in listeners:

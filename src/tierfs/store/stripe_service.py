@@ -44,7 +44,7 @@ WINDOW = 4 << 20  # bytes of a part sent, summed or rebuilt per request
 POLL = 2.0  # seconds between two views of the group
 STATUS_TIMEOUT = 5.0
 REPAIR_TIMEOUT = 30.0  # a chain of up to MAX_DATA links, each moving one window (the service allows 60 s)
-OPS = frozenset({"ec_put", "ec_manifest", "ec_get_manifest", "ec_status", "ec_repair"})
+OPS = frozenset({"ec_grouping", "ec_put", "ec_manifest", "ec_get_manifest", "ec_status", "ec_repair"})
 
 Location = tuple[str, int, int]  # (path, offset, length) of a chunk of this node's own committed step
 Dial = Callable[
@@ -90,10 +90,13 @@ class StripeService:
         own: Callable[[int], OwnShard | None],
         own_steps: Callable[[], list[int]],
         dial: Dial,
+        grouping: str | None = None,
     ):
         """``own(step)``: this node's committed ``step`` as a stream, if its RAM holds it whole;
-        ``own_steps()``: those steps; ``dial(rank)``: connections to a member."""
+        ``own_steps()``: those steps; ``dial(rank)``: connections to a member; ``grouping``: the
+        digest of the groups (:mod:`tierfs.peers.grouping_record`) its requests carry."""
         self.rank, self.group, self.parity, self.dial = rank, group, parity, dial
+        self.grouping = grouping
         self.own, self.own_steps = own, own_steps
         self.code = Code(group.layout)
         self.view = GroupView(group)
@@ -211,6 +214,8 @@ class StripeService:
         pool = await self.dial(rank)
         if pool is None:
             raise PeerError(f"rank {rank} of the group is not known yet")
+        if self.grouping is not None:
+            header = {**header, "grouping": self.grouping}
         timeout = REPAIR_TIMEOUT if header.get("op") == "ec_repair" else None
 
         async def call(client: PeerClient) -> bytes:
@@ -234,7 +239,7 @@ class StripeService:
                     if pool is None:
                         answers[rank] = None
                         return
-                    reply = await pool.request(lambda c: c.stripe_call({"op": "ec_status"}))
+                    reply = await pool.request(lambda c: c.stripe_call(self._status_request))
                 answers[rank] = _holdings(reply[0])
             except (PeerError, OSError, trio.TooSlowError, ValueError, KeyError, TypeError):
                 answers[rank] = None
@@ -244,6 +249,10 @@ class StripeService:
                 if rank != self.rank:
                     nursery.start_soon(one, rank)
         self.view.update(answers)
+
+    @property
+    def _status_request(self) -> dict[str, Any]:
+        return {"op": "ec_status"} | ({"grouping": self.grouping} if self.grouping is not None else {})
 
     async def watch(self) -> None:
         """Keep the view fresh, and the parity of steps no longer needed gone: a newer step is fully encoded."""

@@ -30,8 +30,10 @@ from tierfs.core.keys import ManifestKeys
 from tierfs.core.manifest import MAX_BYTES as MAX_MANIFEST
 from tierfs.core.manifest import Manifest, ManifestError, split_seal
 from tierfs.peers.network import PeerNetwork
+from tierfs.peers.placement import PeerInfo
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError
+from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.stripe_service import WINDOW, OwnShard, StripeService
 from tierfs.tiers.base import (
     Address,
@@ -72,6 +74,12 @@ class Members:
             self._pools[address] = ConnectionPool(lambda timeout: self.network.connect(address, timeout))
         return self._pools[address]
 
+    async def peers(self) -> list[PeerInfo]:
+        """The peers answering now, with their labels and twins: what a grouping is formed from."""
+        found = await self.network.discover()
+        self.by_rank.update({p.rank: p.address for p in found})
+        return found
+
     def names(self) -> set[str]:
         return {f"{host}:{port}" for host, port in self.by_rank.values()}
 
@@ -87,17 +95,23 @@ class ErasureTier(Tier):
     volatile = True  # the members' RAM can be lost: the lane checks its parts are still held
     concurrency = 4  # windows in flight while a step goes out
 
-    def __init__(self, service: StripeService, members: Members):
+    def __init__(self, member: ErasureMember, members: Members):
         super().__init__()
-        self.service, self.members = service, members
-        group = service.group
-        self.name = f"erasure {group.d}+{group.p} group {group.number}"
+        self.member, self.members = member, members
+        self.name = f"erasure {member.shape.d}+{member.shape.p}"
         self._index: dict[str, tuple[int, int, int]] = {}  # chunk -> (rank, step, offset in the rank's stream)
         self._lengths: dict[tuple[int, int], int] = {}  # (rank, step) -> its stream's length
 
     @property
+    def service(self) -> StripeService:
+        """The group's service: there is none until the nodes agree a grouping."""
+        if self.member.service is None:
+            raise TierUnavailable(f"{self.name}: {self.member.describe()}")
+        return self.member.service
+
+    @property
     def where(self) -> str:
-        return f"{self.name}: ranks {', '.join(map(str, self.service.group.members))}"
+        return self.member.describe()
 
     def stands_for(self, name: str) -> bool:
         """Whether what the tier named ``name`` reports holding is the group's to give (a member's peer tier)."""
@@ -115,6 +129,7 @@ class ErasureTier(Tier):
         twins: Sequence[int] = (),
     ) -> Pushed:
         """This rank's D parts to their parity holders, window by window, then the manifest to every member."""
+        await self.member.settle()
         service, group, step = self.service, self.service.group, manifest.step
         shard = OwnShard(list(where.values()))
         pushed = Pushed(chunks=len(where), sent_chunks=len(where))
@@ -158,6 +173,8 @@ class ErasureTier(Tier):
 
     async def list_manifests(self) -> list[tuple[int, int]]:
         """This rank's steps whose every part its parity holders summed in (or hold complete)."""
+        if not await self.member.settle():
+            return []
         service = self.service
         await service.poll()
         view, group, me = service.view, service.group, service.rank
@@ -188,12 +205,16 @@ class ErasureTier(Tier):
 
     async def holdings(self) -> Holdings:
         """Every member's step the others can rebuild now, asked of the members this moment."""
+        if not await self.member.settle():
+            return Holdings(())
         await self.service.poll()
         view = self.service.view
         copies = {m for held in view.members.values() for m in held.manifests}
         return Holdings(tuple(sorted((r, s) for r, s in copies if view.rebuildable(r, s))))
 
     async def lost(self, rank: int, step: int) -> str | None:
+        if not await self.member.settle():
+            return None
         await self.service.poll()
         view, group = self.service.view, self.service.group
         if rank not in group.members or not view.manifest_holders(rank, step) or view.rebuildable(rank, step):
@@ -204,7 +225,7 @@ class ErasureTier(Tier):
             if r != rank and any(held.holds(group, step, s) for s in range(group.layout.size))
         ]
         return (
-            f"rank {rank}'s step {step} was erasure-coded in {self.name}, but of its members "
+            f"rank {rank}'s step {step} was erasure-coded in {self.name} group {group.number}, but of its members "
             f"{list(group.members)} only {len(holding)} ({', '.join(map(str, holding)) or 'none'}) still hold their "
             f"parts, and a {group.d}+{group.p} group rebuilds a rank's step from {group.d} others"
         )
@@ -298,7 +319,16 @@ class ErasureTier(Tier):
         raise TierError(f"{self.name} takes whole steps as parity, not manifests")
 
     def report(self) -> dict[str, object]:
-        view, group = self.service.view, self.service.group
+        record, service = self.member.record, self.member.service
+        report = {
+            **super().report(),
+            "known": self.members.network.status(),
+            "shape": f"{self.member.shape.d}+{self.member.shape.p}",
+        }
+        if record is None or service is None:
+            none: dict[str, object] = {"members": [], "answering": [], "parity_bytes": 0, "steps": {}}
+            return {**report, **none, "waiting_for": list(self.member.waiting)}
+        view, group = service.view, service.group
         steps = {
             str(step): {
                 "survives": view.survives(step),
@@ -307,12 +337,14 @@ class ErasureTier(Tier):
             for step in view.steps()[-4:]
         }
         return {
-            **super().report(),
-            "known": self.members.network.status(),
-            "shape": f"{group.d}+{group.p}",
+            **report,
+            "group": group.number,
+            "grouping": record.digest,
             "members": list(group.members),
+            "weak_spots": [[domain, list(m)] for n, domain, m in record.weak_spots if n == group.number],
+            "twins_together": [list(t) for t in record.twins_together if set(t) <= set(group.members)],
             "answering": sorted(view.members),
-            "parity_bytes": self.service.parity.held_bytes(),
+            "parity_bytes": service.parity.held_bytes(),
             "steps": steps,
         }
 

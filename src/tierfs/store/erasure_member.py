@@ -1,0 +1,265 @@
+"""A node's membership in its erasure group: the grouping it agreed with the job's nodes, then its part in it.
+
+Until a node has a grouping record (:mod:`tierfs.peers.grouping_record`) it has no group: it
+answers the others' requests for the record alone, sends no parts and reports nothing held.
+It takes a record in this order:
+
+1. its own, kept beside its parity: a daemon restarted or upgraded in place serves its group
+   at once, under the groups its parity was summed by;
+2. the one its peers hold: a node that lost its RAM, or one added, joins the groups the
+   others use, whatever its labels say now;
+3. one it forms itself, once every rank of the job answers with its labels and twins. Every
+   node forming one at once forms the same, from the same answers.
+
+The record then stays for as long as the job keeps its shape (``--nodes`` and D+P): a node
+whose record is for another shape, or unreadable, drops it with its parity. Every request a
+member sends names its record's digest, and a member using other groups is refused: its
+parts are never summed in, nor its sums read, and the log says which ranks disagree.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from tierfs.core import stripes
+from tierfs.core.atomic import private_dir, read_state, write_atomically
+from tierfs.core.erasure import Code
+from tierfs.core.errors import UserError
+from tierfs.peers.grouping_record import MAX_BYTES, BadRecord, GroupingRecord, form, legacy
+from tierfs.peers.groups import Labels
+from tierfs.peers.placement import PeerInfo
+from tierfs.peers.wire import PeerError
+from tierfs.store.parity import ParityStore
+from tierfs.store.stripe_service import POLL, STATUS_TIMEOUT, Dial, OwnShard, StripeService
+
+log = logging.getLogger(__name__)
+
+RECORD = "grouping.json"  # in the parity store's root
+FAN_OUT = 64  # peers asked for their record at once
+
+
+class ErasureMember:
+    """This node in its erasure group: the agreed record, and the group's service once there is one."""
+
+    def __init__(
+        self,
+        rank: int,
+        nodes: int,
+        shape: stripes.Group,
+        data_parallel: int,
+        root: Path,
+        own: Callable[[int], OwnShard | None],
+        own_steps: Callable[[], list[int]],
+        dial: Dial,
+        peers: Callable[[], Awaitable[list[PeerInfo]]],
+        labels: Labels = (),
+        twins: tuple[int, ...] | None = None,
+    ):
+        """``root``: the parity store's root directory (root-only); ``peers()``: the peers answering now,
+        with their labels and twins; ``labels``, ``twins``: this node's own."""
+        self.rank, self.nodes, self.shape, self.data_parallel = rank, nodes, shape, data_parallel
+        self.root, self.own, self.own_steps, self.dial, self.peers = root, own, own_steps, dial, peers
+        self.mine = PeerInfo(("", 0), rank, labels, twins)
+        self.record: GroupingRecord | None = None
+        self.service: StripeService | None = None
+        self.waiting: tuple[int, ...] = ()  # ranks not answering, while there is no record to take
+        self._legacy: str | None = None
+        self._lock = trio.Lock()
+
+    # -- the record -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        """Take the record kept here, if it is one for this job's shape; else drop the parity it kept."""
+        path = private_dir(self.root) / RECORD
+        record: GroupingRecord | None = None
+        try:
+            record = GroupingRecord.from_json(read_state(path, MAX_BYTES))
+        except FileNotFoundError:
+            if _holds_parity(self.root):  # summed before records were kept: by rank numbers
+                record = legacy(self.nodes, self.shape, self.data_parallel)
+                write_atomically(path, record.to_json())
+        except (OSError, UserError, BadRecord) as e:
+            log.warning("erasure: the grouping kept in %s is unusable (%s): its parity is dropped", path, e)
+        if record is not None and not record.matches(self.nodes, self.shape):
+            log.warning(
+                "erasure: the grouping kept here is for %d ranks in %s groups, and the job is %d in %d+%d: "
+                "its parity is dropped",
+                record.nodes,
+                record.shape,
+                self.nodes,
+                self.shape.d,
+                self.shape.p,
+            )
+            record = None
+        if record is None:
+            _clear(self.root)
+        else:
+            self._adopt(record)
+
+    async def settle(self) -> bool:
+        """One attempt at a record, unless there is one: the peers', or one formed from every rank's answer."""
+        if self.service is not None:
+            return True
+        async with self._lock:
+            if self.service is None:
+                peers = await self.peers()
+                record = await self._peers_record(peers) or self._form(peers)
+                if record is not None:
+                    await trio.to_thread.run_sync(write_atomically, self.root / RECORD, record.to_json())
+                    self._adopt(record)
+                    log.info("erasure: %s (grouping %s)", self.describe(), record.digest)
+        return self.service is not None
+
+    async def _peers_record(self, peers: list[PeerInfo]) -> GroupingRecord | None:
+        """The record the answering peers hold; if they disagree, the one most hold (then the lowest digest)."""
+        found: dict[str, GroupingRecord] = {}
+        held: Counter[str] = Counter()
+        limiter = trio.CapacityLimiter(FAN_OUT)
+
+        async def ask(rank: int) -> None:
+            async with limiter:
+                try:
+                    with trio.fail_after(STATUS_TIMEOUT):
+                        pool = await self.dial(rank)
+                        if pool is None:
+                            return
+                        reply, data = await pool.request(
+                            lambda c: c.stripe_call({"op": "ec_grouping"}, b"", MAX_BYTES, STATUS_TIMEOUT)
+                        )
+                    if reply.get("digest") is None:
+                        return
+                    record = GroupingRecord.from_json(data)
+                except (PeerError, OSError, trio.TooSlowError, BadRecord) as e:
+                    log.debug("erasure: rank %d gave no grouping: %s", rank, e)
+                    return
+                if record.matches(self.nodes, self.shape):
+                    found[record.digest] = record
+                    held[record.digest] += 1
+
+        async with trio.open_nursery() as nursery:
+            for rank in sorted({p.rank for p in peers if p.rank != self.rank}):
+                nursery.start_soon(ask, rank)
+        if len(held) > 1:
+            log.warning("erasure: the peers hold %d different groupings (%s)", len(held), dict(held))
+        best = min(held, key=lambda d: (-held[d], d), default=None)
+        return found[best] if best is not None else None
+
+    def _form(self, peers: list[PeerInfo]) -> GroupingRecord | None:
+        """The record of every rank's labels and twins, if every rank answered."""
+        by_rank = {p.rank: p for p in peers if p.rank < self.nodes} | {self.rank: self.mine}
+        waiting = tuple(r for r in range(self.nodes) if r not in by_rank)
+        if waiting != self.waiting:
+            log.info("erasure: the groups form once every rank answers; waiting for rank(s) %s", _ranks(waiting))
+        self.waiting = waiting
+        if waiting:
+            return None
+        labels = {r: p.topology for r, p in by_rank.items()}
+        twins = {r: p.twins for r, p in by_rank.items() if p.twins is not None}
+        try:
+            return form(self.nodes, self.shape, self.data_parallel, labels, twins)
+        except (ValueError, stripes.BadGroup) as e:
+            log.warning("erasure: the groups cannot be formed from the ranks' answers: %s", e)
+            return None
+
+    def _adopt(self, record: GroupingRecord) -> None:
+        group = record.group_of(self.rank)
+        parity = ParityStore(self.root, Code(group.layout))
+        parity.load()
+        self.service = StripeService(
+            self.rank, group, parity, self.own, self.own_steps, self.dial, grouping=record.digest
+        )
+        self.record, self.waiting = record, ()
+        for number, domain, members in record.weak_spots:
+            if number == group.number:
+                log.warning(
+                    "erasure: %s holds ranks %s of group %d, more than the %d it survives: one failure loses them",
+                    domain,
+                    _ranks(members),
+                    number,
+                    group.p,
+                )
+
+    def describe(self) -> str:
+        """Where this node stands, in words: its group, or what it waits for."""
+        if self.service is None:
+            waiting = f": waiting for rank(s) {_ranks(self.waiting)} to answer" if self.waiting else ""
+            return f"no erasure group yet{waiting}"
+        group = self.service.group
+        return f"erasure {group.d}+{group.p} group {group.number}: ranks {_ranks(group.members)}"
+
+    # -- the group's requests ---------------------------------------------------------------
+
+    async def handle(self, request: dict[str, Any], body: bytes) -> tuple[dict[str, Any], bytes | bytearray]:
+        """Answer one ``ec_*`` request, if it was sent under this node's grouping."""
+        if request["op"] == "ec_grouping":
+            if self.record is None:
+                return {"ok": True, "digest": None}, b""
+            return {"ok": True, "digest": self.record.digest}, self.record.to_json()
+        if self.service is None or self.record is None:
+            raise PeerError(f"rank {self.rank} has {self.describe()}")
+        theirs = request.get("grouping") or self._legacy_digest()  # a node from before records: rank order
+        if theirs != self.record.digest:
+            raise PeerError(
+                f"rank {self.rank} groups the job by grouping {self.record.digest}, the request by "
+                f"{str(theirs)[:16]!r}: one of the two kept a grouping of another job or another topology"
+            )
+        return await self.service.handle(request, body)
+
+    def _legacy_digest(self) -> str:
+        if self._legacy is None:
+            self._legacy = legacy(self.nodes, self.shape, self.data_parallel).digest
+        return self._legacy
+
+    # -- what the node's other parts ask ----------------------------------------------------
+
+    async def run(self) -> None:
+        """Agree a grouping (retrying while ranks are missing), then keep the group's view fresh."""
+        while True:
+            try:
+                if await self.settle():
+                    break
+            except Exception as e:  # noqa: BLE001 (the group's trouble must never take the mount down)
+                log.warning("erasure: no grouping agreed yet: %s", e)
+            await trio.sleep(POLL)
+        assert self.service is not None
+        await self.service.watch()
+
+    def claims(self) -> list[tuple[int, int]]:
+        return self.service.claims() if self.service is not None else []
+
+    def newest_encoded(self) -> int | None:
+        return self.service.newest_encoded() if self.service is not None else None
+
+
+def _holds_parity(root: Path) -> bool:
+    for sub in ("parity", "manifests"):
+        try:
+            with os.scandir(root / sub) as entries:
+                if any(not e.name.startswith(".tmp.") for e in entries):
+                    return True
+        except FileNotFoundError:
+            continue
+    return False
+
+
+def _clear(root: Path) -> None:
+    """Drop the parity and manifests kept under ``root`` (the daemon's own root-only state)."""
+    for sub in ("parity", "manifests"):
+        shutil.rmtree(root / sub, ignore_errors=True)
+    try:
+        os.unlink(root / RECORD)
+    except FileNotFoundError:
+        pass
+
+
+def _ranks(ranks: tuple[int, ...] | list[int]) -> str:
+    shown = ", ".join(map(str, ranks[:16]))
+    return shown + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

@@ -76,6 +76,7 @@ GAUGES = {
     "tierfs_erasure_survivable_losses",
     "tierfs_erasure_parity_bytes",
     "tierfs_erasure_members_answering",
+    "tierfs_erasure_grouped",
     "tierfs_restore_missing_bytes",
     "tierfs_info",
     "tierfs_start_time_seconds",

@@ -15,6 +15,7 @@ from tierfs.core import stripes
 from tierfs.core.erasure import Code
 from tierfs.peers.grouping_record import GroupingRecord, form, legacy
 from tierfs.peers.wire import PeerError
+from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.erasure_member import RECORD, ErasureMember
 from tierfs.store.parity import ParityStore
 from tierfs.tiers.base import TierUnavailable
@@ -161,4 +162,24 @@ async def test_a_hostile_record_from_a_peer_is_ignored(tmp_path, monkeypatch):
         again.load()
         assert await again.settle()
         assert again.record is not None and again.record.digest == digest
+        nursery.cancel_scope.cancel()
+
+
+async def test_parity_counts_against_the_capacity_and_beyond_it_is_refused(tmp_path):
+    spaces = {0: SpaceAccount(100_000, tmp_path), 1: SpaceAccount(None, tmp_path), 2: SpaceAccount(None, tmp_path)}
+    async with trio.open_nursery() as nursery:
+        members = await start_members(nursery, tmp_path, 2, 1, dict.fromkeys(range(3), 300_000), spaces=spaces)
+        await agree(members.values())
+        holder = members[0].service.group.parity_holders(members[1].service.group.data_stripes(1)[0])
+        assert holder == (0,)  # rank 1's first part is summed at rank 0, which has room for 100,000 bytes
+        manifest, where = members[1].steps[7]
+        with pytest.raises(TierUnavailable, match="rank 0 has no room for 150000 more bytes of parity"):
+            await members[1].tier.put_step(manifest, where)
+        assert spaces[0].used == 0
+        await members[0].tier.put_step(*members[0].steps[7])  # its parts go to ranks 1 and 2
+        held = members[1].service.parity.held_bytes()
+        assert held == 150_000 and spaces[1].used == held  # counted as it is summed
+        members[1].service.parity.forget_before(8)
+        members[1].service.account()
+        assert spaces[1].used == 0
         nursery.cancel_scope.cancel()

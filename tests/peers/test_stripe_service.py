@@ -101,6 +101,7 @@ async def start_members(
     shards: dict[int, int],
     step: int = 7,
     labels: dict[int, tuple] | None = None,
+    spaces: dict[int, SpaceAccount] | None = None,
 ) -> dict[int, Member]:
     """One member per rank of ``shards``, serving, with no grouping agreed yet; rank r's step ``step``
     is one file of ``shards[r]`` random bytes (none for 0 bytes)."""
@@ -128,6 +129,7 @@ async def start_members(
             dialer.dial,
             dialer.peers,
             labels=labels.get(rank, ()),
+            space=(spaces or {}).get(rank),
         )
         member.load()
         store = ReplicaStore(root / "replicas", SpaceAccount(None, root), None, job=JOB, keep_from=lambda: 10**9)

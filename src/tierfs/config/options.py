@@ -64,7 +64,7 @@ OPTIONS = {
     "erasure-coded parity, P/D of a step's size per node, and survive any P losses per group",
     "secret-file": "file holding the job's peer secret (or set TIERFS_SECRET)",
     "peer-tls": "on (default): peer traffic is TLS 1.3, keyed from the secret or --tls-cert; off: in clear",
-    "topology": "this node's labels, e.g. slice=a,rack=r3: one replica close, the others distant",
+    "topology": "this node's labels, e.g. slice=a,rack=r3: replicas and erasure groups spread across them",
     "data-parallel": "data-parallel replicas in the job: ranks nodes/D apart hold identical data (default 1)",
     "coordinator": "HOST[:PORT] of the job's rank-0 coordinator: written to jax-init-info.txt for Orbax/MaxText",
     "mtbf": "the job's mean time between failures, e.g. 6h, for the checkpoint interval tierfs advises "

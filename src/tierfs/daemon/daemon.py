@@ -206,7 +206,9 @@ class Daemon:
             )
         )
         if cfg.erasure is not None and self.network is not None:
-            self.erasure, group = erasure_group(cfg, self.rank, self.steps, self.network, self._own_manifest)
+            self.erasure, group = erasure_group(
+                cfg, self.rank, self.steps, self.network, self._own_manifest, self.space
+            )
             self.tiers.add([group])
         # Snapshots and what a restore set aside pin RAM too.
         self.space.scan(self.rank.tree, self.snapshots.root, *[p for p in [self.rank.path / "aside"] if p.exists()])

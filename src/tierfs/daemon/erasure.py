@@ -14,6 +14,7 @@ from tierfs.core.errors import UserError
 from tierfs.core.manifest import Manifest, ManifestError, split_seal
 from tierfs.peers.network import PeerNetwork
 from tierfs.ramtier import RankDir
+from tierfs.ramtier.space import SpaceAccount
 from tierfs.ramtier.steps import Steps
 from tierfs.store.erasure_member import ErasureMember
 from tierfs.store.stripe_service import OwnShard
@@ -49,7 +50,12 @@ class OwnSteps:
 
 
 def erasure_group(
-    cfg: Config, rank: RankDir, steps: Steps, network: PeerNetwork, manifest: Callable[[int], bytes | None]
+    cfg: Config,
+    rank: RankDir,
+    steps: Steps,
+    network: PeerNetwork,
+    manifest: Callable[[int], bytes | None],
+    space: SpaceAccount,
 ) -> tuple[ErasureMember, ErasureTier]:
     """This node's part of its group (served to the members) and the group as a tier (the peers lane's)."""
     shape = cfg.erasure_shape
@@ -69,6 +75,7 @@ def erasure_group(
         members.peers,
         labels=cfg.topology,
         twins=cfg.peer_ranks,
+        space=space,
     )
     member.load()
     return member, ErasureTier(member, members)

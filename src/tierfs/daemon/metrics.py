@@ -178,6 +178,11 @@ class StatusCollector(Collector):
         """With --erasure: what this node holds for its group, and what the group's newest step survives."""
         if group is None:
             return
+        yield self._gauge(
+            "tierfs_erasure_grouped",
+            "1 once this node agreed the job's erasure groups; 0 while it waits for every rank to answer",
+            1 if "grouping" in group else 0,
+        )
         yield self._gauge("tierfs_erasure_parity_bytes", "Parity this node holds for its group", group["parity_bytes"])
         yield self._gauge(
             "tierfs_erasure_members_answering", "Members of this node's group that answered", len(group["answering"])

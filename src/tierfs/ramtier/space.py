@@ -21,6 +21,7 @@ class SpaceAccount:
         self._capacity = capacity
         self._backing = backing
         self._allocated: dict[int, int] = {}
+        self._charges: dict[str, int] = {}  # what the daemon holds outside the scanned trees, by name
         self.used = 0
 
     @property
@@ -44,7 +45,13 @@ class SpaceAccount:
                     st = os.lstat(name, dir_fd=dir_fd)
                     if stat.S_ISREG(st.st_mode):
                         self._allocated[st.st_ino] = st.st_blocks * 512
-        self.used = sum(self._allocated.values())
+        self.used = sum(self._allocated.values()) + sum(self._charges.values())
+
+    def charge(self, name: str, nbytes: int) -> None:
+        """Count ``nbytes`` held under ``name`` outside the scanned trees, instead of what it held before:
+        for a store that knows its own size (the erasure group's parity) rather than its inodes."""
+        self.used += nbytes - self._charges.get(name, 0)
+        self._charges[name] = nbytes
 
     def check_growth(self, nbytes: int) -> None:
         """Raise ENOSPC if allocating ``nbytes`` more would pass the capacity."""

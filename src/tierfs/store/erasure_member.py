@@ -37,6 +37,7 @@ from tierfs.peers.grouping_record import MAX_BYTES, BadRecord, GroupingRecord, f
 from tierfs.peers.groups import Labels
 from tierfs.peers.placement import PeerInfo
 from tierfs.peers.wire import PeerError
+from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.parity import ParityStore
 from tierfs.store.stripe_service import POLL, STATUS_TIMEOUT, Dial, OwnShard, StripeService
 
@@ -62,11 +63,14 @@ class ErasureMember:
         peers: Callable[[], Awaitable[list[PeerInfo]]],
         labels: Labels = (),
         twins: tuple[int, ...] | None = None,
+        space: SpaceAccount | None = None,
     ):
         """``root``: the parity store's root directory (root-only); ``peers()``: the peers answering now,
-        with their labels and twins; ``labels``, ``twins``: this node's own."""
+        with their labels and twins; ``labels``, ``twins``: this node's own; ``space``: the RAM tier's
+        account the parity counts against."""
         self.rank, self.nodes, self.shape, self.data_parallel = rank, nodes, shape, data_parallel
         self.root, self.own, self.own_steps, self.dial, self.peers = root, own, own_steps, dial, peers
+        self.space = space
         self.mine = PeerInfo(("", 0), rank, labels, twins)
         self.record: GroupingRecord | None = None
         self.service: StripeService | None = None
@@ -111,17 +115,21 @@ class ErasureMember:
         async with self._lock:
             if self.service is None:
                 peers = await self.peers()
-                record = await self._peers_record(peers) or self._form(peers)
+                record, silent = await self._peers_record(peers)
+                if record is None:
+                    record = self._form([p for p in peers if p.rank not in silent])
                 if record is not None:
                     await trio.to_thread.run_sync(write_atomically, self.root / RECORD, record.to_json())
                     self._adopt(record)
                     log.info("erasure: %s (grouping %s)", self.describe(), record.digest)
         return self.service is not None
 
-    async def _peers_record(self, peers: list[PeerInfo]) -> GroupingRecord | None:
-        """The record the answering peers hold; if they disagree, the one most hold (then the lowest digest)."""
+    async def _peers_record(self, peers: list[PeerInfo]) -> tuple[GroupingRecord | None, set[int]]:
+        """The record the answering peers hold (if they disagree, the one most hold, then the lowest digest),
+        and the ranks that did not say whether they hold one: no record is formed while they may."""
         found: dict[str, GroupingRecord] = {}
         held: Counter[str] = Counter()
+        silent: set[int] = set()
         limiter = trio.CapacityLimiter(FAN_OUT)
 
         async def ask(rank: int) -> None:
@@ -130,15 +138,19 @@ class ErasureMember:
                     with trio.fail_after(STATUS_TIMEOUT):
                         pool = await self.dial(rank)
                         if pool is None:
-                            return
+                            raise PeerError(f"rank {rank} is not known yet")
                         reply, data = await pool.request(
                             lambda c: c.stripe_call({"op": "ec_grouping"}, b"", MAX_BYTES, STATUS_TIMEOUT)
                         )
                     if reply.get("digest") is None:
                         return
                     record = GroupingRecord.from_json(data)
-                except (PeerError, OSError, trio.TooSlowError, BadRecord) as e:
-                    log.debug("erasure: rank %d gave no grouping: %s", rank, e)
+                except BadRecord as e:
+                    log.warning("erasure: rank %d holds no usable grouping: %s", rank, e)
+                    return
+                except (PeerError, OSError, trio.TooSlowError) as e:
+                    log.debug("erasure: rank %d did not say its grouping: %s", rank, e)
+                    silent.add(rank)
                     return
                 if record.matches(self.nodes, self.shape):
                     found[record.digest] = record
@@ -150,7 +162,7 @@ class ErasureMember:
         if len(held) > 1:
             log.warning("erasure: the peers hold %d different groupings (%s)", len(held), dict(held))
         best = min(held, key=lambda d: (-held[d], d), default=None)
-        return found[best] if best is not None else None
+        return (found[best] if best is not None else None), silent
 
     def _form(self, peers: list[PeerInfo]) -> GroupingRecord | None:
         """The record of every rank's labels and twins, if every rank answered."""
@@ -174,7 +186,7 @@ class ErasureMember:
         parity = ParityStore(self.root, Code(group.layout))
         parity.load()
         self.service = StripeService(
-            self.rank, group, parity, self.own, self.own_steps, self.dial, grouping=record.digest
+            self.rank, group, parity, self.own, self.own_steps, self.dial, grouping=record.digest, space=self.space
         )
         self.record, self.waiting = record, ()
         for number, domain, members in record.weak_spots:

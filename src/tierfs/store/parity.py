@@ -175,6 +175,12 @@ class ParityStore:
             self._held -= entry.length
         return entry.length
 
+    def growth(self, step: int, stripe: int, parity: int, part_length: int) -> int:
+        """How many bytes a piece of a ``part_length``-byte part would grow its parity buffer by."""
+        with self._lock:
+            entry = self._entries.get((step, stripe, parity))
+        return max(part_length - (entry.length if entry is not None else 0), 0)
+
     def complete(self, step: int, stripe: int, parity: int) -> bool:
         """Whether the parity part is held whole: what a repair may read."""
         with self._lock:

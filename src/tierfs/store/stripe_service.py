@@ -35,6 +35,7 @@ from tierfs.peers.client import PeerClient
 from tierfs.peers.groups import RankGroup
 from tierfs.peers.pool import ConnectionPool
 from tierfs.peers.wire import PeerError, ProtocolError
+from tierfs.ramtier.space import SpaceAccount
 from tierfs.store.group_view import GroupView, MemberHoldings
 from tierfs.store.parity import NotHeldParity, ParityError, ParityStore
 
@@ -91,12 +92,16 @@ class StripeService:
         own_steps: Callable[[], list[int]],
         dial: Dial,
         grouping: str | None = None,
+        space: SpaceAccount | None = None,
     ):
         """``own(step)``: this node's committed ``step`` as a stream, if its RAM holds it whole;
         ``own_steps()``: those steps; ``dial(rank)``: connections to a member; ``grouping``: the
-        digest of the groups (:mod:`tierfs.peers.grouping_record`) its requests carry."""
+        digest of the groups (:mod:`tierfs.peers.grouping_record`) its requests carry; ``space``: the
+        RAM tier's account, which the parity counts against (``--capacity``)."""
         self.rank, self.group, self.parity, self.dial = rank, group, parity, dial
-        self.grouping = grouping
+        self.grouping, self.space = grouping, space
+        self._reserved = 0  # parity bytes promised to sums in progress
+        self.account()
         self.own, self.own_steps = own, own_steps
         self.code = Code(group.layout)
         self.view = GroupView(group)
@@ -132,10 +137,29 @@ class StripeService:
         if j >= len(holders) or holders[j] != self.rank:
             raise PeerError(f"rank {self.rank} does not hold parity {j} of stripe {stripe}")
         slot, part, offset = _count(request, "slot"), _count(request, "part_length"), _count(request, "offset")
-        complete = await trio.to_thread.run_sync(self.parity.add, step, stripe, j, slot, part, offset, body)
+        grow = self.parity.growth(step, stripe, j, part)
+        if self.space is not None and grow:
+            try:
+                self.space.check_growth(self._reserved + grow)
+            except OSError:
+                raise PeerError(
+                    f"rank {self.rank} has no room for {grow} more bytes of parity: its RAM tier is full "
+                    f"({self.space.used} of {self.space.capacity} bytes used)"
+                ) from None
+        self._reserved += grow
+        try:
+            complete = await trio.to_thread.run_sync(self.parity.add, step, stripe, j, slot, part, offset, body)
+        finally:
+            self._reserved -= grow
+            self.account()
         if complete:
             self.changed()
         return {"ok": True, "complete": complete}
+
+    def account(self) -> None:
+        """Count the parity held against the RAM tier's capacity, as replicas are."""
+        if self.space is not None:
+            self.space.charge("parity", self.parity.held_bytes())
 
     def changed(self) -> None:
         """What the group holds changed here: the view (and so what this node reports) follows at once,
@@ -262,6 +286,7 @@ class StripeService:
                 newest = self.newest_encoded()
                 if newest is not None:
                     freed = await trio.to_thread.run_sync(self.parity.forget_before, newest)
+                    self.account()
                     if freed:
                         log.info("erasure: parity of steps before %d dropped (%d bytes)", newest, freed)
             except Exception as e:  # noqa: BLE001 (the group's trouble must never take the mount down)

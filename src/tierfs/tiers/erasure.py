@@ -129,6 +129,19 @@ class ErasureTier(Tier):
         twins: Sequence[int] = (),
     ) -> Pushed:
         """This rank's D parts to their parity holders, window by window, then the manifest to every member."""
+        try:
+            return await self._put_step(manifest, where, pace, progress, seal_with)
+        except BaseExceptionGroup as group:  # of the windows' and members' nurseries: the lane takes one error
+            raise _first_tier_error(group) from None
+
+    async def _put_step(
+        self,
+        manifest: Manifest,
+        where: dict[str, Location],
+        pace: Callable[[], Awaitable[None]],
+        progress: Progress | None,
+        seal_with: ManifestKeys | None,
+    ) -> Pushed:
         await self.member.settle()
         service, group, step = self.service, self.service.group, manifest.step
         shard = OwnShard(list(where.values()))
@@ -350,3 +363,11 @@ class ErasureTier(Tier):
 
     async def aclose(self) -> None:
         await self.members.aclose()
+
+
+def _first_tier_error(group: BaseExceptionGroup) -> BaseException:
+    """The first error inside nested groups, if it is a tier's (else the group: a cancellation stays one)."""
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    return leaf if isinstance(leaf, TierError) else group

@@ -38,7 +38,7 @@ from tierfs.pipeline.restore import Origin, Restore, fetch_manifest
 from tierfs.ramtier import RankDir, SpaceAccount
 from tierfs.ramtier.snapshots import Snapshots
 from tierfs.ramtier.steps import Steps
-from tierfs.tiers.base import Cost, Tier
+from tierfs.tiers.base import Cost, Tier, TierUnavailable
 from tierfs.tiers.fetch import ChunkSources
 from tierfs.tiers.gcs_http import CorruptObject
 from tierfs.tiers.gcs_layout import parse_manifest_chunks, parse_pending
@@ -266,6 +266,20 @@ def test_a_peer_cannot_pass_another_rank_or_step_off_as_the_one_asked_for(tmp_pa
     answers["127.0.0.3:7000"] = sample().to_json()
     got = trio.run(fetch_manifest, cfg, 500, peers)
     assert (got.job, got.rank, got.step) == ("llama", 3, 500)
+
+
+def test_a_tier_that_names_itself_in_its_refusal_is_named_once(tmp_path):
+    class Down(HostilePeer):
+        async def get_manifest(self, rank: int, step: int) -> bytes:
+            raise TierUnavailable(f"{self.name}: rank 1: connection refused")
+
+    cfg = Config.build(mountpoint=tmp_path, job="llama", rank=3, nodes=4)
+    tiers = [Down("127.0.0.2:7000", {}, []), HostilePeer("127.0.0.3:7000", {"127.0.0.3:7000": b"{"}, [])]
+    with pytest.raises(UserError) as err:
+        trio.run(fetch_manifest, cfg, 500, tiers)
+    text = one_line(err.value)
+    assert text.count("peer 127.0.0.2:7000") == 1 and "peer 127.0.0.2:7000: rank 1: connection refused" in text
+    assert "; peer 127.0.0.3:7000: " in text  # a tier that does not name itself is named
 
 
 # -- restoring a manifest: what it may create on the node ------------------------------------

@@ -36,7 +36,8 @@ async def fetch_manifest(cfg: Config, step: int, tiers: list[Tier]) -> Manifest:
                 log.error(
                     "manifest of step %d from %s: unexpected %s", step, tier.name, type(e).__name__, exc_info=True
                 )
-            errors.append(f"{tier.name}: {first_line(e)}")
+            said = first_line(e)
+            errors.append(said if said.startswith(f"{tier.name}: ") else f"{tier.name}: {said}")
     raise UserError(
         f"no tier could send the manifest of step {step} of rank {cfg.rank}: {'; '.join(errors) or 'none holds it'}"
     )

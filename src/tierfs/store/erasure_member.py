@@ -221,7 +221,8 @@ class ErasureMember:
         if theirs != self.record.digest:
             raise PeerError(
                 f"rank {self.rank} groups the job by grouping {self.record.digest}, the request by "
-                f"{str(theirs)[:16]!r}: one of the two kept a grouping of another job or another topology"
+                f"{str(theirs)[:16]!r}: the node that groups otherwise should take its peers' groups; stop it, "
+                f"remove its parity directory (<ramdisk>/<job>/rank-<N>/parity) and mount it again"
             )
         return await self.service.handle(request, body)
 

@@ -49,7 +49,7 @@ from tierfs.pipeline.lanes import Lane, lanes_of
 from tierfs.pipeline.pacing import Pacing
 from tierfs.pipeline.policy import policy_for
 from tierfs.ramtier.steps import Steps, StepState
-from tierfs.tiers.base import Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable
+from tierfs.tiers.base import Progress, Pushed, SourceChanged, Tier, TierError, TierUnavailable, first_leaf
 
 log = logging.getLogger(__name__)
 
@@ -184,7 +184,7 @@ class Replicator:
                 lane.set("ok")
                 failures = 0
             except Exception as group:  # a tier's trouble must never take the mount down
-                error = _first_leaf(group)
+                error = first_leaf(group)
                 if isinstance(error, StepRefused):
                     lane.status = before  # the step is refused (logged, in its state), not the lane
                     continue
@@ -487,10 +487,3 @@ class Replicator:
         """Each lane's state, lag and progress, with what its tiers say of themselves."""
         now = time.time()
         return {name: lane.report(self.steps.states, now) for name, lane in self.lanes.items()}
-
-
-def _first_leaf(e: BaseException) -> BaseException:
-    """The first real error inside (nested) exception groups from a nursery of workers."""
-    while isinstance(e, BaseExceptionGroup):
-        e = e.exceptions[0]
-    return e

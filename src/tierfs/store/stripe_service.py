@@ -238,8 +238,7 @@ class StripeService:
         pool = await self.dial(rank)
         if pool is None:
             raise PeerError(f"rank {rank} of the group is not known yet")
-        if self.grouping is not None:
-            header = {**header, "grouping": self.grouping}
+        header = self._stamped(header)
         timeout = REPAIR_TIMEOUT if header.get("op") == "ec_repair" else None
 
         async def call(client: PeerClient) -> bytes:
@@ -263,7 +262,7 @@ class StripeService:
                     if pool is None:
                         answers[rank] = None
                         return
-                    reply = await pool.request(lambda c: c.stripe_call(self._status_request))
+                    reply = await pool.request(lambda c: c.stripe_call(self._stamped({"op": "ec_status"})))
                 answers[rank] = _holdings(reply[0])
             except (PeerError, OSError, trio.TooSlowError, ValueError, KeyError, TypeError):
                 answers[rank] = None
@@ -274,9 +273,9 @@ class StripeService:
                     nursery.start_soon(one, rank)
         self.view.update(answers)
 
-    @property
-    def _status_request(self) -> dict[str, Any]:
-        return {"op": "ec_status"} | ({"grouping": self.grouping} if self.grouping is not None else {})
+    def _stamped(self, header: dict[str, Any]) -> dict[str, Any]:
+        """The request under this node's grouping: a member grouped otherwise refuses it."""
+        return header | ({"grouping": self.grouping} if self.grouping is not None else {})
 
     async def watch(self) -> None:
         """Keep the view fresh, and the parity of steps no longer needed gone: a newer step is fully encoded."""

@@ -447,6 +447,13 @@ def rotate_equals(tiers: Sequence[Tier], prefer: int) -> list[Tier]:
     return out
 
 
+def first_leaf(e: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups from a nursery of workers."""
+    while isinstance(e, BaseExceptionGroup):
+        e = e.exceptions[0]
+    return e
+
+
 def first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__

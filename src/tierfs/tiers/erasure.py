@@ -50,6 +50,7 @@ from tierfs.tiers.base import (
     TierUnavailable,
     _no_pause,
     check_chunk,
+    first_leaf,
 )
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ class ErasureTier(Tier):
         try:
             return await self._put_step(manifest, where, pace, progress, seal_with)
         except BaseExceptionGroup as group:  # of the windows' and members' nurseries: the lane takes one error
-            raise _first_tier_error(group) from None
+            leaf = first_leaf(group)
+            raise (leaf if isinstance(leaf, TierError) else group) from None  # a cancellation stays a group
 
     async def _put_step(
         self,
@@ -363,11 +365,3 @@ class ErasureTier(Tier):
 
     async def aclose(self) -> None:
         await self.members.aclose()
-
-
-def _first_tier_error(group: BaseExceptionGroup) -> BaseException:
-    """The first error inside nested groups, if it is a tier's (else the group: a cancellation stays one)."""
-    leaf: BaseException = group
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
-    return leaf if isinstance(leaf, TierError) else group

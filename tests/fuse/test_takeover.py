@@ -19,6 +19,7 @@ from tests.fuse.users import PYTHON
 from tests.helpers import kill_daemon, wait_for, write_orbax_step
 from tierfs.core import mounts
 from tierfs.core.errors import UserError
+from tierfs.daemon import host
 from tierfs.ramtier.tmpfs import unmount_beneath
 
 JOB = Path(__file__).with_name("takeover_job.py").read_text()
@@ -178,6 +179,21 @@ def test_a_keeper_killed_is_replaced_and_the_mount_still_survives_its_daemon(vol
         kill_daemon(vol.mountpoint)  # the new keeper, not the daemon's parent, starts a successor
         held.write(b"after")
     assert path.read_bytes() == b"before after"
+
+
+def read_ahead_kb(vol) -> int:
+    entry = mounts.find_mount(vol.mountpoint)
+    return int(Path(f"/sys/class/bdi/0:{entry.minor}/read_ahead_kb").read_text())
+
+
+@pytest.mark.expect_log(KILLED)
+def test_the_raised_read_ahead_outlives_the_daemon_that_set_it(volumes, own_engine):
+    """The kernel lowers read-ahead only at INIT, which a successor's connection never sees again."""
+    vol = volumes(job="ahead")
+    assert read_ahead_kb(vol) == host.READ_AHEAD_KB
+    kill_daemon(vol.mountpoint)
+    wait_for(lambda: vol.status()["connection"]["taken_over"], what="the successor to answer")
+    assert read_ahead_kb(vol) == host.READ_AHEAD_KB
 
 
 @pytest.mark.root

@@ -417,8 +417,10 @@ class Daemon:
         nursery.start_soon(self._fuse_main, nursery.cancel_scope)
         # The first request through the mount completes the kernel's INIT handshake,
         # which resets the read-ahead; set it after, and only then call the mount ready.
+        # A successor's connection had its INIT long ago: the read-ahead set then stands.
         await trio.to_thread.run_sync(os.stat, self.cfg.mountpoint)
-        host.set_read_ahead(self.cfg.mountpoint)
+        if self.connection.taken is None:
+            host.set_read_ahead(self.cfg.mountpoint)
         for warning in unanswered([name.removeprefix("peer ") for name in self.planner.missing]):
             self._warn(warning)
         self.ready = True

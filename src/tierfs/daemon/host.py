@@ -68,9 +68,10 @@ def check_listen(address: tuple[str, int]) -> None:
 def set_read_ahead(mountpoint) -> None:
     # Never stat() the mountpoint here: the request would wait for this very daemon.
     entry = mounts.find_mount(mountpoint)
+    if entry is None:  # unmounted already: the daemon is about to stop, and there is nothing to tune
+        log.info("%s was unmounted before its read-ahead was raised", mountpoint)
+        return
     try:
-        if entry is None:
-            raise OSError("not in the mount table")
         minor = entry.minor
         with open(f"/sys/class/bdi/0:{minor}/read_ahead_kb", "w") as f:
             f.write(str(READ_AHEAD_KB))

@@ -28,6 +28,29 @@ from tierfs.ramtier.tmpfs import delete_ram_data
 
 SHM = Path("/dev/shm")
 
+# The suite runs on two workers (scripts/test.sh). Node addresses beyond 127.0.0.1 are one
+# resource of the machine: a node restarted on its port, or cut off by nftables, must not meet
+# another worker's node there. Every test that uses them runs on one worker, one at a time, and
+# they start first, being the longest run.
+SHARED_HOSTS = re.compile(r"127\.0\.0\.(?:[2-9]|[1-9][0-9]+)\b|LocalCluster")
+HOST_FIXTURES = {"cluster", "dns_server", "chaos_job"}
+
+
+def _uses_shared_hosts(path: Path, cache: dict[Path, bool]) -> bool:
+    """Whether ``path``, or a conftest.py of a package of tests holding it, names a shared host."""
+    if path not in cache:
+        tests = Path(__file__).parent
+        conftests = [d / "conftest.py" for d in path.parents if tests in d.parents and (d / "conftest.py").exists()]
+        cache[path] = any(SHARED_HOSTS.search(p.read_text()) for p in [path, *conftests])
+    return cache[path]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    cache: dict[Path, bool] = {}
+    for item in items:
+        if HOST_FIXTURES & set(getattr(item, "fixturenames", ())) or _uses_shared_hosts(item.path, cache):
+            item.add_marker(pytest.mark.xdist_group("shared-hosts"))
+
 
 def tierfs(*args: str, check: bool = True, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the ``tierfs`` command as a user would, capturing its output."""

@@ -237,19 +237,6 @@ def test_forget_before_frees_the_older_steps(tmp_path):
     assert store.held_bytes() == 0 and store.entries() == {} and files(tmp_path) == set()
 
 
-def test_max_bytes_refuses_a_piece_that_would_grow_parity_past_it(tmp_path):
-    store = ParityStore(tmp_path, Code(Group(3, 1)), max_bytes=100)
-    assert not store.add(0, 0, 0, 0, 80, 0, bytes(range(8)))
-    with pytest.raises(ParityError, match="no space"):
-        store.add(0, 1, 0, 0, 30, 0, b"x")  # a new entry of 30 more bytes
-    assert store.entries() == {0: {(0, 0): False}} and store.received(0, 1, 0, 0) == 0
-    assert not store.add(0, 0, 0, 1, 100, 0, b"y")  # the same entry grows by 20: 100 in all
-    with pytest.raises(ParityError, match="no space"):
-        store.add(0, 0, 0, 2, 101, 0, b"z")
-    assert store.held_bytes() == 100
-    assert store.add(0, 0, 0, 2, 60, 0, b"z") is False  # a part no longer than the buffer costs nothing
-
-
 @pytest.mark.parametrize(
     ("step", "stripe", "parity", "slot", "part_length", "offset", "data"),
     [

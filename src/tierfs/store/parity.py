@@ -73,13 +73,12 @@ class ParityStore:
     """The parity parts this node holds for a group coded with ``code``, and the group's manifest copies.
 
     Under ``root``: ``parity/<step>.<stripe>.<j>`` (and its ``.json`` meta once complete) is
-    parity part j of a stripe, ``manifests/<rank>.<step>`` a member's manifest. ``max_bytes``
-    bounds the parity buffers: a piece that would grow them past it is refused, rather than the
-    tmpfs filled under the job's own files.
+    parity part j of a stripe, ``manifests/<rank>.<step>`` a member's manifest. The room they
+    take is the holder's to check first (against --capacity): this store only counts it.
     """
 
-    def __init__(self, root: Path, code: Code, max_bytes: int | None = None):
-        self.root, self.code, self.max_bytes = Path(root), code, max_bytes
+    def __init__(self, root: Path, code: Code):
+        self.root, self.code = Path(root), code
         self._parity_dir = private_dir(self.root / "parity")
         self._manifest_dir = private_dir(self.root / "manifests")
         self._lock = threading.Lock()  # the indexes; nobody holding it waits for an entry's lock
@@ -135,8 +134,6 @@ class ParityStore:
                 raise ParityError(f"{where}: slot {slot}'s bytes [{offset}, {end}) overlap a piece sent otherwise")
             grow, truncate = max(part_length - entry.length, 0), 0 if entry.parts else os.O_TRUNC
             with self._lock:
-                if self.max_bytes is not None and self._held + grow > self.max_bytes:
-                    raise ParityError(f"{where}: no space for {grow} more parity bytes ({self.max_bytes} at most)")
                 self._held += grow
             entry.length += grow
             try:  # read, sum and write back the piece's range alone: memory holds a piece, not a part

@@ -183,3 +183,49 @@ async def test_parity_counts_against_the_capacity_and_beyond_it_is_refused(tmp_p
         members[1].service.account()
         assert spaces[1].used == 0
         nursery.cancel_scope.cancel()
+
+
+OTHER = form(6, SHAPE, 1, {r: (("rack", f"r{r % 3}"),) for r in range(6)}, {})  # groups (0, 1, 2) and (3, 4, 5)
+
+
+def hold(member, record: GroupingRecord) -> None:
+    """``member`` restarted holding ``record``, as a node that formed its own from other answers."""
+    (member.member.root / RECORD).write_bytes(record.to_json())
+    member.member.load()
+    assert member.member.record == record
+
+
+async def test_a_member_outvoted_takes_the_majoritys_grouping_and_drops_its_parity(tmp_path):
+    async with trio.open_nursery() as nursery:
+        members = await start_members(nursery, tmp_path, 2, 1, dict.fromkeys(range(6), 3000), labels=RACKS)
+        majority = await agree(members.values())
+        await put_everywhere(members)
+        assert OTHER.digest != majority
+        for rank in (0, 1):
+            hold(members[rank], OTHER)
+        assert members[0].service.parity.entries()  # summed under the groups it no longer holds
+        nursery.start_soon(members[0].member.run)
+        with pytest.raises(PeerError, match="takes the grouping more than half of the job's ranks hold"):
+            await members[2].service.ask(0, {"op": "ec_status"}, 0)  # rank 2 groups rank 0 with 4
+        with trio.fail_after(10):
+            while members[0].member.record is None or members[0].member.record.digest != majority:
+                await trio.sleep(0.05)
+        assert members[0].service.parity.entries() == {} and members[0].service.parity.manifests() == []
+        assert GroupingRecord.from_json((tmp_path / "node-0" / "parity" / RECORD).read_bytes()).digest == majority
+        assert await members[1].member.reconcile()  # asked directly: the same
+        assert not await members[2].member.reconcile()  # in the majority: nothing to take
+        await put_everywhere(members)  # no member refuses another now
+        assert members[0].service.group.members == (0, 2, 4) and members[0].service.parity.entries()
+        nursery.cancel_scope.cancel()
+
+
+async def test_without_a_majority_no_member_changes_its_grouping(tmp_path):
+    async with trio.open_nursery() as nursery:
+        members = await start_members(nursery, tmp_path, 2, 1, dict.fromkeys(range(6), 1000), labels=RACKS)
+        by_racks = await agree(members.values())
+        for rank in (0, 1, 2):  # three of six: half, not more
+            hold(members[rank], OTHER)
+        for rank in range(6):
+            assert not await members[rank].member.reconcile()
+        assert [m.member.record.digest for m in members.values()] == [OTHER.digest] * 3 + [by_racks] * 3
+        nursery.cancel_scope.cancel()

@@ -15,6 +15,13 @@ The record then stays for as long as the job keeps its shape (``--nodes`` and D+
 whose record is for another shape, or unreadable, drops it with its parity. Every request a
 member sends names its record's digest, and a member using other groups is refused: its
 parts are never summed in, nor its sums read, and the log says which ranks disagree.
+
+Two records can exist at once only if nodes formed theirs from different answers (labels
+changed while they formed, a partition). A node that holds one while more than half of the
+job's ranks hold another takes theirs, dropping the parity it summed under its own: parity
+is only good among the members that summed it, and a strict majority is one record at most,
+whatever part of the job a node sees. It compares when a request comes under another
+grouping, and otherwise now and then, asking the peers for their digests alone.
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,8 @@ log = logging.getLogger(__name__)
 
 RECORD = "grouping.json"  # in the parity store's root
 FAN_OUT = 64  # peers asked for their record at once
+RECHECK = 60.0  # seconds between two comparisons with the peers' groupings, at least
+RECHECK_PER_RANK = 0.1  # and this per rank: a survey asks every rank of the job
 
 
 class ErasureMember:
@@ -77,6 +85,7 @@ class ErasureMember:
         self.waiting: tuple[int, ...] = ()  # ranks not answering, while there is no record to take
         self._legacy: str | None = None
         self._lock = trio.Lock()
+        self._disagreed = trio.Event()  # a request came under another grouping: compare now
 
     # -- the record -------------------------------------------------------------------------
 
@@ -128,9 +137,22 @@ class ErasureMember:
         """The record the answering peers hold (if they disagree, the one most hold, then the lowest digest),
         and the ranks that did not say whether they hold one: no record is formed while they may."""
         found: dict[str, GroupingRecord] = {}
-        held: Counter[str] = Counter()
+        holders, silent = await self._survey(sorted({p.rank for p in peers}), found)
+        if len(holders) > 1:
+            log.warning("erasure: the peers hold %d different groupings (%s)", len(holders), _counts(holders))
+        best = min(holders, key=lambda d: (-len(holders[d]), d), default=None)
+        return (found[best] if best is not None else None), silent
+
+    async def _survey(
+        self, ranks: list[int], found: dict[str, GroupingRecord] | None = None
+    ) -> tuple[dict[str, list[int]], set[int]]:
+        """Ask ``ranks`` (the job's, this node's aside) for their grouping: digest -> the ranks holding it,
+        and the ranks that did not answer. With ``found``, whole records (checked, of this job's shape)
+        go there; without, only digests travel."""
+        holders: dict[str, list[int]] = {}
         silent: set[int] = set()
         limiter = trio.CapacityLimiter(FAN_OUT)
+        request = {"op": "ec_grouping"} if found is not None else {"op": "ec_grouping", "digest_only": True}
 
         async def ask(rank: int) -> None:
             async with limiter:
@@ -140,11 +162,18 @@ class ErasureMember:
                         if pool is None:
                             raise PeerError(f"rank {rank} is not known yet")
                         reply, data = await pool.request(
-                            lambda c: c.stripe_call({"op": "ec_grouping"}, b"", MAX_BYTES, STATUS_TIMEOUT)
+                            lambda c: c.stripe_call(request, b"", MAX_BYTES, STATUS_TIMEOUT)
                         )
-                    if reply.get("digest") is None:
+                    digest = reply.get("digest")
+                    if digest is None:
                         return
-                    record = GroupingRecord.from_json(data)
+                    if found is not None:
+                        record = GroupingRecord.from_json(data)
+                        if not record.matches(self.nodes, self.shape):
+                            return
+                        digest, found[record.digest] = record.digest, record
+                    elif not isinstance(digest, str) or len(digest) > 64:
+                        raise BadRecord(f"digest {str(digest)[:64]!r}")
                 except BadRecord as e:
                     log.warning("erasure: rank %d holds no usable grouping: %s", rank, e)
                     return
@@ -152,17 +181,48 @@ class ErasureMember:
                     log.debug("erasure: rank %d did not say its grouping: %s", rank, e)
                     silent.add(rank)
                     return
-                if record.matches(self.nodes, self.shape):
-                    found[record.digest] = record
-                    held[record.digest] += 1
+                holders.setdefault(digest, []).append(rank)
 
         async with trio.open_nursery() as nursery:
-            for rank in sorted({p.rank for p in peers if p.rank != self.rank}):
-                nursery.start_soon(ask, rank)
-        if len(held) > 1:
-            log.warning("erasure: the peers hold %d different groupings (%s)", len(held), dict(held))
-        best = min(held, key=lambda d: (-held[d], d), default=None)
-        return (found[best] if best is not None else None), silent
+            for rank in ranks:
+                if rank != self.rank and rank < self.nodes:
+                    nursery.start_soon(ask, rank)
+        return holders, silent
+
+    async def reconcile(self) -> bool:
+        """Compare this node's grouping with the job's once: take the one more than half of the job's
+        ranks hold, if it is another (dropping this node's parity). Whether it took one."""
+        if self.record is None:
+            return False
+        mine = self.record.digest
+        holders, _ = await self._survey(list(range(self.nodes)))
+        majority = [d for d, ranks in holders.items() if d != mine and 2 * len(ranks) > self.nodes]
+        if not majority:
+            return False
+        ranks = sorted(holders[majority[0]])
+        found: dict[str, GroupingRecord] = {}
+        await self._survey(ranks[:1], found)
+        record = found.get(majority[0])
+        if record is None:
+            return False  # the holder asked went away or changed meanwhile: compare again later
+        async with self._lock:
+            if self.record is None or self.record.digest != mine:
+                return False
+            log.warning(
+                "erasure: ranks %s, more than half of the job's %d, group it by grouping %s, not this node's %s: "
+                "this node takes theirs and drops the parity it summed under its own",
+                _ranks(ranks),
+                self.nodes,
+                record.digest,
+                mine,
+            )
+            old, self.service, self.record = self.service, None, None  # refuse requests while the parity goes
+            if old is not None:
+                await trio.to_thread.run_sync(old.parity.close)
+            await trio.to_thread.run_sync(_clear, self.root)
+            await trio.to_thread.run_sync(write_atomically, private_dir(self.root) / RECORD, record.to_json())
+            self._adopt(record)
+        return True
 
     def _form(self, peers: list[PeerInfo]) -> GroupingRecord | None:
         """The record of every rank's labels and twins, if every rank answered."""
@@ -214,15 +274,18 @@ class ErasureMember:
         if request["op"] == "ec_grouping":
             if self.record is None:
                 return {"ok": True, "digest": None}, b""
-            return {"ok": True, "digest": self.record.digest}, self.record.to_json()
+            whole = request.get("digest_only") is not True
+            return {"ok": True, "digest": self.record.digest}, self.record.to_json() if whole else b""
         if self.service is None or self.record is None:
             raise PeerError(f"rank {self.rank} has {self.describe()}")
         theirs = request.get("grouping") or self._legacy_digest()  # a node from before records: rank order
         if theirs != self.record.digest:
+            self._disagreed.set()
             raise PeerError(
                 f"rank {self.rank} groups the job by grouping {self.record.digest}, the request by "
-                f"{str(theirs)[:16]!r}: the node that groups otherwise should take its peers' groups; stop it, "
-                f"remove its parity directory (<ramdisk>/<job>/rank-<N>/parity) and mount it again"
+                f"{str(theirs)[:16]!r}: a node takes the grouping more than half of the job's ranks hold by "
+                f"itself; without such a majority, stop the node that groups otherwise, remove its parity "
+                f"directory (<ramdisk>/<job>/rank-<N>/parity) and mount it again"
             )
         return await self.service.handle(request, body)
 
@@ -234,7 +297,8 @@ class ErasureMember:
     # -- what the node's other parts ask ----------------------------------------------------
 
     async def run(self) -> None:
-        """Agree a grouping (retrying while ranks are missing), then keep the group's view fresh."""
+        """Agree a grouping (retrying while ranks are missing), then serve it: keep the group's view
+        fresh, and take the majority's grouping should most of the job hold another."""
         while True:
             try:
                 if await self.settle():
@@ -242,8 +306,26 @@ class ErasureMember:
             except Exception as e:  # noqa: BLE001 (the group's trouble must never take the mount down)
                 log.warning("erasure: no grouping agreed yet: %s", e)
             await trio.sleep(POLL)
-        assert self.service is not None
-        await self.service.watch()
+        while True:
+            assert self.service is not None
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self.service.watch)
+                await self._until_outvoted()
+                nursery.cancel_scope.cancel()  # that service's watch: the next one serves the new record
+
+    async def _until_outvoted(self) -> None:
+        """Compare with the peers' groupings when a request comes under another, and now and then;
+        return once this node took the majority's."""
+        while True:
+            with trio.move_on_after(max(RECHECK, RECHECK_PER_RANK * self.nodes)):
+                await self._disagreed.wait()
+            self._disagreed = trio.Event()
+            try:
+                if await self.reconcile():
+                    return
+            except Exception as e:  # noqa: BLE001 (the group's trouble must never take the mount down)
+                log.warning("erasure: the peers' groupings were not compared: %s", e)
+            await trio.sleep(POLL)  # one survey at most per POLL, however many requests disagree
 
     def claims(self) -> list[tuple[int, int]]:
         return self.service.claims() if self.service is not None else []
@@ -271,6 +353,10 @@ def _clear(root: Path) -> None:
         os.unlink(root / RECORD)
     except FileNotFoundError:
         pass
+
+
+def _counts(holders: dict[str, list[int]]) -> str:
+    return ", ".join(f"{digest[:16]} by {len(ranks)}" for digest, ranks in sorted(holders.items()))
 
 
 def _ranks(ranks: tuple[int, ...] | list[int]) -> str:

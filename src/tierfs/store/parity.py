@@ -86,6 +86,7 @@ class ParityStore:
         self._manifests: set[tuple[int, int]] = set()  # (rank, step)
         self._manifest_lock = threading.Lock()  # two writes of one copy would share its temporary file
         self._held = 0
+        self._closed = False
 
     def load(self) -> None:
         """Keep what a previous daemon completed; delete the sums it was in the middle of."""
@@ -117,6 +118,8 @@ class ParityStore:
         if end > part_length or not (view or part_length == 0):  # an empty piece is an empty part's
             raise ParityError(f"{where}: {len(view)} bytes at {offset} do not fit slot {slot}'s {part_length}")
         with self._lock:
+            if self._closed:
+                raise ParityError(f"{where}: this node dropped the grouping it was summed under")
             path = self._parity_dir / "{}.{}.{}".format(*key)
             entry = self._entries.get(key) or self._entries.setdefault(key, _Entry(key, path))
         with entry.lock:
@@ -225,6 +228,8 @@ class ParityStore:
         if len(data) > manifest.MAX_BYTES:
             raise ParityError(f"{where}: {len(data)} bytes, over {manifest.MAX_BYTES}")
         with self._manifest_lock:
+            if self._closed:
+                raise ParityError(f"{where}: this node dropped the grouping it was kept under")
             write_atomically(path, bytes(data))
             with self._lock:
                 self._manifests.add((rank, step))
@@ -244,7 +249,9 @@ class ParityStore:
 
     def forget_before(self, step: int) -> int:
         """Drop the parity parts and manifest copies of the steps before ``step``; the parity bytes freed."""
-        _whole("step", step, MAX_STEP)
+        return self._forget_below(_whole("step", step, MAX_STEP))
+
+    def _forget_below(self, step: int) -> int:
         with self._manifest_lock, self._lock:
             old = [entry for key, entry in self._entries.items() if key[0] < step]
             for rank, s in [copy for copy in self._manifests if copy[1] < step]:
@@ -255,6 +262,13 @@ class ParityStore:
             with entry.lock:
                 freed += self._drop(entry)
         return freed
+
+    def close(self) -> int:
+        """Take no more pieces and drop everything held, once the sums in progress are done: the
+        grouping they were summed under is gone. The parity bytes freed."""
+        with self._manifest_lock, self._lock:
+            self._closed = True
+        return self._forget_below(MAX_STEP + 1)
 
     def held_bytes(self) -> int:
         with self._lock:

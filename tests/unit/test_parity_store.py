@@ -237,6 +237,23 @@ def test_forget_before_frees_the_older_steps(tmp_path):
     assert store.held_bytes() == 0 and store.entries() == {} and files(tmp_path) == set()
 
 
+def test_a_closed_store_drops_everything_and_takes_nothing_more(tmp_path):
+    rng = random.Random(31)
+    code = Code(Group(3, 1))
+    store = ParityStore(tmp_path, code)
+    fill(store, code, 1, 0, make_stripe(rng, [100, 90, 80]), rng)
+    feed(store, 2, 2, 0, [(0, 70, 0, rng.randbytes(10))])
+    store.put_manifest(0, 1, b"{}")
+    assert store.close() == 100 + 70
+    assert store.held_bytes() == 0 and store.entries() == {} and store.manifests() == []
+    assert files(tmp_path) == set()
+    with pytest.raises(ParityError, match="dropped the grouping"):
+        store.add(3, 0, 0, 0, 10, 0, b"x")
+    with pytest.raises(ParityError, match="dropped the grouping"):
+        store.put_manifest(0, 3, b"{}")
+    assert files(tmp_path) == set()
+
+
 @pytest.mark.parametrize(
     ("step", "stripe", "parity", "slot", "part_length", "offset", "data"),
     [

@@ -214,7 +214,9 @@ class Job:
                     self.places.setdefault((i, step), set()).add(f"ram {i}")
                 for s in [s for s in self.committed.get(i, ()) if s > step]:
                     self.places.get((i, s), set()).discard(f"ram {i}")  # set aside: not complete on every rank
-        if len(nodes) == self.n and len(set(chosen.values())) > 1:
+        # Ranks with files in the step they chose must agree; a rank with none restored nothing.
+        with_files = {i: s for i, s in chosen.items() if s in self.committed.get(i, ())}
+        if len(nodes) == self.n and len(set(with_files.values())) > 1:
             raise Violation(f"seed {self.seed}: after a whole-job restart the ranks run from different steps: {chosen}")
         self.log.append(f"{fault}: restored {chosen} (bounds {low}..{high})")
 

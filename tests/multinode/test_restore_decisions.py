@@ -77,3 +77,22 @@ def test_a_hundred_kills_right_after_replication_each_restore_the_step(cluster):
     for step in range(1, 101):
         expected = kill_soon_after_replication(c, step, rng)
         restores(c, step, expected)
+
+
+def test_a_rank_that_wrote_nothing_does_not_hold_a_later_restart_back(cluster):
+    """Rank 2 writes nothing; restarted after step 1, it "restores" step 1 with no file of it.
+    Ranks 0 and 1 commit step 2 since, which it never would: a node restarted then restores 2,
+    not the step a rank with nothing in it chose long before."""
+    c = cluster(3, replicas=1, capacity="64M")
+    c.start_all()
+    for i in (0, 1):
+        commit_step(c.nodes[i].mountpoint, 1, files_of(i, 1))
+    c.kill(2)
+    c.start(2)
+    assert c.status(2)["cluster"]["restore_step"] == 1
+    expected = commit_step(c.nodes[1].mountpoint, 2, files_of(1, 2))
+    commit_step(c.nodes[0].mountpoint, 2, files_of(0, 2))
+    c.kill(1)
+    c.start(1)
+    assert c.status(1)["cluster"]["restore_step"] == 2
+    assert sums(c.nodes[1].mountpoint, 2, files_of(1, 2)) == expected

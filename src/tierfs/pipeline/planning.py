@@ -73,6 +73,7 @@ class RestorePlanner:
         self.tiers, self.local, self.view, self.coordinating = tiers, local, view, coordinating
         self.started = started  # steps committed after this mean the job moved past the restored one
         self.restore_step: int | None = None  # the step chosen at start, announced to peers
+        self.restored_files = False  # whether this rank has files in it (a rank that wrote none has not)
         self.missing: list[str] = []  # the nodes' tiers that had not answered when the step was chosen
         self.rolled_back: tuple[int, float] | None = None  # the rollback this node made (step, when), if asked
 
@@ -81,9 +82,16 @@ class RestorePlanner:
         self.cfg = cfg
 
     def announced_step(self) -> int | None:
-        """The step chosen at start, until the job commits a newer one (then it has moved on)."""
+        """The step chosen at start, until the job commits a newer one here (then it has moved on).
+
+        A rank with no files in the step restored nothing that other ranks must agree with, and
+        would never commit a newer step to end its word: it says nothing, lest a node restarting
+        long after take the old step over the newer ones the writing ranks committed since.
+        """
         chosen = self.restore_step
-        if chosen is None or any(s.step > chosen and s.committed_at > self.started for s in self.steps.states.values()):
+        if chosen is None or not self.restored_files:
+            return None
+        if any(s.step > chosen and s.committed_at > self.started for s in self.steps.states.values()):
             return None
         return chosen
 
@@ -99,7 +107,7 @@ class RestorePlanner:
         """
         cfg, steps = self.cfg, self.steps
         survey, step = await self.choose()
-        self.restore_step, self.missing = step, survey.missing
+        self.restore_step, self.missing, self.restored_files = step, survey.missing, step in steps.states
         for unfinished in restoring_steps(steps):
             if unfinished != step:
                 self.abandon(unfinished)
@@ -120,6 +128,7 @@ class RestorePlanner:
         if not holders:
             log.info("rank %d has nothing in step %d: nothing to restore", cfg.rank, step)
             return None
+        self.restored_files = True
         manifest = await fetch_manifest(cfg, step, holders)
         needed = manifest.nonzero_bytes() - self.already_restored(step)
         if cfg.capacity is not None and self.space.used + needed > cfg.capacity:

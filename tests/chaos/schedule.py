@@ -98,6 +98,7 @@ class Job:
     log: list[str] = field(default_factory=list)
     erasure: tuple[int, int] | None = None  # (D, P) of --erasure, or None: --replicas
     parts: dict[int, set[int]] = field(default_factory=dict)  # step -> members seen holding its parts (erasure)
+    wiped_at: dict[int, float] = field(default_factory=dict)  # node -> when its RAM was last wiped
 
     @property
     def n(self) -> int:
@@ -129,7 +130,10 @@ class Job:
                 places = self.places.setdefault((i, s["step"]), {f"ram {i}"})
                 replicas = s.get("replicas") or {}
                 if replicas.get("version") == s["version"] and self.erasure is None:
-                    places.update(f"peer {self.node_of(a)}" for a in replicas.get("peers", ()))
+                    # A confirmation from before the peer's last wipe is news of a copy known lost:
+                    # a node rechecks only its newest step, so its status may keep it for long.
+                    peers = [self.node_of(a) for a in replicas.get("peers", ())]
+                    places.update(f"peer {j}" for j in peers if replicas.get("at", 0) > self.wiped_at.get(j, 0))
                 if s["backed_up"]:
                     places.add("gcs")
             if self.erasure is not None:
@@ -163,6 +167,7 @@ class Job:
         self.cluster.kill(i)
         if wiped:
             self.cluster.wipe(i)
+            self.wiped_at[i] = time.time()
             for places in self.places.values():
                 places.discard(f"ram {i}")
                 places.discard(f"peer {i}")

@@ -128,8 +128,7 @@ class ErasureMember:
                 if record is None:
                     record = self._form([p for p in peers if p.rank not in silent])
                 if record is not None:
-                    await trio.to_thread.run_sync(write_atomically, self.root / RECORD, record.to_json())
-                    self._adopt(record)
+                    await self._take(record)
                     log.info("erasure: %s (grouping %s)", self.describe(), record.digest)
         return self.service is not None
 
@@ -220,8 +219,7 @@ class ErasureMember:
             if old is not None:
                 await trio.to_thread.run_sync(old.parity.close)
             await trio.to_thread.run_sync(_clear, self.root)
-            await trio.to_thread.run_sync(write_atomically, private_dir(self.root) / RECORD, record.to_json())
-            self._adopt(record)
+            await self._take(record)
         return True
 
     def _form(self, peers: list[PeerInfo]) -> GroupingRecord | None:
@@ -240,6 +238,11 @@ class ErasureMember:
         except (ValueError, stripes.BadGroup) as e:
             log.warning("erasure: the groups cannot be formed from the ranks' answers: %s", e)
             return None
+
+    async def _take(self, record: GroupingRecord) -> None:
+        """Keep ``record`` beside the parity, then serve its group."""
+        await trio.to_thread.run_sync(write_atomically, self.root / RECORD, record.to_json())
+        self._adopt(record)
 
     def _adopt(self, record: GroupingRecord) -> None:
         group = record.group_of(self.rank)
